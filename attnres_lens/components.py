@@ -1,0 +1,157 @@
+"""Transformer components, one small class each, with TransformerLens hook names (SPEC §4)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformer_lens.hook_points import HookPoint
+
+from attnres_lens.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """`x / rms(x) * w`, with gain `w` (init 1). Hooks `hook_scale` [..., 1] and `hook_normalized`."""
+
+    def __init__(self, d_model: int, eps: float, hooked: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.w = nn.Parameter(torch.ones(d_model))
+        # Depth-attention key norms run once per source per sublayer; hooks there would be noise.
+        self.hooked = hooked
+        if hooked:
+            self.hook_scale = HookPoint()
+            self.hook_normalized = HookPoint()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+        if self.hooked:
+            scale = self.hook_scale(scale)
+            return self.hook_normalized(x / scale * self.w)
+        return x / scale * self.w
+
+
+class Embed(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.W_E = nn.Parameter(torch.randn(cfg.d_vocab, cfg.d_model) * cfg.init_range)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.W_E[tokens]
+
+
+class PosEmbed(nn.Module):
+    """Learned absolute positions (`positional_embedding_type="standard"`)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.W_pos = nn.Parameter(torch.randn(cfg.n_ctx, cfg.d_model) * cfg.init_range)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.W_pos[: tokens.shape[-1]].expand(tokens.shape[0], -1, -1)
+
+
+class Unembed(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.W_U = nn.Parameter(torch.randn(cfg.d_model, cfg.d_vocab) * cfg.init_range)
+        self.b_U = nn.Parameter(torch.zeros(cfg.d_vocab))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.W_U + self.b_U
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention, standard or KV-shifting (SPEC §3.3), with RoPE and GQA.
+
+    KV shift: per key/value head, `K̂_t = α1·K_t + α2·K_{t−1}` and `V̂_t = β1·V_t + β2·V_{t−1}`
+    (zeros before t = 0), stored as `kv_shift[head] = (α1, α2, β1, β2)`; RoPE is applied to K̂.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        n_kv = cfg.n_key_value_heads
+        std = cfg.init_range
+        self.W_Q = nn.Parameter(torch.randn(cfg.n_heads, cfg.d_model, cfg.d_head) * std)
+        self.W_K = nn.Parameter(torch.randn(n_kv, cfg.d_model, cfg.d_head) * std)
+        self.W_V = nn.Parameter(torch.randn(n_kv, cfg.d_model, cfg.d_head) * std)
+        # Output projections write into the residual: scaled down with depth as in GPT-2.
+        self.W_O = nn.Parameter(torch.randn(cfg.n_heads, cfg.d_head, cfg.d_model) * std / math.sqrt(2 * cfg.n_layers))
+        self.hook_q = HookPoint()
+        self.hook_k = HookPoint()
+        self.hook_v = HookPoint()
+        if cfg.attention == "kv_shift":
+            alpha1, beta1 = torch.rand(n_kv), torch.rand(n_kv)
+            self.kv_shift = nn.Parameter(torch.stack([alpha1, 1 - alpha1, beta1, 1 - beta1], dim=-1))
+            self.hook_k_shifted = HookPoint()
+            self.hook_v_shifted = HookPoint()
+        if cfg.positional_embedding_type == "rotary":
+            cos, sin = rotary_tables(cfg.n_ctx, cfg.d_head, cfg.rotary_base)
+            self.register_buffer("rotary_cos", cos, persistent=False)
+            self.register_buffer("rotary_sin", sin, persistent=False)
+            self.hook_rot_q = HookPoint()
+            self.hook_rot_k = HookPoint()
+        self.register_buffer("causal_mask", torch.ones(cfg.n_ctx, cfg.n_ctx, dtype=torch.bool).tril(), persistent=False)
+        self.hook_attn_scores = HookPoint()
+        self.hook_pattern = HookPoint()
+        self.hook_z = HookPoint()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n_pos = x.shape[1]
+        q = self.hook_q(torch.einsum("bpm,hmd->bphd", x, self.W_Q))
+        k = self.hook_k(torch.einsum("bpm,hmd->bphd", x, self.W_K))
+        v = self.hook_v(torch.einsum("bpm,hmd->bphd", x, self.W_V))
+        if self.cfg.attention == "kv_shift":
+            alpha1, alpha2, beta1, beta2 = self.kv_shift.unbind(-1)  # each [n_kv_heads]
+            k = self.hook_k_shifted(alpha1[:, None] * k + alpha2[:, None] * shift_one_position(k))
+            v = self.hook_v_shifted(beta1[:, None] * v + beta2[:, None] * shift_one_position(v))
+        if self.cfg.positional_embedding_type == "rotary":
+            cos, sin = self.rotary_cos[:n_pos, None, :], self.rotary_sin[:n_pos, None, :]
+            q = self.hook_rot_q(apply_rotary(q, cos, sin))
+            k = self.hook_rot_k(apply_rotary(k, cos, sin))
+        group = self.cfg.n_heads // self.cfg.n_key_value_heads
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.cfg.d_head)
+        scores = scores.masked_fill(~self.causal_mask[:n_pos, :n_pos], float("-inf"))
+        pattern = self.hook_pattern(self.hook_attn_scores(scores).softmax(dim=-1))
+        z = self.hook_z(torch.einsum("bhqk,bkhd->bqhd", pattern, v))
+        return torch.einsum("bqhd,hdm->bqm", z, self.W_O)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        std = cfg.init_range
+        self.W_in = nn.Parameter(torch.randn(cfg.d_model, cfg.d_mlp) * std)
+        self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp))
+        self.W_out = nn.Parameter(torch.randn(cfg.d_mlp, cfg.d_model) * std / math.sqrt(2 * cfg.n_layers))
+        self.b_out = nn.Parameter(torch.zeros(cfg.d_model))
+        self.act_fn = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}[cfg.act_fn]
+        self.hook_pre = HookPoint()
+        self.hook_post = HookPoint()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        post = self.hook_post(self.act_fn(self.hook_pre(x @ self.W_in + self.b_in)))
+        return post @ self.W_out + self.b_out
+
+
+def shift_one_position(x: torch.Tensor) -> torch.Tensor:
+    """`x[:, t-1]` at position t, zeros at t = 0 (x is [batch, pos, ...])."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+
+
+def rotary_tables(n_ctx: int, d_head: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [n_ctx, d_head] for rotate-half RoPE (GPT-NeoX layout)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)
+    angles = torch.arange(n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
