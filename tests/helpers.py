@@ -1,0 +1,81 @@
+"""Shared test utilities: small model builders and an independent float64 re-implementation of SPEC §3.2."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+
+from attnres_lens import HookedTransformer, ModelConfig
+
+VARIANTS = list(itertools.product([("standard", 1), ("attnres", 1), ("attnres", 2), ("attnres", 4)], ["standard", "kv_shift"]))
+
+
+def small_config(residual: str = "standard", block_size: int = 1, attention: str = "standard", **overrides) -> ModelConfig:
+    params = dict(d_model=32, n_heads=4, n_layers=3, n_ctx=24, d_vocab=20, seed=0)
+    params.update(overrides)
+    return ModelConfig(residual=residual, attnres_block_size=block_size, attention=attention, **params)
+
+
+def randomize_depth_parameters(model: HookedTransformer, seed: int = 1) -> None:
+    """Give pseudo-queries and key-norm gains non-trivial values (they start at 0 and 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.depth_attention_modules().values():
+            module.query.copy_(torch.randn(module.query.shape, generator=generator))
+            module.key_norm.w.copy_(1 + 0.3 * torch.randn(module.key_norm.w.shape, generator=generator))
+
+
+def depth_mix_float64(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """SPEC §3.2 written out: α = softmax_s(w · RMSNorm_g(v_s)), h = Σ α_s v_s, in float64."""
+    values = [v.double() for v in sources]
+    keys = [v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps) * gain.double() for v in values]
+    logits = torch.stack([(k * query.double()).sum(-1) for k in keys], dim=-1)
+    weights = torch.softmax(logits, dim=-1)
+    return sum(weights[..., s, None] * v for s, v in enumerate(values))
+
+
+def spec_sources(j: int, embedding: torch.Tensor, outputs: list[torch.Tensor], block_size: int, n_sublayers: int) -> list[torch.Tensor]:
+    """Sources of sublayer j (or the final readout, j = J) straight from the SPEC's block definitions."""
+    S = block_size
+    if j == n_sublayers:  # final readout: every completed block and the last partial
+        n_blocks = -(-n_sublayers // S)
+        blocks = [sum(outputs[(m - 1) * S : m * S]) for m in range(1, n_blocks)]
+        return [embedding, *blocks, sum(outputs[(n_blocks - 1) * S : n_sublayers])]
+    n = j // S + 1  # block of sublayer j, 1-based
+    blocks = [sum(outputs[(m - 1) * S : m * S]) for m in range(1, n)]
+    partial = [sum(outputs[(n - 1) * S : j])] if j % S else []
+    return [embedding, *blocks, *partial]
+
+
+def reference_logits(model: HookedTransformer, tokens: torch.Tensor) -> torch.Tensor:
+    """A second, float64 forward pass that re-derives the residual logic from the SPEC.
+
+    It reuses the model's sublayers (attention, MLP, norms) but none of its residual bookkeeping.
+    """
+    m = copy.deepcopy(model).double()
+    cfg = m.cfg
+    embedding = m.embed(tokens)
+    if cfg.positional_embedding_type == "standard":
+        embedding = embedding + m.pos_embed(tokens)
+    sublayers = []
+    for block in m.blocks:
+        sublayers.append((block.ln1, block.attn, getattr(block, "attn_res", None)))
+        if not cfg.attn_only:
+            sublayers.append((block.ln2, block.mlp, getattr(block, "mlp_res", None)))
+    outputs: list[torch.Tensor] = []
+    J = len(sublayers)
+    for j, (norm, sublayer, depth) in enumerate(sublayers):
+        if cfg.residual == "standard":
+            h = embedding + sum(outputs)
+        else:
+            sources = spec_sources(j, embedding, outputs, cfg.attnres_block_size, J)
+            h = depth_mix_float64(sources, depth.query, depth.key_norm.w, cfg.attnres_eps)
+        outputs.append(sublayer(norm(h)))
+    if cfg.residual == "standard":
+        final = embedding + sum(outputs)
+    else:
+        sources = spec_sources(J, embedding, outputs, cfg.attnres_block_size, J)
+        final = depth_mix_float64(sources, m.final_res.query, m.final_res.key_norm.w, cfg.attnres_eps)
+    return m.unembed(m.ln_final(final))

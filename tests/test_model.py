@@ -1,0 +1,293 @@
+"""The hooked model family: shapes, hooks, KV shift, causality, TL compatibility, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformer_lens import ActivationCache
+from transformer_lens.head_detector import detect_head
+from transformer_lens.utilities import get_act_name
+
+from attnres_lens import HookedTransformer, ModelConfig, param_groups
+from attnres_lens.components import apply_rotary, rotary_tables
+from tests.helpers import VARIANTS, randomize_depth_parameters, reference_logits, small_config
+
+
+@pytest.mark.parametrize("residual_and_size,attention", VARIANTS)
+def test_every_variant_matches_the_float64_reimplementation(residual_and_size, attention):
+    residual, block_size = residual_and_size
+    model = HookedTransformer(small_config(residual, block_size, attention))
+    randomize_depth_parameters(model)
+    tokens = torch.randint(0, 20, (2, 12))
+    torch.testing.assert_close(model(tokens).double(), reference_logits(model, tokens), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("residual_and_size,attention", VARIANTS)
+@pytest.mark.parametrize("positional", ["rotary", "standard"])
+def test_causality(residual_and_size, attention, positional):
+    residual, block_size = residual_and_size
+    model = HookedTransformer(small_config(residual, block_size, attention, positional_embedding_type=positional))
+    randomize_depth_parameters(model)
+    tokens = torch.randint(0, 20, (2, 16))
+    for t in (0, 5, 14):
+        changed = tokens.clone()
+        changed[:, t + 1 :] = torch.randint(0, 20, changed[:, t + 1 :].shape)
+        changed[:, t + 1 :] = (changed[:, t + 1 :] + 1) % 20  # guarantee every later token differs
+        torch.testing.assert_close(model(tokens)[:, : t + 1], model(changed)[:, : t + 1], rtol=0, atol=1e-6)
+        assert not torch.allclose(model(tokens)[:, t + 1 :], model(changed)[:, t + 1 :])
+
+
+def test_hook_shapes_follow_the_spec():
+    cfg = small_config("attnres", 2, "kv_shift", n_key_value_heads=2)
+    model = HookedTransformer(cfg)
+    batch, pos = 2, 7
+    _, cache = model.run_with_cache(torch.randint(0, 20, (batch, pos)))
+    d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.n_key_value_heads, cfg.d_head
+    expected = {
+        "hook_embed": (batch, pos, d),
+        "blocks.1.hook_resid_pre": (batch, pos, d),
+        "blocks.1.hook_resid_mid": (batch, pos, d),
+        "blocks.1.hook_resid_post": (batch, pos, d),
+        "blocks.1.attn.hook_q": (batch, pos, h, dh),
+        "blocks.1.attn.hook_k": (batch, pos, kv, dh),
+        "blocks.1.attn.hook_v": (batch, pos, kv, dh),
+        "blocks.1.attn.hook_k_shifted": (batch, pos, kv, dh),
+        "blocks.1.attn.hook_v_shifted": (batch, pos, kv, dh),
+        "blocks.1.attn.hook_rot_q": (batch, pos, h, dh),
+        "blocks.1.attn.hook_rot_k": (batch, pos, kv, dh),
+        "blocks.1.attn.hook_attn_scores": (batch, h, pos, pos),
+        "blocks.1.attn.hook_pattern": (batch, h, pos, pos),
+        "blocks.1.attn.hook_z": (batch, pos, h, dh),
+        "blocks.1.hook_attn_out": (batch, pos, d),
+        "blocks.1.hook_mlp_out": (batch, pos, d),
+        "blocks.1.attn_res.hook_logits": (batch, pos, 2),  # [e, b_1]: layer 1 starts block 2 at S = 2
+        "blocks.1.attn_res.hook_weights": (batch, pos, 2),
+        "blocks.1.mlp_res.hook_weights": (batch, pos, 3),  # [e, b_1, partial]
+        "final_res.hook_weights": (batch, pos, 4),
+        "ln_final.hook_normalized": (batch, pos, d),
+    }
+    for name, shape in expected.items():
+        assert tuple(cache[name].shape) == shape, name
+    assert not any(name.endswith("pattern") for name in cache.cache_dict if "_res." in name)
+
+
+def test_hook_points_and_parameter_names():
+    model = HookedTransformer(small_config("attnres", 1, "kv_shift", positional_embedding_type="standard"))
+    params = dict(model.named_parameters())
+    for name in ["blocks.0.attn_res.query", "blocks.0.attn_res.key_norm.w", "blocks.2.mlp_res.query",
+                 "blocks.2.mlp_res.key_norm.w", "final_res.query", "final_res.key_norm.w", "pos_embed.W_pos"]:
+        assert name in params, name
+    assert params["blocks.1.attn.kv_shift"].shape == (4, 4)
+    assert "hook_pos_embed" in model.hook_dict
+    standard = HookedTransformer(small_config())
+    assert not any(part in name for name in standard.hook_dict for part in ("attn_res.", "mlp_res.", "final_res."))
+    assert not any("kv_shift" in name for name, _ in standard.named_parameters())
+    attn_only = HookedTransformer(small_config("attnres", 1, attn_only=True))
+    assert "blocks.0.hook_resid_mid" not in attn_only.hook_dict and "blocks.0.mlp_res.query" not in dict(attn_only.named_parameters())
+
+
+def test_hook_point_layer_parsing():
+    model = HookedTransformer(small_config("attnres", 2))
+    assert model.hook_dict["blocks.2.attn_res.hook_weights"].layer() == 2
+    assert model.hook_dict["blocks.1.attn.hook_pattern"].layer() == 1
+
+
+def test_kv_shift_with_identity_coefficients_equals_standard_attention():
+    standard = HookedTransformer(small_config(attention="standard"))
+    shifted = HookedTransformer(small_config(attention="kv_shift"))
+    state = {k: v for k, v in shifted.state_dict().items() if "kv_shift" not in k}
+    standard.load_state_dict(state)
+    with torch.no_grad():
+        for block in shifted.blocks:
+            block.attn.kv_shift.copy_(torch.tensor([1.0, 0.0, 1.0, 0.0]).expand_as(block.attn.kv_shift))
+    tokens = torch.randint(0, 20, (2, 15))
+    assert torch.equal(shifted(tokens), standard(tokens))
+
+
+def test_kv_shift_reads_the_previous_token_with_zeros_at_t0():
+    model = HookedTransformer(small_config(attention="kv_shift"))
+    with torch.no_grad():
+        coefficients = torch.tensor([[0.0, 1.0, 0.3, 0.7], [1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 1.0, 0.0], [0.2, -0.4, 2.0, 0.1]])
+        model.blocks[0].attn.kv_shift.copy_(coefficients)
+    _, cache = model.run_with_cache(torch.randint(0, 20, (2, 9)))
+    k, v = cache["k", 0], cache["v", 0]
+    k_prev = torch.cat([torch.zeros_like(k[:, :1]), k[:, :-1]], dim=1)
+    v_prev = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+    for head, (a1, a2, b1, b2) in enumerate(coefficients.tolist()):
+        torch.testing.assert_close(cache["blocks.0.attn.hook_k_shifted"][:, :, head], a1 * k[:, :, head] + a2 * k_prev[:, :, head])
+        torch.testing.assert_close(cache["blocks.0.attn.hook_v_shifted"][:, :, head], b1 * v[:, :, head] + b2 * v_prev[:, :, head])
+    # Pure shift (α = (0, 1)): position 0 sees a zero key.
+    assert torch.equal(cache["blocks.0.attn.hook_k_shifted"][:, 0, 0], torch.zeros_like(k[:, 0, 0]))
+
+
+def test_kv_shift_initialisation():
+    model = HookedTransformer(small_config(attention="kv_shift", n_layers=8))
+    coefficients = torch.stack([block.attn.kv_shift for block in model.blocks])
+    alpha1, alpha2, beta1, beta2 = coefficients.unbind(-1)
+    assert ((alpha1 >= 0) & (alpha1 <= 1)).all() and ((beta1 >= 0) & (beta1 <= 1)).all()
+    torch.testing.assert_close(alpha1 + alpha2, torch.ones_like(alpha1))
+    torch.testing.assert_close(beta1 + beta2, torch.ones_like(beta1))
+    assert alpha1.std() > 0.05  # drawn, not constant
+
+
+def test_rope_is_applied_to_the_shifted_keys():
+    # Independent RoPE: rotate each (i, i + d/2) pair as a complex number by t·θ_i, in float64.
+    model = HookedTransformer(small_config(attention="kv_shift"))
+    pos = 10
+    _, cache = model.run_with_cache(torch.randint(0, 20, (1, pos)))
+    shifted = cache["blocks.2.attn.hook_k_shifted"].double()
+    half = shifted.shape[-1] // 2
+    theta = 10000.0 ** (-torch.arange(half, dtype=torch.float64) * 2 / shifted.shape[-1])
+    rotation = torch.polar(torch.ones(pos, half, dtype=torch.float64), torch.arange(pos, dtype=torch.float64)[:, None] * theta)
+    z = torch.complex(shifted[..., :half], shifted[..., half:]) * rotation[None, :, None, :]
+    expected = torch.cat([z.real, z.imag], dim=-1)
+    torch.testing.assert_close(cache["blocks.2.attn.hook_rot_k"].double(), expected, rtol=1e-5, atol=1e-6)
+    cos, sin = rotary_tables(pos, shifted.shape[-1], 10000.0)
+    assert torch.allclose(apply_rotary(shifted.float(), cos[:, None], sin[:, None]).double(), expected, atol=1e-5)
+
+
+def test_param_groups_keep_scalars_queries_and_gains_out_of_weight_decay():
+    model = HookedTransformer(small_config("attnres", 2, "kv_shift"))
+    decay, no_decay = param_groups(model, weight_decay=0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): name for name, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    kept = {names[id(p)] for p in no_decay["params"]}
+    assert decayed.isdisjoint(kept) and decayed | kept == set(names.values())
+    for name in ["blocks.0.attn.kv_shift", "blocks.1.attn_res.query", "blocks.1.mlp_res.key_norm.w",
+                 "final_res.query", "blocks.0.ln1.w", "ln_final.w"]:
+        assert name in kept, name
+    for name in ["blocks.0.attn.W_Q", "blocks.0.mlp.W_in", "embed.W_E", "unembed.W_U"]:
+        assert name in decayed, name
+    torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)  # accepted by the optimiser as is
+
+
+def test_loss_is_next_token_cross_entropy():
+    model = HookedTransformer(small_config())
+    tokens = torch.randint(0, 20, (3, 8))
+    logits, loss = model(tokens, return_type="both")
+    log_probs = logits.double().log_softmax(-1)
+    expected = -log_probs[:, :-1].gather(-1, tokens[:, 1:, None]).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert model(tokens, return_type="loss", loss_per_token=True).shape == (3, 7)
+    assert model(tokens, return_type=None) is None
+    assert abs(loss.item() - math.log(20)) < 0.5  # near-uniform predictions at init
+
+
+def test_run_with_cache_returns_activation_cache_and_tl_names_resolve():
+    model = HookedTransformer(small_config("attnres", 1))
+    logits, cache = model.run_with_cache(torch.randint(0, 20, (2, 6)))
+    assert isinstance(cache, ActivationCache)
+    assert cache["pattern", 1].shape == (2, 4, 6, 6)
+    assert torch.equal(cache["pattern", 1], cache["blocks.1.attn.hook_pattern"])
+    for args in [("q", 0), ("k", 1), ("v", 2), ("z", 0), ("pattern", 1), ("attn_scores", 2), ("resid_pre", 0),
+                 ("resid_mid", 1), ("resid_post", 2), ("attn_out", 0), ("mlp_out", 1), ("pre", 0), ("post", 2),
+                 ("rot_q", 1), ("rot_k", 1), ("normalized", 0, "ln1"), ("scale", 2, "ln2"), ("embed",)]:
+        assert get_act_name(*args) in cache.cache_dict, args
+    assert cache["pattern", -1].shape == (2, 4, 6, 6)
+    _, single = model.run_with_cache([1, 2, 3], remove_batch_dim=True)
+    assert single["pattern", 0].shape == (4, 3, 3)
+
+
+def test_detect_head_runs_on_the_model():
+    model = HookedTransformer(small_config("attnres", 2, "kv_shift"))
+    scores = detect_head(model, "1 5 7 9 3 5 7 9 3 2", "induction_head")
+    assert scores.shape == (model.cfg.n_layers, model.cfg.n_heads)
+    assert ((scores >= 0) & (scores <= 1)).all()
+    previous = detect_head(model, "1 5 7 9 3 5 7 9 3 2", "previous_token_head")
+    assert previous.shape == (3, 4)
+
+
+def test_forward_and_backward_hooks_fire_on_depth_attention():
+    model = HookedTransformer(small_config("attnres", 2))
+    seen = {"fwd": [], "bwd": []}
+    names = ["blocks.1.attn_res.hook_weights", "blocks.1.mlp_res.hook_logits", "final_res.hook_weights"]
+    for name in names:
+        model.add_hook(name, lambda t, hook: seen["fwd"].append(hook.name), dir="fwd")
+        model.add_hook(name, lambda g, hook: seen["bwd"].append((hook.name, g[0].shape) if isinstance(g, tuple) else (hook.name, g.shape)), dir="bwd")
+    loss = model(torch.randint(0, 20, (2, 6)), return_type="loss")
+    loss.backward()
+    model.reset_hooks()
+    assert sorted(seen["fwd"]) == sorted(names)
+    assert sorted(name for name, _ in seen["bwd"]) == sorted(names)
+
+
+def test_patching_a_depth_weight_hook_changes_the_output():
+    model = HookedTransformer(small_config("attnres", 1))
+    tokens = torch.randint(0, 20, (1, 5))
+
+    def attend_only_to_embedding(weights, hook):
+        return torch.zeros_like(weights).index_fill(-1, torch.tensor([0]), 1.0)
+
+    clean = model(tokens)
+    patched = model.run_with_hooks(tokens, fwd_hooks=[("final_res.hook_weights", attend_only_to_embedding)])
+    assert not torch.allclose(clean, patched)
+    _, cache = model.run_with_cache(tokens)
+    expected = model.unembed(model.ln_final(cache["hook_embed"]))
+    torch.testing.assert_close(patched, expected)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(residual="highway"), r"residual must be one of \['standard', 'attnres'\], got 'highway'"),
+    (dict(attention="linear"), r"attention must be one of \['standard', 'kv_shift'\]"),
+    (dict(attnres_block_size=0), r"attnres_block_size must be an integer >= 1, got 0"),
+    (dict(d_model=30, n_heads=4), r"d_model=30 is not divisible into n_heads=4"),
+    (dict(d_model=32, n_heads=4, d_head=16), r"n_heads \* d_head must equal d_model"),
+    (dict(n_ctx=0), r"n_ctx must be an integer >= 1, got 0"),
+    (dict(d_vocab=-5), r"d_vocab must be an integer >= 1"),
+    (dict(n_key_value_heads=3), r"n_key_value_heads=3 must be >= 1 and divide n_heads=4"),
+    (dict(positional_embedding_type="alibi"), r"positional_embedding_type must be one of"),
+    (dict(attnres_eps=0.0), r"attnres_eps must be > 0"),
+    (dict(depth_attention_backend="cuda"), r"depth_attention_backend must be one of"),
+    (dict(dtype="float8"), r"dtype must be one of"),
+])
+def test_bad_config_values_raise_clear_errors(overrides, match):
+    params = dict(d_model=32, n_heads=4)
+    params.update(overrides)
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**params)
+
+
+def test_config_json_round_trip():
+    cfg = small_config("attnres", 4, "kv_shift", dtype="float64", n_key_value_heads=2, attn_only=True)
+    again = ModelConfig.from_json(cfg.to_json())
+    assert again == cfg and again.dtype == torch.float64 and again.d_head == 8
+    with pytest.raises(ValueError, match=r"unknown ModelConfig field\(s\) \['block_sz'\]"):
+        ModelConfig.from_dict({**cfg.to_dict(), "block_sz": 2})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ModelConfig.from_json("{residual: attnres")
+    assert cfg.variant == "block4+kv_shift" and small_config("attnres", 1).variant == "full"
+
+
+def test_bad_tokens_raise_clear_errors():
+    model = HookedTransformer(small_config())
+    with pytest.raises(ValueError, match=r"token id 20 is out of range for d_vocab=20 \(valid ids 0..19\)"):
+        model(torch.tensor([[1, 2, 20]]))
+    with pytest.raises(ValueError, match="token id -1 is out of range"):
+        model([3, -1])
+    with pytest.raises(ValueError, match="sequence length 25 exceeds n_ctx=24"):
+        model(torch.zeros(1, 25, dtype=torch.long))
+    with pytest.raises(ValueError, match="tokens must be integer ids"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="space-separated integer ids"):
+        model.to_tokens("the cat")
+    with pytest.raises(ValueError, match="return_type must be one of"):
+        model(torch.zeros(1, 4, dtype=torch.long), return_type="probs")
+
+
+def test_to_tokens_accepts_lists_tensors_and_strings():
+    model = HookedTransformer(small_config())
+    expected = torch.tensor([[3, 4, 5]])
+    for tokens in ([3, 4, 5], [[3, 4, 5]], torch.tensor([3, 4, 5], dtype=torch.int32), "3 4 5"):
+        assert torch.equal(model.to_tokens(tokens), expected)
+
+
+def test_gradients_reach_every_parameter():
+    model = HookedTransformer(small_config("attnres", 2, "kv_shift"))
+    randomize_depth_parameters(model)
+    model(torch.randint(0, 20, (2, 8)), return_type="loss").backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
+    # Sublayer 0 reads one source with weight exactly 1, so its query and key norm get no gradient.
+    assert missing == ["blocks.0.attn_res.query", "blocks.0.attn_res.key_norm.w"]
