@@ -1,0 +1,106 @@
+"""Named run configurations, each sized to train on a 2-core CPU in minutes (SPEC §6, §10).
+
+Induction presets follow the calibration in SPEC §6: attention-only, 64 wide, vocab 64, length 65,
+batch 32, AdamW 3e-3, on the variable-offset copy task (a fixed-period probe is solvable by a
+positional head). Their shared step budget covers the slowest variant's transition (2-layer vanilla
+needed ~5500 steps at this scale). Depth presets: 12 layers with MLPs on the mixed task.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from typing import Any
+
+from attnres_lens.config import ModelConfig
+from attnres_lens.training import RunConfig, TrainConfig
+
+INDUCTION_TASK = {"name": "copy", "vocab_size": 64, "seq_len": 65, "min_len": 8, "max_len": 16}
+INDUCTION_TRAIN = TrainConfig(steps=7000, batch_size=32, lr=3e-3, warmup_steps=100, eval_every=250,
+                              record_every=250, checkpoint_every=1000, log_every=50)
+DEPTH_TASK = {"name": "mixed", "vocab_size": 64, "seq_len": 65}
+DEPTH_TRAIN = TrainConfig(steps=1500, batch_size=16, lr=3e-3, warmup_steps=100, eval_every=100,
+                          record_every=100, checkpoint_every=500, log_every=25, eval_size=128)
+
+
+def _induction(n_layers: int, attention: str) -> RunConfig:
+    model = ModelConfig(d_model=64, n_heads=4, n_layers=n_layers, n_ctx=65, d_vocab=64, attn_only=True, attention=attention)
+    return RunConfig(model, dict(INDUCTION_TASK), copy.deepcopy(INDUCTION_TRAIN))
+
+
+def _depth(residual: str, block_size: int) -> RunConfig:
+    model = ModelConfig(d_model=64, n_heads=4, n_layers=12, n_ctx=65, d_vocab=64, d_mlp=128,
+                        residual=residual, attnres_block_size=block_size)
+    return RunConfig(model, dict(DEPTH_TASK), copy.deepcopy(DEPTH_TRAIN))
+
+
+def _smoke() -> RunConfig:
+    model = ModelConfig(d_model=32, n_heads=2, n_layers=2, n_ctx=33, d_vocab=24, residual="attnres",
+                        attnres_block_size=2, attention="kv_shift")
+    train = TrainConfig(steps=40, batch_size=8, warmup_steps=5, eval_every=10, eval_size=32, record_every=10,
+                        record_size=8, checkpoint_every=20, log_every=5)
+    return RunConfig(model, {"name": "copy", "vocab_size": 24, "seq_len": 33, "min_len": 4, "max_len": 8}, train)
+
+
+PRESETS: dict[str, tuple[str, Any]] = {
+    "induction-1l-vanilla": ("1-layer attention-only, standard attention, copy task (expected to fail)", lambda: _induction(1, "standard")),
+    "induction-2l-vanilla": ("2-layer attention-only, standard attention, copy task (late sharp transition)", lambda: _induction(2, "standard")),
+    "induction-1l-kvshift": ("1-layer attention-only, KV-shifting attention, copy task (solves it fast)", lambda: _induction(1, "kv_shift")),
+    "induction-2l-kvshift": ("2-layer attention-only, KV-shifting attention, copy task", lambda: _induction(2, "kv_shift")),
+    "depth-standard": ("12-layer PreNorm model with MLPs, standard residual, mixed task", lambda: _depth("standard", 1)),
+    "depth-full": ("12-layer model, Full AttnRes (S = 1), mixed task", lambda: _depth("attnres", 1)),
+    "depth-block": ("12-layer model, Block AttnRes (S = 4: two layers per block), mixed task", lambda: _depth("attnres", 4)),
+    "smoke": ("tiny Block AttnRes + KV-shift model, 40 steps: checks the pipeline end to end in seconds", _smoke),
+}
+
+
+def task_fields(task: dict[str, Any]) -> set[str]:
+    from attnres_lens.tasks import TASKS
+
+    task_class = TASKS.get(task.get("name"))
+    return {f.name for f in dataclasses.fields(task_class) if f.init} | {"name"} if task_class else set(task)
+
+
+def get_preset(name: str) -> RunConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} (list them with `attnres-lens presets`)")
+    config = PRESETS[name][1]()
+    config.preset = name
+    return config
+
+
+def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
+    """Apply `key=value` settings: `model.n_layers=4`, `train.lr=1e-3`, `task.vocab_size=48`, or an
+    unqualified field name when exactly one section has it. Values are parsed as JSON (else a string)."""
+    sections = {"model": config.model.to_dict(), "task": dict(config.task), "train": dataclasses.asdict(config.train)}
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value, got {assignment!r}")
+        section, _, field = key.rpartition(".")
+        if not section:
+            owners = [name for name, values in sections.items() if field in values and name != "task"]
+            owners += ["task"] if field in task_fields(sections["task"]) else []
+            if len(owners) != 1:
+                where = f"it is in {owners}; write section.{field}" if owners else "no section has it"
+                raise ValueError(f"cannot set {key!r}: {where} (sections: model, task, train)")
+            section = owners[0]
+        if section not in sections:
+            raise ValueError(f"unknown section {section!r} in {assignment!r}; use model., task. or train.")
+        # Task parameters are checked by the task itself (a preset lists only the ones it changes).
+        if section != "task" and field not in sections[section]:
+            raise ValueError(f"unknown {section} field {field!r}; known: {sorted(sections[section])}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        sections[section][field] = value
+    try:
+        train = TrainConfig(**sections["train"])
+        model = ModelConfig.from_dict(sections["model"])
+    except TypeError as err:
+        raise ValueError(str(err)) from err
+    updated = RunConfig(model, sections["task"], train, config.preset)
+    updated.build_task()  # validate task parameters now, not after the run has started
+    return updated
