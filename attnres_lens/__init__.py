@@ -1,9 +1,27 @@
-"""attnres_lens: mechanistic interpretability for Attention Residuals and KV-shifting attention."""
+"""attnres_lens: mechanistic interpretability for Attention Residuals and KV-shifting attention.
 
-from attnres_lens.config import ModelConfig
-from attnres_lens.model import HookedTransformer, next_token_loss, param_groups
-from attnres_lens.rundir import Run, RunDirError, load_run
+The top-level names are imported lazily: `attnres_lens.kernels` must import with torch alone (no
+transformer_lens, which takes seconds), and the CLI's `--help` must be instant.
+"""
+
+from importlib import import_module
+from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "HookedTransformer", "Run", "RunDirError", "load_run", "next_token_loss", "param_groups",
-           "__version__"]
+
+_EXPORTS = {
+    "ModelConfig": "attnres_lens.config",
+    "HookedTransformer": "attnres_lens.model",
+    "next_token_loss": "attnres_lens.model",
+    "param_groups": "attnres_lens.model",
+    "Run": "attnres_lens.rundir",
+    "RunDirError": "attnres_lens.rundir",
+    "load_run": "attnres_lens.rundir",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'attnres_lens' has no attribute {name!r}")

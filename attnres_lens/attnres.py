@@ -24,6 +24,7 @@ from torch import nn
 from transformer_lens.hook_points import HookPoint
 
 from attnres_lens.components import RMSNorm
+from attnres_lens.kernels import depth_attention
 
 EMBEDDING = -1  # sublayer index used for the embedding e in source layouts
 
@@ -81,16 +82,23 @@ class DepthAttention(nn.Module):
 
     Parameters: `query` [d_model] (zeros, so weights start uniform) and `key_norm.w` [d_model] (ones).
     Hooks: `hook_logits`, `hook_weights`, both [batch, pos, n_sources].
+
+    When nothing is hooked here, the mix runs through the fused `kernels.depth_attention` (`backend`),
+    which never materialises α; a hook switches to the readable path below, whose every step it can
+    see, edit and differentiate.
     """
 
-    def __init__(self, d_model: int, eps: float):
+    def __init__(self, d_model: int, eps: float, backend: str = "auto"):
         super().__init__()
+        self.backend = backend
         self.query = nn.Parameter(torch.zeros(d_model))
         self.key_norm = RMSNorm(d_model, eps, hooked=False)  # keys only; values stay un-normalised
         self.hook_logits = HookPoint()
         self.hook_weights = HookPoint()
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        if not (self.hook_logits.has_hooks() or self.hook_weights.has_hooks()):
+            return depth_attention(sources, self.query, self.key_norm.w, self.key_norm.eps, backend=self.backend)
         keys = [self.key_norm(value) for value in sources]
         logits = torch.stack([key @ self.query for key in keys], dim=-1)  # no temperature, no 1/√d
         weights = self.hook_weights(self.hook_logits(logits).softmax(dim=-1))

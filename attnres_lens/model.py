@@ -52,9 +52,9 @@ class TransformerBlock(nn.Module):
             self.hook_resid_mid = HookPoint()
             self.hook_mlp_out = HookPoint()
         if cfg.residual == "attnres":
-            self.attn_res = DepthAttention(cfg.d_model, cfg.attnres_eps)
+            self.attn_res = DepthAttention(cfg.d_model, cfg.attnres_eps, cfg.depth_attention_backend)
             if not cfg.attn_only:
-                self.mlp_res = DepthAttention(cfg.d_model, cfg.attnres_eps)
+                self.mlp_res = DepthAttention(cfg.d_model, cfg.attnres_eps, cfg.depth_attention_backend)
         self.hook_resid_post = HookPoint()
 
     def forward(self, stream: Union[SumStream, DepthStream]) -> None:
@@ -93,7 +93,7 @@ class HookedTransformer(HookedRootModule):
             self.hook_pos_embed = HookPoint()
         self.blocks = nn.ModuleList([TransformerBlock(cfg, layer) for layer in range(cfg.n_layers)])
         if cfg.residual == "attnres":
-            self.final_res = DepthAttention(cfg.d_model, cfg.attnres_eps)
+            self.final_res = DepthAttention(cfg.d_model, cfg.attnres_eps, cfg.depth_attention_backend)
         self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
         self.unembed = Unembed(cfg)
         self.to(device=cfg.device, dtype=cfg.dtype)

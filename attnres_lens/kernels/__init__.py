@@ -1,0 +1,103 @@
+"""Depth-attention kernels (SPEC §5): one function, three backends, plus two-phase Block AttnRes.
+
+``depth_attention`` mixes a list of sources ``v_s`` (each ``[..., D]``) into ``h = sum_s alpha_s v_s`` with
+``alpha = softmax_s(w . RMSNorm_g(v_s))``. Backends:
+
+* ``reference`` (``reference.py``): readable PyTorch, the ground truth; exact in float64; fully differentiable.
+* ``torch`` (``torch_fast.py``): the fast CPU path, a custom autograd Function with a hand-derived backward.
+* ``triton`` (``triton_fused.py``): fused forward and backward kernels for CUDA (or the CPU interpreter).
+
+Only torch is imported here; Triton is imported the first time the triton backend runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnres_lens.kernels._common import (
+    BACKEND_ENV_VAR,
+    BACKENDS,
+    Sources,
+    check_sources,
+    check_vector,
+    resolve_backend,
+    triton_available,
+)
+from attnres_lens.kernels.reference import depth_attention_reference
+from attnres_lens.kernels.torch_fast import depth_attention_torch
+from attnres_lens.kernels.two_phase import BlockStats, block_phase1, merge_partial
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ENV_VAR",
+    "BlockStats",
+    "block_phase1",
+    "depth_attention",
+    "merge_partial",
+    "resolve_backend",
+    "triton_available",
+]
+
+
+def _token_major(stat: torch.Tensor, lead_shape: torch.Size) -> torch.Tensor:
+    """``[S, N]`` source-major statistics -> ``[..., S]``."""
+    return stat.t().reshape(*lead_shape, stat.shape[0])
+
+
+def depth_attention(
+    sources: Sources,
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    eps: float = 1e-6,
+    backend: str = "auto",
+    return_weights: bool = False,
+    return_logits: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Softmax-over-depth mix of ``sources`` (SPEC §3.2).
+
+    Args:
+        sources: a sequence of same-shape, same-dtype tensors ``[..., D]``, or one depth buffer ``[S, ..., D]``
+            whose first dim indexes the sources (read in place by the triton backend).
+        query: the pseudo-query ``w``, ``[D]``.
+        key_norm_weight: the key RMSNorm gain ``g``, ``[D]``.
+        eps: RMSNorm epsilon.
+        backend: ``"auto"``, ``"reference"``, ``"torch"`` or ``"triton"``. ``"auto"`` honours
+            ``$ATTNRES_LENS_BACKEND`` if set, else picks triton for CUDA tensors and torch otherwise.
+        return_weights: also return ``alpha`` as ``[..., S]`` (fp32; fp64 for fp64 sources).
+        return_logits: also return the pre-softmax logits ``w . k_s`` as ``[..., S]``.
+
+    Returns:
+        ``h`` (``[..., D]``, the sources' dtype), followed by the weights and then the logits when asked for.
+        Weights and logits are differentiable only with the reference backend.
+    """
+    source_list = check_sources(sources)
+    first = source_list[0]
+    d_model = first.shape[-1]
+    check_vector("query", query, d_model, first.device)
+    check_vector("key_norm_weight", key_norm_weight, d_model, first.device)
+    chosen = resolve_backend(backend, first.device)
+    want_stats = return_weights or return_logits
+    lead_shape = first.shape[:-1]
+
+    if chosen == "reference":
+        h, weights, logits = depth_attention_reference(source_list, query, key_norm_weight, eps)
+    elif chosen == "torch":
+        h, weights, logits = depth_attention_torch(source_list, query, key_norm_weight, eps)
+        if want_stats:
+            weights, logits = _token_major(weights, lead_shape), _token_major(logits, lead_shape)
+    else:
+        from attnres_lens.kernels.triton_fused import depth_attention_triton
+
+        depth_buffer = sources if isinstance(sources, torch.Tensor) else None
+        h, weights, logits = depth_attention_triton(
+            source_list, query, key_norm_weight, eps, want_stats, depth_buffer=depth_buffer
+        )
+        if want_stats:
+            weights, logits = _token_major(weights, lead_shape), _token_major(logits, lead_shape)
+
+    outputs = [h]
+    if return_weights:
+        outputs.append(weights)
+    if return_logits:
+        outputs.append(logits)
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)

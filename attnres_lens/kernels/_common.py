@@ -1,0 +1,99 @@
+"""Shared plumbing of the depth-attention backends: validation, backend choice, output allocation."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+
+Sources = Union[Sequence[torch.Tensor], torch.Tensor]
+
+BACKENDS = ("auto", "reference", "torch", "triton")
+BACKEND_ENV_VAR = "ATTNRES_LENS_BACKEND"
+
+# Tests switch this on so every freshly allocated kernel output starts as NaN: an element a kernel forgets to
+# write then fails the comparison instead of silently holding stale memory that happens to look right.
+POISON_OUTPUTS = False
+
+
+def new_output(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised output buffer (NaN-filled while ``POISON_OUTPUTS`` is set)."""
+    if POISON_OUTPUTS:
+        return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic runs in fp32, or in fp64 when the inputs are fp64 (gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Turn ``backend`` (possibly ``"auto"``) into a concrete backend name.
+
+    ``"auto"`` defers to ``$ATTNRES_LENS_BACKEND`` when set, else picks Triton for CUDA tensors (if Triton is
+    importable) and the fast torch path otherwise. An explicit backend name always wins over the variable.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        forced = os.environ.get(BACKEND_ENV_VAR, "").strip()
+        if forced:
+            if forced not in BACKENDS:
+                raise ValueError(f"${BACKEND_ENV_VAR} must be one of {BACKENDS}, got {forced!r}")
+            backend = forced
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    return backend
+
+
+def check_sources(sources: Sources) -> list[torch.Tensor]:
+    """Validate the sources and return them as a list of ``[..., D]`` tensors (views of a depth buffer)."""
+    if isinstance(sources, torch.Tensor):
+        if sources.dim() < 2:
+            raise ValueError(
+                f"a depth buffer must have shape [n_sources, ..., D], got {tuple(sources.shape)}"
+            )
+        source_list = list(sources.unbind(0))
+    else:
+        source_list = list(sources)
+    if not source_list:
+        raise ValueError("depth attention needs at least one source")
+    first = source_list[0]
+    if not isinstance(first, torch.Tensor) or first.dim() < 1:
+        raise ValueError("every source must be a tensor of shape [..., D]")
+    if not first.is_floating_point():
+        raise ValueError(f"sources must be floating point, got {first.dtype}")
+    for index, source in enumerate(source_list[1:], start=1):
+        if source.shape != first.shape:
+            raise ValueError(
+                f"all sources must have the same shape: source 0 is {tuple(first.shape)}, "
+                f"source {index} is {tuple(source.shape)}"
+            )
+        if source.dtype != first.dtype:
+            raise ValueError(
+                f"all sources must have the same dtype: source 0 is {first.dtype}, source {index} is {source.dtype}"
+            )
+        if source.device != first.device:
+            raise ValueError(
+                f"all sources must be on one device: source 0 is on {first.device}, source {index} on {source.device}"
+            )
+    return source_list
+
+
+def check_vector(name: str, vector: torch.Tensor, d_model: int, device: torch.device) -> None:
+    """A pseudo-query or key-norm gain must be a floating ``[D]`` vector on the sources' device."""
+    if not isinstance(vector, torch.Tensor) or tuple(vector.shape) != (d_model,):
+        shape = tuple(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__
+        raise ValueError(f"{name} must have shape [{d_model}] (the sources' last dim), got {shape}")
+    if not vector.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {vector.dtype}")
+    if vector.device != device:
+        raise ValueError(f"{name} is on {vector.device} but the sources are on {device}")

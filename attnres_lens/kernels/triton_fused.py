@@ -1,0 +1,281 @@
+"""Fused Triton forward and backward for depth attention (SPEC §5). Reference: ``reference.py``.
+
+Sources arrive either as a list of same-shape tensors, addressed through a small device table of their base
+pointers (no copy), or as one contiguous depth buffer ``[S, N, D]`` addressed by stride. One program owns
+``BLOCK_ROWS`` tokens and the whole model dimension (``BLOCK_D >= D``), so the per-token reductions (rstd, logit,
+dh . v) never leave registers.
+
+Forward: each source tile is read once; an online softmax in fp32 keeps a running max ``m``, sum ``l`` and
+un-normalised output; only ``lse = m + log l`` (4 bytes per token) is saved. Backward recomputes rstd and logits
+from the source tile it has to read anyway, so it reads each source, ``dh`` and the saved ``h`` once and writes each
+source's gradient once. The gain-folded query gradient is summed per program into a ``[programs, D]`` buffer and
+reduced on the host in a fixed order: deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from attnres_lens.kernels._common import new_output
+
+
+@triton.jit
+def _depth_attention_fwd_kernel(
+    src_base,  # a source tensor (table mode) or the depth buffer: its element type is the sources' dtype
+    src_table,  # int64 [S] base addresses, read only when FROM_TABLE
+    source_stride,  # elements between sources in a depth buffer
+    folded_query,  # fp32 [D], w * g
+    h_out,  # [N, D], sources' dtype
+    lse_out,  # fp32 [N]
+    logits_out,  # fp32 [S, N], written only when STORE_LOGITS
+    n_tokens,
+    n_sources,
+    d_model,
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FROM_TABLE: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    row_mask = rows < n_tokens
+    tile_mask = row_mask[:, None] & (cols[None, :] < d_model)
+    offsets = rows[:, None] * d_model + cols[None, :]
+    u = tl.load(folded_query + cols, mask=cols < d_model, other=0.0)
+
+    running_max = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
+    # advancing a pointer (64-bit) rather than computing s * stride keeps S*N*D > 2^31 from overflowing int32
+    buffer_source = src_base
+    for s in range(n_sources):
+        if FROM_TABLE:
+            source = tl.load(src_table + s).to(src_base.dtype)
+        else:
+            source = buffer_source
+        buffer_source += source_stride
+        # upcast straight after the load: bf16/fp16 arithmetic is neither accurate nor supported by the interpreter
+        v = tl.load(source + offsets, mask=tile_mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(v * v, axis=1) / d_model + eps)
+        logit = tl.sum(v * u[None, :], axis=1) * rstd
+        if STORE_LOGITS:
+            tl.store(logits_out + s * n_tokens + rows, logit, mask=row_mask)
+        new_max = tl.maximum(running_max, logit)
+        rescale = tl.exp(running_max - new_max)
+        p = tl.exp(logit - new_max)
+        running_sum = running_sum * rescale + p
+        acc = acc * rescale[:, None] + p[:, None] * v
+        running_max = new_max
+
+    h = acc / running_sum[:, None]
+    tl.store(h_out + offsets, h.to(h_out.dtype.element_ty), mask=tile_mask)
+    tl.store(lse_out + rows, running_max + tl.log(running_sum), mask=row_mask)
+
+
+@triton.jit
+def _depth_attention_bwd_kernel(
+    src_base,
+    src_table,
+    source_stride,
+    grad_sources,  # [S, N, D], sources' dtype
+    grad_stride,  # elements between sources' gradients (N * D)
+    folded_query,  # fp32 [D]
+    h_saved,  # [N, D] forward output
+    grad_h,  # [N, D]
+    lse_saved,  # fp32 [N]
+    grad_folded_partial,  # fp32 [programs, D], one row per program
+    n_tokens,
+    n_sources,
+    d_model,
+    eps,
+    n_tiles,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FROM_TABLE: tl.constexpr,
+):
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < d_model
+    u = tl.load(folded_query + cols, mask=col_mask, other=0.0)
+    grad_folded = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # persistent loop over tiles: the partial-sum buffer stays [programs, D] however many tokens there are
+    for tile in range(program, n_tiles, tl.num_programs(0)):
+        rows = (tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        row_mask = rows < n_tokens
+        tile_mask = row_mask[:, None] & col_mask[None, :]
+        offsets = rows[:, None] * d_model + cols[None, :]
+        dh = tl.load(grad_h + offsets, mask=tile_mask, other=0.0).to(tl.float32)
+        h = tl.load(h_saved + offsets, mask=tile_mask, other=0.0).to(tl.float32)
+        delta = tl.sum(dh * h, axis=1)
+        lse = tl.load(lse_saved + rows, mask=row_mask, other=0.0)
+        buffer_source = src_base
+        grad_source = grad_sources
+        for s in range(n_sources):
+            if FROM_TABLE:
+                source = tl.load(src_table + s).to(src_base.dtype)
+            else:
+                source = buffer_source
+            buffer_source += source_stride
+            v = tl.load(source + offsets, mask=tile_mask, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(v * v, axis=1) / d_model + eps)
+            logit = tl.sum(v * u[None, :], axis=1) * rstd
+            weight = tl.exp(logit - lse)
+            grad_logit = weight * (tl.sum(v * dh, axis=1) - delta)
+            key_coef = grad_logit * rstd
+            value_coef = key_coef * logit * rstd / d_model
+            grad_v = weight[:, None] * dh + key_coef[:, None] * u[None, :] - value_coef[:, None] * v
+            tl.store(grad_source + offsets, grad_v.to(grad_sources.dtype.element_ty), mask=tile_mask)
+            grad_source += grad_stride
+            grad_folded += tl.sum(key_coef[:, None] * v, axis=0)
+    tl.store(grad_folded_partial + program * d_model + cols, grad_folded, mask=col_mask)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_block_rows(d_model: int) -> int:
+    """Rows per program. The interpreter runs a tile as one vectorised numpy op, so big tiles make tests fast;
+    on a GPU ~4k elements per tile keeps registers in check while giving each program enough bytes in flight."""
+    if interpreting():
+        return 64
+    return max(1, min(16, 4096 // triton.next_power_of_2(d_model)))
+
+
+def _num_warps(block_rows: int, block_d: int) -> int:
+    return 4 if block_rows * block_d <= 2048 else 8
+
+
+def _max_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+_POINTER_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _pointer_table(sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Device-resident int64 table of the sources' addresses, cached by address tuple.
+
+    The caching allocator hands the same addresses back step after step, so the host-to-device copy is usually
+    skipped; a stale entry is harmless because the table holds nothing but the addresses that key it.
+    """
+    device = sources[0].device
+    key = (device, tuple(source.data_ptr() for source in sources))
+    table = _POINTER_TABLES.get(key)
+    if table is None:
+        if len(_POINTER_TABLES) >= 1024:
+            _POINTER_TABLES.clear()
+        table = torch.tensor(key[1], dtype=torch.int64, device=device)
+        _POINTER_TABLES[key] = table
+    return table
+
+
+def _check_device(tensor: torch.Tensor) -> None:
+    if tensor.device.type != "cuda" and not interpreting():
+        raise ValueError(
+            "the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is first imported "
+            f"(got tensors on {tensor.device})"
+        )
+
+
+class TritonDepthAttentionFunction(torch.autograd.Function):
+    """Fused depth attention. Sources: ``S`` tensors ``[N, D]``, or one depth buffer ``[S, N, D]`` when ``stacked``.
+
+    Returns ``(h [N, D], lse [N], logits [S, N] or empty)``; lse and logits are not differentiable.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        query: torch.Tensor,
+        key_norm_weight: torch.Tensor,
+        eps: float,
+        store_logits: bool,
+        block_rows: int,
+        stacked: bool,
+        *sources: torch.Tensor,
+    ):
+        first = sources[0][0] if stacked else sources[0]
+        n_sources = sources[0].shape[0] if stacked else len(sources)
+        n_tokens, d_model = first.shape
+        device = first.device
+        folded_query = (query.float() * key_norm_weight.float()).contiguous()
+        if stacked:
+            src_base, src_table, source_stride = sources[0], sources[0], sources[0].stride(0)
+        else:
+            src_base, src_table, source_stride = sources[0], _pointer_table(sources), 0
+
+        h = new_output((n_tokens, d_model), first.dtype, device)
+        lse = new_output((n_tokens,), torch.float32, device)
+        logits = new_output((n_sources, n_tokens) if store_logits else (0,), torch.float32, device)
+        block_d = triton.next_power_of_2(d_model)
+        _depth_attention_fwd_kernel[(triton.cdiv(n_tokens, block_rows),)](
+            src_base, src_table, source_stride, folded_query, h, lse, logits,
+            n_tokens, n_sources, d_model, eps,
+            BLOCK_ROWS=block_rows, BLOCK_D=block_d, FROM_TABLE=not stacked, STORE_LOGITS=store_logits,
+            num_warps=_num_warps(block_rows, block_d),
+        )
+        ctx.save_for_backward(query, key_norm_weight, folded_query, h, lse, *sources)
+        ctx.src_table = src_table
+        ctx.eps, ctx.block_rows, ctx.stacked, ctx.n_sources = eps, block_rows, stacked, n_sources
+        ctx.mark_non_differentiable(lse, logits)
+        return h, lse, logits
+
+    @staticmethod
+    def backward(ctx, grad_h: torch.Tensor, _grad_lse: torch.Tensor, _grad_logits: torch.Tensor):
+        query, key_norm_weight, folded_query, h, lse, *sources = ctx.saved_tensors
+        n_tokens, d_model = h.shape
+        block_rows = ctx.block_rows
+        block_d = triton.next_power_of_2(d_model)
+        n_tiles = triton.cdiv(n_tokens, block_rows)
+        n_programs = min(n_tiles, _max_programs(h.device))
+        grad_sources = new_output((ctx.n_sources, n_tokens, d_model), h.dtype, h.device)
+        grad_folded_partial = new_output((n_programs, d_model), torch.float32, h.device)
+        _depth_attention_bwd_kernel[(n_programs,)](
+            sources[0], ctx.src_table, sources[0].stride(0) if ctx.stacked else 0,
+            grad_sources, grad_sources.stride(0), folded_query, h, grad_h.contiguous(), lse, grad_folded_partial,
+            n_tokens, ctx.n_sources, d_model, ctx.eps, n_tiles,
+            BLOCK_ROWS=block_rows, BLOCK_D=block_d, FROM_TABLE=not ctx.stacked,
+            num_warps=_num_warps(block_rows, block_d),
+        )
+        grad_folded = grad_folded_partial.sum(dim=0)
+        grad_query = (grad_folded * key_norm_weight.float()).to(query.dtype)
+        grad_gain = (grad_folded * query.float()).to(key_norm_weight.dtype)
+        grad_inputs = (grad_sources,) if ctx.stacked else tuple(grad_sources.unbind(0))
+        return grad_query, grad_gain, None, None, None, None, *grad_inputs
+
+
+def depth_attention_triton(
+    sources: list[torch.Tensor],
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    eps: float,
+    want_stats: bool,
+    depth_buffer: torch.Tensor | None = None,
+    block_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Return ``(h, weights, logits)``; weights/logits are source-major ``[S, N]`` when ``want_stats``, else None.
+
+    ``depth_buffer`` (``[S, ..., D]``), when given, is read in place instead of building a pointer table.
+    """
+    _check_device(sources[0])
+    shape = sources[0].shape
+    d_model = shape[-1]
+    block_rows = block_rows or default_block_rows(d_model)
+    if depth_buffer is not None:
+        flat = (depth_buffer.reshape(len(sources), -1, d_model).contiguous(),)
+    else:
+        flat = tuple(source.reshape(-1, d_model).contiguous() for source in sources)
+    h, lse, logits = TritonDepthAttentionFunction.apply(
+        query, key_norm_weight, eps, want_stats, block_rows, depth_buffer is not None, *flat
+    )
+    if not want_stats:
+        return h.view(shape), None, None
+    return h.view(shape), torch.exp(logits - lse), logits

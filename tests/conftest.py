@@ -1,0 +1,9 @@
+"""Test-session setup that must happen before any module imports triton."""
+
+import os
+
+import torch
+
+# Triton reads TRITON_INTERPRET once, at import: without a GPU its kernels run on the CPU interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,298 @@
+"""Depth-attention kernels on the CPU: reference and torch backends, two-phase Block AttnRes, API checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnres_lens.kernels as kernels
+from attnres_lens.kernels import _common, block_phase1, depth_attention, merge_partial
+from tests.kernel_cases import SHAPES, assert_close, make_inputs, oracle
+
+CPU_BACKENDS = ["reference", "torch"]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every buffer a kernel allocates starts as NaN, so an element it fails to write cannot pass."""
+    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+    monkeypatch.delenv(_common.BACKEND_ENV_VAR, raising=False)
+
+
+@pytest.fixture(scope="session")
+def naive_attnres():
+    """fla-core's pure-PyTorch AttnRes, imported late: fla imports triton, which must not happen before the
+    triton tests have set TRITON_INTERPRET."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        attnres = pytest.importorskip("fla.ops.attnres", reason="fla-core is not installed")
+    return attnres.naive_attnres
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_hand_example(backend):
+    # keys are [2,0,0,0] and [0,2,0,0] (rms 1/2), so the logits are 4 and 0 and alpha_0 = e^4 / (e^4 + 1)
+    sources = [torch.tensor([1.0, 0, 0, 0]), torch.tensor([0, 1.0, 0, 0])]
+    query = torch.tensor([2.0, 0, 0, 0])
+    h, weights, logits = depth_attention(
+        sources, query, torch.ones(4), backend=backend, return_weights=True, return_logits=True
+    )
+    assert h[0].item() == pytest.approx(0.9820138, abs=1e-6)
+    assert h[1].item() == pytest.approx(1 - 0.9820138, abs=1e-6)
+    assert weights.tolist() == pytest.approx([0.9820138, 0.0179862], abs=1e-6)
+    assert logits.tolist() == pytest.approx([4.0, 0.0], abs=1e-5)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n_sources,token_shape,d_model", SHAPES)
+def test_forward_matches_float64_oracle(backend, dtype, n_sources, token_shape, d_model):
+    sources, query, gain = make_inputs(n_sources, token_shape, d_model, dtype)
+    h, weights, logits = depth_attention(
+        sources, query, gain, backend=backend, return_weights=True, return_logits=True
+    )
+    expected_h, expected_weights, expected_logits = oracle(sources, query, gain)
+    assert h.dtype == dtype and h.shape == sources[0].shape
+    assert weights.shape == (*token_shape, n_sources) and logits.shape == weights.shape
+    assert_close(h, expected_h, dtype)
+    assert_close(weights, expected_weights, dtype)
+    assert_close(logits, expected_logits, dtype, scale=4.0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("n_sources,token_shape,d_model", SHAPES)
+def test_forward_matches_fla_naive(naive_attnres, backend, n_sources, token_shape, d_model):
+    sources, query, gain = make_inputs(n_sources, token_shape, d_model, seed=1)
+    h, weights = depth_attention(sources, query, gain, backend=backend, return_weights=True)
+    fla_h, fla_weights = naive_attnres(query, sources, gain, rms_eps=1e-6, scale=1.0, return_weights=True)
+    assert_close(h, fla_h, torch.float32)
+    assert_close(weights, fla_weights.movedim(0, -1), torch.float32)  # fla puts sources first
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n_sources=st.integers(1, 17),
+    n_tokens=st.integers(1, 70),
+    d_model=st.integers(1, 70),
+    seed=st.integers(0, 2**16),
+)
+def test_torch_backend_random_shapes(n_sources, n_tokens, d_model, seed):
+    sources, query, gain = make_inputs(n_sources, (n_tokens,), d_model, seed=seed)
+    h, weights = depth_attention(sources, query, gain, backend="torch", return_weights=True)
+    expected_h, expected_weights, _ = oracle(sources, query, gain)
+    assert_close(h, expected_h, torch.float32)
+    assert_close(weights, expected_weights, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_sources,token_shape,d_model", SHAPES)
+def test_torch_gradients_match_reference_autograd(dtype, n_sources, token_shape, d_model):
+    sources, query, gain = make_inputs(n_sources, token_shape, d_model, dtype, seed=2)
+    grad_output = torch.randn(sources[0].shape, generator=torch.Generator().manual_seed(3))
+
+    def gradients(backend, inputs_dtype):
+        # round everything to `dtype` first so both runs see identical inputs
+        leaves = [t.detach().to(dtype).to(inputs_dtype).requires_grad_() for t in (*sources, query, gain)]
+        h = depth_attention(leaves[:-2], leaves[-2], leaves[-1], backend=backend)
+        (h.double() * grad_output.double()).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+    expected = gradients("reference", torch.float64)
+    for actual, wanted in zip(gradients("torch", dtype), expected):
+        assert actual.dtype == dtype
+        assert_close(actual, wanted, dtype, scale=4.0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_gradcheck_float64(backend):
+    sources, query, gain = make_inputs(3, (2, 3), 7, torch.float64, seed=4)
+    inputs = [t.detach().double().requires_grad_() for t in (*sources, query, gain)]
+
+    def mix(*tensors):
+        return depth_attention(list(tensors[:-2]), tensors[-2], tensors[-1], backend=backend)
+
+    assert torch.autograd.gradcheck(mix, inputs)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_depth_buffer_equals_list(backend):
+    sources, query, gain = make_inputs(4, (3, 5), 12, seed=5)
+    buffer = torch.stack(sources).requires_grad_()
+    leaves = [s.detach().clone().requires_grad_() for s in sources]
+    from_buffer = depth_attention(buffer, query, gain, backend=backend)
+    from_list = depth_attention(leaves, query, gain, backend=backend)
+    torch.testing.assert_close(from_buffer, from_list)
+    from_buffer.sum().backward()
+    from_list.sum().backward()
+    torch.testing.assert_close(buffer.grad, torch.stack([leaf.grad for leaf in leaves]))
+
+
+def test_zero_query_gives_uniform_weights():
+    # a zero-initialised pseudo-query (SPEC §3.2) must give the plain average of the sources
+    sources, _, gain = make_inputs(5, (9,), 16, seed=6)
+    h, weights = depth_attention(sources, torch.zeros(16), gain, backend="torch", return_weights=True)
+    torch.testing.assert_close(weights, torch.full((9, 5), 0.2))
+    torch.testing.assert_close(h, sum(sources) / 5)
+
+
+def test_single_source_passes_through():
+    sources, query, gain = make_inputs(1, (4, 3), 10, seed=7)
+    for backend in CPU_BACKENDS:
+        torch.testing.assert_close(depth_attention(sources, query, gain, backend=backend), sources[0])
+
+
+# --- backend selection and validation -------------------------------------------------------------------------
+
+
+def test_auto_backend_and_environment_override(monkeypatch):
+    assert kernels.resolve_backend("auto", torch.device("cpu")) == "torch"
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "reference")
+    assert kernels.resolve_backend("auto", torch.device("cpu")) == "reference"
+    assert kernels.resolve_backend("torch", torch.device("cpu")) == "torch"  # an explicit choice wins
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "cuda-magic")
+    with pytest.raises(ValueError, match="ATTNRES_LENS_BACKEND.*cuda-magic"):
+        kernels.resolve_backend("auto", torch.device("cpu"))
+
+
+def test_invalid_backend_names_value_and_choices():
+    sources, query, gain = make_inputs(2, (3,), 4)
+    with pytest.raises(ValueError) as error:
+        depth_attention(sources, query, gain, backend="fast")
+    assert "'fast'" in str(error.value)
+    assert all(name in str(error.value) for name in ("reference", "torch", "triton"))
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda s, q, g: ([s[0], s[1][:2]], q, g), "same shape"),
+        (lambda s, q, g: ([s[0], s[1].double()], q, g), "same dtype"),
+        (lambda s, q, g: ([], q, g), "at least one source"),
+        (lambda s, q, g: (s, q[:3], g), "query must have shape"),
+        (lambda s, q, g: (s, q, g[None]), "key_norm_weight must have shape"),
+        (lambda s, q, g: ([t.long() for t in s], q, g), "floating point"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(change, message):
+    sources, query, gain = make_inputs(2, (3,), 4)
+    bad_sources, bad_query, bad_gain = change(sources, query, gain)
+    with pytest.raises(ValueError, match=message):
+        depth_attention(bad_sources, bad_query, bad_gain, backend="torch")
+
+
+def test_kernels_import_without_triton_or_transformer_lens():
+    code = (
+        "import sys, attnres_lens.kernels; "
+        "bad = [m for m in ('triton', 'transformer_lens') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+# --- two-phase Block AttnRes ---------------------------------------------------------------------------------
+
+
+def test_merge_partial_equals_single_pass_in_value_and_gradient():
+    sources, _, _ = make_inputs(4, (2, 9), 20, torch.float64, seed=8)
+    generator = torch.Generator().manual_seed(9)
+    queries = (torch.randn(3, 20, generator=generator, dtype=torch.float64) * 0.5).requires_grad_()
+    gains = (1 + 0.3 * torch.randn(3, 20, generator=generator, dtype=torch.float64)).requires_grad_()
+    completed = [s.detach().clone().requires_grad_() for s in sources[:3]]
+    partial = sources[3].detach().clone().requires_grad_()
+
+    stats = block_phase1(completed, queries, gains, return_logits=True)
+    for index in range(3):
+        merged, weights = merge_partial(stats, index, partial, return_weights=True)
+        single, single_weights = depth_attention(
+            [*completed, partial], queries[index], gains[index], backend="reference", return_weights=True
+        )
+        torch.testing.assert_close(merged, single)
+        torch.testing.assert_close(weights, single_weights)
+        leaves = [*completed, partial, queries, gains]
+        merged_grads = torch.autograd.grad(merged.sin().sum(), leaves, retain_graph=True)
+        single_grads = torch.autograd.grad(single.sin().sum(), leaves, retain_graph=True)
+        for merged_grad, single_grad in zip(merged_grads, single_grads):
+            torch.testing.assert_close(merged_grad, single_grad)
+    # the sublayer that starts a block has no partial sum: phase 1 alone is the answer
+    torch.testing.assert_close(
+        merge_partial(stats, 1, None), depth_attention(completed, queries[1], gains[1], backend="reference")
+    )
+
+
+def _block_attnres_stack(block_size: int, n_sublayers: int, two_phase: bool) -> tuple[torch.Tensor, list]:
+    """A toy Block AttnRes stack (sublayer f_j = tanh(h_j W_j)), run single-pass or two-phase; returns the
+    loss and its gradients w.r.t. the embedding, every W_j, every query and every gain."""
+    generator = torch.Generator().manual_seed(block_size * 100 + n_sublayers)
+    d_model, token_shape = 12, (2, 5)
+    embedding = torch.randn(*token_shape, d_model, generator=generator, dtype=torch.float64, requires_grad=True)
+    mixers = torch.randn(n_sublayers, d_model, d_model, generator=generator, dtype=torch.float64) / d_model**0.5
+    mixers.requires_grad_()
+    # one query and gain per sublayer plus the final readout; random, not zero, so the softmax matters
+    queries = torch.randn(n_sublayers + 1, d_model, generator=generator, dtype=torch.float64).requires_grad_()
+    gains = (1 + 0.3 * torch.randn(n_sublayers + 1, d_model, generator=generator, dtype=torch.float64))
+    gains.requires_grad_()
+
+    blocks, partial, stats, block_start = [embedding], None, None, 0
+    for j in range(n_sublayers + 1):
+        is_final = j == n_sublayers
+        if j % block_size == 0 and not is_final:
+            if partial is not None:
+                blocks.append(partial)
+                partial = None
+            block_start = j
+            if two_phase:
+                block_end = min(j + block_size, n_sublayers)
+                stats = block_phase1(blocks, queries[block_start:block_end], gains[block_start:block_end])
+        if two_phase and is_final:
+            h = merge_partial(block_phase1(blocks, queries[j:], gains[j:]), 0, partial)
+        elif two_phase:
+            h = merge_partial(stats, j - block_start, partial)
+        else:
+            sources = blocks + ([partial] if partial is not None else [])
+            h = depth_attention(sources, queries[j], gains[j], backend="reference")
+        if is_final:
+            loss = (h * torch.linspace(-1, 1, d_model, dtype=torch.float64)).sum()
+        else:
+            output = torch.tanh(h @ mixers[j])
+            partial = output if partial is None else partial + output
+    return loss, list(torch.autograd.grad(loss, [embedding, mixers, queries, gains]))
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 6])
+@pytest.mark.parametrize("n_sublayers", [7, 12])
+def test_two_phase_stack_equals_single_pass(block_size, n_sublayers):
+    loss, grads = _block_attnres_stack(block_size, n_sublayers, two_phase=False)
+    two_phase_loss, two_phase_grads = _block_attnres_stack(block_size, n_sublayers, two_phase=True)
+    torch.testing.assert_close(two_phase_loss, loss)
+    for two_phase_grad, grad in zip(two_phase_grads, grads):
+        torch.testing.assert_close(two_phase_grad, grad)
+
+
+def test_phase1_low_precision_sources():
+    sources, _, _ = make_inputs(3, (17,), 24, torch.bfloat16, seed=10)
+    queries = torch.randn(2, 24, generator=torch.Generator().manual_seed(11)) * 0.4
+    gains = torch.ones(2, 24)
+    stats = block_phase1(sources, queries, gains)
+    assert stats.out.dtype == torch.float32
+    h = merge_partial(stats, 1, sources[0])
+    assert h.dtype == torch.bfloat16
+    expected, _, _ = oracle([*sources, sources[0]], queries[1], gains[1])
+    assert_close(h, expected, torch.bfloat16)
+
+
+def test_two_phase_validation():
+    sources, _, _ = make_inputs(2, (3,), 8)
+    with pytest.raises(ValueError, match="queries must have shape"):
+        block_phase1(sources, torch.zeros(8), torch.ones(8))
+    stats = block_phase1(sources, torch.zeros(2, 8), torch.ones(2, 8))
+    with pytest.raises(ValueError, match="index must be in 0..1"):
+        merge_partial(stats, 2, None)
+    with pytest.raises(ValueError, match="return_logits=True"):
+        merge_partial(stats, 0, None, return_weights=True)

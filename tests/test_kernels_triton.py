@@ -1,0 +1,131 @@
+"""Fused Triton depth attention: on CUDA when present, else on the CPU under TRITON_INTERPRET=1.
+
+Select alone with ``pytest -m triton``. The interpreter reads TRITON_INTERPRET when triton is first imported, so it
+is set here before anything imports triton; tiles are large so each test runs few (slow, interpreted) programs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+# triton reads the variable once, when first imported: if something imported it earlier without the variable,
+# its kernels cannot run on the CPU and the module is skipped below
+INTERPRETER_TOO_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+import attnres_lens.kernels as kernels  # noqa: E402
+from attnres_lens.kernels import _common, depth_attention  # noqa: E402
+from tests.kernel_cases import assert_close, make_inputs, oracle  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytestmark = pytest.mark.triton
+
+if DEVICE == "cpu" and INTERPRETER_TOO_LATE:
+    pytest.skip(
+        "triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run on the CPU; "
+        "run these tests with TRITON_INTERPRET=1 in the environment",
+        allow_module_level=True,
+    )
+
+from attnres_lens.kernels.triton_fused import depth_attention_triton  # noqa: E402
+
+# (n_sources, token shape, d_model, block_rows): token counts that leave a ragged last tile, more tiles than the
+# interpreter's 8 backward programs (so the persistent loop runs), non-power-of-two widths
+SHAPES = [
+    (1, (7,), 5, 64),
+    (3, (2, 50), 33, 16),
+    (9, (130,), 48, 8),
+    (17, (45,), 20, 32),
+]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+    monkeypatch.delenv(_common.BACKEND_ENV_VAR, raising=False)
+
+
+def test_hand_example():
+    sources = [torch.tensor([1.0, 0, 0, 0], device=DEVICE), torch.tensor([0, 1.0, 0, 0], device=DEVICE)]
+    h, weights = depth_attention(
+        sources, torch.tensor([2.0, 0, 0, 0], device=DEVICE), torch.ones(4, device=DEVICE),
+        backend="triton", return_weights=True,
+    )
+    assert h[0].item() == pytest.approx(0.9820138, abs=1e-6)
+    assert weights.cpu().tolist() == pytest.approx([0.9820138, 0.0179862], abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n_sources,token_shape,d_model,block_rows", SHAPES)
+def test_forward_and_backward_match_reference(dtype, n_sources, token_shape, d_model, block_rows):
+    sources, query, gain = make_inputs(n_sources, token_shape, d_model, dtype, device=DEVICE)
+    query, gain = query.to(dtype), gain.to(dtype)  # same rounded inputs for every run
+    grad_output = torch.randn(sources[0].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+
+    leaves = [t.detach().clone().requires_grad_() for t in (*sources, query, gain)]
+    h, weights, logits = depth_attention_triton(
+        leaves[:-2], leaves[-2], leaves[-1], 1e-6, want_stats=True, block_rows=block_rows
+    )
+    (h.float() * grad_output).sum().backward()
+
+    expected_h, expected_weights, expected_logits = oracle(sources, query, gain)
+    assert h.dtype == dtype
+    assert_close(h, expected_h, dtype)
+    assert_close(weights.t().reshape(*token_shape, n_sources), expected_weights, dtype)
+    assert_close(logits.t().reshape(*token_shape, n_sources), expected_logits, dtype, scale=4.0)
+
+    reference_leaves = [t.detach().double().requires_grad_() for t in (*sources, query, gain)]
+    reference_h = depth_attention(reference_leaves[:-2], reference_leaves[-2], reference_leaves[-1], backend="reference")
+    (reference_h * grad_output.double()).sum().backward()
+    for leaf, reference_leaf in zip(leaves, reference_leaves):
+        assert leaf.grad.dtype == dtype
+        assert_close(leaf.grad, reference_leaf.grad, dtype, scale=4.0)
+
+
+def test_depth_buffer_matches_list_and_is_deterministic():
+    sources, query, gain = make_inputs(6, (3, 41), 24, device=DEVICE, seed=2)
+    buffer = torch.stack(sources).requires_grad_()
+    leaves = [s.detach().clone().requires_grad_() for s in sources]
+    query = query.requires_grad_()
+    from_buffer, buffer_weights = depth_attention(buffer, query, gain, backend="triton", return_weights=True)
+    from_list, list_weights = depth_attention(leaves, query, gain, backend="triton", return_weights=True)
+    assert torch.equal(from_buffer, from_list) and torch.equal(buffer_weights, list_weights)
+
+    buffer_grads = torch.autograd.grad(from_buffer.sin().sum(), [buffer, query])
+    list_grads = torch.autograd.grad(from_list.sin().sum(), [*leaves, query])
+    assert torch.equal(buffer_grads[0], torch.stack(list_grads[:-1]))
+    assert torch.equal(buffer_grads[1], list_grads[-1])  # no atomics: the query gradient is bitwise reproducible
+
+
+def test_matches_fla_naive():
+    attnres = pytest.importorskip("fla.ops.attnres", reason="fla-core is not installed")
+    sources, query, gain = make_inputs(5, (2, 33), 40, device=DEVICE, seed=3)
+    h, weights = depth_attention(sources, query, gain, backend="triton", return_weights=True)
+    fla_h, fla_weights = attnres.naive_attnres(query, sources, gain, rms_eps=1e-6, scale=1.0, return_weights=True)
+    assert_close(h, fla_h, torch.float32)
+    assert_close(weights, fla_weights.movedim(0, -1), torch.float32)
+
+
+def test_auto_picks_triton_only_on_cuda():
+    expected = "triton" if DEVICE == "cuda" else "torch"
+    assert kernels.resolve_backend("auto", torch.device(DEVICE)) == expected
+
+
+def test_gpu_benchmark_dry_run(capsys):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "analyses"))
+    try:
+        import bench_kernels_gpu
+    finally:
+        sys.path.pop(0)
+    bench_kernels_gpu.main(["--dry-run"])
+    report = capsys.readouterr().out
+    assert "dry run" in report and "| tokens |" in report
