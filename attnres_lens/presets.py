@@ -17,7 +17,7 @@ from attnres_lens.config import ModelConfig
 from attnres_lens.training import RunConfig, TrainConfig
 
 INDUCTION_TASK = {"name": "copy", "vocab_size": 64, "seq_len": 65, "min_len": 8, "max_len": 16}
-INDUCTION_TRAIN = TrainConfig(steps=7000, batch_size=32, lr=3e-3, warmup_steps=100, eval_every=250,
+INDUCTION_TRAIN = TrainConfig(steps=7000, batch_size=32, lr=3e-3, warmup_steps=100, eval_every=100,
                               record_every=250, checkpoint_every=1000, log_every=50)
 DEPTH_TASK = {"name": "mixed", "vocab_size": 64, "seq_len": 65}
 DEPTH_TRAIN = TrainConfig(steps=1500, batch_size=16, lr=3e-3, warmup_steps=100, eval_every=100,

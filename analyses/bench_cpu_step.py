@@ -1,0 +1,135 @@
+"""CPU training-step time of AttnRes and KV-shift variants relative to the standard model (issue 3).
+
+One process, every variant built up front, steps interleaved variant by variant (so machine noise hits
+all of them alike), median over repeats. A step is forward + backward + AdamW update on random tokens.
+Depth-attention paths compared:
+
+* `eager`: the readable path of `attnres_lens/attnres.py` (what runs when a hook watches the weights);
+* `reference`: `kernels.depth_attention(backend="reference")`, plain autograd;
+* `torch`: the fast CPU kernel (gain folded into the query, rstd once per source, hand-written backward).
+
+    python analyses/bench_cpu_step.py --repeats 30 --threads 1 2 --out analyses/reports/bench_cpu_step.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from analyses.common import command_line, machine_info  # noqa: E402
+from attnres_lens import HookedTransformer, ModelConfig, param_groups  # noqa: E402
+
+SHAPES = {
+    "small": dict(n_layers=4, d_model=128, n_heads=4, n_ctx=64, batch=12),
+    "medium": dict(n_layers=6, d_model=256, n_heads=8, n_ctx=128, batch=8),
+}
+TARGETS = {"full": 1.25, "block2": 1.10, "block4": 1.10, "standard+kv_shift": 1.05}
+
+
+def variants(backend: str) -> dict[str, dict]:
+    return {
+        "standard": dict(residual="standard"),
+        "standard+kv_shift": dict(residual="standard", attention="kv_shift"),
+        "full": dict(residual="attnres", attnres_block_size=1, depth_attention_backend=backend),
+        "block2": dict(residual="attnres", attnres_block_size=2, depth_attention_backend=backend),
+        "block4": dict(residual="attnres", attnres_block_size=4, depth_attention_backend=backend),
+    }
+
+
+class Stepper:
+    """One model + optimiser + fixed batch; `step()` times a full training step."""
+
+    def __init__(self, shape: dict, overrides: dict, eager: bool):
+        shape = dict(shape)
+        batch = shape.pop("batch")
+        cfg = ModelConfig(d_vocab=256, seed=0, **shape, **overrides)
+        self.model = HookedTransformer(cfg)
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, 0.1), lr=1e-4)
+        self.tokens = torch.randint(0, cfg.d_vocab, (batch, cfg.n_ctx), generator=torch.Generator().manual_seed(0))
+        if eager:  # a no-op hook on each depth-weight point makes the model take its readable path
+            for name, hook in self.model.hook_dict.items():
+                if name.endswith("hook_weights"):
+                    hook.add_hook(lambda weights, hook: None)
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model(self.tokens, return_type="loss").backward()
+        self.optimizer.step()
+        return time.perf_counter() - start
+
+
+def bench(shape_name: str, threads: int, repeats: int, paths: list[str]) -> list[dict]:
+    torch.set_num_threads(threads)
+    steppers = {}
+    for path in paths:
+        backend = "reference" if path == "eager" else path
+        for name, overrides in variants(backend).items():
+            if name.startswith("standard") and path != paths[0]:
+                continue  # standard models have no depth attention: built once
+            label = name if name.startswith("standard") else f"{name} [{path}]"
+            steppers[label] = Stepper(SHAPES[shape_name], overrides, eager=path == "eager")
+    for stepper in steppers.values():  # warm-up: allocator, first-call dispatch
+        for _ in range(3):
+            stepper.step()
+    times = {label: [] for label in steppers}
+    for _ in range(repeats):
+        for label, stepper in steppers.items():
+            times[label].append(stepper.step())
+    base = statistics.median(times["standard"])
+    rows = []
+    for label, samples in times.items():
+        median = statistics.median(samples)
+        name = label.split(" [")[0]
+        rows.append(dict(shape=shape_name, threads=threads, variant=label, ms=1000 * median, ratio=median / base,
+                         target=TARGETS.get(name)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--paths", nargs="+", default=["torch", "reference", "eager"], choices=["torch", "reference", "eager"])
+    parser.add_argument("--out", type=Path, help="write the markdown table here")
+    args = parser.parse_args()
+
+    start = time.perf_counter()
+    rows = []
+    for shape in args.shapes:
+        for threads in args.threads:
+            rows += bench(shape, threads, args.repeats, args.paths)
+            print(f"done: {shape}, {threads} thread(s)", file=sys.stderr)
+    lines = [
+        "# CPU training-step time, relative to the standard model",
+        "",
+        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, "
+        f"in {time.perf_counter() - start:.0f} s, by `{command_line()}`.",
+        "Median of interleaved repeats of one training step (forward, backward, AdamW). Shapes: "
+        + "; ".join(f"{k}: {v['n_layers']} layers, d_model {v['d_model']}, n_ctx {v['n_ctx']}, batch {v['batch']}"
+                    for k, v in SHAPES.items() if k in args.shapes) + ". Targets: Block ≤ 1.10×, Full ≤ 1.25×, KV shift ≤ 1.05×.",
+        "",
+        "| shape | threads | variant [depth path] | step (ms) | × standard | target |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        target = "" if row["target"] is None else f"≤ {row['target']:.2f} {'met' if row['ratio'] <= row['target'] else 'MISSED'}"
+        lines.append(f"| {row['shape']} | {row['threads']} | {row['variant']} | {row['ms']:.1f} | {row['ratio']:.3f} | {target} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Shared plumbing of the analyses: train many runs (resumably, in parallel) and describe the machine."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Job:
+    preset: str
+    seed: int
+    out: Path
+    overrides: tuple[str, ...] = ()
+
+
+def run_is_complete(out: Path) -> bool:
+    """True when the run's latest checkpoint is at its final step (so it need not be trained again)."""
+    index, config = out / "checkpoints" / "index.json", out / "config.json"
+    if not (index.exists() and config.exists()):
+        return False
+    latest = json.loads(index.read_text()).get("latest")
+    return latest == f"step_{json.loads(config.read_text())['train']['steps']:07d}"
+
+
+def _run_job(job: Job) -> str:
+    from attnres_lens.presets import apply_overrides, get_preset
+    from attnres_lens.training import resume, train
+
+    if run_is_complete(job.out):
+        return f"{job.out.name}: already complete"
+    start = time.perf_counter()
+    if (job.out / "checkpoints" / "index.json").exists():
+        resume(job.out, progress=False)
+    else:
+        if (job.out / "config.json").exists():  # crashed before its first checkpoint: start over
+            for path in sorted(job.out.rglob("*"), reverse=True):
+                path.unlink() if path.is_file() else path.rmdir()
+        overrides = [f"train.seed={job.seed}", f"task.seed={job.seed}", *job.overrides]
+        train(apply_overrides(get_preset(job.preset), overrides), job.out, progress=False)
+    return f"{job.out.name}: trained in {time.perf_counter() - start:.0f} s"
+
+
+def run_jobs(jobs: list[Job], workers: int) -> float:
+    """Train every job (skipping complete runs, resuming partial ones) on `workers` processes; returns seconds."""
+    start = time.perf_counter()
+    pending = [job for job in jobs if not run_is_complete(job.out)]
+    with tqdm(total=len(jobs), initial=len(jobs) - len(pending), desc="runs", unit="run") as bar:
+        if workers <= 1:
+            for job in pending:
+                bar.write(_run_job(job))
+                bar.update(1)
+        else:
+            with multiprocessing.get_context("spawn").Pool(workers) as pool:
+                for message in pool.imap_unordered(_run_job, pending):
+                    bar.write(message)
+                    bar.update(1)
+    return time.perf_counter() - start
+
+
+def machine_info() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
+
+
+def command_line() -> str:
+    return "python " + " ".join(shlex.quote(arg) for arg in [os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
+
+
+def steps_to_threshold(steps, values, threshold: float) -> Optional[int]:
+    """First step at which `values` reaches `threshold`, or None."""
+    for step, value in zip(steps, values):
+        if value >= threshold:
+            return int(step)
+    return None
