@@ -147,9 +147,15 @@ class HookedTransformer(HookedRootModule):
     def to_tokens(self, tokens: TokensLike) -> torch.Tensor:
         """Validated `[batch, pos]` int64 tokens on the model's device.
 
-        Accepts an int tensor ([pos] or [batch, pos]), a list of ints, a list of lists, or a string of
-        space-separated ints (so TL utilities that pass strings work). No BOS is prepended.
+        Accepts an int tensor ([pos] or [batch, pos]), a list of ints, a list of lists, a string of
+        space-separated ints, or a list of such strings (so TL utilities that pass strings work). No BOS
+        is prepended.
         """
+        if isinstance(tokens, (list, tuple)) and tokens and all(isinstance(t, str) for t in tokens):
+            rows = [self.to_tokens(text)[0].tolist() for text in tokens]  # TL utilities pass lists of prompts
+            if len({len(row) for row in rows}) > 1:
+                raise ValueError(f"strings of tokens must all have the same length to form a batch, got {[len(r) for r in rows]}")
+            tokens = rows
         if isinstance(tokens, str):
             try:
                 tokens = [int(piece) for piece in tokens.split()]
@@ -181,11 +187,8 @@ class HookedTransformer(HookedRootModule):
         """'L{layer}.attn' / 'L{layer}.mlp' for sublayer j (forward order), 'final' for J."""
         if sublayer == self.cfg.n_sublayers:
             return "final"
-        if not 0 <= sublayer < self.cfg.n_sublayers:
-            raise ValueError(f"sublayer must be in 0..{self.cfg.n_sublayers}, got {sublayer}")
-        if self.cfg.attn_only:
-            return f"L{sublayer}.attn"
-        return f"L{sublayer // 2}.{'attn' if sublayer % 2 == 0 else 'mlp'}"
+        layer, kind = self._layer_kind(sublayer)
+        return f"L{layer}.{kind}"
 
     def sources(self, sublayer: int) -> list[list[int]]:
         """Sublayer indices summed into each source read by `sublayer` (J = final readout).
@@ -208,13 +211,27 @@ class HookedTransformer(HookedRootModule):
             elif len(members) < block_size:
                 labels.append("partial")
             else:
-                first, last = self._layer_of(members[0]), self._layer_of(members[-1])
+                first, last = self._layer_kind(members[0])[0], self._layer_kind(members[-1])[0]
                 span = f"L{first}" if first == last else f"L{first}–L{last}"
                 labels.append(f"B{index} ({span})")
         return labels
 
-    def _layer_of(self, sublayer: int) -> int:
-        return sublayer if self.cfg.attn_only else sublayer // 2
+    def sublayer_output_hook(self, sublayer: int) -> str:
+        """Name of the hook holding f_j, the output of sublayer j."""
+        layer, kind = self._layer_kind(sublayer)
+        return f"blocks.{layer}.hook_{kind}_out"
+
+    def sublayer_input_hook(self, sublayer: int) -> str:
+        """Name of the hook holding h_j, the input of sublayer j (before its own pre-norm)."""
+        layer, kind = self._layer_kind(sublayer)
+        return f"blocks.{layer}.hook_resid_{'pre' if kind == 'attn' else 'mid'}"
+
+    def _layer_kind(self, sublayer: int) -> tuple[int, str]:
+        if not 0 <= sublayer < self.cfg.n_sublayers:
+            raise ValueError(f"sublayer must be in 0..{self.cfg.n_sublayers - 1}, got {sublayer}")
+        if self.cfg.attn_only:
+            return sublayer, "attn"
+        return sublayer // 2, "attn" if sublayer % 2 == 0 else "mlp"
 
     def depth_attention_modules(self) -> dict[int, DepthAttention]:
         """Depth-attention module of each consumer (sublayer index, J = final); empty for standard."""

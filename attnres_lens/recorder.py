@@ -35,20 +35,6 @@ class Recorder:
         self.sublayers = [(j, model.sublayer_name(j)) for j in range(cfg.n_sublayers)]
         self.depth_modules = {j: module.hook_weights.name for j, module in model.depth_attention_modules().items()}
 
-    # Hook names of sublayer j's output and input (the sublayer's own pre-norm comes after the input).
-    def _output_hook(self, j: int) -> str:
-        layer, kind = self._layer_kind(j)
-        return f"blocks.{layer}.hook_{kind}_out"
-
-    def _input_hook(self, j: int) -> str:
-        layer, kind = self._layer_kind(j)
-        return f"blocks.{layer}.hook_resid_{'pre' if kind == 'attn' else 'mid'}"
-
-    def _layer_kind(self, j: int) -> tuple[int, str]:
-        name = self.model.sublayer_name(j)  # "L3.attn"
-        layer, kind = name[1:].split(".")
-        return int(layer), kind
-
     def record(self, step: int) -> None:
         model = self.model
         was_training = model.training
@@ -65,7 +51,7 @@ class Recorder:
         model = self.model
         wanted = set(self.depth_modules.values())
         for j, _ in self.sublayers:
-            wanted |= {self._output_hook(j), self._input_hook(j)}
+            wanted |= {model.sublayer_output_hook(j), model.sublayer_input_hook(j)}
         wanted.add("ln_final.hook_scale")
         forward: dict[str, torch.Tensor] = {}
         grads: dict[str, torch.Tensor] = {}
@@ -76,7 +62,7 @@ class Recorder:
         def save_grad(tensor: torch.Tensor, hook) -> None:
             grads[hook.name] = tensor.detach()
 
-        outputs = [self._output_hook(j) for j, _ in self.sublayers]
+        outputs = [model.sublayer_output_hook(j) for j, _ in self.sublayers]
         model.zero_grad(set_to_none=True)
         with model.hooks(fwd_hooks=[(name, save_forward) for name in wanted], bwd_hooks=[(name, save_grad) for name in outputs]):
             logits = model(self.eval_batch.tokens)
@@ -93,9 +79,9 @@ class Recorder:
         for j, label in self.sublayers:
             self.rows["magnitudes"].append(dict(
                 step=step, sublayer=j, label=label, kind=label.split(".")[-1],
-                output_rms=rms(forward[self._output_hook(j)]),
-                input_rms=rms(forward[self._input_hook(j)]),
-                grad_norm=grads[self._output_hook(j)].float().norm(dim=-1).mean().item(),
+                output_rms=rms(forward[model.sublayer_output_hook(j)]),
+                input_rms=rms(forward[model.sublayer_input_hook(j)]),
+                grad_norm=grads[model.sublayer_output_hook(j)].float().norm(dim=-1).mean().item(),
             ))
         self.rows["magnitudes"].append(dict(
             step=step, sublayer=model.cfg.n_sublayers, label="final", kind="final", output_rms=float("nan"),

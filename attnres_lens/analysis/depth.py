@@ -1,0 +1,116 @@
+"""Depth maps: where each sublayer reads from over depth (SPEC §8).
+
+Consumers are numbered like sublayers, `0 … J−1`, with `J` the final readout; `kind` is "attn" (pre-attention
+panel), "mlp" (pre-MLP panel) or "final". Sources are numbered per consumer as in `model.sources(consumer)`,
+with the model's labels ("emb", "L3.attn", "B2 (L2–L3)", "partial").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pandas as pd
+import torch
+
+from attnres_lens.analysis.interventions import capture
+from attnres_lens.attnres import EMBEDDING
+from attnres_lens.model import HookedTransformer
+
+
+def consumer_kind(model: HookedTransformer, consumer: int) -> str:
+    return model.sublayer_name(consumer).split(".")[-1]  # "attn", "mlp" or "final"
+
+
+@torch.no_grad()
+def depth_weights_by_consumer(model: HookedTransformer, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+    """α of every consumer, `{consumer: [batch, pos, n_sources]}` (AttnRes models only)."""
+    modules = model.depth_attention_modules()
+    if not modules:
+        raise ValueError("a standard-residual model has no depth attention (its mixing weights are all 1; "
+                         "see depth_mixing_matrix)")
+    names = {consumer: module.hook_weights.name for consumer, module in modules.items()}
+    saved = capture(model, tokens, names.values())
+    return {consumer: saved[name].float() for consumer, name in names.items()}
+
+
+def _source_rows(model: HookedTransformer, consumer: int) -> list[dict]:
+    label = model.sublayer_name(consumer)
+    return [dict(consumer=consumer, consumer_label=label, kind=consumer_kind(model, consumer), source=source,
+                 source_label=source_label)
+            for source, source_label in enumerate(model.source_labels(consumer))]
+
+
+def depth_weights(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFrame:
+    """Token-averaged α per consumer × source: consumer, consumer_label, kind, source, source_label, weight."""
+    rows = []
+    for consumer, weights in depth_weights_by_consumer(model, tokens).items():
+        for row, weight in zip(_source_rows(model, consumer), weights.mean(dim=(0, 1)).tolist()):
+            rows.append({**row, "weight": weight})
+    return pd.DataFrame(rows)
+
+
+def depth_weights_per_token(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFrame:
+    """α at every token: sequence, position, token, consumer, consumer_label, kind, source, source_label,
+    weight. Meant for one or a few sequences (the table has batch × pos × Σ n_sources rows)."""
+    tokens = model.to_tokens(tokens)
+    frames = []
+    for consumer, weights in depth_weights_by_consumer(model, tokens).items():
+        batch, pos, n_sources = weights.shape
+        index = pd.MultiIndex.from_product([range(batch), range(pos), range(n_sources)],
+                                           names=["sequence", "position", "source"])
+        frame = pd.DataFrame({"weight": weights.reshape(-1).cpu().numpy()}, index=index).reset_index()
+        frame["token"] = tokens.cpu().numpy()[frame["sequence"], frame["position"]]
+        labels = pd.DataFrame(_source_rows(model, consumer))
+        frames.append(frame.merge(labels, on="source"))
+    columns = ["sequence", "position", "token", "consumer", "consumer_label", "kind", "source", "source_label", "weight"]
+    return pd.concat(frames, ignore_index=True)[columns].sort_values(["sequence", "position", "consumer", "source"],
+                                                                      ignore_index=True)
+
+
+def depth_summary(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFrame:
+    """Per consumer: n_sources; entropy (nats) of α, averaged over tokens, and normalized_entropy (divided by
+    log n_sources: 1 = uniform, 0 = one source; undefined for a single source); sink_score, the largest
+    token-averaged weight any one source takes (1/n_sources when uniform, 1 for a perfect sink), with that
+    source as sink_source / sink_label; embedding_weight, the token-averaged weight on e."""
+    rows = []
+    for consumer, weights in depth_weights_by_consumer(model, tokens).items():
+        n_sources = weights.shape[-1]
+        entropy = -(weights * weights.clamp_min(1e-30).log()).sum(-1).mean().item()
+        mean_weights = weights.mean(dim=(0, 1))
+        sink = int(mean_weights.argmax())
+        rows.append(dict(
+            consumer=consumer, consumer_label=model.sublayer_name(consumer), kind=consumer_kind(model, consumer),
+            n_sources=n_sources, entropy=entropy,
+            normalized_entropy=entropy / math.log(n_sources) if n_sources > 1 else float("nan"),
+            sink_score=mean_weights[sink].item(), sink_source=sink, sink_label=model.source_labels(consumer)[sink],
+            embedding_weight=mean_weights[0].item(),
+        ))
+    return pd.DataFrame(rows)
+
+
+def depth_mixing_matrix(model: HookedTransformer, tokens: Optional[torch.Tensor] = None) -> pd.DataFrame:
+    """The effective weight of each sublayer output (and of the embedding) in each sublayer input.
+
+    `M[c, i] = E_tokens Σ_s α_{c,s} · [f_i is summed into source s]`, so a block source's weight applies to
+    every member of the block: standard residual, all ones (`h_c = e + Σ_{i<c} f_i`); Full AttnRes, the α
+    themselves; Block AttnRes, α of the block source for each of its members. Rows: consumer, consumer_label
+    (J = "final"), sublayer (−1 = embedding), sublayer_label, weight; only `sublayer < consumer` (lower
+    triangle). `tokens` is needed for AttnRes models (α depends on the input), ignored for standard.
+    """
+    n_sublayers = model.cfg.n_sublayers
+    if model.cfg.residual == "attnres":
+        if tokens is None:
+            raise ValueError("an AttnRes model's mixing weights depend on the input: pass tokens")
+        mean_weights = {c: w.mean(dim=(0, 1)).tolist() for c, w in depth_weights_by_consumer(model, tokens).items()}
+    rows = []
+    for consumer in range(n_sublayers + 1):
+        effective = {i: 0.0 for i in [EMBEDDING, *range(consumer)]}
+        for source, members in enumerate(model.sources(consumer)):
+            for member in members:
+                effective[member] += mean_weights[consumer][source] if model.cfg.residual == "attnres" else 1.0
+        for sublayer, weight in effective.items():
+            rows.append(dict(consumer=consumer, consumer_label=model.sublayer_name(consumer), sublayer=sublayer,
+                             sublayer_label="emb" if sublayer == EMBEDDING else model.sublayer_name(sublayer),
+                             weight=weight))
+    return pd.DataFrame(rows)

@@ -1,0 +1,167 @@
+"""Induction-head scores per layer × head, and the in-context-learning score (SPEC §8).
+
+All head scores are measured on repeated random tokens `[BOS, r_1…r_L, r_1…r_L]`, where the second half is
+predictable only by induction. Two attention-pattern scores on *different scales* are reported side by side;
+never compare one against the other's thresholds:
+
+* `prefix_score` — ARENA/Olsson prefix matching, `mean_q A[q, q−(L−1)]` over the second-half queries.
+  Ceiling ≈ 1.
+* `tl_induction_score` — TransformerLens `head_detector.detect_head(…, "induction_head")` (error measure
+  "mul"): attention on every "token after an earlier copy of mine" key, divided by all attention, over all
+  queries including the first half. Ceiling ≈ L / (2L + 1) ≈ 0.5 on a 2× repeat.
+
+Because a KV-shift head's values mix two tokens, patterns alone mislead, so two output-side scores follow:
+
+* `copying_score` — direct logit attribution of the head's OV output to the correct next token, in logits.
+  For each answer position (second half) the head's output `o = z_h · W_O[h]` is carried straight to the
+  logits along the direct path with everything else frozen at the clean run: through the final readout's
+  depth weight of the source holding the head's sublayer (1 for the standard residual), the final RMSNorm
+  (clean per-token scale, learned gain) and `W_U`. The score is the logit this gives the correct next token
+  minus its mean over the vocabulary, averaged over answer positions (0 for a head that writes nothing;
+  positive when the head copies the token it should predict).
+* `ablation_zero_score`, `ablation_mean_score` — increase of the loss on the repeated half (the answer
+  positions) when the head's output `z_h` is zeroed, or replaced by its mean over batch and positions.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pandas as pd
+import torch
+from transformer_lens.head_detector import detect_head
+
+from attnres_lens.analysis.interventions import capture, evaluate, evaluate_many, replace_hook
+from attnres_lens.model import HookedTransformer, next_token_loss
+from attnres_lens.recorder import prefix_matching_score
+from attnres_lens.tasks import make_task
+from attnres_lens.tasks.base import BOS, IGNORE_INDEX, Batch
+
+
+def repeated_batch(n_samples: int, half_len: int, vocab_size: int, seed: int = 0) -> Batch:
+    """The fixed repeated-tokens probe: `n_samples` sequences `[BOS, r, r]`, answers on the second half."""
+    return make_task("repeated", vocab_size=vocab_size, seq_len=2 * half_len + 1, seed=seed).eval_batch(n_samples)
+
+
+def default_half_len(model: HookedTransformer) -> int:
+    """Longest L with `2L + 1 < n_ctx`: `detect_head` needs a sequence strictly shorter than the context."""
+    half_len = (model.cfg.n_ctx - 2) // 2
+    if half_len < 2:
+        raise ValueError(f"n_ctx={model.cfg.n_ctx} is too short for a repeated-tokens probe (needs n_ctx >= 6)")
+    return half_len
+
+
+def _check_repeated(tokens: torch.Tensor) -> int:
+    half_len = (tokens.shape[1] - 1) // 2
+    if tokens.shape[1] != 2 * half_len + 1 or half_len < 2:
+        raise ValueError(f"repeated tokens must have odd length 2L+1 with L >= 2, got length {tokens.shape[1]}")
+    if not (tokens[:, 1 : half_len + 1] == tokens[:, half_len + 1 :]).all() or not (tokens[:, 0] == BOS).all():
+        raise ValueError("tokens must be [BOS, r, r] repeated sequences (see `repeated_batch`)")
+    return half_len
+
+
+@torch.no_grad()
+def induction_head_scores(model: HookedTransformer, batch: Optional[Batch] = None, n_samples: int = 32,
+                          vocab_size: Optional[int] = None, seed: int = 0, progress: bool = False) -> pd.DataFrame:
+    """One row per (layer, head): prefix_score, tl_induction_score, previous_token_score, copying_score,
+    ablation_zero_score, ablation_mean_score (definitions in the module docstring).
+
+    `batch` is a repeated-tokens batch (default: `repeated_batch(n_samples, default_half_len(model),
+    vocab_size or d_vocab, seed)`).
+    """
+    cfg = model.cfg
+    if batch is None:
+        batch = repeated_batch(n_samples, default_half_len(model), vocab_size or cfg.d_vocab, seed)
+    batch = batch.to(model.embed.W_E.device)
+    tokens = batch.tokens
+    half_len = _check_repeated(tokens)
+
+    pattern_names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(cfg.n_layers)]
+    z_names = [f"blocks.{layer}.attn.hook_z" for layer in range(cfg.n_layers)]
+    final_weights = [model.final_res.hook_weights.name] if cfg.residual == "attnres" else []
+    clean = capture(model, tokens, pattern_names + z_names + final_weights + ["ln_final.hook_scale"])
+
+    # TL's detector reads one prompt as a string; averaging over prompts is what it does for a list itself
+    # (its list path first calls `to_tokens` on the whole list, which our model does not take).
+    tl_scores = torch.stack([detect_head(model, " ".join(map(str, row)), "induction_head")
+                             for row in tokens.tolist()]).mean(0)
+    copying = _copying_scores(model, batch, clean)
+    base_loss = evaluate(model, batch).answer_loss
+
+    heads = [(layer, head) for layer in range(cfg.n_layers) for head in range(cfg.n_heads)]
+    ablations = []
+    for layer, head in heads:
+        z = clean[z_names[layer]]
+        one_head = torch.zeros(cfg.n_heads, 1, dtype=z.dtype, device=z.device)
+        one_head[head] = 1
+        zeroed = z * (1 - one_head)
+        mean_ablated = zeroed + one_head * z[:, :, head].mean(dim=(0, 1))
+        ablations += [[(z_names[layer], replace_hook(zeroed))], [(z_names[layer], replace_hook(mean_ablated))]]
+    ablated = iter(evaluate_many(model, batch, ablations, progress=progress, desc="ablating heads"))
+    rows = []
+    for layer, head in heads:
+        pattern = clean[pattern_names[layer]]
+        rows.append(dict(
+            layer=layer, head=head,
+            prefix_score=prefix_matching_score(pattern, half_len)[head].item(),
+            tl_induction_score=tl_scores[layer, head].item(),
+            previous_token_score=pattern[:, head].diagonal(offset=-1, dim1=-2, dim2=-1).float().mean().item(),
+            copying_score=copying[layer, head].item(),
+            ablation_zero_score=next(ablated).answer_loss - base_loss,
+            ablation_mean_score=next(ablated).answer_loss - base_loss,
+        ))
+    return pd.DataFrame(rows)
+
+
+def _copying_scores(model: HookedTransformer, batch: Batch, clean: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[n_layers, n_heads] direct-path logit of the correct next token minus the vocabulary mean."""
+    cfg = model.cfg
+    answers = batch.answer_mask & (batch.targets != IGNORE_INDEX)
+    targets = batch.targets[answers]  # [n_answers]
+    scale = clean["ln_final.hook_scale"][answers]  # [n_answers, 1]
+    unembed = model.ln_final.w[:, None] * model.unembed.W_U  # gain folded into W_U: [d_model, d_vocab]
+    scores = torch.zeros(cfg.n_layers, cfg.n_heads)
+    for layer, block in enumerate(model.blocks):
+        z = clean[f"blocks.{layer}.attn.hook_z"][answers]  # [n_answers, head, d_head]
+        head_out = torch.einsum("nhd,hdm->nhm", z, block.attn.W_O) / scale[:, None]
+        head_out = head_out * _direct_path_weight(model, layer, clean, answers)[:, None, None]
+        logits = head_out @ unembed  # [n_answers, head, d_vocab]
+        correct = logits.gather(-1, targets[:, None, None].expand(-1, cfg.n_heads, 1)).squeeze(-1)
+        scores[layer] = (correct - logits.mean(-1)).float().mean(0).cpu()
+    return scores
+
+
+def _direct_path_weight(model: HookedTransformer, layer: int, clean: dict[str, torch.Tensor],
+                        answers: torch.Tensor) -> torch.Tensor:
+    """Per answer position, the weight with which the final readout reads layer's attention output."""
+    if model.cfg.residual == "standard":
+        return torch.ones(int(answers.sum()), device=answers.device)
+    sublayer = layer if model.cfg.attn_only else 2 * layer
+    n_sublayers = model.cfg.n_sublayers
+    source = next(s for s, members in enumerate(model.sources(n_sublayers)) if sublayer in members)
+    return clean[model.final_res.hook_weights.name][answers][:, source]
+
+
+@torch.no_grad()
+def per_position_loss(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFrame:
+    """Mean next-token loss at each position t (predicting token t+1): columns position, loss."""
+    losses = next_token_loss(model(tokens), tokens.to(model.embed.W_E.device), per_token=True).mean(0)
+    return pd.DataFrame({"position": range(len(losses)), "loss": losses.cpu().numpy()})
+
+
+def in_context_learning_score(per_position: pd.DataFrame, early: tuple[float, float] = (0.1, 0.2),
+                              late: tuple[float, float] = (0.9, 1.0)) -> float:
+    """Loss late in context minus loss early in context (Olsson et al.; negative = the context helps).
+
+    Windows are fractions of the predicted positions: by default the mean loss over the positions in the
+    last tenth minus the mean over those between 10% and 20% of the context.
+    """
+    n = len(per_position)
+    if n < 10:
+        raise ValueError(f"need at least 10 predicted positions for an in-context-learning score, got {n}")
+
+    def window(bounds: tuple[float, float]) -> float:
+        start, stop = int(bounds[0] * n), max(int(bounds[0] * n) + 1, int(bounds[1] * n))
+        return float(per_position["loss"].iloc[start:stop].mean())
+
+    return window(late) - window(early)

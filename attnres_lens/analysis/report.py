@@ -1,0 +1,96 @@
+"""The self-contained pruning report: one HTML file, plotly.js embedded once, no network needed to open it."""
+
+from __future__ import annotations
+
+import html
+from typing import Any, Optional
+
+import pandas as pd
+
+MODE_NAMES = {"remove": "remove", "mean": "mean-ablate", "resample": "resample-ablate"}
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
+th { background: #f3f3f3; }
+.note { color: #555; font-size: 0.9em; }
+"""
+
+
+def _figures(tables: dict[str, pd.DataFrame], metric: str, tolerance: float) -> list[tuple[str, Any, str]]:
+    import plotly.graph_objects as go
+
+    sensitivity, curves, distances = tables["pruning_sensitivity"], tables["pruning_curves"], tables["angular_distance"]
+    column, axis = ("dloss", "Δ loss") if metric == "loss" else ("dacc", "Δ accuracy")
+    bars = go.Figure([go.Bar(name=name, x=sensitivity["label"], y=sensitivity[f"{column}_{mode}"])
+                      for mode, name in MODE_NAMES.items()])
+    bars.update_layout(barmode="group", xaxis_title="sublayer", yaxis_title=axis, height=420)
+
+    value = "loss" if metric == "loss" else "accuracy"
+    cumulative = go.Figure([go.Scatter(name=strategy, x=curve["n_removed"], y=curve[value], mode="lines+markers")
+                            for strategy, curve in curves.groupby("strategy", sort=False)])
+    base = curves.loc[curves["n_removed"] == 0, "loss"].iloc[0]
+    if metric == "loss":
+        cumulative.add_hline(y=base * (1 + tolerance), line_dash="dot",
+                             annotation_text=f"+{tolerance:.0%} loss", annotation_position="top left")
+    cumulative.update_layout(xaxis_title="sublayers removed", yaxis_title=value, height=460)
+
+    grid = distances.pivot(index="start_label", columns="n", values="distance")
+    grid = grid.reindex(distances.drop_duplicates("start")["start_label"])
+    heatmap = go.Figure(go.Heatmap(z=grid.to_numpy(), x=grid.columns.tolist(), y=grid.index.tolist(),
+                                   colorscale="Viridis", colorbar_title="d"))
+    heatmap.update_layout(xaxis_title="n (sublayers spanned)", yaxis_title="start ℓ (representation entering)",
+                          yaxis_autorange="reversed", height=560)
+
+    figures = [
+        (f"{axis} per sublayer", bars, "One sublayer at a time; remove follows the residual kind's own rule."),
+        (f"{value.capitalize()} vs sublayers removed", cumulative,
+         "Each strategy removes its first k sublayers; 'measured' orders by the one-at-a-time effect above."),
+        ("Angular distance d(ℓ, ℓ+n)", heatmap,
+         "arccos(cos(x_ℓ, x_{ℓ+n}))/π averaged over tokens (Gromov et al.); small = the span changes little."),
+    ]
+    routing = tables.get("routing")
+    if routing is not None and len(routing):
+        scatter = go.Figure()
+        for kind, group in routing.groupby("kind", sort=False):
+            scatter.add_trace(go.Scatter(
+                name=f"pre-{kind}" if kind != "final" else "final readout", x=group["alpha_mass"],
+                y=group["delta_loss"], mode="markers",
+                text=group["consumer_label"] + " ← " + group["source_label"], hovertemplate="%{text}<br>α=%{x:.3f}<br>Δloss=%{y:.4f}"))
+        scatter.update_layout(xaxis_title="α mass received (token mean)",
+                              yaxis_title="Δ loss when masked from that consumer", height=460)
+        figures.append(("Causal depth routing: α mass vs effect of masking", scatter,
+                        "One point per consumer × source; routing mass is not causal importance."))
+    return figures
+
+
+def _table(frame: pd.DataFrame) -> str:
+    return frame.to_html(index=False, float_format=lambda value: f"{value:.4g}", border=0)
+
+
+def prune_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, Any], metric: str = "loss",
+                      tolerance: float = 0.05, title: Optional[str] = None) -> str:
+    """The report as one HTML string: summary, removable-count and correlation tables, and the figures."""
+    title = title or f"Layer-pruning report: {summary.get('run', '')}"
+    parts = [
+        "<!DOCTYPE html>", "<html><head><meta charset=\"utf-8\">", f"<title>{html.escape(title)}</title>",
+        f"<style>{STYLE}</style></head><body>", f"<h1>{html.escape(title)}</h1>",
+        f"<p>Model {html.escape(str(summary.get('variant')))}, checkpoint {html.escape(str(summary.get('checkpoint')))}, "
+        f"{summary.get('samples')} evaluation sequences of the run's task. Clean loss {summary['base_loss']:.4f}, "
+        f"accuracy on answer positions {summary['base_accuracy']:.4f}. Ordering metric: {html.escape(metric)}.</p>",
+        f"<h2>Sublayers removable within +{tolerance:.0%} loss</h2>", _table(tables["removable"]),
+        "<h2>Cheap metrics vs measured removal effect (Spearman)</h2>", _table(tables["metric_correlations"]),
+    ]
+    if "routing" in tables:
+        correlations = summary.get("routing_correlations", {})
+        parts += ["<h2>Routing: largest disagreements between α mass and causal effect</h2>",
+                  f"<p>Spearman(α mass, Δloss) over all consumer × source pairs: {correlations.get('overall', float('nan')):.3f}; "
+                  f"mean within consumers: {correlations.get('within_consumer', float('nan')):.3f}.</p>",
+                  _table(tables["routing_disagreements"][["consumer_label", "source_label", "alpha_mass", "delta_loss",
+                                                          "rank_gap", "direction"]])]
+    for index, (heading, figure, note) in enumerate(_figures(tables, metric, tolerance)):
+        # plotly.js goes inline with the first figure only; later figures reuse it.
+        body = figure.to_html(full_html=False, include_plotlyjs=index == 0, config={"displaylogo": False})
+        parts += [f"<h2>{html.escape(heading)}</h2>", f"<p class=\"note\">{html.escape(note)}</p>", body]
+    parts.append("</body></html>")
+    return "\n".join(parts)

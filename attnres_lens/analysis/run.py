@@ -1,0 +1,167 @@
+"""Analyses of a run directory: what `attnres-lens analyze` and `attnres-lens prune` compute and write.
+
+Tables go to `RUN/analysis/` (or `--out`) as CSV and Parquet with the same stem. Evaluation data is the run's
+own task: its fixed held-out set (`task.eval_batch(samples)`), so numbers are comparable across checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import pandas as pd
+
+from attnres_lens.analysis.depth import depth_mixing_matrix, depth_summary, depth_weights, depth_weights_per_token
+from attnres_lens.analysis.induction import (
+    default_half_len,
+    in_context_learning_score,
+    induction_head_scores,
+    per_position_loss,
+    repeated_batch,
+)
+from attnres_lens.analysis.pruning import (
+    angular_distance_matrix,
+    check_metric,
+    cumulative_pruning,
+    metric_correlations,
+    pruning_sensitivity,
+    removable_within,
+)
+from attnres_lens.analysis.routing import causal_routing, routing_correlations, routing_disagreements
+from attnres_lens.analysis.report import prune_report_html
+from attnres_lens.model import HookedTransformer
+from attnres_lens.rundir import PathLike, Run, RunDirError, atomic_write_bytes, atomic_write_json, atomic_write_parquet, load_run
+from attnres_lens.tasks.base import Batch, Task
+
+REMOVAL_TOLERANCE = 0.05  # "how many sublayers can go for < 5% loss increase"
+
+
+def open_run(path: PathLike, checkpoint: Union[str, int] = "latest") -> tuple[Run, Task]:
+    """The run with its model loaded from `checkpoint`, and its task rebuilt from config.json."""
+    from attnres_lens.training import RunConfig
+
+    run = load_run(path, checkpoint=str(checkpoint))
+    try:
+        task = RunConfig.from_dict(run.config).build_task()
+    except (KeyError, TypeError, ValueError) as err:
+        raise RunDirError(f"{Path(path) / 'config.json'} has an invalid task or train section: {err}") from err
+    return run, task
+
+
+def _check_samples(samples: int, minimum: int) -> None:
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < minimum:
+        raise ValueError(f"samples must be an integer >= {minimum}, got {samples!r}")
+
+
+def write_tables(tables: dict[str, pd.DataFrame], out_dir: Path) -> list[Path]:
+    """Each table as `name.csv` and `name.parquet` (atomic writes)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, frame in tables.items():
+        atomic_write_bytes(out_dir / f"{name}.csv", frame.to_csv(index=False).encode())
+        atomic_write_parquet(out_dir / f"{name}.parquet", frame)
+        written += [out_dir / f"{name}.csv", out_dir / f"{name}.parquet"]
+    return written
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _run_header(run: Run, samples: int) -> dict[str, Any]:
+    return dict(run=str(run.path), checkpoint=run.checkpoint, variant=run.model_config.variant,
+                residual=run.model_config.residual, samples=samples)
+
+
+def analyze_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples: int = 16,
+                progress: bool = True) -> dict[str, pd.DataFrame]:
+    """Induction heads, in-context learning and depth maps of a run, written under `RUN/analysis/`.
+
+    Tables: induction_heads, icl_per_position, depth_mixing; for AttnRes models also depth_weights,
+    depth_summary and depth_weights_tokens (per-token α of the first evaluation sequence); plus
+    analysis_summary.json.
+    """
+    _check_samples(samples, 1)
+    run, task = open_run(path, checkpoint)
+    model = run.model
+    batch = task.eval_batch(samples)
+    probe = repeated_batch(samples, default_half_len(model), task.vocab_size, seed=task.seed)
+    icl = per_position_loss(model, batch.tokens)
+    tables = {
+        "induction_heads": induction_head_scores(model, probe, progress=progress),
+        "icl_per_position": icl,
+        "depth_mixing": depth_mixing_matrix(model, batch.tokens),
+    }
+    if run.model_config.residual == "attnres":
+        tables["depth_weights"] = depth_weights(model, batch.tokens)
+        tables["depth_summary"] = depth_summary(model, batch.tokens)
+        tables["depth_weights_tokens"] = depth_weights_per_token(model, batch.tokens[:1])
+    out_dir = run.path / "analysis"
+    write_tables(tables, out_dir)
+    heads = tables["induction_heads"]
+    best = heads.loc[heads["prefix_score"].idxmax()]
+    summary = {**_run_header(run, samples), "icl_score": in_context_learning_score(icl),
+               "top_induction_head": dict(layer=int(best["layer"]), head=int(best["head"]),
+                                          prefix_score=float(best["prefix_score"]),
+                                          tl_induction_score=float(best["tl_induction_score"]))}
+    atomic_write_json(out_dir / "analysis_summary.json", _json_safe(summary))
+    return tables
+
+
+@dataclass
+class PruneResult:
+    tables: dict[str, pd.DataFrame]
+    summary: dict[str, Any]
+    report_path: Path
+
+
+def prune_tables(model: HookedTransformer, batch: Batch, metric: str = "loss", progress: bool = False) -> dict[str, pd.DataFrame]:
+    """Every pruning table for a model on a task batch (routing tables only for AttnRes models)."""
+    check_metric(metric)
+    batch = batch.to(model.embed.W_E.device)
+    sensitivity = pruning_sensitivity(model, batch, progress)
+    distances = angular_distance_matrix(model, batch.tokens)
+    curves = cumulative_pruning(model, batch, sensitivity, distances, metric, progress=progress)
+    tables = {
+        "pruning_sensitivity": sensitivity,
+        "angular_distance": distances,
+        "pruning_curves": curves,
+        "metric_correlations": metric_correlations(sensitivity),
+        "removable": removable_within(curves, REMOVAL_TOLERANCE),
+    }
+    if model.cfg.residual == "attnres":
+        tables["routing"] = causal_routing(model, batch, progress)
+        tables["routing_disagreements"] = routing_disagreements(tables["routing"])
+    return tables
+
+
+def prune_run(path: PathLike, out: Optional[PathLike] = None, metric: str = "loss", samples: int = 8,
+              checkpoint: Union[str, int] = "latest", progress: bool = True) -> PruneResult:
+    """Layer-pruning sensitivity of a run: tables and `prune_report.html` under `out` (default RUN/analysis)."""
+    check_metric(metric)
+    _check_samples(samples, 2)  # resample ablation swaps activations between sequences
+    run, task = open_run(path, checkpoint)
+    tables = prune_tables(run.model, task.eval_batch(samples), metric, progress)
+    sensitivity = tables["pruning_sensitivity"]
+    summary = {**_run_header(run, samples), "metric": metric,
+               "base_loss": float(sensitivity["base_loss"].iloc[0]),
+               "base_accuracy": float(sensitivity["base_accuracy"].iloc[0]),
+               "removable": tables["removable"].to_dict("records")}
+    if "routing" in tables:
+        summary["routing_correlations"] = routing_correlations(tables["routing"])
+    out_dir = Path(out) if out is not None else run.path / "analysis"
+    write_tables(tables, out_dir)
+    atomic_write_json(out_dir / "prune_summary.json", _json_safe(summary))
+    report_path = out_dir / "prune_report.html"
+    html = prune_report_html(tables, summary, metric, REMOVAL_TOLERANCE)
+    atomic_write_bytes(report_path, html.encode())
+    return PruneResult(tables, summary, report_path)

@@ -1,0 +1,256 @@
+"""Layer pruning and causal routing (SPEC §8): removal semantics checked against a float64 re-derivation,
+the report's self-containment, and the commands' errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+import pandas as pd
+import pytest
+import torch
+
+from attnres_lens import HookedTransformer
+from attnres_lens.analysis import (
+    angular_distance_matrix,
+    causal_routing,
+    cumulative_pruning,
+    pruning_sensitivity,
+    removal_hooks,
+    routing_correlations,
+    routing_disagreements,
+    source_mask_hooks,
+)
+from attnres_lens.analysis.interventions import evaluate, evaluate_many
+from attnres_lens.cli import main as cli_main
+from attnres_lens.presets import get_preset
+from attnres_lens.tasks import make_task
+from attnres_lens.training import train
+
+from .helpers import depth_mix_float64, randomize_depth_parameters, small_config, spec_sources
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors on a shared 2-core CPU: one thread is many times faster than two (SPEC §10)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def reference_logits_after_removal(model: HookedTransformer, tokens: torch.Tensor, removed: set[int]) -> torch.Tensor:
+    """SPEC §8 removal, re-derived in float64 from the SPEC's block definitions (not the model's bookkeeping).
+
+    Removed outputs are zero, so every sum drops them; an AttnRes source all of whose members are removed is
+    left out of the softmax. Membership comes from `spec_sources` run on bit masks instead of tensors.
+    """
+    m = copy.deepcopy(model).double()
+    cfg = m.cfg
+    embedding = m.embed(tokens) + (m.pos_embed(tokens) if cfg.positional_embedding_type == "standard" else 0)
+    sublayers = []
+    for block in m.blocks:
+        sublayers.append((block.ln1, block.attn, getattr(block, "attn_res", None)))
+        if not cfg.attn_only:
+            sublayers.append((block.ln2, block.mlp, getattr(block, "mlp_res", None)))
+    n_sublayers = len(sublayers)
+    removed_bits = sum(1 << j for j in removed)
+    member_bits = [1 << j for j in range(n_sublayers)]
+
+    def read(consumer: int, depth, outputs: list[torch.Tensor]) -> torch.Tensor:
+        if cfg.residual == "standard":
+            return embedding + sum(outputs)
+        values = spec_sources(consumer, embedding, outputs, cfg.attnres_block_size, n_sublayers)
+        members = spec_sources(consumer, 0, member_bits[:consumer], cfg.attnres_block_size, n_sublayers)
+        kept = [value for value, bits in zip(values, members) if bits == 0 or bits & ~removed_bits]
+        return depth_mix_float64(kept, depth.query, depth.key_norm.w, cfg.attnres_eps)
+
+    outputs: list[torch.Tensor] = []
+    for j, (norm, sublayer, depth) in enumerate(sublayers):
+        output = sublayer(norm(read(j, depth, outputs)))
+        outputs.append(torch.zeros_like(output) if j in removed else output)
+    final = read(n_sublayers, getattr(m, "final_res", None), outputs)
+    return m.unembed(m.ln_final(final))
+
+
+CASES = [
+    ("standard", 1, {1}), ("standard", 1, {0, 3}),
+    ("attnres", 1, {2}), ("attnres", 1, {0, 4}), ("attnres", 1, {5}),  # Full: masking
+    ("attnres", 2, {2}),  # Block: alone in consumer 3's partial (masked there), part of b_2 later (subtracted)
+    ("attnres", 2, {2, 3}),  # a whole block: masked everywhere
+    ("attnres", 2, {1, 5}),  # subtracted from b_1, and from the final readout's last partial
+    ("attnres", 4, {1}), ("attnres", 4, {4}), ("attnres", 4, {4, 5}),
+]
+
+
+@pytest.mark.parametrize("residual, block_size, removed", CASES)
+def test_remove_matches_the_float64_re_derivation(residual, block_size, removed):
+    model = HookedTransformer(small_config(residual, block_size, attention="kv_shift"))
+    randomize_depth_parameters(model)
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    expected = reference_logits_after_removal(model, tokens, removed)
+    double = copy.deepcopy(model).double()
+    removed_logits = double.run_with_hooks(tokens, fwd_hooks=removal_hooks(double, removed))
+    torch.testing.assert_close(removed_logits, expected, rtol=0, atol=1e-9)
+    clean = reference_logits_after_removal(model, tokens, set())
+    assert (removed_logits - clean).abs().max() > 1e-3  # the removal did something
+
+
+def test_full_attnres_remove_is_masking_its_source_downstream_not_zeroing_it():
+    model = HookedTransformer(small_config("attnres", 1))
+    randomize_depth_parameters(model)
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 12), generator=torch.Generator().manual_seed(1))
+    j = 2
+    removed = model.run_with_hooks(tokens, fwd_hooks=removal_hooks(model, [j]))
+    masked_downstream = [hook for consumer in range(j + 1, model.cfg.n_sublayers + 1)
+                         for hook in source_mask_hooks(model, consumer, [j + 1])]  # source j+1 holds f_j
+    torch.testing.assert_close(removed, model.run_with_hooks(tokens, fwd_hooks=masked_downstream))
+    zeroed = model.run_with_hooks(tokens, fwd_hooks=[(model.sublayer_output_hook(j), lambda t, hook: t * 0)])
+    assert (removed - zeroed).abs().max() > 1e-3  # a zero source still takes softmax mass
+
+
+def copy_batch(n: int = 6):
+    return make_task("copy", vocab_size=20, seq_len=24, min_len=4, max_len=8).eval_batch(n)
+
+
+def silence_sublayer_2(model: HookedTransformer) -> None:
+    """Sublayer 2 is layer 1's attention; zero W_O makes its output identically zero."""
+    with torch.no_grad():
+        model.blocks[1].attn.W_O.zero_()
+
+
+def test_removing_a_sublayer_whose_output_is_zero_changes_nothing_in_a_standard_model():
+    model = HookedTransformer(small_config("standard"))
+    silence_sublayer_2(model)
+    batch = copy_batch()
+    sensitivity = pruning_sensitivity(model, batch).set_index("sublayer")
+    silent = sensitivity.loc[2]
+    for mode in ("remove", "mean", "resample"):
+        assert silent[f"dloss_{mode}"] == 0 and silent[f"dacc_{mode}"] == 0
+    assert silent["block_influence"] == pytest.approx(0, abs=1e-12)
+    assert silent["relative_output_norm"] == 0
+    assert silent["angular_distance_next"] == pytest.approx(0, abs=1e-6)
+    assert sensitivity.drop(2)["dloss_remove"].abs().min() > 0  # the others do something
+    distances = angular_distance_matrix(model, batch.tokens)
+    curves = cumulative_pruning(model, batch, sensitivity.reset_index(), distances)
+    similar = curves[curves["strategy"] == "similar_block"].set_index("n_removed")
+    assert similar.loc[1, "removed"] == "2" and similar.loc[1, "delta_loss"] == 0
+
+
+def test_in_attnres_a_zero_output_still_matters_when_removed():
+    """Removing masks the (zero) source, which frees the softmax mass it took: not a no-op, unlike the
+    standard residual. Mean and resample ablation of a zero output change nothing."""
+    model = HookedTransformer(small_config("attnres", 1))
+    randomize_depth_parameters(model)
+    silence_sublayer_2(model)
+    silent = pruning_sensitivity(model, copy_batch()).set_index("sublayer").loc[2]
+    assert silent["dloss_mean"] == 0 and silent["dloss_resample"] == 0
+    assert abs(silent["dloss_remove"]) > 1e-4
+
+
+def test_cumulative_curves_start_clean_and_end_with_everything_removed():
+    model = HookedTransformer(small_config("attnres", 2))
+    randomize_depth_parameters(model)
+    batch = copy_batch()
+    sensitivity = pruning_sensitivity(model, batch)
+    curves = cumulative_pruning(model, batch, sensitivity, angular_distance_matrix(model, batch.tokens), "accuracy",
+                                stop_at=None)
+    n_sublayers = model.cfg.n_sublayers
+    assert set(curves["strategy"]) == {"measured", "block_influence", "angular_distance_next", "relative_output_norm",
+                                       "routing_mass", "similar_block", "drop_deepest"}
+    for _, curve in curves.groupby("strategy"):
+        assert list(curve["n_removed"]) == list(range(n_sublayers + 1))
+        assert curve["delta_loss"].iloc[0] == 0
+        assert sorted(map(int, curve["removed"].iloc[-1].split(","))) == list(range(n_sublayers))
+    assert curves[curves["n_removed"] == n_sublayers]["loss"].nunique() == 1
+    deepest = curves[curves["strategy"] == "drop_deepest"].set_index("n_removed")
+    assert deepest.loc[2, "removed"] == f"{n_sublayers - 2},{n_sublayers - 1}"
+    measured = curves[curves["strategy"] == "measured"].set_index("n_removed")
+    least_important = sensitivity.sort_values(["dacc_remove", "sublayer"], ascending=[False, True])["sublayer"].iloc[0]
+    assert measured.loc[1, "removed"] == str(least_important)
+
+
+# ---------------------------------------------------------------------------- runs and commands
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prune") / "smoke"
+    train(get_preset("smoke"), out, progress=False)
+    return out
+
+
+def test_causal_routing_lists_every_source_of_every_mixing_consumer(smoke_run):
+    from attnres_lens.rundir import load_run
+
+    model = load_run(smoke_run).model
+    routing = causal_routing(model, copy_batch_for(model))
+    expected = {(c, s) for c in range(model.cfg.n_sublayers + 1) for s in range(len(model.sources(c)))
+                if len(model.sources(c)) > 1}
+    assert set(zip(routing["consumer"], routing["source"])) == expected
+    assert routing.groupby("consumer")["alpha_mass"].sum().to_numpy() == pytest.approx(1, abs=1e-5)
+    assert routing["delta_loss"].abs().max() > 0
+    correlations = routing_correlations(routing)
+    assert -1 <= correlations["overall"] <= 1
+    gaps = routing_disagreements(routing, top=3)["rank_gap"].abs()
+    assert len(gaps) == 3 and list(gaps) == sorted(gaps, reverse=True)
+
+
+def copy_batch_for(model: HookedTransformer):
+    return make_task("copy", vocab_size=model.cfg.d_vocab, seq_len=model.cfg.n_ctx, min_len=4, max_len=8).eval_batch(4)
+
+
+def test_prune_command_writes_tables_and_a_self_contained_report(smoke_run, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert cli_main(["prune", str(smoke_run), "--out", str(out), "--samples", "4", "--metric", "accuracy",
+                     "--no-progress"]) == 0
+    assert "removable within +5% loss" in capsys.readouterr().out
+    for name in ("pruning_sensitivity", "pruning_curves", "angular_distance", "metric_correlations", "removable",
+                 "routing", "routing_disagreements"):
+        assert (out / f"{name}.csv").is_file() and (out / f"{name}.parquet").is_file()
+    sensitivity = pd.read_parquet(out / "pruning_sensitivity.parquet")
+    assert list(sensitivity["label"]) == ["L0.attn", "L0.mlp", "L1.attn", "L1.mlp"]
+    assert json.loads((out / "prune_summary.json").read_text())["metric"] == "accuracy"
+    html = (out / "prune_report.html").read_text()
+    assert re.findall(r"<script[^>]*\ssrc\s*=", html, flags=re.I) == []  # plotly.js is inline
+    assert re.findall(r"<link\b", html, flags=re.I) == [] and "@import" not in html
+    assert html.count("plotly.js v") == 1 and html.count('class="plotly-graph-div"') == 4  # routing figure too
+
+
+def run_cli(argv, capsys) -> tuple[int, str]:
+    code = cli_main(argv)
+    return code, capsys.readouterr().err
+
+
+def test_bad_run_directories_and_options_give_clear_errors(smoke_run, tmp_path, capsys):
+    code, err = run_cli(["analyze", str(tmp_path / "missing")], capsys)
+    assert code == 2 and "attnres-lens: error: run directory" in err and "does not exist" in err
+    (tmp_path / "empty").mkdir()
+    code, err = run_cli(["prune", str(tmp_path / "empty")], capsys)
+    assert code == 2 and "not a run directory: config.json is missing" in err
+    untrained = tmp_path / "untrained"
+    untrained.mkdir()
+    (untrained / "config.json").write_text((smoke_run / "config.json").read_text())
+    code, err = run_cli(["analyze", str(untrained)], capsys)
+    assert code == 2 and "no latest checkpoint" in err
+    code, err = run_cli(["analyze", str(smoke_run), "--checkpoint", "999"], capsys)
+    assert code == 2 and "step_0000999.safetensors does not exist" in err
+    code, err = run_cli(["prune", str(smoke_run), "--metric", "perplexity"], capsys)
+    assert code == 2 and "metric must be one of ['loss', 'accuracy']" in err
+    code, err = run_cli(["prune", str(smoke_run), "--samples", "1"], capsys)
+    assert code == 2 and "samples must be an integer >= 2" in err
+
+
+def test_stacked_evaluation_gives_each_intervention_its_own_result():
+    model = HookedTransformer(small_config("attnres", 2))
+    randomize_depth_parameters(model)
+    batch = copy_batch(4)
+    mean_output = torch.full((model.cfg.d_model,), 0.5)
+    interventions = [[], removal_hooks(model, [2]), removal_hooks(model, [0, 5]),
+                     [(model.sublayer_output_hook(1), lambda t, hook: mean_output.expand_as(t))],
+                     source_mask_hooks(model, model.cfg.n_sublayers, [0])]
+    one_by_one = [evaluate(model, batch, hooks) for hooks in interventions]
+    stacked = evaluate_many(model, batch, interventions, max_sequences=12)  # passes of 3, 2 interventions
+    assert len({round(result.loss, 6) for result in one_by_one}) == len(interventions)
+    for single, together in zip(one_by_one, stacked):
+        assert together.loss == pytest.approx(single.loss, abs=1e-5)
+        assert together.accuracy == pytest.approx(single.accuracy, abs=1e-6)
