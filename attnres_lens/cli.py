@@ -1,10 +1,16 @@
-"""`attnres-lens` command line: presets, train, resume."""
+"""`attnres-lens` command line: presets, train, resume, analyze, prune, dashboard."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
+
+# The dashboard lives in the source tree (apps/), next to the package: an editable install from a clone finds it.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD_APP = REPO_ROOT / "apps" / "app.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,11 +30,33 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set model.n_layers=3 --set train.lr=1e-3 (repeatable)")
     train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    analyze = commands.add_parser("analyze", help="induction heads, in-context learning and depth maps of a run")
+    analyze.add_argument("run", metavar="RUN", help="run directory; tables are written to RUN/analysis/")
+    analyze.add_argument("--samples", type=int, default=16, help="evaluation sequences (default: 16)")
+
+    prune = commands.add_parser("prune", help="layer-pruning sensitivity report of a run (tables + HTML)")
+    prune.add_argument("run", metavar="RUN", help="run directory")
+    prune.add_argument("--metric", default="loss", help="order and plot by 'loss' or 'accuracy' (default: loss)")
+    prune.add_argument("--out", metavar="DIR", help="output folder (default: RUN/analysis)")
+    prune.add_argument("--samples", type=int, default=8, help="evaluation sequences (default: 8)")
+    for command in (analyze, prune):
+        command.add_argument("--checkpoint", default="latest", help="'latest', 'best' or a step number (default: latest)")
+        command.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+    dashboard = commands.add_parser("dashboard", help="open the Streamlit dashboard on a folder of runs")
+    dashboard.add_argument("--runs", metavar="DIR", default=str(REPO_ROOT / "data" / "demo_runs"),
+                           help="a run directory or a folder of them (default: data/demo_runs)")
+    dashboard.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
+    dashboard.add_argument("--host", default="127.0.0.1",
+                           help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "dashboard":  # before the heavy imports: the dashboard process does its own
+        return _dashboard(args)
     # Imports after parsing, so `--help` is instant (transformer_lens takes seconds to import).
     from attnres_lens.presets import PRESETS
 
@@ -39,6 +67,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.command == "train":
         return _train(args)
+    if args.command in ("analyze", "prune"):
+        return _analysis(args)
     raise AssertionError(args.command)
 
 
@@ -72,6 +102,51 @@ def _train(args: argparse.Namespace) -> int:
         summary = ", ".join(f"{k}={v:.4g}" for k, v in final.items())
         print(f"run saved in {trainer.out_dir} (step {trainer.step}; {summary})")
     return 0
+
+
+def _analysis(args: argparse.Namespace) -> int:
+    import torch
+
+    from attnres_lens.analysis.run import analyze_run, prune_run
+    from attnres_lens.rundir import RunDirError
+
+    torch.set_num_threads(1)  # small models on a shared CPU: one thread is faster (SPEC §10)
+    try:
+        if args.command == "analyze":
+            tables = analyze_run(args.run, args.checkpoint, args.samples, progress=not args.no_progress)
+            print(f"wrote {', '.join(tables)} to {args.run}/analysis/")
+        else:
+            result = prune_run(args.run, args.out, args.metric, args.samples, args.checkpoint, progress=not args.no_progress)
+            for row in result.summary["removable"]:
+                print(f"{row['strategy']:>22}: {row['n_removable']} sublayers removable within +5% loss")
+            print(f"report: {result.report_path}")
+    except (ValueError, RunDirError) as err:
+        print(f"attnres-lens: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    """Replace this process with `streamlit run apps/app.py` (so signals reach the server directly)."""
+    runs = Path(args.runs).expanduser().resolve()
+    problem = None
+    if not DASHBOARD_APP.is_file():
+        problem = (f"the dashboard app {DASHBOARD_APP} is missing; it ships with the source tree, so install "
+                   "attnres_lens from a clone with `pip install -e .`")
+    elif not runs.exists():
+        problem = f"--runs {args.runs}: no such folder (train a run with `attnres-lens train`, or run `make demo`)"
+    elif not 0 < args.port < 65536:
+        problem = f"--port must be in 1..65535, got {args.port}"
+    if problem:
+        print(f"attnres-lens: error: {problem}", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-m", "streamlit", "run", str(DASHBOARD_APP),
+               "--server.address", args.host, "--server.port", str(args.port), "--server.headless", "true",
+               "--browser.gatherUsageStats", "false", "--client.toolbarMode", "minimal",
+               "--", "--runs", str(runs)]
+    print(f"attnres-lens dashboard: http://{args.host}:{args.port}  (runs: {runs}; Ctrl+C stops it)", flush=True)
+    os.execv(sys.executable, command)
+    return 0  # not reached: execv does not return
 
 
 if __name__ == "__main__":

@@ -30,14 +30,6 @@ from attnres_lens.training import train
 from .helpers import randomize_depth_parameters, small_config
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors on a shared 2-core CPU: one thread is many times faster than two (SPEC §10)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 VOCAB, HALF, N_CTX = 12, 8, 20
 TOKEN_DIMS, POSITION_DIMS = range(VOCAB), range(VOCAB, VOCAB + N_CTX)
 

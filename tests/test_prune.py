@@ -31,15 +31,6 @@ from attnres_lens.training import train
 from .helpers import depth_mix_float64, randomize_depth_parameters, small_config, spec_sources
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors on a shared 2-core CPU: one thread is many times faster than two (SPEC §10)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def reference_logits_after_removal(model: HookedTransformer, tokens: torch.Tensor, removed: set[int]) -> torch.Tensor:
     """SPEC §8 removal, re-derived in float64 from the SPEC's block definitions (not the model's bookkeeping).
 

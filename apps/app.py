@@ -1,0 +1,49 @@
+"""attnres_lens dashboard. Start it with `attnres-lens dashboard [--runs DIR]`, or
+`streamlit run apps/app.py -- --runs DIR`; the runs folder defaults to data/demo_runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+APP_DIR = Path(__file__).resolve().parent
+if str(APP_DIR) not in sys.path:  # page modules import lens_ui, wherever streamlit was started from
+    sys.path.insert(0, str(APP_DIR))
+
+import plotly.io as pio  # noqa: E402
+import streamlit as st  # noqa: E402
+
+from lens_ui.data import DEFAULT_RUNS_DIR  # noqa: E402
+
+
+def runs_dir_from_command_line() -> str:
+    """--runs after streamlit's `--`, else $ATTNRES_LENS_RUNS, else the demo runs."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--runs", default=os.environ.get("ATTNRES_LENS_RUNS", str(DEFAULT_RUNS_DIR)))
+    args, _ = parser.parse_known_args(sys.argv[1:])
+    return str(Path(args.runs).expanduser().resolve())
+
+
+# Importing streamlit makes its own Plotly template the default; figures built by the library (the pruning
+# report) should look as they do outside the dashboard.
+pio.templates.default = "plotly"
+st.set_page_config(page_title="attnres_lens", page_icon=":material/layers:", layout="wide")
+if "runs_dir" not in st.session_state:
+    st.session_state["runs_dir"] = runs_dir_from_command_line()
+
+PAGES = [
+    st.Page("views/runs.py", title="Runs", icon=":material/table_view:", default=True),
+    st.Page("views/depth_attention.py", title="Depth attention", icon=":material/grid_on:"),
+    st.Page("views/depth_mixing.py", title="Depth-mixing matrix", icon=":material/functions:"),
+    st.Page("views/training_dynamics.py", title="Training dynamics", icon=":material/show_chart:"),
+    st.Page("views/induction.py", title="Induction heads", icon=":material/repeat:"),
+    st.Page("views/pruning.py", title="Pruning", icon=":material/content_cut:"),
+]
+page = st.navigation(PAGES)
+with st.sidebar:
+    st.caption(f"Runs folder: `{st.session_state['runs_dir']}`")
+    picked = st.session_state.get("selected_runs", [])
+    st.caption("Selected: " + (", ".join(Path(p).name for p in picked) if picked else "none (pick on Runs)"))
+page.run()

@@ -1,0 +1,192 @@
+"""Reading run directories for the dashboard: discovery, cached tables and models, run summaries.
+
+Tables are cached with `st.cache_data` and models with `st.cache_resource`, both keyed by the run's path and a
+signature of its files' mtimes and sizes, so a run that is still training shows its new records on the next rerun.
+A cached model is shared by every browser session: all forward passes go through `ModelHandle.lock`, and only
+through calls that remove their hooks on exit, so one session's hooks never reach another's forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+import streamlit as st
+
+from attnres_lens import HookedTransformer, ModelConfig, load_run
+from attnres_lens.rundir import RunDirError, read_checkpoint_index
+from attnres_lens.tasks import make_task
+from attnres_lens.tasks.base import Batch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_RUNS_DIR = REPO_ROOT / "data" / "demo_runs"
+
+
+@dataclass
+class RunTables:
+    """What the pages need from a run directory, without its model."""
+
+    path: str
+    name: str
+    config: dict[str, Any]
+    model_config: ModelConfig
+    metrics: pd.DataFrame
+    records: dict[str, pd.DataFrame]
+    checkpoints: list[str]  # "latest", "best", then the kept checkpoint names
+
+    @property
+    def variant(self) -> str:
+        return variant_label(self.model_config)
+
+    @property
+    def task(self) -> str:
+        return str(self.config["task"].get("name", "?"))
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.variant})"
+
+    def record(self, table: str) -> pd.DataFrame:
+        return self.records.get(table, pd.DataFrame())
+
+
+@dataclass
+class LoadResult:
+    tables: Optional[RunTables] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class ModelHandle:
+    model: HookedTransformer
+    checkpoint: str
+    key: tuple  # (path, checkpoint, file signature): the cache key of results computed with this model
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def variant_label(cfg: ModelConfig) -> str:
+    if cfg.residual == "standard":
+        residual = "standard"
+    elif cfg.attnres_block_size == 1:
+        residual = "Full AttnRes"
+    else:
+        residual = f"Block AttnRes S={cfg.attnres_block_size}"
+    attention = "KV shift" if cfg.attention == "kv_shift" else "vanilla"
+    return f"{cfg.n_layers}L {residual}, {attention}"
+
+
+def discover_runs(root: Path) -> list[Path]:
+    """The runs folder itself if it is a run, else its non-hidden subfolders (each shown, even if broken)."""
+    if (root / "config.json").is_file():
+        return [root]
+    if not root.is_dir():
+        return []
+    return sorted(child for child in root.iterdir() if child.is_dir() and not child.name.startswith("."))
+
+
+def run_signature(path: Path) -> tuple:
+    """(relative name, mtime, size) of the files a page reads: changes whenever training writes something."""
+    files = [path / "config.json", path / "metrics.jsonl", path / "checkpoints" / "index.json"]
+    files += sorted((path / "records").glob("*.parquet"))
+    signature = []
+    for file in files:
+        try:
+            stat = file.stat()
+        except OSError:
+            continue
+        signature.append((str(file.relative_to(path)), stat.st_mtime_ns, stat.st_size))
+    return tuple(signature)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _load_tables(path: str, signature: tuple) -> LoadResult:
+    del signature  # part of the cache key only
+    run_path = Path(path)
+    try:
+        run = load_run(run_path, load_model=False)
+        index = read_checkpoint_index(run_path)
+    except Exception as err:  # noqa: BLE001 - any damage becomes a message on the page, never a traceback
+        return LoadResult(error=describe_error(err))
+    aliases = [alias for alias in ("latest", "best") if index.get(alias)]
+    tables = RunTables(path, run_path.name, run.config, run.model_config, run.metrics, run.records,
+                       aliases + list(index.get("kept", [])))
+    return LoadResult(tables=tables)
+
+
+def load_tables(path: Path) -> LoadResult:
+    return _load_tables(str(path), run_signature(path))
+
+
+@st.cache_resource(show_spinner="Loading model…", max_entries=16)
+def _load_model(path: str, checkpoint: str, signature: tuple) -> ModelHandle:
+    run = load_run(path, checkpoint=checkpoint, load_model=True)
+    return ModelHandle(run.model, run.checkpoint, (path, checkpoint, signature))
+
+
+def load_model(tables: RunTables, checkpoint: str) -> tuple[Optional[ModelHandle], Optional[str]]:
+    """The run's model at `checkpoint` ("latest", "best" or a name), or an error message."""
+    path = Path(tables.path)
+    checkpoint_file = path / "checkpoints" / f"{checkpoint}.safetensors"
+    mtime = checkpoint_file.stat().st_mtime_ns if checkpoint_file.is_file() else None
+    try:
+        return _load_model(tables.path, checkpoint, (run_signature(path), mtime)), None
+    except Exception as err:  # noqa: BLE001
+        return None, describe_error(err)
+
+
+def describe_error(err: BaseException) -> str:
+    if isinstance(err, RunDirError):
+        return str(err)
+    return f"{type(err).__name__}: {err}"
+
+
+def last_value(frame: pd.DataFrame, column: str) -> float:
+    if column not in frame:
+        return math.nan
+    values = frame[column].dropna()
+    return float(values.iloc[-1]) if len(values) else math.nan
+
+
+def summary_row(tables: RunTables) -> dict[str, Any]:
+    cfg = tables.model_config
+    metrics = tables.metrics
+    last_step = int(metrics["step"].max()) if "step" in metrics and len(metrics) else 0
+    total = tables.config["train"].get("steps")
+    return {
+        "run": tables.name, "variant": tables.variant, "task": tables.task,
+        "residual": "standard" if cfg.residual == "standard" else ("Full" if cfg.attnres_block_size == 1 else "Block"),
+        "attention": "KV shift" if cfg.attention == "kv_shift" else "vanilla", "layers": cfg.n_layers,
+        "steps": f"{last_step}/{total}" if total else str(last_step),
+        "final loss": last_value(metrics, "loss"), "eval loss": last_value(metrics, "eval_loss"),
+        "accuracy": last_value(metrics, "eval_accuracy"),
+    }
+
+
+def runs_dir() -> Path:
+    return Path(st.session_state.get("runs_dir", DEFAULT_RUNS_DIR))
+
+
+def all_runs() -> tuple[list[RunTables], dict[str, str]]:
+    """Loadable runs of the runs folder, and {run name: error} for the broken ones."""
+    loaded, broken = [], {}
+    for path in discover_runs(runs_dir()):
+        result = load_tables(path)
+        if result.tables is not None:
+            loaded.append(result.tables)
+        else:
+            broken[path.name] = result.error or "unreadable"
+    return loaded, broken
+
+
+def selected_paths() -> list[str]:
+    return list(st.session_state.get("selected_runs", []))
+
+
+def task_batch(run: RunTables, n_sequences: int = 32) -> Batch:
+    """The first `n_sequences` of the run's fixed held-out set (the data the recorder's snapshots use)."""
+    params = dict(run.config["task"])
+    return make_task(params.pop("name"), **params).eval_batch(n_sequences)

@@ -1,0 +1,133 @@
+"""Widgets shared by the pages: run pickers, figures with HTML/PNG export, checkpoint and token inputs."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from typing import Callable, Optional
+
+import plotly.graph_objects as go
+import streamlit as st
+import torch
+
+from lens_ui.data import ModelHandle, RunTables, all_runs, load_model, selected_paths
+
+PLOTLY_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
+
+
+# ---------------------------------------------------------------------------- runs
+def loadable_runs(predicate: Optional[Callable[[RunTables], bool]] = None) -> list[RunTables]:
+    """Loadable runs (optionally filtered); a message on the page when there are none."""
+    runs, broken = all_runs()
+    if broken:
+        st.caption(f"{len(broken)} run folder(s) could not be read; see the Runs page.")
+    if predicate is not None:
+        runs = [run for run in runs if predicate(run)]
+    return runs
+
+
+def pick_runs(runs: list[RunTables], key: str, max_runs: Optional[int] = 2, label: str = "Runs",
+              fallback: int = 1) -> list[RunTables]:
+    """A multiselect over `runs` whose default is the selection made on the Runs page, else the first
+    `fallback` runs."""
+    by_path = {run.path: run for run in runs}
+    default = [path for path in selected_paths() if path in by_path] or [run.path for run in runs[:fallback]]
+    if max_runs:
+        default = default[:max_runs]
+    chosen = st.multiselect(label, list(by_path), default=default, key=key, max_selections=max_runs,
+                            format_func=lambda path: by_path[path].label)
+    return [by_path[path] for path in chosen]
+
+
+def pick_run(runs: list[RunTables], key: str, label: str = "Run",
+             prefer: Optional[Callable[[RunTables], bool]] = None) -> RunTables:
+    """A selectbox over `runs`: default the first run selected on the Runs page, else the first `prefer`red."""
+    by_path = {run.path: run for run in runs}
+    selected = [path for path in selected_paths() if path in by_path]
+    preferred = [run.path for run in runs if prefer is None or prefer(run)]
+    default = (selected or preferred or [runs[0].path])[0]
+    index = list(by_path).index(default)
+    path = st.selectbox(label, list(by_path), index=index, key=key, format_func=lambda p: by_path[p].label)
+    return by_path[path]
+
+
+def pick_model(run: RunTables, key: str) -> Optional[ModelHandle]:
+    """Checkpoint selectbox, then the cached model; an error message (and None) if it cannot be loaded."""
+    if not run.checkpoints:
+        st.warning(f"Run {run.name} has no checkpoint yet, so nothing can be computed with its model.")
+        return None
+    checkpoint = st.selectbox("Checkpoint", run.checkpoints, key=key,
+                              help="latest / best (lowest eval loss) or a kept checkpoint")
+    handle, error = load_model(run, checkpoint)
+    if error:
+        st.error(f"Cannot load checkpoint {checkpoint!r} of {run.name}: {error}")
+    return handle
+
+
+# ---------------------------------------------------------------------------- inputs
+def repeated_tokens_input(run: RunTables, key: str, max_len: int) -> torch.Tensor:
+    """[1, 2L+1] repeated random tokens [BOS, r, r] from the run's task vocabulary; L and seed from widgets."""
+    from attnres_lens.analysis.induction import repeated_batch
+
+    vocab = int(run.config["task"].get("vocab_size", run.model_config.d_vocab))
+    longest = max(2, (max_len - 1) // 2)
+    left, right = st.columns(2)
+    half_len = left.number_input("Half length L", 2, longest, min(16, longest), key=f"{key}-half")
+    seed = right.number_input("Seed", 0, 10_000, 0, key=f"{key}-seed")
+    return repeated_batch(1, int(half_len), vocab, int(seed)).tokens
+
+
+def token_input(run: RunTables, handle: ModelHandle, key: str) -> Optional[torch.Tensor]:
+    """Repeated random tokens, or ids the user types (validated by the model; errors shown on the page)."""
+    source = st.radio("Input", ["repeated random tokens", "token ids I type"], horizontal=True, key=f"{key}-source")
+    if source == "repeated random tokens":
+        return repeated_tokens_input(run, key, handle.model.cfg.n_ctx)
+    text = st.text_input(f"Token ids, space-separated (0…{handle.model.cfg.d_vocab - 1}, at most "
+                         f"{handle.model.cfg.n_ctx})", "0 5 9 13 5 9", key=f"{key}-ids")
+    try:
+        return handle.model.to_tokens(text).cpu()
+    except ValueError as err:
+        st.error(f"Invalid token ids: {err}")
+        return None
+
+
+# ---------------------------------------------------------------------------- figures
+def show_figure(fig: go.Figure, key: str) -> None:
+    """The chart (hover values, modebar) and download buttons for standalone HTML and PNG."""
+    st.plotly_chart(fig, key=f"chart-{key}", theme=None, config=PLOTLY_CONFIG)
+    buttons = st.container(horizontal=True)
+    buttons.download_button("⬇ HTML", functools.partial(figure_html, fig), file_name=f"{key}.html",
+                                mime="text/html", key=f"html-{key}", on_click="ignore",
+                                help="Standalone HTML with plotly.js embedded (works offline)")
+    chrome = png_browser()
+    buttons.download_button("⬇ PNG", functools.partial(figure_png, fig), file_name=f"{key}.png",
+                               mime="image/png", key=f"png-{key}", on_click="ignore", disabled=chrome is None,
+                               help="Rendered by kaleido with the local Chromium (takes a few seconds)" if chrome else
+                               "PNG export needs Chromium or Chrome for kaleido; use the camera icon above the chart")
+
+
+def figure_html(fig: go.Figure) -> str:
+    return fig.to_html(include_plotlyjs=True, full_html=True)
+
+
+def figure_png(fig: go.Figure) -> bytes:
+    import kaleido
+
+    # mathjax=False: kaleido would otherwise add a CDN script tag; plotly.js comes from the plotly package.
+    width = fig.layout.width or 900
+    height = fig.layout.height or 500
+    return kaleido.calc_fig_sync(fig.to_dict(), opts={"format": "png", "width": width, "height": height, "scale": 2},
+                                 kopts={"mathjax": False})
+
+
+@functools.cache
+def png_browser() -> Optional[str]:
+    """The Chrome/Chromium kaleido will use, or None (PNG export then disabled)."""
+    try:
+        import kaleido  # noqa: F401
+    except ImportError:
+        return None
+    candidates = [os.environ.get("BROWSER_PATH"), "/usr/bin/chromium"]
+    candidates += [shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome", "chrome")]
+    return next((path for path in candidates if path and os.path.isfile(path)), None)

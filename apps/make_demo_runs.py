@@ -1,0 +1,84 @@
+"""Train the dashboard's demo runs into `data/demo_runs/` (only those missing), with progress bars.
+
+The set covers standard / Full / Block AttnRes on the depth task and vanilla / KV-shift attention on the
+induction task, shortened from the project's presets so that all of them train in a few minutes on a 2-core CPU.
+Optimiser state files are deleted to keep the folder small, so demo runs cannot be resumed; train a preset
+with `attnres-lens train` for a run you want to continue.
+
+    python apps/make_demo_runs.py [--out data/demo_runs] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "data" / "demo_runs"
+
+# Short runs: frequent records so the step slider has snapshots to scrub, one kept checkpoint (plus the best).
+INDUCTION_OVERRIDES = ["train.steps=500", "train.eval_every=50", "train.record_every=50", "train.log_every=25",
+                       "train.checkpoint_every=250", "train.keep_checkpoints=1"]
+DEPTH_OVERRIDES = ["model.n_layers=6", "train.steps=200", "train.eval_every=25", "train.record_every=25",
+                   "train.log_every=25", "train.checkpoint_every=100", "train.keep_checkpoints=1"]
+
+DEMO_RUNS: dict[str, tuple[str, list[str]]] = {
+    "induction-1l-vanilla": ("induction-1l-vanilla", INDUCTION_OVERRIDES),
+    "induction-1l-kvshift": ("induction-1l-kvshift", INDUCTION_OVERRIDES),
+    "induction-2l-kvshift": ("induction-2l-kvshift", INDUCTION_OVERRIDES),
+    "depth-standard-6l": ("depth-standard", DEPTH_OVERRIDES),
+    "depth-full-6l": ("depth-full", DEPTH_OVERRIDES),
+    "depth-block-6l": ("depth-block", DEPTH_OVERRIDES),
+}
+
+
+def is_complete(run_dir: Path) -> bool:
+    """A finished run: config, an index naming a latest checkpoint, and that checkpoint's weights."""
+    index_path = run_dir / "checkpoints" / "index.json"
+    if not (run_dir / "config.json").is_file() or not index_path.is_file():
+        return False
+    try:
+        latest = json.loads(index_path.read_text()).get("latest")
+    except json.JSONDecodeError:
+        return False
+    return latest is not None and (run_dir / "checkpoints" / f"{latest}.safetensors").is_file()
+
+
+def train_demo_run(name: str, out: Path) -> None:
+    from attnres_lens.presets import apply_overrides, get_preset
+    from attnres_lens.training import train
+
+    preset, overrides = DEMO_RUNS[name]
+    run_dir = out / name
+    if run_dir.exists():  # an interrupted demo run: start it again rather than mix two histories
+        shutil.rmtree(run_dir)
+    train(apply_overrides(get_preset(preset), overrides), run_dir, progress=True)
+    for state_file in (run_dir / "checkpoints").glob("*.state.safetensors"):
+        state_file.unlink()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"folder of demo runs (default {DEFAULT_OUT})")
+    parser.add_argument("--force", action="store_true", help="retrain every demo run, even complete ones")
+    args = parser.parse_args(argv)
+
+    missing = [name for name in DEMO_RUNS if args.force or not is_complete(args.out / name)]
+    if not missing:
+        print(f"demo runs present in {args.out} ({len(DEMO_RUNS)} runs)")
+        return 0
+    print(f"training {len(missing)} demo run(s) into {args.out}: {', '.join(missing)}", flush=True)
+    start = time.perf_counter()
+    for number, name in enumerate(missing, start=1):
+        print(f"[{number}/{len(missing)}] {name}", flush=True)
+        train_demo_run(name, args.out)
+    print(f"demo runs ready in {time.perf_counter() - start:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

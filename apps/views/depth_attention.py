@@ -1,0 +1,84 @@
+"""Depth attention: token-averaged α as consumer × source heatmaps, scrubbed through training, two runs side by
+side on one colour scale, and a per-token view computed with a checkpoint's model."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from attnres_lens.analysis.depth import depth_weights_per_token
+from lens_ui.data import RunTables
+from lens_ui.figures import KIND_TITLES, depth_heatmap, per_token_heatmap
+from lens_ui.widgets import loadable_runs, pick_model, pick_runs, show_figure, token_input
+
+st.title("Depth attention")
+st.caption("Each AttnRes sublayer reads a softmax mix α over earlier sources (embedding, sublayer outputs or block "
+           "sums). Rows: the consumer (the sublayer whose input is mixed); columns: its sources. Standard-residual "
+           "runs have no depth attention (every weight is 1; see the Depth-mixing matrix page).")
+
+runs = loadable_runs(lambda run: run.model_config.residual == "attnres")
+if not runs:
+    st.info("No AttnRes run in this folder: depth attention exists only with `residual=attnres`.")
+    st.stop()
+chosen = pick_runs(runs, key="depth-runs", label="Runs (one or two, shown side by side)",
+                  fallback=2)
+if not chosen:
+    st.info("Pick a run.")
+    st.stop()
+
+recorded = {run.path: run.record("depth_weights") for run in chosen}
+for run in chosen:
+    if recorded[run.path].empty:
+        st.warning(f"Run {run.name} has no recorded depth weights yet (records/depth_weights.parquet).")
+chosen = [run for run in chosen if not recorded[run.path].empty]
+if not chosen:
+    st.stop()
+
+steps = sorted(set().union(*(recorded[run.path]["step"].unique() for run in chosen)))
+step = st.select_slider("Training step (recorded snapshots)", options=[int(s) for s in steps], value=int(steps[-1]),
+                        key="depth-step") if len(steps) > 1 else int(steps[0])
+
+
+def snapshot(run: RunTables) -> tuple[int, pd.DataFrame]:
+    """The run's snapshot at the latest recorded step ≤ the slider (runs may record at different steps)."""
+    weights = recorded[run.path]
+    available = weights["step"][weights["step"] <= step]
+    at = int(available.max()) if len(available) else int(weights["step"].min())
+    return at, weights[weights["step"] == at]
+
+
+snapshots = {run.path: snapshot(run) for run in chosen}
+# One colour scale for every panel on the page, so the two runs compare directly.
+zmax = max(float(frame["weight"].max()) for _, frame in snapshots.values())
+columns = st.columns(len(chosen))
+for column, run in zip(columns, chosen):
+    at, frame = snapshots[run.path]
+    with column:
+        st.subheader(run.name)
+        st.caption(f"{run.variant} · step {at}")
+        for kind in KIND_TITLES:
+            if (frame["kind"] == kind).any():
+                show_figure(depth_heatmap(frame, kind, f"step {at}", zmax, run.name),
+                            key=f"depth-{run.name}-{kind}")
+
+st.divider()
+st.header("Per-token view")
+st.caption("α at every position of one input, from the model at the chosen checkpoint.")
+names = [run.name for run in chosen]
+run = chosen[names.index(st.radio("Run", names, horizontal=True, key="depth-token-run"))] if len(chosen) > 1 else chosen[0]
+handle = pick_model(run, key="depth-token-checkpoint")
+if handle is None:
+    st.stop()
+tokens = token_input(run, handle, key="depth-token-input")
+if tokens is None:
+    st.stop()
+model = handle.model
+consumers = list(model.depth_attention_modules())
+consumer = st.selectbox("Consumer", consumers, index=len(consumers) - 1, format_func=model.sublayer_name,
+                        key="depth-token-consumer")
+
+with handle.lock:
+    per_token = depth_weights_per_token(model, tokens)
+show_figure(per_token_heatmap(per_token, consumer, f"α of {model.sublayer_name(consumer)} per token"
+                                                   f"<br><sup>{run.name} · {handle.checkpoint}</sup>"),
+            key=f"depth-per-token-{run.name}")

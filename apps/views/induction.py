@@ -1,0 +1,113 @@
+"""Induction heads: layer × head scores (recorded over training, or measured now on a checkpoint), a head's
+attention pattern on repeated tokens, and the KV-shift coefficients over training."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+import torch
+
+from attnres_lens.analysis.induction import induction_head_scores
+from lens_ui.data import ModelHandle
+from lens_ui.figures import kv_shift_figure, layer_head_heatmap, pattern_heatmap, score_over_training
+from lens_ui.widgets import loadable_runs, pick_model, pick_run, repeated_tokens_input, show_figure
+
+# column: (menu name, colour-bar title with its scale, zmin, zmax, signed)
+METRICS = {
+    "prefix_score": ("prefix-matching score (ARENA/Olsson)", "prefix score<br>(ceiling ≈ 1)", 0.0, 1.0, False),
+    "tl_induction_score": ("TransformerLens detect_head induction score", "TL score<br>(ceiling ≈ 0.5)", 0.0, 0.5,
+                           False),
+    "previous_token_score": ("previous-token score", "mean A[q, q−1]<br>(ceiling 1)", 0.0, 1.0, False),
+    "copying_score": ("copying score (direct logit effect of the OV path)", "logit of the<br>right token", None, None,
+                      True),
+    "ablation_zero_score": ("ablation score, head zeroed", "Δ loss (nats)", None, None, True),
+    "ablation_mean_score": ("ablation score, head mean-ablated", "Δ loss (nats)", None, None, True),
+}
+RECORDED = "recorded: prefix-matching score over training"
+
+st.title("Induction heads")
+st.caption("Scores on repeated random tokens [BOS, r, r]. The prefix score and TransformerLens' detect_head use "
+           "different scales (ceilings ≈ 1 and ≈ 0.5): never compare one against the other's thresholds. A KV-shift "
+           "head's values mix two tokens, so check the copying and ablation scores, not only the pattern.")
+
+runs = loadable_runs()
+if not runs:
+    st.info("No readable runs in this folder.")
+    st.stop()
+run = pick_run(runs, key="induction-run", prefer=lambda r: r.model_config.attention == "kv_shift")
+st.caption(run.variant)
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def live_scores(_handle: ModelHandle, key: tuple, n_samples: int, vocab_size: int) -> pd.DataFrame:
+    with _handle.lock:
+        return induction_head_scores(_handle.model, n_samples=n_samples, vocab_size=vocab_size)
+
+
+metric = st.selectbox("Metric", [RECORDED, *METRICS], key="induction-metric",
+                      format_func=lambda m: m if m == RECORDED else f"at a checkpoint: {METRICS[m][0]}")
+if metric == RECORDED:
+    scores = run.record("induction_scores")
+    if scores.empty:
+        st.warning(f"Run {run.name} has no recorded induction scores yet (records/induction_scores.parquet).")
+    else:
+        steps = sorted(int(s) for s in scores["step"].unique())
+        step = st.select_slider("Training step", steps, value=steps[-1], key="induction-step") if len(steps) > 1 \
+            else steps[0]
+        name, colorbar, zmin, zmax, signed = METRICS["prefix_score"]
+        left, right = st.columns(2)
+        with left:
+            show_figure(layer_head_heatmap(scores[scores["step"] == step], "prefix_score",
+                                           f"prefix score @ step {step}<br><sup>{run.name}</sup>", colorbar, zmin, zmax, signed),
+                        key=f"induction-recorded-{run.name}")
+        with right:
+            show_figure(score_over_training(scores, "prefix_score", f"prefix score over training<br><sup>{run.name}</sup>",
+                                            "prefix score (ceiling ≈ 1)"), key=f"induction-training-{run.name}")
+else:
+    handle = pick_model(run, key="induction-checkpoint")
+    n_samples = st.slider("Repeated sequences", 4, 64, 16, step=4, key="induction-samples")
+    if handle is not None:
+        with st.spinner("Scoring every head (patterns, TL detector, copying, ablations)…"):
+            vocab_size = int(run.config["task"].get("vocab_size", handle.model.cfg.d_vocab))
+            scores = live_scores(handle, handle.key, n_samples, vocab_size)
+        name, colorbar, zmin, zmax, signed = METRICS[metric]
+        show_figure(layer_head_heatmap(scores, metric, f"{name}<br><sup>{run.name} · {handle.checkpoint}</sup>", colorbar, zmin,
+                                       zmax, signed), key=f"induction-live-{run.name}-{metric}")
+        with st.expander("All scores as a table"):
+            st.dataframe(scores, hide_index=True)
+
+st.divider()
+st.header("Attention pattern of one head")
+handle = pick_model(run, key="induction-pattern-checkpoint")
+if handle is not None:
+    model = handle.model
+    recorded = run.record("induction_scores")
+    best_layer, best_head = 0, 0  # default: the head with the highest recorded prefix score at the last step
+    if not recorded.empty:
+        last = recorded[recorded["step"] == recorded["step"].max()]
+        best = last.loc[last["prefix_score"].idxmax()]
+        best_layer, best_head = int(best["layer"]), int(best["head"])
+    left, right = st.columns(2)
+    layer = left.selectbox("Layer", range(model.cfg.n_layers), index=best_layer, key="induction-layer")
+    head = right.selectbox("Head", range(model.cfg.n_heads), index=best_head, key="induction-head")
+    tokens = repeated_tokens_input(run, "induction-pattern", model.cfg.n_ctx)
+    hook = f"blocks.{layer}.attn.hook_pattern"
+    with handle.lock, torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=lambda name: name == hook)
+    pattern = cache[hook][0, head].float().cpu().numpy()
+    show_figure(pattern_heatmap(pattern, tokens[0].tolist(), f"L{layer}H{head} attention on [BOS, r, r]"
+                                                             f"<br><sup>{run.name} · {handle.checkpoint}</sup>"), key=f"induction-pattern-{run.name}")
+    st.caption("An induction head attends from each second-half token to the token after its first occurrence: "
+               "the stripe L−1 below the diagonal.")
+
+st.divider()
+st.header("KV-shift coefficients over training")
+if run.model_config.attention != "kv_shift":
+    st.info(f"Run {run.name} uses standard attention: it has no KV-shift coefficients.")
+else:
+    kv = run.record("kv_shift")
+    if kv.empty:
+        st.warning(f"Run {run.name} has no recorded KV-shift coefficients yet (records/kv_shift.parquet).")
+    else:
+        st.caption("K̂_t = α1·K_t + α2·K_{t−1}, V̂_t = β1·V_t + β2·V_{t−1}, per head.")
+        show_figure(kv_shift_figure(kv, f"{run.name} · KV-shift coefficients"), key=f"induction-kv-{run.name}")

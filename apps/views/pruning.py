@@ -1,0 +1,104 @@
+"""Pruning: the analysis library's layer-pruning report (sensitivity, cumulative removal curves, angular
+distances, and for AttnRes the causal depth routing), computed on demand with progress, cached per checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pandas as pd
+import streamlit as st
+
+from attnres_lens.analysis import (
+    angular_distance_matrix,
+    causal_routing,
+    cumulative_pruning,
+    metric_correlations,
+    pruning_sensitivity,
+    removable_within,
+    routing_correlations,
+    routing_disagreements,
+)
+from attnres_lens.analysis.report import prune_report_html
+from attnres_lens.analysis.run import REMOVAL_TOLERANCE
+from lens_ui.data import ModelHandle, RunTables, describe_error, task_batch
+from lens_ui.widgets import loadable_runs, pick_model, pick_run
+
+st.title("Layer pruning")
+st.caption("Δloss and Δaccuracy when each sublayer is removed, mean-ablated or resample-ablated; cumulative "
+           "curves for several removal orders; angular distances between representations; for AttnRes models, "
+           "α mass against the causal effect of masking each source. Computed on the run's held-out data.")
+
+
+@st.cache_resource(max_entries=1)
+def report_store() -> dict[tuple, tuple[dict[str, pd.DataFrame], str]]:
+    """Finished reports by (model key, samples, metric), shared by sessions. A plain dict rather than
+    st.cache_data, because the computation reports progress to widgets created outside it."""
+    return {}
+
+
+def compute_report(run: RunTables, handle: ModelHandle, samples: int, metric: str,
+                   progress: Callable[[float, str], Any]) -> tuple[dict[str, pd.DataFrame], str]:
+    """The tables of `attnres_lens.analysis.prune_tables` stage by stage (so progress can be shown), then the
+    library's HTML report."""
+    model = handle.model
+    batch = task_batch(run, samples)
+    stages = 4 if model.cfg.residual == "attnres" else 3
+    with handle.lock:
+        progress(0 / stages, "ablating each sublayer (remove, mean, resample)…")
+        sensitivity = pruning_sensitivity(model, batch)
+        progress(1 / stages, "angular distances between representations…")
+        distances = angular_distance_matrix(model, batch.tokens)
+        progress(2 / stages, "cumulative removal curves…")
+        curves = cumulative_pruning(model, batch, sensitivity, distances, metric)
+        tables = {"pruning_sensitivity": sensitivity, "angular_distance": distances, "pruning_curves": curves,
+                  "metric_correlations": metric_correlations(sensitivity),
+                  "removable": removable_within(curves, REMOVAL_TOLERANCE)}
+        summary = {"run": run.name, "checkpoint": handle.checkpoint, "variant": run.variant, "samples": samples,
+                   "base_loss": float(sensitivity["base_loss"].iloc[0]),
+                   "base_accuracy": float(sensitivity["base_accuracy"].iloc[0])}
+        if model.cfg.residual == "attnres":
+            progress(3 / stages, "causal depth routing (masking each source of each consumer)…")
+            tables["routing"] = causal_routing(model, batch)
+            tables["routing_disagreements"] = routing_disagreements(tables["routing"])
+            summary["routing_correlations"] = routing_correlations(tables["routing"])
+    progress(1.0, "done")
+    return tables, prune_report_html(tables, summary, metric, REMOVAL_TOLERANCE)
+
+
+runs = loadable_runs()
+if not runs:
+    st.info("No readable runs in this folder.")
+    st.stop()
+run = pick_run(runs, key="pruning-run")
+st.caption(run.variant)
+handle = pick_model(run, key="pruning-checkpoint")
+if handle is None:
+    st.stop()
+left, right = st.columns(2)
+samples = int(left.number_input("Held-out sequences", 2, 256, 16, key="pruning-samples"))
+metric = right.radio("Order removals by", ["loss", "accuracy"], horizontal=True, key="pruning-metric")
+
+key = (handle.key, samples, metric)
+store = report_store()
+if key not in store and st.button("Compute pruning report", type="primary", key="pruning-compute"):
+    bar = st.progress(0.0, text="starting…")
+    try:
+        store[key] = compute_report(run, handle, samples, metric, lambda done, text: bar.progress(done, text=text))
+    except Exception as err:  # noqa: BLE001 - a bad checkpoint or task config becomes a message
+        st.error(f"The pruning report of {run.name} failed: {describe_error(err)}")
+    bar.empty()
+if key not in store:
+    st.info("The report takes a few seconds to a minute; it is kept for this checkpoint until the server restarts.")
+    st.stop()
+
+tables, report = store[key]
+st.download_button("⬇ Report (HTML)", report, file_name=f"prune_report_{run.name}.html", mime="text/html",
+                   key="pruning-download", on_click="ignore")
+summary_left, summary_right = st.columns(2)
+with summary_left:
+    st.subheader(f"Removable within +{REMOVAL_TOLERANCE:.0%} loss")
+    st.dataframe(tables["removable"], hide_index=True)
+with summary_right:
+    st.subheader("Cheap metrics vs measured Δloss (Spearman)")
+    st.dataframe(tables["metric_correlations"], hide_index=True)
+st.iframe(report, height=2400)  # our own report (names escaped by the library), not user HTML

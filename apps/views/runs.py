@@ -1,0 +1,63 @@
+"""Runs: every run directory of the runs folder, filters, and the one or two runs the other pages show."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from lens_ui.data import all_runs, runs_dir, summary_row
+
+st.title("Runs")
+
+folder = st.text_input("Runs folder", str(runs_dir()), help="A run directory, or a folder of run directories")
+resolved = str(Path(folder).expanduser().resolve())
+if resolved != str(runs_dir()):
+    st.session_state["runs_dir"] = resolved
+    st.session_state["selected_runs"] = []
+
+runs, broken = all_runs()
+for name, error in broken.items():
+    st.error(f"**{name}**: {error}")
+if not runs:
+    if not runs_dir().exists():
+        st.warning(f"The folder {runs_dir()} does not exist.")
+    st.info("No readable runs here. Train one with `attnres-lens train --preset smoke --out runs/smoke`, "
+            "or run `make demo` for the demo runs.")
+    st.stop()
+
+table = pd.DataFrame([summary_row(run) | {"path": run.path} for run in runs])
+filters = st.columns(4)
+tasks = filters[0].multiselect("Task", sorted(table["task"].unique()))
+residuals = filters[1].multiselect("Residual", sorted(table["residual"].unique()))
+attentions = filters[2].multiselect("Attention", sorted(table["attention"].unique()))
+text = filters[3].text_input("Name contains")
+shown = table[
+    (table["task"].isin(tasks) if tasks else True)
+    & (table["residual"].isin(residuals) if residuals else True)
+    & (table["attention"].isin(attentions) if attentions else True)
+    & table["run"].str.contains(text, case=False, regex=False)
+]
+st.dataframe(
+    shown.drop(columns=["path"]), hide_index=True, width="stretch",
+    column_config={"final loss": st.column_config.NumberColumn(format="%.3f", help="last logged training loss"),
+                   "eval loss": st.column_config.NumberColumn(format="%.3f"),
+                   "accuracy": st.column_config.NumberColumn(format="percent",
+                                                             help="last eval accuracy (answer positions only)")},
+)
+
+labels = {run.path: run.label for run in runs}
+selected = [path for path in st.session_state.get("selected_runs", []) if path in labels]
+options = list(dict.fromkeys(list(shown["path"]) + selected))
+
+
+def remember_selection() -> None:
+    """Runs before the rerun, so the sidebar (drawn before this page) already shows the new selection."""
+    st.session_state["selected_runs"] = st.session_state["runs-pick"]
+
+
+picked = st.multiselect("Pick one or two runs for the other pages", options, default=selected, max_selections=2,
+                        format_func=labels.get, key="runs-pick", on_change=remember_selection)
+if picked:
+    st.success("Selected: " + ", ".join(Path(p).name for p in picked) + ". Open a page in the sidebar.")

@@ -1,0 +1,147 @@
+"""The Streamlit dashboard (apps/) under streamlit's AppTest, on the shipped demo runs."""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("streamlit")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+APP = REPO_ROOT / "apps" / "app.py"
+DEMO_RUNS = REPO_ROOT / "data" / "demo_runs"
+PAGES = ["views/runs.py", "views/depth_attention.py", "views/depth_mixing.py", "views/training_dynamics.py",
+         "views/induction.py", "views/pruning.py"]
+
+pytestmark = pytest.mark.slow
+if not (DEMO_RUNS / "induction-1l-kvshift" / "config.json").is_file():
+    pytest.skip(f"demo runs missing in {DEMO_RUNS}: run `make demo` or `python apps/make_demo_runs.py`",
+                allow_module_level=True)
+
+
+def open_page(page: str, runs: Path = DEMO_RUNS) -> AppTest:
+    app = AppTest.from_file(str(APP), default_timeout=180)
+    app.session_state["runs_dir"] = str(runs)
+    app.run()
+    if page != "views/runs.py":
+        app.switch_page(page)
+        app.run()
+    return app
+
+
+def assert_clean(app: AppTest) -> None:
+    assert not app.exception, [element.value for element in app.exception]
+    assert not app.error, [element.value for element in app.error]
+
+
+def chart_specs(app: AppTest) -> list[dict]:
+    return [json.loads(chart.proto.spec) for chart in app.get("plotly_chart")]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders_on_the_demo_runs(page):
+    app = open_page(page)
+    assert_clean(app)
+    if page not in ("views/runs.py", "views/pruning.py"):
+        assert chart_specs(app), f"{page} drew no chart"
+
+
+def test_runs_page_lists_runs_and_keeps_the_selection_across_pages():
+    app = open_page("views/runs.py")
+    assert len(app.dataframe[0].value) >= 6
+    full = str(DEMO_RUNS / "depth-full-6l")
+    app.multiselect(key="runs-pick").set_value([full]).run()
+    assert app.session_state["selected_runs"] == [full]
+    app.switch_page("views/depth_attention.py").run()
+    assert_clean(app)
+    assert app.multiselect(key="depth-runs").value == [full]
+
+
+def test_step_slider_changes_the_depth_heatmap():
+    app = open_page("views/depth_attention.py")
+    slider = app.select_slider(key="depth-step")
+    steps = slider.options
+    assert len(steps) > 2
+    late = chart_specs(app)[0]["data"][0]["z"]
+    slider.set_value(steps[0]).run()  # step 0: zero-initialised queries, uniform weights
+    assert_clean(app)
+    early = chart_specs(app)[0]["data"][0]["z"]
+    assert early != late
+    assert "step 0" in chart_specs(app)[0]["layout"]["title"]["text"]
+
+
+def test_per_token_view_rejects_bad_token_ids_with_a_message():
+    app = open_page("views/depth_attention.py")
+    app.radio(key="depth-token-input-source").set_value("token ids I type").run()
+    app.text_input(key="depth-token-input-ids").input("1 2 9999").run()
+    assert not app.exception
+    assert any("out of range" in element.value for element in app.error)
+
+
+def test_live_induction_scores_and_pruning_report_compute():
+    app = open_page("views/induction.py")
+    run = str(DEMO_RUNS / "induction-1l-kvshift")
+    app.selectbox(key="induction-run").set_value(run).run()
+    app.selectbox(key="induction-metric").set_value("tl_induction_score").run()
+    assert_clean(app)
+    titles = [spec["layout"]["title"]["text"] for spec in chart_specs(app)]
+    assert any("detect_head" in title for title in titles)
+
+    app.switch_page("views/pruning.py").run()
+    app.selectbox(key="pruning-run").set_value(run).run()
+    app.button(key="pruning-compute").click().run()
+    assert_clean(app)
+    assert app.get("iframe") or app.get("html"), "the pruning report was not shown"
+
+
+def test_broken_run_directories_show_messages_not_tracebacks(tmp_path):
+    shutil.copytree(DEMO_RUNS / "induction-1l-kvshift", tmp_path / "good")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "config.json").write_text("{not json")
+    truncated = tmp_path / "truncated-checkpoint"
+    shutil.copytree(DEMO_RUNS / "induction-1l-kvshift", truncated)
+    for weights in (truncated / "checkpoints").glob("*.safetensors"):
+        weights.write_bytes(weights.read_bytes()[:100])
+
+    app = open_page("views/runs.py", runs=tmp_path)
+    assert not app.exception
+    errors = " ".join(element.value for element in app.error)
+    assert "config.json is missing" in errors and "not valid JSON" in errors
+    assert len(app.dataframe[0].value) == 2
+
+    app.session_state["selected_runs"] = [str(truncated)]
+    app.switch_page("views/induction.py").run()
+    assert not app.exception
+    assert any("corrupt or truncated" in element.value for element in app.error)
+
+
+def test_a_run_that_has_only_started_renders_every_page(tmp_path):
+    """config.json written, no metrics, records or checkpoints yet: messages, never a traceback."""
+    (tmp_path / "started").mkdir()
+    shutil.copy(DEMO_RUNS / "depth-block-6l" / "config.json", tmp_path / "started" / "config.json")
+    app = open_page("views/runs.py", runs=tmp_path)
+    app.session_state["selected_runs"] = [str(tmp_path / "started")]
+    for page in PAGES:
+        app.switch_page(page).run()
+        assert not app.exception, (page, [element.value for element in app.exception])
+        assert not app.error, (page, [element.value for element in app.error])
+
+
+def test_models_keep_no_hooks_after_the_pages_ran():
+    """Cached models are shared by all sessions: every forward pass must remove the hooks it added."""
+    from attnres_lens import HookedTransformer
+
+    app = open_page("views/depth_attention.py")  # per-token view
+    app.switch_page("views/induction.py").run()  # attention pattern of a head
+    assert_clean(app)
+    models = [obj for obj in gc.get_objects() if type(obj) is HookedTransformer]
+    assert models
+    for model in models:
+        for hook_point in model.hook_dict.values():
+            assert not hook_point._forward_hooks and not hook_point._backward_hooks, hook_point.name
