@@ -12,7 +12,6 @@ APP_DIR = Path(__file__).resolve().parent
 if str(APP_DIR) not in sys.path:  # page modules import lens_ui, wherever streamlit was started from
     sys.path.insert(0, str(APP_DIR))
 
-import plotly.io as pio  # noqa: E402
 import streamlit as st  # noqa: E402
 
 from lens_ui.data import DEFAULT_RUNS_DIR  # noqa: E402
@@ -26,9 +25,6 @@ def runs_dir_from_command_line() -> str:
     return str(Path(args.runs).expanduser().resolve())
 
 
-# Importing streamlit makes its own Plotly template the default; figures built by the library (the pruning
-# report) should look as they do outside the dashboard.
-pio.templates.default = "plotly"
 st.set_page_config(page_title="attnres_lens", page_icon=":material/layers:", layout="wide")
 if "runs_dir" not in st.session_state:
     st.session_state["runs_dir"] = runs_dir_from_command_line()

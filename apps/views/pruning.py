@@ -8,18 +8,9 @@ from typing import Any, Callable
 import pandas as pd
 import streamlit as st
 
-from attnres_lens.analysis import (
-    angular_distance_matrix,
-    causal_routing,
-    cumulative_pruning,
-    metric_correlations,
-    pruning_sensitivity,
-    removable_within,
-    routing_correlations,
-    routing_disagreements,
-)
+from attnres_lens.analysis import routing_correlations
 from attnres_lens.analysis.report import prune_report_html
-from attnres_lens.analysis.run import REMOVAL_TOLERANCE
+from attnres_lens.analysis.run import REMOVAL_TOLERANCE, prune_tables
 from lens_ui.data import ModelHandle, RunTables, describe_error, task_batch
 from lens_ui.widgets import loadable_runs, pick_model, pick_run
 
@@ -38,30 +29,15 @@ def report_store() -> dict[tuple, tuple[dict[str, pd.DataFrame], str]]:
 
 def compute_report(run: RunTables, handle: ModelHandle, samples: int, metric: str,
                    progress: Callable[[float, str], Any]) -> tuple[dict[str, pd.DataFrame], str]:
-    """The tables of `attnres_lens.analysis.prune_tables` stage by stage (so progress can be shown), then the
-    library's HTML report."""
-    model = handle.model
-    batch = task_batch(run, samples)
-    stages = 4 if model.cfg.residual == "attnres" else 3
+    """The library's pruning tables (reporting each stage to `progress`), then its HTML report."""
     with handle.lock:
-        progress(0 / stages, "ablating each sublayer (remove, mean, resample)…")
-        sensitivity = pruning_sensitivity(model, batch)
-        progress(1 / stages, "angular distances between representations…")
-        distances = angular_distance_matrix(model, batch.tokens)
-        progress(2 / stages, "cumulative removal curves…")
-        curves = cumulative_pruning(model, batch, sensitivity, distances, metric)
-        tables = {"pruning_sensitivity": sensitivity, "angular_distance": distances, "pruning_curves": curves,
-                  "metric_correlations": metric_correlations(sensitivity),
-                  "removable": removable_within(curves, REMOVAL_TOLERANCE)}
-        summary = {"run": run.name, "checkpoint": handle.checkpoint, "variant": run.variant, "samples": samples,
-                   "base_loss": float(sensitivity["base_loss"].iloc[0]),
-                   "base_accuracy": float(sensitivity["base_accuracy"].iloc[0])}
-        if model.cfg.residual == "attnres":
-            progress(3 / stages, "causal depth routing (masking each source of each consumer)…")
-            tables["routing"] = causal_routing(model, batch)
-            tables["routing_disagreements"] = routing_disagreements(tables["routing"])
-            summary["routing_correlations"] = routing_correlations(tables["routing"])
-    progress(1.0, "done")
+        tables = prune_tables(handle.model, task_batch(run, samples), metric, on_stage=progress)
+    sensitivity = tables["pruning_sensitivity"]
+    summary = {"run": run.name, "checkpoint": handle.checkpoint, "variant": run.variant, "samples": samples,
+               "base_loss": float(sensitivity["base_loss"].iloc[0]),
+               "base_accuracy": float(sensitivity["base_accuracy"].iloc[0])}
+    if "routing" in tables:
+        summary["routing_correlations"] = routing_correlations(tables["routing"])
     return tables, prune_report_html(tables, summary, metric, REMOVAL_TOLERANCE)
 
 

@@ -89,6 +89,8 @@ def prune_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, Any], 
                   _table(tables["routing_disagreements"][["consumer_label", "source_label", "alpha_mass", "delta_loss",
                                                           "rank_gap", "direction"]])]
     for index, (heading, figure, note) in enumerate(_figures(tables, metric, tolerance)):
+        # An explicit template: importing streamlit changes Plotly's default one.
+        figure.update_layout(template="plotly_white")
         # plotly.js goes inline with the first figure only; later figures reuse it.
         body = figure.to_html(full_html=False, include_plotlyjs=index == 0, config={"displaylogo": False})
         parts += [f"<h2>{html.escape(heading)}</h2>", f"<p class=\"note\">{html.escape(note)}</p>", body]

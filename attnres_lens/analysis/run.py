@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import pandas as pd
 
@@ -124,12 +124,21 @@ class PruneResult:
     report_path: Path
 
 
-def prune_tables(model: HookedTransformer, batch: Batch, metric: str = "loss", progress: bool = False) -> dict[str, pd.DataFrame]:
-    """Every pruning table for a model on a task batch (routing tables only for AttnRes models)."""
+def prune_tables(model: HookedTransformer, batch: Batch, metric: str = "loss", progress: bool = False,
+                 on_stage: Optional[Callable[[float, str], Any]] = None) -> dict[str, pd.DataFrame]:
+    """Every pruning table for a model on a task batch (routing tables only for AttnRes models).
+
+    `on_stage(fraction_done, description)` is called before each stage (a UI's progress bar).
+    """
     check_metric(metric)
+    stages = 4 if model.cfg.residual == "attnres" else 3
+    report = on_stage or (lambda fraction, description: None)
     batch = batch.to(model.embed.W_E.device)
+    report(0 / stages, "ablating each sublayer (remove, mean, resample)…")
     sensitivity = pruning_sensitivity(model, batch, progress)
+    report(1 / stages, "angular distances between representations…")
     distances = angular_distance_matrix(model, batch.tokens)
+    report(2 / stages, "cumulative removal curves…")
     curves = cumulative_pruning(model, batch, sensitivity, distances, metric, progress=progress)
     tables = {
         "pruning_sensitivity": sensitivity,
@@ -139,8 +148,10 @@ def prune_tables(model: HookedTransformer, batch: Batch, metric: str = "loss", p
         "removable": removable_within(curves, REMOVAL_TOLERANCE),
     }
     if model.cfg.residual == "attnres":
+        report(3 / stages, "causal depth routing (masking each source of each consumer)…")
         tables["routing"] = causal_routing(model, batch, progress)
         tables["routing_disagreements"] = routing_disagreements(tables["routing"])
+    report(1.0, "done")
     return tables
 
 
