@@ -1,0 +1,91 @@
+"""Two-phase Block AttnRes vs one fused depth attention per sublayer, on the CPU (issue 3).
+
+One block of S sublayers reading `n_blocks` completed blocks plus its partial sum, forward + backward.
+`per-sublayer`: `depth_attention(backend="torch")` per sublayer (hand-written backward);
+`two-phase`: `block_phase1` once for the block's S queries, then `merge_partial` per sublayer (autograd).
+Interleaved repeats in one process, median.
+
+    python analyses/bench_two_phase_cpu.py --out analyses/reports/bench_two_phase_cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from analyses.common import command_line, machine_info  # noqa: E402
+from attnres_lens.kernels import block_phase1, depth_attention, merge_partial  # noqa: E402
+
+
+def make_block(n_tokens: int, d_model: int, n_blocks: int, block_size: int):
+    generator = torch.Generator().manual_seed(0)
+    blocks = [torch.randn(n_tokens, d_model, generator=generator).requires_grad_() for _ in range(n_blocks)]
+    outputs = [torch.randn(n_tokens, d_model, generator=generator).requires_grad_() for _ in range(block_size)]
+    queries = torch.randn(block_size, d_model, generator=generator).requires_grad_()
+    gains = torch.ones(block_size, d_model).requires_grad_()
+    return blocks, outputs, queries, gains
+
+
+def per_sublayer(blocks, outputs, queries, gains) -> None:
+    partial, total = None, 0.0
+    for index, output in enumerate(outputs):
+        sources = blocks + ([partial] if partial is not None else [])
+        total = total + depth_attention(sources, queries[index], gains[index], backend="torch").sum()
+        partial = output if partial is None else partial + output
+    total.backward()
+
+
+def two_phase(blocks, outputs, queries, gains) -> None:
+    stats = block_phase1(blocks, queries, gains)
+    partial, total = None, 0.0
+    for index, output in enumerate(outputs):
+        total = total + merge_partial(stats, index, partial).sum()
+        partial = output if partial is None else partial + output
+    total.backward()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    for n_tokens, d_model, n_blocks, block_size in [(768, 128, 3, 4), (768, 128, 6, 4), (1024, 256, 6, 2)]:
+        inputs = make_block(n_tokens, d_model, n_blocks, block_size)
+        times = {"per-sublayer": [], "two-phase": []}
+        for function in (per_sublayer, two_phase):
+            function(*inputs)  # warm-up
+        for _ in range(args.repeats):
+            for name, function in (("per-sublayer", per_sublayer), ("two-phase", two_phase)):
+                start = time.perf_counter()
+                function(*inputs)
+                times[name].append(time.perf_counter() - start)
+        single, double = (statistics.median(times[k]) for k in ("per-sublayer", "two-phase"))
+        rows.append(f"| {n_tokens} | {d_model} | {n_blocks} | {block_size} | {1000 * single:.2f} | {1000 * double:.2f} | {double / single:.2f} |")
+    text = "\n".join([
+        "# Two-phase Block AttnRes on the CPU",
+        "",
+        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, one torch thread, "
+        f"by `{command_line()}`. Forward + backward of one block's depth attentions, median of {args.repeats} interleaved repeats.",
+        "",
+        "| tokens | d_model | completed blocks | S | per-sublayer (ms) | two-phase (ms) | two-phase / per-sublayer |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ])
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
