@@ -14,7 +14,6 @@ Depth-attention paths compared:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import statistics
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from analyses.common import command_line, machine_info  # noqa: E402
+from analyses.common import command_line, emit_report, machine_info  # noqa: E402
 from attnres_lens import HookedTransformer, ModelConfig, param_groups  # noqa: E402
 
 SHAPES = {
@@ -125,10 +124,7 @@ def main() -> None:
         target = "" if row["target"] is None else f"≤ {row['target']:.2f} {'met' if row['ratio'] <= row['target'] else 'MISSED'}"
         lines.append(f"| {row['shape']} | {row['threads']} | {row['variant']} | {row['ms']:.1f} | {row['ratio']:.3f} | {target} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    emit_report(text, args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from analyses.common import command_line, machine_info  # noqa: E402
+from analyses.common import command_line, emit_report, machine_info  # noqa: E402
 from attnres_lens.kernels import block_phase1, depth_attention, merge_partial  # noqa: E402
 
 
@@ -81,10 +81,7 @@ def main() -> None:
         *rows,
         "",
     ])
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    emit_report(text, args.out)
 
 
 if __name__ == "__main__":

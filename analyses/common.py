@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -88,3 +89,25 @@ def steps_to_threshold(steps, values, threshold: float) -> Optional[int]:
         if value >= threshold:
             return int(step)
     return None
+
+
+def reproduction_jobs(description: str, presets: list[str], default_seeds: list[int], name: str) -> tuple[list[Job], argparse.Namespace]:
+    """Parse a reproduction's command line and list its runs: one per preset and seed, under --runs-dir."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--seeds", type=int, nargs="+", default=default_seeds)
+    parser.add_argument("--steps", type=int, help="override the presets' step budget (same for every variant)")
+    parser.add_argument("--workers", type=int, default=2, help="training processes (one torch thread each)")
+    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / name)
+    parser.add_argument("--report-dir", type=Path, default=REPO / "analyses" / "reports")
+    args = parser.parse_args()
+    overrides = (f"train.steps={args.steps}",) if args.steps else ()
+    jobs = [Job(preset, seed, args.runs_dir / f"{preset}-s{seed}", overrides) for preset in presets for seed in args.seeds]
+    return jobs, args
+
+
+def emit_report(text: str, out: Optional[Path]) -> None:
+    """Print a markdown report and, when `out` is given, write it there."""
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)

@@ -9,7 +9,6 @@ complete runs, resuming partial ones), then writes a markdown report with figure
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import sys
 from pathlib import Path
@@ -18,22 +17,14 @@ import numpy as np
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from analyses.common import REPO, Job, command_line, machine_info, run_jobs  # noqa: E402
+from analyses.common import Job, command_line, machine_info, reproduction_jobs, run_jobs  # noqa: E402
 
 PRESETS = ["depth-standard", "depth-full", "depth-block"]
 COLORS = dict(zip(PRESETS, ["#555555", "#0072B2", "#E69F00"]))  # Okabe–Ito, colour-blind safe
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--steps", type=int, help="override the presets' step budget")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "depth_dynamics")
-    parser.add_argument("--report-dir", type=Path, default=REPO / "analyses" / "reports")
-    args = parser.parse_args()
-    overrides = (f"train.steps={args.steps}",) if args.steps else ()
-    jobs = [Job(preset, seed, args.runs_dir / f"{preset}-s{seed}", overrides) for preset in PRESETS for seed in args.seeds]
+    jobs, args = reproduction_jobs(__doc__.splitlines()[0], PRESETS, [0], "depth_dynamics")
     seconds = run_jobs(jobs, args.workers)
     write_report(jobs, args.report_dir, seconds)
 

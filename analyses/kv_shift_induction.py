@@ -12,7 +12,6 @@ ones resumed, so the command can be re-run to regenerate the report.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import sys
 from pathlib import Path
@@ -20,23 +19,14 @@ from pathlib import Path
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from analyses.common import REPO, Job, command_line, machine_info, run_jobs, steps_to_threshold  # noqa: E402
+from analyses.common import Job, command_line, machine_info, reproduction_jobs, run_jobs, steps_to_threshold  # noqa: E402
 
 PRESETS = ["induction-1l-vanilla", "induction-2l-vanilla", "induction-1l-kvshift", "induction-2l-kvshift"]
 THRESHOLD = 0.9
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, help="override the presets' step budget (same for every variant)")
-    parser.add_argument("--workers", type=int, default=2, help="training processes (one torch thread each)")
-    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "kv_shift_induction")
-    parser.add_argument("--report-dir", type=Path, default=REPO / "analyses" / "reports")
-    args = parser.parse_args()
-
-    overrides = (f"train.steps={args.steps}",) if args.steps else ()
-    jobs = [Job(preset, seed, args.runs_dir / f"{preset}-s{seed}", overrides) for preset in PRESETS for seed in args.seeds]
+    jobs, args = reproduction_jobs(__doc__.splitlines()[0], PRESETS, [0, 1, 2], "kv_shift_induction")
     seconds = run_jobs(jobs, args.workers)
     write_report(jobs, args.report_dir, seconds)
 

@@ -17,7 +17,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import pandas as pd
 import torch
@@ -25,6 +25,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from attnres_lens.config import ModelConfig
+
+if TYPE_CHECKING:  # the model module imports transformer_lens; load it only when a model is built
+    from attnres_lens.model import HookedTransformer
 
 PathLike = Union[str, Path]
 RECORD_TABLES = ("depth_weights", "magnitudes", "param_grad_norms", "induction_scores", "kv_shift")
@@ -90,7 +93,7 @@ def read_safetensors(path: PathLike) -> tuple[dict[str, torch.Tensor], dict[str,
     return tensors, metadata
 
 
-def load_model_checkpoint(path: PathLike) -> tuple["HookedTransformer", dict[str, str]]:  # noqa: F821
+def load_model_checkpoint(path: PathLike) -> tuple["HookedTransformer", dict[str, str]]:
     """Rebuild a model from a weights checkpoint alone (its config is in the metadata)."""
     from attnres_lens.model import HookedTransformer
 
@@ -114,7 +117,7 @@ class Run:
     path: Path
     config: dict[str, Any]
     model_config: ModelConfig
-    model: Optional["HookedTransformer"]  # noqa: F821
+    model: Optional["HookedTransformer"]
     checkpoint: Optional[str]
     metrics: pd.DataFrame
     records: dict[str, pd.DataFrame] = field(default_factory=dict)

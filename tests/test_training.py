@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import torch
 

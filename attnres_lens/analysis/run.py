@@ -6,7 +6,6 @@ own task: its fixed held-out set (`task.eval_batch(samples)`), so numbers are co
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
