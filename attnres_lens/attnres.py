@@ -17,6 +17,7 @@ S = 1 is Full AttnRes: the sources of sublayer j are `[e, f_0, …, f_{j−1}]`.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -97,6 +98,9 @@ class DepthAttention(nn.Module):
         self.hook_weights = HookPoint()
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        # Under autocast the embedding stays fp32 while sublayer outputs are bf16: mix in the wider type.
+        dtype = functools.reduce(torch.promote_types, (value.dtype for value in sources))
+        sources = [value.to(dtype) for value in sources]
         if not (self.hook_logits.has_hooks() or self.hook_weights.has_hooks()):
             return depth_attention(sources, self.query, self.key_norm.w, self.key_norm.eps, backend=self.backend)
         keys = [self.key_norm(value) for value in sources]

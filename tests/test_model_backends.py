@@ -48,3 +48,17 @@ def test_hooked_and_unhooked_forward_agree():
     logits_cached, cache = model.run_with_cache(tokens)
     torch.testing.assert_close(model(tokens), logits_cached, rtol=1e-5, atol=1e-6)
     assert "blocks.1.attn_res.hook_weights" in cache.cache_dict
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_attnres_trains_under_bf16_autocast(hooked):
+    # As on CUDA with bf16 autocast: the embedding stays fp32 while sublayer outputs come out bf16.
+    model = HookedTransformer(small_config("attnres", 2, "kv_shift"))
+    tokens = torch.randint(0, 20, (2, 9))
+    hooks = [(lambda name: name.endswith("hook_weights"), lambda w, hook: None)] if hooked else []
+    with model.hooks(fwd_hooks=hooks), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(tokens, return_type="loss")
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert abs(loss.item() - model(tokens, return_type="loss").item()) < 0.05  # bf16 rounding only
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
