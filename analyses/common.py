@@ -50,7 +50,8 @@ def _run_job(job: Job) -> str:
         if (job.out / "config.json").exists():  # crashed before its first checkpoint: start over
             for path in sorted(job.out.rglob("*"), reverse=True):
                 path.unlink() if path.is_file() else path.rmdir()
-        overrides = [f"train.seed={job.seed}", f"task.seed={job.seed}", *job.overrides]
+        # one torch thread per process: the runs train side by side, one per core
+        overrides = [f"train.seed={job.seed}", f"task.seed={job.seed}", "train.threads=1", *job.overrides]
         train(apply_overrides(get_preset(job.preset), overrides), job.out, progress=False)
     return f"{job.out.name}: trained in {time.perf_counter() - start:.0f} s"
 
@@ -70,6 +71,14 @@ def run_jobs(jobs: list[Job], workers: int) -> float:
                     bar.write(message)
                     bar.update(1)
     return time.perf_counter() - start
+
+
+def training_minutes(out: Path) -> float:
+    """Wall time a run spent training, from its files: config.json (written at the start, and again on a
+    resume) to the last checkpoint index. Survives re-running a report on reused runs."""
+    start = (out / "config.json").stat().st_mtime
+    end = (out / "checkpoints" / "index.json").stat().st_mtime
+    return max(0.0, end - start) / 60
 
 
 def machine_info() -> str:

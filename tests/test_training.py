@@ -136,7 +136,7 @@ def test_resume_after_sigkill(tmp_path):
     out = tmp_path / "killed"
     # Same config for both runs (the lr schedule depends on the step budget); big batches slow each step
     # so that the kill lands mid-run.
-    settings = {"train.steps": 60, "train.checkpoint_every": 20, "train.batch_size": 64}
+    settings = {"train.steps": 60, "train.checkpoint_every": 20, "train.batch_size": 64, "train.threads": 1}
     command = CLI + ["train", "--preset", "smoke", "--out", str(out), "--no-progress"]
     command += [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
