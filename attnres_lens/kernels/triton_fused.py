@@ -24,6 +24,16 @@ from attnres_lens.kernels._common import new_output
 
 
 @triton.jit
+def _source_tile(source, offsets, tile_mask, u, d_model, eps):
+    """One source's tile in fp32 with its per-token rstd and logit ``u . (rstd * v)``, ``u = w * g``."""
+    # upcast straight after the load: bf16/fp16 arithmetic is neither accurate nor supported by the interpreter
+    v = tl.load(source + offsets, mask=tile_mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(v * v, axis=1) / d_model + eps)
+    logit = tl.sum(v * u[None, :], axis=1) * rstd
+    return v, rstd, logit
+
+
+@triton.jit
 def _depth_attention_fwd_kernel(
     src_base,  # a source tensor (table mode) or the depth buffer: its element type is the sources' dtype
     src_table,  # int64 [S] base addresses, read only when FROM_TABLE
@@ -59,10 +69,7 @@ def _depth_attention_fwd_kernel(
         else:
             source = buffer_source
         buffer_source += source_stride
-        # upcast straight after the load: bf16/fp16 arithmetic is neither accurate nor supported by the interpreter
-        v = tl.load(source + offsets, mask=tile_mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(v * v, axis=1) / d_model + eps)
-        logit = tl.sum(v * u[None, :], axis=1) * rstd
+        v, rstd, logit = _source_tile(source, offsets, tile_mask, u, d_model, eps)
         if STORE_LOGITS:
             tl.store(logits_out + s * n_tokens + rows, logit, mask=row_mask)
         new_max = tl.maximum(running_max, logit)
@@ -121,9 +128,7 @@ def _depth_attention_bwd_kernel(
             else:
                 source = buffer_source
             buffer_source += source_stride
-            v = tl.load(source + offsets, mask=tile_mask, other=0.0).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(v * v, axis=1) / d_model + eps)
-            logit = tl.sum(v * u[None, :], axis=1) * rstd
+            v, rstd, logit = _source_tile(source, offsets, tile_mask, u, d_model, eps)
             weight = tl.exp(logit - lse)
             grad_logit = weight * (tl.sum(v * dh, axis=1) - delta)
             key_coef = grad_logit * rstd
