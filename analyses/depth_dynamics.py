@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from analyses.common import Job, command_line, machine_info, reproduction_jobs, run_jobs  # noqa: E402
+from analyses.common import Job, command_line, machine_info, reproduction_jobs, run_jobs, training_minutes  # noqa: E402
 
 PRESETS = ["depth-standard", "depth-full", "depth-block"]
 COLORS = dict(zip(PRESETS, ["#555555", "#0072B2", "#E69F00"]))  # Okabe–Ito, colour-blind safe
@@ -105,19 +105,28 @@ def write_report(jobs: list[Job], report_dir: Path, seconds: float) -> None:
     lines = [f"| {p} | {r.final_eval_loss:.3f} | {r.final_accuracy:.1%} | {r.hidden_growth:.2f}× | "
              f"{r.output_max_over_min:.1f} | {r.grad_max_over_min:.1f} | {r.grad_cv:.2f} |" for p, r in summary.iterrows()]
     s, f, b = (summary.loc[p] for p in PRESETS)
+    def compare(name: str, attnres_value: float, standard_value: float, smaller_is: str) -> str:
+        return f"{name} {attnres_value:.1f} ({smaller_is if attnres_value < standard_value else 'not ' + smaller_is})"
+
     findings = [
         f"* Hidden-state growth from the second to the last sublayer input: standard {s.hidden_growth:.2f}×, "
         f"Full {f.hidden_growth:.2f}×, Block {b.hidden_growth:.2f}× "
         f"({'PreNorm grows most, as the paper reports' if s.hidden_growth > max(f.hidden_growth, b.hidden_growth) else 'PreNorm does NOT grow most here, unlike the paper'}).",
-        f"* Gradient-norm spread across depth (max/min): standard {s.grad_max_over_min:.1f}, Full {f.grad_max_over_min:.1f}, "
-        f"Block {b.grad_max_over_min:.1f} ({'more uniform under AttnRes, as the paper reports' if s.grad_max_over_min > max(f.grad_max_over_min, b.grad_max_over_min) else 'not more uniform under AttnRes here'}).",
+        f"* Gradient-norm spread across depth (max/min of ‖∂loss/∂f_j‖): standard {s.grad_max_over_min:.1f}; "
+        f"{compare('Full', f.grad_max_over_min, s.grad_max_over_min, 'more uniform than PreNorm')}; "
+        f"{compare('Block', b.grad_max_over_min, s.grad_max_over_min, 'more uniform than PreNorm')} "
+        "(the paper reports more uniform gradients under AttnRes).",
+        f"* Output-magnitude spread across depth (max/min RMS of f_j): standard {s.output_max_over_min:.1f}; "
+        f"{compare('Full', f.output_max_over_min, s.output_max_over_min, 'tighter than PreNorm')}; "
+        f"{compare('Block', b.output_max_over_min, s.output_max_over_min, 'tighter than PreNorm')}.",
         f"* Final held-out loss: standard {s.final_eval_loss:.3f}, Full {f.final_eval_loss:.3f}, Block {b.final_eval_loss:.3f}.",
     ]
     config = runs[(PRESETS[0], seed0)].config
     text = f"""# Depth dynamics: PreNorm vs Full vs Block AttnRes
 
 Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by `{command_line()}` on {machine_info()}.
-Training took {seconds / 60:.1f} min of wall time ({len(jobs)} runs; 0 min means every run was reused).
+Training took {sum(training_minutes(job.out) for job in jobs):.1f} min of wall time summed over the {len(jobs)} runs
+({seconds / 60:.1f} min in this invocation; 0 when every run was reused), one torch thread per process.
 
 Models: {config['model']['n_layers']} layers with MLPs (24 sublayers), d_model {config['model']['d_model']},
 d_mlp {config['model']['d_mlp']}, RoPE, RMSNorm PreNorm; Block AttnRes uses S = 4 (two layers per block).

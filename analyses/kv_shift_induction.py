@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from analyses.common import Job, command_line, machine_info, reproduction_jobs, run_jobs, steps_to_threshold  # noqa: E402
+from analyses.common import Job, command_line, machine_info, reproduction_jobs, run_jobs, steps_to_threshold, training_minutes  # noqa: E402
 
 PRESETS = ["induction-1l-vanilla", "induction-2l-vanilla", "induction-1l-kvshift", "induction-2l-kvshift"]
 THRESHOLD = 0.9
@@ -91,8 +91,8 @@ def write_report(jobs: list[Job], report_dir: Path, seconds: float) -> None:
     text = f"""# KV-shift induction reproduction
 
 Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by `{command_line()}`
-on {machine_info()}. Training took {seconds / 60:.1f} min of wall time ({len(jobs)} runs; 0 min means every
-run was reused from an earlier invocation).
+on {machine_info()}. Training took {sum(training_minutes(job.out) for job in jobs):.1f} min of wall time summed over
+the {len(jobs)} runs, two at a time ({seconds / 60:.1f} min in this invocation; 0 when every run was reused).
 
 Task: variable-offset copy (vocab 64, length 65, a segment of 8–16 tokens repeated at a random later offset;
 accuracy only on positions whose answer the context determines). Models: attention-only, d_model 64, 4 heads,
