@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--preset", help="preset name (see `attnres-lens presets`)")
     source.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     train.add_argument("--out", metavar="DIR", help="run directory to create (required with --preset)")
-    train.add_argument("--steps", type=int, help="total training steps (overrides the preset; extends a resumed run)")
+    train.add_argument("--steps", type=int,
+                       help="total training steps (overrides the preset; with --resume, a larger total extends the run)")
     train.add_argument("--seed", type=int, help="seed for model init and data (train.seed and task.seed)")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to train (default: the preset's, auto)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -74,7 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from attnres_lens.presets import apply_overrides, get_preset
-    from attnres_lens.rundir import RunDirError
+    from attnres_lens.rundir import RunDirError, read_checkpoint_index
     from attnres_lens.training import TrainingDiverged, resume, train
 
     try:
@@ -97,6 +98,13 @@ def _train(args: argparse.Namespace) -> int:
     except (ValueError, FileExistsError, RunDirError, TrainingDiverged) as err:
         print(f"attnres-lens: error: {err}", file=sys.stderr)
         return 2 if not isinstance(err, TrainingDiverged) else 3
+    except KeyboardInterrupt:
+        run_dir = Path(args.resume or args.out)
+        latest = read_checkpoint_index(run_dir).get("latest") if (run_dir / "config.json").exists() else None
+        where = (f"the latest checkpoint is {latest}; continue with `attnres-lens train --resume {run_dir}`" if latest
+                 else f"no checkpoint was written yet; remove {run_dir} and train again")
+        print(f"\nattnres-lens: interrupted: {where}", file=sys.stderr)
+        return 130
     if trainer.rank == 0:
         final = trainer.last_eval
         summary = ", ".join(f"{k}={v:.4g}" for k, v in final.items())

@@ -381,7 +381,8 @@ def train(config: RunConfig, out_dir: str | Path, progress: bool = True) -> Trai
 def resume(out_dir: str | Path, progress: bool = True, steps: Optional[int] = None) -> Trainer:
     """Continue a run from its latest checkpoint; the loss curve continues as if never interrupted.
 
-    `steps` extends (or sets) the total step budget.
+    `steps` sets a new, larger total step budget (the cosine schedule then stretches to it); a run that has
+    reached its budget needs one to continue.
     """
     out_dir = Path(out_dir)
     raw = read_run_config(out_dir)
@@ -394,8 +395,14 @@ def resume(out_dir: str | Path, progress: bool = True, steps: Optional[int] = No
     trainer = Trainer(config, out_dir, progress)
     index = read_checkpoint_index(out_dir)
     if index.get("latest") is None:
-        raise RunDirError(f"{out_dir} has no checkpoint to resume from; start it again with `attnres-lens train`")
+        raise RunDirError(f"{out_dir} has no checkpoint to resume from; remove it and start again with `attnres-lens train`")
     trainer.load_training_state(index["latest"])
+    if trainer.step >= config.train.steps:  # checked before fit() rewrites config.json
+        if steps is None:
+            raise ValueError(f"{out_dir} is complete (step {trainer.step} of {config.train.steps}); to train further "
+                             f"give a larger total with --steps N (N > {trainer.step})")
+        raise ValueError(f"--steps {steps} is not above the step of {out_dir}'s latest checkpoint ({trainer.step}); "
+                         f"give a larger total")
     if trainer.rank == 0:
         truncate_metrics(out_dir, trainer.step)
         trainer.recorder.load(read_records(out_dir), trainer.step)

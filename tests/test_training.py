@@ -263,3 +263,30 @@ def test_two_process_gloo_run_matches_one_process(tmp_path):
     one, two = load_run(single).model, load_run(double).model
     for (name, p1), (_, p2) in zip(one.named_parameters(), two.named_parameters()):
         torch.testing.assert_close(p1, p2, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_resume_refuses_a_complete_run_or_a_smaller_budget_without_touching_it(smoke_run, capsys):
+    before = (smoke_run / "config.json").read_bytes()
+    assert cli_main(["train", "--resume", str(smoke_run), "--no-progress"]) == 2
+    assert "is complete (step 40 of 40)" in capsys.readouterr().err
+    assert cli_main(["train", "--resume", str(smoke_run), "--steps", "30", "--no-progress"]) == 2
+    assert "--steps 30 is not above" in capsys.readouterr().err
+    assert (smoke_run / "config.json").read_bytes() == before
+
+
+def test_ctrl_c_says_where_to_resume(tmp_path, monkeypatch, capsys):
+    original = Trainer._train_step
+
+    def interrupt_at_step_25(self):
+        if self.step == 25:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "_train_step", interrupt_at_step_25)
+    out = tmp_path / "interrupted"
+    assert cli_main(["train", "--preset", "smoke", "--out", str(out), "--no-progress"]) == 130
+    message = capsys.readouterr().err
+    assert "interrupted: the latest checkpoint is step_0000020" in message and f"--resume {out}" in message
+    monkeypatch.setattr(Trainer, "_train_step", original)
+    assert cli_main(["train", "--resume", str(out), "--no-progress"]) == 0
+    assert load_run(out).checkpoint == "step_0000040"
