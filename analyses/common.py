@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import platform
@@ -17,6 +16,8 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
+from attnres_lens.rundir import run_is_complete
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -26,15 +27,6 @@ class Job:
     seed: int
     out: Path
     overrides: tuple[str, ...] = ()
-
-
-def run_is_complete(out: Path) -> bool:
-    """True when the run's latest checkpoint is at its final step (so it need not be trained again)."""
-    index, config = out / "checkpoints" / "index.json", out / "config.json"
-    if not (index.exists() and config.exists()):
-        return False
-    latest = json.loads(index.read_text()).get("latest")
-    return latest == f"step_{json.loads(config.read_text())['train']['steps']:07d}"
 
 
 def _run_job(job: Job) -> str:

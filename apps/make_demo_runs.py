@@ -11,7 +11,6 @@ with `attnres-lens train` for a run you want to continue.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -36,18 +35,6 @@ DEMO_RUNS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def is_complete(run_dir: Path) -> bool:
-    """A finished run: config, an index naming a latest checkpoint, and that checkpoint's weights."""
-    index_path = run_dir / "checkpoints" / "index.json"
-    if not (run_dir / "config.json").is_file() or not index_path.is_file():
-        return False
-    try:
-        latest = json.loads(index_path.read_text()).get("latest")
-    except json.JSONDecodeError:
-        return False
-    return latest is not None and (run_dir / "checkpoints" / f"{latest}.safetensors").is_file()
-
-
 def train_demo_run(name: str, out: Path) -> None:
     from attnres_lens.presets import apply_overrides, get_preset
     from attnres_lens.training import train
@@ -66,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"folder of demo runs (default {DEFAULT_OUT})")
     parser.add_argument("--force", action="store_true", help="retrain every demo run, even complete ones")
     args = parser.parse_args(argv)
+    from attnres_lens.rundir import run_is_complete
 
-    missing = [name for name in DEMO_RUNS if args.force or not is_complete(args.out / name)]
+    missing = [name for name in DEMO_RUNS if args.force or not run_is_complete(args.out / name)]
     if not missing:
         print(f"demo runs present in {args.out} ({len(DEMO_RUNS)} runs)")
         return 0

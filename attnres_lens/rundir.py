@@ -150,6 +150,17 @@ def read_checkpoint_index(path: PathLike) -> dict[str, Any]:
         raise RunDirError(f"{index_path} is not valid JSON ({err})") from err
 
 
+def run_is_complete(path: PathLike) -> bool:
+    """True when a run's latest checkpoint is at its final step and its weights file exists."""
+    path = Path(path)
+    try:
+        steps = read_run_config(path)["train"]["steps"]
+        latest = read_checkpoint_index(path).get("latest")
+    except (RunDirError, KeyError):
+        return False
+    return latest == checkpoint_name(steps) and (path / "checkpoints" / f"{latest}.safetensors").is_file()
+
+
 def read_metrics(path: PathLike) -> pd.DataFrame:
     """metrics.jsonl as a DataFrame; a torn last line (crash mid-write) is skipped, other bad lines are errors."""
     metrics_path = Path(path) / "metrics.jsonl"

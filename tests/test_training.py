@@ -290,3 +290,16 @@ def test_ctrl_c_says_where_to_resume(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(Trainer, "_train_step", original)
     assert cli_main(["train", "--resume", str(out), "--no-progress"]) == 0
     assert load_run(out).checkpoint == "step_0000040"
+
+
+def test_run_is_complete(smoke_run, tmp_path):
+    from attnres_lens.rundir import run_is_complete
+
+    assert run_is_complete(smoke_run)
+    assert not run_is_complete(tmp_path / "missing")
+    import shutil
+
+    partial = tmp_path / "partial"
+    shutil.copytree(smoke_run, partial)
+    (partial / "checkpoints" / "step_0000040.safetensors").unlink()
+    assert not run_is_complete(partial)

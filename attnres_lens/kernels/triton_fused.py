@@ -24,8 +24,15 @@ from attnres_lens.kernels._common import new_output
 
 
 @triton.jit
-def _source_tile(source, offsets, tile_mask, u, d_model, eps):
-    """One source's tile in fp32 with its per-token rstd and logit ``u . (rstd * v)``, ``u = w * g``."""
+def _source_tile(src_table, s, buffer_source, offsets, tile_mask, u, d_model, eps, FROM_TABLE: tl.constexpr):
+    """Source s's tile in fp32 with its per-token rstd and logit ``u . (rstd * v)``, ``u = w * g``.
+
+    The source's address comes from the pointer table, or is ``buffer_source`` in a depth buffer.
+    """
+    if FROM_TABLE:
+        source = tl.load(src_table + s).to(buffer_source.dtype)
+    else:
+        source = buffer_source
     # upcast straight after the load: bf16/fp16 arithmetic is neither accurate nor supported by the interpreter
     v = tl.load(source + offsets, mask=tile_mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(v * v, axis=1) / d_model + eps)
@@ -64,12 +71,8 @@ def _depth_attention_fwd_kernel(
     # advancing a pointer (64-bit) rather than computing s * stride keeps S*N*D > 2^31 from overflowing int32
     buffer_source = src_base
     for s in range(n_sources):
-        if FROM_TABLE:
-            source = tl.load(src_table + s).to(src_base.dtype)
-        else:
-            source = buffer_source
+        v, rstd, logit = _source_tile(src_table, s, buffer_source, offsets, tile_mask, u, d_model, eps, FROM_TABLE)
         buffer_source += source_stride
-        v, rstd, logit = _source_tile(source, offsets, tile_mask, u, d_model, eps)
         if STORE_LOGITS:
             tl.store(logits_out + s * n_tokens + rows, logit, mask=row_mask)
         new_max = tl.maximum(running_max, logit)
@@ -123,12 +126,8 @@ def _depth_attention_bwd_kernel(
         buffer_source = src_base
         grad_source = grad_sources
         for s in range(n_sources):
-            if FROM_TABLE:
-                source = tl.load(src_table + s).to(src_base.dtype)
-            else:
-                source = buffer_source
+            v, rstd, logit = _source_tile(src_table, s, buffer_source, offsets, tile_mask, u, d_model, eps, FROM_TABLE)
             buffer_source += source_stride
-            v, rstd, logit = _source_tile(source, offsets, tile_mask, u, d_model, eps)
             weight = tl.exp(logit - lse)
             grad_logit = weight * (tl.sum(v * dh, axis=1) - delta)
             key_coef = grad_logit * rstd
