@@ -6,7 +6,8 @@ Depth-attention paths compared:
 
 * `eager`: the readable path of `attnres_lens/attnres.py` (what runs when a hook watches the weights);
 * `reference`: `kernels.depth_attention(backend="reference")`, plain autograd;
-* `torch`: the fast CPU kernel (gain folded into the query, rstd once per source, hand-written backward).
+* `torch`: plain-PyTorch fast path (gain folded into the query, rstd once per source, hand-written backward);
+* `cpu`: the fused C kernel (`kernels/cpu_fused.c`), what `auto` picks on a CPU with a C compiler.
 
     python analyses/bench_cpu_step.py --repeats 30 --threads 1 2 --out analyses/reports/bench_cpu_step.md
 """
@@ -98,7 +99,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--paths", nargs="+", default=["torch", "reference", "eager"], choices=["torch", "reference", "eager"])
+    parser.add_argument("--paths", nargs="+", default=["cpu", "torch", "reference", "eager"],
+                        choices=["cpu", "torch", "reference", "eager"])
     parser.add_argument("--out", type=Path, help="write the markdown table here")
     args = parser.parse_args()
 

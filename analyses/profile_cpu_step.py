@@ -23,8 +23,8 @@ from analyses.common import command_line, emit_report, machine_info  # noqa: E40
 
 VARIANTS = {
     "standard": dict(residual="standard"),
-    "block4": dict(residual="attnres", attnres_block_size=4, depth_attention_backend="torch"),
-    "full": dict(residual="attnres", attnres_block_size=1, depth_attention_backend="torch"),
+    "block4": dict(residual="attnres", attnres_block_size=4, depth_attention_backend="cpu"),
+    "full": dict(residual="attnres", attnres_block_size=1, depth_attention_backend="cpu"),
 }
 
 

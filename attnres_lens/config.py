@@ -16,11 +16,13 @@ from typing import Any, Optional
 import torch
 from transformer_lens.config import TransformerLensConfig
 
+from attnres_lens.kernels._common import BACKENDS
+
 RESIDUAL_KINDS = ("standard", "attnres")
 ATTENTION_KINDS = ("standard", "kv_shift")
 POSITIONAL_KINDS = ("rotary", "standard")  # "standard" = learned absolute positions, as in TL
 ACT_FNS = ("gelu", "relu", "silu")
-DEPTH_BACKENDS = ("auto", "reference", "torch", "triton")
+DEPTH_BACKENDS = BACKENDS
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -11,7 +11,7 @@ from attnres_lens import HookedTransformer
 from attnres_lens.kernels import triton_available
 from tests.helpers import randomize_depth_parameters, small_config
 
-BACKENDS = ["reference", "torch", pytest.param("triton", marks=pytest.mark.triton)]
+BACKENDS = ["reference", "torch", "cpu", pytest.param("triton", marks=pytest.mark.triton)]
 
 
 def loss_and_grads(model: HookedTransformer, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

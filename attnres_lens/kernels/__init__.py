@@ -4,7 +4,9 @@
 ``alpha = softmax_s(w . RMSNorm_g(v_s))``. Backends:
 
 * ``reference`` (``reference.py``): readable PyTorch, the ground truth; exact in float64; fully differentiable.
-* ``torch`` (``torch_fast.py``): the fast CPU path, a custom autograd Function with a hand-derived backward.
+* ``torch`` (``torch_fast.py``): plain PyTorch with a hand-derived backward (any device, no compiler needed).
+* ``cpu`` (``cpu_fused.c`` via ``cpu_fused.py``): fused C forward and backward for CPU tensors, one pass per source,
+  compiled with the system C compiler on first use.
 * ``triton`` (``triton_fused.py``): fused forward and backward kernels for CUDA (or the CPU interpreter).
 
 Only torch is imported here; Triton is imported the first time the triton backend runs.
@@ -23,6 +25,7 @@ from attnres_lens.kernels._common import (
     resolve_backend,
     triton_available,
 )
+from attnres_lens.kernels.cpu_fused import depth_attention_cpu
 from attnres_lens.kernels.reference import depth_attention_reference
 from attnres_lens.kernels.torch_fast import depth_attention_torch
 from attnres_lens.kernels.two_phase import BlockStats, block_phase1, merge_partial
@@ -61,8 +64,9 @@ def depth_attention(
         query: the pseudo-query ``w``, ``[D]``.
         key_norm_weight: the key RMSNorm gain ``g``, ``[D]``.
         eps: RMSNorm epsilon.
-        backend: ``"auto"``, ``"reference"``, ``"torch"`` or ``"triton"``. ``"auto"`` honours
-            ``$ATTNRES_LENS_BACKEND`` if set, else picks triton for CUDA tensors and torch otherwise.
+        backend: ``"auto"``, ``"reference"``, ``"torch"``, ``"cpu"`` or ``"triton"``. ``"auto"`` honours
+            ``$ATTNRES_LENS_BACKEND`` if set, else picks triton for CUDA tensors, cpu for CPU tensors (falling
+            back to torch, with a warning, where no C compiler is found) and torch otherwise.
         return_weights: also return ``alpha`` as ``[..., S]`` (fp32; fp64 for fp64 sources).
         return_logits: also return the pre-softmax logits ``w . k_s`` as ``[..., S]``.
 
@@ -81,8 +85,9 @@ def depth_attention(
 
     if chosen == "reference":
         h, weights, logits = depth_attention_reference(source_list, query, key_norm_weight, eps)
-    elif chosen == "torch":
-        h, weights, logits = depth_attention_torch(source_list, query, key_norm_weight, eps)
+    elif chosen in ("torch", "cpu"):
+        fast_path = depth_attention_torch if chosen == "torch" else depth_attention_cpu
+        h, weights, logits = fast_path(source_list, query, key_norm_weight, eps)
         if want_stats:
             weights, logits = _token_major(weights, lead_shape), _token_major(logits, lead_shape)
     else:

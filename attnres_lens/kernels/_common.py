@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Union
 
@@ -11,7 +12,7 @@ import torch
 
 Sources = Union[Sequence[torch.Tensor], torch.Tensor]
 
-BACKENDS = ("auto", "reference", "torch", "triton")
+BACKENDS = ("auto", "reference", "torch", "cpu", "triton")
 BACKEND_ENV_VAR = "ATTNRES_LENS_BACKEND"
 
 # Tests switch this on so every freshly allocated kernel output starts as NaN: an element a kernel forgets to
@@ -39,7 +40,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     """Turn ``backend`` (possibly ``"auto"``) into a concrete backend name.
 
     ``"auto"`` defers to ``$ATTNRES_LENS_BACKEND`` when set, else picks Triton for CUDA tensors (if Triton is
-    importable) and the fast torch path otherwise. An explicit backend name always wins over the variable.
+    importable), the fused C kernel for CPU tensors (if it builds here), and the torch path otherwise. An explicit
+    backend name always wins over the variable.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -49,9 +51,29 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             if forced not in BACKENDS:
                 raise ValueError(f"${BACKEND_ENV_VAR} must be one of {BACKENDS}, got {forced!r}")
             backend = forced
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
-    return backend
+    if backend != "auto":
+        return backend
+    if device.type == "cuda" and triton_available():
+        return "triton"
+    if device.type == "cpu" and _cpu_kernel_builds():
+        return "cpu"
+    return "torch"
+
+
+_CPU_KERNEL_STATE: list[bool] = []  # [] until the first "auto" on a CPU tensor tries the build
+
+
+def _cpu_kernel_builds() -> bool:
+    if not _CPU_KERNEL_STATE:
+        from attnres_lens.kernels.cpu_fused import CpuKernelUnavailable, cpu_library
+
+        try:
+            cpu_library(torch.float32)
+            _CPU_KERNEL_STATE.append(True)
+        except CpuKernelUnavailable as err:
+            warnings.warn(f"depth attention falls back to the slower torch path: {err}", stacklevel=3)
+            _CPU_KERNEL_STATE.append(False)
+    return _CPU_KERNEL_STATE[0]
 
 
 def check_sources(sources: Sources) -> list[torch.Tensor]:

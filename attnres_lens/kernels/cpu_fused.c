@@ -1,0 +1,193 @@
+/* Fused depth attention for CPU tensors (SPEC §5). Readable reference: reference.py; math: torch_fast.py.
+ *
+ * Compiled on first use by cpu_fused.py, once per element type, with -DREAL=float or -DREAL=double.
+ * Each token row is finished before the next one starts: a row of every source (S * D values) stays in L1/L2,
+ * so each source is read from memory once in the forward and once in the backward, and each gradient is written
+ * once. The torch path needs ~10 passes over every source for the same work.
+ *
+ * Layouts: sources and their gradients are S pointers to [N, D] rows; per-token statistics (rstd, logits,
+ * weights) are [S, N]; the folded-query gradient is summed per thread into a [threads, D]
+ * buffer that the caller reduces in a fixed order (deterministic for a given thread count, no atomics).
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <tgmath.h> /* sqrt/exp in the element type, not double */
+
+#ifndef REAL
+#error "compile with -DREAL=float or -DREAL=double"
+#endif
+typedef REAL real;
+
+#define MAX_THREADS 64 /* cpu_fused.py caps its thread count at the same number */
+
+typedef struct {
+    const real *const *sources; /* S pointers, each to [N, D] */
+    int64_t n_sources, n_tokens, d_model;
+    const real *folded_query;   /* [D], u = w * g */
+    real eps;
+    /* forward outputs / backward inputs */
+    real *h;                    /* [N, D] */
+    real *rstd, *logits, *weights; /* [S, N] */
+    /* backward */
+    const real *grad_h;         /* [N, D] */
+    real *const *grad_sources;  /* S pointers, each to [N, D] */
+    real *grad_query_partial;   /* [threads, D] */
+} depth_args;
+
+typedef struct {
+    const depth_args *args;
+    int64_t row_begin, row_end;
+    int thread;
+} row_range;
+
+static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
+    const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model;
+    const real *u = a->folded_query;
+    for (int64_t n = begin; n < end; ++n) {
+        /* pass 1: rstd and logit of every source, one read of each row for both sums */
+        real max_logit = -INFINITY;
+        for (int64_t s = 0; s < S; ++s) {
+            const real *v = a->sources[s] + n * D;
+            real square_sum = 0, dot = 0;
+#pragma omp simd reduction(+ : square_sum, dot)
+            for (int64_t d = 0; d < D; ++d) {
+                square_sum += v[d] * v[d];
+                dot += v[d] * u[d];
+            }
+            const real r = (real)1 / sqrt(square_sum / (real)D + a->eps);
+            a->rstd[s * N + n] = r;
+            a->logits[s * N + n] = dot * r;
+            if (dot * r > max_logit) max_logit = dot * r;
+        }
+        real total = 0;
+        for (int64_t s = 0; s < S; ++s) {
+            const real e = exp(a->logits[s * N + n] - max_logit);
+            a->weights[s * N + n] = e;
+            total += e;
+        }
+        /* pass 2: h = sum_s alpha_s v_s, rows still in cache */
+        real *h = a->h + n * D;
+        for (int64_t s = 0; s < S; ++s) {
+            const real w = a->weights[s * N + n] / total;
+            a->weights[s * N + n] = w;
+            const real *v = a->sources[s] + n * D;
+            if (s == 0) {
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) h[d] = w * v[d];
+            } else {
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) h[d] += w * v[d];
+            }
+        }
+    }
+}
+
+/* Per token (r_s = rstd, l_s = logit, delta = dh . h = sum_s alpha_s (dh . v_s)):
+ *   dlogit_s = alpha_s (dh . v_s - delta)
+ *   dv_s     = alpha_s dh + dlogit_s r_s u - dlogit_s l_s r_s^2 / D v_s
+ *   du      += dlogit_s r_s v_s
+ */
+static void backward_rows(const depth_args *a, int64_t begin, int64_t end, real *grad_u) {
+    const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model;
+    const real *u = a->folded_query;
+    real dots[S];
+    for (int64_t n = begin; n < end; ++n) {
+        const real *dh = a->grad_h + n * D;
+        real delta = 0;
+        for (int64_t s = 0; s < S; ++s) {
+            const real *v = a->sources[s] + n * D;
+            real dot = 0;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += v[d] * dh[d];
+            dots[s] = dot;
+            delta += a->weights[s * N + n] * dot;
+        }
+        for (int64_t s = 0; s < S; ++s) {
+            const real w = a->weights[s * N + n], r = a->rstd[s * N + n];
+            const real key_coef = w * (dots[s] - delta) * r;
+            const real value_coef = key_coef * a->logits[s * N + n] * r / (real)D;
+            const real *v = a->sources[s] + n * D;
+            real *grad = a->grad_sources[s] + n * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) {
+                grad[d] = w * dh[d] + key_coef * u[d] - value_coef * v[d];
+                grad_u[d] += key_coef * v[d];
+            }
+        }
+    }
+}
+
+static void *forward_worker(void *arg) {
+    const row_range *range = arg;
+    forward_rows(range->args, range->row_begin, range->row_end);
+    return NULL;
+}
+
+static void *backward_worker(void *arg) {
+    const row_range *range = arg;
+    const depth_args *a = range->args;
+    real *grad_u = a->grad_query_partial + range->thread * a->d_model;
+    memset(grad_u, 0, (size_t)a->d_model * sizeof(real));
+    backward_rows(a, range->row_begin, range->row_end, grad_u);
+    return NULL;
+}
+
+/* Split the rows into n_threads contiguous ranges; the calling thread takes the first. A thread that cannot be
+ * started has its range run here instead, so the result never depends on thread creation succeeding. */
+static void run_rows(void *(*worker)(void *), const depth_args *a, int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+    row_range ranges[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS];
+    const int64_t per_thread = (a->n_tokens + n_threads - 1) / n_threads;
+    for (int t = 0; t < n_threads; ++t) {
+        int64_t begin = t * per_thread, end = begin + per_thread;
+        if (begin > a->n_tokens) begin = a->n_tokens;
+        if (end > a->n_tokens) end = a->n_tokens;
+        ranges[t] = (row_range){a, begin, end, t};
+        started[t] = t > 0 && pthread_create(&threads[t], NULL, worker, &ranges[t]) == 0;
+    }
+    worker(&ranges[0]);
+    for (int t = 1; t < n_threads; ++t) {
+        if (started[t]) pthread_join(threads[t], NULL);
+        else worker(&ranges[t]);
+    }
+}
+
+void depth_attention_forward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
+                             const real *folded_query, double eps, real *h, real *rstd, real *logits,
+                             real *weights, int n_threads) {
+    depth_args a = {0};
+    a.sources = sources;
+    a.n_sources = n_sources;
+    a.n_tokens = n_tokens;
+    a.d_model = d_model;
+    a.folded_query = folded_query;
+    a.eps = (real)eps;
+    a.h = h;
+    a.rstd = rstd;
+    a.logits = logits;
+    a.weights = weights;
+    run_rows(forward_worker, &a, n_threads);
+}
+
+void depth_attention_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
+                              const real *folded_query, const real *rstd, const real *logits,
+                              const real *weights, const real *grad_h, real *const *grad_sources,
+                              real *grad_query_partial, int n_threads) {
+    depth_args a = {0};
+    a.sources = sources;
+    a.n_sources = n_sources;
+    a.n_tokens = n_tokens;
+    a.d_model = d_model;
+    a.folded_query = folded_query;
+    a.rstd = (real *)rstd;
+    a.logits = (real *)logits;
+    a.weights = (real *)weights;
+    a.grad_h = grad_h;
+    a.grad_sources = grad_sources;
+    a.grad_query_partial = grad_query_partial;
+    run_rows(backward_worker, &a, n_threads);
+}

@@ -1,0 +1,126 @@
+"""The fused C kernel of the ``cpu`` backend: threading, determinism, odd layouts, and how it fails."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from attnres_lens.kernels import _common, cpu_fused, depth_attention
+from tests.kernel_cases import assert_close, make_inputs, oracle
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+
+
+@pytest.fixture
+def many_threads(monkeypatch):
+    """Split even tiny inputs over 4 kernel threads, more than some inputs have rows."""
+    monkeypatch.setattr(cpu_fused, "MIN_ELEMENTS_PER_THREAD", 1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(previous)
+
+
+def forward_backward(sources, query, gain):
+    leaves = [t.detach().clone().requires_grad_() for t in (*sources, query, gain)]
+    h, weights = depth_attention(leaves[:-2], leaves[-2], leaves[-1], backend="cpu", return_weights=True)
+    (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
+    return h.detach(), weights, [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3, 97])
+def test_threaded_split_matches_oracle_and_one_thread(many_threads, n_tokens):
+    sources, query, gain = make_inputs(6, (n_tokens,), 40, seed=11)
+    h, weights, grads = forward_backward(sources, query, gain)
+    expected_h, expected_weights, _ = oracle(sources, query, gain)
+    assert_close(h, expected_h, torch.float32)
+    assert_close(weights, expected_weights, torch.float32)
+    torch.set_num_threads(1)
+    h_one, _, grads_one = forward_backward(sources, query, gain)
+    torch.testing.assert_close(h, h_one, rtol=0, atol=0)  # rows are independent: the split cannot change them
+    for threaded, single in zip(grads, grads_one):
+        torch.testing.assert_close(threaded, single, rtol=1e-5, atol=1e-6)
+
+
+def test_repeated_runs_are_bitwise_identical(many_threads):
+    # the query gradient is reduced per thread, then in a fixed order: no atomics, no run-to-run noise
+    sources, query, gain = make_inputs(5, (64,), 24, seed=12)
+    first, second = forward_backward(sources, query, gain)[2], forward_backward(sources, query, gain)[2]
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_non_contiguous_sources_and_leading_dims():
+    sources, query, gain = make_inputs(3, (4, 6), 10, seed=13)
+    transposed = [source.transpose(0, 1) for source in sources]  # [6, 4, 10] views, not contiguous
+    h = depth_attention(transposed, query, gain, backend="cpu")
+    assert h.shape == (6, 4, 10)
+    assert_close(h, oracle(transposed, query, gain)[0], torch.float32)
+
+
+def test_non_cpu_tensors_are_refused():
+    sources = [torch.empty(3, 4, device="meta")]
+    with pytest.raises(ValueError, match="cpu backend needs CPU tensors.*meta"):
+        cpu_fused.depth_attention_cpu(sources, torch.empty(4, device="meta"), torch.empty(4, device="meta"), 1e-6)
+
+
+def _run_without_a_working_compiler(tmp_path, compiler: str, backend: str) -> subprocess.CompletedProcess:
+    """A fresh interpreter (the library cache is per process) with $CC replaced and an empty kernel cache."""
+    code = textwrap.dedent(
+        f"""
+        import warnings, torch
+        from attnres_lens.kernels import depth_attention
+        warnings.simplefilter("always")
+        h = depth_attention([torch.ones(2, 3)], torch.zeros(3), torch.ones(3), backend={backend!r})
+        print("ok", h.sum().item())
+        """
+    )
+    env = {**os.environ, "CC": compiler, cpu_fused.CACHE_ENV_VAR: str(tmp_path / "cache")}
+    env.pop(_common.BACKEND_ENV_VAR, None)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+
+
+def test_missing_compiler_names_it_and_auto_falls_back_to_torch(tmp_path):
+    explicit = _run_without_a_working_compiler(tmp_path, "no-such-cc", "cpu")
+    assert explicit.returncode != 0
+    assert "no C compiler 'no-such-cc' was found" in explicit.stderr and "backend='torch'" in explicit.stderr
+    automatic = _run_without_a_working_compiler(tmp_path, "no-such-cc", "auto")
+    assert automatic.returncode == 0, automatic.stderr
+    assert "ok 6.0" in automatic.stdout
+    assert "falls back to the slower torch path" in automatic.stderr
+
+
+def test_failed_build_reports_the_compiler_output(tmp_path):
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'broken-cc: internal error 42' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    result = _run_without_a_working_compiler(tmp_path, str(broken), "cpu")
+    assert result.returncode != 0
+    assert "building the cpu depth-attention kernel failed" in result.stderr
+    assert "internal error 42" in result.stderr
+    assert not list((tmp_path / "cache").glob("*.so")), "a failed build must not leave a library behind"
+
+
+def test_library_is_cached_per_element_type(tmp_path, monkeypatch):
+    monkeypatch.setenv(cpu_fused.CACHE_ENV_VAR, str(tmp_path))
+    cpu_fused._library.cache_clear()
+    try:
+        cpu_fused.cpu_library(torch.float32)
+        cpu_fused.cpu_library(torch.float64)
+        built = sorted(path.name for path in tmp_path.iterdir())
+        assert len(built) == 2 and built[0].startswith("depth_attention_double_") and built[1].startswith(
+            "depth_attention_float_"
+        )
+        cpu_fused._library.cache_clear()
+        cpu_fused.cpu_library(torch.float32)  # a second process finds the built file instead of compiling
+        assert sorted(path.name for path in tmp_path.iterdir()) == built
+    finally:
+        cpu_fused._library.cache_clear()
