@@ -8,6 +8,9 @@ the machine, the command and the date. Installs nothing; imports torch, triton, 
     python analyses/bench_kernels_gpu.py                      # full grid (tokens 8k/64k, d_model 1024/4096, S 3/9/17)
     python analyses/bench_kernels_gpu.py --tokens 8192 --variants triton,fla
     python analyses/bench_kernels_gpu.py --dry-run            # tiny shapes, CPU interpreter: correctness only
+
+A second table times two-phase Block AttnRes (one phase-1 pass for a block's S pseudo-queries, then one merge per
+sublayer) against S single-pass calls, forward+backward, for blocks with 4, 8 and 16 completed sources.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
-from attnres_lens.kernels import depth_attention  # noqa: E402
+from attnres_lens.kernels import block_phase1, depth_attention, merge_partial  # noqa: E402
 from attnres_lens.kernels.reference import depth_attention_reference  # noqa: E402
 
 VARIANTS = ("triton", "torch", "eager", "compile", "fla")
@@ -102,6 +105,80 @@ def copy_bandwidth_gbs(reps: int) -> float:
     target = torch.empty_like(source)
     ms = cuda_time_ms(lambda: target.copy_(source), reps, warmup=3)
     return 2 * source.numel() * source.element_size() / ms / 1e6
+
+
+def block_inputs(tokens: int, d_model: int, n_completed: int, n_queries: int, dtype: torch.dtype, device: str):
+    """A block's completed sources, one partial sum per sublayer, and its queries and gains."""
+    generator = torch.Generator(device=device).manual_seed(1)
+
+    def tensor(*shape, scale=1.0, offset=0.0):
+        return (offset + scale * torch.randn(*shape, device=device, generator=generator)).requires_grad_()
+
+    completed = [tensor(tokens, d_model).to(dtype).detach().requires_grad_() for _ in range(n_completed)]
+    partials = [tensor(tokens, d_model).to(dtype).detach().requires_grad_() for _ in range(n_queries)]
+    return completed, partials, tensor(n_queries, d_model, scale=d_model**-0.5), tensor(n_queries, d_model, scale=0.1, offset=1.0)
+
+
+def block_forward(two_phase: bool, completed, partials, queries, gains) -> list[torch.Tensor]:
+    """Every sublayer input of one block: sublayer 0 starts it (no partial), sublayer i > 0 adds ``partials[i]``."""
+    if two_phase:
+        stats = block_phase1(completed, queries, gains, backend="triton")
+        return [merge_partial(stats, i, partials[i] if i else None) for i in range(len(partials))]
+    return [
+        depth_attention([*completed, partials[i]] if i else completed, queries[i], gains[i], backend="triton")
+        for i in range(len(partials))
+    ]
+
+
+def block_forward_backward(two_phase: bool, completed, partials, queries, gains):
+    outputs = block_forward(two_phase, completed, partials, queries, gains)
+    loss = sum((output.float() * (i + 1)).sum() for i, output in enumerate(outputs))
+    return outputs, torch.autograd.grad(loss, [*completed, *partials[1:], queries, gains])
+
+
+def two_phase_dry_run() -> list[str]:
+    """Two-phase against single-pass on tiny blocks (interpreter): outputs and gradients must agree."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lines = ["", "| tokens | d_model | completed | S | max abs err h | max abs err grads | status |", "|---|---|---|---|---|---|---|"]
+    for tokens, d_model, n_completed, n_queries in [(37, 24, 2, 2), (50, 40, 4, 4)]:
+        inputs = block_inputs(tokens, d_model, n_completed, n_queries, torch.float32, device)
+        single_h, single_grads = block_forward_backward(False, *inputs)
+        two_h, two_grads = block_forward_backward(True, *inputs)
+        h_err = max((a - b).abs().max().item() for a, b in zip(two_h, single_h))
+        grad_err = max((a - b).abs().max().item() for a, b in zip(two_grads, single_grads))
+        status = "ok" if h_err < 1e-4 and grad_err < 1e-3 else "MISMATCH"
+        lines.append(f"| {tokens} | {d_model} | {n_completed} | {n_queries} | {h_err:.2e} | {grad_err:.2e} | {status} |")
+        if status != "ok":
+            raise AssertionError("\n".join(lines))
+    return lines
+
+
+def two_phase_timed(args: argparse.Namespace) -> list[str]:
+    lines = [
+        "",
+        "Two-phase Block AttnRes vs S single-pass calls (triton, bf16, forward+backward of one block):",
+        "",
+        "| tokens | d_model | completed | S | single-pass ms | two-phase ms | two-phase speed-up |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for tokens in args.tokens:
+        for d_model in args.d_model:
+            for n_completed in (4, 8, 16):
+                for n_queries in args.block_sizes:
+                    try:
+                        inputs = block_inputs(tokens, d_model, n_completed, n_queries, torch.bfloat16, "cuda")
+                        single = cuda_time_ms(lambda: block_forward_backward(False, *inputs), args.reps, args.warmup)
+                        two = cuda_time_ms(lambda: block_forward_backward(True, *inputs), args.reps, args.warmup)
+                    except torch.cuda.OutOfMemoryError:
+                        lines.append(f"| {tokens} | {d_model} | {n_completed} | {n_queries} | out of memory | | |")
+                        continue
+                    finally:
+                        inputs = None
+                        torch.cuda.empty_cache()
+                    lines.append(
+                        f"| {tokens} | {d_model} | {n_completed} | {n_queries} | {single:.3f} | {two:.3f} | {single / two:.2f}x |"
+                    )
+    return lines
 
 
 def header(args: argparse.Namespace) -> list[str]:
@@ -218,6 +295,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--d-model", type=int_list, default=[1024, 4096])
     parser.add_argument("--sources", type=int_list, default=[3, 9, 17])
     parser.add_argument("--variants", type=lambda text: text.split(","), default=list(VARIANTS))
+    parser.add_argument("--block-sizes", type=int_list, default=[2, 4, 8], help="S of the two-phase table")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
@@ -232,7 +310,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("timings need a CUDA GPU; use --dry-run for the CPU correctness check")
-    lines = header(args) + (dry_run(args) if args.dry_run else timed_run(args))
+    if args.dry_run:
+        lines = header(args) + dry_run(args) + two_phase_dry_run()
+    else:
+        lines = header(args) + timed_run(args) + two_phase_timed(args)
     print("\n".join(lines))
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from transformer_lens.hook_points import HookPoint
 
 from attnres_lens.components import RMSNorm
-from attnres_lens.kernels import depth_attention
+from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
 
 EMBEDDING = -1  # sublayer index used for the embedding e in source layouts
 
@@ -53,15 +53,23 @@ def source_layout(consumer: int, n_sublayers: int, block_size: int) -> list[list
 class DepthStream:
     """The residual state between sublayers of an AttnRes model (tensors, not indices).
 
-    `read()` gives the sources of the next sublayer, `write(f)` adds that sublayer's output to the
-    current block's partial sum, and `final_sources()` gives the sources of the final readout.
+    `mix(module)` gives the next consumer's input (a sublayer's, or the final readout's once every sublayer has
+    written); `read()` gives its sources; `write(f)` adds a sublayer's output to the current block's partial sum;
+    `final_sources()` gives the sources of the final readout.
+
+    With `consumers` (every sublayer's depth attention, then the final readout's), Block AttnRes runs two-phase
+    (paper Alg. 1): at a block's first unhooked consumer, one phase-1 pass scores all of the block's pseudo-queries
+    against the completed blocks; each consumer then merges in its own partial sum. A hooked consumer still takes
+    its readable path, so hook values are unchanged.
     """
 
-    def __init__(self, embedding: torch.Tensor, block_size: int):
+    def __init__(self, embedding: torch.Tensor, block_size: int, consumers: Optional[list["DepthAttention"]] = None):
         self.block_size = block_size
         self.blocks: list[torch.Tensor] = [embedding]  # b_0 = e, then completed blocks b_1, b_2, …
         self.partial: Optional[torch.Tensor] = None  # sum of the current block's outputs so far
         self.n_written = 0  # index of the next sublayer
+        self.consumers = consumers
+        self._phase1: Optional[tuple[int, BlockStats]] = None  # (first sublayer of the block, its phase-1 state)
 
     def read(self) -> list[torch.Tensor]:
         starts_block = self.n_written % self.block_size == 0
@@ -76,6 +84,34 @@ class DepthStream:
 
     def final_sources(self) -> list[torch.Tensor]:
         return self.blocks + ([self.partial] if self.partial is not None else [])
+
+    def mix(self, module: "DepthAttention", final: bool = False) -> torch.Tensor:
+        sources = self.final_sources() if final else self.read()
+        if self.consumers is None or module.observed():
+            return module(sources)
+        n_sublayers = len(self.consumers) - 1
+        consumer = n_sublayers if final else self.n_written
+        # the final readout belongs to the last block: it reads that block's (possibly complete) partial sum
+        block_start = (min(consumer, n_sublayers - 1) // self.block_size) * self.block_size
+        if self._phase1 is None or self._phase1[0] != block_start:
+            block_end = block_start + self.block_size
+            members = list(range(block_start, min(block_end, n_sublayers)))
+            members += [n_sublayers] if block_end >= n_sublayers else []
+            self._phase1 = (block_start, self._score_block([self.consumers[i] for i in members]))
+        partial = None if self.partial is None else self.partial.to(self._phase1[1].mix.dtype)
+        return merge_partial(self._phase1[1], consumer - block_start, partial)
+
+    def _score_block(self, members: list["DepthAttention"]) -> BlockStats:
+        blocks = _common_dtype(self.blocks + ([self.partial] if self.partial is not None else []))[: len(self.blocks)]
+        queries = torch.stack([member.query for member in members])
+        gains = torch.stack([member.key_norm.w for member in members])
+        return block_phase1(blocks, queries, gains, members[0].key_norm.eps, backend=members[0].backend)
+
+
+def _common_dtype(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Under autocast the embedding stays fp32 while sublayer outputs are bf16: mix in the wider type."""
+    dtype = functools.reduce(torch.promote_types, (value.dtype for value in sources))
+    return [value.to(dtype) for value in sources]
 
 
 class DepthAttention(nn.Module):
@@ -97,11 +133,13 @@ class DepthAttention(nn.Module):
         self.hook_logits = HookPoint()
         self.hook_weights = HookPoint()
 
+    def observed(self) -> bool:
+        """Whether a hook watches this depth attention (then it runs the readable path)."""
+        return self.hook_logits.has_hooks() or self.hook_weights.has_hooks()
+
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        # Under autocast the embedding stays fp32 while sublayer outputs are bf16: mix in the wider type.
-        dtype = functools.reduce(torch.promote_types, (value.dtype for value in sources))
-        sources = [value.to(dtype) for value in sources]
-        if not (self.hook_logits.has_hooks() or self.hook_weights.has_hooks()):
+        sources = _common_dtype(sources)
+        if not self.observed():
             return depth_attention(sources, self.query, self.key_norm.w, self.key_norm.eps, backend=self.backend)
         keys = [self.key_norm(value) for value in sources]
         logits = torch.stack([key @ self.query for key in keys], dim=-1)  # no temperature, no 1/√d

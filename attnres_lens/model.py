@@ -18,6 +18,7 @@ from transformer_lens.hook_points import HookPoint
 from attnres_lens.attnres import EMBEDDING, DepthAttention, DepthStream, source_layout
 from attnres_lens.components import MLP, Attention, Embed, PosEmbed, RMSNorm, Unembed
 from attnres_lens.config import ModelConfig
+from attnres_lens.kernels import resolve_backend
 
 TokensLike = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], str]
 
@@ -72,7 +73,7 @@ class TransformerBlock(nn.Module):
         if isinstance(stream, SumStream):
             stream.resid = x = hook_in(stream.resid)
         else:
-            x = hook_in(getattr(self, depth_attention)(stream.read()))
+            x = hook_in(stream.mix(getattr(self, depth_attention)))
         stream.write(hook_out(sublayer(norm(x))))
 
 
@@ -123,10 +124,10 @@ class HookedTransformer(HookedRootModule):
                 block(stream)
             final = stream.resid
         else:
-            stream = DepthStream(embedding, self.cfg.attnres_block_size)
+            stream = DepthStream(embedding, self.cfg.attnres_block_size, self._two_phase_consumers(embedding.device))
             for block in self.blocks:
                 block(stream)
-            final = self.final_res(stream.final_sources())
+            final = stream.mix(self.final_res, final=True)
         logits = self.unembed(self.ln_final(final))
 
         if return_type is None:
@@ -135,6 +136,14 @@ class HookedTransformer(HookedRootModule):
             return logits
         loss = next_token_loss(logits, tokens, per_token=loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
+
+    def _two_phase_consumers(self, device: torch.device) -> Optional[list[DepthAttention]]:
+        """Block AttnRes runs two-phase where the depth-attention backend is Triton (fused phase-1 and merge
+        kernels); the CPU paths mix each sublayer in one pass, which measured faster there."""
+        if self.cfg.attnres_block_size == 1 or resolve_backend(self.cfg.depth_attention_backend, device) != "triton":
+            return None
+        modules = self.depth_attention_modules()
+        return [modules[consumer] for consumer in sorted(modules)]
 
     def run_with_cache(self, *model_args: Any, remove_batch_dim: bool = False, **kwargs: Any):
         """Like TL's, but the cache is a `transformer_lens.ActivationCache`, so `cache["pattern", l]` works."""

@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 import attnres_lens.kernels as kernels  # noqa: E402
-from attnres_lens.kernels import _common, depth_attention  # noqa: E402
+from attnres_lens.kernels import _common, block_phase1, depth_attention, merge_partial  # noqa: E402
 from tests.kernel_cases import assert_close, make_inputs, oracle  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,6 +37,7 @@ if DEVICE == "cpu" and INTERPRETER_TOO_LATE:
     )
 
 from attnres_lens.kernels.triton_fused import depth_attention_triton  # noqa: E402
+from attnres_lens.kernels.triton_two_phase import merge_triton, phase1_triton  # noqa: E402
 
 # (n_sources, token shape, d_model, block_rows): token counts that leave a ragged last tile, more tiles than the
 # interpreter's 8 backward programs (so the persistent loop runs), non-power-of-two widths
@@ -116,7 +117,7 @@ def test_matches_fla_naive():
 
 
 def test_auto_picks_triton_only_on_cuda():
-    expected = "triton" if DEVICE == "cuda" else "torch"
+    expected = "triton" if DEVICE == "cuda" else "cpu"
     assert kernels.resolve_backend("auto", torch.device(DEVICE)) == expected
 
 
@@ -129,3 +130,76 @@ def test_gpu_benchmark_dry_run(capsys):
     bench_kernels_gpu.main(["--dry-run"])
     report = capsys.readouterr().out
     assert "dry run" in report and "| tokens |" in report
+
+
+# --- two-phase Block AttnRes ---------------------------------------------------------------------------------
+
+
+def _block_inputs(n_completed, n_queries, token_shape, d_model, dtype, seed):
+    sources, _, _ = make_inputs(n_completed + 1, token_shape, d_model, dtype, seed=seed, device=DEVICE)
+    generator = torch.Generator().manual_seed(seed + 1)
+    queries = (torch.randn(n_queries, d_model, generator=generator) * 2 / d_model**0.5).to(dtype).to(DEVICE)
+    gains = (1 + 0.3 * torch.randn(n_queries, d_model, generator=generator)).to(dtype).to(DEVICE)
+    return sources[:-1], sources[-1], queries, gains
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_completed,n_queries", [(1, 1), (3, 4), (5, 3), (2, 6)])
+def test_two_phase_matches_single_pass_reference(dtype, n_completed, n_queries):
+    """Every sublayer of a block (with and without a partial sum) against one float64 softmax over all its
+    sources, in value and in the gradients of every source, query and gain."""
+    completed, partial, queries, gains = _block_inputs(n_completed, n_queries, (2, 45), 20, dtype, seed=20)
+    grad_output = torch.randn(partial.shape, generator=torch.Generator().manual_seed(21)).to(DEVICE)
+    for index in range(n_queries):
+        for with_partial in (False, True):
+            leaves = [t.detach().clone().requires_grad_() for t in (*completed, partial, queries, gains)]
+            stats = block_phase1(leaves[:n_completed], leaves[-2], leaves[-1], return_logits=True, backend="triton")
+            merged, weights = merge_partial(
+                stats, index, leaves[n_completed] if with_partial else None, return_weights=True
+            )
+            (merged.float() * grad_output).sum().backward()
+
+            sources = [*completed, partial] if with_partial else list(completed)
+            expected_h, expected_weights, _ = oracle(sources, queries[index], gains[index])
+            assert merged.dtype == dtype
+            assert_close(merged, expected_h, dtype)
+            assert_close(weights, expected_weights, dtype)
+
+            reference = [t.detach().double().requires_grad_() for t in (*completed, partial, queries, gains)]
+            reference_h = depth_attention(
+                reference[: n_completed + with_partial], reference[-2][index], reference[-1][index], backend="reference"
+            )
+            (reference_h * grad_output.double()).sum().backward()
+            for leaf, reference_leaf in zip(leaves, reference):
+                if reference_leaf.grad is None:  # the partial sum, when the sublayer starts its block
+                    assert leaf.grad is None
+                else:
+                    assert_close(leaf.grad, reference_leaf.grad, dtype, scale=4.0)
+
+
+def test_two_phase_ragged_tiles_and_persistent_backward():
+    # 70 tokens in tiles of 4: a ragged last tile, and 18 tiles for the interpreter's 8 backward programs
+    completed, partial, queries, gains = _block_inputs(3, 3, (70,), 37, torch.float32, seed=22)
+    leaves = [t.detach().clone().requires_grad_() for t in (*completed, partial, queries, gains)]
+    mix, lse, _ = phase1_triton(leaves[:3], leaves[-2], leaves[-1], 1e-6, False, block_rows=4)
+    h, _ = merge_triton(mix[2], lse[2], leaves[3], leaves[-2][2], leaves[-1][2], 1e-6, False, block_rows=4)
+    h.sin().sum().backward()
+    reference = [t.detach().double().requires_grad_() for t in (*completed, partial, queries, gains)]
+    reference_h = depth_attention(reference[:4], reference[-2][2], reference[-1][2], backend="reference")
+    reference_h.sin().sum().backward()
+    assert_close(h, reference_h, torch.float32)
+    for leaf, reference_leaf in zip(leaves, reference):
+        assert_close(leaf.grad, reference_leaf.grad, torch.float32, scale=4.0)
+
+
+def test_two_phase_gradients_are_bitwise_reproducible():
+    completed, partial, queries, gains = _block_inputs(4, 2, (3, 30), 24, torch.float32, seed=23)
+
+    def gradients():
+        leaves = [t.detach().clone().requires_grad_() for t in (*completed, partial, queries, gains)]
+        stats = block_phase1(leaves[:4], leaves[-2], leaves[-1], backend="triton")
+        total = merge_partial(stats, 0, None).sum() + merge_partial(stats, 1, leaves[4]).cos().sum()
+        return torch.autograd.grad(total, leaves)
+
+    for first, second in zip(gradients(), gradients()):
+        assert torch.equal(first, second)

@@ -22,7 +22,7 @@ def loss_and_grads(model: HookedTransformer, tokens: torch.Tensor) -> tuple[torc
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("block_size", [1, 4])
+@pytest.mark.parametrize("block_size", [1, 2, 4])  # 6 sublayers: S = 4 leaves a short last block
 def test_whole_model_loss_and_gradients_agree_across_backends(backend, block_size):
     if backend == "triton" and not triton_available():
         pytest.skip("triton is not installed")
@@ -62,3 +62,31 @@ def test_attnres_trains_under_bf16_autocast(hooked):
     assert torch.isfinite(loss)
     assert abs(loss.item() - model(tokens, return_type="loss").item()) < 0.05  # bf16 rounding only
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.triton
+def test_two_phase_model_with_one_hooked_consumer():
+    """Under Triton, Block AttnRes runs two-phase; a hook on one consumer sends only that consumer down the
+    readable path, sees the weights of the single-pass softmax, and leaves loss and gradients unchanged."""
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    base = HookedTransformer(small_config("attnres", 4))
+    randomize_depth_parameters(base)
+    tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(4))
+    expected_loss, expected_grads = loss_and_grads(base, tokens)
+    _, reference_cache = base.run_with_cache(tokens)
+    model = HookedTransformer(dataclasses.replace(base.cfg, depth_attention_backend="triton"))
+    model.load_state_dict(base.state_dict())
+    assert model._two_phase_consumers(tokens.device) is not None
+    seen = {}
+
+    def record(weights, hook):  # returns None: the hook watches without replacing the activation
+        seen[hook.name] = weights.detach()
+
+    name = "blocks.0.mlp_res.hook_weights"  # the second consumer of block 1
+    with model.hooks(fwd_hooks=[(name, record)]):
+        loss, grads = loss_and_grads(model, tokens)
+    torch.testing.assert_close(seen[name], reference_cache[name], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for key in grads:
+        torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-4, atol=1e-5, msg=key)

@@ -24,8 +24,8 @@ from attnres_lens.kernels._common import new_output
 
 
 @triton.jit
-def _source_tile(src_table, s, buffer_source, offsets, tile_mask, u, d_model, eps, FROM_TABLE: tl.constexpr):
-    """Source s's tile in fp32 with its per-token rstd and logit ``u . (rstd * v)``, ``u = w * g``.
+def load_source(src_table, s, buffer_source, offsets, tile_mask, d_model, eps, FROM_TABLE: tl.constexpr):
+    """Source s's tile in fp32 and its per-token rstd.
 
     The source's address comes from the pointer table, or is ``buffer_source`` in a depth buffer.
     """
@@ -36,6 +36,13 @@ def _source_tile(src_table, s, buffer_source, offsets, tile_mask, u, d_model, ep
     # upcast straight after the load: bf16/fp16 arithmetic is neither accurate nor supported by the interpreter
     v = tl.load(source + offsets, mask=tile_mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(v * v, axis=1) / d_model + eps)
+    return v, rstd
+
+
+@triton.jit
+def _source_tile(src_table, s, buffer_source, offsets, tile_mask, u, d_model, eps, FROM_TABLE: tl.constexpr):
+    """Source s's tile in fp32 with its per-token rstd and logit ``u . (rstd * v)``, ``u = w * g``."""
+    v, rstd = load_source(src_table, s, buffer_source, offsets, tile_mask, d_model, eps, FROM_TABLE)
     logit = tl.sum(v * u[None, :], axis=1) * rstd
     return v, rstd, logit
 
@@ -151,11 +158,11 @@ def default_block_rows(d_model: int) -> int:
     return max(1, min(16, 4096 // triton.next_power_of_2(d_model)))
 
 
-def _num_warps(block_rows: int, block_d: int) -> int:
+def num_warps(block_rows: int, block_d: int) -> int:
     return 4 if block_rows * block_d <= 2048 else 8
 
 
-def _max_programs(device: torch.device) -> int:
+def max_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 8
@@ -164,7 +171,7 @@ def _max_programs(device: torch.device) -> int:
 _POINTER_TABLES: dict[tuple, torch.Tensor] = {}
 
 
-def _pointer_table(sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def pointer_table(sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Device-resident int64 table of the sources' addresses, cached by address tuple.
 
     The caching allocator hands the same addresses back step after step, so the host-to-device copy is usually
@@ -181,7 +188,7 @@ def _pointer_table(sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return table
 
 
-def _check_device(tensor: torch.Tensor) -> None:
+def check_device(tensor: torch.Tensor) -> None:
     if tensor.device.type != "cuda" and not interpreting():
         raise ValueError(
             "the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is first imported "
@@ -214,7 +221,7 @@ class TritonDepthAttentionFunction(torch.autograd.Function):
         if stacked:
             src_base, src_table, source_stride = sources[0], sources[0], sources[0].stride(0)
         else:
-            src_base, src_table, source_stride = sources[0], _pointer_table(sources), 0
+            src_base, src_table, source_stride = sources[0], pointer_table(sources), 0
 
         h = new_output((n_tokens, d_model), first.dtype, device)
         lse = new_output((n_tokens,), torch.float32, device)
@@ -224,7 +231,7 @@ class TritonDepthAttentionFunction(torch.autograd.Function):
             src_base, src_table, source_stride, folded_query, h, lse, logits,
             n_tokens, n_sources, d_model, eps,
             BLOCK_ROWS=block_rows, BLOCK_D=block_d, FROM_TABLE=not stacked, STORE_LOGITS=store_logits,
-            num_warps=_num_warps(block_rows, block_d),
+            num_warps=num_warps(block_rows, block_d),
         )
         ctx.save_for_backward(query, key_norm_weight, folded_query, h, lse, *sources)
         ctx.src_table = src_table
@@ -239,7 +246,7 @@ class TritonDepthAttentionFunction(torch.autograd.Function):
         block_rows = ctx.block_rows
         block_d = triton.next_power_of_2(d_model)
         n_tiles = triton.cdiv(n_tokens, block_rows)
-        n_programs = min(n_tiles, _max_programs(h.device))
+        n_programs = min(n_tiles, max_programs(h.device))
         grad_sources = new_output((ctx.n_sources, n_tokens, d_model), h.dtype, h.device)
         grad_folded_partial = new_output((n_programs, d_model), torch.float32, h.device)
         _depth_attention_bwd_kernel[(n_programs,)](
@@ -247,7 +254,7 @@ class TritonDepthAttentionFunction(torch.autograd.Function):
             grad_sources, grad_sources.stride(0), folded_query, h, grad_h.contiguous(), lse, grad_folded_partial,
             n_tokens, ctx.n_sources, d_model, ctx.eps, n_tiles,
             BLOCK_ROWS=block_rows, BLOCK_D=block_d, FROM_TABLE=not ctx.stacked,
-            num_warps=_num_warps(block_rows, block_d),
+            num_warps=num_warps(block_rows, block_d),
         )
         grad_folded = grad_folded_partial.sum(dim=0)
         grad_query = (grad_folded * key_norm_weight.float()).to(query.dtype)
@@ -269,7 +276,7 @@ def depth_attention_triton(
 
     ``depth_buffer`` (``[S, ..., D]``), when given, is read in place instead of building a pointer table.
     """
-    _check_device(sources[0])
+    check_device(sources[0])
     shape = sources[0].shape
     d_model = shape[-1]
     block_rows = block_rows or default_block_rows(d_model)

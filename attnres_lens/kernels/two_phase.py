@@ -1,4 +1,4 @@
-"""Two-phase Block AttnRes (paper Alg. 1, SPEC §5), in PyTorch with autograd.
+"""Two-phase Block AttnRes (paper Alg. 1, SPEC §5): readable PyTorch here, fused Triton in ``triton_two_phase.py``.
 
 Pseudo-queries do not depend on the input, so every sublayer of a block can score the completed-block sources
 ``[b_0, ..., b_{n-1}]`` together as soon as the block starts (phase 1): each source is read once for all queries,
@@ -8,8 +8,9 @@ online-softmax merge of two parts ``(m1, l1, o1)`` and ``(m2, l2, o2)``::
 
     m = max(m1, m2),   h = (e^{m1-m} o1 + e^{m2-m} o2) / (e^{m1-m} l1 + e^{m2-m} l2)
 
-where the partial is a one-source part: ``m2 = logit_p``, ``l2 = 1``, ``o2 = p``. The result equals one softmax
-over ``[b_0, ..., b_{n-1}, p]`` in value and gradient.
+Phase 1 keeps each query's part normalised, as ``(lse1, h1) = (m1 + log l1, o1 / l1)`` (the same state with
+``l = 1``); the partial is a one-source part ``(logit_p, 1, p)``. The result equals one softmax over
+``[b_0, ..., b_{n-1}, p]`` in value and gradient.
 """
 
 from __future__ import annotations
@@ -18,25 +19,32 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from attnres_lens.kernels._common import Sources, check_sources, compute_dtype
+from attnres_lens.kernels._common import Sources, check_sources, compute_dtype, resolve_backend
 
 
 class BlockStats(NamedTuple):
-    """Per-query online-softmax state over a block's completed sources (fp32, or fp64 for fp64 sources).
+    """Phase-1 state of a block: one softmax part per pseudo-query over the completed sources.
 
     Leading dims: ``n_q`` (one per pseudo-query of the block), then the sources' token dims ``...``.
     """
 
-    max: torch.Tensor  # [n_q, ...] largest logit
-    sum: torch.Tensor  # [n_q, ...] sum_s exp(logit_s - max)
-    out: torch.Tensor  # [n_q, ..., D] sum_s exp(logit_s - max) * v_s, not yet divided by `sum`
-    folded_queries: torch.Tensor  # [n_q, D] query * gain, reused to score the partial sum in phase 2
+    mix: torch.Tensor  # [n_q, ..., D] softmax mix of the completed sources (fp32; fp64 for fp64)
+    lse: torch.Tensor  # [n_q, ...] log-sum-exp of the completed sources' logits (fp32; fp64 for fp64)
+    queries: torch.Tensor  # [n_q, D]
+    key_norm_weights: torch.Tensor  # [n_q, D]
     logits: Optional[torch.Tensor]  # [n_q, ..., n_completed] when phase 1 was asked for them
-    out_dtype: torch.dtype  # the sources' dtype, which the merged output is cast back to
+    eps: float
+    backend: str  # "torch" or "triton": phase 2 runs where phase 1 ran
+    out_dtype: torch.dtype  # the sources' dtype, which every merged output is cast back to
 
 
 def _rstd(values: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(values.pow(2).mean(dim=-1) + eps)
+
+
+def _two_phase_backend(backend: str, device: torch.device) -> str:
+    """Triton where it would run the single-pass op; the readable torch version everywhere else."""
+    return "triton" if resolve_backend(backend, device) == "triton" else "torch"
 
 
 def block_phase1(
@@ -45,6 +53,7 @@ def block_phase1(
     key_norm_weights: torch.Tensor,
     eps: float = 1e-6,
     return_logits: bool = False,
+    backend: str = "auto",
 ) -> BlockStats:
     """Phase 1: score all ``n_q`` pseudo-queries of a block against its completed-block sources in one pass.
 
@@ -54,6 +63,8 @@ def block_phase1(
         key_norm_weights: ``[n_q, D]``, each sublayer's key-norm gain.
         eps: RMSNorm epsilon of the keys.
         return_logits: keep the per-source logits (for hooks that report depth weights).
+        backend: as for ``depth_attention``; ``"triton"`` (or ``"auto"`` on CUDA) runs the fused kernels, any
+            other choice this module's PyTorch.
     """
     source_list = check_sources(sources)
     d_model = source_list[0].shape[-1]
@@ -63,20 +74,28 @@ def block_phase1(
         raise ValueError(
             f"key_norm_weights must match queries' shape {tuple(queries.shape)}, got {tuple(key_norm_weights.shape)}"
         )
-    dtype = compute_dtype(source_list[0].dtype)
-    folded = queries.to(dtype) * key_norm_weights.to(dtype)
-    values = [source.to(dtype) for source in source_list]
-    # [n_q, ..., S]: rstd depends only on the source, so it is shared by every query
-    logits = torch.stack([(v @ folded.t()).movedim(-1, 0) * _rstd(v, eps) for v in values], dim=-1)
-    running_max = logits.max(dim=-1).values
-    unnormalised = torch.exp(logits - running_max[..., None])
-    out = sum(unnormalised[..., s, None] * v for s, v in enumerate(values))
+    chosen = _two_phase_backend(backend, source_list[0].device)
+    if chosen == "triton":
+        from attnres_lens.kernels.triton_two_phase import phase1_triton
+
+        mix, lse, logits = phase1_triton(source_list, queries, key_norm_weights, eps, return_logits)
+    else:
+        dtype = compute_dtype(source_list[0].dtype)
+        folded = queries.to(dtype) * key_norm_weights.to(dtype)
+        values = [source.to(dtype) for source in source_list]
+        # [n_q, ..., S]: rstd depends only on the source, so it is shared by every query
+        logits = torch.stack([(v @ folded.t()).movedim(-1, 0) * _rstd(v, eps) for v in values], dim=-1)
+        weights = torch.softmax(logits, dim=-1)
+        mix = sum(weights[..., s, None] * v for s, v in enumerate(values))
+        lse = torch.logsumexp(logits, dim=-1)
     return BlockStats(
-        max=running_max,
-        sum=unnormalised.sum(dim=-1),
-        out=out,
-        folded_queries=folded,
+        mix=mix,
+        lse=lse,
+        queries=queries,
+        key_norm_weights=key_norm_weights,
         logits=logits if return_logits else None,
+        eps=eps,
+        backend=chosen,
         out_dtype=source_list[0].dtype,
     )
 
@@ -85,38 +104,43 @@ def merge_partial(
     stats: BlockStats,
     index: int,
     partial: Optional[torch.Tensor],
-    eps: float = 1e-6,
     return_weights: bool = False,
     return_logits: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Phase 2: the input of the block's ``index``-th sublayer, merging its partial sum into phase-1 ``stats``.
 
     ``partial`` is the sum of the block's earlier sublayer outputs (``[..., D]``), or None for the sublayer that
-    starts the block (then ``h = out / sum``). Returns ``h`` in the sources' dtype, followed by the depth weights
-    and/or logits over ``[completed..., partial]`` (``[..., n_sources]``) when asked; those need phase-1 logits.
+    starts the block (then ``h`` is the phase-1 mix). Returns ``h`` in the sources' dtype, followed by the depth
+    weights and/or logits over ``[completed..., partial]`` (``[..., n_sources]``) when asked; those need phase-1
+    logits.
     """
-    n_queries = stats.folded_queries.shape[0]
+    n_queries = stats.queries.shape[0]
     if not 0 <= index < n_queries:
         raise ValueError(f"index must be in 0..{n_queries - 1}, got {index}")
     if (return_weights or return_logits) and stats.logits is None:
         raise ValueError("depth weights/logits need block_phase1(..., return_logits=True)")
-    max1, sum1, out1 = stats.max[index], stats.sum[index], stats.out[index]
+    completed_logits = stats.logits[index] if stats.logits is not None else None
+    mix, completed_lse = stats.mix[index], stats.lse[index]
     if partial is None:
-        h = out1 / sum1[..., None]
-        logits = stats.logits[index] if stats.logits is not None else None
+        h, logits = mix.to(stats.out_dtype), completed_logits
     else:
-        if partial.shape != out1.shape:
-            raise ValueError(f"partial must have shape {tuple(out1.shape)}, got {tuple(partial.shape)}")
-        value = partial.to(out1.dtype)
-        partial_logit = (value @ stats.folded_queries[index]) * _rstd(value, eps)
-        merged_max = torch.maximum(max1, partial_logit)
-        scale1 = torch.exp(max1 - merged_max)
-        scale2 = torch.exp(partial_logit - merged_max)
-        h = (scale1[..., None] * out1 + scale2[..., None] * value) / (scale1 * sum1 + scale2)[..., None]
+        if partial.shape != mix.shape:
+            raise ValueError(f"partial must have shape {tuple(mix.shape)}, got {tuple(partial.shape)}")
+        query, gain = stats.queries[index], stats.key_norm_weights[index]
+        if stats.backend == "triton":
+            from attnres_lens.kernels.triton_two_phase import merge_triton
+
+            h, partial_logit = merge_triton(mix, completed_lse, partial, query, gain, stats.eps, completed_logits is not None)
+        else:
+            value = partial.to(mix.dtype)
+            partial_logit = (value @ (query.to(value.dtype) * gain.to(value.dtype))) * _rstd(value, stats.eps)
+            total_lse = torch.logaddexp(completed_lse, partial_logit)
+            weight1 = torch.exp(completed_lse - total_lse)[..., None]
+            weight2 = torch.exp(partial_logit - total_lse)[..., None]
+            h = (weight1 * mix + weight2 * value).to(stats.out_dtype)
         logits = None
-        if stats.logits is not None:
-            logits = torch.cat([stats.logits[index], partial_logit[..., None]], dim=-1)
-    h = h.to(stats.out_dtype)
+        if completed_logits is not None:
+            logits = torch.cat([completed_logits, partial_logit[..., None]], dim=-1)
     extras = []
     if return_weights:
         extras.append(torch.softmax(logits, dim=-1))

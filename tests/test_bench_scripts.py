@@ -1,0 +1,22 @@
+"""Benchmark scripts that only run for real on a GPU still run end to end here, on a tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ANALYSES = Path(__file__).resolve().parent.parent / "analyses"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ANALYSES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_block_step_benchmark_dry_run():
+    lines = load("bench_block_step_gpu").main(["--dry-run"])
+    rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ") and "ms" not in line}
+    assert set(rows) == {"standard", "block S=2", "full"}
+    assert rows["standard"].rstrip(" |").endswith("1.000")
