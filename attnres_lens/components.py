@@ -106,9 +106,8 @@ class Attention(nn.Module):
         v = self.hook_v(torch.einsum("bpm,hmd->bphd", x, self.W_V))
         if self.cfg.attention == "kv_shift":
             alpha1, alpha2, beta1, beta2 = self.kv_shift.unbind(-1)  # each [n_kv_heads]
-            # addcmul fuses the second product into the sum: two fewer [batch, pos, heads, d_head] passes per tensor
-            k = self.hook_k_shifted(torch.addcmul(alpha1[:, None] * k, alpha2[:, None], shift_one_position(k)))
-            v = self.hook_v_shifted(torch.addcmul(beta1[:, None] * v, beta2[:, None], shift_one_position(v)))
+            k = self.hook_k_shifted(alpha1[:, None] * k + alpha2[:, None] * shift_one_position(k))
+            v = self.hook_v_shifted(beta1[:, None] * v + beta2[:, None] * shift_one_position(v))
         if self.cfg.positional_embedding_type == "rotary":
             cos, sin = self.rotary_cos[:n_pos, None, :], self.rotary_sin[:n_pos, None, :]
             q = self.hook_rot_q(apply_rotary(q, cos, sin))
@@ -141,8 +140,8 @@ class MLP(nn.Module):
 
 
 def shift_one_position(x: torch.Tensor) -> torch.Tensor:
-    """`x[:, t-1]` at position t, zeros at t = 0 (x is [batch, pos, ...]); one pad op, a slice in backward."""
-    return F.pad(x[:, :-1], (0, 0) * (x.dim() - 2) + (1, 0))
+    """`x[:, t-1]` at position t, zeros at t = 0 (x is [batch, pos, ...])."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
 
 
 def rotary_tables(n_ctx: int, d_head: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
