@@ -1,7 +1,8 @@
 """Two-phase Block AttnRes vs one fused depth attention per sublayer, on the CPU (issue 3).
 
 One block of S sublayers reading `n_blocks` completed blocks plus its partial sum, forward + backward.
-`per-sublayer`: `depth_attention(backend="torch")` per sublayer (hand-written backward);
+`per-sublayer`: `depth_attention` per sublayer, with the `torch` backend (hand-written backward) and with the fused
+C `cpu` backend (what CPU models run);
 `two-phase`: `block_phase1` once for the block's S queries, then `merge_partial` per sublayer (autograd).
 Interleaved repeats in one process, median.
 
@@ -33,11 +34,11 @@ def make_block(n_tokens: int, d_model: int, n_blocks: int, block_size: int):
     return blocks, outputs, queries, gains
 
 
-def per_sublayer(blocks, outputs, queries, gains) -> None:
+def per_sublayer(blocks, outputs, queries, gains, backend: str) -> None:
     partial, total = None, 0.0
     for index, output in enumerate(outputs):
         sources = blocks + ([partial] if partial is not None else [])
-        total = total + depth_attention(sources, queries[index], gains[index], backend="torch").sum()
+        total = total + depth_attention(sources, queries[index], gains[index], backend=backend).sum()
         partial = output if partial is None else partial + output
     total.backward()
 
@@ -60,24 +61,31 @@ def main() -> None:
     rows = []
     for n_tokens, d_model, n_blocks, block_size in [(768, 128, 3, 4), (768, 128, 6, 4), (1024, 256, 6, 2)]:
         inputs = make_block(n_tokens, d_model, n_blocks, block_size)
-        times = {"per-sublayer": [], "two-phase": []}
-        for function in (per_sublayer, two_phase):
-            function(*inputs)  # warm-up
+        functions = {
+            "torch": lambda: per_sublayer(*inputs, backend="torch"),
+            "cpu": lambda: per_sublayer(*inputs, backend="cpu"),
+            "two-phase": lambda: two_phase(*inputs),
+        }
+        times = {name: [] for name in functions}
+        for function in functions.values():
+            function()  # warm-up (and the C kernel's first-call build)
         for _ in range(args.repeats):
-            for name, function in (("per-sublayer", per_sublayer), ("two-phase", two_phase)):
+            for name, function in functions.items():
                 start = time.perf_counter()
-                function(*inputs)
+                function()
                 times[name].append(time.perf_counter() - start)
-        single, double = (statistics.median(times[k]) for k in ("per-sublayer", "two-phase"))
-        rows.append(f"| {n_tokens} | {d_model} | {n_blocks} | {block_size} | {1000 * single:.2f} | {1000 * double:.2f} | {double / single:.2f} |")
+        torch_ms, cpu_ms, two_ms = (1000 * statistics.median(times[name]) for name in functions)
+        rows.append(f"| {n_tokens} | {d_model} | {n_blocks} | {block_size} | {torch_ms:.2f} | {cpu_ms:.2f} | "
+                    f"{two_ms:.2f} | {two_ms / torch_ms:.2f} | {two_ms / cpu_ms:.2f} |")
     text = "\n".join([
         "# Two-phase Block AttnRes on the CPU",
         "",
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, one torch thread, "
         f"by `{command_line()}`. Forward + backward of one block's depth attentions, median of {args.repeats} interleaved repeats.",
         "",
-        "| tokens | d_model | completed blocks | S | per-sublayer (ms) | two-phase (ms) | two-phase / per-sublayer |",
-        "|---|---|---|---|---|---|---|",
+        "| tokens | d_model | completed blocks | S | per-sublayer torch (ms) | per-sublayer cpu (ms) | two-phase (ms) "
+        "| two-phase / torch | two-phase / cpu |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
     ])

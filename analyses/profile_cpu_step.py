@@ -1,7 +1,7 @@
 """Where a CPU training step's time goes: standard vs Block (S = 4) vs Full AttnRes, torch profiler.
 
-The small shape of `bench_cpu_step.py` (4 layers, d_model 128, n_ctx 64, batch 12), one torch thread, the fast
-`torch` depth-attention path. The profiler adds per-op overhead, so absolute times are inflated; read the
+The small shape of `bench_cpu_step.py` (4 layers, d_model 128, n_ctx 64, batch 12), one torch thread, the fused C
+`cpu` depth-attention backend (what `auto` picks on a CPU). The profiler adds per-op overhead, so absolute times are inflated; read the
 shares and the depth-attention rows.
 
     python analyses/profile_cpu_step.py --out analyses/reports/profile_cpu_step.md

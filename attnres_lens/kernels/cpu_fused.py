@@ -26,8 +26,9 @@ from attnres_lens.kernels._common import new_output
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 CACHE_ENV_VAR = "ATTNRES_LENS_KERNEL_CACHE"
 MAX_THREADS = 64  # the C file's MAX_THREADS
-# Starting a thread costs ~50-100 us on a small VM: below ~0.5M source elements per thread it costs more than it saves.
-MIN_ELEMENTS_PER_THREAD = 1 << 19
+# Starting a thread costs ~50-100 us on a small VM (a persistent pool woke no faster): below ~0.25M source
+# elements per thread a second thread costs more than it saves (2 threads: S=4 x 768 x 128 no gain, S=9 1.2x).
+MIN_ELEMENTS_PER_THREAD = 1 << 18
 _REAL_TYPES = {torch.float32: "float", torch.float64: "double"}
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fopenmp-simd", "-fno-math-errno"]
 
