@@ -98,7 +98,7 @@ class DepthStream:
             members = list(range(block_start, min(block_end, n_sublayers)))
             members += [n_sublayers] if block_end >= n_sublayers else []
             self._phase1 = (block_start, self._score_block([self.consumers[i] for i in members]))
-        partial = None if self.partial is None else self.partial.to(self._phase1[1].mix.dtype)
+        partial = None if self.partial is None else self.partial.to(self._phase1[1].out_dtype)
         return merge_partial(self._phase1[1], consumer - block_start, partial)
 
     def _score_block(self, members: list["DepthAttention"]) -> BlockStats:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from attnres_lens import HookedTransformer
+from attnres_lens.attnres import DepthAttention, DepthStream
 from attnres_lens.kernels import triton_available
 from tests.helpers import randomize_depth_parameters, small_config
 
@@ -90,3 +91,24 @@ def test_two_phase_model_with_one_hooked_consumer():
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
     for key in grads:
         torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.triton
+def test_two_phase_stream_keeps_bf16_inputs_bf16():
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    consumers = [DepthAttention(16, 1e-6, backend="triton").to(torch.bfloat16) for _ in range(4)]  # 3 sublayers + final
+    for module in consumers:
+        torch.nn.init.normal_(module.query)
+    embedding = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    two_phase, single = DepthStream(embedding, 2, consumers), DepthStream(embedding, 2)
+    for sublayer in range(3):
+        mixed = two_phase.mix(consumers[sublayer])
+        expected = single.mix(consumers[sublayer])
+        assert mixed.dtype == torch.bfloat16
+        torch.testing.assert_close(mixed, expected, rtol=2e-2, atol=2e-2)
+        output = torch.tanh(mixed.float() * (sublayer + 1)).to(torch.bfloat16)
+        two_phase.write(output)
+        single.write(output)
+    torch.testing.assert_close(two_phase.mix(consumers[3], final=True), single.mix(consumers[3], final=True),
+                               rtol=2e-2, atol=2e-2)
