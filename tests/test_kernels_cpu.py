@@ -72,8 +72,8 @@ def test_non_cpu_tensors_are_refused():
         cpu_fused.depth_attention_cpu(sources, torch.empty(4, device="meta"), torch.empty(4, device="meta"), 1e-6)
 
 
-def _run_without_a_working_compiler(tmp_path, compiler: str, backend: str) -> subprocess.CompletedProcess:
-    """A fresh interpreter (the library cache is per process) with $CC replaced and an empty kernel cache."""
+def _run_in_fresh_process(tmp_path, compiler: str, backend: str) -> subprocess.CompletedProcess:
+    """A fresh interpreter (the library cache is per process) with $CC set and its own kernel cache folder."""
     code = textwrap.dedent(
         f"""
         import warnings, torch
@@ -89,10 +89,10 @@ def _run_without_a_working_compiler(tmp_path, compiler: str, backend: str) -> su
 
 
 def test_missing_compiler_names_it_and_auto_falls_back_to_torch(tmp_path):
-    explicit = _run_without_a_working_compiler(tmp_path, "no-such-cc", "cpu")
+    explicit = _run_in_fresh_process(tmp_path, "no-such-cc", "cpu")
     assert explicit.returncode != 0
     assert "no C compiler 'no-such-cc' was found" in explicit.stderr and "backend='torch'" in explicit.stderr
-    automatic = _run_without_a_working_compiler(tmp_path, "no-such-cc", "auto")
+    automatic = _run_in_fresh_process(tmp_path, "no-such-cc", "auto")
     assert automatic.returncode == 0, automatic.stderr
     assert "ok 6.0" in automatic.stdout
     assert "falls back to the slower torch path" in automatic.stderr
@@ -102,9 +102,9 @@ def test_failed_build_reports_the_compiler_output(tmp_path):
     broken = tmp_path / "broken-cc"
     broken.write_text("#!/bin/sh\necho 'broken-cc: internal error 42' >&2\nexit 1\n")
     broken.chmod(0o755)
-    result = _run_without_a_working_compiler(tmp_path, str(broken), "cpu")
+    result = _run_in_fresh_process(tmp_path, str(broken), "cpu")
     assert result.returncode != 0
-    assert "building the cpu depth-attention kernel failed" in result.stderr
+    assert "building or loading the cpu depth-attention kernel failed" in result.stderr
     assert "internal error 42" in result.stderr
     assert not list((tmp_path / "cache").glob("*.so")), "a failed build must not leave a library behind"
 
@@ -124,3 +124,15 @@ def test_library_is_cached_per_element_type(tmp_path, monkeypatch):
         assert sorted(path.name for path in tmp_path.iterdir()) == built
     finally:
         cpu_fused._library.cache_clear()
+
+
+def test_damaged_cached_library_is_rebuilt(tmp_path):
+    # fresh interpreters: dlopen hands a process the library it already loaded from a path, whatever the file holds
+    first = _run_in_fresh_process(tmp_path, os.environ.get("CC") or "cc", "cpu")
+    assert first.returncode == 0, first.stderr
+    (built,) = (tmp_path / "cache").glob("depth_attention_float_*.so")
+    assert built.stat().st_mode & 0o044 == 0o044, "a shared cache needs libraries its other users can read"
+    built.write_bytes(b"not a shared library")  # e.g. truncated by a full disk
+    second = _run_in_fresh_process(tmp_path, os.environ.get("CC") or "cc", "cpu")
+    assert second.returncode == 0, second.stderr
+    assert "ok 6.0" in second.stdout and built.stat().st_size > 1000

@@ -63,6 +63,7 @@ def _compile(compiler: str, flags: list[str], target: Path) -> subprocess.Comple
             [compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True
         )
         if result.returncode == 0:
+            partial.chmod(0o755)  # temporary files are private; a shared cache must be loadable by its other users
             os.replace(partial, target)  # atomic: a concurrent process never loads a half-written library
         return result
     finally:
@@ -85,20 +86,26 @@ def _library(real_type: str) -> ctypes.CDLL:
             "\0".join([SOURCE.read_text(), compiler, *flags, platform.machine(), _cpu_fingerprint()]).encode()
         ).hexdigest()[:16]
         target = _cache_dir() / f"depth_attention_{real_type}_{key}.so"
-        if not target.exists():
+        # a cached file that will not load (truncated, from a noexec mount) is rebuilt once before giving up
+        for rebuild in (not target.exists(), True):
+            if rebuild:
+                try:
+                    result = _compile(compiler, flags, target)
+                except OSError as err:
+                    raise CpuKernelUnavailable(
+                        f"cannot build the cpu kernel in {target.parent} ({err}); set ${CACHE_ENV_VAR} to a "
+                        "writable folder or use backend='torch'"
+                    ) from err
+                if result.returncode != 0:
+                    errors.append(f"$ {compiler} {' '.join(flags)}\n{result.stderr.strip()}")
+                    break
             try:
-                result = _compile(compiler, flags, target)
+                return _bind(ctypes.CDLL(str(target)))
             except OSError as err:
-                raise CpuKernelUnavailable(
-                    f"cannot build the cpu kernel in {target.parent} ({err}); set ${CACHE_ENV_VAR} to a writable "
-                    "folder or use backend='torch'"
-                ) from err
-            if result.returncode != 0:
-                errors.append(f"$ {compiler} {' '.join(flags)}\n{result.stderr.strip()}")
-                continue
-        return _bind(ctypes.CDLL(str(target)))
+                errors.append(f"cannot load {target}: {err}")
     raise CpuKernelUnavailable(
-        "building the cpu depth-attention kernel failed; use backend='torch' meanwhile.\n" + "\n\n".join(errors)
+        "building or loading the cpu depth-attention kernel failed; use backend='torch' meanwhile.\n"
+        + "\n\n".join(errors)
     )
 
 
