@@ -159,17 +159,9 @@ static void run_rows(void *(*worker)(void *), const depth_args *a, int n_threads
 void depth_attention_forward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
                              const real *folded_query, double eps, real *h, real *rstd, real *logits,
                              real *weights, int n_threads) {
-    depth_args a = {0};
-    a.sources = sources;
-    a.n_sources = n_sources;
-    a.n_tokens = n_tokens;
-    a.d_model = d_model;
-    a.folded_query = folded_query;
-    a.eps = (real)eps;
-    a.h = h;
-    a.rstd = rstd;
-    a.logits = logits;
-    a.weights = weights;
+    const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
+                          .folded_query = folded_query, .eps = (real)eps, .h = h, .rstd = rstd, .logits = logits,
+                          .weights = weights};
     run_rows(forward_worker, &a, n_threads);
 }
 
@@ -177,17 +169,9 @@ void depth_attention_backward(const real *const *sources, int64_t n_sources, int
                               const real *folded_query, const real *rstd, const real *logits,
                               const real *weights, const real *grad_h, real *const *grad_sources,
                               real *grad_query_partial, int n_threads) {
-    depth_args a = {0};
-    a.sources = sources;
-    a.n_sources = n_sources;
-    a.n_tokens = n_tokens;
-    a.d_model = d_model;
-    a.folded_query = folded_query;
-    a.rstd = (real *)rstd;
-    a.logits = (real *)logits;
-    a.weights = (real *)weights;
-    a.grad_h = grad_h;
-    a.grad_sources = grad_sources;
-    a.grad_query_partial = grad_query_partial;
+    const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
+                          .folded_query = folded_query, .rstd = (real *)rstd, .logits = (real *)logits,
+                          .weights = (real *)weights, .grad_h = grad_h, .grad_sources = grad_sources,
+                          .grad_query_partial = grad_query_partial};
     run_rows(backward_worker, &a, n_threads);
 }

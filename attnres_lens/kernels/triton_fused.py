@@ -40,6 +40,16 @@ def load_source(src_table, s, buffer_source, offsets, tile_mask, d_model, eps, F
 
 
 @triton.jit
+def row_tile(tile, n_tokens, cols, col_mask, d_model, BLOCK_ROWS: tl.constexpr):
+    """Token rows of tile ``tile`` (int64, so offsets past 2^31 elements stay exact), their masks and offsets."""
+    rows = (tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    row_mask = rows < n_tokens
+    tile_mask = row_mask[:, None] & col_mask[None, :]
+    offsets = rows[:, None] * d_model + cols[None, :]
+    return rows, row_mask, tile_mask, offsets
+
+
+@triton.jit
 def _source_tile(src_table, s, buffer_source, offsets, tile_mask, u, d_model, eps, FROM_TABLE: tl.constexpr):
     """Source s's tile in fp32 with its per-token rstd and logit ``u . (rstd * v)``, ``u = w * g``."""
     v, rstd = load_source(src_table, s, buffer_source, offsets, tile_mask, d_model, eps, FROM_TABLE)
@@ -122,10 +132,7 @@ def _depth_attention_bwd_kernel(
     grad_folded = tl.zeros([BLOCK_D], dtype=tl.float32)
     # persistent loop over tiles: the partial-sum buffer stays [programs, D] however many tokens there are
     for tile in range(program, n_tiles, tl.num_programs(0)):
-        rows = (tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-        row_mask = rows < n_tokens
-        tile_mask = row_mask[:, None] & col_mask[None, :]
-        offsets = rows[:, None] * d_model + cols[None, :]
+        rows, row_mask, tile_mask, offsets = row_tile(tile, n_tokens, cols, col_mask, d_model, BLOCK_ROWS)
         dh = tl.load(grad_h + offsets, mask=tile_mask, other=0.0).to(tl.float32)
         h = tl.load(h_saved + offsets, mask=tile_mask, other=0.0).to(tl.float32)
         delta = tl.sum(dh * h, axis=1)

@@ -35,6 +35,7 @@ from attnres_lens.kernels.triton_fused import (
     max_programs,
     num_warps,
     pointer_table,
+    row_tile,
 )
 
 
@@ -127,10 +128,7 @@ def _phase1_bwd_kernel(
                 mask=query_mask[:, None] & col_mask[None, :], other=0.0)
     grad_folded = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     for tile in range(program, n_tiles, tl.num_programs(0)):
-        rows = (tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-        row_mask = rows < n_tokens
-        tile_mask = row_mask[:, None] & col_mask[None, :]
-        offsets = rows[:, None] * d_model + cols[None, :]
+        rows, row_mask, tile_mask, offsets = row_tile(tile, n_tokens, cols, col_mask, d_model, BLOCK_ROWS)
         stat_offsets = queries[:, None] * n_tokens + rows[None, :]
         stat_mask = query_mask[:, None] & row_mask[None, :]
         query_tiles = queries[:, None, None] * n_tokens * d_model + offsets[None, :, :]
@@ -227,10 +225,7 @@ def _merge_bwd_kernel(
     u = tl.load(folded_query + cols, mask=col_mask, other=0.0)
     grad_folded = tl.zeros([BLOCK_D], dtype=tl.float32)
     for tile in range(program, n_tiles, tl.num_programs(0)):
-        rows = (tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-        row_mask = rows < n_tokens
-        tile_mask = row_mask[:, None] & col_mask[None, :]
-        offsets = rows[:, None] * d_model + cols[None, :]
+        rows, row_mask, tile_mask, offsets = row_tile(tile, n_tokens, cols, col_mask, d_model, BLOCK_ROWS)
         p, rstd, partial_logit = _partial_logit(partial, offsets, tile_mask, u, d_model, eps)
         lse = tl.load(lse_saved + rows, mask=row_mask, other=0.0)
         weight1 = tl.exp(tl.load(lse1 + rows, mask=row_mask, other=0.0) - lse)
