@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnres_lens.kernels as kernels
-from attnres_lens.kernels import _common, block_phase1, depth_attention, merge_partial
+from attnres_lens.kernels import _common, backends, block_phase1, depth_attention, merge_partial
 from tests.kernel_cases import SHAPES, assert_close, make_inputs, oracle
 
 CPU_BACKENDS = ["reference", "torch", "cpu"]
@@ -23,7 +23,7 @@ FAST_BACKENDS = ["torch", "cpu"]  # hand-derived backwards, checked against the 
 def poisoned_outputs(monkeypatch):
     """Every buffer a kernel allocates starts as NaN, so an element it fails to write cannot pass."""
     monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    monkeypatch.delenv(_common.BACKEND_ENV_VAR, raising=False)
+    monkeypatch.delenv(backends.BACKEND_ENV_VAR, raising=False)
 
 
 @pytest.fixture(scope="session")

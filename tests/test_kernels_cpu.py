@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from attnres_lens.kernels import _common, cpu_fused, depth_attention
+from attnres_lens.kernels import _common, backends, cpu_fused, depth_attention
 from tests.kernel_cases import assert_close, make_inputs, oracle
 
 
@@ -84,7 +84,7 @@ def _run_in_fresh_process(tmp_path, compiler: str, backend: str) -> subprocess.C
         """
     )
     env = {**os.environ, "CC": compiler, cpu_fused.CACHE_ENV_VAR: str(tmp_path / "cache")}
-    env.pop(_common.BACKEND_ENV_VAR, None)
+    env.pop(backends.BACKEND_ENV_VAR, None)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
 
 

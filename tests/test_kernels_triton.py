@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 import attnres_lens.kernels as kernels  # noqa: E402
-from attnres_lens.kernels import _common, block_phase1, depth_attention, merge_partial  # noqa: E402
+from attnres_lens.kernels import _common, backends, block_phase1, depth_attention, merge_partial  # noqa: E402
 from tests.kernel_cases import assert_close, make_inputs, oracle  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,7 +52,7 @@ SHAPES = [
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    monkeypatch.delenv(_common.BACKEND_ENV_VAR, raising=False)
+    monkeypatch.delenv(backends.BACKEND_ENV_VAR, raising=False)
 
 
 def test_hand_example():

@@ -1,4 +1,4 @@
-"""Depth-attention kernels (SPEC §5): one function, three backends, plus two-phase Block AttnRes.
+"""Depth-attention kernels (docs/kernels.md): one function, four backends, plus two-phase Block AttnRes.
 
 ``depth_attention`` mixes a list of sources ``v_s`` (each ``[..., D]``) into ``h = sum_s alpha_s v_s`` with
 ``alpha = softmax_s(w . RMSNorm_g(v_s))``. Backends:
@@ -9,22 +9,16 @@
   compiled with the system C compiler on first use.
 * ``triton`` (``triton_fused.py``): fused forward and backward kernels for CUDA (or the CPU interpreter).
 
-Only torch is imported here; Triton is imported the first time the triton backend runs.
+Which backend ``auto`` picks, and when Block AttnRes runs two-phase, is decided in ``backends.py``. Only torch is
+imported here; Triton is imported the first time the triton backend runs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from attnres_lens.kernels._common import (
-    BACKEND_ENV_VAR,
-    BACKENDS,
-    Sources,
-    check_sources,
-    check_vector,
-    resolve_backend,
-    triton_available,
-)
+from attnres_lens.kernels._common import Sources, check_sources, check_vector
+from attnres_lens.kernels.backends import BACKEND_ENV_VAR, BACKENDS, resolve_backend, triton_available
 from attnres_lens.kernels.cpu_fused import depth_attention_cpu
 from attnres_lens.kernels.reference import depth_attention_reference
 from attnres_lens.kernels.torch_fast import depth_attention_torch

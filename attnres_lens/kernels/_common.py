@@ -1,19 +1,16 @@
-"""Shared plumbing of the depth-attention backends: validation, backend choice, output allocation."""
+"""Leaf helpers shared by the depth-attention backends: input validation, output allocation, compute dtype.
+
+Which backend runs is decided in ``backends.py``, not here.
+"""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import warnings
 from collections.abc import Sequence
 from typing import Union
 
 import torch
 
 Sources = Union[Sequence[torch.Tensor], torch.Tensor]
-
-BACKENDS = ("auto", "reference", "torch", "cpu", "triton")
-BACKEND_ENV_VAR = "ATTNRES_LENS_BACKEND"
 
 # Tests switch this on so every freshly allocated kernel output starts as NaN: an element a kernel forgets to
 # write then fails the comparison instead of silently holding stale memory that happens to look right.
@@ -30,50 +27,6 @@ def new_output(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Arithmetic runs in fp32, or in fp64 when the inputs are fp64 (gradcheck)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Turn ``backend`` (possibly ``"auto"``) into a concrete backend name.
-
-    ``"auto"`` defers to ``$ATTNRES_LENS_BACKEND`` when set, else picks Triton for CUDA tensors (if Triton is
-    importable), the fused C kernel for CPU tensors (if it builds here), and the torch path otherwise. An explicit
-    backend name always wins over the variable.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        forced = os.environ.get(BACKEND_ENV_VAR, "").strip()
-        if forced:
-            if forced not in BACKENDS:
-                raise ValueError(f"${BACKEND_ENV_VAR} must be one of {BACKENDS}, got {forced!r}")
-            backend = forced
-    if backend != "auto":
-        return backend
-    if device.type == "cuda" and triton_available():
-        return "triton"
-    if device.type == "cpu" and _cpu_kernel_builds():
-        return "cpu"
-    return "torch"
-
-
-_CPU_KERNEL_STATE: list[bool] = []  # [] until the first "auto" on a CPU tensor tries the build
-
-
-def _cpu_kernel_builds() -> bool:
-    if not _CPU_KERNEL_STATE:
-        from attnres_lens.kernels.cpu_fused import CpuKernelUnavailable, cpu_library
-
-        try:
-            cpu_library(torch.float32)
-            _CPU_KERNEL_STATE.append(True)
-        except CpuKernelUnavailable as err:
-            warnings.warn(f"depth attention falls back to the slower torch path: {err}", stacklevel=3)
-            _CPU_KERNEL_STATE.append(False)
-    return _CPU_KERNEL_STATE[0]
 
 
 def check_sources(sources: Sources) -> list[torch.Tensor]:

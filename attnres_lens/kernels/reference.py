@@ -1,4 +1,8 @@
-"""Readable ground truth for depth attention (SPEC §3.2). Plain PyTorch; exact in float64."""
+"""The readable depth mix (docs/model.md §2): plain PyTorch, exact in float64, the ground truth of every backend.
+
+Its two steps are also what the model's hooked path and two-phase's PyTorch version are built from, so the mix is
+written once: ``depth_logits`` (keys normalised, scored against the query) and ``mix_sources`` (the weighted sum).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,29 @@ import torch
 from attnres_lens.kernels._common import compute_dtype
 
 
+def rstd(values: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / sqrt(mean(v^2) + eps)`` over the last dim: the key RMSNorm's scale, ``[...]``."""
+    return torch.rsqrt(values.pow(2).mean(dim=-1) + eps)
+
+
+def depth_logits(sources: Sequence[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """``logit_s = w . (g * v_s * rstd(v_s))`` as ``[..., n_sources]`` in the compute dtype.
+
+    Keys are RMS-normalised with gain ``g``; there is no temperature and no 1/sqrt(d).
+    """
+    dtype = compute_dtype(sources[0].dtype)
+    scored = query.to(dtype) * key_norm_weight.to(dtype)  # w . (g * k) = (w * g) . k
+    return torch.stack([(v.to(dtype) @ scored) * rstd(v.to(dtype), eps) for v in sources], dim=-1)
+
+
+def mix_sources(weights: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``h = sum_s weights[..., s] * v_s`` (values un-normalised), accumulated in ``weights``' dtype and returned in
+    the sources' dtype."""
+    h = sum(weights[..., s, None] * v.to(weights.dtype) for s, v in enumerate(sources))
+    return h.to(sources[0].dtype)
+
+
 def depth_attention_reference(
     sources: Sequence[torch.Tensor],
     query: torch.Tensor,
@@ -17,15 +44,8 @@ def depth_attention_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return ``(h, weights, logits)``; weights and logits are ``[..., n_sources]`` in the compute dtype.
 
-    ``k_s = v_s * rsqrt(mean(v_s^2) + eps) * g``, ``logit_s = w . k_s`` (no 1/sqrt(d), no temperature),
-    ``alpha = softmax_s(logit)``, ``h = sum_s alpha_s v_s`` with the values left un-normalised.
+    ``alpha = softmax_s(depth_logits)``, ``h = mix_sources(alpha, sources)``.
     """
-    dtype = compute_dtype(sources[0].dtype)
-    values = [source.to(dtype) for source in sources]
-    query = query.to(dtype)
-    gain = key_norm_weight.to(dtype)
-    keys = [v * torch.rsqrt(v.pow(2).mean(dim=-1, keepdim=True) + eps) * gain for v in values]
-    logits = torch.stack([key @ query for key in keys], dim=-1)
+    logits = depth_logits(sources, query, key_norm_weight, eps)
     weights = torch.softmax(logits, dim=-1)
-    h = sum(weights[..., s, None] * v for s, v in enumerate(values))
-    return h.to(sources[0].dtype), weights, logits
+    return mix_sources(weights, sources), weights, logits

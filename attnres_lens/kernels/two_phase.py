@@ -19,7 +19,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from attnres_lens.kernels._common import Sources, check_sources, compute_dtype, resolve_backend
+from attnres_lens.kernels._common import Sources, check_sources, compute_dtype
+from attnres_lens.kernels.backends import two_phase_backend
+from attnres_lens.kernels.reference import mix_sources, rstd
 
 
 class BlockStats(NamedTuple):
@@ -36,15 +38,6 @@ class BlockStats(NamedTuple):
     eps: float
     backend: str  # "torch" or "triton": phase 2 runs where phase 1 ran
     out_dtype: torch.dtype  # the sources' dtype, which every merged output is cast back to
-
-
-def _rstd(values: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.rsqrt(values.pow(2).mean(dim=-1) + eps)
-
-
-def _two_phase_backend(backend: str, device: torch.device) -> str:
-    """Triton where it would run the single-pass op; the readable torch version everywhere else."""
-    return "triton" if resolve_backend(backend, device) == "triton" else "torch"
 
 
 def block_phase1(
@@ -74,7 +67,7 @@ def block_phase1(
         raise ValueError(
             f"key_norm_weights must match queries' shape {tuple(queries.shape)}, got {tuple(key_norm_weights.shape)}"
         )
-    chosen = _two_phase_backend(backend, source_list[0].device)
+    chosen = two_phase_backend(backend, source_list[0].device)
     if chosen == "triton":
         from attnres_lens.kernels.triton_two_phase import phase1_triton
 
@@ -84,9 +77,8 @@ def block_phase1(
         folded = queries.to(dtype) * key_norm_weights.to(dtype)
         values = [source.to(dtype) for source in source_list]
         # [n_q, ..., S]: rstd depends only on the source, so it is shared by every query
-        logits = torch.stack([(v @ folded.t()).movedim(-1, 0) * _rstd(v, eps) for v in values], dim=-1)
-        weights = torch.softmax(logits, dim=-1)
-        mix = sum(weights[..., s, None] * v for s, v in enumerate(values))
+        logits = torch.stack([(v @ folded.t()).movedim(-1, 0) * rstd(v, eps) for v in values], dim=-1)
+        mix = mix_sources(torch.softmax(logits, dim=-1), values)
         lse = torch.logsumexp(logits, dim=-1)
     return BlockStats(
         mix=mix,
@@ -133,7 +125,7 @@ def merge_partial(
             h, partial_logit = merge_triton(mix, completed_lse, partial, query, gain, stats.eps, completed_logits is not None)
         else:
             value = partial.to(mix.dtype)
-            partial_logit = (value @ (query.to(value.dtype) * gain.to(value.dtype))) * _rstd(value, stats.eps)
+            partial_logit = (value @ (query.to(value.dtype) * gain.to(value.dtype))) * rstd(value, stats.eps)
             total_lse = torch.logaddexp(completed_lse, partial_logit)
             weight1 = torch.exp(completed_lse - total_lse)[..., None]
             weight2 = torch.exp(partial_logit - total_lse)[..., None]

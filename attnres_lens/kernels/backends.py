@@ -1,0 +1,72 @@
+"""Backend policy of the depth-attention op: which implementation runs, and whether Block AttnRes runs two-phase.
+
+Every decision of that kind is made here (docs/kernels.md §2):
+
+* ``resolve_backend``: an explicit backend wins; ``"auto"`` defers to ``$ATTNRES_LENS_BACKEND`` when set, else
+  picks ``triton`` for CUDA tensors (if Triton is importable), ``cpu`` (the fused C kernel) for CPU tensors where
+  it builds, and ``torch`` otherwise;
+* ``two_phase_backend``: two-phase Block AttnRes runs its fused Triton kernels where the single-pass op would run
+  Triton, and its readable PyTorch version everywhere else;
+* ``model_runs_two_phase``: a Block AttnRes model uses two-phase only under Triton; on the CPU one fused pass per
+  sublayer measured faster (analyses/reports/bench_two_phase_cpu.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+
+import torch
+
+BACKENDS = ("auto", "reference", "torch", "cpu", "triton")
+BACKEND_ENV_VAR = "ATTNRES_LENS_BACKEND"
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Turn ``backend`` (possibly ``"auto"``) into a concrete backend name for tensors on ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        forced = os.environ.get(BACKEND_ENV_VAR, "").strip()
+        if forced:
+            if forced not in BACKENDS:
+                raise ValueError(f"${BACKEND_ENV_VAR} must be one of {BACKENDS}, got {forced!r}")
+            backend = forced
+    if backend != "auto":
+        return backend
+    if device.type == "cuda" and triton_available():
+        return "triton"
+    if device.type == "cpu" and _cpu_kernel_builds():
+        return "cpu"
+    return "torch"
+
+
+def two_phase_backend(backend: str, device: torch.device) -> str:
+    """``"triton"`` where the single-pass op would run Triton, else ``"torch"`` (the readable version)."""
+    return "triton" if resolve_backend(backend, device) == "triton" else "torch"
+
+
+def model_runs_two_phase(block_size: int, backend: str, device: torch.device) -> bool:
+    """Whether a model with AttnRes block size ``block_size`` mixes its blocks two-phase on ``device``."""
+    return block_size > 1 and resolve_backend(backend, device) == "triton"
+
+
+_CPU_KERNEL_STATE: list[bool] = []  # [] until the first "auto" on a CPU tensor tries the build
+
+
+def _cpu_kernel_builds() -> bool:
+    if not _CPU_KERNEL_STATE:
+        from attnres_lens.kernels.cpu_fused import CpuKernelUnavailable, cpu_library
+
+        try:
+            cpu_library(torch.float32)
+            _CPU_KERNEL_STATE.append(True)
+        except CpuKernelUnavailable as err:
+            warnings.warn(f"depth attention falls back to the slower torch path: {err}", stacklevel=3)
+            _CPU_KERNEL_STATE.append(False)
+    return _CPU_KERNEL_STATE[0]
