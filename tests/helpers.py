@@ -8,6 +8,7 @@ import itertools
 import torch
 
 from attnres_lens import HookedTransformer, ModelConfig
+from tests.kernel_cases import oracle
 
 VARIANTS = list(itertools.product([("standard", 1), ("attnres", 1), ("attnres", 2), ("attnres", 4)], ["standard", "kv_shift"]))
 
@@ -28,12 +29,8 @@ def randomize_depth_parameters(model: HookedTransformer, seed: int = 1) -> None:
 
 
 def depth_mix_float64(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
-    """SPEC §3.2 written out: α = softmax_s(w · RMSNorm_g(v_s)), h = Σ α_s v_s, in float64."""
-    values = [v.double() for v in sources]
-    keys = [v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps) * gain.double() for v in values]
-    logits = torch.stack([(k * query.double()).sum(-1) for k in keys], dim=-1)
-    weights = torch.softmax(logits, dim=-1)
-    return sum(weights[..., s, None] * v for s, v in enumerate(values))
+    """The suite's one independent oracle of the depth mix (`tests.kernel_cases.oracle`), keeping only h."""
+    return oracle(sources, query, gain, eps)[0]
 
 
 def spec_sources(j: int, embedding: torch.Tensor, outputs: list[torch.Tensor], block_size: int, n_sublayers: int) -> list[torch.Tensor]:
