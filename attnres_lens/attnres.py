@@ -1,18 +1,20 @@
-"""Attention Residuals: the depth aggregation of SPEC §3.2, in one place.
+"""Attention Residuals: the depth aggregation (docs/model.md §2), in one place.
 
-Sublayers are numbered j = 0 … J−1 in forward order (attn_0, mlp_0, attn_1, …). With block size S:
+Glossary (sublayers j = 0 … J−1 in forward order: attn_0, mlp_0, attn_1, …; J is the final readout):
 
-* `b_0 = e` (the embedding) is always its own source;
-* sublayer j starts a block when `j mod S == 0`; the block being built holds the partial sum `p` of its
-  sublayers' raw outputs, and a completed block `b_n` is the sum of all its sublayers' outputs;
-* the sources of sublayer j are `[b_0, …, b_{n−1}]`, plus `p` when j does not start its block;
-* `α = softmax_s(w_j · RMSNorm_g(v_s))` (zero-initialised query w_j, no 1/√d) and `h_j = Σ_s α_s v_s`;
-* the final readout attends over every source `[b_0, …, b_{N−1}, last partial]`.
+* block size S: sublayers per block, attention and MLP counted separately; S = 1 is Full AttnRes;
+* `b_0 = e`, the embedding, is always its own source;
+* sublayer j starts a block when `j mod S == 0` (`starts_block`); the final readout belongs to the last block;
+* partial sum `p`: the sum of the raw outputs of the current block's sublayers so far; a completed block `b_n` is
+  the sum of all its sublayers' outputs (sources are raw outputs or sums of them, never cumulative states);
+* sources of sublayer j: `[b_0, …, b_{n−1}]`, plus `p` when j does not start its block; the final readout reads
+  every source `[b_0, …, b_{N−1}, last partial]`;
+* depth attention: `α = softmax_s(w_j · RMSNorm_g(v_s))` with a zero-initialised pseudo-query `w_j` (no 1/√d, no
+  temperature), and `h_j = Σ_s α_s v_s` with the values un-normalised.
 
-S = 1 is Full AttnRes: the sources of sublayer j are `[e, f_0, …, f_{j−1}]`.
-
-`source_layout` states the bookkeeping as plain index lists (what analyses and plot labels use);
-`DepthStream` carries the tensors through a forward pass; `DepthAttention` is the softmax over depth.
+`starts_block` and `block_start` are the one statement of the block rule; `source_layout` states the bookkeeping as
+index lists (what analyses and plot labels use), `DepthStream` carries the tensors through a forward pass and
+`DepthAttention` is the softmax over depth.
 """
 
 from __future__ import annotations
@@ -26,8 +28,20 @@ from transformer_lens.hook_points import HookPoint
 
 from attnres_lens.components import RMSNorm
 from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
+from attnres_lens.kernels.reference import depth_logits, mix_sources
+from attnres_lens.streams import ResidualStream
 
 EMBEDDING = -1  # sublayer index used for the embedding e in source layouts
+
+
+def starts_block(sublayer: int, block_size: int) -> bool:
+    """Whether sublayer j opens a new block (the previous partial sum then becomes a completed source)."""
+    return sublayer % block_size == 0
+
+
+def block_start(consumer: int, n_sublayers: int, block_size: int) -> int:
+    """First sublayer of the block `consumer` belongs to; the final readout (consumer J) belongs to the last block."""
+    return (min(consumer, n_sublayers - 1) // block_size) * block_size
 
 
 def source_layout(consumer: int, n_sublayers: int, block_size: int) -> list[list[int]]:
@@ -41,21 +55,19 @@ def source_layout(consumer: int, n_sublayers: int, block_size: int) -> list[list
         raise ValueError(f"consumer must be in 0..{n_sublayers} (J = final readout), got {consumer}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    completed_blocks = consumer // block_size if consumer < n_sublayers else (consumer - 1) // block_size
+    first = block_start(consumer, n_sublayers, block_size)  # the blocks before it are complete
     sources = [[EMBEDDING]]
-    sources += [list(range(n * block_size, (n + 1) * block_size)) for n in range(completed_blocks)]
-    partial = list(range(completed_blocks * block_size, consumer))
-    if partial:
-        sources.append(partial)
+    sources += [list(range(start, start + block_size)) for start in range(0, first, block_size)]
+    if first < consumer:
+        sources.append(list(range(first, consumer)))
     return sources
 
 
-class DepthStream:
-    """The residual state between sublayers of an AttnRes model (tensors, not indices).
+class DepthStream(ResidualStream):
+    """The residual state between sublayers of an AttnRes model: completed blocks and the current partial sum.
 
-    `mix(module)` gives the next consumer's input (a sublayer's, or the final readout's once every sublayer has
-    written); `read()` gives its sources; `write(f)` adds a sublayer's output to the current block's partial sum;
-    `final_sources()` gives the sources of the final readout.
+    `read(module)` mixes the next consumer's input, `write(f, input)` adds a sublayer's output to the partial sum,
+    `readout(module)` mixes the final readout's input; `state` is the current partial sum.
 
     With `consumers` (every sublayer's depth attention, then the final readout's), Block AttnRes runs two-phase
     (paper Alg. 1): at a block's first unhooked consumer, one phase-1 pass scores all of the block's pseudo-queries
@@ -71,38 +83,45 @@ class DepthStream:
         self.consumers = consumers
         self._phase1: Optional[tuple[int, BlockStats]] = None  # (first sublayer of the block, its phase-1 state)
 
-    def read(self) -> list[torch.Tensor]:
-        starts_block = self.n_written % self.block_size == 0
-        if starts_block and self.partial is not None:
+    @property
+    def state(self) -> Optional[torch.Tensor]:
+        return self.partial
+
+    @state.setter
+    def state(self, value: torch.Tensor) -> None:
+        self.partial = value
+
+    def read(self, mixer: "DepthAttention") -> torch.Tensor:
+        if starts_block(self.n_written, self.block_size) and self.partial is not None:
             self.blocks.append(self.partial)
             self.partial = None
-        return self.final_sources()
+        return self._mix(mixer, self.n_written)
 
-    def write(self, output: torch.Tensor) -> None:
+    def write(self, output: torch.Tensor, input: Optional[torch.Tensor] = None) -> None:
         self.partial = output if self.partial is None else self.partial + output
         self.n_written += 1
 
-    def final_sources(self) -> list[torch.Tensor]:
+    def readout(self, mixer: "DepthAttention") -> torch.Tensor:
+        return self._mix(mixer, self.n_written)
+
+    def sources(self) -> list[torch.Tensor]:
+        """The sources the next consumer reads (after `read` has closed a completed block)."""
         return self.blocks + ([self.partial] if self.partial is not None else [])
 
-    def mix(self, module: "DepthAttention", final: bool = False) -> torch.Tensor:
-        sources = self.final_sources() if final else self.read()
+    def _mix(self, module: "DepthAttention", consumer: int) -> torch.Tensor:
         if self.consumers is None or module.observed():
-            return module(sources)
+            return module(self.sources())
         n_sublayers = len(self.consumers) - 1
-        consumer = n_sublayers if final else self.n_written
-        # the final readout belongs to the last block: it reads that block's (possibly complete) partial sum
-        block_start = (min(consumer, n_sublayers - 1) // self.block_size) * self.block_size
-        if self._phase1 is None or self._phase1[0] != block_start:
-            block_end = block_start + self.block_size
-            members = list(range(block_start, min(block_end, n_sublayers)))
-            members += [n_sublayers] if block_end >= n_sublayers else []
-            self._phase1 = (block_start, self._score_block([self.consumers[i] for i in members]))
+        start = block_start(consumer, n_sublayers, self.block_size)
+        if self._phase1 is None or self._phase1[0] != start:
+            end = start + self.block_size
+            members = list(range(start, min(end, n_sublayers))) + ([n_sublayers] if end >= n_sublayers else [])
+            self._phase1 = (start, self._score_block([self.consumers[i] for i in members]))
         partial = None if self.partial is None else self.partial.to(self._phase1[1].out_dtype)
-        return merge_partial(self._phase1[1], consumer - block_start, partial)
+        return merge_partial(self._phase1[1], consumer - start, partial)
 
     def _score_block(self, members: list["DepthAttention"]) -> BlockStats:
-        blocks = _common_dtype(self.blocks + ([self.partial] if self.partial is not None else []))[: len(self.blocks)]
+        blocks = _common_dtype(self.sources())[: len(self.blocks)]
         queries = torch.stack([member.query for member in members])
         gains = torch.stack([member.key_norm.w for member in members])
         return block_phase1(blocks, queries, gains, members[0].key_norm.eps, backend=members[0].backend)
@@ -121,8 +140,8 @@ class DepthAttention(nn.Module):
     Hooks: `hook_logits`, `hook_weights`, both [batch, pos, n_sources].
 
     When nothing is hooked here, the mix runs through the fused `kernels.depth_attention` (`backend`),
-    which never materialises α; a hook switches to the readable path below, whose every step it can
-    see, edit and differentiate.
+    which never materialises α; a hook switches to the readable path (the reference kernel's two steps with
+    the hooks between them), whose every step it can see, edit and differentiate.
     """
 
     def __init__(self, d_model: int, eps: float, backend: str = "auto"):
@@ -130,8 +149,8 @@ class DepthAttention(nn.Module):
         self.backend = backend
         self.query = nn.Parameter(torch.zeros(d_model))
         self.key_norm = RMSNorm(d_model, eps, hooked=False)  # keys only; values stay un-normalised
-        self.hook_logits = HookPoint()
-        self.hook_weights = HookPoint()
+        self.hook_logits = HookPoint()  # [batch, pos, n_sources]
+        self.hook_weights = HookPoint()  # [batch, pos, n_sources]
 
     def observed(self) -> bool:
         """Whether a hook watches this depth attention (then it runs the readable path)."""
@@ -141,7 +160,5 @@ class DepthAttention(nn.Module):
         sources = _common_dtype(sources)
         if not self.observed():
             return depth_attention(sources, self.query, self.key_norm.w, self.key_norm.eps, backend=self.backend)
-        keys = [self.key_norm(value) for value in sources]
-        logits = torch.stack([key @ self.query for key in keys], dim=-1)  # no temperature, no 1/√d
-        weights = self.hook_weights(self.hook_logits(logits).softmax(dim=-1))
-        return sum(weights[..., s, None] * value for s, value in enumerate(sources))
+        logits = self.hook_logits(depth_logits(sources, self.query, self.key_norm.w, self.key_norm.eps))
+        return mix_sources(self.hook_weights(logits.softmax(dim=-1)), sources)

@@ -70,7 +70,7 @@ class Attention(nn.Module):
     (zeros before t = 0), stored as `kv_shift[head] = (α1, α2, β1, β2)`; RoPE is applied to K̂.
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         n_kv = cfg.n_key_value_heads

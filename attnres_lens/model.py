@@ -15,66 +15,105 @@ from torch import nn
 from transformer_lens import ActivationCache, HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
+from transformer_lens.utilities import get_act_name
+
 from attnres_lens.attnres import EMBEDDING, DepthAttention, DepthStream, source_layout
 from attnres_lens.components import MLP, Attention, Embed, PosEmbed, RMSNorm, Unembed
 from attnres_lens.config import ModelConfig
-from attnres_lens.kernels import resolve_backend
+from attnres_lens.kernels.backends import model_runs_two_phase
+from attnres_lens.streams import ResidualStream, SumStream
 
 TokensLike = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], str]
-
-
-class SumStream:
-    """The standard PreNorm residual: every sublayer reads `e + Σ_{i<j} f_i`."""
-
-    def __init__(self, embedding: torch.Tensor):
-        self.resid = embedding
-
-    def write(self, output: torch.Tensor) -> None:
-        self.resid = self.resid + output
 
 
 class TransformerBlock(nn.Module):
     """One layer: attention sublayer then (unless `attn_only`) MLP sublayer, each with its pre-norm.
 
-    Under AttnRes each sublayer first reads its input through its own depth attention
-    (`attn_res`, `mlp_res`).
+    Each sublayer reads its input from the residual stream (`streams.ResidualStream`): under AttnRes through its
+    own depth attention (`attn_res`, `mlp_res`). The post-layer state is `hook_resid_post` for the standard
+    residual (the residual stream) and `hook_block_partial` for AttnRes (the current block's partial sum, which is
+    not a residual stream: TransformerLens helpers that decompose one refuse AttnRes models).
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.ln1 = RMSNorm(cfg.d_model, cfg.eps)
-        self.attn = Attention(cfg, layer)
-        self.hook_resid_pre = HookPoint()
-        self.hook_attn_out = HookPoint()
+        self.attn = Attention(cfg)
+        self.hook_resid_pre = HookPoint()  # [batch, pos, d_model] input of the attention sublayer
+        self.hook_attn_out = HookPoint()  # [batch, pos, d_model] f_j of the attention sublayer
         if not cfg.attn_only:
             self.ln2 = RMSNorm(cfg.d_model, cfg.eps)
             self.mlp = MLP(cfg)
-            self.hook_resid_mid = HookPoint()
-            self.hook_mlp_out = HookPoint()
+            self.hook_resid_mid = HookPoint()  # [batch, pos, d_model] input of the MLP sublayer
+            self.hook_mlp_out = HookPoint()  # [batch, pos, d_model] f_j of the MLP sublayer
         if cfg.residual == "attnres":
             self.attn_res = DepthAttention(cfg.d_model, cfg.attnres_eps, cfg.depth_attention_backend)
             if not cfg.attn_only:
                 self.mlp_res = DepthAttention(cfg.d_model, cfg.attnres_eps, cfg.depth_attention_backend)
-        self.hook_resid_post = HookPoint()
+            self.hook_block_partial = HookPoint()  # [batch, pos, d_model] the block's partial sum after this layer
+        else:
+            self.hook_resid_post = HookPoint()  # [batch, pos, d_model] the residual stream after this layer
 
-    def forward(self, stream: Union[SumStream, DepthStream]) -> None:
-        self._sublayer(stream, "attn_res", self.hook_resid_pre, self.ln1, self.attn, self.hook_attn_out)
+    def forward(self, stream: ResidualStream) -> None:
+        self._sublayer(stream, getattr(self, "attn_res", None), self.hook_resid_pre, self.ln1, self.attn,
+                       self.hook_attn_out)
         if not self.cfg.attn_only:
-            self._sublayer(stream, "mlp_res", self.hook_resid_mid, self.ln2, self.mlp, self.hook_mlp_out)
-        # resid_post is the residual (standard) or the current block's partial sum (AttnRes); a hook
-        # that edits it edits what later sublayers read.
-        if isinstance(stream, SumStream):
-            stream.resid = self.hook_resid_post(stream.resid)
-        else:
-            stream.partial = self.hook_resid_post(stream.partial)
+            self._sublayer(stream, getattr(self, "mlp_res", None), self.hook_resid_mid, self.ln2, self.mlp,
+                           self.hook_mlp_out)
+        # a hook that edits the post-layer state edits what later sublayers read
+        post = self.hook_block_partial if self.cfg.residual == "attnres" else self.hook_resid_post
+        stream.state = post(stream.state)
 
-    def _sublayer(self, stream, depth_attention: str, hook_in: HookPoint, norm, sublayer, hook_out: HookPoint) -> None:
-        if isinstance(stream, SumStream):
-            stream.resid = x = hook_in(stream.resid)
-        else:
-            x = hook_in(stream.mix(getattr(self, depth_attention)))
-        stream.write(hook_out(sublayer(norm(x))))
+    @staticmethod
+    def _sublayer(stream: ResidualStream, mixer: Optional[DepthAttention], hook_in: HookPoint, norm: RMSNorm,
+                  sublayer: nn.Module, hook_out: HookPoint) -> None:
+        x = hook_in(stream.read(mixer))
+        stream.write(hook_out(sublayer(norm(x))), x)
+
+
+class DepthActivationCache(ActivationCache):
+    """TransformerLens's `ActivationCache`, whose residual-stream helpers refuse models without a running sum.
+
+    `accumulated_resid`, `decompose_resid`, `get_full_resid_decomposition`, `logit_lens` and the remainder term of
+    `stack_head_results` / `stack_neuron_results` assume every sublayer input is `e + Σ f_i`. That holds for the
+    standard residual only; for AttnRes the inputs are depth mixes, and TL's sums would be silently wrong.
+    """
+
+    def _require_running_sum(self, helper: str) -> None:
+        residual = self.model.cfg.residual
+        if residual != "standard":
+            raise ValueError(
+                f"ActivationCache.{helper} assumes a running-sum residual stream, but this model's residual is "
+                f"{residual!r}: its sublayer inputs are depth mixes of earlier outputs, not sums. Use "
+                "attnres_lens.analysis (depth_weights, depth_mixing_matrix) to decompose them."
+            )
+
+    def accumulated_resid(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_running_sum("accumulated_resid")
+        return super().accumulated_resid(*args, **kwargs)
+
+    def decompose_resid(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_running_sum("decompose_resid")
+        return super().decompose_resid(*args, **kwargs)
+
+    def get_full_resid_decomposition(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_running_sum("get_full_resid_decomposition")
+        return super().get_full_resid_decomposition(*args, **kwargs)
+
+    def logit_lens(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_running_sum("logit_lens")
+        return super().logit_lens(*args, **kwargs)
+
+    def stack_head_results(self, *args: Any, incl_remainder: bool = False, **kwargs: Any) -> Any:
+        if incl_remainder:
+            self._require_running_sum("stack_head_results(incl_remainder=True)")
+        return super().stack_head_results(*args, incl_remainder=incl_remainder, **kwargs)
+
+    def stack_neuron_results(self, *args: Any, incl_remainder: bool = False, **kwargs: Any) -> Any:
+        if incl_remainder:
+            self._require_running_sum("stack_neuron_results(incl_remainder=True)")
+        return super().stack_neuron_results(*args, incl_remainder=incl_remainder, **kwargs)
 
 
 class HookedTransformer(HookedRootModule):
@@ -92,7 +131,7 @@ class HookedTransformer(HookedRootModule):
         if cfg.positional_embedding_type == "standard":
             self.pos_embed = PosEmbed(cfg)
             self.hook_pos_embed = HookPoint()
-        self.blocks = nn.ModuleList([TransformerBlock(cfg, layer) for layer in range(cfg.n_layers)])
+        self.blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
         if cfg.residual == "attnres":
             self.final_res = DepthAttention(cfg.d_model, cfg.attnres_eps, cfg.depth_attention_backend)
         self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
@@ -119,15 +158,12 @@ class HookedTransformer(HookedRootModule):
             embedding = embedding + self.hook_pos_embed(self.pos_embed(tokens))
 
         if self.cfg.residual == "standard":
-            stream = SumStream(embedding)
-            for block in self.blocks:
-                block(stream)
-            final = stream.resid
+            stream: ResidualStream = SumStream(embedding)
         else:
             stream = DepthStream(embedding, self.cfg.attnres_block_size, self._two_phase_consumers(embedding.device))
-            for block in self.blocks:
-                block(stream)
-            final = stream.mix(self.final_res, final=True)
+        for block in self.blocks:
+            block(stream)
+        final = stream.readout(getattr(self, "final_res", None))
         logits = self.unembed(self.ln_final(final))
 
         if return_type is None:
@@ -139,18 +175,31 @@ class HookedTransformer(HookedRootModule):
 
     def _two_phase_consumers(self, device: torch.device) -> Optional[list[DepthAttention]]:
         """Block AttnRes runs two-phase where the depth-attention backend is Triton (fused phase-1 and merge
-        kernels); the CPU paths mix each sublayer in one pass, which measured faster there."""
-        if self.cfg.attnres_block_size == 1 or resolve_backend(self.cfg.depth_attention_backend, device) != "triton":
+        kernels); the CPU paths mix each sublayer in one pass, which measured faster there (kernels.backends)."""
+        if not model_runs_two_phase(self.cfg.attnres_block_size, self.cfg.depth_attention_backend, device):
             return None
         modules = self.depth_attention_modules()
         return [modules[consumer] for consumer in sorted(modules)]
 
     def run_with_cache(self, *model_args: Any, remove_batch_dim: bool = False, **kwargs: Any):
-        """Like TL's, but the cache is a `transformer_lens.ActivationCache`, so `cache["pattern", l]` works."""
+        """Like TL's, but the cache is a `transformer_lens.ActivationCache` (`DepthActivationCache`), so
+        `cache["pattern", l]` works, and its residual-stream helpers refuse AttnRes models instead of misreading them."""
         if model_args and not isinstance(model_args[0], torch.Tensor):
             model_args = (self.to_tokens(model_args[0]), *model_args[1:])
         out, cache_dict = super().run_with_cache(*model_args, remove_batch_dim=remove_batch_dim, **kwargs)
-        return out, ActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+        return out, DepthActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+
+    def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> torch.Tensor:
+        """TransformerLens's protocol: the sum of the bias terms written into the residual stream before `layer`
+        (its MLP input too when `mlp_input`). Attention has no output bias here, so only MLP `b_out` counts."""
+        if self.cfg.residual != "standard":
+            raise ValueError("accumulated_bias describes a running-sum residual stream; this model's residual is "
+                             f"{self.cfg.residual!r}")
+        total = torch.zeros(self.cfg.d_model, device=self.embed.W_E.device, dtype=self.embed.W_E.dtype)
+        if include_mlp_biases and not self.cfg.attn_only:
+            for block in self.blocks[:layer]:
+                total = total + block.mlp.b_out
+        return total
 
     # ------------------------------------------------------------------ tokens
     def to_tokens(self, tokens: TokensLike) -> torch.Tensor:
@@ -225,15 +274,19 @@ class HookedTransformer(HookedRootModule):
                 labels.append(f"B{index} ({span})")
         return labels
 
+    def sublayer_kind(self, sublayer: int) -> str:
+        """'attn' or 'mlp' for sublayer j, 'final' for J (the final readout)."""
+        return "final" if sublayer == self.cfg.n_sublayers else self._layer_kind(sublayer)[1]
+
     def sublayer_output_hook(self, sublayer: int) -> str:
         """Name of the hook holding f_j, the output of sublayer j."""
         layer, kind = self._layer_kind(sublayer)
-        return f"blocks.{layer}.hook_{kind}_out"
+        return get_act_name(f"{kind}_out", layer)
 
     def sublayer_input_hook(self, sublayer: int) -> str:
         """Name of the hook holding h_j, the input of sublayer j (before its own pre-norm)."""
         layer, kind = self._layer_kind(sublayer)
-        return f"blocks.{layer}.hook_resid_{'pre' if kind == 'attn' else 'mid'}"
+        return get_act_name("resid_pre" if kind == "attn" else "resid_mid", layer)
 
     def _layer_kind(self, sublayer: int) -> tuple[int, str]:
         if not 0 <= sublayer < self.cfg.n_sublayers:

@@ -49,7 +49,7 @@ def test_hook_shapes_follow_the_spec():
         "hook_embed": (batch, pos, d),
         "blocks.1.hook_resid_pre": (batch, pos, d),
         "blocks.1.hook_resid_mid": (batch, pos, d),
-        "blocks.1.hook_resid_post": (batch, pos, d),
+        "blocks.1.hook_block_partial": (batch, pos, d),  # AttnRes: the block's partial sum, not a residual stream
         "blocks.1.attn.hook_q": (batch, pos, h, dh),
         "blocks.1.attn.hook_k": (batch, pos, kv, dh),
         "blocks.1.attn.hook_v": (batch, pos, kv, dh),
@@ -183,7 +183,7 @@ def test_run_with_cache_returns_activation_cache_and_tl_names_resolve():
     assert cache["pattern", 1].shape == (2, 4, 6, 6)
     assert torch.equal(cache["pattern", 1], cache["blocks.1.attn.hook_pattern"])
     for args in [("q", 0), ("k", 1), ("v", 2), ("z", 0), ("pattern", 1), ("attn_scores", 2), ("resid_pre", 0),
-                 ("resid_mid", 1), ("resid_post", 2), ("attn_out", 0), ("mlp_out", 1), ("pre", 0), ("post", 2),
+                 ("resid_mid", 1), ("attn_out", 0), ("mlp_out", 1), ("pre", 0), ("post", 2),
                  ("rot_q", 1), ("rot_k", 1), ("normalized", 0, "ln1"), ("scale", 2, "ln2"), ("embed",)]:
         assert get_act_name(*args) in cache.cache_dict, args
     assert cache["pattern", -1].shape == (2, 4, 6, 6)
@@ -291,3 +291,32 @@ def test_gradients_reach_every_parameter():
     missing = [name for name, p in model.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
     # Sublayer 0 reads one source with weight exactly 1, so its query and key norm get no gradient.
     assert missing == ["blocks.0.attn_res.query", "blocks.0.attn_res.key_norm.w"]
+
+
+def test_tl_residual_helpers_work_on_the_standard_residual():
+    """TL's decomposition helpers read the standard model's running sum correctly."""
+    model = HookedTransformer(small_config("standard", positional_embedding_type="standard"))
+    _, cache = model.run_with_cache(torch.randint(0, 20, (2, 6)))
+    final = cache["blocks.2.hook_resid_post"]
+    accumulated = cache.accumulated_resid()
+    torch.testing.assert_close(accumulated[-1], final)
+    torch.testing.assert_close(accumulated[1], cache["blocks.1.hook_resid_pre"])
+    # the components (embeddings, every attention and MLP output) sum to the residual stream exactly
+    torch.testing.assert_close(cache.decompose_resid().sum(0), final, rtol=1e-5, atol=1e-6)
+    components = cache.get_full_resid_decomposition(expand_neurons=False)
+    torch.testing.assert_close(components.sum(0), final, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_tl_residual_helpers_refuse_attnres(block_size):
+    """An AttnRes model has no running sum: TL's helpers would misread it, so they refuse, naming the residual."""
+    model = HookedTransformer(small_config("attnres", block_size))
+    _, cache = model.run_with_cache(torch.randint(0, 20, (2, 6)))
+    assert "blocks.0.hook_resid_post" not in cache.cache_dict  # the post-layer state has a truthful name
+    assert cache["blocks.0.hook_block_partial"].shape == (2, 6, 32)
+    refused = [cache.accumulated_resid, cache.decompose_resid, cache.get_full_resid_decomposition, cache.logit_lens,
+               lambda: cache.stack_head_results(incl_remainder=True)]
+    for helper in refused:
+        with pytest.raises(ValueError, match="running-sum residual stream.*'attnres'"):
+            helper()
+    assert cache.stack_head_results().shape[0] == model.cfg.n_layers * model.cfg.n_heads  # per-head outputs are fine

@@ -103,12 +103,12 @@ def test_two_phase_stream_keeps_bf16_inputs_bf16():
     embedding = torch.randn(2, 5, 16, dtype=torch.bfloat16)
     two_phase, single = DepthStream(embedding, 2, consumers), DepthStream(embedding, 2)
     for sublayer in range(3):
-        mixed = two_phase.mix(consumers[sublayer])
-        expected = single.mix(consumers[sublayer])
+        mixed = two_phase.read(consumers[sublayer])
+        expected = single.read(consumers[sublayer])
         assert mixed.dtype == torch.bfloat16
         torch.testing.assert_close(mixed, expected, rtol=2e-2, atol=2e-2)
         output = torch.tanh(mixed.float() * (sublayer + 1)).to(torch.bfloat16)
         two_phase.write(output)
         single.write(output)
-    torch.testing.assert_close(two_phase.mix(consumers[3], final=True), single.mix(consumers[3], final=True),
+    torch.testing.assert_close(two_phase.readout(consumers[3]), single.readout(consumers[3]),
                                rtol=2e-2, atol=2e-2)

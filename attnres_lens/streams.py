@@ -1,0 +1,52 @@
+"""The residual state between sublayers, one interface for every residual kind (docs/architecture.md §3).
+
+A forward pass drives a stream with three calls, in sublayer order:
+
+* `read(mixer)`: the input `h_j` of the next sublayer (`mixer` is its depth attention, None for the standard sum);
+* `write(output, input)`: record the sublayer's output `f_j` (with the input it was given, possibly hook-edited);
+* `readout(mixer)`: the input of the final norm once every sublayer has written.
+
+`state` is the post-layer state that `blocks.{l}.hook_resid_post` (standard) or `hook_block_partial` (AttnRes) shows
+and may replace. The AttnRes stream is `attnres.DepthStream`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class ResidualStream:
+    """Interface of a residual stream; subclasses keep their own tensors."""
+
+    state: torch.Tensor
+
+    def read(self, mixer: Optional[nn.Module]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def write(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def readout(self, mixer: Optional[nn.Module]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SumStream(ResidualStream):
+    """The standard PreNorm residual: sublayer j reads `e + Σ_{i<j} f_i`, and so does the final norm.
+
+    A hook that edits a sublayer's input edits the residual itself (`write` continues from that input).
+    """
+
+    def __init__(self, embedding: torch.Tensor):
+        self.state = embedding
+
+    def read(self, mixer: Optional[nn.Module] = None) -> torch.Tensor:
+        return self.state
+
+    def write(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self.state = input + output
+
+    def readout(self, mixer: Optional[nn.Module] = None) -> torch.Tensor:
+        return self.state
