@@ -74,8 +74,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from attnres_lens.presets import apply_overrides, get_preset
-    from attnres_lens.rundir import RunDirError, read_checkpoint_index
+    from attnres_lens.config import apply_overrides
+    from attnres_lens.presets import get_preset
+    from attnres_lens.rundir import RunDir, RunDirError
     from attnres_lens.training import TrainingDiverged, resume, train
 
     try:
@@ -99,10 +100,10 @@ def _train(args: argparse.Namespace) -> int:
         print(f"attnres-lens: error: {err}", file=sys.stderr)
         return 2 if not isinstance(err, TrainingDiverged) else 3
     except KeyboardInterrupt:
-        run_dir = Path(args.resume or args.out)
-        latest = read_checkpoint_index(run_dir).get("latest") if (run_dir / "config.json").exists() else None
-        where = (f"the latest checkpoint is {latest}; continue with `attnres-lens train --resume {run_dir}`" if latest
-                 else f"no checkpoint was written yet; remove {run_dir} and train again")
+        run_dir = RunDir(args.resume or args.out)
+        latest = run_dir.read_index().latest if run_dir.holds_run() else None
+        where = (f"the latest checkpoint is {latest}; continue with `attnres-lens train --resume {run_dir.path}`"
+                 if latest else f"no checkpoint was written yet; remove {run_dir.path} and train again")
         print(f"\nattnres-lens: interrupted: {where}", file=sys.stderr)
         return 130
     if trainer.rank == 0:

@@ -1,28 +1,41 @@
-"""Model configuration (SPEC §3.1).
+"""Every configuration type of a run, in one place (docs/architecture.md §2).
 
-`ModelConfig` extends TransformerLens's `TransformerLensConfig`, so `model.cfg` satisfies the
-`TransformerLensModel` protocol that TL utilities (`head_detector`, `ActivationCache`) rely on.
-Every field round-trips through JSON; invalid values raise `ValueError` naming the field and the
-allowed values.
+* `ModelConfig` extends TransformerLens's `TransformerLensConfig`, so `model.cfg` satisfies the
+  `TransformerLensModel` protocol that TL utilities (`head_detector`, `ActivationCache`) rely on;
+* `TrainConfig`: optimiser, schedule, evaluation, recording and checkpoint cadence;
+* `RunConfig`: model + task + train, what `config.json` of a run directory holds, and the task it builds;
+* `apply_overrides`: `--set section.field=value` on a `RunConfig`.
+
+Every field round-trips through JSON; invalid values raise `ValueError` naming the field and the allowed values.
+Derived fields (`d_head`, `d_mlp`, `n_key_value_heads`) stay derived under overrides: changing `d_model` on a preset
+re-derives them unless they were given.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from transformer_lens.config import TransformerLensConfig
 
-from attnres_lens.kernels._common import BACKENDS
+import attnres_lens
+from attnres_lens.kernels.backends import BACKENDS
+
+if TYPE_CHECKING:
+    from attnres_lens.tasks.base import Task
 
 RESIDUAL_KINDS = ("standard", "attnres")
 ATTENTION_KINDS = ("standard", "kv_shift")
 POSITIONAL_KINDS = ("rotary", "standard")  # "standard" = learned absolute positions, as in TL
 ACT_FNS = ("gelu", "relu", "silu")
 DEPTH_BACKENDS = BACKENDS
+# Fields whose unset value means "derive from the others" (d_head = d_model / n_heads, d_mlp = 4 d_model,
+# n_key_value_heads = n_heads).
+DERIVED_FIELDS: dict[str, Any] = {"d_head": -1, "d_mlp": None, "n_key_value_heads": None}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -59,6 +72,8 @@ class ModelConfig(TransformerLensConfig):
 
     def __post_init__(self) -> None:
         # Validation replaces TL's __post_init__ (which asserts and silently derives values).
+        # Fields left to be derived; `settings()` hands them back unset so overrides re-derive them.
+        self._derived = {name for name, unset in DERIVED_FIELDS.items() if getattr(self, name) == unset}
         _check_choice("residual", self.residual, RESIDUAL_KINDS)
         _check_choice("attention", self.attention, ATTENTION_KINDS)
         _check_choice("positional_embedding_type", self.positional_embedding_type, POSITIONAL_KINDS)
@@ -109,7 +124,7 @@ class ModelConfig(TransformerLensConfig):
 
     @property
     def variant(self) -> str:
-        """Short human label, e.g. 'block4+kv_shift'."""
+        """Short machine-friendly label, e.g. 'block4+kv_shift' (file names, report tables)."""
         if self.residual == "standard":
             residual = "standard"
         elif self.attnres_block_size == 1:
@@ -118,7 +133,29 @@ class ModelConfig(TransformerLensConfig):
             residual = f"block{self.attnres_block_size}"
         return residual + ("+kv_shift" if self.attention == "kv_shift" else "")
 
+    @property
+    def residual_label(self) -> str:
+        """'standard', 'Full AttnRes' or 'Block AttnRes S=4'."""
+        if self.residual == "standard":
+            return "standard"
+        return "Full AttnRes" if self.attnres_block_size == 1 else f"Block AttnRes S={self.attnres_block_size}"
+
+    @property
+    def attention_label(self) -> str:
+        return "KV shift" if self.attention == "kv_shift" else "vanilla"
+
+    @property
+    def description(self) -> str:
+        """Human label, e.g. '6L Block AttnRes S=4, vanilla' (plot titles, the dashboard)."""
+        return f"{self.n_layers}L {self.residual_label}, {self.attention_label}"
+
     # ------------------------------------------------------------------ JSON
+    def settings(self) -> dict[str, Any]:
+        """`to_dict()` with the derived fields unset again: the base that `apply_overrides` edits."""
+        out = self.to_dict()
+        out.update({name: DERIVED_FIELDS[name] for name in getattr(self, "_derived", ())})
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["dtype"] = next(name for name, dtype in DTYPES.items() if dtype == self.dtype)
@@ -150,3 +187,138 @@ class ModelConfig(TransformerLensConfig):
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{field} must be one of {list(allowed)}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------- training and runs
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    eval_every: int = 100
+    eval_size: int = 256  # sequences in the fixed held-out set
+    record_every: int = 100
+    record_size: int = 32  # sequences of the eval set used by the recorder
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2  # the last K are kept, plus the best by eval loss
+    log_every: int = 10
+    device: str = "auto"
+    # torch threads on CPU; 0 = torch's default (one per core). Measured on 2 cores, one training process runs
+    # 1.4-1.6x faster with 2 threads than with 1 (analyses/reports/bench_cpu_step.md); give each process
+    # 1 thread when several train side by side, as the reproductions do.
+    threads: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        for name in ("steps", "batch_size", "eval_every", "eval_size", "record_every", "record_size",
+                     "checkpoint_every", "keep_checkpoints", "log_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"train.{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise ValueError(f"train.threads must be an integer >= 0 (0 = one per core), got {self.threads!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise ValueError(f"train.lr must be a number > 0, got {self.lr!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("train.weight_decay and train.grad_clip must be >= 0")
+        if self.device not in DEVICES:
+            raise ValueError(f"train.device must be one of {list(DEVICES)}, got {self.device!r}")
+        if self.record_size > self.eval_size:
+            raise ValueError(f"train.record_size={self.record_size} must be <= train.eval_size={self.eval_size}")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up over `warmup_steps`, then cosine down to `lr * min_lr_ratio` at `steps`."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig
+    task: dict[str, Any]  # {"name": ..., **task parameters}
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    preset: Optional[str] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.to_dict(),
+            "task": dict(self.task),
+            "train": dataclasses.asdict(self.train),
+            "preset": self.preset,
+            "seed": self.train.seed,
+            "version": attnres_lens.__version__,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+        unknown = sorted(set(data["train"]) - train_fields)
+        if unknown:
+            raise ValueError(f"unknown train field(s) {unknown}; known fields: {sorted(train_fields)}")
+        return cls(ModelConfig.from_dict(data["model"]), dict(data["task"]), TrainConfig(**data["train"]), data.get("preset"))
+
+    def build_task(self) -> "Task":
+        """The run's task, built from `task` ({"name": …, **parameters})."""
+        from attnres_lens.tasks import make_task
+
+        params = dict(self.task)
+        name = params.pop("name")
+        return make_task(name, **params)
+
+
+def task_fields(task: dict[str, Any]) -> set[str]:
+    from attnres_lens.tasks import TASKS
+
+    task_class = TASKS.get(task.get("name"))
+    return {f.name for f in dataclasses.fields(task_class) if f.init} | {"name"} if task_class else set(task)
+
+
+def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
+    """Apply `key=value` settings: `model.n_layers=4`, `train.lr=1e-3`, `task.vocab_size=48`, or an
+    unqualified field name when exactly one section has it. Values are parsed as JSON (else a string)."""
+    sections = {"model": config.model.settings(), "task": dict(config.task), "train": dataclasses.asdict(config.train)}
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value, got {assignment!r}")
+        section, _, field = key.rpartition(".")
+        if not section:
+            owners = [name for name, values in sections.items() if field in values and name != "task"]
+            owners += ["task"] if field in task_fields(sections["task"]) else []
+            if len(owners) != 1:
+                where = f"it is in {owners}; write section.{field}" if owners else "no section has it"
+                raise ValueError(f"cannot set {key!r}: {where} (sections: model, task, train)")
+            section = owners[0]
+        if section not in sections:
+            raise ValueError(f"unknown section {section!r} in {assignment!r}; use model., task. or train.")
+        # Task parameters are checked by the task itself (a preset lists only the ones it changes).
+        if section != "task" and field not in sections[section]:
+            raise ValueError(f"unknown {section} field {field!r}; known: {sorted(sections[section])}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        sections[section][field] = value
+    try:
+        train = TrainConfig(**sections["train"])
+        model = ModelConfig.from_dict(sections["model"])
+    except TypeError as err:
+        raise ValueError(str(err)) from err
+    updated = RunConfig(model, sections["task"], train, config.preset)
+    updated.build_task()  # validate task parameters now, not after the run has started
+    return updated

@@ -9,12 +9,9 @@ needed ~5500 steps at this scale). Depth presets: 12 layers with MLPs on the mix
 from __future__ import annotations
 
 import copy
-import dataclasses
-import json
 from typing import Any
 
-from attnres_lens.config import ModelConfig
-from attnres_lens.training import RunConfig, TrainConfig
+from attnres_lens.config import ModelConfig, RunConfig, TrainConfig
 
 INDUCTION_TASK = {"name": "copy", "vocab_size": 64, "seq_len": 65, "min_len": 8, "max_len": 16}
 INDUCTION_TRAIN = TrainConfig(steps=7000, batch_size=32, lr=3e-3, warmup_steps=100, eval_every=100,
@@ -55,52 +52,9 @@ PRESETS: dict[str, tuple[str, Any]] = {
 }
 
 
-def task_fields(task: dict[str, Any]) -> set[str]:
-    from attnres_lens.tasks import TASKS
-
-    task_class = TASKS.get(task.get("name"))
-    return {f.name for f in dataclasses.fields(task_class) if f.init} | {"name"} if task_class else set(task)
-
-
 def get_preset(name: str) -> RunConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} (list them with `attnres-lens presets`)")
     config = PRESETS[name][1]()
     config.preset = name
     return config
-
-
-def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
-    """Apply `key=value` settings: `model.n_layers=4`, `train.lr=1e-3`, `task.vocab_size=48`, or an
-    unqualified field name when exactly one section has it. Values are parsed as JSON (else a string)."""
-    sections = {"model": config.model.to_dict(), "task": dict(config.task), "train": dataclasses.asdict(config.train)}
-    for assignment in assignments:
-        key, sep, raw = assignment.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set expects key=value, got {assignment!r}")
-        section, _, field = key.rpartition(".")
-        if not section:
-            owners = [name for name, values in sections.items() if field in values and name != "task"]
-            owners += ["task"] if field in task_fields(sections["task"]) else []
-            if len(owners) != 1:
-                where = f"it is in {owners}; write section.{field}" if owners else "no section has it"
-                raise ValueError(f"cannot set {key!r}: {where} (sections: model, task, train)")
-            section = owners[0]
-        if section not in sections:
-            raise ValueError(f"unknown section {section!r} in {assignment!r}; use model., task. or train.")
-        # Task parameters are checked by the task itself (a preset lists only the ones it changes).
-        if section != "task" and field not in sections[section]:
-            raise ValueError(f"unknown {section} field {field!r}; known: {sorted(sections[section])}")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        sections[section][field] = value
-    try:
-        train = TrainConfig(**sections["train"])
-        model = ModelConfig.from_dict(sections["model"])
-    except TypeError as err:
-        raise ValueError(str(err)) from err
-    updated = RunConfig(model, sections["task"], train, config.preset)
-    updated.build_task()  # validate task parameters now, not after the run has started
-    return updated

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from attnres_lens.presets import apply_overrides, get_preset
+from attnres_lens.config import apply_overrides
+from attnres_lens.presets import get_preset
 from attnres_lens.training import train
 
 README = Path(__file__).resolve().parent.parent / "README.md"
