@@ -5,8 +5,8 @@ with bf16 autocast. Default shape: 24 layers, d_model 1024, 16 heads, n_ctx 1024
 (48 sublayers in 8 blocks, the paper's recommended block count), where the model runs two-phase Triton kernels.
 Needs transformer-lens on the GPU machine (carry it as wheels; see the device tool's README).
 
-    python analyses/bench_block_step_gpu.py                 # on the GPU
-    python analyses/bench_block_step_gpu.py --dry-run       # tiny model on the CPU: the script's plumbing only
+    python -m analyses.bench_block_step_gpu                 # on the GPU
+    python -m analyses.bench_block_step_gpu --dry-run       # tiny model on the CPU: the script's plumbing only
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from attnres_lens import HookedTransformer, ModelConfig, param_groups  # noqa: E402
+from attnres_lens import HookedTransformer, ModelConfig, param_groups
 
 TARGET = 1.03  # Block AttnRes step time / standard
 
@@ -96,7 +94,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         f"# Training step relative to the standard model{' (dry run: tiny model on the CPU)' if args.dry_run else ''}",
         "",
         f"* machine: {machine}, torch {torch.__version__}",
-        f"* command: `python analyses/bench_block_step_gpu.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        f"* command: `python -m analyses.bench_block_step_gpu {' '.join(argv if argv is not None else sys.argv[1:])}`",
         f"* date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
         f"* shape: {shape}; median of {args.repeats} interleaved steps; target: Block ≤ {TARGET}× standard",
         "",

@@ -9,7 +9,7 @@ Depth-attention paths compared:
 * `torch`: plain-PyTorch fast path (gain folded into the query, rstd once per source, hand-written backward);
 * `cpu`: the fused C kernel (`kernels/cpu_fused.c`), what `auto` picks on a CPU with a C compiler.
 
-    python analyses/bench_cpu_step.py --repeats 30 --threads 1 2 --out analyses/reports/bench_cpu_step.md
+    python -m analyses.bench_cpu_step --repeats 30 --threads 1 2 --out analyses/reports/bench_cpu_step.md
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from analyses.common import command_line, emit_report, machine_info  # noqa: E402
-from attnres_lens import HookedTransformer, ModelConfig, param_groups  # noqa: E402
+from analyses.common import command_line, emit_report, machine_info
+from attnres_lens import HookedTransformer, ModelConfig, param_groups
 
 SHAPES = {
     "small": dict(n_layers=4, d_model=128, n_heads=4, n_ctx=64, batch=12),

@@ -5,9 +5,9 @@ fla-core's ``fused_attnres`` (skipped when fla is not installed). Bytes follow S
 backward (2S+2)·N·D·b; bandwidth is compared with a measured device-to-device copy. Prints a markdown table headed by
 the machine, the command and the date. Installs nothing; imports torch, triton, attnres_lens.kernels (and fla).
 
-    python analyses/bench_kernels_gpu.py                      # full grid (tokens 8k/64k, d_model 1024/4096, S 3/9/17)
-    python analyses/bench_kernels_gpu.py --tokens 8192 --variants triton,fla
-    python analyses/bench_kernels_gpu.py --dry-run            # tiny shapes, CPU interpreter: correctness only
+    python -m analyses.bench_kernels_gpu                      # full grid (tokens 8k/64k, d_model 1024/4096, S 3/9/17)
+    python -m analyses.bench_kernels_gpu --tokens 8192 --variants triton,fla
+    python -m analyses.bench_kernels_gpu --dry-run            # tiny shapes, CPU interpreter: correctness only
 
 A second table times two-phase Block AttnRes (one phase-1 pass for a block's S pseudo-queries, then one merge per
 sublayer) against S single-pass calls, forward+backward, for blocks with 4, 8 and 16 completed sources.
@@ -28,10 +28,10 @@ if not torch.cuda.is_available():
     # only the dry run works without a GPU, and it needs the interpreter, which triton reads at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
+import triton
 
-from attnres_lens.kernels import block_phase1, depth_attention, merge_partial  # noqa: E402
-from attnres_lens.kernels.reference import depth_attention_reference  # noqa: E402
+from attnres_lens.kernels import block_phase1, depth_attention, merge_partial
+from attnres_lens.kernels.reference import depth_attention_reference
 
 VARIANTS = ("triton", "torch", "eager", "compile", "fla")
 

@@ -6,7 +6,7 @@ C `cpu` backend (what CPU models run);
 `two-phase`: `block_phase1` once for the block's S queries, then `merge_partial` per sublayer (autograd).
 Interleaved repeats in one process, median.
 
-    python analyses/bench_two_phase_cpu.py --out analyses/reports/bench_two_phase_cpu.md
+    python -m analyses.bench_two_phase_cpu --out analyses/reports/bench_two_phase_cpu.md
 """
 
 from __future__ import annotations
@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from analyses.common import command_line, emit_report, machine_info  # noqa: E402
-from attnres_lens.kernels import block_phase1, depth_attention, merge_partial  # noqa: E402
+from analyses.common import command_line, emit_report, machine_info
+from attnres_lens.kernels import block_phase1, depth_attention, merge_partial
 
 
 def make_block(n_tokens: int, d_model: int, n_blocks: int, block_size: int):

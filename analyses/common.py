@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import platform
 import shlex
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
-from attnres_lens.rundir import run_is_complete
+from attnres_lens.rundir import RunDir, run_is_complete
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,18 +31,19 @@ class Job:
 
 
 def _run_job(job: Job) -> str:
-    from attnres_lens.presets import apply_overrides, get_preset
+    from attnres_lens.config import apply_overrides
+    from attnres_lens.presets import get_preset
     from attnres_lens.training import resume, train
 
-    if run_is_complete(job.out):
+    run_dir = RunDir(job.out)
+    if run_dir.is_complete():
         return f"{job.out.name}: already complete"
     start = time.perf_counter()
-    if (job.out / "checkpoints" / "index.json").exists():
+    if run_dir.read_index().latest is not None:
         resume(job.out, progress=False)
     else:
-        if (job.out / "config.json").exists():  # crashed before its first checkpoint: start over
-            for path in sorted(job.out.rglob("*"), reverse=True):
-                path.unlink() if path.is_file() else path.rmdir()
+        if run_dir.holds_run():  # crashed before its first checkpoint: start over
+            shutil.rmtree(job.out)
         # one torch thread per process: the runs train side by side, one per core
         overrides = [f"train.seed={job.seed}", f"task.seed={job.seed}", "train.threads=1", *job.overrides]
         train(apply_overrides(get_preset(job.preset), overrides), job.out, progress=False)
@@ -66,11 +68,8 @@ def run_jobs(jobs: list[Job], workers: int) -> float:
 
 
 def training_minutes(out: Path) -> float:
-    """Wall time a run spent training, from its files: config.json (written at the start, and again on a
-    resume) to the last checkpoint index. Survives re-running a report on reused runs."""
-    start = (out / "config.json").stat().st_mtime
-    end = (out / "checkpoints" / "index.json").stat().st_mtime
-    return max(0.0, end - start) / 60
+    """Wall time a run spent training (`RunDir.training_seconds`), in minutes."""
+    return RunDir(out).training_seconds() / 60
 
 
 def machine_info() -> str:
@@ -81,7 +80,9 @@ def machine_info() -> str:
 
 
 def command_line() -> str:
-    return "python " + " ".join(shlex.quote(arg) for arg in [os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
+    """How this script was started, as a command to run from the repository root."""
+    module = ".".join(Path(os.path.relpath(sys.argv[0], REPO)).with_suffix("").parts)
+    return "python -m " + " ".join(shlex.quote(arg) for arg in [module, *sys.argv[1:]])
 
 
 def steps_to_threshold(steps, values, threshold: float) -> Optional[int]:

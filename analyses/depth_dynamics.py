@@ -4,20 +4,18 @@ Claims checked: PreNorm hidden-state magnitude grows with depth; AttnRes keeps o
 and gradient norms more uniform across depth. Trains depth-standard, depth-full and depth-block (reusing
 complete runs, resuming partial ones), then writes a markdown report with figures.
 
-    python analyses/depth_dynamics.py --seeds 0 --workers 2
+    python -m analyses.depth_dynamics --seeds 0 --workers 2
 """
 
 from __future__ import annotations
 
 import datetime
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from analyses.common import Job, command_line, machine_info, reproduction_jobs, run_jobs, training_minutes  # noqa: E402
+from analyses.common import Job, command_line, machine_info, reproduction_jobs, run_jobs, training_minutes
 
 PRESETS = ["depth-standard", "depth-full", "depth-block"]
 COLORS = dict(zip(PRESETS, ["#555555", "#0072B2", "#E69F00"]))  # Okabe–Ito, colour-blind safe

@@ -7,19 +7,17 @@ Trains induction-{1l,2l}-{vanilla,kvshift} for several seeds with the same token
 markdown report with accuracy curves and steps to 90% accuracy. Runs already complete are reused, partial
 ones resumed, so the command can be re-run to regenerate the report.
 
-    python analyses/kv_shift_induction.py --seeds 0 1 2 --workers 2
+    python -m analyses.kv_shift_induction --seeds 0 1 2 --workers 2
 """
 
 from __future__ import annotations
 
 import datetime
-import sys
 from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from analyses.common import Job, command_line, machine_info, reproduction_jobs, run_jobs, steps_to_threshold, training_minutes  # noqa: E402
+from analyses.common import Job, command_line, machine_info, reproduction_jobs, run_jobs, steps_to_threshold, training_minutes
 
 PRESETS = ["induction-1l-vanilla", "induction-2l-vanilla", "induction-1l-kvshift", "induction-2l-kvshift"]
 THRESHOLD = 0.9
@@ -87,7 +85,7 @@ def write_report(jobs: list[Job], report_dir: Path, seconds: float) -> None:
         verdict.append(f"* KV shift (1 layer) reaches 90% {ratio:.1f}× sooner than 2-layer vanilla "
                        f"({'agrees with' if ratio > 1 else 'disagrees with'} the paper's 'KV shift converges faster').")
     tokens = table["tokens"].iloc[0]
-    train_cfg = load_run(jobs[0].out, load_model=False).config["train"]
+    train_cfg = load_run(jobs[0].out, load_model=False).config.train
     text = f"""# KV-shift induction reproduction
 
 Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by `{command_line()}`
@@ -98,7 +96,7 @@ Task: variable-offset copy (vocab 64, length 65, a segment of 8–16 tokens repe
 accuracy only on positions whose answer the context determines). Models: attention-only, d_model 64, 4 heads,
 RoPE; AdamW 3e-3, batch 32, warm-up 100 + cosine; the same budget for every variant: {tokens:,} tokens
 ({table['steps'].iloc[0]} steps), one torch thread per training process. Accuracy is measured on a fixed held-out
-set of {train_cfg['eval_size']} sequences every {train_cfg['eval_every']} steps, so steps-to-90% has that resolution.
+set of {train_cfg.eval_size} sequences every {train_cfg.eval_every} steps, so steps-to-90% has that resolution.
 
 | preset | seeds | reached 90% | steps to 90% per seed | median | final accuracy (mean) | final eval loss |
 |---|---|---|---|---|---|---|

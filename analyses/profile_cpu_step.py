@@ -4,22 +4,20 @@ The small shape of `bench_cpu_step.py` (4 layers, d_model 128, n_ctx 64, batch 1
 `cpu` depth-attention backend (what `auto` picks on a CPU). The profiler adds per-op overhead, so absolute times are inflated; read the
 shares and the depth-attention rows.
 
-    python analyses/profile_cpu_step.py --out analyses/reports/profile_cpu_step.md
+    python -m analyses.profile_cpu_step --out analyses/reports/profile_cpu_step.md
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from analyses.bench_cpu_step import SHAPES, Stepper  # noqa: E402
-from analyses.common import command_line, emit_report, machine_info  # noqa: E402
+from analyses.bench_cpu_step import SHAPES, Stepper
+from analyses.common import command_line, emit_report, machine_info
 
 VARIANTS = {
     "standard": dict(residual="standard"),

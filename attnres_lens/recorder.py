@@ -20,6 +20,7 @@ from typing import Any
 
 import pandas as pd
 import torch
+from transformer_lens.utilities import get_act_name
 
 from attnres_lens.model import HookedTransformer, next_token_loss
 from attnres_lens.tasks.base import Batch
@@ -72,13 +73,13 @@ class Recorder:
             weights = forward[hook_name].float().mean(dim=(0, 1))
             labels = model.source_labels(consumer)
             consumer_label = model.sublayer_name(consumer)
-            kind = consumer_label.split(".")[-1]
+            kind = model.sublayer_kind(consumer)
             for source, (label, weight) in enumerate(zip(labels, weights.tolist())):
                 self.rows["depth_weights"].append(dict(step=step, consumer=consumer, consumer_label=consumer_label, kind=kind,
                                                        source=source, source_label=label, weight=weight))
         for j, label in self.sublayers:
             self.rows["magnitudes"].append(dict(
-                step=step, sublayer=j, label=label, kind=label.split(".")[-1],
+                step=step, sublayer=j, label=label, kind=model.sublayer_kind(j),
                 output_rms=rms(forward[model.sublayer_output_hook(j)]),
                 input_rms=rms(forward[model.sublayer_input_hook(j)]),
                 grad_norm=grads[model.sublayer_output_hook(j)].float().norm(dim=-1).mean().item(),
@@ -99,7 +100,7 @@ class Recorder:
             self.model(self.probe_tokens, return_type=None)
         half = (self.probe_tokens.shape[1] - 1) // 2
         for layer in range(self.model.cfg.n_layers):
-            scores = prefix_matching_score(patterns[f"blocks.{layer}.attn.hook_pattern"], half)
+            scores = prefix_matching_score(patterns[get_act_name("pattern", layer)], half)
             for head, score in enumerate(scores.tolist()):
                 self.rows["induction_scores"].append(dict(step=step, layer=layer, head=head, prefix_score=score))
 

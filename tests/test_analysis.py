@@ -21,8 +21,10 @@ from attnres_lens.analysis import (
     repeated_batch,
     spearman,
 )
+from attnres_lens.analysis.depth import mixing_matrix_from_weights
 from attnres_lens.analysis.run import analyze_run
-from attnres_lens.presets import apply_overrides, get_preset
+from attnres_lens.config import apply_overrides
+from attnres_lens.presets import get_preset
 from attnres_lens.rundir import load_run
 from attnres_lens.tasks.base import BOS, Batch, next_token_targets
 from attnres_lens.training import train
@@ -272,3 +274,16 @@ def test_spearman_is_a_rank_correlation():
     assert spearman(values, [-v**3 for v in values]) == pytest.approx(-1)
     assert spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(0.9486833)  # ties take average ranks
     assert math.isnan(spearman(values, [1.0] * 5))
+
+
+def test_mixing_matrix_from_a_recorded_snapshot_equals_the_checkpoint_computation(smoke_run):
+    """The recorder's token-averaged α at the last step and a fresh forward pass of that checkpoint on the same
+    sequences give the same M (M is linear in the token-averaged weights)."""
+    run = load_run(smoke_run, checkpoint="latest")
+    tokens = run.config.build_task().eval_batch(run.config.train.eval_size).tokens[: run.config.train.record_size]
+    snapshot = run.records["depth_weights"]
+    recorded = mixing_matrix_from_weights(run.model, snapshot[snapshot["step"] == run.config.train.steps])
+    computed = depth_mixing_matrix(run.model, tokens)
+    pd.testing.assert_frame_equal(recorded, computed, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="no rows for consumer 0"):
+        mixing_matrix_from_weights(run.model, snapshot[(snapshot["step"] == 0) & (snapshot["consumer"] > 0)])

@@ -15,7 +15,8 @@ import torch
 
 from attnres_lens import RunDirError, load_run
 from attnres_lens.cli import main as cli_main
-from attnres_lens.presets import PRESETS, apply_overrides, get_preset
+from attnres_lens.config import apply_overrides
+from attnres_lens.presets import PRESETS, get_preset
 from attnres_lens.recorder import prefix_matching_score
 from attnres_lens.training import Trainer, TrainingDiverged, resume, train
 
@@ -76,9 +77,9 @@ def test_recorded_depth_weights_are_uniform_at_step_0_and_sum_to_one(smoke_run):
 
 def test_recorded_magnitudes_match_a_direct_computation(smoke_run):
     run = load_run(smoke_run, checkpoint="latest")
-    trainer_batch = run.config["train"]["record_size"]
+    trainer_batch = run.config.train.record_size
     task = apply_overrides(get_preset("smoke"), []).build_task()
-    tokens = task.eval_batch(run.config["train"]["eval_size"]).tokens[:trainer_batch]
+    tokens = task.eval_batch(run.config.train.eval_size).tokens[:trainer_batch]
     _, cache = run.model.run_with_cache(tokens)
     recorded = run.records["magnitudes"]
     row = recorded[(recorded["step"] == 40) & (recorded["label"] == "L1.mlp")].iloc[0]

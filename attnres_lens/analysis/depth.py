@@ -18,10 +18,6 @@ from attnres_lens.attnres import EMBEDDING
 from attnres_lens.model import HookedTransformer
 
 
-def consumer_kind(model: HookedTransformer, consumer: int) -> str:
-    return model.sublayer_name(consumer).split(".")[-1]  # "attn", "mlp" or "final"
-
-
 @torch.no_grad()
 def depth_weights_by_consumer(model: HookedTransformer, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
     """α of every consumer, `{consumer: [batch, pos, n_sources]}` (AttnRes models only)."""
@@ -36,7 +32,7 @@ def depth_weights_by_consumer(model: HookedTransformer, tokens: torch.Tensor) ->
 
 def _source_rows(model: HookedTransformer, consumer: int) -> list[dict]:
     label = model.sublayer_name(consumer)
-    return [dict(consumer=consumer, consumer_label=label, kind=consumer_kind(model, consumer), source=source,
+    return [dict(consumer=consumer, consumer_label=label, kind=model.sublayer_kind(consumer), source=source,
                  source_label=source_label)
             for source, source_label in enumerate(model.source_labels(consumer))]
 
@@ -80,7 +76,7 @@ def depth_summary(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFram
         mean_weights = weights.mean(dim=(0, 1))
         sink = int(mean_weights.argmax())
         rows.append(dict(
-            consumer=consumer, consumer_label=model.sublayer_name(consumer), kind=consumer_kind(model, consumer),
+            consumer=consumer, consumer_label=model.sublayer_name(consumer), kind=model.sublayer_kind(consumer),
             n_sources=n_sources, entropy=entropy,
             normalized_entropy=entropy / math.log(n_sources) if n_sources > 1 else float("nan"),
             sink_score=mean_weights[sink].item(), sink_source=sink, sink_label=model.source_labels(consumer)[sink],
@@ -98,19 +94,30 @@ def depth_mixing_matrix(model: HookedTransformer, tokens: Optional[torch.Tensor]
     (J = "final"), sublayer (−1 = embedding), sublayer_label, weight; only `sublayer < consumer` (lower
     triangle). `tokens` is needed for AttnRes models (α depends on the input), ignored for standard.
     """
-    n_sublayers = model.cfg.n_sublayers
     if model.cfg.residual == "attnres":
         if tokens is None:
             raise ValueError("an AttnRes model's mixing weights depend on the input: pass tokens")
-        mean_weights = {c: w.mean(dim=(0, 1)).tolist() for c, w in depth_weights_by_consumer(model, tokens).items()}
+        return mixing_matrix_from_weights(model, depth_weights(model, tokens))
+    ones = pd.DataFrame([dict(consumer=c, source=s, weight=1.0) for c in range(model.cfg.n_sublayers + 1)
+                         for s in range(len(model.sources(c)))])
+    return mixing_matrix_from_weights(model, ones)
+
+
+def mixing_matrix_from_weights(model: HookedTransformer, weights: pd.DataFrame) -> pd.DataFrame:
+    """`depth_mixing_matrix` from token-averaged source weights (columns consumer, source, weight), such as
+    `depth_weights` or a recorded snapshot (`records/depth_weights.parquet` at one step): M is linear in them."""
+    by_consumer = {int(c): dict(zip(group["source"].astype(int), group["weight"])) for c, group in
+                   weights.groupby("consumer")}
     rows = []
-    for consumer in range(n_sublayers + 1):
+    for consumer in range(model.cfg.n_sublayers + 1):
+        if consumer not in by_consumer:
+            raise ValueError(f"the source weights have no rows for consumer {consumer} ({model.sublayer_name(consumer)})")
         effective = {i: 0.0 for i in [EMBEDDING, *range(consumer)]}
         for source, members in enumerate(model.sources(consumer)):
             for member in members:
-                effective[member] += mean_weights[consumer][source] if model.cfg.residual == "attnres" else 1.0
+                effective[member] += by_consumer[consumer][source]
         for sublayer, weight in effective.items():
             rows.append(dict(consumer=consumer, consumer_label=model.sublayer_name(consumer), sublayer=sublayer,
                              sublayer_label="emb" if sublayer == EMBEDDING else model.sublayer_name(sublayer),
-                             weight=weight))
+                             weight=float(weight)))
     return pd.DataFrame(rows)

@@ -30,6 +30,7 @@ from typing import Optional
 import pandas as pd
 import torch
 from transformer_lens.head_detector import detect_head
+from transformer_lens.utilities import get_act_name
 
 from attnres_lens.analysis.interventions import capture, evaluate, evaluate_many, replace_hook
 from attnres_lens.model import HookedTransformer, next_token_loss
@@ -76,8 +77,8 @@ def induction_head_scores(model: HookedTransformer, batch: Optional[Batch] = Non
     tokens = batch.tokens
     half_len = _check_repeated(tokens)
 
-    pattern_names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(cfg.n_layers)]
-    z_names = [f"blocks.{layer}.attn.hook_z" for layer in range(cfg.n_layers)]
+    pattern_names = [get_act_name("pattern", layer) for layer in range(cfg.n_layers)]
+    z_names = [get_act_name("z", layer) for layer in range(cfg.n_layers)]
     final_weights = [model.final_res.hook_weights.name] if cfg.residual == "attnres" else []
     clean = capture(model, tokens, pattern_names + z_names + final_weights + ["ln_final.hook_scale"])
 
@@ -122,7 +123,7 @@ def _copying_scores(model: HookedTransformer, batch: Batch, clean: dict[str, tor
     unembed = model.ln_final.w[:, None] * model.unembed.W_U  # gain folded into W_U: [d_model, d_vocab]
     scores = torch.zeros(cfg.n_layers, cfg.n_heads)
     for layer, block in enumerate(model.blocks):
-        z = clean[f"blocks.{layer}.attn.hook_z"][answers]  # [n_answers, head, d_head]
+        z = clean[get_act_name("z", layer)][answers]  # [n_answers, head, d_head]
         head_out = torch.einsum("nhd,hdm->nhm", z, block.attn.W_O) / scale[:, None]
         head_out = head_out * _direct_path_weight(model, layer, clean, answers)[:, None, None]
         logits = head_out @ unembed  # [n_answers, head, d_vocab]

@@ -19,15 +19,14 @@ sublayer alone in its block (or alone in a partial) is masked, the consistent li
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from attnres_lens.evaluation import Evaluation, score_logits
 from attnres_lens.model import HookedTransformer
-from attnres_lens.tasks.base import IGNORE_INDEX, Batch
+from attnres_lens.tasks.base import Batch
 
 Hook = tuple[str, Callable]
 
@@ -45,16 +44,6 @@ def capture(model: HookedTransformer, tokens: torch.Tensor, names: Iterable[str]
     hooks = list(fwd_hooks) + [(name, save) for name in set(names)]
     model.run_with_hooks(tokens, return_type=None, fwd_hooks=hooks)
     return saved
-
-
-@dataclass
-class Evaluation:
-    """loss: mean next-token cross-entropy over every position with a target (the training loss);
-    answer_loss: the same over the task's answer positions; accuracy: argmax accuracy there."""
-
-    loss: float
-    answer_loss: float
-    accuracy: float
 
 
 def evaluate(model: HookedTransformer, batch: Batch, fwd_hooks: Sequence[Hook] = ()) -> Evaluation:
@@ -80,7 +69,7 @@ def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequenc
                     hooks_by_name[name].append((slot, hook))
             fwd_hooks = [(name, _on_copies(n_batch, hooks)) for name, hooks in hooks_by_name.items()]
             logits = model.run_with_hooks(batch.tokens.repeat(len(group), 1), fwd_hooks=fwd_hooks)
-            results += [_score(part, batch) for part in logits.float().split(n_batch)]
+            results += [score_logits(part, batch) for part in logits.split(n_batch)]
             bar.update(len(group))
     return results
 
@@ -93,20 +82,6 @@ def _on_copies(n_batch: int, functions: list[tuple[int, Callable]]) -> Callable:
         return torch.cat(copies)
 
     return apply
-
-
-def _score(logits: torch.Tensor, batch: Batch) -> Evaluation:
-    per_token = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX,
-                                reduction="none").view(batch.targets.shape)
-    has_target = batch.targets != IGNORE_INDEX
-    answers = batch.answer_mask & has_target
-    correct = logits.argmax(-1) == batch.targets
-    nan = float("nan")
-    return Evaluation(
-        loss=per_token[has_target].mean().item(),
-        answer_loss=per_token[answers].mean().item() if answers.any() else nan,
-        accuracy=correct[answers].float().mean().item() if answers.any() else nan,
-    )
 
 
 # ---------------------------------------------------------------------------- interventions

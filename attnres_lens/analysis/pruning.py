@@ -139,7 +139,7 @@ def ablation_sensitivity(model: HookedTransformer, batch: Batch, progress: bool 
     rows = []
     for j in range(model.cfg.n_sublayers):
         label = model.sublayer_name(j)
-        row = dict(sublayer=j, label=label, kind=label.split(".")[-1], base_loss=base.loss, base_accuracy=base.accuracy)
+        row = dict(sublayer=j, label=label, kind=model.sublayer_kind(j), base_loss=base.loss, base_accuracy=base.accuracy)
         for mode in modes:
             result = next(results)
             row[f"dloss_{mode}"] = result.loss - base.loss

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from attnres_lens.analysis.depth import consumer_kind, depth_weights_by_consumer
+from attnres_lens.analysis.depth import depth_weights_by_consumer
 from attnres_lens.analysis.interventions import evaluate, evaluate_many, source_mask_hooks
 from attnres_lens.analysis.pruning import spearman
 from attnres_lens.model import HookedTransformer
@@ -31,7 +31,7 @@ def causal_routing(model: HookedTransformer, batch: Batch, progress: bool = Fals
     rows = []
     for (consumer, source), result in zip(pairs, results):
         rows.append(dict(
-            consumer=consumer, consumer_label=model.sublayer_name(consumer), kind=consumer_kind(model, consumer),
+            consumer=consumer, consumer_label=model.sublayer_name(consumer), kind=model.sublayer_kind(consumer),
             source=source, source_label=model.source_labels(consumer)[source],
             members=",".join(map(str, model.sources(consumer)[source])),
             alpha_mass=weights[consumer][..., source].mean().item(),

@@ -32,22 +32,16 @@ from attnres_lens.analysis.pruning import (
 from attnres_lens.analysis.routing import causal_routing, routing_correlations, routing_disagreements
 from attnres_lens.analysis.report import prune_report_html
 from attnres_lens.model import HookedTransformer
-from attnres_lens.rundir import PathLike, Run, RunDirError, atomic_write_bytes, atomic_write_json, atomic_write_parquet, load_run
+from attnres_lens.rundir import PathLike, Run, RunDir, atomic_write_bytes, atomic_write_json, atomic_write_parquet, load_run
 from attnres_lens.tasks.base import Batch, Task
 
 REMOVAL_TOLERANCE = 0.05  # "how many sublayers can go for < 5% loss increase"
 
 
 def open_run(path: PathLike, checkpoint: Union[str, int] = "latest") -> tuple[Run, Task]:
-    """The run with its model loaded from `checkpoint`, and its task rebuilt from config.json."""
-    from attnres_lens.training import RunConfig
-
+    """The run with its model loaded from `checkpoint`, and its task (checked to build when config.json is read)."""
     run = load_run(path, checkpoint=str(checkpoint))
-    try:
-        task = RunConfig.from_dict(run.config).build_task()
-    except (KeyError, TypeError, ValueError) as err:
-        raise RunDirError(f"{Path(path) / 'config.json'} has an invalid task or train section: {err}") from err
-    return run, task
+    return run, run.config.build_task()
 
 
 def _check_samples(samples: int, minimum: int) -> None:
@@ -104,7 +98,7 @@ def analyze_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples:
         tables["depth_weights"] = depth_weights(model, batch.tokens)
         tables["depth_summary"] = depth_summary(model, batch.tokens)
         tables["depth_weights_tokens"] = depth_weights_per_token(model, batch.tokens[:1])
-    out_dir = run.path / "analysis"
+    out_dir = RunDir(run.path).analysis_dir
     write_tables(tables, out_dir)
     heads = tables["induction_heads"]
     best = heads.loc[heads["prefix_score"].idxmax()]
@@ -154,6 +148,18 @@ def prune_tables(model: HookedTransformer, batch: Batch, metric: str = "loss", p
     return tables
 
 
+def prune_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers of `prune_tables`' output (base loss and accuracy, what is removable, and the routing
+    correlations for AttnRes), after `header` (which run, checkpoint, variant …)."""
+    sensitivity = tables["pruning_sensitivity"]
+    summary = {**header, "base_loss": float(sensitivity["base_loss"].iloc[0]),
+               "base_accuracy": float(sensitivity["base_accuracy"].iloc[0]),
+               "removable": tables["removable"].to_dict("records")}
+    if "routing" in tables:
+        summary["routing_correlations"] = routing_correlations(tables["routing"])
+    return summary
+
+
 def prune_run(path: PathLike, out: Optional[PathLike] = None, metric: str = "loss", samples: int = 8,
               checkpoint: Union[str, int] = "latest", progress: bool = True) -> PruneResult:
     """Layer-pruning sensitivity of a run: tables and `prune_report.html` under `out` (default RUN/analysis)."""
@@ -161,14 +167,8 @@ def prune_run(path: PathLike, out: Optional[PathLike] = None, metric: str = "los
     _check_samples(samples, 2)  # resample ablation swaps activations between sequences
     run, task = open_run(path, checkpoint)
     tables = prune_tables(run.model, task.eval_batch(samples), metric, progress)
-    sensitivity = tables["pruning_sensitivity"]
-    summary = {**_run_header(run, samples), "metric": metric,
-               "base_loss": float(sensitivity["base_loss"].iloc[0]),
-               "base_accuracy": float(sensitivity["base_accuracy"].iloc[0]),
-               "removable": tables["removable"].to_dict("records")}
-    if "routing" in tables:
-        summary["routing_correlations"] = routing_correlations(tables["routing"])
-    out_dir = Path(out) if out is not None else run.path / "analysis"
+    summary = prune_summary(tables, {**_run_header(run, samples), "metric": metric})
+    out_dir = Path(out) if out is not None else RunDir(run.path).analysis_dir
     write_tables(tables, out_dir)
     atomic_write_json(out_dir / "prune_summary.json", _json_safe(summary))
     report_path = out_dir / "prune_report.html"
