@@ -14,7 +14,7 @@ if str(APP_DIR) not in sys.path:  # page modules import lens_ui, wherever stream
 
 import streamlit as st  # noqa: E402
 
-from lens_ui.data import DEFAULT_RUNS_DIR  # noqa: E402
+from lens_ui.data import DEFAULT_RUNS_DIR, selected_paths  # noqa: E402
 
 
 def runs_dir_from_command_line() -> str:
@@ -40,6 +40,9 @@ PAGES = [
 page = st.navigation(PAGES)
 with st.sidebar:
     st.caption(f"Runs folder: `{st.session_state['runs_dir']}`")
-    picked = st.session_state.get("selected_runs", [])
-    st.caption("Selected: " + (", ".join(Path(p).name for p in picked) if picked else "none (pick on Runs)"))
-page.run()
+    selection = st.empty()
+try:
+    page.run()
+finally:  # after the page, whose run picker may have set the selection (a page's st.stop() ends up here too)
+    picked = selected_paths()
+    selection.caption("Selected: " + (", ".join(Path(p).name for p in picked) if picked else "none"))

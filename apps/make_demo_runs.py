@@ -1,7 +1,8 @@
 """Train the dashboard's demo runs into `data/demo_runs/` (only those missing), with progress bars.
 
-The set covers standard / Full / Block AttnRes on the depth task and vanilla / KV-shift attention on the
-induction task, shortened from the project's presets so that all of them train in a few minutes on a 2-core CPU.
+The set covers standard / Full / Block AttnRes on the depth task and 1- and 2-layer vanilla / KV-shift attention on
+the induction task: the project's presets, at 6 layers for the depth runs, trained long enough that their heatmaps
+show structure (about 20 minutes for all seven on a 2-core CPU).
 Optimiser state files are deleted to keep the folder small, so demo runs cannot be resumed; train a preset
 with `attnres-lens train` for a run you want to continue.
 
@@ -19,15 +20,18 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "data" / "demo_runs"
 
-# Short runs: frequent records so the step slider has snapshots to scrub, one kept checkpoint (plus the best).
-INDUCTION_OVERRIDES = ["train.steps=500", "train.eval_every=50", "train.record_every=50", "train.log_every=25",
-                       "train.checkpoint_every=250", "train.keep_checkpoints=1"]
-DEPTH_OVERRIDES = ["model.n_layers=6", "train.steps=200", "train.eval_every=25", "train.record_every=25",
-                   "train.log_every=25", "train.checkpoint_every=100", "train.keep_checkpoints=1"]
+# Long enough to show structure: the induction runs cover 2-layer vanilla's late transition (~5000 steps), the
+# depth runs the preset's whole budget at 6 layers; frequent records give the step sliders snapshots to scrub.
+# One kept checkpoint (plus the best) keeps the folder within a few MB.
+INDUCTION_OVERRIDES = ["train.steps=6000", "train.eval_every=100", "train.record_every=250", "train.log_every=50",
+                       "train.checkpoint_every=1000", "train.keep_checkpoints=1"]
+DEPTH_OVERRIDES = ["model.n_layers=6", "train.steps=1500", "train.eval_every=100", "train.record_every=100",
+                   "train.log_every=25", "train.checkpoint_every=500", "train.keep_checkpoints=1"]
 
 DEMO_RUNS: dict[str, tuple[str, list[str]]] = {
     "induction-1l-vanilla": ("induction-1l-vanilla", INDUCTION_OVERRIDES),
     "induction-1l-kvshift": ("induction-1l-kvshift", INDUCTION_OVERRIDES),
+    "induction-2l-vanilla": ("induction-2l-vanilla", INDUCTION_OVERRIDES),
     "induction-2l-kvshift": ("induction-2l-kvshift", INDUCTION_OVERRIDES),
     "depth-standard-6l": ("depth-standard", DEPTH_OVERRIDES),
     "depth-full-6l": ("depth-full", DEPTH_OVERRIDES),
@@ -36,7 +40,9 @@ DEMO_RUNS: dict[str, tuple[str, list[str]]] = {
 
 
 def train_demo_run(name: str, out: Path) -> None:
-    from attnres_lens.presets import apply_overrides, get_preset
+    from attnres_lens.config import apply_overrides
+    from attnres_lens.presets import get_preset
+    from attnres_lens.rundir import RunDir
     from attnres_lens.training import train
 
     preset, overrides = DEMO_RUNS[name]
@@ -44,8 +50,7 @@ def train_demo_run(name: str, out: Path) -> None:
     if run_dir.exists():  # an interrupted demo run: start it again rather than mix two histories
         shutil.rmtree(run_dir)
     train(apply_overrides(get_preset(preset), overrides), run_dir, progress=True)
-    for state_file in (run_dir / "checkpoints").glob("*.state.safetensors"):
-        state_file.unlink()
+    RunDir(run_dir).drop_training_state()
 
 
 def main(argv: list[str] | None = None) -> int:

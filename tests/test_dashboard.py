@@ -62,6 +62,36 @@ def test_runs_page_lists_runs_and_keeps_the_selection_across_pages():
     assert app.multiselect(key="depth-runs").value == [full]
 
 
+def test_the_sidebar_names_the_runs_every_page_shows():
+    """One selection state: with nothing picked, a page's default runs become the selection the sidebar reports,
+    and a pick on any page is what the next page shows."""
+    app = open_page("views/depth_mixing.py")
+    shown = app.multiselect(key="mixing-runs").value
+    assert shown and app.session_state["selected_runs"] == shown
+    sidebar = " ".join(element.value for element in app.sidebar.caption)
+    assert all(Path(path).name in sidebar for path in shown) and "none" not in sidebar
+    block = str(DEMO_RUNS / "depth-block-6l")
+    app.multiselect(key="mixing-runs").set_value([block]).run()
+    assert app.session_state["selected_runs"] == [block]
+    app.switch_page("views/runs.py").run()
+    assert app.multiselect(key="runs-pick").value == [block]
+    assert "depth-block-6l" in " ".join(element.value for element in app.sidebar.caption)
+
+
+def test_depth_mixing_page_scrubs_through_training():
+    app = open_page("views/depth_mixing.py")
+    app.multiselect(key="mixing-runs").set_value([str(DEMO_RUNS / "depth-full-6l")]).run()
+    slider = app.select_slider(key="mixing-step")
+    late = chart_specs(app)[0]["data"][0]["z"]
+    slider.set_value(slider.options[0]).run()
+    assert_clean(app)
+    early = chart_specs(app)[0]["data"][0]["z"]
+    assert early != late and "step 0" in chart_specs(app)[0]["layout"]["title"]["text"]
+    app.radio(key="mixing-source").set_value("a checkpoint's model").run()
+    assert_clean(app)
+    assert "M (step_" in chart_specs(app)[0]["layout"]["title"]["text"]  # the checkpoint the model came from
+
+
 def test_step_slider_changes_the_depth_heatmap():
     app = open_page("views/depth_attention.py")
     slider = app.select_slider(key="depth-step")

@@ -18,9 +18,9 @@ import pandas as pd
 import streamlit as st
 
 from attnres_lens import HookedTransformer, ModelConfig, load_run
-from attnres_lens.rundir import RunDirError, read_checkpoint_index
-from attnres_lens.tasks import make_task
-from attnres_lens.tasks.base import Batch
+from attnres_lens.config import RunConfig
+from attnres_lens.rundir import RunDir, RunDirError
+from attnres_lens.tasks.base import Batch, Task
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RUNS_DIR = REPO_ROOT / "data" / "demo_runs"
@@ -32,19 +32,25 @@ class RunTables:
 
     path: str
     name: str
-    config: dict[str, Any]
-    model_config: ModelConfig
+    config: RunConfig
     metrics: pd.DataFrame
     records: dict[str, pd.DataFrame]
     checkpoints: list[str]  # "latest", "best", then the kept checkpoint names
 
     @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model
+
+    @property
     def variant(self) -> str:
-        return variant_label(self.model_config)
+        return self.model_config.description
 
     @property
     def task(self) -> str:
-        return str(self.config["task"].get("name", "?"))
+        return str(self.config.task["name"])
+
+    def build_task(self) -> Task:
+        return self.config.build_task()
 
     @property
     def label(self) -> str:
@@ -68,20 +74,9 @@ class ModelHandle:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def variant_label(cfg: ModelConfig) -> str:
-    if cfg.residual == "standard":
-        residual = "standard"
-    elif cfg.attnres_block_size == 1:
-        residual = "Full AttnRes"
-    else:
-        residual = f"Block AttnRes S={cfg.attnres_block_size}"
-    attention = "KV shift" if cfg.attention == "kv_shift" else "vanilla"
-    return f"{cfg.n_layers}L {residual}, {attention}"
-
-
 def discover_runs(root: Path) -> list[Path]:
     """The runs folder itself if it is a run, else its non-hidden subfolders (each shown, even if broken)."""
-    if (root / "config.json").is_file():
+    if RunDir(root).holds_run():
         return [root]
     if not root.is_dir():
         return []
@@ -90,10 +85,8 @@ def discover_runs(root: Path) -> list[Path]:
 
 def run_signature(path: Path) -> tuple:
     """(relative name, mtime, size) of the files a page reads: changes whenever training writes something."""
-    files = [path / "config.json", path / "metrics.jsonl", path / "checkpoints" / "index.json"]
-    files += sorted((path / "records").glob("*.parquet"))
     signature = []
-    for file in files:
+    for file in RunDir(path).watched_files():
         try:
             stat = file.stat()
         except OSError:
@@ -108,12 +101,10 @@ def _load_tables(path: str, signature: tuple) -> LoadResult:
     run_path = Path(path)
     try:
         run = load_run(run_path, load_model=False)
-        index = read_checkpoint_index(run_path)
+        checkpoints = RunDir(run_path).read_index().names()
     except Exception as err:  # noqa: BLE001 - any damage becomes a message on the page, never a traceback
         return LoadResult(error=describe_error(err))
-    aliases = [alias for alias in ("latest", "best") if index.get(alias)]
-    tables = RunTables(path, run_path.name, run.config, run.model_config, run.metrics, run.records,
-                       aliases + list(index.get("kept", [])))
+    tables = RunTables(path, run_path.name, run.config, run.metrics, run.records, checkpoints)
     return LoadResult(tables=tables)
 
 
@@ -130,9 +121,10 @@ def _load_model(path: str, checkpoint: str, signature: tuple) -> ModelHandle:
 def load_model(tables: RunTables, checkpoint: str) -> tuple[Optional[ModelHandle], Optional[str]]:
     """The run's model at `checkpoint` ("latest", "best" or a name), or an error message."""
     path = Path(tables.path)
-    checkpoint_file = path / "checkpoints" / f"{checkpoint}.safetensors"
-    mtime = checkpoint_file.stat().st_mtime_ns if checkpoint_file.is_file() else None
     try:
+        # keyed by the weights file the alias points to now, so a new "latest" loads the new model
+        weights = RunDir(path).weights_path(RunDir(path).resolve_checkpoint(checkpoint))
+        mtime = weights.stat().st_mtime_ns if weights.is_file() else None
         return _load_model(tables.path, checkpoint, (run_signature(path), mtime)), None
     except Exception as err:  # noqa: BLE001
         return None, describe_error(err)
@@ -155,12 +147,11 @@ def summary_row(tables: RunTables) -> dict[str, Any]:
     cfg = tables.model_config
     metrics = tables.metrics
     last_step = int(metrics["step"].max()) if "step" in metrics and len(metrics) else 0
-    total = tables.config["train"].get("steps")
+    total = tables.config.train.steps
     return {
         "run": tables.name, "variant": tables.variant, "task": tables.task,
-        "residual": "standard" if cfg.residual == "standard" else ("Full" if cfg.attnres_block_size == 1 else "Block"),
-        "attention": "KV shift" if cfg.attention == "kv_shift" else "vanilla", "layers": cfg.n_layers,
-        "steps": f"{last_step}/{total}" if total else str(last_step),
+        "residual": cfg.residual_label, "attention": cfg.attention_label, "layers": cfg.n_layers,
+        "steps": f"{last_step}/{total}",
         "final loss": last_value(metrics, "loss"), "eval loss": last_value(metrics, "eval_loss"),
         "accuracy": last_value(metrics, "eval_accuracy"),
     }
@@ -182,11 +173,13 @@ def all_runs() -> tuple[list[RunTables], dict[str, str]]:
     return loaded, broken
 
 
+SELECTION_KEY = "selected_runs"  # the runs the pages show: one state, set by any page's run picker
+
+
 def selected_paths() -> list[str]:
-    return list(st.session_state.get("selected_runs", []))
+    return list(st.session_state.get(SELECTION_KEY, []))
 
 
 def task_batch(run: RunTables, n_sequences: int = 32) -> Batch:
     """The first `n_sequences` of the run's fixed held-out set (the data the recorder's snapshots use)."""
-    params = dict(run.config["task"])
-    return make_task(params.pop("name"), **params).eval_batch(n_sequences)
+    return run.build_task().eval_batch(n_sequences)

@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 import streamlit as st
 import torch
 
-from lens_ui.data import ModelHandle, RunTables, all_runs, load_model, selected_paths
+from lens_ui.data import SELECTION_KEY, ModelHandle, RunTables, all_runs, load_model, selected_paths
 
 PLOTLY_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
 
@@ -27,28 +27,45 @@ def loadable_runs(predicate: Optional[Callable[[RunTables], bool]] = None) -> li
     return runs
 
 
+def _select(paths: list[str]) -> None:
+    """Make `paths` the selection: the one state every page's run picker shows and the sidebar reports."""
+    st.session_state[SELECTION_KEY] = list(paths)
+
+
+def _starting_choice(runs: list[RunTables], fallback: int, max_runs: Optional[int],
+                     prefer: Optional[Callable[[RunTables], bool]] = None) -> list[str]:
+    """The selected runs this page can show, else the first `fallback` (preferred) runs, which then become the
+    selection, so the sidebar always names the runs on the page."""
+    by_path = {run.path: run for run in runs}
+    chosen = [path for path in selected_paths() if path in by_path]
+    if not chosen:
+        preferred = [run.path for run in runs if prefer is None or prefer(run)] or [run.path for run in runs]
+        chosen = preferred[:fallback]
+        _select(chosen)
+    return chosen[:max_runs] if max_runs else chosen
+
+
 def pick_runs(runs: list[RunTables], key: str, max_runs: Optional[int] = 2, label: str = "Runs",
               fallback: int = 1) -> list[RunTables]:
-    """A multiselect over `runs` whose default is the selection made on the Runs page, else the first
-    `fallback` runs."""
+    """A multiselect over `runs`, showing (and changing) the selection; with none, the first `fallback` runs."""
     by_path = {run.path: run for run in runs}
-    default = [path for path in selected_paths() if path in by_path] or [run.path for run in runs[:fallback]]
-    if max_runs:
-        default = default[:max_runs]
-    chosen = st.multiselect(label, list(by_path), default=default, key=key, max_selections=max_runs,
-                            format_func=lambda path: by_path[path].label)
+    st.session_state[key] = _starting_choice(runs, fallback, max_runs)  # the widget follows the selection
+    chosen = st.multiselect(label, list(by_path), key=key, max_selections=max_runs,
+                            format_func=lambda path: by_path[path].label,
+                            on_change=lambda: _select(st.session_state[key]))
     return [by_path[path] for path in chosen]
 
 
 def pick_run(runs: list[RunTables], key: str, label: str = "Run",
              prefer: Optional[Callable[[RunTables], bool]] = None) -> RunTables:
-    """A selectbox over `runs`: default the first run selected on the Runs page, else the first `prefer`red."""
+    """A selectbox over `runs`: the first selected run, else the first `prefer`red one; picking one selects it."""
     by_path = {run.path: run for run in runs}
-    selected = [path for path in selected_paths() if path in by_path]
-    preferred = [run.path for run in runs if prefer is None or prefer(run)]
-    default = (selected or preferred or [runs[0].path])[0]
-    index = list(by_path).index(default)
-    path = st.selectbox(label, list(by_path), index=index, key=key, format_func=lambda p: by_path[p].label)
+    st.session_state[key] = _starting_choice(runs, 1, 1, prefer)[0]
+
+    def select_first() -> None:  # the picked run leads the selection; a second selected run stays second
+        _select(list(dict.fromkeys([st.session_state[key], *selected_paths()]))[:2])
+
+    path = st.selectbox(label, list(by_path), key=key, format_func=lambda p: by_path[p].label, on_change=select_first)
     return by_path[path]
 
 
@@ -70,7 +87,7 @@ def repeated_tokens_input(run: RunTables, key: str, max_len: int) -> torch.Tenso
     """[1, 2L+1] repeated random tokens [BOS, r, r] from the run's task vocabulary; L and seed from widgets."""
     from attnres_lens.analysis.induction import repeated_batch
 
-    vocab = int(run.config["task"].get("vocab_size", run.model_config.d_vocab))
+    vocab = run.build_task().vocab_size
     longest = max(2, (max_len - 1) // 2)
     left, right = st.columns(2)
     half_len = left.number_input("Half length L", 2, longest, min(16, longest), key=f"{key}-half")

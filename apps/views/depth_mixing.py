@@ -1,11 +1,12 @@
 """Depth-mixing matrix M: the effective weight of each sublayer output in each sublayer input, which puts the
-standard residual (all ones), Full AttnRes and Block AttnRes on one footing."""
+standard residual (all ones), Full AttnRes and Block AttnRes on one footing. Scrub through training (from the
+recorded depth-weight snapshots, of which M is a linear function) or compute it at a checkpoint."""
 
 from __future__ import annotations
 
 import streamlit as st
 
-from attnres_lens.analysis.depth import depth_mixing_matrix
+from attnres_lens.analysis.depth import depth_mixing_matrix, mixing_matrix_from_weights
 from lens_ui.data import describe_error, task_batch
 from lens_ui.figures import mixing_heatmap
 from lens_ui.widgets import loadable_runs, pick_model, pick_runs, show_figure
@@ -21,7 +22,22 @@ if not runs:
     st.stop()
 chosen = pick_runs(runs, key="mixing-runs", label="Runs (one or two, side by side on one colour scale)",
                   fallback=2)
-n_sequences = st.slider("Held-out sequences to average over", 4, 128, 32, step=4, key="mixing-n")
+if not chosen:
+    st.info("Pick a run.")
+    st.stop()
+source = st.radio("Weights from", ["recorded snapshots (scrub through training)", "a checkpoint's model"],
+                  horizontal=True, key="mixing-source")
+from_records = source.startswith("recorded")
+
+step = None
+if from_records:
+    recorded = {run.path: run.record("depth_weights") for run in chosen}
+    steps = sorted(set().union(*(frame["step"].unique() for frame in recorded.values() if not frame.empty)))
+    if steps:
+        step = st.select_slider("Training step (recorded snapshots)", options=[int(s) for s in steps],
+                                value=int(steps[-1]), key="mixing-step") if len(steps) > 1 else int(steps[0])
+else:
+    n_sequences = st.slider("Held-out sequences to average over", 4, 128, 32, step=4, key="mixing-n")
 
 matrices = {}
 for run in chosen:
@@ -30,16 +46,30 @@ for run in chosen:
     if handle is None:
         continue
     try:
-        tokens = task_batch(run, n_sequences).tokens
-        with handle.lock:
-            matrices[run.name] = (run, handle.checkpoint, depth_mixing_matrix(handle.model, tokens))
+        if from_records and run.model_config.residual == "attnres":
+            weights = recorded[run.path]
+            if weights.empty:
+                st.warning(f"Run {run.name} has no recorded depth weights yet (records/depth_weights.parquet).")
+                continue
+            at = int(weights["step"][weights["step"] <= step].max()) if (weights["step"] <= step).any() \
+                else int(weights["step"].min())
+            matrix = mixing_matrix_from_weights(handle.model, weights[weights["step"] == at])
+            where = f"step {at}"
+        elif from_records:  # the standard residual's weights are 1 at every step
+            matrix, where = depth_mixing_matrix(handle.model), "every step"
+        else:
+            tokens = task_batch(run, n_sequences).tokens
+            with handle.lock:
+                matrix = depth_mixing_matrix(handle.model, tokens)
+            where = handle.checkpoint
+        matrices[run.name] = (run, where, matrix)
     except Exception as err:  # noqa: BLE001 - e.g. a run whose task config no longer builds
         st.error(f"Cannot compute the mixing matrix of {run.name}: {describe_error(err)}")
 
 if matrices:
     zmax = max(float(frame["weight"].max()) for _, _, frame in matrices.values())
-    for column, (name, (run, checkpoint, frame)) in zip(st.columns(len(matrices)), matrices.items()):
+    for column, (name, (run, where, frame)) in zip(st.columns(len(matrices)), matrices.items()):
         with column:
             st.subheader(name)
-            st.caption(f"{run.variant} · {checkpoint}")
-            show_figure(mixing_heatmap(frame, f"{name} · M ({checkpoint})", zmax), key=f"mixing-{name}")
+            st.caption(f"{run.variant} · {where}")
+            show_figure(mixing_heatmap(frame, f"{name} · M ({where})", zmax), key=f"mixing-{name}")

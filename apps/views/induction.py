@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 import torch
+from transformer_lens.utilities import get_act_name
 
 from attnres_lens.analysis.induction import induction_head_scores
 from lens_ui.data import ModelHandle
@@ -68,7 +69,7 @@ else:
     n_samples = st.slider("Repeated sequences", 4, 64, 16, step=4, key="induction-samples")
     if handle is not None:
         with st.spinner("Scoring every head (patterns, TL detector, copying, ablations)…"):
-            vocab_size = int(run.config["task"].get("vocab_size", handle.model.cfg.d_vocab))
+            vocab_size = run.build_task().vocab_size
             scores = live_scores(handle, handle.key, n_samples, vocab_size)
         name, colorbar, zmin, zmax, signed = METRICS[metric]
         show_figure(layer_head_heatmap(scores, metric, f"{name}<br><sup>{run.name} · {handle.checkpoint}</sup>", colorbar, zmin,
@@ -91,7 +92,7 @@ if handle is not None:
     layer = left.selectbox("Layer", range(model.cfg.n_layers), index=best_layer, key="induction-layer")
     head = right.selectbox("Head", range(model.cfg.n_heads), index=best_head, key="induction-head")
     tokens = repeated_tokens_input(run, "induction-pattern", model.cfg.n_ctx)
-    hook = f"blocks.{layer}.attn.hook_pattern"
+    hook = get_act_name("pattern", layer)
     with handle.lock, torch.no_grad():
         _, cache = model.run_with_cache(tokens, names_filter=lambda name: name == hook)
     pattern = cache[hook][0, head].float().cpu().numpy()

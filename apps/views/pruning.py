@@ -8,9 +8,8 @@ from typing import Any, Callable
 import pandas as pd
 import streamlit as st
 
-from attnres_lens.analysis import routing_correlations
 from attnres_lens.analysis.report import prune_report_html
-from attnres_lens.analysis.run import REMOVAL_TOLERANCE, prune_tables
+from attnres_lens.analysis.run import REMOVAL_TOLERANCE, prune_summary, prune_tables
 from lens_ui.data import ModelHandle, RunTables, describe_error, task_batch
 from lens_ui.widgets import loadable_runs, pick_model, pick_run
 
@@ -32,12 +31,9 @@ def compute_report(run: RunTables, handle: ModelHandle, samples: int, metric: st
     """The library's pruning tables (reporting each stage to `progress`), then its HTML report."""
     with handle.lock:
         tables = prune_tables(handle.model, task_batch(run, samples), metric, on_stage=progress)
-    sensitivity = tables["pruning_sensitivity"]
-    summary = {"run": run.name, "checkpoint": handle.checkpoint, "variant": run.variant, "samples": samples,
-               "base_loss": float(sensitivity["base_loss"].iloc[0]),
-               "base_accuracy": float(sensitivity["base_accuracy"].iloc[0])}
-    if "routing" in tables:
-        summary["routing_correlations"] = routing_correlations(tables["routing"])
+    header = {"run": run.name, "checkpoint": handle.checkpoint, "variant": run.variant, "samples": samples,
+              "metric": metric}
+    summary = prune_summary(tables, header)
     return tables, prune_report_html(tables, summary, metric, REMOVAL_TOLERANCE)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from lens_ui.data import all_runs, runs_dir, summary_row
+from lens_ui.data import SELECTION_KEY, all_runs, runs_dir, selected_paths, summary_row
 
 st.title("Runs")
 
@@ -15,7 +15,7 @@ folder = st.text_input("Runs folder", str(runs_dir()), help="A run directory, or
 resolved = str(Path(folder).expanduser().resolve())
 if resolved != str(runs_dir()):
     st.session_state["runs_dir"] = resolved
-    st.session_state["selected_runs"] = []
+    st.session_state[SELECTION_KEY] = []
 
 runs, broken = all_runs()
 for name, error in broken.items():
@@ -48,16 +48,16 @@ st.dataframe(
 )
 
 labels = {run.path: run.label for run in runs}
-selected = [path for path in st.session_state.get("selected_runs", []) if path in labels]
+selected = [path for path in selected_paths() if path in labels]
 options = list(dict.fromkeys(list(shown["path"]) + selected))
+st.session_state["runs-pick"] = selected  # the widget shows the selection, whichever page set it
 
 
 def remember_selection() -> None:
-    """Runs before the rerun, so the sidebar (drawn before this page) already shows the new selection."""
-    st.session_state["selected_runs"] = st.session_state["runs-pick"]
+    st.session_state[SELECTION_KEY] = st.session_state["runs-pick"]
 
 
-picked = st.multiselect("Pick one or two runs for the other pages", options, default=selected, max_selections=2,
+picked = st.multiselect("Pick one or two runs for the other pages", options, max_selections=2,
                         format_func=labels.get, key="runs-pick", on_change=remember_selection)
 if picked:
     st.success("Selected: " + ", ".join(Path(p).name for p in picked) + ". Open a page in the sidebar.")
