@@ -15,9 +15,12 @@ import torch
 
 from attnres_lens import RunDirError, load_run
 from attnres_lens.cli import main as cli_main
-from attnres_lens.config import apply_overrides
+from attnres_lens.analysis.interventions import evaluate
+from attnres_lens.config import RunConfig, apply_overrides
+from attnres_lens.evaluation import evaluate_model
 from attnres_lens.presets import PRESETS, get_preset
 from attnres_lens.recorder import prefix_matching_score
+from attnres_lens.rundir import RunDir
 from attnres_lens.training import Trainer, TrainingDiverged, resume, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -242,6 +245,32 @@ def test_overrides_reach_the_config():
                                                    "model.d_vocab=20", "residual=standard"])
     assert config.model.n_layers == 3 and config.train.lr == 0.001 and config.task["vocab_size"] == 20
     assert config.model.residual == "standard"
+
+
+def test_derived_fields_follow_an_override_unless_given():
+    """A preset pins nothing it derived: changing d_model re-derives d_head, d_mlp = 4 d_model, and the KV heads."""
+    config = apply_overrides(get_preset("induction-2l-vanilla"), ["model.d_model=48"])
+    assert (config.model.d_head, config.model.n_key_value_heads) == (12, 4)
+    assert apply_overrides(get_preset("smoke"), ["model.d_model=48"]).model.d_mlp == 4 * 48
+    depth = apply_overrides(get_preset("depth-block"), ["model.d_model=96"])
+    assert depth.model.d_mlp == 128 and depth.model.d_head == 24  # the preset gave d_mlp: it stays
+    with pytest.raises(ValueError, match="n_heads \\* d_head must equal d_model"):
+        apply_overrides(get_preset("smoke"), ["model.d_model=48", "model.d_head=16"])  # given, so it is checked
+    # a config read back from JSON is explicit everywhere and round-trips unchanged
+    assert RunConfig.from_dict(config.to_dict()).to_dict() == config.to_dict()
+
+
+def test_the_trainer_and_the_analyses_share_one_evaluation(smoke_run):
+    trainer = Trainer(RunDir(smoke_run).read_config(), smoke_run, progress=False)
+    trainer.model.load_state_dict(load_run(smoke_run).model.state_dict())
+    reported = trainer.evaluate()
+    analysed = evaluate(trainer.model, trainer.eval_batch)
+    assert reported == {"eval_loss": analysed.loss, "eval_accuracy": analysed.accuracy}
+    logged = RunDir(smoke_run).read_metrics().dropna(subset=["eval_loss"]).iloc[-1]
+    assert logged["eval_loss"] == pytest.approx(analysed.loss, rel=1e-6)
+    # chunked evaluation sums exactly what one pass would
+    whole = evaluate_model(trainer.model, trainer.eval_batch, chunk=10_000)
+    assert evaluate_model(trainer.model, trainer.eval_batch, chunk=7).loss == pytest.approx(whole.loss, rel=1e-6)
 
 
 @pytest.mark.slow
