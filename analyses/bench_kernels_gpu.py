@@ -1,7 +1,7 @@
 """GPU benchmark of depth attention (issue 3): forward+backward time and achieved bandwidth, bf16.
 
 Variants: the fused Triton kernels, the fast torch path, the eager reference, ``torch.compile`` of the reference and
-fla-core's ``fused_attnres`` (skipped when fla is not installed). Bytes follow SPEC §5: forward (S+1)·N·D·b,
+fla-core's ``fused_attnres`` (skipped when fla is not installed). Bytes follow docs/kernels.md §8: forward (S+1)·N·D·b,
 backward (2S+2)·N·D·b; bandwidth is compared with a measured device-to-device copy. Prints a markdown table headed by
 the machine, the command and the date. Installs nothing; imports torch, triton, attnres_lens.kernels (and fla).
 
@@ -244,7 +244,7 @@ def measure(variant, sources, query, gain, grad_output, baseline_h, args) -> dic
 def timed_run(args: argparse.Namespace) -> list[str]:
     copy_gbs = copy_bandwidth_gbs(args.reps)
     lines = [
-        f"* device-to-device copy: {copy_gbs:.0f} GB/s; bytes per SPEC §5: fwd (S+1)·N·D·2, bwd (2S+2)·N·D·2",
+        f"* device-to-device copy: {copy_gbs:.0f} GB/s; bytes per docs/kernels.md §8: fwd (S+1)·N·D·2, bwd (2S+2)·N·D·2",
         f"* median of {args.reps} reps after {args.warmup} warm-up calls; err = max |h - h(torch backend)|",
         "",
         "| tokens | d_model | sources | variant | fwd ms | fwd+bwd ms | fwd GB/s | bwd GB/s "

@@ -130,7 +130,7 @@ Models: {config['model']['n_layers']} layers with MLPs (24 sublayers), d_model {
 d_mlp {config['model']['d_mlp']}, RoPE, RMSNorm PreNorm; Block AttnRes uses S = 4 (two layers per block).
 Task: mixed (3-gram text with copied segments), vocab {config['task']['vocab_size']}, length {config['task']['seq_len']}.
 {config['train']['steps']} steps of batch {config['train']['batch_size']}, AdamW {config['train']['lr']}, one torch thread per process.
-Magnitudes come from the recorder (SPEC §7) on a fixed held-out batch: hidden state = RMS of a sublayer's input,
+Magnitudes come from the recorder (docs/run_directory.md §5) on a fixed held-out batch: hidden state = RMS of a sublayer's input,
 output = RMS of its output f_j, gradient = ‖∂loss/∂f_j‖ averaged over tokens. Seeds: {sorted({j.seed for j in jobs})}.
 
 | preset | eval loss | accuracy (copied positions) | hidden growth | output RMS max/min | grad max/min | grad CV |

@@ -119,7 +119,7 @@ def _analysis(args: argparse.Namespace) -> int:
     from attnres_lens.analysis.run import analyze_run, prune_run
     from attnres_lens.rundir import RunDirError
 
-    torch.set_num_threads(1)  # small models on a shared CPU: one thread is faster (SPEC §10)
+    torch.set_num_threads(1)  # small models on a shared CPU: one thread is faster (docs/kernels.md §11)
     try:
         if args.command == "analyze":
             tables = analyze_run(args.run, args.checkpoint, args.samples, progress=not args.no_progress)

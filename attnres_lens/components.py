@@ -1,4 +1,4 @@
-"""Transformer components, one small class each, with TransformerLens hook names (SPEC §4)."""
+"""Transformer components, one small class each, with TransformerLens hook names (docs/hooks.md)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class Unembed(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention, standard or KV-shifting (SPEC §3.3), with RoPE and GQA.
+    """Causal multi-head attention, standard or KV-shifting (docs/model.md §5), with RoPE and GQA.
 
     KV shift: per key/value head, `K̂_t = α1·K_t + α2·K_{t−1}` and `V̂_t = β1·V_t + β2·V_{t−1}`
     (zeros before t = 0), stored as `kv_shift[head] = (α1, α2, β1, β2)`; RoPE is applied to K̂.

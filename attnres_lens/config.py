@@ -119,7 +119,7 @@ class ModelConfig(TransformerLensConfig):
     # ------------------------------------------------------------------ structure
     @property
     def n_sublayers(self) -> int:
-        """J: attention sublayers, plus MLP sublayers unless `attn_only` (SPEC §3.2)."""
+        """J: attention sublayers, plus MLP sublayers unless `attn_only` (docs/model.md §1)."""
         return self.n_layers if self.attn_only else 2 * self.n_layers
 
     @property

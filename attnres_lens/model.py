@@ -1,4 +1,4 @@
-"""`HookedTransformer`: one model class for every variant (SPEC §3).
+"""`HookedTransformer`: one model class for every variant (docs/model.md §1).
 
 standard / Full AttnRes / Block AttnRes residuals × standard / KV-shifting attention, PreNorm with
 RMSNorm, RoPE (or learned positions), optional `attn_only`. Built on TransformerLens's
@@ -117,7 +117,7 @@ class DepthActivationCache(ActivationCache):
 
 
 class HookedTransformer(HookedRootModule):
-    """A small hooked transformer whose residual is standard or AttnRes (SPEC §3)."""
+    """A small hooked transformer whose residual is standard or AttnRes (docs/model.md)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -1,6 +1,6 @@
-"""Named run configurations, each sized to train on a 2-core CPU in minutes (SPEC §6, §10).
+"""Named run configurations, each sized to train on a 2-core CPU in minutes (docs/tasks.md §3-§4).
 
-Induction presets follow the calibration in SPEC §6: attention-only, 64 wide, vocab 64, length 65,
+Induction presets follow the calibration in docs/tasks.md §3: attention-only, 64 wide, vocab 64, length 65,
 batch 32, AdamW 3e-3, on the variable-offset copy task (a fixed-period probe is solvable by a
 positional head). Their shared step budget covers the slowest variant's transition (2-layer vanilla
 needed ~5500 steps at this scale). Depth presets: 12 layers with MLPs on the mixed task.

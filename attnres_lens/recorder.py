@@ -1,4 +1,4 @@
-"""Snapshots of a model's internals during training, read through hook points only (SPEC §7).
+"""Snapshots of a model's internals during training, read through hook points only (docs/run_directory.md §4-§5).
 
 Each `record(step)` runs one forward and backward pass on a fixed evaluation batch and one forward pass
 on a fixed repeated-tokens probe, and appends long-format rows to these tables:

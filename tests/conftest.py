@@ -8,5 +8,5 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Tiny tensors on a shared 2-core CPU: one torch thread is many times faster than two (SPEC §10).
+# Tiny tensors on a shared 2-core CPU: one torch thread is many times faster than two (docs/kernels.md §11).
 torch.set_num_threads(1)

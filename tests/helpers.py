@@ -1,4 +1,4 @@
-"""Shared test utilities: small model builders and an independent float64 re-implementation of SPEC §3.2."""
+"""Shared test utilities: small model builders and an independent float64 re-implementation of the AttnRes residual (docs/model.md §2)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def depth_mix_float64(sources: list[torch.Tensor], query: torch.Tensor, gain: to
     return oracle(sources, query, gain, eps)[0]
 
 
-def spec_sources(j: int, embedding: torch.Tensor, outputs: list[torch.Tensor], block_size: int, n_sublayers: int) -> list[torch.Tensor]:
-    """Sources of sublayer j (or the final readout, j = J) straight from the SPEC's block definitions."""
+def block_sources(j: int, embedding: torch.Tensor, outputs: list[torch.Tensor], block_size: int, n_sublayers: int) -> list[torch.Tensor]:
+    """Sources of sublayer j (or the final readout, j = J) straight from the block definitions (docs/model.md §2)."""
     S = block_size
     if j == n_sublayers:  # final readout: every completed block and the last partial
         n_blocks = -(-n_sublayers // S)
@@ -47,7 +47,7 @@ def spec_sources(j: int, embedding: torch.Tensor, outputs: list[torch.Tensor], b
 
 
 def reference_logits(model: HookedTransformer, tokens: torch.Tensor) -> torch.Tensor:
-    """A second, float64 forward pass that re-derives the residual logic from the SPEC.
+    """A second, float64 forward pass that re-derives the residual logic from docs/model.md §1-§2.
 
     It reuses the model's sublayers (attention, MLP, norms) but none of its residual bookkeeping.
     """
@@ -67,12 +67,12 @@ def reference_logits(model: HookedTransformer, tokens: torch.Tensor) -> torch.Te
         if cfg.residual == "standard":
             h = embedding + sum(outputs)
         else:
-            sources = spec_sources(j, embedding, outputs, cfg.attnres_block_size, J)
+            sources = block_sources(j, embedding, outputs, cfg.attnres_block_size, J)
             h = depth_mix_float64(sources, depth.query, depth.key_norm.w, cfg.attnres_eps)
         outputs.append(sublayer(norm(h)))
     if cfg.residual == "standard":
         final = embedding + sum(outputs)
     else:
-        sources = spec_sources(J, embedding, outputs, cfg.attnres_block_size, J)
+        sources = block_sources(J, embedding, outputs, cfg.attnres_block_size, J)
         final = depth_mix_float64(sources, m.final_res.query, m.final_res.key_norm.w, cfg.attnres_eps)
     return m.unembed(m.ln_final(final))

@@ -49,7 +49,7 @@ def make_inputs(
 def oracle(
     sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SPEC §3.2 written out again in float64, independent of the package: ``(h, weights, logits)``."""
+    """The depth mix (docs/model.md §2) written out again in float64, independent of the package: ``(h, weights, logits)``."""
     values = torch.stack([source.double() for source in sources], dim=-2)  # [..., S, D]
     d_model = values.shape[-1]
     mean_square = (values * values).sum(dim=-1, keepdim=True) / d_model

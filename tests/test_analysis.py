@@ -1,4 +1,4 @@
-"""Analysis library (SPEC §8): induction scores on hand-built heads, depth maps, TL agreement on a trained run."""
+"""Analysis library (docs/analysis.md): induction scores on hand-built heads, depth maps, TL agreement on a trained run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""AttnRes math (SPEC §3.2): depth attention, source bookkeeping, agreement with hand math and fla-core."""
+"""AttnRes math (docs/model.md §2): depth attention, source bookkeeping, agreement with hand math and fla-core."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from attnres_lens import HookedTransformer
 from attnres_lens.attnres import EMBEDDING, DepthAttention, source_layout
-from tests.helpers import depth_mix_float64, randomize_depth_parameters, reference_logits, small_config, spec_sources
+from tests.helpers import depth_mix_float64, randomize_depth_parameters, reference_logits, small_config, block_sources
 
 E = EMBEDDING
 
@@ -63,8 +63,8 @@ def test_matches_fla_naive_attnres_oracle():
         torch.testing.assert_close(captured["w"], expected_w.movedim(0, -1), rtol=1e-5, atol=1e-6)
 
 
-def test_worked_example_of_the_spec_block_size_4():
-    # SPEC §3.2 table: S = 4, 3 layers with MLPs (J = 6).
+def test_worked_example_block_size_4():
+    # docs/model.md §3 table: S = 4, 3 layers with MLPs (J = 6).
     expected = {
         0: [[E]],
         1: [[E], [0]],
@@ -80,14 +80,14 @@ def test_worked_example_of_the_spec_block_size_4():
 
 @pytest.mark.parametrize("block_size", [1, 2, 4, 6])
 @pytest.mark.parametrize("n_sublayers", [1, 5, 8, 12])
-def test_source_sets_walk_as_the_spec_says(block_size, n_sublayers):
-    # Compare index layouts with the SPEC's definitions applied to symbolic outputs: output i is the
+def test_source_sets_follow_the_block_definitions(block_size, n_sublayers):
+    # Compare index layouts with the block definitions (docs/model.md §2) applied to symbolic outputs: output i is the
     # one-hot vector e_i, so a sum of outputs is the set of its members.
     eye = torch.eye(n_sublayers + 1)
     embedding, outputs = eye[n_sublayers], list(eye[:n_sublayers])
     for consumer in range(n_sublayers + 1):
         layout = source_layout(consumer, n_sublayers, block_size)
-        spec = spec_sources(consumer, embedding, outputs, block_size, n_sublayers)
+        spec = block_sources(consumer, embedding, outputs, block_size, n_sublayers)
         members = [sorted(EMBEDDING if i == n_sublayers else i for i in v.nonzero().flatten().tolist()) for v in spec]
         assert layout == members
         assert layout[0] == [E] and all(E not in source for source in layout[1:]), "embedding folded into a block"

@@ -138,7 +138,7 @@ def test_depth_buffer_equals_list(backend):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_zero_query_gives_uniform_weights(backend):
-    # a zero-initialised pseudo-query (SPEC §3.2) must give the plain average of the sources
+    # a zero-initialised pseudo-query (docs/model.md §2) must give the plain average of the sources
     sources, _, gain = make_inputs(5, (9,), 16, seed=6)
     h, weights = depth_attention(sources, torch.zeros(16), gain, backend=backend, return_weights=True)
     torch.testing.assert_close(weights, torch.full((9, 5), 0.2))

@@ -39,7 +39,7 @@ def test_causality(residual_and_size, attention, positional):
         assert not torch.allclose(model(tokens)[:, t + 1 :], model(changed)[:, t + 1 :])
 
 
-def test_hook_shapes_follow_the_spec():
+def test_hook_shapes_follow_the_hook_table():
     cfg = small_config("attnres", 2, "kv_shift", n_key_value_heads=2)
     model = HookedTransformer(cfg)
     batch, pos = 2, 7

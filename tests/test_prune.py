@@ -1,4 +1,4 @@
-"""Layer pruning and causal routing (SPEC §8): removal semantics checked against a float64 re-derivation,
+"""Layer pruning and causal routing (docs/analysis.md §6-§9): removal semantics checked against a float64 re-derivation,
 the report's self-containment, and the commands' errors."""
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from attnres_lens.presets import get_preset
 from attnres_lens.tasks import make_task
 from attnres_lens.training import train
 
-from .helpers import depth_mix_float64, randomize_depth_parameters, small_config, spec_sources
+from .helpers import depth_mix_float64, randomize_depth_parameters, small_config, block_sources
 
 
 def reference_logits_after_removal(model: HookedTransformer, tokens: torch.Tensor, removed: set[int]) -> torch.Tensor:
-    """SPEC §8 removal, re-derived in float64 from the SPEC's block definitions (not the model's bookkeeping).
+    """The removal rule (docs/analysis.md §6), re-derived in float64 from the block definitions (not the model's bookkeeping).
 
     Removed outputs are zero, so every sum drops them; an AttnRes source all of whose members are removed is
-    left out of the softmax. Membership comes from `spec_sources` run on bit masks instead of tensors.
+    left out of the softmax. Membership comes from `block_sources` run on bit masks instead of tensors.
     """
     m = copy.deepcopy(model).double()
     cfg = m.cfg
@@ -52,8 +52,8 @@ def reference_logits_after_removal(model: HookedTransformer, tokens: torch.Tenso
     def read(consumer: int, depth, outputs: list[torch.Tensor]) -> torch.Tensor:
         if cfg.residual == "standard":
             return embedding + sum(outputs)
-        values = spec_sources(consumer, embedding, outputs, cfg.attnres_block_size, n_sublayers)
-        members = spec_sources(consumer, 0, member_bits[:consumer], cfg.attnres_block_size, n_sublayers)
+        values = block_sources(consumer, embedding, outputs, cfg.attnres_block_size, n_sublayers)
+        members = block_sources(consumer, 0, member_bits[:consumer], cfg.attnres_block_size, n_sublayers)
         kept = [value for value, bits in zip(values, members) if bits == 0 or bits & ~removed_bits]
         return depth_mix_float64(kept, depth.query, depth.key_norm.w, cfg.attnres_eps)
 

@@ -1,4 +1,4 @@
-"""Training, recording and run directories end to end (SPEC §7), on the tiny `smoke` preset."""
+"""Training, recording and run directories end to end (docs/run_directory.md), on the tiny `smoke` preset."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def losses(run_dir: Path) -> dict[int, float]:
     return dict(zip(rows["step"].astype(int), rows["loss"]))
 
 
-def test_smoke_run_writes_every_file_of_the_spec(smoke_run):
+def test_smoke_run_writes_every_file_of_the_format(smoke_run):
     assert json.loads((smoke_run / "config.json").read_text())["preset"] == "smoke"
     index = json.loads((smoke_run / "checkpoints" / "index.json").read_text())
     assert index["latest"] == "step_0000040" and index["best"] in index["kept"]

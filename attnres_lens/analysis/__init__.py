@@ -1,4 +1,4 @@
-"""Analyses over a model and data, or over a run directory (SPEC §8). Every function returns pandas DataFrames.
+"""Analyses over a model and data, or over a run directory (docs/analysis.md). Every function returns pandas DataFrames.
 
 * `induction`: induction-head scores per layer × head and the in-context-learning score;
 * `depth`: depth-attention maps, entropy and sink scores, the depth-mixing matrix M;

@@ -1,4 +1,4 @@
-"""Depth maps: where each sublayer reads from over depth (SPEC §8).
+"""Depth maps: where each sublayer reads from over depth (docs/analysis.md §4-§5).
 
 Consumers are numbered like sublayers, `0 … J−1`, with `J` the final readout; `kind` is "attn" (pre-attention
 panel), "mlp" (pre-MLP panel) or "final". Sources are numbered per consumer as in `model.sources(consumer)`,

@@ -1,4 +1,4 @@
-"""Induction-head scores per layer × head, and the in-context-learning score (SPEC §8).
+"""Induction-head scores per layer × head, and the in-context-learning score (docs/analysis.md §2-§3).
 
 All head scores are measured on repeated random tokens `[BOS, r_1…r_L, r_1…r_L]`, where the second half is
 predictable only by induction. Two attention-pattern scores on *different scales* are reported side by side;

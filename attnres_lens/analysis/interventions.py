@@ -1,9 +1,9 @@
 """Hook-based interventions shared by the analyses: capture, evaluate, remove, replace, mask.
 
-Everything acts from outside the model through its hook points (SPEC §4), so the same code serves the
+Everything acts from outside the model through its hook points (docs/hooks.md), so the same code serves the
 standard residual, Full and Block AttnRes.
 
-Removing a set R of sublayers (SPEC §8) is one rule for every residual kind:
+Removing a set R of sublayers (docs/analysis.md §6) is one rule for every residual kind:
 
 * every output `f_j`, j ∈ R, is zeroed, which drops it from every sum that contains it: the standard
   residual `e + Σ f_i`, and an AttnRes block sum or partial sum (the block sum minus `f_j`, key and value);

@@ -1,4 +1,4 @@
-"""Layer-pruning sensitivity (SPEC §8): which sublayers can go, measured and predicted.
+"""Layer-pruning sensitivity (docs/analysis.md §7-§8): which sublayers can go, measured and predicted.
 
 Measured, one row per sublayer j (Δ = intervened − clean, on a task batch; accuracy on its answer positions):
 

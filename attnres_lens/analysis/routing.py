@@ -1,4 +1,4 @@
-"""Causal depth routing (SPEC §8, AttnRes models): is the α mass a source receives its causal importance?
+"""Causal depth routing (docs/analysis.md §9, AttnRes models): is the α mass a source receives its causal importance?
 
 For every consumer (sublayer or final readout) with at least two sources and every source s it reads, the
 source is knocked out of that consumer's softmax alone (logit → −inf, the rest renormalise; later consumers

@@ -50,7 +50,7 @@ def depth_attention(
     return_weights: bool = False,
     return_logits: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """Softmax-over-depth mix of ``sources`` (SPEC §3.2).
+    """Softmax-over-depth mix of ``sources`` (docs/kernels.md §1).
 
     Args:
         sources: a sequence of same-shape, same-dtype tensors ``[..., D]``, or one depth buffer ``[S, ..., D]``

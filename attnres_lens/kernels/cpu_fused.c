@@ -1,4 +1,4 @@
-/* Fused depth attention for CPU tensors (SPEC §5). Readable reference: reference.py; math: torch_fast.py.
+/* Fused depth attention for CPU tensors (docs/kernels.md §4-§5). Readable reference: reference.py; math: torch_fast.py.
  *
  * Compiled on first use by cpu_fused.py, once per element type, with -DREAL=float or -DREAL=double.
  * Each token row is finished before the next one starts: a row of every source (S * D values) stays in L1/L2,

@@ -1,4 +1,4 @@
-"""Fused Triton forward and backward for depth attention (SPEC §5). Reference: ``reference.py``.
+"""Fused Triton forward and backward for depth attention (docs/kernels.md §4-§5). Reference: ``reference.py``.
 
 Sources arrive either as a list of same-shape tensors, addressed through a small device table of their base
 pointers (no copy), or as one contiguous depth buffer ``[S, N, D]`` addressed by stride. One program owns

@@ -1,4 +1,4 @@
-"""Two-phase Block AttnRes in Triton (paper Alg. 1, SPEC §5), forward and backward. Reference: ``two_phase.py``.
+"""Two-phase Block AttnRes in Triton (paper Alg. 1, docs/kernels.md §7), forward and backward. Reference: ``two_phase.py``.
 
 Phase 1 (``_phase1_fwd_kernel``): one program owns ``BLOCK_ROWS`` tokens and scores *all* ``n_q`` pseudo-queries of a
 block against each completed-block source as it streams past, so every source is read once for the whole block.
@@ -7,7 +7,7 @@ Per query it keeps an online softmax (running max, sum and un-normalised mix, fp
 padding queries are computed and never stored.
 
 Phase 2 (``_merge_fwd_kernel``): each sublayer merges its own partial sum ``p`` (one source) into its phase-1 part.
-With ``(lse1, h1)`` for the completed sources and ``lp = u . RMSNorm(p)``, the SPEC's online-softmax merge reads
+With ``(lse1, h1)`` for the completed sources and ``lp = u . RMSNorm(p)``, the online-softmax merge (docs/kernels.md §7) reads
 
     a = e^{lse1 - L},  b = e^{lp - L},  L = log(e^{lse1} + e^{lp}),  h = a h1 + b p.
 

@@ -1,4 +1,4 @@
-"""Two-phase Block AttnRes (paper Alg. 1, SPEC §5): readable PyTorch here, fused Triton in ``triton_two_phase.py``.
+"""Two-phase Block AttnRes (paper Alg. 1, docs/kernels.md §7): readable PyTorch here, fused Triton in ``triton_two_phase.py``.
 
 Pseudo-queries do not depend on the input, so every sublayer of a block can score the completed-block sources
 ``[b_0, ..., b_{n-1}]`` together as soon as the block starts (phase 1): each source is read once for all queries,

@@ -1,4 +1,4 @@
-"""Synthetic tasks for training and probing induction (SPEC §6).
+"""Synthetic tasks for training and probing induction (docs/tasks.md).
 
 Conventions shared by every task:
 
