@@ -14,8 +14,10 @@ re-derives them unless they were given.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -74,6 +76,11 @@ class ModelConfig(TransformerLensConfig):
         # Validation replaces TL's __post_init__ (which asserts and silently derives values).
         # Fields left to be derived; `settings()` hands them back unset so overrides re-derive them.
         self._derived = {name for name, unset in DERIVED_FIELDS.items() if getattr(self, name) == unset}
+        check_field_types(self)
+        for name, supported in UNIMPLEMENTED_TL_FIELDS.items():
+            if getattr(self, name) != supported:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not implemented by attnres_lens models "
+                                 f"(only {name}={supported!r}); remove the setting")
         _check_choice("residual", self.residual, RESIDUAL_KINDS)
         _check_choice("attention", self.attention, ATTENTION_KINDS)
         _check_choice("positional_embedding_type", self.positional_embedding_type, POSITIONAL_KINDS)
@@ -184,6 +191,60 @@ class ModelConfig(TransformerLensConfig):
         return cls.from_dict(data)
 
 
+# TransformerLens config fields the model does not implement: only these values are accepted.
+UNIMPLEMENTED_TL_FIELDS: dict[str, Any] = {
+    "use_attn_result": False, "use_split_qkv_input": False, "default_prepend_bos": True, "gated_mlp": False,
+    "uses_rms_norm": True, "layer_norm_folding": False, "normalization_type": "RMS", "num_experts": None,
+    "experts_per_token": None, "final_rms": False,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _describe(expected: Any) -> str:
+    names = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string",
+             torch.dtype: f"one of {list(DTYPES)}"}
+    if typing.get_origin(expected) is tuple:
+        return f"a list of {len(typing.get_args(expected))} numbers"
+    return names.get(expected, getattr(expected, "__name__", str(expected)))
+
+
+def _matches(value: Any, expected: Any) -> bool:
+    if typing.get_origin(expected) is typing.Union:  # Optional[X]
+        return any(_matches(value, option) for option in typing.get_args(expected))
+    if expected is type(None):
+        return value is None
+    if expected is bool:
+        return isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if expected is torch.dtype:
+        return isinstance(value, (torch.dtype, str))
+    if typing.get_origin(expected) is tuple:
+        args = typing.get_args(expected)
+        return isinstance(value, (list, tuple)) and len(value) == len(args) and all(map(_matches, value, args))
+    return isinstance(value, expected)
+
+
+def check_field_types(config: Any, prefix: str = "") -> None:
+    """Every field of the dataclass `config` holds a value of its declared type (no coercion: `"no"` is not a bool,
+    `1.5` not a size, `inf` not a rate); raises ValueError naming the field, the value and the expected type."""
+    for name, expected in _field_types(type(config)).items():
+        if name.startswith("_") or typing.get_origin(expected) is typing.ClassVar:
+            continue
+        value = getattr(config, name)
+        if not _matches(value, expected):
+            optional = typing.get_origin(expected) is typing.Union and type(None) in typing.get_args(expected)
+            wanted = _describe(next(a for a in typing.get_args(expected) if a is not type(None)) if optional
+                               else expected) + (" or null" if optional else "")
+            raise ValueError(f"{prefix}{name} must be {wanted}, got {value!r}")
+
+
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{field} must be one of {list(allowed)}, got {value!r}")
@@ -218,6 +279,7 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_field_types(self, "train.")
         self.betas = tuple(self.betas)
         for name in ("steps", "batch_size", "eval_every", "eval_size", "record_every", "record_size",
                      "checkpoint_every", "keep_checkpoints", "log_every"):
@@ -266,6 +328,9 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        for section in ("model", "task", "train"):
+            if not isinstance(data.get(section), dict):
+                raise ValueError(f"a run config needs a '{section}' object, got {data.get(section)!r}")
         train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
         unknown = sorted(set(data["train"]) - train_fields)
         if unknown:
@@ -274,11 +339,12 @@ class RunConfig:
 
     def build_task(self) -> "Task":
         """The run's task, built from `task` ({"name": …, **parameters})."""
-        from attnres_lens.tasks import make_task
+        from attnres_lens.tasks import TASKS, make_task
 
         params = dict(self.task)
-        name = params.pop("name")
-        return make_task(name, **params)
+        if "name" not in params:
+            raise ValueError(f"the task has no 'name'; give one of {sorted(TASKS)}")
+        return make_task(params.pop("name"), **params)
 
 
 def task_fields(task: dict[str, Any]) -> set[str]:
