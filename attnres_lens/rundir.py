@@ -17,13 +17,17 @@ analysis/          outputs of analysis commands
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import math
 import os
+import socket
+import sys
+import time
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import pandas as pd
 import torch
@@ -36,24 +40,78 @@ if TYPE_CHECKING:  # the model module imports transformer_lens; load it only whe
     from attnres_lens.model import HookedTransformer
 
 PathLike = Union[str, Path]
-RECORD_TABLES = ("depth_weights", "magnitudes", "param_grad_norms", "induction_scores", "kv_shift")
+# The columns of each records/ table (written by `attnres_lens.recorder`, long format, one row per step and item).
+RECORD_COLUMNS: dict[str, tuple[str, ...]] = {
+    "depth_weights": ("step", "consumer", "consumer_label", "kind", "source", "source_label", "weight"),
+    "magnitudes": ("step", "sublayer", "label", "kind", "output_rms", "input_rms", "grad_norm"),
+    "param_grad_norms": ("step", "block", "grad_norm"),
+    "induction_scores": ("step", "layer", "head", "prefix_score"),
+    "kv_shift": ("step", "layer", "head", "alpha1", "alpha2", "beta1", "beta2"),
+}
+RECORD_TABLES = tuple(RECORD_COLUMNS)
 
 
 class RunDirError(ValueError):
     """A run directory or checkpoint is missing, partial or corrupt; the message says which file and why."""
 
 
+class RunDirBusy(RunDirError):
+    """Another process is writing this run directory (it holds the run's lock)."""
+
+
+class RunLock:
+    """The exclusive writer lock of a run directory: an `flock` on `RUN/.lock`, held for the writer's life.
+
+    The operating system releases it when the process ends, however it ends, so a killed run stays resumable; the
+    file itself stays (removing lock files races) and names the last holder, for the refusal message.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunDirBusy(f"{self.path.parent} is being written by {holder}; a run directory has one writer at "
+                             "a time: wait for it to finish, or stop it and resume") from None
+        holder = (f"process {os.getpid()} on {socket.gethostname()} "
+                  f"(`{' '.join(sys.argv[:6])}`, since {time.strftime('%Y-%m-%d %H:%M:%S')})")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
 # ---------------------------------------------------------------------------- atomic writes
-def atomic_write_bytes(path: PathLike, data: bytes) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename: readers never see half a file."""
+def _atomic_write(path: PathLike, write: Callable[[Path], None]) -> None:
+    """`write` a temporary file in the same folder, fsync it, then rename it over `path`: readers never see half a
+    file, and a crash leaves the previous version. Files are world-readable: run directories are meant to be shared."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes files private (0600); run files are meant to be shared
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
+        write(Path(tmp))
+        os.chmod(tmp, 0o644)  # mkstemp makes files private (0600)
+        with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -61,22 +119,21 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> None:
         raise
 
 
+def atomic_write_bytes(path: PathLike, data: bytes) -> None:
+    _atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
 def atomic_write_json(path: PathLike, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def atomic_save_safetensors(path: PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    cpu_tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    _atomic_write(path, lambda tmp: save_file(cpu_tensors, str(tmp), metadata=metadata))
 
 
 def atomic_write_parquet(path: PathLike, frame: pd.DataFrame) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    frame.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
+    _atomic_write(path, lambda tmp: frame.to_parquet(tmp, index=False))
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -99,19 +156,51 @@ def read_safetensors(path: PathLike) -> tuple[dict[str, torch.Tensor], dict[str,
     return tensors, metadata
 
 
-def load_model_checkpoint(path: PathLike) -> tuple["HookedTransformer", dict[str, str]]:
-    """Rebuild a model from a weights checkpoint alone (its config is in the metadata)."""
+def _config_differences(written: ModelConfig, expected: ModelConfig) -> list[str]:
+    """Fields on which a checkpoint's model config disagrees with the run's (device and seed are set per run)."""
+    a, b = written.to_dict(), expected.to_dict()
+    return [f"{key}: checkpoint {a[key]!r}, config.json {b[key]!r}" for key in sorted(a)
+            if key not in ("device", "seed") and a[key] != b[key]]
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of the model `cfg` describes, from a model on the meta device (nothing is allocated, so a
+    config with absurd sizes costs nothing)."""
+    from attnres_lens.model import HookedTransformer
+
+    with torch.device("meta"):
+        model = HookedTransformer(dataclasses.replace(cfg, device="meta"))
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def load_model_checkpoint(path: PathLike, expected: Optional[ModelConfig] = None) -> tuple["HookedTransformer", dict[str, str]]:
+    """Rebuild a model from a weights checkpoint (its config is in the metadata).
+
+    Nothing in the file is trusted before it is checked: the metadata config must agree with `expected` (the run's
+    config.json) when given, and every tensor's shape must match the config before the model is built.
+    """
     from attnres_lens.model import HookedTransformer
 
     tensors, metadata = read_safetensors(path)
     if "model_config" not in metadata:
         raise RunDirError(f"checkpoint file {path} has no model_config in its metadata; it was not written by attnres_lens")
-    cfg = ModelConfig.from_json(metadata["model_config"])
+    try:
+        cfg = ModelConfig.from_json(metadata["model_config"])
+    except ValueError as err:
+        raise RunDirError(f"checkpoint file {path} has an invalid model_config in its metadata: {err}") from err
+    if expected is not None and (differences := _config_differences(cfg, expected)):
+        raise RunDirError(f"checkpoint file {path} was written for another model than config.json describes "
+                          f"({'; '.join(differences)}); the run directory is inconsistent")
+    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    wanted = _expected_shapes(cfg)
+    if shapes != wanted:
+        missing, unexpected = sorted(set(wanted) - set(shapes)), sorted(set(shapes) - set(wanted))
+        wrong = [f"{n} {shapes[n]} (expected {wanted[n]})" for n in sorted(set(shapes) & set(wanted)) if shapes[n] != wanted[n]]
+        raise RunDirError(f"checkpoint file {path} does not match its config: missing {missing}, unexpected "
+                          f"{unexpected}, wrong shapes {wrong}")
     cfg.device = "cpu"
     model = HookedTransformer(cfg)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise RunDirError(f"checkpoint file {path} does not match its config: missing {missing}, unexpected {unexpected}")
+    model.load_state_dict(tensors)
     return model, metadata
 
 
@@ -133,6 +222,7 @@ class CheckpointIndex:
 class RunDir:
     """One run directory: its paths, and every read and write of its files."""
 
+    LOCK = ".lock"
     CONFIG = "config.json"
     METRICS = "metrics.jsonl"
     RECORDS = "records"
@@ -171,6 +261,16 @@ class RunDir:
     def analysis_dir(self) -> Path:
         return self.path / self.ANALYSIS
 
+    def lock(self) -> RunLock:
+        """The writer lock (a context manager); `RunDirBusy` names the holder when another process has it."""
+        return RunLock(self.path / self.LOCK)
+
+    def foreign_entries(self) -> list[str]:
+        """Entries of a folder that does not hold a run yet, other than the lock: a new run must not mix with them."""
+        if not self.path.is_dir() or self.holds_run():
+            return []
+        return sorted(entry.name for entry in self.path.iterdir() if entry.name != self.LOCK)
+
     def record_path(self, table: str) -> Path:
         return self.records_dir / f"{table}.parquet"
 
@@ -206,16 +306,14 @@ class RunDir:
     def read_config(self) -> RunConfig:
         """config.json as a typed `RunConfig` (its task is checked to build)."""
         raw = self.read_config_dict()
-        section = "model"
-        try:
-            ModelConfig.from_dict(raw["model"])
-            section = "train or task"
-            config = RunConfig.from_dict(raw)
-            section = "task"
-            config.build_task()
-        except (KeyError, TypeError, ValueError) as err:
-            raise RunDirError(f"{self.config_path} has an invalid {section} section: {err}") from err
-        return config
+        steps = [("model", lambda: ModelConfig.from_dict(raw["model"])), ("train", lambda: RunConfig.from_dict(raw)),
+                 ("task", lambda: RunConfig.from_dict(raw).build_task())]
+        for section, check in steps:  # in this order, so the message names the first bad section
+            try:
+                check()
+            except (TypeError, ValueError) as err:
+                raise RunDirError(f"{self.config_path} has an invalid {section} section: {err}") from err
+        return RunConfig.from_dict(raw)
 
     def read_index(self) -> CheckpointIndex:
         if not self.index_path.is_file():
@@ -225,8 +323,13 @@ class RunDir:
         except json.JSONDecodeError as err:
             raise RunDirError(f"{self.index_path} is not valid JSON ({err})") from err
         known = {f.name for f in dataclasses.fields(CheckpointIndex)}
-        if not isinstance(data, dict) or set(data) - known:
-            raise RunDirError(f"{self.index_path} is not a checkpoint index (an object with keys {sorted(known)})")
+        valid = (isinstance(data, dict) and not set(data) - known
+                 and all(isinstance(data.get(key), (str, type(None))) for key in ("latest", "best"))
+                 and isinstance(data.get("kept", []), list) and all(isinstance(n, str) for n in data.get("kept", []))
+                 and isinstance(data.get("best_eval_loss", 0.0), (int, float)))
+        if not valid:
+            raise RunDirError(f"{self.index_path} is not a checkpoint index (an object with latest and best names, "
+                              f"best_eval_loss and a kept list); got {json.dumps(data)[:120]}")
         return CheckpointIndex(**data)
 
     def resolve_checkpoint(self, checkpoint: Union[str, int] = "latest") -> str:
@@ -252,38 +355,50 @@ class RunDir:
             return False
         return latest == checkpoint_name(steps) and self.weights_path(latest).is_file()
 
-    def read_metrics(self) -> pd.DataFrame:
-        """metrics.jsonl as a DataFrame; a torn last line (crash mid-write) is skipped, other bad lines are errors."""
-        if not self.metrics_path.is_file():
-            return pd.DataFrame()
-        lines = self.metrics_path.read_text().splitlines()
+    def _metric_lines(self) -> list[tuple[str, dict[str, Any]]]:
+        """(line, object) for each line of metrics.jsonl; a torn last line (crash mid-write) is skipped, any other
+        line that is not a JSON object with an integer step is an error naming the line."""
+        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.is_file() else []
         rows = []
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as err:
                 if number == len(lines):
                     break
                 raise RunDirError(f"{self.metrics_path} line {number} is not valid JSON ({err})") from err
-        return pd.DataFrame(rows)
+            if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
+                raise RunDirError(f"{self.metrics_path} line {number} is not a metrics record (a JSON object with an "
+                                  f"integer step): {line[:80]}")
+            rows.append((line, row))
+        return rows
+
+    def read_metrics(self) -> pd.DataFrame:
+        """metrics.jsonl as a DataFrame (see `_metric_lines` for what is refused)."""
+        return pd.DataFrame([row for _, row in self._metric_lines()])
 
     def read_records(self) -> dict[str, pd.DataFrame]:
         records = {}
-        for table in RECORD_TABLES:
+        for table, columns in RECORD_COLUMNS.items():
             table_path = self.record_path(table)
             if table_path.is_file():
                 try:
-                    records[table] = pd.read_parquet(table_path)
+                    frame = pd.read_parquet(table_path)
                 except Exception as err:  # pyarrow raises several types for a damaged file
                     raise RunDirError(f"{table_path} is corrupt ({err})") from err
+                missing = [column for column in columns if column not in frame.columns]
+                if missing:
+                    raise RunDirError(f"{table_path} lacks the columns {missing} (it has {list(frame.columns)}); "
+                                      "it was not written by attnres_lens")
+                records[table] = frame
         return records
 
     def load_model(self, checkpoint: Union[str, int] = "latest") -> tuple["HookedTransformer", str]:
         """The model at `checkpoint` and the checkpoint's name."""
         name = self.resolve_checkpoint(checkpoint)
-        model, _ = load_model_checkpoint(self.weights_path(name))
+        model, _ = load_model_checkpoint(self.weights_path(name), expected=self.read_config().model)
         return model, name
 
     def read_checkpoint(self, name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, str]]:
@@ -309,16 +424,11 @@ class RunDir:
             handle.flush()
 
     def truncate_metrics(self, step: int) -> None:
-        """Drop metric lines logged after `step` (a resumed run logs them again, identically)."""
+        """Drop metric lines logged after `step` (a resumed run logs them again, identically). A damaged line other
+        than a torn last one is an error, as when reading: nothing is dropped silently."""
         if not self.metrics_path.exists():
             return
-        kept = []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError):
-                continue  # a line torn by the crash
+        kept = [line for line, row in self._metric_lines() if row["step"] <= step]
         atomic_write_bytes(self.metrics_path, ("\n".join(kept) + "\n").encode() if kept else b"")
 
     def write_records(self, tables: dict[str, pd.DataFrame]) -> None:
