@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to train (default: the preset's, auto)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set model.n_layers=3 --set train.lr=1e-3 (repeatable)")
+    train.add_argument("--checkpoint", help="with --resume: continue from this checkpoint ('latest', 'best', a step "
+                       "or a name; default latest), e.g. when the latest one is damaged")
     train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     analyze = commands.add_parser("analyze", help="induction heads, in-context learning and depth maps of a run")
@@ -82,11 +84,15 @@ def _train(args: argparse.Namespace) -> int:
     try:
         if args.resume:
             if args.out or args.overrides or args.seed is not None or args.device:
-                raise ValueError("--resume continues a run with its own config; only --steps may be given with it")
-            trainer = resume(args.resume, progress=not args.no_progress, steps=args.steps)
+                raise ValueError("--resume continues a run with its own config; only --steps and --checkpoint may be "
+                                 "given with it")
+            trainer = resume(args.resume, progress=not args.no_progress, steps=args.steps,
+                             checkpoint=args.checkpoint or "latest")
         else:
             if not args.out:
                 raise ValueError("--out DIR is required with --preset")
+            if args.checkpoint:
+                raise ValueError("--checkpoint picks where --resume continues; a new run starts from scratch")
             overrides = list(args.overrides)
             if args.steps is not None:
                 overrides.append(f"train.steps={args.steps}")

@@ -227,8 +227,8 @@ class HookedTransformer(HookedRootModule):
             raise ValueError(f"tokens must be integer ids, got a tensor of dtype {tokens.dtype}")
         if tokens.ndim == 1:
             tokens = tokens[None]
-        if tokens.ndim != 2 or tokens.shape[-1] == 0:
-            raise ValueError(f"tokens must have shape [batch, pos] with pos >= 1, got {tuple(tokens.shape)}")
+        if tokens.ndim != 2 or tokens.shape[-1] == 0 or tokens.shape[0] == 0:
+            raise ValueError(f"tokens must have shape [batch, pos] with batch >= 1 and pos >= 1, got {tuple(tokens.shape)}")
         if tokens.shape[-1] > self.cfg.n_ctx:
             raise ValueError(
                 f"sequence length {tokens.shape[-1]} exceeds n_ctx={self.cfg.n_ctx}; truncate the input or "
@@ -311,6 +311,8 @@ class HookedTransformer(HookedRootModule):
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, per_token: bool = False) -> torch.Tensor:
     """Cross-entropy of logits at t against token t+1; [batch, pos-1] if `per_token`, else the mean."""
+    if tokens.shape[-1] < 2:
+        raise ValueError(f"a next-token loss needs sequences of at least 2 tokens, got length {tokens.shape[-1]}")
     losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="none")
     losses = losses.view(tokens.shape[0], -1)
     return losses if per_token else losses.mean()

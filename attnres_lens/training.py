@@ -8,10 +8,12 @@ keeps its rows, gradients are averaged with `all_reduce`, and only rank 0 writes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -61,6 +63,9 @@ class Trainer:
         if train_cfg.batch_size % self.world:
             raise ValueError(f"train.batch_size={train_cfg.batch_size} must be divisible by the {self.world} processes")
         self.device = resolve_device(train_cfg.device)
+        if self.device.type == "cpu" and config.model.dtype == torch.float16:
+            raise ValueError("model.dtype=float16 is not supported for training on the CPU (its half-precision "
+                             "arithmetic overflows within steps); use float32, or bfloat16")
         if self.device.type == "cpu" and train_cfg.threads:
             torch.set_num_threads(train_cfg.threads)
         if self.device.type == "cuda" and self.world > 1:
@@ -152,11 +157,7 @@ class Trainer:
             logits = self.model(tokens)
         loss = next_token_loss(logits, tokens)
         if not torch.isfinite(loss):
-            raise TrainingDiverged(
-                f"loss became {loss.item()} at step {self.step + 1}; training stopped. The last good checkpoint is "
-                f"kept in {self.run_dir.checkpoints_dir}; start a new run with a lower learning rate "
-                "(--set train.lr=...) or a longer warm-up (--set train.warmup_steps=...)"
-            )
+            self._diverged(f"the training loss became {loss.item()} at step {self.step + 1}")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.world > 1:
@@ -192,8 +193,20 @@ class Trainer:
     def _write_records(self) -> None:
         self.run_dir.write_records(self.recorder.tables())
 
+    def _diverged(self, what: str) -> None:
+        """Stop with a message that says which checkpoint, if any, is left (never a non-finite one)."""
+        latest = self.run_dir.read_index().latest if self.rank == 0 else None
+        kept = (f"the last good checkpoint, {latest}, is kept in {self.run_dir.checkpoints_dir} (resume from it with "
+                f"`attnres-lens train --resume {self.run_dir.path}`)" if latest else
+                f"no checkpoint was written before it (the first was due at step {self.config.train.checkpoint_every})")
+        raise TrainingDiverged(f"{what}; training stopped and {kept}. Start a new run with a lower learning rate "
+                               "(--set train.lr=...) or a longer warm-up (--set train.warmup_steps=...)")
+
     def _save_checkpoint(self) -> None:
         eval_loss = self.evaluate()["eval_loss"]
+        if not math.isfinite(eval_loss) or not all(torch.isfinite(p).all() for p in self.model.parameters()):
+            self._diverged(f"at step {self.step} the held-out loss is {eval_loss} (non-finite weights or outputs), "
+                           "so that checkpoint was not saved")
         weights_meta = {"model_config": self.model.cfg.to_json(), "run_config": json.dumps(self.config.to_dict()),
                         "step": str(self.step)}
         state, state_meta = self._training_state()
@@ -231,41 +244,64 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------------- entry points
+def _is_writer() -> bool:
+    """Rank 0 writes the run directory (and holds its lock); other data-parallel ranks only train."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def train(config: RunConfig, out_dir: str | Path, progress: bool = True) -> Trainer:
-    """Start a new run in `out_dir` (which must not hold a run yet) and train it to the end."""
-    out_dir = Path(out_dir)
-    if RunDir(out_dir).holds_run():
-        raise FileExistsError(f"{out_dir} already holds a run; resume it with `attnres-lens train --resume {out_dir}` "
-                              "or choose another --out")
-    trainer = Trainer(config, out_dir, progress)
-    trainer.fit()
+    """Start a new run in `out_dir` (empty or absent) and train it to the end, holding the run's writer lock."""
+    run_dir = RunDir(out_dir)
+    created = not run_dir.path.exists()
+    try:
+        return _train_locked(config, run_dir, progress)
+    except BaseException:
+        if created and not run_dir.holds_run():  # refused or failed before writing anything: leave no folder behind
+            shutil.rmtree(run_dir.path, ignore_errors=True)
+        raise
+
+
+def _train_locked(config: RunConfig, run_dir: RunDir, progress: bool) -> Trainer:
+    with run_dir.lock() if _is_writer() else contextlib.nullcontext():
+        if run_dir.holds_run():
+            raise FileExistsError(f"{run_dir.path} already holds a run; resume it with `attnres-lens train --resume "
+                                  f"{run_dir.path}` or choose another --out")
+        if foreign := run_dir.foreign_entries():
+            raise FileExistsError(f"{run_dir.path} is not empty and holds no run ({', '.join(foreign[:5])}"
+                                  f"{', …' if len(foreign) > 5 else ''}); a new run needs an empty or new folder")
+        trainer = Trainer(config, run_dir.path, progress)
+        trainer.fit()
     return trainer
 
 
-def resume(out_dir: str | Path, progress: bool = True, steps: Optional[int] = None) -> Trainer:
-    """Continue a run from its latest checkpoint; the loss curve continues as if never interrupted.
+def resume(out_dir: str | Path, progress: bool = True, steps: Optional[int] = None,
+           checkpoint: str = "latest") -> Trainer:
+    """Continue a run from a checkpoint (default its latest); the loss curve continues as if never interrupted.
 
     `steps` sets a new, larger total step budget (the cosine schedule then stretches to it); a run that has
-    reached its budget needs one to continue.
+    reached its budget needs one to continue. `checkpoint` ("latest", "best", a step or a name) picks an earlier
+    checkpoint, e.g. when the latest state file is damaged: what was logged after it is dropped and redone.
     """
     run_dir = RunDir(out_dir)
-    config = run_dir.read_config()
-    if steps is not None:
-        config.train.steps = steps
-    trainer = Trainer(config, run_dir.path, progress)
-    latest = run_dir.read_index().latest
-    if latest is None:
-        raise RunDirError(f"{run_dir.path} has no checkpoint to resume from; remove it and start again with "
-                          "`attnres-lens train`")
-    trainer.load_training_state(latest)
-    if trainer.step >= config.train.steps:  # checked before fit() rewrites config.json
-        if steps is None:
-            raise ValueError(f"{run_dir.path} is complete (step {trainer.step} of {config.train.steps}); to train "
-                             f"further give a larger total with --steps N (N > {trainer.step})")
-        raise ValueError(f"--steps {steps} is not above the step of {run_dir.path}'s latest checkpoint "
-                         f"({trainer.step}); give a larger total")
-    if trainer.rank == 0:
-        run_dir.truncate_metrics(trainer.step)
-        trainer.recorder.load(run_dir.read_records(), trainer.step)
-    trainer.fit()
+    run_dir.read_config_dict()  # a missing or foreign folder is refused before the lock would create anything
+    with run_dir.lock() if _is_writer() else contextlib.nullcontext():
+        config = run_dir.read_config()
+        if steps is not None:
+            config.train.steps = steps
+        if run_dir.read_index().latest is None:
+            raise RunDirError(f"{run_dir.path} has no checkpoint to resume from; remove it and start again with "
+                              "`attnres-lens train`")
+        name = run_dir.resolve_checkpoint(checkpoint)
+        trainer = Trainer(config, run_dir.path, progress)
+        trainer.load_training_state(name)
+        if trainer.step >= config.train.steps:  # checked before fit() rewrites config.json
+            if steps is None:
+                raise ValueError(f"{run_dir.path} is complete (step {trainer.step} of {config.train.steps}); to train "
+                                 f"further give a larger total with --steps N (N > {trainer.step})")
+            raise ValueError(f"--steps {steps} is not above the step of {run_dir.path}'s checkpoint {name} "
+                             f"({trainer.step}); give a larger total")
+        if trainer.rank == 0:
+            run_dir.truncate_metrics(trainer.step)
+            trainer.recorder.load(run_dir.read_records(), trainer.step)
+        trainer.fit()
     return trainer

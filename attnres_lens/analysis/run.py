@@ -165,6 +165,8 @@ def prune_run(path: PathLike, out: Optional[PathLike] = None, metric: str = "los
     """Layer-pruning sensitivity of a run: tables and `prune_report.html` under `out` (default RUN/analysis)."""
     check_metric(metric)
     _check_samples(samples, 2)  # resample ablation swaps activations between sequences
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder (it is created if missing)")
     run, task = open_run(path, checkpoint)
     tables = prune_tables(run.model, task.eval_batch(samples), metric, progress)
     summary = prune_summary(tables, {**_run_header(run, samples), "metric": metric})
