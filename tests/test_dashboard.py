@@ -151,6 +151,18 @@ def test_broken_run_directories_show_messages_not_tracebacks(tmp_path):
     assert any("corrupt or truncated" in element.value for element in app.error)
 
 
+def test_a_damaged_checkpoint_index_is_a_message_on_every_page(tmp_path):
+    run = tmp_path / "damaged"
+    shutil.copytree(DEMO_RUNS / "depth-full-6l", run)
+    (run / "checkpoints" / "index.json").write_text("[]")
+    shutil.copytree(DEMO_RUNS / "depth-block-6l", tmp_path / "good")
+    app = open_page("views/runs.py", runs=tmp_path)
+    assert any("index.json is not a checkpoint index" in element.value for element in app.error)
+    for page in PAGES:
+        app.switch_page(page).run()
+        assert not app.exception, (page, [element.value for element in app.exception])
+
+
 def test_a_run_that_has_only_started_renders_every_page(tmp_path):
     """config.json written, no metrics, records or checkpoints yet: messages, never a traceback."""
     (tmp_path / "started").mkdir()

@@ -1,0 +1,332 @@
+"""What a run directory promises (docs/run_directory.md §12): one writer, nothing lost or overwritten, honest
+divergence handling, every input validated. Each test reproduces a way the project once lost data, trained the
+wrong model silently or showed a traceback; the concurrency tests start real processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from attnres_lens import HookedTransformer, ModelConfig, RunDirError, load_run
+from attnres_lens.cli import main as cli_main
+from attnres_lens.config import TrainConfig, apply_overrides
+from attnres_lens.model import next_token_loss
+from attnres_lens.presets import get_preset
+from attnres_lens.rundir import RunDir, atomic_save_safetensors, read_safetensors
+from attnres_lens.training import TrainingDiverged, resume, train
+
+REPO = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "attnres_lens.cli"]
+SLOW_SMOKE = ["--set", "train.steps=300", "--set", "train.log_every=1", "--set", "train.checkpoint_every=5"]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("guarantees") / "smoke"
+    train(get_preset("smoke"), out, progress=False)
+    return out
+
+
+def copy_run(smoke_run: Path, tmp_path: Path, name: str = "copy") -> Path:
+    target = tmp_path / name
+    shutil.copytree(smoke_run, target)
+    return target
+
+
+def cli_error(capsys, *argv: str, code: int = 2) -> str:
+    """The one-line error of a CLI call that must fail with exit code `code` (3: training diverged)."""
+    assert cli_main([*argv]) == code, argv
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnres-lens: error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def start_training(out: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([*CLI, "train", "--preset", "smoke", "--out", str(out), "--no-progress", *SLOW_SMOKE],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.1)
+
+
+def metric_steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------- one writer
+@pytest.mark.slow
+def test_two_trainings_started_together_on_one_folder_leave_one_writer(tmp_path):
+    out = tmp_path / "run"
+    first, second = start_training(out), start_training(out)
+    try:
+        results = sorted([(first.wait(300), first.stderr.read()), (second.wait(300), second.stderr.read())])
+    finally:
+        for process in (first, second):
+            process.kill()
+    (ok, _), (refused, message) = results
+    assert (ok, refused) == (0, 2), results
+    assert "is being written by process" in message and "one writer at a time" in message
+    steps = metric_steps(out)
+    assert steps == sorted(set(steps))  # no duplicated or out-of-order lines
+
+
+@pytest.mark.slow
+def test_resume_while_training_is_refused_and_a_killed_run_stays_resumable(tmp_path, capsys):
+    out = tmp_path / "run"
+    process = start_training(out)
+    try:
+        wait_for(lambda: RunDir(out).read_index().latest is not None)
+        err = cli_error(capsys, "train", "--resume", str(out), "--no-progress")
+        assert "is being written by process" in err and str(process.pid) in err
+        os.kill(process.pid, signal.SIGKILL)  # the OS releases the lock with the process
+        process.wait(60)
+    finally:
+        process.kill()
+    target = int(RunDir(out).read_index().latest.split("_")[1]) + 10
+    assert resume(out, progress=False, steps=target).step == target
+    steps = metric_steps(out)
+    assert steps == sorted(set(steps)) and steps[-1] == target
+
+
+def test_a_folder_that_is_not_a_run_is_never_trained_into(tmp_path, capsys):
+    folder = tmp_path / "mine"
+    (folder / "records").mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("my own line\n")
+    (folder / "records" / "magnitudes.parquet").write_bytes(b"user data")
+    err = cli_error(capsys, "train", "--preset", "smoke", "--out", str(folder), "--no-progress")
+    assert "is not empty and holds no run" in err and "metrics.jsonl" in err
+    assert (folder / "metrics.jsonl").read_text() == "my own line\n"
+    assert (folder / "records" / "magnitudes.parquet").read_bytes() == b"user data"
+    assert not (folder / "config.json").exists()
+
+
+def test_a_refused_new_run_leaves_no_folder_behind(tmp_path, capsys):
+    cli_error(capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "new"), "--set", "model.d_vocab=4")
+    assert not (tmp_path / "new").exists()
+
+
+# ---------------------------------------------------------------------------- divergence
+def test_divergence_without_any_checkpoint_says_so(tmp_path, capsys):
+    err = cli_error(capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "nan"), "--no-progress",
+                    "--set", "train.lr=1e6", "--set", "train.warmup_steps=0", "--set", "train.grad_clip=0", code=3)
+    assert "no checkpoint was written before it" in err and "last good checkpoint" not in err
+    assert RunDir(tmp_path / "nan").read_index().latest is None
+
+
+def test_a_non_finite_checkpoint_is_never_saved(tmp_path):
+    config = apply_overrides(get_preset("smoke"), ["train.lr=1e6", "train.warmup_steps=0", "train.grad_clip=0",
+                                                   "train.checkpoint_every=1"])
+    with pytest.raises(TrainingDiverged) as caught:
+        train(config, tmp_path / "nan", progress=False)
+    run_dir = RunDir(tmp_path / "nan")
+    index = run_dir.read_index()
+    for name in index.kept:
+        tensors, meta = read_safetensors(run_dir.weights_path(name))
+        assert math.isfinite(float(meta["eval_loss"])) and all(torch.isfinite(t).all() for t in tensors.values())
+    if index.latest:  # the message names exactly what is left, and analyses open it
+        assert index.latest in str(caught.value)
+        assert cli_main(["analyze", str(tmp_path / "nan"), "--samples", "2", "--no-progress"]) == 0
+    else:
+        assert "no checkpoint was written" in str(caught.value)
+
+
+def test_float16_training_on_the_cpu_is_refused_up_front(tmp_path, capsys):
+    err = cli_error(capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "fp16"), "--set", "model.dtype=float16")
+    assert "float16 is not supported for training on the CPU" in err
+
+
+# ---------------------------------------------------------------------------- validated settings
+@pytest.mark.parametrize("setting, message", [
+    ("model.attn_only=no", "attn_only must be true or false, got 'no'"),
+    ("train.lr=true", "train.lr must be a finite number, got True"),
+    ("train.betas=[0.9]", "train.betas must be a list of 2 numbers, got [0.9]"),
+    ("train.steps=\"ten\"", "train.steps must be an integer, got 'ten'"),
+    ("model.d_mlp=1.5", "d_mlp must be an integer or null, got 1.5"),
+    ("model.init_range=Infinity", "init_range must be a finite number, got inf"),
+    ("model.normalization_type=LN", "normalization_type='LN' is not implemented"),
+    ("model.gated_mlp=true", "gated_mlp=True is not implemented"),
+    ("model.num_experts=4", "num_experts=4 is not implemented"),
+])
+def test_settings_are_type_checked_not_coerced(setting, message, tmp_path, capsys):
+    err = cli_error(capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "x"), "--set", setting)
+    assert message in err
+
+
+@pytest.mark.parametrize("fields", [dict(d_mlp=1.5), dict(init_range=math.inf), dict(d_model="64"),
+                                    dict(attn_only=1), dict(eps=math.nan)])
+def test_model_config_raises_value_error_never_type_error(fields):
+    with pytest.raises(ValueError):
+        ModelConfig(**fields)
+
+
+def test_train_config_rejects_wrong_types():
+    with pytest.raises(ValueError, match="train.betas"):
+        TrainConfig(betas=(0.9, 0.95, 0.99))
+    with pytest.raises(ValueError, match="train.batch_size must be an integer"):
+        TrainConfig(batch_size=8.0)
+
+
+# ---------------------------------------------------------------------------- damaged files
+def test_damaged_files_give_one_error_naming_the_file(smoke_run, tmp_path):
+    run = copy_run(smoke_run, tmp_path)
+    (run / "checkpoints" / "index.json").write_text("[]")
+    with pytest.raises(RunDirError, match=r"index.json is not a checkpoint index"):
+        load_run(run)
+
+    run = copy_run(smoke_run, tmp_path, "metrics")
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([lines[0], "[1, 2]", *lines[1:]]) + "\n")
+    with pytest.raises(RunDirError, match=r"metrics.jsonl line 2 is not a metrics record"):
+        load_run(run, load_model=False)
+    with pytest.raises(RunDirError, match=r"metrics.jsonl line 2"):  # resume refuses what load_run refuses
+        resume(run, progress=False, steps=80)
+
+    run = copy_run(smoke_run, tmp_path, "records")
+    pd.DataFrame({"step": [0], "wrong": [1.0]}).to_parquet(run / "records" / "magnitudes.parquet")
+    with pytest.raises(RunDirError, match=r"magnitudes.parquet lacks the columns \['sublayer'"):
+        load_run(run, load_model=False)
+
+    for name, edit, message in [
+        ("noname", lambda c: c["task"].pop("name"), "invalid task section: the task has no 'name'"),
+        ("betas", lambda c: c["train"].update(betas=[0.9]), "invalid train section: train.betas must be"),
+    ]:
+        run = copy_run(smoke_run, tmp_path, name)
+        config = json.loads((run / "config.json").read_text())
+        edit(config)
+        (run / "config.json").write_text(json.dumps(config))
+        with pytest.raises(RunDirError, match=message):
+            load_run(run, load_model=False)
+
+
+def test_damaged_files_give_cli_errors_not_tracebacks(smoke_run, tmp_path, capsys):
+    run = copy_run(smoke_run, tmp_path)
+    (run / "checkpoints" / "index.json").write_text("[]")
+    for command in (["analyze", str(run)], ["prune", str(run)], ["train", "--resume", str(run), "--steps", "80"]):
+        assert "index.json is not a checkpoint index" in cli_error(capsys, *command, "--no-progress")
+
+
+def test_checkpoint_metadata_is_checked_before_anything_is_built(smoke_run, tmp_path):
+    run = copy_run(smoke_run, tmp_path)
+    weights_path = RunDir(run).weights_path("step_0000040")
+    tensors, meta = read_safetensors(weights_path)
+    huge = json.loads(meta["model_config"]) | {"d_vocab": 2**45}
+    atomic_save_safetensors(weights_path, tensors, {**meta, "model_config": json.dumps(huge)})
+    with pytest.raises(RunDirError, match="another model than config.json describes.*d_vocab"):
+        load_run(run)
+    config = json.loads((run / "config.json").read_text())
+    config["model"]["d_vocab"] = 2**45  # both agree on an absurd size: the tensors' shapes still refuse it
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RunDirError, match=r"does not match its config: .*embed.W_E"):
+        load_run(run)
+
+    run = copy_run(smoke_run, tmp_path, "relu")
+    relu = json.loads(meta["model_config"]) | {"act_fn": "relu"}
+    atomic_save_safetensors(RunDir(run).weights_path("step_0000040"), tensors, {**meta, "model_config": json.dumps(relu)})
+    with pytest.raises(RunDirError, match="act_fn: checkpoint 'relu', config.json 'gelu'"):
+        load_run(run)
+
+
+# ---------------------------------------------------------------------------- smaller cases
+def test_empty_batches_and_one_token_sequences_are_refused():
+    model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=1, n_ctx=8, d_vocab=10))
+    with pytest.raises(ValueError, match="batch >= 1"):
+        model(torch.zeros(0, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        model(torch.tensor([[3]]), return_type="loss")
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        next_token_loss(torch.zeros(1, 1, 10), torch.tensor([[3]]))
+
+
+def test_prune_out_pointing_at_a_file_is_an_error(smoke_run, tmp_path, capsys):
+    existing = tmp_path / "report.txt"
+    existing.write_text("keep me")
+    err = cli_error(capsys, "prune", str(smoke_run), "--out", str(existing), "--no-progress")
+    assert "is a file; give a folder" in err and existing.read_text() == "keep me"
+
+
+def test_every_run_file_is_world_readable(smoke_run):
+    for path in smoke_run.rglob("*"):
+        if path.is_file() and path.name != ".lock":
+            assert stat.S_IMODE(path.stat().st_mode) & 0o044 == 0o044, path
+
+
+def test_resume_can_start_from_an_earlier_checkpoint(tmp_path, capsys):
+    reference = tmp_path / "reference"
+    config = apply_overrides(get_preset("smoke"), ["train.steps=60", "train.keep_checkpoints=3"])
+    train(config, reference, progress=False)
+    # a crash right after step 40's checkpoint, whose state file is then found damaged
+    run = copy_run(reference, tmp_path, "crashed")
+    run_dir = RunDir(run)
+    run_dir.weights_path("step_0000060").unlink()
+    run_dir.state_path("step_0000060").unlink()
+    index = json.loads(run_dir.index_path.read_text())
+    index.update(latest="step_0000040", kept=["step_0000020", "step_0000040"], best="step_0000040")
+    run_dir.index_path.write_text(json.dumps(index))
+    run_dir.state_path("step_0000040").write_bytes(b"garbage")
+    assert "corrupt or truncated" in cli_error(capsys, "train", "--resume", str(run), "--no-progress")
+    assert cli_main(["train", "--resume", str(run), "--checkpoint", "20", "--no-progress"]) == 0
+    steps = metric_steps(run)
+    assert steps == sorted(set(steps)) and steps[-1] == 60
+
+    def train_losses(path: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())
+                if "loss" in r}
+
+    expected, got = train_losses(reference), train_losses(run)
+    assert set(got) == set(expected)
+    for step in expected:  # redone from step 20, exactly as the uninterrupted run
+        assert got[step] == pytest.approx(expected[step], rel=1e-6), step
+
+
+def test_nothing_in_the_package_unpickles():
+    sources = "\n".join(path.read_text() for path in (REPO / "attnres_lens").rglob("*.py"))
+    assert "torch.load(" not in sources and "import pickle" not in sources and "pickle.load" not in sources
+
+
+def test_a_write_interrupted_midway_leaves_the_previous_file(smoke_run, tmp_path, monkeypatch):
+    import attnres_lens.rundir as rundir
+
+    run = copy_run(smoke_run, tmp_path)
+    path = RunDir(run).weights_path("step_0000040")
+    before = path.read_bytes()
+
+    def torn_save(tensors, filename, metadata=None):
+        Path(filename).write_bytes(before[:100])  # half a file, then the process "dies"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rundir, "save_file", torn_save)
+    tensors, meta = read_safetensors(path)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_save_safetensors(path, tensors, meta)
+    assert path.read_bytes() == before
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_torn_last_metrics_line_is_skipped_and_any_other_is_an_error(smoke_run, tmp_path):
+    run = copy_run(smoke_run, tmp_path)
+    rows = len(load_run(run, load_model=False).metrics)
+    with open(run / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 41, "lo')  # a crash mid-line
+    assert len(load_run(run, load_model=False).metrics) == rows
+    with open(run / "metrics.jsonl", "a") as handle:
+        handle.write('\n{"step": 42}\n')
+    with pytest.raises(RunDirError, match="is not valid JSON"):
+        load_run(run, load_model=False)
