@@ -18,14 +18,19 @@ sublayer alone in its block (or alone in a partial) is masked, the consistent li
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 from collections import defaultdict
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
 
+from attnres_lens.attnres import DepthStream
 from attnres_lens.evaluation import Evaluation, score_logits
 from attnres_lens.model import HookedTransformer
+from attnres_lens.streams import ResidualStream, SumStream
 from attnres_lens.tasks.base import Batch
 
 Hook = tuple[str, Callable]
@@ -53,25 +58,296 @@ def evaluate(model: HookedTransformer, batch: Batch, fwd_hooks: Sequence[Hook] =
 
 @torch.no_grad()
 def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequence[Sequence[Hook]],
-                  max_sequences: int = 64, progress: bool = False, desc: str = "interventions") -> list[Evaluation]:
-    """`evaluate` for each intervention (a list of hooks), stacking copies of the batch into shared forward
-    passes of up to `max_sequences` sequences: each intervention's hooks see only their own copy. On a CPU
-    a pass has a sizeable fixed cost, so this is faster than one pass per intervention."""
-    n_batch = batch.tokens.shape[0]
-    per_pass = max(1, max_sequences // n_batch)
-    results: list[Evaluation] = []
+                  max_sequences: int = 256, progress: bool = False, desc: str = "interventions",
+                  cache: Optional[StateCache] = None) -> list[Evaluation]:
+    """`evaluate` for each intervention (a list of hooks), sharing every computation the interventions share.
+
+    The forward pass runs in stages (embedding, each sublayer, the final readout; `hook_stages`). Interventions
+    whose hooks agree up to a stage (the same hook functions at the same hook points, compared by identity) share
+    one computation of it; where they part, each branch gets its own copy of the state, and branches that do not
+    part again run stacked along the batch, up to `max_sequences` sequences per pass, each intervention's hooks
+    seeing only its own copy. So knocking a source out of consumer c recomputes only sublayers c … J, and
+    removal sets that agree on the first sublayers share them; with a `StateCache`, a call also resumes from the
+    states of the previous call. Results equal one full pass per intervention up to float rounding of the
+    larger batches."""
+    if not interventions:
+        return []
+    if isinstance(max_sequences, bool) or not isinstance(max_sequences, int) or max_sequences < 1:
+        raise ValueError(f"max_sequences must be a positive integer, got {max_sequences!r}")
     with tqdm(total=len(interventions), desc=desc, disable=not progress, leave=False) as bar:
-        for start in range(0, len(interventions), per_pass):
-            group = interventions[start : start + per_pass]
-            hooks_by_name: dict[str, list[tuple[int, Callable]]] = defaultdict(list)
-            for slot, hooks in enumerate(group):
-                for name, hook in hooks:
-                    hooks_by_name[name].append((slot, hook))
-            fwd_hooks = [(name, _on_copies(n_batch, hooks)) for name, hooks in hooks_by_name.items()]
-            logits = model.run_with_hooks(batch.tokens.repeat(len(group), 1), fwd_hooks=fwd_hooks)
-            results += [score_logits(part, batch) for part in logits.split(n_batch)]
-            bar.update(len(group))
-    return results
+        return _SharedEvaluation(model, batch, interventions, max_sequences, bar, cache).run()
+
+
+EMBEDDING_STAGE = -1
+
+
+def hook_stages(model: HookedTransformer) -> dict[str, int]:
+    """The stage of the forward pass in which each hook point fires: −1 the embedding, j sublayer j (its depth
+    mix, input, pre-norm, the sublayer, its output and, for a layer's last sublayer, the post-layer state), J the
+    final readout (its depth mix and the final norm)."""
+    cfg = model.cfg
+    stages: dict[str, int] = {}
+    for name in model.hook_dict:
+        if name in ("hook_embed", "hook_pos_embed"):
+            stages[name] = EMBEDDING_STAGE
+        elif name.startswith(("ln_final.", "final_res.")):
+            stages[name] = cfg.n_sublayers
+        elif name.startswith("blocks."):
+            _, layer, rest = name.split(".", 2)
+            attn = int(layer) if cfg.attn_only else 2 * int(layer)
+            if rest.startswith(("attn_res.", "ln1.", "attn.", "hook_resid_pre", "hook_attn_out")):
+                stages[name] = attn
+            elif rest.startswith(("mlp_res.", "ln2.", "mlp.", "hook_resid_mid", "hook_mlp_out")):
+                stages[name] = attn + 1
+            elif rest in ("hook_resid_post", "hook_block_partial"):
+                stages[name] = attn if cfg.attn_only else attn + 1
+    return stages
+
+
+class StagedForward:
+    """The model's forward pass cut at sublayer boundaries: `embed(tokens)` gives the residual stream before
+    sublayer 0, `sublayer(stream, j)` runs sublayer j (and the post-layer state after a layer's last one), and
+    `final(stream)` the readout, final norm and unembedding. The sublayer step is the model's own
+    (`TransformerBlock._sublayer`); tests check that the stages compose to `model(tokens)` exactly."""
+
+    def __init__(self, model: HookedTransformer):
+        self.model = model
+        self.cfg = model.cfg
+        self.n_sublayers = model.cfg.n_sublayers
+
+    def embed(self, tokens: torch.Tensor) -> ResidualStream:
+        model = self.model
+        embedding = model.hook_embed(model.embed(tokens))
+        if self.cfg.positional_embedding_type == "standard":
+            embedding = embedding + model.hook_pos_embed(model.pos_embed(tokens))
+        if self.cfg.residual == "standard":
+            return SumStream(embedding)
+        return DepthStream(embedding, self.cfg.attnres_block_size)
+
+    def sublayer(self, stream: ResidualStream, j: int) -> None:
+        layer = j if self.cfg.attn_only else j // 2
+        block = self.model.blocks[layer]
+        if self.model.sublayer_kind(j) == "attn":
+            parts = (getattr(block, "attn_res", None), block.hook_resid_pre, block.ln1, block.attn, block.hook_attn_out)
+        else:
+            parts = (getattr(block, "mlp_res", None), block.hook_resid_mid, block.ln2, block.mlp, block.hook_mlp_out)
+        type(block)._sublayer(stream, *parts)
+        if self.cfg.attn_only or self.model.sublayer_kind(j) == "mlp":  # the layer's last sublayer
+            post = block.hook_block_partial if self.cfg.residual == "attnres" else block.hook_resid_post
+            stream.state = post(stream.state)
+
+    def final(self, stream: ResidualStream) -> torch.Tensor:
+        model = self.model
+        return model.unembed(model.ln_final(stream.readout(getattr(model, "final_res", None))))
+
+    def run(self, state: Union[torch.Tensor, ResidualStream], stage: int) -> Union[ResidualStream, torch.Tensor]:
+        """Run one stage on `state` (tokens before stage −1, else a stream, which is copied, not changed): the
+        stream before stage + 1, or the logits after stage J."""
+        if stage == EMBEDDING_STAGE:
+            return self.embed(state)
+        stream = map_state(state, lambda tensor: tensor)
+        if stage == self.n_sublayers:
+            return self.final(stream)
+        self.sublayer(stream, stage)
+        return stream
+
+
+@contextlib.contextmanager
+def hooks_on(model: HookedTransformer, fwd_hooks: Sequence[Hook]) -> Iterator[None]:
+    """`model.hooks(fwd_hooks)` for a handful of hook points: TL's context resets every hook point of the model
+    on exit, which costs more than a stage of a small model; this removes only the hooks it added (by level)."""
+    model.context_level += 1
+    level = model.context_level
+    touched = []
+    try:
+        for name, function in fwd_hooks:
+            point = model.hook_dict[name]
+            point.add_hook(function, dir="fwd", level=level)
+            touched.append(point)
+        yield
+    finally:
+        for point in touched:
+            point.remove_hooks("fwd", level=level)
+        model.context_level -= 1
+
+
+def map_state(state: Union[torch.Tensor, ResidualStream], function: Callable[[torch.Tensor], torch.Tensor]
+              ) -> Union[torch.Tensor, ResidualStream]:
+    """A copy of tokens or of a residual stream with `function` applied to every tensor it holds (the stream's
+    lists are copied too, so running the copy leaves the original as it was)."""
+    if isinstance(state, torch.Tensor):
+        return function(state)
+    copy_ = copy.copy(state)
+    for key, value in vars(state).items():
+        if isinstance(value, torch.Tensor):
+            setattr(copy_, key, function(value))
+        elif isinstance(value, list):
+            setattr(copy_, key, [function(item) if isinstance(item, torch.Tensor) else item for item in value])
+    return copy_
+
+
+class StateCache:
+    """The states an `evaluate_many` call passed through, for the next call on the same model and batch to resume
+    from wherever its interventions agree with the last call's (a cumulative removal curve: each set is the
+    previous one plus one sublayer). Keeps the latest call's states only; keeps their hook functions alive, so
+    the identities the states are keyed by cannot be reused."""
+
+    def __init__(self) -> None:
+        self.owner: Optional[tuple[int, torch.Tensor]] = None
+        self.states: dict[tuple, Any] = {}
+        self.functions: list[Callable] = []
+
+    def check(self, model: HookedTransformer, batch: Batch) -> None:
+        if self.owner is not None and (self.owner[0] != id(model) or self.owner[1] is not batch.tokens):
+            raise ValueError("a StateCache serves one model and one batch; use a new one for another")
+        self.owner = (id(model), batch.tokens)
+
+
+class _SharedEvaluation:
+    """`evaluate_many`'s traversal of the tree of interventions (see its docstring)."""
+
+    def __init__(self, model: HookedTransformer, batch: Batch, interventions: Sequence[Sequence[Hook]],
+                 max_sequences: int, bar: tqdm, cache: Optional[StateCache] = None):
+        self.model = model
+        self.batch = batch
+        self.forward = StagedForward(model)
+        self.n_batch = batch.tokens.shape[0]
+        self.max_copies = max(1, max_sequences // self.n_batch)
+        self.bar = bar
+        self.last = model.cfg.n_sublayers
+        stages = hook_stages(model)
+        self.plans: list[list[tuple[Hook, ...]]] = []  # per intervention, per stage (index stage + 1): its hooks
+        for hooks in interventions:
+            plan: list[list[Hook]] = [[] for _ in range(self.last + 2)]  # embedding, sublayers, final readout
+            for name, function in hooks:
+                if not isinstance(name, str) or name not in stages:
+                    raise ValueError(f"no hook point named {name!r} in this model (hook names must be strings)")
+                plan[stages[name] + 1].append((name, function))
+            # hooks on different points fire in forward order whatever the list order: sort for a canonical form
+            self.plans.append([tuple(sorted(hooks_at, key=lambda hook: hook[0])) for hooks_at in plan])
+        self.keys = [[tuple((name, id(function)) for name, function in hooks_at) for hooks_at in plan]
+                     for plan in self.plans]
+        self.results: list[Optional[Evaluation]] = [None] * len(interventions)
+        self.cache = cache
+        self.seen: dict[tuple, Any] = {}  # this call's states, by the keys of every stage up to theirs
+        if cache is not None:
+            cache.check(model, batch)
+
+    def run(self) -> list[Evaluation]:
+        tokens = self.model.to_tokens(self.batch.tokens)
+        self._descend(list(range(len(self.plans))), tokens, EMBEDDING_STAGE)
+        if self.cache is not None:
+            self.cache.states = self.seen
+            self.cache.functions = [function for plan in self.plans for hooks in plan for _, function in hooks]
+        return self.results  # type: ignore[return-value]
+
+    def _prefix(self, member: int, stage: int) -> tuple:
+        return tuple(self.keys[member][: stage + 2])
+
+    def _cached(self, member: int, stage: int) -> Any:
+        if self.cache is None:
+            return None
+        return self.cache.states.get(self._prefix(member, stage))
+
+    def _remember(self, member: int, stage: int, state: Any) -> None:
+        if self.cache is not None:
+            self.seen[self._prefix(member, stage)] = state
+
+    def _descend(self, members: list[int], state: Any, stage: int) -> None:
+        """`members` share every computation before `stage`, whose input is `state` (one copy of the batch)."""
+        while True:
+            children: dict[tuple, list[int]] = defaultdict(list)
+            for member in members:
+                children[self.keys[member][stage + 1]].append(member)
+            if len(children) == 1:
+                cached = self._cached(members[0], stage)
+                state = cached if cached is not None else self._step(state, stage, [self.plans[members[0]][stage + 1]])
+                self._remember(members[0], stage, state)
+                if stage == self.last:
+                    self._finish([members], state)
+                    return
+                stage += 1
+                continue
+            groups = list(children.values())
+            # a branch whose members agree from here on never parts again: those run stacked to the end
+            leaves = [group for group in groups if len({tuple(self.keys[m][stage + 1:]) for m in group}) == 1]
+            self._run_leaves(leaves, state, stage)
+            for group in groups:
+                if not any(group is leaf for leaf in leaves):
+                    self._descend(group, state, stage)
+            return
+
+    def _run_leaves(self, leaves: list[list[int]], state: Any, stage: int) -> None:
+        """Run each leaf from `stage` to the logits, resuming after the deepest stage an earlier call cached."""
+        by_start: dict[int, list[tuple[list[int], Any]]] = defaultdict(list)
+        for leaf in leaves:
+            start, start_state = stage, state
+            while start <= self.last and (cached := self._cached(leaf[0], start)) is not None:
+                self._remember(leaf[0], start, cached)
+                start, start_state = start + 1, cached
+            if start > self.last:
+                self._finish([leaf], start_state)
+            else:
+                by_start[start].append((leaf, start_state))
+        for start, items in by_start.items():
+            # A hook on a depth attention sends the whole stacked batch down its readable (slower) path, so
+            # leaves hooked at the same points are stacked together.
+            by_points: dict[tuple, list[tuple[list[int], Any]]] = defaultdict(list)
+            for leaf, leaf_state in items:
+                points = sorted({name for hooks in self.plans[leaf[0]][start + 1 :] for name, _ in hooks})
+                by_points[tuple(points)].append((leaf, leaf_state))
+            for similar in by_points.values():
+                for first in range(0, len(similar), self.max_copies):
+                    chunk = similar[first : first + self.max_copies]
+                    self._run_stacked([leaf for leaf, _ in chunk], [state for _, state in chunk], start)
+
+    def _run_stacked(self, groups: list[list[int]], states: list[Any], stage: int) -> None:
+        """Run each group from `stage` (its own input state, one copy of the batch each, stacked) to the logits."""
+        state = states[0] if len(states) == 1 else concat_states(states)
+        for current in range(stage, self.last + 1):
+            state = self._step(state, current, [self.plans[group[0]][current + 1] for group in groups])
+            if self.cache is not None:
+                for slot, group in enumerate(groups):
+                    rows = slice(slot * self.n_batch, (slot + 1) * self.n_batch)
+                    self._remember(group[0], current, map_state(state, lambda tensor: tensor[rows]))
+        self._finish(groups, state)
+
+    def _step(self, state: Any, stage: int, hooks_per_copy: list[tuple[Hook, ...]]) -> Any:
+        if len(hooks_per_copy) == 1:
+            fwd_hooks = list(hooks_per_copy[0])
+        else:
+            by_name: dict[str, list[tuple[int, Callable]]] = defaultdict(list)
+            for slot, hooks in enumerate(hooks_per_copy):
+                for name, function in hooks:
+                    by_name[name].append((slot, function))
+            fwd_hooks = [(name, _on_copies(self.n_batch, functions)) for name, functions in by_name.items()]
+        if not fwd_hooks:
+            return self.forward.run(state, stage)
+        with hooks_on(self.model, fwd_hooks):
+            return self.forward.run(state, stage)
+
+    def _finish(self, groups: list[list[int]], logits: torch.Tensor) -> None:
+        for group, part in zip(groups, logits.split(self.n_batch)):
+            result = score_logits(part, self.batch)
+            for member in group:
+                self.results[member] = result
+            self.bar.update(len(group))
+
+
+def concat_states(states: list[Any]) -> Any:
+    """Tokens or residual streams at the same stage, stacked along the batch (the first state's layout)."""
+    first = states[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(states)
+    stacked = copy.copy(first)
+    for key, value in vars(first).items():
+        if isinstance(value, torch.Tensor):
+            setattr(stacked, key, torch.cat([vars(state)[key] for state in states]))
+        elif isinstance(value, list):
+            columns = zip(*[vars(state)[key] for state in states])
+            setattr(stacked, key, [torch.cat(list(column)) if isinstance(column[0], torch.Tensor) else column[0]
+                                   for column in columns])
+    return stacked
 
 
 def _on_copies(n_batch: int, functions: list[tuple[int, Callable]]) -> Callable:
@@ -95,7 +371,13 @@ def replace_hook(replacement: torch.Tensor) -> Callable:
 
 
 def mask_sources_hook(sources: Sequence[int]) -> Callable:
-    """Hook on a depth attention's `hook_logits` that knocks `sources` out of its softmax."""
+    """Hook on a depth attention's `hook_logits` that knocks `sources` out of its softmax. The same sources give
+    the same function object, so `evaluate_many` sees removal sets that agree on a consumer as sharing it."""
+    return _mask_sources_hook(tuple(int(source) for source in sources))
+
+
+@functools.lru_cache(maxsize=None)
+def _mask_sources_hook(sources: tuple[int, ...]) -> Callable:
     index = torch.tensor(list(sources))
 
     def hook(logits: torch.Tensor, hook) -> torch.Tensor:

@@ -15,7 +15,7 @@ Cheap predictors from one clean forward pass (higher = more important):
 * angular_distance_next — Gromov et al.'s `arccos(cos(x_j, x_{j+1}))/π`, token-averaged, where `x_ℓ` is
   the representation entering sublayer ℓ (`x_J` = the final readout's input, before the final norm);
 * relative_output_norm — `E_t ‖f_j‖ / ‖h_j‖`;
-* routing_mass (AttnRes) — mean over later consumers (final readout included) of the depth-mixing weight
+* routing_mass (every kind but the standard residual) — mean over later consumers (final readout included) of the depth-mixing weight
   M[c, j] that f_j receives.
 
 `angular_distance_matrix` gives `d(ℓ, ℓ+n)` for every start ℓ and span n: removing sublayers ℓ … ℓ+n−1
@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from attnres_lens.analysis.depth import depth_mixing_matrix
 from attnres_lens.analysis.interventions import (
     Evaluation,
+    StateCache,
     capture,
     evaluate,
     evaluate_many,
@@ -114,7 +115,7 @@ def cheap_metrics(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFram
             relative_output_norm=(output.double().norm(dim=-1) / h_in.double().norm(dim=-1).clamp_min(1e-30)).mean().item(),
         ))
     frame = pd.DataFrame(rows)
-    if model.cfg.residual == "attnres":
+    if model.cfg.residual != "standard":  # the standard residual weighs every output 1
         mixing = depth_mixing_matrix(model, tokens)
         read_later = mixing[(mixing["sublayer"] >= 0) & (mixing["consumer"] > mixing["sublayer"])]
         frame["routing_mass"] = read_later.groupby("sublayer")["weight"].mean().reindex(frame["sublayer"]).to_numpy()
@@ -209,11 +210,14 @@ def cumulative_pruning(model: HookedTransformer, batch: Batch, sensitivity: pd.D
     results: dict[frozenset[int], Evaluation] = {frozenset(): base}
     curves = {strategy: [frozenset()] for strategy in orders}
     running = set(orders)
-    # Round k evaluates every running strategy's k-th set together (stacked forward passes).
+    # Round k evaluates every running strategy's k-th set together; each set resumes from its predecessor's
+    # states where they agree (the sublayers before the one it adds), kept by the cache between rounds.
+    cache = StateCache()
     for k in tqdm(range(1, len(sensitivity) + 1), desc="cumulative removal", disable=not progress, leave=False):
         step = {strategy: orders[strategy][k - 1] for strategy in orders if strategy in running}
         new = sorted(set(step.values()) - set(results), key=sorted)
-        results.update(zip(new, evaluate_many(model, batch, [removal_hooks(model, removed) for removed in new])))
+        results.update(zip(new, evaluate_many(model, batch, [removal_hooks(model, removed) for removed in new],
+                                              cache=cache)))
         for strategy, removed in step.items():
             curves[strategy].append(removed)
             if stop_at is not None and results[removed].loss / base.loss - 1 >= stop_at:
