@@ -24,7 +24,17 @@ from attnres_lens.tasks import make_task
 
 from .helpers import VARIANTS, randomize_depth_parameters, small_config
 
-ALL_LAYOUTS = [(residual, attention, extra) for (residual, attention) in VARIANTS
+def _accepted(residual: str) -> bool:
+    try:
+        small_config(residual)
+    except ValueError:
+        return False
+    return True
+
+
+# every residual kind the model offers, each also attention-only with learned positions
+KINDS = VARIANTS + [((kind, 1), "standard") for kind in ("denseformer", "hyper") if _accepted(kind)]
+ALL_LAYOUTS = [(residual, attention, extra) for (residual, attention) in KINDS
                for extra in ({}, {"attn_only": True, "positional_embedding_type": "standard"})]
 
 
@@ -84,7 +94,8 @@ def mixed_interventions(model: HookedTransformer, batch) -> list:
     return interventions
 
 
-@pytest.mark.parametrize("residual, block_size", [("standard", 1), ("attnres", 1), ("attnres", 2)])
+@pytest.mark.parametrize("residual, block_size", [("standard", 1), ("attnres", 1), ("attnres", 2)]
+                         + [(kind, 1) for kind in ("denseformer", "hyper") if _accepted(kind)])
 @pytest.mark.parametrize("max_sequences", [4, 256])
 def test_shared_evaluation_equals_one_pass_per_intervention(residual, block_size, max_sequences):
     model = HookedTransformer(small_config(residual, block_size)).eval()

@@ -25,7 +25,9 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
+from transformer_lens.hook_points import HookPoint
 
 from attnres_lens.attnres import DepthStream
 from attnres_lens.evaluation import Evaluation, score_logits
@@ -82,63 +84,87 @@ EMBEDDING_STAGE = -1
 
 
 def hook_stages(model: HookedTransformer) -> dict[str, int]:
-    """The stage of the forward pass in which each hook point fires: −1 the embedding, j sublayer j (its depth
-    mix, input, pre-norm, the sublayer, its output and, for a layer's last sublayer, the post-layer state), J the
-    final readout (its depth mix and the final norm)."""
-    cfg = model.cfg
+    """The stage of the forward pass in which each hook point fires: −1 the embedding, j sublayer j (its input
+    mix, input, pre-norm, the sublayer and its output; for a layer's last sublayer also whatever closes the layer,
+    such as the post-layer state), J the final readout (its mix and the final norm). Read off the module tree."""
+    forward = StagedForward(model)
     stages: dict[str, int] = {}
+    for j in range(forward.n_sublayers):
+        layer, block = forward.block_of(j)
+        mixer, hook_in, norm, sublayer, hook_out = forward.sublayer_parts(j)
+        for module in (mixer, hook_in, norm, sublayer, hook_out):
+            if module is not None:
+                for point in _hook_points(module):
+                    stages[point.name] = j
+        if forward.closes_layer(j):  # the rest of the block fires after its last sublayer
+            for point in _hook_points(block):
+                stages.setdefault(point.name, j)
     for name in model.hook_dict:
-        if name in ("hook_embed", "hook_pos_embed"):
-            stages[name] = EMBEDDING_STAGE
-        elif name.startswith(("ln_final.", "final_res.")):
-            stages[name] = cfg.n_sublayers
-        elif name.startswith("blocks."):
-            _, layer, rest = name.split(".", 2)
-            attn = int(layer) if cfg.attn_only else 2 * int(layer)
-            if rest.startswith(("attn_res.", "ln1.", "attn.", "hook_resid_pre", "hook_attn_out")):
-                stages[name] = attn
-            elif rest.startswith(("mlp_res.", "ln2.", "mlp.", "hook_resid_mid", "hook_mlp_out")):
-                stages[name] = attn + 1
-            elif rest in ("hook_resid_post", "hook_block_partial"):
-                stages[name] = attn if cfg.attn_only else attn + 1
+        stages.setdefault(name, EMBEDDING_STAGE if name in ("hook_embed", "hook_pos_embed") else forward.n_sublayers)
     return stages
+
+
+def _hook_points(module: nn.Module) -> list[HookPoint]:
+    return [child for child in module.modules() if isinstance(child, HookPoint)]
 
 
 class StagedForward:
     """The model's forward pass cut at sublayer boundaries: `embed(tokens)` gives the residual stream before
-    sublayer 0, `sublayer(stream, j)` runs sublayer j (and the post-layer state after a layer's last one), and
-    `final(stream)` the readout, final norm and unembedding. The sublayer step is the model's own
-    (`TransformerBlock._sublayer`); tests check that the stages compose to `model(tokens)` exactly."""
+    sublayer 0, `sublayer(stream, j)` runs sublayer j (and closes the layer after its last one), and
+    `final(stream)` the readout, final norm and unembedding. Each step calls the model's own pieces (its stream,
+    `TransformerBlock._sublayer`, the layer's post-layer hook); tests check that the stages compose to
+    `model(tokens)` exactly."""
 
     def __init__(self, model: HookedTransformer):
         self.model = model
         self.cfg = model.cfg
         self.n_sublayers = model.cfg.n_sublayers
 
+    def block_of(self, j: int) -> tuple[int, nn.Module]:
+        layer = j if self.cfg.attn_only else j // 2
+        return layer, self.model.blocks[layer]
+
+    def closes_layer(self, j: int) -> bool:
+        return self.cfg.attn_only or j % 2 == 1
+
+    def sublayer_parts(self, j: int) -> tuple:
+        """(input mixer, input hook, pre-norm, sublayer, output hook) of sublayer j."""
+        _, block = self.block_of(j)
+        if hasattr(block, "mixers"):
+            attn_mixer, mlp_mixer = block.mixers()
+        else:
+            attn_mixer, mlp_mixer = getattr(block, "attn_res", None), getattr(block, "mlp_res", None)
+        if self.model.sublayer_kind(j) == "attn":
+            return attn_mixer, block.hook_resid_pre, block.ln1, block.attn, block.hook_attn_out
+        return mlp_mixer, block.hook_resid_mid, block.ln2, block.mlp, block.hook_mlp_out
+
     def embed(self, tokens: torch.Tensor) -> ResidualStream:
         model = self.model
         embedding = model.hook_embed(model.embed(tokens))
         if self.cfg.positional_embedding_type == "standard":
             embedding = embedding + model.hook_pos_embed(model.pos_embed(tokens))
+        if hasattr(model, "_stream"):
+            return model._stream(embedding)
         if self.cfg.residual == "standard":
             return SumStream(embedding)
         return DepthStream(embedding, self.cfg.attnres_block_size)
 
     def sublayer(self, stream: ResidualStream, j: int) -> None:
-        layer = j if self.cfg.attn_only else j // 2
-        block = self.model.blocks[layer]
-        if self.model.sublayer_kind(j) == "attn":
-            parts = (getattr(block, "attn_res", None), block.hook_resid_pre, block.ln1, block.attn, block.hook_attn_out)
-        else:
-            parts = (getattr(block, "mlp_res", None), block.hook_resid_mid, block.ln2, block.mlp, block.hook_mlp_out)
-        type(block)._sublayer(stream, *parts)
-        if self.cfg.attn_only or self.model.sublayer_kind(j) == "mlp":  # the layer's last sublayer
-            post = block.hook_block_partial if self.cfg.residual == "attnres" else block.hook_resid_post
+        layer, block = self.block_of(j)
+        type(block)._sublayer(stream, *self.sublayer_parts(j))
+        if self.closes_layer(j):
+            if hasattr(stream, "end_layer"):
+                stream.end_layer(getattr(block, "dwa", None))
+            if hasattr(self.model, "post_layer_hook"):
+                post = self.model.hook_dict[self.model.post_layer_hook(layer)]
+            else:
+                post = block.hook_block_partial if self.cfg.residual == "attnres" else block.hook_resid_post
             stream.state = post(stream.state)
 
     def final(self, stream: ResidualStream) -> torch.Tensor:
         model = self.model
-        return model.unembed(model.ln_final(stream.readout(getattr(model, "final_res", None))))
+        mixer = model.final_mixer() if hasattr(model, "final_mixer") else getattr(model, "final_res", None)
+        return model.unembed(model.ln_final(stream.readout(mixer)))
 
     def run(self, state: Union[torch.Tensor, ResidualStream], stage: int) -> Union[ResidualStream, torch.Tensor]:
         """Run one stage on `state` (tokens before stage −1, else a stream, which is copied, not changed): the
