@@ -44,12 +44,13 @@ def block_start(consumer: int, n_sublayers: int, block_size: int) -> int:
     return (min(consumer, n_sublayers - 1) // block_size) * block_size
 
 
-def source_layout(consumer: int, n_sublayers: int, block_size: int) -> list[list[int]]:
+def source_layout(consumer: int, n_sublayers: int, block_size: int, window: Optional[int] = None) -> list[list[int]]:
     """Which sublayer outputs are summed into each source read by `consumer`.
 
     `consumer` is a sublayer index in 0 … J−1, or J for the final readout. Each source is a list of
     sublayer indices; `[EMBEDDING]` is `b_0 = e`. For the final readout the last source is the last
-    block's (possibly complete) partial sum.
+    block's (possibly complete) partial sum. With a sliding `window` W the consumer reads the embedding plus
+    only the last W of the other sources.
     """
     if not 0 <= consumer <= n_sublayers:
         raise ValueError(f"consumer must be in 0..{n_sublayers} (J = final readout), got {consumer}")
@@ -60,7 +61,12 @@ def source_layout(consumer: int, n_sublayers: int, block_size: int) -> list[list
     sources += [list(range(start, start + block_size)) for start in range(0, first, block_size)]
     if first < consumer:
         sources.append(list(range(first, consumer)))
-    return sources
+    return windowed(sources, window)
+
+
+def windowed(sources: list, window: Optional[int]) -> list:
+    """The embedding (always first) plus the last `window` other sources; all of them when `window` is None."""
+    return sources if window is None else sources[:1] + sources[1:][-window:]
 
 
 class DepthStream(ResidualStream):
@@ -75,8 +81,10 @@ class DepthStream(ResidualStream):
     its readable path, so hook values are unchanged.
     """
 
-    def __init__(self, embedding: torch.Tensor, block_size: int, consumers: Optional[list["DepthAttention"]] = None):
+    def __init__(self, embedding: torch.Tensor, block_size: int, consumers: Optional[list["DepthAttention"]] = None,
+                 window: Optional[int] = None):
         self.block_size = block_size
+        self.window = window
         self.blocks: list[torch.Tensor] = [embedding]  # b_0 = e, then completed blocks b_1, b_2, …
         self.partial: Optional[torch.Tensor] = None  # sum of the current block's outputs so far
         self.n_written = 0  # index of the next sublayer
@@ -106,7 +114,7 @@ class DepthStream(ResidualStream):
 
     def sources(self) -> list[torch.Tensor]:
         """The sources the next consumer reads (after `read` has closed a completed block)."""
-        return self.blocks + ([self.partial] if self.partial is not None else [])
+        return windowed(self.blocks + ([self.partial] if self.partial is not None else []), self.window)
 
     def _mix(self, module: "DepthAttention", consumer: int) -> torch.Tensor:
         if self.consumers is None or module.observed():
@@ -134,23 +142,46 @@ def _common_dtype(sources: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class DepthAttention(nn.Module):
-    """Softmax over depth with a learned, zero-initialised pseudo-query (one per sublayer).
+    """Attention over depth with a learned, zero-initialised pseudo-query (one per sublayer).
 
-    Parameters: `query` [d_model] (zeros, so weights start uniform) and `key_norm.w` [d_model] (ones).
-    Hooks: `hook_logits`, `hook_weights`, both [batch, pos, n_sources].
+    Default (the AttnRes paper's method): `α = softmax_s(w · RMSNorm_g(v_s))`, `h = Σ_s α_s v_s`. Parameters:
+    `query` [d_model] (zeros, so weights start uniform) and `key_norm.w` [d_model] (ones). Hooks: `hook_logits`,
+    `hook_weights`, [batch, pos, n_sources] ([batch, pos, heads, n_sources] with `heads > 1`).
 
-    When nothing is hooked here, the mix runs through the fused `kernels.depth_attention` (`backend`),
-    which never materialises α; a hook switches to the readable path (the reference kernel's two steps with
-    the hooks between them), whose every step it can see, edit and differentiate.
+    The paper's ablations (docs/model.md §11), each an option: `score="sigmoid"` (α_s = sigmoid(z_s), not
+    normalised); `key_norm=False` (keys are the raw sources); `query="input"` (q = W · RMSNorm(x) per token, from
+    the most recent source x, i.e. the last one read, with `query_proj` [d_model, d_model] zero-initialised);
+    `heads=H` (the channels split into H groups, each with its own query slice, key norm and softmax);
+    `mixing="scalar"` (learned input-independent weights `scalar_logits` [n_sources], softmax-normalised).
+
+    With the default options and nothing hooked here, the mix runs through the fused `kernels.depth_attention`
+    (`backend`), which never materialises α; a hook (or any option) takes the readable path, whose every step a hook
+    can see, edit and differentiate.
     """
 
-    def __init__(self, d_model: int, eps: float, backend: str = "auto"):
+    def __init__(self, d_model: int, eps: float, backend: str = "auto", score: str = "softmax", key_norm: bool = True,
+                 query: str = "static", heads: int = 1, mixing: str = "attention", n_sources: Optional[int] = None):
         super().__init__()
         self.backend = backend
-        self.query = nn.Parameter(torch.zeros(d_model))
-        self.key_norm = RMSNorm(d_model, eps, hooked=False)  # keys only; values stay un-normalised
-        self.hook_logits = HookPoint()  # [batch, pos, n_sources]
-        self.hook_weights = HookPoint()  # [batch, pos, n_sources]
+        self.score, self.query_kind, self.heads, self.mixing, self.eps = score, query, heads, mixing, eps
+        if mixing == "scalar":
+            if n_sources is None:
+                raise ValueError("scalar depth mixing needs n_sources, the number of sources it weighs")
+            self.scalar_logits = nn.Parameter(torch.zeros(n_sources))
+        elif query == "input":
+            self.query_proj = nn.Parameter(torch.zeros(d_model, d_model))
+        else:
+            self.query = nn.Parameter(torch.zeros(d_model))
+        if mixing == "attention" and key_norm:
+            self.key_norm = RMSNorm(d_model, eps, hooked=False)  # keys only; values stay un-normalised
+        self.hook_logits = HookPoint()  # [batch, pos, n_sources] ([batch, pos, heads, n_sources] with heads > 1)
+        self.hook_weights = HookPoint()  # same shape as hook_logits
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the fused kernels compute this mix (the paper's default method only)."""
+        return (self.score == "softmax" and self.mixing == "attention" and self.query_kind == "static"
+                and self.heads == 1 and hasattr(self, "key_norm"))
 
     def observed(self) -> bool:
         """Whether a hook watches this depth attention (then it runs the readable path)."""
@@ -158,7 +189,31 @@ class DepthAttention(nn.Module):
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         sources = _common_dtype(sources)
-        if not self.observed():
+        if self.fusable and not self.observed():
             return depth_attention(sources, self.query, self.key_norm.w, self.key_norm.eps, backend=self.backend)
-        logits = self.hook_logits(depth_logits(sources, self.query, self.key_norm.w, self.key_norm.eps))
-        return mix_sources(self.hook_weights(logits.softmax(dim=-1)), sources)
+        logits = self.hook_logits(self.logits(sources))
+        weights = self.hook_weights(logits.softmax(dim=-1) if self.score == "softmax" else torch.sigmoid(logits))
+        if self.heads == 1:
+            return mix_sources(weights, sources)
+        grouped = [v.unflatten(-1, (self.heads, -1)) for v in sources]  # [..., heads, d_model / heads]
+        return mix_sources(weights, grouped).flatten(-2)
+
+    def logits(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        """Pre-score logits `z_s` over the sources: [..., n_sources], or [..., heads, n_sources]."""
+        dtype = torch.float64 if sources[0].dtype == torch.float64 else torch.float32
+        if self.mixing == "scalar":
+            return self.scalar_logits.to(dtype).expand(*sources[0].shape[:-1], len(sources))
+        if self.fusable:
+            return depth_logits(sources, self.query, self.key_norm.w, self.key_norm.eps)
+        values = [v.to(dtype).unflatten(-1, (self.heads, -1)) for v in sources]  # [..., heads, d / heads]
+        if hasattr(self, "key_norm"):  # each group normalised on its own, then the gain
+            gain = self.key_norm.w.to(dtype).unflatten(-1, (self.heads, -1))
+            values = [v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.key_norm.eps) * gain for v in values]
+        if self.query_kind == "input":
+            recent = sources[-1].to(dtype)
+            recent = recent * torch.rsqrt(recent.pow(2).mean(-1, keepdim=True) + self.eps)
+            query = (recent @ self.query_proj.to(dtype)).unflatten(-1, (self.heads, -1))  # per token
+        else:
+            query = self.query.to(dtype).unflatten(-1, (self.heads, -1))
+        logits = torch.stack([(k * query).sum(-1) for k in values], dim=-1)  # [..., heads, n_sources]
+        return logits.squeeze(-2) if self.heads == 1 else logits

@@ -4,6 +4,8 @@ Each `record(step)` runs one forward and backward pass on a fixed evaluation bat
 on a fixed repeated-tokens probe, and appends long-format rows to these tables:
 
 * `depth_weights`: step, consumer, consumer_label, kind, source, source_label, weight (token-averaged α)
+* `depth_mixing`: step, consumer, consumer_label, sublayer, sublayer_label, weight (the token-averaged depth-mixing
+  matrix M of `attnres_lens.mixing`, for every residual kind)
 * `magnitudes`: step, sublayer, label, kind, output_rms (RMS over d_model of f_j, token-averaged),
   input_rms (RMS of the sublayer's input), grad_norm (‖∂loss/∂f_j‖ over d_model, token-averaged; the
   loss is the token-mean cross-entropy)
@@ -22,6 +24,7 @@ import pandas as pd
 import torch
 from transformer_lens.utilities import get_act_name
 
+from attnres_lens.mixing import mixing_coefficients, mixing_rows
 from attnres_lens.model import HookedTransformer, next_token_loss
 from attnres_lens.tasks.base import Batch
 
@@ -70,13 +73,15 @@ class Recorder:
             next_token_loss(logits, self.eval_batch.tokens).backward()
 
         for consumer, hook_name in self.depth_modules.items():
-            weights = forward[hook_name].float().mean(dim=(0, 1))
+            weights = forward[hook_name].float().flatten(0, -2).mean(0)  # token- (and head-) averaged α
             labels = model.source_labels(consumer)
             consumer_label = model.sublayer_name(consumer)
             kind = model.sublayer_kind(consumer)
             for source, (label, weight) in enumerate(zip(labels, weights.tolist())):
                 self.rows["depth_weights"].append(dict(step=step, consumer=consumer, consumer_label=consumer_label, kind=kind,
                                                        source=source, source_label=label, weight=weight))
+        mixing = mixing_coefficients(model, self.eval_batch.tokens).mean(dim=(0, 1))
+        self.rows["depth_mixing"] += [dict(step=step, **row) for row in mixing_rows(model, mixing)]
         for j, label in self.sublayers:
             self.rows["magnitudes"].append(dict(
                 step=step, sublayer=j, label=label, kind=model.sublayer_kind(j),

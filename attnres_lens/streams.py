@@ -6,8 +6,10 @@ A forward pass drives a stream with three calls, in sublayer order:
 * `write(output, input)`: record the sublayer's output `f_j` (with the input it was given, possibly hook-edited);
 * `readout(mixer)`: the input of the final norm once every sublayer has written.
 
-`state` is the post-layer state that `blocks.{l}.hook_resid_post` (standard) or `hook_block_partial` (AttnRes) shows
-and may replace. The AttnRes stream is `attnres.DepthStream`.
+`end_layer(mixer)` closes a layer (DenseFormer averages over depth there). `state` is the post-layer state that
+`blocks.{l}.hook_resid_post` (standard), `hook_block_partial` (AttnRes), `hook_dwa_out` (DenseFormer) or `hook_streams`
+(mHC) shows and may replace. The other streams are `attnres.DepthStream`, `denseformer.DenseStream` and
+`hyper.HyperStream`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class ResidualStream:
 
     def readout(self, mixer: Optional[nn.Module]) -> torch.Tensor:
         raise NotImplementedError
+
+    def end_layer(self, mixer: Optional[nn.Module]) -> None:
+        """After a layer's sublayers (DenseFormer's depth-weighted average happens here); nothing by default."""
 
 
 class SumStream(ResidualStream):

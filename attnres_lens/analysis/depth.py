@@ -15,19 +15,23 @@ import torch
 
 from attnres_lens.analysis.interventions import capture
 from attnres_lens.attnres import EMBEDDING
+from attnres_lens.mixing import mixing_coefficients, mixing_rows, stream_dominance
 from attnres_lens.model import HookedTransformer
 
 
 @torch.no_grad()
 def depth_weights_by_consumer(model: HookedTransformer, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
-    """α of every consumer, `{consumer: [batch, pos, n_sources]}` (AttnRes models only)."""
+    """α of every consumer, `{consumer: [batch, pos, n_sources]}` (AttnRes models only; averaged over channel groups
+    with `attnres_heads > 1`)."""
     modules = model.depth_attention_modules()
     if not modules:
-        raise ValueError("a standard-residual model has no depth attention (its mixing weights are all 1; "
-                         "see depth_mixing_matrix)")
+        raise ValueError(f"a residual={model.cfg.residual!r} model has no depth attention; its mixing weights are in "
+                         "depth_mixing_matrix")
     names = {consumer: module.hook_weights.name for consumer, module in modules.items()}
     saved = capture(model, tokens, names.values())
-    return {consumer: saved[name].float() for consumer, name in names.items()}
+    # with attnres_heads > 1 each channel group has its own α: the vector's effective weight is their mean
+    return {consumer: saved[name].float().mean(-2) if saved[name].ndim == 4 else saved[name].float()
+            for consumer, name in names.items()}
 
 
 def _source_rows(model: HookedTransformer, consumer: int) -> list[dict]:
@@ -86,21 +90,54 @@ def depth_summary(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFram
 
 
 def depth_mixing_matrix(model: HookedTransformer, tokens: Optional[torch.Tensor] = None) -> pd.DataFrame:
-    """The effective weight of each sublayer output (and of the embedding) in each sublayer input.
+    """The effective weight of each sublayer output (and of the embedding) in each sublayer input, token-averaged.
 
-    `M[c, i] = E_tokens Σ_s α_{c,s} · [f_i is summed into source s]`, so a block source's weight applies to
-    every member of the block: standard residual, all ones (`h_c = e + Σ_{i<c} f_i`); Full AttnRes, the α
-    themselves; Block AttnRes, α of the block source for each of its members. Rows: consumer, consumer_label
-    (J = "final"), sublayer (−1 = embedding), sublayer_label, weight; only `sublayer < consumer` (lower
-    triangle). `tokens` is needed for AttnRes models (α depends on the input), ignored for standard.
+    `M[c, i]` is the coefficient of f_i in h_c (`attnres_lens.mixing`): standard residual, all ones
+    (`h_c = e + Σ_{i<c} f_i`); Full AttnRes, the α themselves; Block AttnRes, α of the block source for each of its
+    members; DenseFormer, products of its depth-weighted-average weights; mHC, read × mix × write weights along
+    the streams. Rows: consumer, consumer_label (J = "final"), sublayer (−1 = embedding), sublayer_label, weight;
+    only `sublayer < consumer` (lower triangle). `tokens` is needed where the weights depend on the input.
     """
-    if model.cfg.residual == "attnres":
-        if tokens is None:
-            raise ValueError("an AttnRes model's mixing weights depend on the input: pass tokens")
-        return mixing_matrix_from_weights(model, depth_weights(model, tokens))
-    ones = pd.DataFrame([dict(consumer=c, source=s, weight=1.0) for c in range(model.cfg.n_sublayers + 1)
-                         for s in range(len(model.sources(c)))])
-    return mixing_matrix_from_weights(model, ones)
+    return _mixing_frame(model, mixing_coefficients(model, tokens).mean(dim=(0, 1)))
+
+
+def depth_mixing_per_token(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFrame:
+    """`depth_mixing_matrix` at every token: sequence, position, token, then its columns. For a few sequences."""
+    tokens = model.to_tokens(tokens)
+    coefficients = mixing_coefficients(model, tokens)
+    frames = []
+    for sequence in range(tokens.shape[0]):
+        for position in range(tokens.shape[1]):
+            frame = _mixing_frame(model, coefficients[sequence, position])
+            frame.insert(0, "token", int(tokens[sequence, position]))
+            frame.insert(0, "position", position)
+            frame.insert(0, "sequence", sequence)
+            frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
+
+
+def _mixing_frame(model: HookedTransformer, matrix: torch.Tensor) -> pd.DataFrame:
+    return pd.DataFrame(mixing_rows(model, matrix))
+
+
+def mixing_diagnostics(model: HookedTransformer, tokens: Optional[torch.Tensor] = None) -> pd.DataFrame:
+    """Per consumer, on its row of the token-averaged M normalised to shares p (|M| / Σ|M|): effective_sources
+    (exp of the entropy of p: how many outputs it really reads), max_weight (the largest share: 1 = collapse onto one
+    output), embedding_mass (the embedding's share); for mHC also stream_dominance (`mixing.stream_dominance`)."""
+    matrix = mixing_coefficients(model, tokens).mean(dim=(0, 1))
+    dominance = stream_dominance(model, tokens) if model.cfg.residual == "hyper" else {}
+    rows = []
+    for consumer in range(model.cfg.n_sublayers + 1):
+        shares = matrix[consumer, : consumer + 1].abs()
+        shares = shares / shares.sum()
+        entropy = -(shares * shares.clamp_min(1e-30).log()).sum().item()
+        row = dict(consumer=consumer, consumer_label=model.sublayer_name(consumer), kind=model.sublayer_kind(consumer),
+                   n_outputs=consumer + 1, effective_sources=math.exp(entropy), max_weight=shares.max().item(),
+                   embedding_mass=shares[0].item())
+        if dominance:
+            row["stream_dominance"] = dominance[consumer]
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def mixing_matrix_from_weights(model: HookedTransformer, weights: pd.DataFrame) -> pd.DataFrame:

@@ -1,0 +1,153 @@
+"""The depth-mixing coefficients of every residual kind, on one footing (docs/analysis.md §5).
+
+Every residual kind writes each sublayer input as a linear combination of the embedding and the earlier sublayer
+outputs, `h_c = M[c, e] e + Σ_i M[c, i] f_i`, with coefficients that may depend on the token. `mixing_coefficients`
+gives them per token, `[batch, pos, J+1, J+1]` over consumers c = 0 … J (J = the final norm's input) and the basis
+(column 0 = e, column 1 + i = f_i):
+
+* standard: every coefficient 1 (`h_c = e + Σ_{i<c} f_i`);
+* AttnRes: the depth weight of the source that contains f_i (averaged over channel groups with `attnres_heads`);
+* DenseFormer: products of the depth-weighted-average weights along every path from f_i to c (input-independent);
+* mHC: the read weights of c applied to each stream's coefficient of f_i, which f_i's write weights created and each
+  stream mix in between moved (`C ← combᵀ C + post ⊗ [f_j]`), per token.
+
+Mixing weights are read through their hook points in one forward pass; nothing is stored on the model.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from attnres_lens.attnres import EMBEDDING
+
+# model.HookedTransformer, imported lazily by callers: this module sits beside the model, not above it.
+
+
+def basis_index(sublayer: int) -> int:
+    """Column of the embedding (EMBEDDING) or of f_i in the coefficient matrices."""
+    return 0 if sublayer == EMBEDDING else sublayer + 1
+
+
+@torch.no_grad()
+def _capture(model, tokens: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+    saved: dict[str, torch.Tensor] = {}
+
+    def save(tensor: torch.Tensor, hook) -> None:
+        saved[hook.name] = tensor.detach().float()
+
+    model.run_with_hooks(tokens, return_type=None, fwd_hooks=[(name, save) for name in names])
+    return saved
+
+
+def mixing_coefficients(model, tokens: Optional[torch.Tensor] = None, per_group: bool = False) -> torch.Tensor:
+    """`[batch, pos, J+1, J+1]` float32: the coefficient of e (column 0) and of each f_i (column 1+i) in the input of
+    each consumer (row c; row J is the final norm's input). Zero above the diagonal (c reads e and f_i, i < c).
+
+    `tokens` is needed where the weights depend on the input (AttnRes, mHC); without it the standard residual and
+    DenseFormer give `[1, 1, J+1, J+1]`. With `attnres_heads = H > 1` each group of d_model / H channels has its own
+    coefficients: `per_group=True` gives them, `[batch, pos, H, J+1, J+1]`; by default their mean (the groups are
+    equal, so it is the coefficient averaged over channels).
+    """
+    if per_group:
+        if model.cfg.residual != "attnres" or model.cfg.attnres_heads == 1:
+            return mixing_coefficients(model, tokens).unsqueeze(-3)
+        return _attnres(model, model.to_tokens(tokens), model.cfg.n_sublayers + 1, per_group=True)
+    cfg = model.cfg
+    n = cfg.n_sublayers + 1
+    residual = cfg.residual
+    if residual in ("attnres", "hyper"):
+        if tokens is None:
+            raise ValueError(f"the mixing weights of residual={residual!r} depend on the input: pass tokens")
+        tokens = model.to_tokens(tokens)
+    shape = (1, 1) if tokens is None else tuple(tokens.shape)
+    if residual == "standard":
+        return torch.ones(*shape, n, n).tril()
+    if residual == "denseformer":
+        return _denseformer(model).expand(*shape, n, n).clone()
+    if residual == "attnres":
+        return _attnres(model, tokens, n)
+    return _hyper(model, tokens, n)
+
+
+def _attnres(model, tokens: torch.Tensor, n: int, per_group: bool = False) -> torch.Tensor:
+    modules = model.depth_attention_modules()
+    saved = _capture(model, tokens, [module.hook_weights.name for module in modules.values()])
+    groups = model.cfg.attnres_heads
+    coefficients = torch.zeros(*tokens.shape, groups, n, n)
+    for consumer, module in modules.items():
+        weights = saved[module.hook_weights.name]
+        if groups == 1:
+            weights = weights.unsqueeze(-2)  # [batch, pos, groups, sources]
+        for source, members in enumerate(model.sources(consumer)):
+            for member in members:
+                coefficients[..., consumer, basis_index(member)] += weights[..., source]
+    return coefficients if per_group else coefficients.mean(-3)
+
+
+def _denseformer(model) -> torch.Tensor:
+    """The DWA recursion on coefficient vectors: `X_0 = Y_0 = e`, `X_k = Y_{k−1} + f_attn + f_mlp`, `Y_k = Σ a X`."""
+    n = model.cfg.n_sublayers + 1
+    coefficients = torch.zeros(n, n)
+    unit = torch.eye(n)
+    outputs = [unit[0]]  # X_0 = e
+    current = unit[0]
+    per_layer = 1 if model.cfg.attn_only else 2
+    for layer, block in enumerate(model.blocks):
+        for offset in range(per_layer):
+            sublayer = per_layer * layer + offset
+            coefficients[sublayer] = current
+            current = current + unit[basis_index(sublayer)]
+        outputs.append(current)
+        weights = block.dwa.weights.detach().float()
+        current = sum(weight * output for weight, output in zip(weights, outputs))
+    coefficients[n - 1] = current
+    return coefficients
+
+
+def _hyper(model, tokens: torch.Tensor, n: int) -> torch.Tensor:
+    modules = model.mixer_modules()
+    names = [module.hook_read_weights.name for module in modules.values()]
+    names += [name for module in list(modules.values())[:-1]
+              for name in (module.hook_write_weights.name, module.hook_stream_mix.name)]
+    saved = _capture(model, tokens, names)
+    n_streams = model.cfg.hyper_streams
+    streams = torch.zeros(*tokens.shape, n_streams, n)  # each stream's coefficients over [e, f_0, …]
+    streams[..., 0] = 1.0  # every stream starts as the embedding
+    coefficients = torch.zeros(*tokens.shape, n, n)
+    for consumer, module in modules.items():
+        read = saved[module.hook_read_weights.name]  # [batch, pos, n_streams]
+        coefficients[..., consumer, :] = (read.unsqueeze(-1) * streams).sum(-2)
+        if consumer < n - 1:
+            write = saved[module.hook_write_weights.name]
+            mix = saved[module.hook_stream_mix.name]
+            streams = mix.transpose(-1, -2) @ streams
+            streams[..., basis_index(consumer)] += write
+    return coefficients
+
+
+def stream_dominance(model, tokens: torch.Tensor) -> dict[int, float]:
+    """mHC only: per consumer, the token-averaged share of its read weight on its most-read stream
+    (1/n when it reads the streams evenly, 1 when it reads one)."""
+    if model.cfg.residual != "hyper":
+        raise ValueError(f"stream dominance is defined for residual='hyper', got {model.cfg.residual!r}")
+    modules = model.mixer_modules()
+    saved = _capture(model, model.to_tokens(tokens), [module.hook_read_weights.name for module in modules.values()])
+    out = {}
+    for consumer, module in modules.items():
+        read = saved[module.hook_read_weights.name]
+        out[consumer] = (read.max(-1).values / read.sum(-1)).mean().item()
+    return out
+
+
+def mixing_rows(model, matrix: torch.Tensor) -> list[dict]:
+    """One row per consumer × earlier output of a `[J+1, J+1]` coefficient matrix: consumer, consumer_label
+    (J = "final"), sublayer (−1 = embedding), sublayer_label, weight (the lower triangle only)."""
+    rows = []
+    for consumer in range(model.cfg.n_sublayers + 1):
+        for sublayer in [EMBEDDING, *range(consumer)]:
+            rows.append(dict(consumer=consumer, consumer_label=model.sublayer_name(consumer), sublayer=sublayer,
+                             sublayer_label="emb" if sublayer == EMBEDDING else model.sublayer_name(sublayer),
+                             weight=float(matrix[consumer, basis_index(sublayer)])))
+    return rows

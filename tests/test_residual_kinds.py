@@ -1,0 +1,298 @@
+"""Depth-mixing rules beside AttnRes (docs/model.md §11-§13): DenseFormer, mHC hyper-connections and the AttnRes
+paper's ablations, each re-derived in float64 from its definition, checked against transformers' DeepSeek V4
+modules where they exist, and reduced to the rule it generalises where one exists. One footing: the mixing matrix M
+of every kind predicts, per token, how each sublayer input moves when one earlier output moves."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from attnres_lens import HookedTransformer
+from attnres_lens.analysis.depth import depth_mixing_matrix, mixing_diagnostics
+from attnres_lens.analysis.run import prune_tables
+from attnres_lens.attnres import EMBEDDING
+from attnres_lens.mixing import basis_index, mixing_coefficients
+from attnres_lens.tasks import make_task
+from tests.helpers import block_sources, small_config
+
+OPTIONS = [dict(attnres_score="sigmoid"), dict(attnres_key_norm=False), dict(attnres_query="input"),
+           dict(attnres_heads=4), dict(attnres_window=2), dict(attnres_mixing="scalar"),
+           dict(attnres_heads=2, attnres_query="input", attnres_window=3)]
+KINDS = [dict(residual="standard"), dict(residual="denseformer"), dict(residual="hyper"),
+         dict(residual="hyper", hyper_streams=2, attn_only=True), dict(residual="attnres", attnres_block_size=1),
+         dict(residual="attnres", attnres_block_size=4)]
+KINDS += [dict(residual="attnres", attnres_block_size=block, **option) for option in OPTIONS for block in (1, 2)]
+
+
+def model_of(**fields) -> HookedTransformer:
+    fields = dict(fields)
+    residual, block_size = fields.pop("residual", "standard"), fields.pop("attnres_block_size", 1)
+    return HookedTransformer(small_config(residual, block_size, **fields))
+
+
+def randomize(model: HookedTransformer, seed: int = 3) -> HookedTransformer:
+    """Non-trivial values for every mixing parameter (queries, gains, DWA weights, mHC maps start trivial)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(key in name for key in ("_res.", "final_res", "dwa", "_hc.", "final_hc")):
+                param.add_(0.5 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def sublayers_of(model: HookedTransformer) -> list[tuple]:
+    """(norm, sublayer, attnres mixer, hyper mixer) in forward order, from a model's modules."""
+    out = []
+    for block in model.blocks:
+        out.append((block.ln1, block.attn, getattr(block, "attn_res", None), getattr(block, "attn_hc", None)))
+        if not model.cfg.attn_only:
+            out.append((block.ln2, block.mlp, getattr(block, "mlp_res", None), getattr(block, "mlp_hc", None)))
+    return out
+
+
+def tokens_for(model: HookedTransformer, batch: int = 2, pos: int = 9) -> torch.Tensor:
+    return torch.randint(0, model.cfg.d_vocab, (batch, pos), generator=torch.Generator().manual_seed(5))
+
+
+# ---------------------------------------------------------------------------- DenseFormer
+def denseformer_float64(model: HookedTransformer, tokens: torch.Tensor) -> torch.Tensor:
+    """X_0 = Y_0 = e; X_k = Y_{k−1} + f_attn + f_mlp (a plain residual inside the block); Y_k = Σ_i a_{k,i} X_i."""
+    m = copy.deepcopy(model).double()
+    y = m.embed(tokens)
+    outputs = [y]
+    for block in m.blocks:
+        x = y + block.attn(block.ln1(y))
+        if not m.cfg.attn_only:
+            x = x + block.mlp(block.ln2(x))
+        outputs.append(x)
+        y = sum(a * out for a, out in zip(block.dwa.weights, outputs))
+    return m.unembed(m.ln_final(y))
+
+
+def test_denseformer_matches_its_equations_in_float64():
+    model = randomize(model_of(residual="denseformer"))
+    tokens = tokens_for(model)
+    torch.testing.assert_close(model.double()(tokens), denseformer_float64(model, tokens), rtol=1e-10, atol=1e-10)
+
+
+def test_denseformer_at_initialisation_is_the_standard_residual_exactly():
+    dense = model_of(residual="denseformer")
+    standard = model_of()
+    standard.load_state_dict({k: v for k, v in dense.state_dict().items() if "dwa" not in k})
+    tokens = tokens_for(dense)
+    assert torch.equal(dense(tokens), standard(tokens))
+    _, cache = dense.run_with_cache(tokens)
+    assert cache["blocks.2.dwa.hook_dwa_weights"].tolist() == [0.0, 0.0, 0.0, 1.0]
+
+
+# ---------------------------------------------------------------------------- mHC
+deepseek = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+
+
+def deepseek_config(model: HookedTransformer):
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+
+    cfg = model.cfg
+    return DeepseekV4Config(hidden_size=cfg.d_model, hc_mult=cfg.hyper_streams, hc_eps=cfg.hyper_eps,
+                            hc_sinkhorn_iters=cfg.hyper_sinkhorn_iters, rms_norm_eps=cfg.eps)
+
+
+def test_hyper_connection_and_head_match_deepseek_v4_in_float64():
+    model = randomize(model_of(residual="hyper", hyper_streams=3)).double()
+    config = deepseek_config(model)
+    streams = torch.randn(2, 5, 3, model.cfg.d_model, dtype=torch.float64)
+    ours = model.blocks[1].mlp_hc
+    theirs = deepseek.DeepseekV4HyperConnection(config).double()
+    theirs.load_state_dict(ours.state_dict())
+    h, post, comb = ours(streams)
+    their_post, their_comb, their_h = theirs(streams)
+    for mine, reference in [(h, their_h), (post, their_post), (comb, their_comb)]:  # theirs computes in fp32
+        torch.testing.assert_close(mine.double(), reference.double(), rtol=1e-5, atol=1e-6)
+    single = streams.float()  # in fp32 both compute the same operations: equal to rounding
+    for mine, reference in zip(ours.float()(single), [theirs.float()(single)[i] for i in (2, 0, 1)]):
+        torch.testing.assert_close(mine, reference, rtol=1e-5, atol=2e-6)
+    # doubly stochastic stream mix: columns exactly (the last Sinkhorn step), rows to its convergence after 20 rounds
+    torch.testing.assert_close(comb.sum(-1), torch.ones_like(comb.sum(-1)), atol=0.1, rtol=0)
+    torch.testing.assert_close(comb.sum(-2), torch.ones_like(comb.sum(-2)), atol=1e-5, rtol=0)
+    head = deepseek.DeepseekV4HyperHead(config).double()
+    head.load_state_dict(model.final_hc.state_dict())
+    torch.testing.assert_close(model.final_hc(streams).double(), head(streams).double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.final_hc.float()(streams.float()), head.float()(streams.float()))
+
+
+@pytest.mark.parametrize("attn_only", [False, True])
+def test_hyper_model_matches_a_forward_built_from_deepseek_modules(attn_only):
+    """The whole residual, re-derived with transformers' modules as the mixing and our sublayers as f_j."""
+    model = randomize(model_of(residual="hyper", attn_only=attn_only)).double()
+    config = deepseek_config(model)
+    tokens = tokens_for(model)
+    streams = model.embed(tokens).unsqueeze(2).expand(-1, -1, config.hc_mult, -1).contiguous()
+    for norm, sublayer, _, ours in sublayers_of(model):
+        theirs = deepseek.DeepseekV4HyperConnection(config).double()
+        theirs.load_state_dict(ours.state_dict())
+        post, comb, collapsed = theirs(streams)
+        output = sublayer(norm(collapsed))
+        streams = post.unsqueeze(-1) * output.unsqueeze(-2) + comb.transpose(-1, -2) @ streams
+    head = deepseek.DeepseekV4HyperHead(config).double()
+    head.load_state_dict(model.final_hc.state_dict())
+    expected = model.unembed(model.ln_final(head(streams)))
+    # transformers computes the mixing weights in fp32 (ours in the streams' dtype, fp64 here)
+    torch.testing.assert_close(model(tokens), expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- AttnRes options
+def option_mix_float64(module, cfg, sources: list[torch.Tensor]) -> torch.Tensor:
+    """The ablations written out from their definitions, independently of `DepthAttention`."""
+    values = [v.double() for v in sources]
+    if cfg.attnres_mixing == "scalar":
+        weights = torch.softmax(module.scalar_logits.double(), -1)
+        return sum(w * v for w, v in zip(weights, values))
+    heads, d = cfg.attnres_heads, cfg.d_model
+    group = d // heads
+    out = torch.zeros_like(values[0])
+    for h in range(heads):
+        channels = slice(h * group, (h + 1) * group)
+        keys = []
+        for v in values:
+            part = v[..., channels]
+            if cfg.attnres_key_norm:
+                part = part / torch.sqrt(part.pow(2).mean(-1, keepdim=True) + cfg.attnres_eps)
+                part = part * module.key_norm.w.double()[channels]
+            keys.append(part)
+        if cfg.attnres_query == "input":
+            recent = values[-1] / torch.sqrt(values[-1].pow(2).mean(-1, keepdim=True) + cfg.attnres_eps)
+            query = (recent @ module.query_proj.double())[..., channels]
+        else:
+            query = module.query.double()[channels]
+        logits = torch.stack([(k * query).sum(-1) for k in keys], dim=-1)
+        weights = torch.softmax(logits, -1) if cfg.attnres_score == "softmax" else torch.sigmoid(logits)
+        out[..., channels] = sum(weights[..., s, None] * v[..., channels] for s, v in enumerate(values))
+    return out
+
+
+def attnres_options_float64(model: HookedTransformer, tokens: torch.Tensor) -> torch.Tensor:
+    m = copy.deepcopy(model).double()
+    cfg = m.cfg
+    embedding, outputs = m.embed(tokens), []
+    layers = sublayers_of(m)
+    window = cfg.attnres_window
+    for j, (norm, sublayer, mixer, _) in enumerate(layers):
+        sources = block_sources(j, embedding, outputs, cfg.attnres_block_size, len(layers))
+        sources = sources if window is None else sources[:1] + sources[1:][-window:]
+        outputs.append(sublayer(norm(option_mix_float64(mixer, cfg, sources))))
+    sources = block_sources(len(layers), embedding, outputs, cfg.attnres_block_size, len(layers))
+    sources = sources if window is None else sources[:1] + sources[1:][-window:]
+    return m.unembed(m.ln_final(option_mix_float64(m.final_res, cfg, sources)))
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+@pytest.mark.parametrize("option", OPTIONS, ids=lambda o: "+".join(f"{k[8:]}={v}" for k, v in o.items()))
+def test_attnres_options_match_their_definitions_in_float64(option, block_size):
+    model = randomize(model_of(residual="attnres", attnres_block_size=block_size, **option))
+    tokens = tokens_for(model)
+    torch.testing.assert_close(model.double()(tokens), attnres_options_float64(model, tokens), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("option", [dict(attnres_query="input"), dict(attnres_mixing="scalar"),
+                                    dict(attnres_window=100), dict(attnres_heads=1)])
+def test_options_that_start_as_attnres_do(option):
+    """Zero-initialised input queries and scalar logits give uniform weights like the zero pseudo-query, and a window
+    wider than the depth reads every source: at initialisation each is exactly default AttnRes."""
+    base = model_of(residual="attnres", attnres_block_size=2)
+    varied = model_of(residual="attnres", attnres_block_size=2, **option)
+    varied.load_state_dict({k: v for k, v in base.state_dict().items() if k in varied.state_dict()}, strict=False)
+    tokens = tokens_for(base)
+    torch.testing.assert_close(varied(tokens), base(tokens), rtol=1e-6, atol=1e-6)
+
+
+def test_sigmoid_scores_do_not_normalise():
+    model = model_of(residual="attnres", attnres_score="sigmoid")
+    _, cache = model.run_with_cache(tokens_for(model))
+    weights = cache["blocks.1.attn_res.hook_weights"]
+    torch.testing.assert_close(weights, torch.full_like(weights, 0.5))  # sigmoid(0): the sum grows with depth
+
+
+def test_sliding_window_reads_the_embedding_and_the_last_sources():
+    model = model_of(residual="attnres", attnres_window=2)
+    assert model.source_labels(5) == ["emb", "L1.mlp", "L2.attn"]
+    assert model.sources(6) == [[EMBEDDING], [4], [5]]
+    _, cache = model.run_with_cache(tokens_for(model))
+    assert cache["final_res.hook_weights"].shape[-1] == 3
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(residual="standard", attnres_score="sigmoid"), "attnres_score only apply to residual='attnres'"),
+    (dict(residual="denseformer", hyper_streams=2), "hyper_streams only apply to residual='hyper'"),
+    (dict(residual="attnres", attnres_mixing="scalar", attnres_query="input"),
+     "attnres_mixing='scalar' has no query or keys.*attnres_query"),
+    (dict(residual="attnres", attnres_heads=5), "attnres_heads=5 must divide d_model=32"),
+    (dict(residual="attnres", attnres_window=0), "attnres_window must be None"),
+    (dict(residual="attnres", attnres_score="tanh"), "attnres_score must be one of"),
+    (dict(residual="hyper", hyper_streams=0), "hyper_streams must be an integer >= 1"),
+])
+def test_invalid_combinations_name_the_fields(fields, message):
+    with pytest.raises(ValueError, match=message):
+        small_config(**fields)
+
+
+# ---------------------------------------------------------------------------- one footing
+def _freeze_and_perturb(model: HookedTransformer, tokens: torch.Tensor, target: int, delta: torch.Tensor):
+    """Sublayer inputs with every mixing weight and every other sublayer output frozen at their clean values, and
+    output `target` (EMBEDDING: the embedding) moved by `delta`: then each input is linear in the moved output."""
+    outputs = ["hook_embed"] + [model.sublayer_output_hook(j) for j in range(model.cfg.n_sublayers)]
+    inputs = [model.sublayer_input_hook(j) for j in range(model.cfg.n_sublayers)]
+    weights = [name for name in model.hook_dict if name.endswith(("hook_weights", "hook_read_weights",
+                                                                  "hook_write_weights", "hook_stream_mix"))]
+    _, clean = model.run_with_cache(tokens)
+    moved = outputs[basis_index(target)]
+    hooks = [(name, lambda t, hook: clean[hook.name]) for name in outputs + weights if name != moved]
+    hooks.append((moved, lambda t, hook: clean[hook.name] + delta))
+    seen = {}
+    hooks += [(name, lambda t, hook: seen.__setitem__(hook.name, t)) for name in inputs]
+    model.run_with_hooks(tokens, fwd_hooks=hooks)
+    return [seen[name] - clean[name] for name in inputs]
+
+
+@pytest.mark.parametrize("fields", KINDS, ids=lambda f: "-".join(f"{v}" for v in f.values()))
+def test_the_mixing_matrix_predicts_how_every_input_moves(fields):
+    """Per token, h_c = Σ_i M[c, i] f_i (+ M[c, e] e) with the mixing weights held: moving f_i by δ moves h_c by
+    M[c, i] δ. An oracle independent of how each kind computes M."""
+    model = randomize(model_of(**fields)).double()
+    tokens = tokens_for(model)
+    groups = mixing_coefficients(model, tokens, per_group=True).double()  # [batch, pos, groups, J+1, J+1]
+    for target in [EMBEDDING, 0, model.cfg.n_sublayers // 2]:
+        delta = torch.randn(*tokens.shape, model.cfg.d_model, dtype=torch.float64)
+        changes = _freeze_and_perturb(model, tokens, target, delta)
+        for consumer, change in enumerate(changes):
+            per_group = groups[..., consumer, basis_index(target)]  # each channel group moves by its own weight
+            expected = (per_group[..., None] * delta.unflatten(-1, (per_group.shape[-1], -1))).flatten(-2)
+            torch.testing.assert_close(change, expected, rtol=1e-6, atol=1e-8, msg=f"{fields} f{target} -> {consumer}")
+    averaged = mixing_coefficients(model, tokens)
+    torch.testing.assert_close(averaged.double(), groups.mean(-3))
+
+
+def test_mixing_matrix_of_each_kind_at_initialisation():
+    tokens = tokens_for(model_of())
+    standard = depth_mixing_matrix(model_of(), tokens)
+    assert (standard["weight"] == 1.0).all()
+    assert depth_mixing_matrix(model_of(residual="denseformer"), tokens)["weight"].tolist() == standard["weight"].tolist()
+    hyper = mixing_diagnostics(model_of(residual="hyper"), tokens)
+    assert ((hyper["stream_dominance"] > 0.25) & (hyper["stream_dominance"] < 1)).all()
+    full = mixing_diagnostics(model_of(residual="attnres"), tokens)  # uniform α: every earlier output read equally
+    assert full["effective_sources"].tolist() == pytest.approx(list(range(1, 8)))
+    assert full["max_weight"].tolist() == pytest.approx([1 / n for n in range(1, 8)])
+
+
+@pytest.mark.parametrize("fields", [dict(residual="denseformer"), dict(residual="hyper"),
+                                    dict(residual="attnres", attnres_heads=2, attnres_window=2)])
+def test_pruning_runs_on_every_kind(fields):
+    model = randomize(model_of(**fields))
+    task = make_task("copy", vocab_size=20, seq_len=24, min_len=4, max_len=6)
+    tables = prune_tables(model, task.eval_batch(4))
+    sensitivity = tables["pruning_sensitivity"]
+    assert len(sensitivity) == model.cfg.n_sublayers and sensitivity["routing_mass"].notna().all()
+    assert all(math.isfinite(value) for value in sensitivity["dloss_remove"])
