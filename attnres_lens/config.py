@@ -30,7 +30,15 @@ from attnres_lens.kernels.backends import BACKENDS
 if TYPE_CHECKING:
     from attnres_lens.tasks.base import Task
 
-RESIDUAL_KINDS = ("standard", "attnres")
+RESIDUAL_KINDS = ("standard", "attnres", "denseformer", "hyper")
+ATTNRES_SCORES = ("softmax", "sigmoid")
+ATTNRES_QUERIES = ("static", "input")
+ATTNRES_MIXINGS = ("attention", "scalar")
+# AttnRes options (the paper's Table 4 ablations) and their defaults, today's AttnRes (docs/model.md §11).
+ATTNRES_OPTION_DEFAULTS: dict[str, Any] = {"attnres_score": "softmax", "attnres_key_norm": True,
+                                           "attnres_query": "static", "attnres_heads": 1, "attnres_window": None,
+                                           "attnres_mixing": "attention"}
+HYPER_DEFAULTS: dict[str, Any] = {"hyper_streams": 4, "hyper_sinkhorn_iters": 20, "hyper_eps": 1e-6}
 ATTENTION_KINDS = ("standard", "kv_shift")
 POSITIONAL_KINDS = ("rotary", "standard")  # "standard" = learned absolute positions, as in TL
 ACT_FNS = ("gelu", "relu", "silu")
@@ -57,6 +65,9 @@ class ModelConfig(TransformerLensConfig):
     d_vocab: int = 64
     d_mlp: Optional[int] = None  # None: 4 * d_model
     act_fn: str = "gelu"
+    gated_mlp: bool = False  # True: act(x W_gate + b_gate) * (x W_in + b_in), then W_out (act_fn="silu": SwiGLU)
+    use_bias: bool = True  # MLP and unembedding biases (b_in, b_gate, b_out, b_U); False: bias-free projections
+    tie_word_embeddings: bool = False  # True: the unembedding is the token embedding, W_U = W_E transposed
     attn_only: bool = False
     positional_embedding_type: str = "rotary"
     rotary_base: float = 10000.0
@@ -69,6 +80,15 @@ class ModelConfig(TransformerLensConfig):
     residual: str = "standard"
     attnres_block_size: int = 1  # sublayers per block (attention and MLP count separately); 1 = Full AttnRes
     attnres_eps: float = 1e-6  # epsilon of the depth-attention key norm
+    attnres_score: str = "softmax"  # or "sigmoid": α_s = sigmoid(z_s), not normalised over sources
+    attnres_key_norm: bool = True  # False: keys are the raw sources (no RMSNorm, no gain)
+    attnres_query: str = "static"  # or "input": q_j = W_j · RMSNorm(most recent source), W_j zero-initialised
+    attnres_heads: int = 1  # H channel groups, each with its own query slice, key norm and softmax
+    attnres_window: Optional[int] = None  # W: read the embedding plus only the last W sources
+    attnres_mixing: str = "attention"  # or "scalar": learned input-independent weights over the same sources
+    hyper_streams: int = 4  # mHC: residual streams n
+    hyper_sinkhorn_iters: int = 20  # mHC: Sinkhorn-Knopp iterations making the stream mix doubly stochastic
+    hyper_eps: float = 1e-6  # mHC: epsilon added to read weights and the stream mix
     attention: str = "standard"
     depth_attention_backend: str = "auto"
 
@@ -114,6 +134,8 @@ class ModelConfig(TransformerLensConfig):
             self.d_mlp = 4 * self.d_model
         if self.d_mlp < 1:
             raise ValueError(f"d_mlp must be >= 1, got {self.d_mlp}")
+        if self.gated_mlp and self.attn_only:
+            raise ValueError("gated_mlp=True needs MLP sublayers, but attn_only=True; drop one of them")
         for name in ("eps", "attnres_eps", "init_range", "rotary_base"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -122,6 +144,40 @@ class ModelConfig(TransformerLensConfig):
             self.dtype = DTYPES[self.dtype]
         if self.device is None:
             self.device = "cpu"
+        self._check_residual_options()
+
+    def _check_residual_options(self) -> None:
+        """Options belong to their residual kind, and only meaningful combinations are accepted."""
+        _check_choice("attnres_score", self.attnres_score, ATTNRES_SCORES)
+        _check_choice("attnres_query", self.attnres_query, ATTNRES_QUERIES)
+        _check_choice("attnres_mixing", self.attnres_mixing, ATTNRES_MIXINGS)
+        for name in ("attnres_heads", "hyper_streams", "hyper_sinkhorn_iters"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.attnres_window is not None and self.attnres_window < 1:
+            raise ValueError(f"attnres_window must be None (every source) or >= 1, got {self.attnres_window!r}")
+        if not self.hyper_eps > 0:
+            raise ValueError(f"hyper_eps must be > 0, got {self.hyper_eps!r}")
+        changed = [name for name, default in ATTNRES_OPTION_DEFAULTS.items() if getattr(self, name) != default]
+        if changed and self.residual != "attnres":
+            raise ValueError(f"{', '.join(changed)} only apply to residual='attnres', got residual={self.residual!r}")
+        hyper_changed = [name for name, default in HYPER_DEFAULTS.items() if getattr(self, name) != default]
+        if hyper_changed and self.residual != "hyper":
+            raise ValueError(f"{', '.join(hyper_changed)} only apply to residual='hyper', got residual={self.residual!r}")
+        if self.d_model % self.attnres_heads:
+            raise ValueError(f"attnres_heads={self.attnres_heads} must divide d_model={self.d_model}")
+        if self.attnres_mixing == "scalar":
+            conflicts = [name for name in ("attnres_score", "attnres_key_norm", "attnres_query", "attnres_heads")
+                         if getattr(self, name) != ATTNRES_OPTION_DEFAULTS[name]]
+            if conflicts:
+                raise ValueError(f"attnres_mixing='scalar' has no query or keys (softmax over learned weights), so "
+                                 f"{', '.join(conflicts)} cannot be changed with it")
+
+    @property
+    def attnres_options(self) -> dict[str, Any]:
+        """The AttnRes options that differ from their defaults (empty for today's AttnRes)."""
+        return {name: getattr(self, name) for name, default in ATTNRES_OPTION_DEFAULTS.items()
+                if getattr(self, name) != default}
 
     # ------------------------------------------------------------------ structure
     @property
@@ -131,21 +187,28 @@ class ModelConfig(TransformerLensConfig):
 
     @property
     def variant(self) -> str:
-        """Short machine-friendly label, e.g. 'block4+kv_shift' (file names, report tables)."""
-        if self.residual == "standard":
-            residual = "standard"
-        elif self.attnres_block_size == 1:
-            residual = "full"
+        """Short machine-friendly label, e.g. 'block4+kv_shift', 'full+sigmoid', 'hyper4' (file names, tables)."""
+        if self.residual == "attnres":
+            residual = "full" if self.attnres_block_size == 1 else f"block{self.attnres_block_size}"
+            residual += "".join(f"+{_option_tag(name, value)}" for name, value in self.attnres_options.items())
+        elif self.residual == "hyper":
+            residual = f"hyper{self.hyper_streams}"
         else:
-            residual = f"block{self.attnres_block_size}"
+            residual = self.residual
         return residual + ("+kv_shift" if self.attention == "kv_shift" else "")
 
     @property
     def residual_label(self) -> str:
-        """'standard', 'Full AttnRes' or 'Block AttnRes S=4'."""
+        """'standard', 'DenseFormer', 'mHC n=4', 'Full AttnRes', 'Block AttnRes S=4 (sigmoid)', …"""
         if self.residual == "standard":
             return "standard"
-        return "Full AttnRes" if self.attnres_block_size == 1 else f"Block AttnRes S={self.attnres_block_size}"
+        if self.residual == "denseformer":
+            return "DenseFormer"
+        if self.residual == "hyper":
+            return f"mHC n={self.hyper_streams}"
+        label = "Full AttnRes" if self.attnres_block_size == 1 else f"Block AttnRes S={self.attnres_block_size}"
+        options = ", ".join(_option_tag(name, value) for name, value in self.attnres_options.items())
+        return f"{label} ({options})" if options else label
 
     @property
     def attention_label(self) -> str:
@@ -193,7 +256,7 @@ class ModelConfig(TransformerLensConfig):
 
 # TransformerLens config fields the model does not implement: only these values are accepted.
 UNIMPLEMENTED_TL_FIELDS: dict[str, Any] = {
-    "use_attn_result": False, "use_split_qkv_input": False, "default_prepend_bos": True, "gated_mlp": False,
+    "use_attn_result": False, "use_split_qkv_input": False, "default_prepend_bos": True,
     "uses_rms_norm": True, "layer_norm_folding": False, "normalization_type": "RMS", "num_experts": None,
     "experts_per_token": None, "final_rms": False,
 }
@@ -243,6 +306,14 @@ def check_field_types(config: Any, prefix: str = "") -> None:
             wanted = _describe(next(a for a in typing.get_args(expected) if a is not type(None)) if optional
                                else expected) + (" or null" if optional else "")
             raise ValueError(f"{prefix}{name} must be {wanted}, got {value!r}")
+
+
+def _option_tag(name: str, value: Any) -> str:
+    """A short tag for a non-default AttnRes option: 'sigmoid', 'no-keynorm', 'input-query', 'heads8', 'window8',
+    'scalar'."""
+    return {"attnres_score": str(value), "attnres_key_norm": "no-keynorm", "attnres_query": f"{value}-query",
+            "attnres_heads": f"heads{value}", "attnres_window": f"window{value}",
+            "attnres_mixing": str(value)}[name]
 
 
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -315,9 +386,17 @@ class RunConfig:
     task: dict[str, Any]  # {"name": ..., **task parameters}
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     preset: Optional[str] = None
+    # Where a model that was not trained here came from ({"source": "flash-linear-attention", "path", …}); None for
+    # runs trained by attnres_lens. An imported run has one checkpoint and no training records (docs/interop.md §4).
+    provenance: Optional[dict[str, Any]] = None
+
+    @property
+    def imported(self) -> bool:
+        """Whether the run holds a model trained elsewhere (its `train` section was never run)."""
+        return self.provenance is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "model": self.model.to_dict(),
             "task": dict(self.task),
             "train": dataclasses.asdict(self.train),
@@ -325,6 +404,9 @@ class RunConfig:
             "seed": self.train.seed,
             "version": attnres_lens.__version__,
         }
+        if self.provenance is not None:
+            out["provenance"] = self.provenance
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
@@ -335,7 +417,11 @@ class RunConfig:
         unknown = sorted(set(data["train"]) - train_fields)
         if unknown:
             raise ValueError(f"unknown train field(s) {unknown}; known fields: {sorted(train_fields)}")
-        return cls(ModelConfig.from_dict(data["model"]), dict(data["task"]), TrainConfig(**data["train"]), data.get("preset"))
+        provenance = data.get("provenance")
+        if provenance is not None and not isinstance(provenance, dict):
+            raise ValueError(f"a run config's 'provenance' must be an object or absent, got {provenance!r}")
+        return cls(ModelConfig.from_dict(data["model"]), dict(data["task"]), TrainConfig(**data["train"]),
+                   data.get("preset"), provenance)
 
     def build_task(self) -> "Task":
         """The run's task, built from `task` ({"name": …, **parameters})."""
@@ -385,6 +471,6 @@ def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
         model = ModelConfig.from_dict(sections["model"])
     except TypeError as err:
         raise ValueError(str(err)) from err
-    updated = RunConfig(model, sections["task"], train, config.preset)
+    updated = RunConfig(model, sections["task"], train, config.preset, config.provenance)
     updated.build_task()  # validate task parameters now, not after the run has started
     return updated

@@ -20,53 +20,88 @@ from transformer_lens.utilities import get_act_name
 from attnres_lens.attnres import EMBEDDING, DepthAttention, DepthStream, source_layout
 from attnres_lens.components import MLP, Attention, Embed, PosEmbed, RMSNorm, Unembed
 from attnres_lens.config import ModelConfig
+from attnres_lens.denseformer import DenseStream, DepthWeightedAverage
+from attnres_lens.hyper import HyperConnection, HyperHead, HyperStream
 from attnres_lens.kernels.backends import model_runs_two_phase
 from attnres_lens.streams import ResidualStream, SumStream
 
 TokensLike = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], str]
 
 
+# The hook showing each residual kind's post-layer state (docs/model.md §9).
+POST_LAYER_HOOK = {"standard": "hook_resid_post", "attnres": "hook_block_partial", "denseformer": "hook_dwa_out",
+                   "hyper": "hook_streams"}
+
+
+def depth_attention(cfg: ModelConfig, consumer: int) -> DepthAttention:
+    """The depth attention of `consumer` (sublayer index, J = final readout) with the config's AttnRes options."""
+    n_sources = len(source_layout(consumer, cfg.n_sublayers, cfg.attnres_block_size, cfg.attnres_window))
+    return DepthAttention(cfg.d_model, cfg.attnres_eps, cfg.depth_attention_backend, score=cfg.attnres_score,
+                          key_norm=cfg.attnres_key_norm, query=cfg.attnres_query, heads=cfg.attnres_heads,
+                          mixing=cfg.attnres_mixing, n_sources=n_sources)
+
+
+def hyper_connection(cfg: ModelConfig) -> HyperConnection:
+    return HyperConnection(cfg.hyper_streams, cfg.d_model, cfg.eps, cfg.hyper_eps, cfg.hyper_sinkhorn_iters,
+                           cfg.init_range)
+
+
 class TransformerBlock(nn.Module):
     """One layer: attention sublayer then (unless `attn_only`) MLP sublayer, each with its pre-norm.
 
-    Each sublayer reads its input from the residual stream (`streams.ResidualStream`): under AttnRes through its
-    own depth attention (`attn_res`, `mlp_res`). The post-layer state is `hook_resid_post` for the standard
-    residual (the residual stream) and `hook_block_partial` for AttnRes (the current block's partial sum, which is
-    not a residual stream: TransformerLens helpers that decompose one refuse AttnRes models).
+    Each sublayer reads its input from the residual stream (`streams.ResidualStream`) through its mixer: its own
+    depth attention under AttnRes (`attn_res`, `mlp_res`), its hyper-connection under mHC (`attn_hc`, `mlp_hc`),
+    none otherwise; DenseFormer averages over depth after the layer (`dwa`). The post-layer state has one hook
+    named for what it is (`POST_LAYER_HOOK`): only the standard residual's is a residual stream
+    (`hook_resid_post`), so TransformerLens helpers that decompose one refuse the other kinds.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg = cfg
         self.ln1 = RMSNorm(cfg.d_model, cfg.eps)
         self.attn = Attention(cfg)
         self.hook_resid_pre = HookPoint()  # [batch, pos, d_model] input of the attention sublayer
         self.hook_attn_out = HookPoint()  # [batch, pos, d_model] f_j of the attention sublayer
+        sublayers = [2 * layer] if not cfg.attn_only else [layer]
         if not cfg.attn_only:
             self.ln2 = RMSNorm(cfg.d_model, cfg.eps)
             self.mlp = MLP(cfg)
             self.hook_resid_mid = HookPoint()  # [batch, pos, d_model] input of the MLP sublayer
             self.hook_mlp_out = HookPoint()  # [batch, pos, d_model] f_j of the MLP sublayer
+            sublayers.append(2 * layer + 1)
         if cfg.residual == "attnres":
-            self.attn_res = DepthAttention(cfg.d_model, cfg.attnres_eps, cfg.depth_attention_backend)
+            self.attn_res = depth_attention(cfg, sublayers[0])
             if not cfg.attn_only:
-                self.mlp_res = DepthAttention(cfg.d_model, cfg.attnres_eps, cfg.depth_attention_backend)
-            self.hook_block_partial = HookPoint()  # [batch, pos, d_model] the block's partial sum after this layer
-        else:
-            self.hook_resid_post = HookPoint()  # [batch, pos, d_model] the residual stream after this layer
+                self.mlp_res = depth_attention(cfg, sublayers[1])
+        elif cfg.residual == "hyper":
+            self.attn_hc = hyper_connection(cfg)
+            if not cfg.attn_only:
+                self.mlp_hc = hyper_connection(cfg)
+        elif cfg.residual == "denseformer":
+            self.dwa = DepthWeightedAverage(layer)
+        # [batch, pos, d_model]: the residual stream (standard), the block's partial sum (AttnRes), the DWA output
+        # Y_k (DenseFormer); [batch, pos, n_streams, d_model]: the streams (mHC)
+        setattr(self, POST_LAYER_HOOK[cfg.residual], HookPoint())
+
+    def mixers(self) -> tuple[Optional[nn.Module], Optional[nn.Module]]:
+        """The modules that mix the inputs of the attention and MLP sublayers (None for a plain residual)."""
+        prefix = {"attnres": "res", "hyper": "hc"}.get(self.cfg.residual)
+        if prefix is None:
+            return None, None
+        return getattr(self, f"attn_{prefix}"), getattr(self, f"mlp_{prefix}", None)
 
     def forward(self, stream: ResidualStream) -> None:
-        self._sublayer(stream, getattr(self, "attn_res", None), self.hook_resid_pre, self.ln1, self.attn,
-                       self.hook_attn_out)
+        attn_mixer, mlp_mixer = self.mixers()
+        self._sublayer(stream, attn_mixer, self.hook_resid_pre, self.ln1, self.attn, self.hook_attn_out)
         if not self.cfg.attn_only:
-            self._sublayer(stream, getattr(self, "mlp_res", None), self.hook_resid_mid, self.ln2, self.mlp,
-                           self.hook_mlp_out)
+            self._sublayer(stream, mlp_mixer, self.hook_resid_mid, self.ln2, self.mlp, self.hook_mlp_out)
+        stream.end_layer(getattr(self, "dwa", None))
         # a hook that edits the post-layer state edits what later sublayers read
-        post = self.hook_block_partial if self.cfg.residual == "attnres" else self.hook_resid_post
-        stream.state = post(stream.state)
+        stream.state = getattr(self, POST_LAYER_HOOK[self.cfg.residual])(stream.state)
 
     @staticmethod
-    def _sublayer(stream: ResidualStream, mixer: Optional[DepthAttention], hook_in: HookPoint, norm: RMSNorm,
+    def _sublayer(stream: ResidualStream, mixer: Optional[nn.Module], hook_in: HookPoint, norm: RMSNorm,
                   sublayer: nn.Module, hook_out: HookPoint) -> None:
         x = hook_in(stream.read(mixer))
         stream.write(hook_out(sublayer(norm(x))), x)
@@ -131,11 +166,13 @@ class HookedTransformer(HookedRootModule):
         if cfg.positional_embedding_type == "standard":
             self.pos_embed = PosEmbed(cfg)
             self.hook_pos_embed = HookPoint()
-        self.blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
+        self.blocks = nn.ModuleList([TransformerBlock(cfg, layer) for layer in range(cfg.n_layers)])
         if cfg.residual == "attnres":
-            self.final_res = DepthAttention(cfg.d_model, cfg.attnres_eps, cfg.depth_attention_backend)
+            self.final_res = depth_attention(cfg, cfg.n_sublayers)
+        elif cfg.residual == "hyper":
+            self.final_hc = HyperHead(cfg.hyper_streams, cfg.d_model, cfg.eps, cfg.hyper_eps, cfg.init_range)
         self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
-        self.unembed = Unembed(cfg)
+        self.unembed = Unembed(cfg, self.embed)  # the embedding is W_U too when tie_word_embeddings
         self.to(device=cfg.device, dtype=cfg.dtype)
         self.setup()
 
@@ -157,13 +194,10 @@ class HookedTransformer(HookedRootModule):
         if self.cfg.positional_embedding_type == "standard":
             embedding = embedding + self.hook_pos_embed(self.pos_embed(tokens))
 
-        if self.cfg.residual == "standard":
-            stream: ResidualStream = SumStream(embedding)
-        else:
-            stream = DepthStream(embedding, self.cfg.attnres_block_size, self._two_phase_consumers(embedding.device))
+        stream = self._stream(embedding)
         for block in self.blocks:
             block(stream)
-        final = stream.readout(getattr(self, "final_res", None))
+        final = stream.readout(self.final_mixer())
         logits = self.unembed(self.ln_final(final))
 
         if return_type is None:
@@ -173,10 +207,27 @@ class HookedTransformer(HookedRootModule):
         loss = next_token_loss(logits, tokens, per_token=loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
 
+    def _stream(self, embedding: torch.Tensor) -> ResidualStream:
+        cfg = self.cfg
+        if cfg.residual == "attnres":
+            return DepthStream(embedding, cfg.attnres_block_size, self._two_phase_consumers(embedding.device),
+                               cfg.attnres_window)
+        if cfg.residual == "denseformer":
+            return DenseStream(embedding)
+        if cfg.residual == "hyper":
+            return HyperStream(embedding, cfg.hyper_streams)
+        return SumStream(embedding)
+
+    def final_mixer(self) -> Optional[nn.Module]:
+        """The module that mixes the final norm's input: `final_res` (AttnRes), `final_hc` (mHC), else None."""
+        return getattr(self, "final_res", None) or getattr(self, "final_hc", None)
+
     def _two_phase_consumers(self, device: torch.device) -> Optional[list[DepthAttention]]:
         """Block AttnRes runs two-phase where the depth-attention backend is Triton (fused phase-1 and merge
-        kernels); the CPU paths mix each sublayer in one pass, which measured faster there (kernels.backends)."""
-        if not model_runs_two_phase(self.cfg.attnres_block_size, self.cfg.depth_attention_backend, device):
+        kernels); the CPU paths mix each sublayer in one pass, which measured faster there (kernels.backends).
+        The ablation options (and a sliding window, whose sources differ per consumer) mix one sublayer at a time."""
+        if (self.cfg.attnres_options
+                or not model_runs_two_phase(self.cfg.attnres_block_size, self.cfg.depth_attention_backend, device)):
             return None
         modules = self.depth_attention_modules()
         return [modules[consumer] for consumer in sorted(modules)]
@@ -196,7 +247,7 @@ class HookedTransformer(HookedRootModule):
             raise ValueError("accumulated_bias describes a running-sum residual stream; this model's residual is "
                              f"{self.cfg.residual!r}")
         total = torch.zeros(self.cfg.d_model, device=self.embed.W_E.device, dtype=self.embed.W_E.dtype)
-        if include_mlp_biases and not self.cfg.attn_only:
+        if include_mlp_biases and not self.cfg.attn_only and self.cfg.use_bias:
             for block in self.blocks[:layer]:
                 total = total + block.mlp.b_out
         return total
@@ -251,17 +302,18 @@ class HookedTransformer(HookedRootModule):
     def sources(self, sublayer: int) -> list[list[int]]:
         """Sublayer indices summed into each source read by `sublayer` (J = final readout).
 
-        The standard residual is Full-style bookkeeping with all weights 1: `[e, f_0, …, f_{j−1}]`.
+        Residuals without depth attention use Full-style bookkeeping, one source per output: `[e, f_0, …, f_{j−1}]`
+        (the standard residual weighs each 1; DenseFormer and mHC weigh them as `depth_mixing` computes).
         """
-        block_size = self.cfg.attnres_block_size if self.cfg.residual == "attnres" else 1
-        return source_layout(sublayer, self.cfg.n_sublayers, block_size)
+        if self.cfg.residual == "attnres":
+            return source_layout(sublayer, self.cfg.n_sublayers, self.cfg.attnres_block_size, self.cfg.attnres_window)
+        return source_layout(sublayer, self.cfg.n_sublayers, 1)
 
     def source_labels(self, sublayer: int) -> list[str]:
         """Short plot labels for the sources read by `sublayer`: 'emb', 'L3.attn', 'B2 (L2–L3)', 'partial'."""
-        sources = self.sources(sublayer)
         block_size = self.cfg.attnres_block_size if self.cfg.residual == "attnres" else 1
         labels = []
-        for index, members in enumerate(sources):
+        for members in self.sources(sublayer):
             if members == [EMBEDDING]:
                 labels.append("emb")
             elif block_size == 1:
@@ -271,7 +323,7 @@ class HookedTransformer(HookedRootModule):
             else:
                 first, last = self._layer_kind(members[0])[0], self._layer_kind(members[-1])[0]
                 span = f"L{first}" if first == last else f"L{first}–L{last}"
-                labels.append(f"B{index} ({span})")
+                labels.append(f"B{members[0] // block_size + 1} ({span})")  # blocks count from 1 (b_0 = e)
         return labels
 
     def sublayer_kind(self, sublayer: int) -> str:
@@ -295,18 +347,28 @@ class HookedTransformer(HookedRootModule):
             return sublayer, "attn"
         return sublayer // 2, "attn" if sublayer % 2 == 0 else "mlp"
 
-    def depth_attention_modules(self) -> dict[int, DepthAttention]:
-        """Depth-attention module of each consumer (sublayer index, J = final); empty for standard."""
-        if self.cfg.residual != "attnres":
-            return {}
-        modules: dict[int, DepthAttention] = {}
+    def mixer_modules(self) -> dict[int, nn.Module]:
+        """The module mixing each consumer's input (sublayer index, J = final): depth attention (AttnRes) or the
+        hyper-connection and final head (mHC); empty for the standard residual and DenseFormer."""
+        modules: dict[int, nn.Module] = {}
         for layer, block in enumerate(self.blocks):
+            attn_mixer, mlp_mixer = block.mixers()
+            if attn_mixer is None:
+                return {}
             if self.cfg.attn_only:
-                modules[layer] = block.attn_res
+                modules[layer] = attn_mixer
             else:
-                modules[2 * layer], modules[2 * layer + 1] = block.attn_res, block.mlp_res
-        modules[self.cfg.n_sublayers] = self.final_res
+                modules[2 * layer], modules[2 * layer + 1] = attn_mixer, mlp_mixer
+        modules[self.cfg.n_sublayers] = self.final_mixer()
         return modules
+
+    def depth_attention_modules(self) -> dict[int, DepthAttention]:
+        """Depth-attention module of each consumer (sublayer index, J = final); empty unless AttnRes."""
+        return self.mixer_modules() if self.cfg.residual == "attnres" else {}
+
+    def post_layer_hook(self, layer: int) -> str:
+        """Name of the hook showing the residual state after `layer` (what it is depends on the residual kind)."""
+        return f"blocks.{layer}.{POST_LAYER_HOOK[self.cfg.residual]}"
 
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, per_token: bool = False) -> torch.Tensor:

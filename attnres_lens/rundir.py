@@ -43,6 +43,7 @@ PathLike = Union[str, Path]
 # The columns of each records/ table (written by `attnres_lens.recorder`, long format, one row per step and item).
 RECORD_COLUMNS: dict[str, tuple[str, ...]] = {
     "depth_weights": ("step", "consumer", "consumer_label", "kind", "source", "source_label", "weight"),
+    "depth_mixing": ("step", "consumer", "consumer_label", "sublayer", "sublayer_label", "weight"),
     "magnitudes": ("step", "sublayer", "label", "kind", "output_rms", "input_rms", "grad_norm"),
     "param_grad_norms": ("step", "block", "grad_norm"),
     "induction_scores": ("step", "layer", "head", "prefix_score"),
@@ -347,12 +348,17 @@ class RunDir:
             f"checkpoint must be 'latest', 'best', a step number or a name like 'step_0000100', got {checkpoint!r}")
 
     def is_complete(self) -> bool:
-        """True when the latest checkpoint is at the run's final step and its weights file exists."""
+        """True when the latest checkpoint is at the run's final step and its weights file exists. A run holding
+        an imported model (config.json has a provenance) is complete once its one checkpoint exists: it was never
+        trained here, so its train.steps say nothing."""
         try:
-            steps = self.read_config_dict()["train"]["steps"]
+            config = self.read_config_dict()
+            steps = config["train"]["steps"]
             latest = self.read_index().latest
         except (RunDirError, KeyError):
             return False
+        if config.get("provenance") is not None:
+            return latest is not None and self.weights_path(latest).is_file()
         return latest == checkpoint_name(steps) and self.weights_path(latest).is_file()
 
     def _metric_lines(self) -> list[tuple[str, dict[str, Any]]]:
@@ -457,6 +463,22 @@ class RunDir:
         for old in set(kept) - keep:  # only after the index no longer names them
             self.weights_path(old).unlink(missing_ok=True)
             self.state_path(old).unlink(missing_ok=True)
+        return name
+
+    def write_imported(self, config: RunConfig, weights: dict[str, torch.Tensor], weights_meta: dict[str, str],
+                       eval_loss: float) -> str:
+        """A run holding a model trained elsewhere (docs/interop.md §4): one weights checkpoint at step 0 with no
+        training state (there is nothing to resume), its index, then config.json with the provenance, written last so
+        a folder with a config.json is whole. No metrics and no records. Returns the checkpoint's name."""
+        if not config.imported:
+            raise ValueError("write_imported needs a run config with a provenance (where the model came from)")
+        name = checkpoint_name(0)
+        atomic_save_safetensors(self.weights_path(name), weights, {**weights_meta, "eval_loss": repr(eval_loss)})
+        finite = math.isfinite(eval_loss)
+        index = CheckpointIndex(latest=name, best=name if finite else None,
+                                best_eval_loss=eval_loss if finite else math.inf, kept=[name])
+        atomic_write_json(self.index_path, dataclasses.asdict(index))
+        self.write_config(config)
         return name
 
     def drop_training_state(self) -> None:
