@@ -4,10 +4,26 @@
 * `depth`: depth-attention maps, entropy and sink scores, the depth-mixing matrix M;
 * `pruning`: layer-pruning sensitivity, Block Influence, angular distances, cumulative removal curves;
 * `routing`: causal depth routing (α mass vs the effect of masking a source);
-* `interventions`: the hook-based removal / ablation / masking machinery they share;
+* `attribution`: attribution through depth (direct logit attribution per source, the logit lens over depth,
+  first-order edge attribution with value and routing paths, the routing audit);
+* `kv_shift`: KV-shift-aware induction analysis (current- vs shifted-key scores and values);
+* `timeline`: routing statistics over training next to the induction-score jump and the loss curve;
+* `interventions`: the hook-based removal / ablation / masking machinery they share, and `evaluate_many`, which
+  shares the computation interventions have in common;
 * `run`: `analyze_run` and `prune_run`, behind `attnres-lens analyze` and `attnres-lens prune`.
 """
 
+from attnres_lens.analysis.attribution import (
+    audit_summary,
+    depth_input_decomposition,
+    depth_logit_attribution,
+    edge_agreement,
+    edge_attribution,
+    logit_attribution_summary,
+    logit_lens_summary,
+    routing_audit,
+    source_logit_lens,
+)
 from attnres_lens.analysis.depth import depth_mixing_matrix, depth_summary, depth_weights, depth_weights_per_token
 from attnres_lens.analysis.induction import (
     in_context_learning_score,
@@ -15,7 +31,8 @@ from attnres_lens.analysis.induction import (
     per_position_loss,
     repeated_batch,
 )
-from attnres_lens.analysis.interventions import evaluate, evaluate_many, removal_hooks, source_mask_hooks
+from attnres_lens.analysis.interventions import StateCache, evaluate, evaluate_many, removal_hooks, source_mask_hooks
+from attnres_lens.analysis.kv_shift import kv_shift_decomposition, kv_shift_parts
 from attnres_lens.analysis.pruning import (
     angular_distance_matrix,
     cheap_metrics,
@@ -27,21 +44,33 @@ from attnres_lens.analysis.pruning import (
 )
 from attnres_lens.analysis.routing import causal_routing, routing_correlations, routing_disagreements
 from attnres_lens.analysis.run import analyze_run, prune_run, prune_tables
+from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 
 __all__ = [
+    "StateCache",
     "analyze_run",
     "angular_distance_matrix",
+    "audit_summary",
     "causal_routing",
     "cheap_metrics",
     "cumulative_pruning",
+    "depth_input_decomposition",
+    "depth_logit_attribution",
     "depth_mixing_matrix",
     "depth_summary",
     "depth_weights",
     "depth_weights_per_token",
+    "edge_agreement",
+    "edge_attribution",
     "evaluate",
     "evaluate_many",
+    "fastest_changes",
     "in_context_learning_score",
     "induction_head_scores",
+    "kv_shift_decomposition",
+    "kv_shift_parts",
+    "logit_attribution_summary",
+    "logit_lens_summary",
     "metric_correlations",
     "per_position_loss",
     "prune_run",
@@ -50,8 +79,11 @@ __all__ = [
     "removable_within",
     "removal_hooks",
     "repeated_batch",
+    "routing_audit",
     "routing_correlations",
     "routing_disagreements",
+    "source_logit_lens",
     "source_mask_hooks",
     "spearman",
+    "training_timeline",
 ]

@@ -61,7 +61,8 @@ def evaluate(model: HookedTransformer, batch: Batch, fwd_hooks: Sequence[Hook] =
 @torch.no_grad()
 def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequence[Sequence[Hook]],
                   max_sequences: int = 256, progress: bool = False, desc: str = "interventions",
-                  cache: Optional[StateCache] = None) -> list[Evaluation]:
+                  cache: Optional[StateCache] = None, score: Callable[[torch.Tensor, Batch], Any] = score_logits
+                  ) -> list[Any]:
     """`evaluate` for each intervention (a list of hooks), sharing every computation the interventions share.
 
     The forward pass runs in stages (embedding, each sublayer, the final readout; `hook_stages`). Interventions
@@ -71,13 +72,14 @@ def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequenc
     seeing only its own copy. So knocking a source out of consumer c recomputes only sublayers c … J, and
     removal sets that agree on the first sublayers share them; with a `StateCache`, a call also resumes from the
     states of the previous call. Results equal one full pass per intervention up to float rounding of the
-    larger batches."""
+    larger batches. `score(logits, batch)` turns each intervention's logits into its result (default: the
+    evaluation metric)."""
     if not interventions:
         return []
     if isinstance(max_sequences, bool) or not isinstance(max_sequences, int) or max_sequences < 1:
         raise ValueError(f"max_sequences must be a positive integer, got {max_sequences!r}")
     with tqdm(total=len(interventions), desc=desc, disable=not progress, leave=False) as bar:
-        return _SharedEvaluation(model, batch, interventions, max_sequences, bar, cache).run()
+        return _SharedEvaluation(model, batch, interventions, max_sequences, bar, cache, score).run()
 
 
 EMBEDDING_STAGE = -1
@@ -233,8 +235,10 @@ class _SharedEvaluation:
     """`evaluate_many`'s traversal of the tree of interventions (see its docstring)."""
 
     def __init__(self, model: HookedTransformer, batch: Batch, interventions: Sequence[Sequence[Hook]],
-                 max_sequences: int, bar: tqdm, cache: Optional[StateCache] = None):
+                 max_sequences: int, bar: tqdm, cache: Optional[StateCache] = None,
+                 score: Callable[[torch.Tensor, Batch], Any] = score_logits):
         self.model = model
+        self.score = score
         self.batch = batch
         self.forward = StagedForward(model)
         self.n_batch = batch.tokens.shape[0]
@@ -253,13 +257,13 @@ class _SharedEvaluation:
             self.plans.append([tuple(sorted(hooks_at, key=lambda hook: hook[0])) for hooks_at in plan])
         self.keys = [[tuple((name, id(function)) for name, function in hooks_at) for hooks_at in plan]
                      for plan in self.plans]
-        self.results: list[Optional[Evaluation]] = [None] * len(interventions)
+        self.results: list[Any] = [None] * len(interventions)
         self.cache = cache
         self.seen: dict[tuple, Any] = {}  # this call's states, by the keys of every stage up to theirs
         if cache is not None:
             cache.check(model, batch)
 
-    def run(self) -> list[Evaluation]:
+    def run(self) -> list[Any]:
         tokens = self.model.to_tokens(self.batch.tokens)
         self._descend(list(range(len(self.plans))), tokens, EMBEDDING_STAGE)
         if self.cache is not None:
@@ -354,7 +358,7 @@ class _SharedEvaluation:
 
     def _finish(self, groups: list[list[int]], logits: torch.Tensor) -> None:
         for group, part in zip(groups, logits.split(self.n_batch)):
-            result = score_logits(part, self.batch)
+            result = self.score(part, self.batch)
             for member in group:
                 self.results[member] = result
             self.bar.update(len(group))

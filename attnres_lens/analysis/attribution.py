@@ -1,0 +1,621 @@
+"""Attribution through depth (docs/analysis.md §11): which earlier sublayers a prediction, or a sublayer's input,
+uses, and whether through the value a source carries or the routing weight it gets.
+
+Notation as in docs/analysis.md §1: consumer c (sublayer, or J = the final readout) reads sources `v_s` with
+weights `α_s` (all 1 for the standard residual, whose sources are `e` and each `f_j`) and input `h_c = Σ_s α_s v_s`.
+Everything is read through hook points from one clean pass: the embedding, every sublayer output `f_j` (sources
+are sums of them, rebuilt from `model.sources(c)`), every input, α and the depth logits, and the final norm's
+scale; the final readout's input (which has no hook point) by a PyTorch pre-hook on the final norm.
+
+* `depth_logit_attribution` — direct logit attribution through depth. With the final norm's scale σ frozen at
+  its clean value (as TransformerLens does), `logit_t = Σ_s α_s (g ⊙ v_s / σ) · W_U[:, t] + b_U[t]` exactly, one
+  term per source of the final readout (standard: `e` and each `f_j`, TL's per-component form), or the same for a
+  logit difference `t − t'`.
+* `depth_input_decomposition` — the same split of every sublayer input: `α_s v_s` per source, its norm and its
+  projection share `⟨α_s v_s, h_c⟩ / ‖h_c‖²` (the shares of a consumer sum to 1).
+* `source_logit_lens` — every source and every sublayer input decoded through the final norm (recomputed on the
+  vector itself) and the unembedding: top-k tokens and the correct token's rank, per depth.
+* `edge_attribution` — first-order estimates, from one forward and one backward pass, of knocking source s out
+  of consumer c (for every edge at once), split into value and routing paths; or of patching each source from a
+  corrupted input. `edge_agreement` compares them with the exact knockouts of `causal_routing`.
+* `routing_audit` — α mass against the exact causal effect per consumer, with bootstrap confidence intervals over
+  sequences, and two content-independent null schedules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from attnres_lens.analysis.interventions import Hook, evaluate_many, replace_hook, source_mask_hooks
+from attnres_lens.analysis.pruning import spearman
+from attnres_lens.attnres import EMBEDDING
+from attnres_lens.model import HookedTransformer
+from attnres_lens.tasks.base import IGNORE_INDEX, Batch, next_token_targets
+
+BatchLike = Union[Batch, torch.Tensor]
+RESIDUALS = ("standard", "attnres")
+
+
+# ---------------------------------------------------------------------------- one clean pass, through hooks
+@dataclass
+class DepthTerms:
+    """What one clean pass shows about depth: inputs, outputs, weights, and the final norm's scale."""
+
+    tokens: torch.Tensor
+    embedding: torch.Tensor  # e (token plus learned position embedding), [batch, pos, d_model]
+    outputs: list[torch.Tensor]  # f_j
+    inputs: list[torch.Tensor]  # h_c for c = 0 … J (J: the final readout's input)
+    weights: dict[int, torch.Tensor]  # α per consumer, [batch, pos, n_sources] (AttnRes only)
+    depth_logits: dict[int, torch.Tensor]  # z per consumer (AttnRes only)
+    scale: torch.Tensor  # the final norm's scale σ, [batch, pos, 1]
+    logits: torch.Tensor
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def source_vectors(self, model: HookedTransformer, consumer: int) -> list[torch.Tensor]:
+        """The sources `consumer` reads, rebuilt as the model sums them (members in forward order)."""
+        vectors = []
+        for members in model.sources(consumer):
+            total = None
+            for member in members:
+                vector = self.embedding if member == EMBEDDING else self.outputs[member]
+                total = vector if total is None else total + vector
+            vectors.append(total)
+        return vectors
+
+    def alpha(self, model: HookedTransformer, consumer: int) -> torch.Tensor:
+        """α of `consumer` ([batch, pos, n_sources]; ones for the standard residual)."""
+        if consumer in self.weights:
+            return self.weights[consumer]
+        n_sources = len(model.sources(consumer))
+        return torch.ones(*self.embedding.shape[:-1], n_sources, dtype=self.embedding.dtype,
+                          device=self.embedding.device)
+
+
+def _check_residual(model: HookedTransformer, what: str) -> None:
+    if model.cfg.residual not in RESIDUALS:
+        raise ValueError(f"{what} decomposes the standard residual and AttnRes; this model's residual is "
+                         f"{model.cfg.residual!r}")
+
+
+def _check_single_head_mix(model: HookedTransformer, what: str) -> None:
+    for module in model.depth_attention_modules().values():
+        if getattr(module, "heads", 1) != 1:
+            raise ValueError(f"{what} needs one weight per source; this model's depth attention has "
+                             f"heads={module.heads}")
+
+
+def depth_terms(model: HookedTransformer, tokens: torch.Tensor, gradient_of: Optional[Callable] = None
+                ) -> DepthTerms:
+    """One pass read through hook points. With `gradient_of(logits) -> scalar`, also the gradients of that
+    scalar with respect to α of every consumer (`grads["weights", c]`) and every input (`grads["inputs", c]`),
+    by `torch.autograd.grad` (the model's parameter gradients are left untouched)."""
+    _check_residual(model, "depth_terms")
+    tokens = model.to_tokens(tokens)
+    n_sublayers = model.cfg.n_sublayers
+    names = {"embed": "hook_embed", **({"pos": "hook_pos_embed"} if "hook_pos_embed" in model.hook_dict else {}),
+             "scale": "ln_final.hook_scale"}
+    names.update({("out", j): model.sublayer_output_hook(j) for j in range(n_sublayers)})
+    names.update({("in", j): model.sublayer_input_hook(j) for j in range(n_sublayers)})
+    for consumer, module in model.depth_attention_modules().items():
+        names[("alpha", consumer)] = module.hook_weights.name
+        names[("z", consumer)] = module.hook_logits.name
+    saved: dict[Any, torch.Tensor] = {}
+    by_name = {name: key for key, name in names.items()}
+
+    def save(tensor: torch.Tensor, hook) -> None:
+        saved[by_name[hook.name]] = tensor
+
+    def leaf(tensor: torch.Tensor, hook) -> torch.Tensor:
+        # a fresh leaf, so gradients exist even if the parameters are frozen; same values
+        tensor = tensor.detach().requires_grad_(True)
+        saved["embed"] = tensor
+        return tensor
+
+    fwd_hooks: list[Hook] = [(name, save) for key, name in names.items() if key != "embed"]
+    fwd_hooks.append(("hook_embed", leaf if gradient_of is not None else save))
+    final: list[torch.Tensor] = []
+    handle = model.ln_final.register_forward_pre_hook(lambda module, args: final.append(args[0]))
+    try:
+        with torch.set_grad_enabled(gradient_of is not None), model.hooks(fwd_hooks=fwd_hooks):
+            logits = model(tokens)
+    finally:
+        handle.remove()
+    embedding = saved["embed"] + saved["pos"] if "pos" in saved else saved["embed"]
+    terms = DepthTerms(
+        tokens=tokens, embedding=embedding, outputs=[saved[("out", j)] for j in range(n_sublayers)],
+        inputs=[saved[("in", j)] for j in range(n_sublayers)] + final,
+        weights={c: saved[("alpha", c)] for c in model.depth_attention_modules()},
+        depth_logits={c: saved[("z", c)] for c in model.depth_attention_modules()},
+        scale=saved["scale"], logits=logits,
+    )
+    if gradient_of is not None:
+        targets = [(("weights", c), terms.weights[c]) for c in terms.weights]
+        targets += [(("inputs", c), terms.inputs[c]) for c in range(n_sublayers + 1)]
+        grads = torch.autograd.grad(gradient_of(logits), [tensor for _, tensor in targets], allow_unused=True)
+        terms.grads = {key: (torch.zeros_like(tensor) if grad is None else grad).detach()
+                       for (key, tensor), grad in zip(targets, grads)}
+    return _detached(terms)
+
+
+def _detached(terms: DepthTerms) -> DepthTerms:
+    detach = lambda tensor: tensor.detach()  # noqa: E731
+    terms.embedding = detach(terms.embedding)
+    terms.outputs = [detach(t) for t in terms.outputs]
+    terms.inputs = [detach(t) for t in terms.inputs]
+    terms.weights = {c: detach(t) for c, t in terms.weights.items()}
+    terms.depth_logits = {c: detach(t) for c, t in terms.depth_logits.items()}
+    terms.scale, terms.logits = detach(terms.scale), detach(terms.logits)
+    return terms
+
+
+def _as_batch(model: HookedTransformer, batch: BatchLike) -> Batch:
+    """A Batch as given, or tokens with next-token targets at every position but the last (all of them answers)."""
+    if isinstance(batch, Batch):
+        return batch.to(model.embed.W_E.device)
+    tokens = model.to_tokens(batch)
+    targets = next_token_targets(tokens)
+    return Batch(tokens, targets, targets != IGNORE_INDEX)
+
+
+def _target_ids(model: HookedTransformer, tokens: torch.Tensor, targets: Optional[torch.Tensor], what: str
+                ) -> torch.Tensor:
+    if targets is None:
+        return next_token_targets(tokens)
+    targets = torch.as_tensor(targets, device=tokens.device)
+    if targets.shape != tokens.shape:
+        raise ValueError(f"{what} must have the tokens' shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")
+    bad = targets[(targets != IGNORE_INDEX) & ((targets < 0) | (targets >= model.cfg.d_vocab))]
+    if len(bad):
+        raise ValueError(f"{what} holds token id {int(bad[0])}, out of range for d_vocab={model.cfg.d_vocab} "
+                         f"(use {IGNORE_INDEX} to skip a position)")
+    return targets.long()
+
+
+def _source_info(model: HookedTransformer, consumer: int) -> list[dict[str, Any]]:
+    return [dict(source=s, source_label=label, members=",".join(map(str, members)))
+            for s, (label, members) in enumerate(zip(model.source_labels(consumer), model.sources(consumer)))]
+
+
+def _consumer_info(model: HookedTransformer, consumer: int) -> dict[str, Any]:
+    return dict(consumer=consumer, consumer_label=model.sublayer_name(consumer), kind=model.sublayer_kind(consumer))
+
+
+# ---------------------------------------------------------------------------- direct logit attribution
+@torch.no_grad()
+def depth_logit_attribution(model: HookedTransformer, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                            incorrect: Optional[torch.Tensor] = None) -> pd.DataFrame:
+    """Exact per-source decomposition of a logit (or logit difference) at every position, the final norm's scale
+    frozen at its clean value.
+
+    `targets` [batch, pos] are the token ids whose logit is attributed (default: the next token; the last
+    position has none); `incorrect` [batch, pos], if given, turns it into `logit(target) − logit(incorrect)`.
+    Positions whose target is −100 are skipped. One row per (sequence, position, source of the final readout):
+    sequence, position, token, target, incorrect, source, source_label, members (sublayer indices summed in the
+    source, −1 = embedding), alpha, contribution; and per position, repeated on its rows: logit (the clean value
+    attributed) and bias (the unembedding bias term). `Σ_source contribution + bias = logit` exactly.
+    """
+    _check_residual(model, "depth_logit_attribution")
+    _check_single_head_mix(model, "depth_logit_attribution")
+    tokens = model.to_tokens(tokens)
+    targets = _target_ids(model, tokens, targets, "targets")
+    if incorrect is not None:
+        incorrect = _target_ids(model, tokens, incorrect, "incorrect")
+        incorrect = torch.where(targets == IGNORE_INDEX, IGNORE_INDEX, incorrect)
+    terms = depth_terms(model, tokens)
+    keep = targets != IGNORE_INDEX
+    if incorrect is not None:
+        keep &= incorrect != IGNORE_INDEX
+    sequence, position = keep.nonzero(as_tuple=True)
+    target = targets[keep]
+    W_U = model.unembed.W_U.double()
+    direction = W_U[:, target].T  # [n, d_model]
+    bias = _bias(model, target)
+    if incorrect is not None:
+        wrong = incorrect[keep]
+        direction = direction - W_U[:, wrong].T
+        bias = bias - _bias(model, wrong)
+    # the final norm with its scale frozen: v ↦ g ⊙ v / σ, linear in v
+    gain, scale = model.ln_final.w.double(), terms.scale[keep].double()
+    final = model.cfg.n_sublayers
+    alpha = terms.alpha(model, final)[keep].double()  # [n, n_sources]
+    rows = []
+    for source, (info, vector) in enumerate(zip(_source_info(model, final), terms.source_vectors(model, final))):
+        contribution = alpha[:, source] * ((vector[keep].double() / scale * gain) * direction).sum(-1)
+        rows.append(pd.DataFrame({**info, "alpha": alpha[:, source].cpu().numpy(),
+                                  "contribution": contribution.cpu().numpy(), "_row": np.arange(len(target))}))
+    clean = terms.logits[keep].double()
+    logit = clean.gather(-1, target[:, None]).squeeze(-1)
+    if incorrect is not None:
+        logit = logit - clean.gather(-1, incorrect[keep][:, None]).squeeze(-1)
+    per_position = pd.DataFrame({
+        "_row": np.arange(len(target)), "sequence": sequence.cpu().numpy(), "position": position.cpu().numpy(),
+        "token": tokens[keep].cpu().numpy(), "target": target.cpu().numpy(),
+        "incorrect": (incorrect[keep].cpu().numpy() if incorrect is not None else np.full(len(target), -1)),
+        "logit": logit.cpu().numpy(), "bias": bias.cpu().numpy(),
+    })
+    frame = pd.concat(rows, ignore_index=True).merge(per_position, on="_row")
+    columns = ["sequence", "position", "token", "target", "incorrect", "source", "source_label", "members", "alpha",
+               "contribution", "logit", "bias"]
+    return frame.sort_values(["sequence", "position", "source"], ignore_index=True)[columns]
+
+
+def _bias(model: HookedTransformer, ids: torch.Tensor) -> torch.Tensor:
+    b_U = getattr(model.unembed, "b_U", None)
+    return torch.zeros(len(ids), dtype=torch.float64, device=ids.device) if b_U is None else b_U.double()[ids]
+
+
+def logit_attribution_summary(attribution: pd.DataFrame) -> pd.DataFrame:
+    """Per source: mean contribution over the attributed positions, its share of the mean |contribution|, and
+    the mean α (columns source, source_label, members, mean_contribution, mean_abs_contribution, share, mean_alpha)."""
+    grouped = attribution.groupby(["source", "source_label", "members"], sort=True)
+    summary = grouped.agg(mean_contribution=("contribution", "mean"),
+                          mean_abs_contribution=("contribution", lambda c: c.abs().mean()),
+                          mean_alpha=("alpha", "mean")).reset_index()
+    total = summary["mean_abs_contribution"].sum()
+    summary["share"] = summary["mean_abs_contribution"] / total if total > 0 else float("nan")
+    return summary
+
+
+@torch.no_grad()
+def depth_input_decomposition(model: HookedTransformer, tokens: torch.Tensor, per_token: bool = False
+                              ) -> pd.DataFrame:
+    """Every consumer's input split into its per-source terms `α_s v_s`.
+
+    Token-averaged (default), one row per (consumer, source): consumer, consumer_label, kind, source,
+    source_label, members, alpha, term_norm (‖α_s v_s‖), share (`⟨α_s v_s, h_c⟩ / ‖h_c‖²`; a consumer's shares
+    sum to 1 at every token, since `Σ_s α_s v_s = h_c`). With `per_token`, the same per (sequence, position).
+    """
+    _check_residual(model, "depth_input_decomposition")
+    _check_single_head_mix(model, "depth_input_decomposition")
+    terms = depth_terms(model, tokens)
+    frames = []
+    batch, pos = terms.tokens.shape
+    for consumer in range(model.cfg.n_sublayers + 1):
+        h = terms.inputs[consumer].double()
+        norm2 = (h * h).sum(-1).clamp_min(1e-300)
+        alpha = terms.alpha(model, consumer).double()
+        for info, vector, a in zip(_source_info(model, consumer), terms.source_vectors(model, consumer),
+                                   alpha.unbind(-1)):
+            term = a[..., None] * vector.double()
+            values = {"alpha": a, "term_norm": term.norm(dim=-1), "share": (term * h).sum(-1) / norm2}
+            if per_token:
+                frame = pd.DataFrame({key: value.reshape(-1).cpu().numpy() for key, value in values.items()})
+                frame.insert(0, "position", np.tile(np.arange(pos), batch))
+                frame.insert(0, "sequence", np.repeat(np.arange(batch), pos))
+            else:
+                frame = pd.DataFrame({key: [value.mean().item()] for key, value in values.items()})
+            for key, value in reversed(list({**_consumer_info(model, consumer), **info}.items())):
+                frame.insert(0, key, value)
+            frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
+
+
+# ---------------------------------------------------------------------------- logit lens over depth
+@torch.no_grad()
+def source_logit_lens(model: HookedTransformer, tokens: torch.Tensor, k: int = 5,
+                      targets: Optional[torch.Tensor] = None) -> pd.DataFrame:
+    """Every source and every sublayer input decoded through the final norm (its scale recomputed on the vector
+    itself) and the unembedding.
+
+    Vectors, in depth order: the sources `e` and each `f_j` (for Block AttnRes also each completed block sum
+    and the last partial the final readout reads), then each sublayer input `h_c` and the final readout's input.
+    One row per (sequence, position, vector) with a target (default: the next token): sequence, position, token,
+    target, vector ("source" / "input"), index (sublayer or consumer, −1 = embedding), label, target_rank (0 =
+    top), target_prob, target_logit, top_tokens and top_probs (the k best, space-separated).
+    """
+    _check_residual(model, "source_logit_lens")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= model.cfg.d_vocab:
+        raise ValueError(f"k must be an integer in 1..{model.cfg.d_vocab}, got {k!r}")
+    tokens = model.to_tokens(tokens)
+    targets = _target_ids(model, tokens, targets, "targets")
+    terms = depth_terms(model, tokens)
+    keep = targets != IGNORE_INDEX
+    sequence, position = keep.nonzero(as_tuple=True)
+    target = targets[keep]
+    frames = []
+    for vector_kind, index, label, vector in _lens_vectors(model, terms):
+        logits = model.unembed(model.ln_final(vector[keep])).double()
+        probs = logits.softmax(-1)
+        target_logit = logits.gather(-1, target[:, None]).squeeze(-1)
+        top_probs, top_ids = probs.topk(k, dim=-1)
+        frames.append(pd.DataFrame({
+            "sequence": sequence.cpu().numpy(), "position": position.cpu().numpy(), "token": tokens[keep].cpu().numpy(),
+            "target": target.cpu().numpy(), "vector": vector_kind, "index": index, "label": label,
+            "target_rank": (logits > target_logit[:, None]).sum(-1).cpu().numpy(),
+            "target_prob": probs.gather(-1, target[:, None]).squeeze(-1).cpu().numpy(),
+            "target_logit": target_logit.cpu().numpy(),
+            "top_tokens": [" ".join(map(str, row)) for row in top_ids.tolist()],
+            "top_probs": [" ".join(f"{p:.3f}" for p in row) for row in top_probs.tolist()],
+        }))
+    return pd.concat(frames, ignore_index=True)
+
+
+def _lens_vectors(model: HookedTransformer, terms: DepthTerms) -> list[tuple[str, int, str, torch.Tensor]]:
+    n_sublayers = model.cfg.n_sublayers
+    vectors = [("source", EMBEDDING, "emb", terms.embedding)]
+    vectors += [("source", j, model.sublayer_name(j), terms.outputs[j]) for j in range(n_sublayers)]
+    # Block AttnRes: the sums the final readout reads, where they are not single outputs
+    for members, label, vector in zip(model.sources(n_sublayers), model.source_labels(n_sublayers),
+                                      terms.source_vectors(model, n_sublayers)):
+        if len(members) > 1:
+            vectors.append(("source", members[-1], f"{label} = " + "+".join(model.sublayer_name(m) for m in members),
+                            vector))
+    vectors += [("input", c, f"→{model.sublayer_name(c)}", terms.inputs[c]) for c in range(n_sublayers + 1)]
+    return vectors
+
+
+def logit_lens_summary(lens: pd.DataFrame) -> pd.DataFrame:
+    """Per decoded vector, in depth order: mean target_rank, top1 (share of positions where the target ranks
+    first) and mean target_prob."""
+    order = lens[["vector", "index", "label"]].drop_duplicates().reset_index(drop=True)
+    summary = lens.groupby(["vector", "index", "label"], sort=False).agg(
+        mean_rank=("target_rank", "mean"), top1=("target_rank", lambda r: float((r == 0).mean())),
+        mean_target_prob=("target_prob", "mean")).reset_index()
+    return order.merge(summary, on=["vector", "index", "label"])
+
+
+# ---------------------------------------------------------------------------- edge attribution
+METRICS = ("loss", "answer_loss")
+
+
+def _differentiable_metric(batch: Batch, metric: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The evaluation metric (evaluation.py) as a differentiable function of the logits."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
+    targets = batch.targets
+    if metric == "answer_loss":
+        targets = torch.where(batch.answer_mask, targets, IGNORE_INDEX)
+    if not (targets != IGNORE_INDEX).any():
+        raise ValueError(f"the batch has no positions to score for metric {metric!r}")
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).double(), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+    return loss
+
+
+def edge_attribution(model: HookedTransformer, batch: BatchLike, corrupted: Optional[torch.Tensor] = None,
+                     metric: str = "loss") -> pd.DataFrame:
+    """First-order estimates of Δ`metric` for every (consumer, source) edge of an AttnRes model, from one forward
+    and one backward pass (gradients of the metric with respect to every consumer's α and input).
+
+    Knockout (default; the first-order version of `causal_routing`): masking source s out of consumer c changes
+    its input by `Δh = h' − h` with `h'` the renormalised mix of the other sources, `α_s (h − v_s)/(1 − α_s)`,
+    which splits into the value path `−α_s v_s` and the routing path `Δh + α_s v_s`; the estimate is
+    `Σ_positions (∂metric/∂h_c) · Δh`, evaluated through `∂metric/∂α_r = (∂metric/∂h_c) · v_r`. With a sigmoid
+    score nothing renormalises, so the routing path is 0.
+
+    Corrupted (`corrupted` tokens of the batch's shape): source s of consumer c is patched to its value on the
+    corrupted input, `v_s + δ`, in that consumer only; to first order the value path is `α_s (∂metric/∂h_c) · δ`
+    and the routing path `α_s (∂z_s/∂v_s · δ)((∂metric/∂h_c) · (v_s − h_c))`.
+
+    One row per edge of the consumers with at least two sources: consumer, consumer_label, kind, source,
+    source_label, members, alpha_mass (token-mean α_s), max_alpha (its largest value at any token: near 1 the
+    knockout is far from the linear regime and the estimate fails), value_path, routing_path, total, mode.
+    """
+    if model.cfg.residual != "attnres":
+        raise ValueError(f"edge attribution needs depth attention; this model's residual is {model.cfg.residual!r}")
+    batch = _as_batch(model, batch)
+    objective = _differentiable_metric(batch, metric)
+    terms = depth_terms(model, batch.tokens, gradient_of=objective)
+    if corrupted is not None:
+        corrupted = model.to_tokens(corrupted)
+        if corrupted.shape != batch.tokens.shape:
+            raise ValueError(f"corrupted tokens must have the batch's shape {tuple(batch.tokens.shape)}, got "
+                             f"{tuple(corrupted.shape)}")
+        corrupt_terms = depth_terms(model, corrupted)
+    rows = []
+    modules = model.depth_attention_modules()
+    for consumer, module in modules.items():
+        n_sources = len(model.sources(consumer))
+        if n_sources < 2:
+            continue
+        alpha = terms.weights[consumer].double()
+        grad = terms.grads[("weights", consumer)].double()  # ∂metric/∂α_r = g_c · v_r
+        if corrupted is None:
+            value, routing = _knockout_paths(module, alpha, terms.depth_logits[consumer].double(), grad)
+        else:
+            value, routing = _patch_paths(model, module, consumer, alpha, grad, terms, corrupt_terms)
+        for info in _source_info(model, consumer):
+            s = info["source"]
+            rows.append({**_consumer_info(model, consumer), **info,
+                         "alpha_mass": alpha[..., s].mean().item(), "max_alpha": alpha[..., s].max().item(),
+                         "value_path": value[..., s].sum().item(), "routing_path": routing[..., s].sum().item(),
+                         "mode": "knockout" if corrupted is None else "corrupted"})
+    frame = pd.DataFrame(rows)
+    frame["total"] = frame["value_path"] + frame["routing_path"]
+    return frame
+
+
+def _knockout_paths(module: torch.nn.Module, alpha: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token value and routing paths of knocking out each source: [..., n_sources] each."""
+    value = -alpha * grad
+    if getattr(module, "score", "softmax") != "softmax":  # sigmoid: the others keep their weights
+        return value, torch.zeros_like(value)
+    n = alpha.shape[-1]
+    mixed = (alpha * grad).sum(-1, keepdim=True)  # g · h
+    # the renormalised weights after masking s, from the logits (stable even when α_s rounds to 1)
+    masked = logits.unsqueeze(-2).expand(*logits.shape[:-1], n, n).clone()
+    masked.diagonal(dim1=-2, dim2=-1).fill_(float("-inf"))
+    after = (masked.softmax(-1) * grad.unsqueeze(-2)).sum(-1)  # g · h'
+    return value, (after - mixed) - value
+
+
+def _patch_paths(model: HookedTransformer, module: torch.nn.Module, consumer: int, alpha: torch.Tensor,
+                 grad: torch.Tensor, clean: DepthTerms, corrupt: DepthTerms) -> tuple[torch.Tensor, torch.Tensor]:
+    if not getattr(module, "fusable", True):  # the options change z_s(v_s); the derivative below is the default's
+        raise ValueError("patching sources from a corrupted input is derived for the default depth attention "
+                         "(softmax over a static pseudo-query with key RMSNorm, one head)")
+    input_grad = clean.grads[("inputs", consumer)].double()  # g_c
+    u = (module.query * module.key_norm.w).double()
+    eps = module.key_norm.eps
+    mixed = (alpha * grad).sum(-1, keepdim=True)  # g · h
+    values, routings = [], []
+    for s, (v, v_corrupt) in enumerate(zip(clean.source_vectors(model, consumer),
+                                           corrupt.source_vectors(model, consumer))):
+        v = v.double()
+        delta = v_corrupt.double() - v
+        r = torch.rsqrt(v.pow(2).mean(-1) + eps)
+        # z_s = r (u · v):  dz = r (u · δ) − r³ (u · v)(v · δ)/d
+        dz = r * (delta @ u) - r.pow(3) * (v @ u) * (v * delta).sum(-1) / v.shape[-1]
+        values.append(alpha[..., s] * (input_grad * delta).sum(-1))
+        routings.append(alpha[..., s] * dz * (grad[..., s] - mixed[..., 0]))
+    return torch.stack(values, -1), torch.stack(routings, -1)
+
+
+def edge_agreement(edges: pd.DataFrame, routing: pd.DataFrame, top: int = 10) -> tuple[dict[str, float], pd.DataFrame]:
+    """How well the first-order knockout estimates (`edge_attribution`) rank the exact ones (`causal_routing`).
+
+    Returns `{spearman, spearman_within_consumer (mean over consumers with ≥ 3 sources), sign_agreement (share of
+    edges whose exact |Δloss| > 1e-6 where the signs agree), n_edges}` and the `top` worst disagreements (largest
+    |estimate − exact|) with both values, their ratio and max_alpha.
+    """
+    keys = ["consumer", "source"]
+    merged = edges.merge(routing[keys + ["delta_loss"]], on=keys, how="inner")
+    if merged.empty:
+        raise ValueError("the edge table and the routing table share no (consumer, source) pair")
+    per_consumer = [spearman(group["total"], group["delta_loss"]) for _, group in merged.groupby("consumer")
+                    if len(group) >= 3]
+    per_consumer = [value for value in per_consumer if value == value]
+    clear = merged[merged["delta_loss"].abs() > 1e-6]
+    summary = dict(spearman=spearman(merged["total"], merged["delta_loss"]),
+                   spearman_within_consumer=float(np.mean(per_consumer)) if per_consumer else float("nan"),
+                   sign_agreement=float((np.sign(clear["total"]) == np.sign(clear["delta_loss"])).mean())
+                   if len(clear) else float("nan"),
+                   n_edges=int(len(merged)))
+    merged = merged.assign(error=merged["total"] - merged["delta_loss"],
+                           ratio=merged["total"] / merged["delta_loss"].where(merged["delta_loss"] != 0))
+    worst = merged.reindex(merged["error"].abs().sort_values(ascending=False, kind="stable").index).head(top)
+    columns = ["consumer_label", "source_label", "alpha_mass", "max_alpha", "delta_loss", "total", "value_path",
+               "routing_path", "error", "ratio"]
+    return summary, worst[columns].reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------- routing audit
+def _per_sequence_losses(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """[batch] summed next-token cross-entropy of each sequence (with its target count, the evaluation `loss`)."""
+    per_token = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX,
+                                reduction="none").view(batch.targets.shape)
+    return per_token.double().sum(-1).cpu()
+
+
+def routing_audit(model: HookedTransformer, batch: Batch, n_boot: int = 1000, seed: int = 0,
+                  progress: bool = False) -> dict[str, pd.DataFrame]:
+    """α mass against causal effect, per consumer of an AttnRes model, with bootstrap confidence intervals over
+    sequences (95%, percentile), and two content-independent null schedules.
+
+    Exact effects: each source knocked out of each consumer alone (as `causal_routing`), per sequence. Null
+    schedules, each replacing one consumer's α at every token (`hook_weights`): `mean` — its token-averaged α (the
+    same mass, no dependence on the content); `recency` — one profile over "how many sources back" pooled over
+    all consumers (the token-averaged α at each recency, averaged over consumers, renormalised per consumer).
+
+    Returns `pairs` (consumer × source: alpha_mass, delta_loss with _low / _high) and `consumers` (per consumer:
+    n_sources; spearman of mass vs Δloss over its sources with _low / _high (NaN for two sources); top_mass_label,
+    top_effect_label; null_mean_dloss and null_recency_dloss with _low / _high).
+    """
+    if model.cfg.residual != "attnres":
+        raise ValueError(f"the routing audit needs depth attention; this model's residual is {model.cfg.residual!r}")
+    _check_single_head_mix(model, "routing_audit")
+    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 10:
+        raise ValueError(f"n_boot must be an integer >= 10, got {n_boot!r}")
+    batch = batch.to(model.embed.W_E.device)
+    n_seq = batch.tokens.shape[0]
+    if n_seq < 2:
+        raise ValueError("a bootstrap over sequences needs at least 2 sequences")
+    terms = depth_terms(model, batch.tokens)
+    consumers = [c for c in sorted(terms.weights) if terms.weights[c].shape[-1] > 1]
+    counts = (batch.targets != IGNORE_INDEX).sum(-1).double().cpu()  # per sequence
+    mass = {c: terms.weights[c].double().mean(1).cpu() for c in consumers}  # [seq, n_sources]
+    schedules = _null_schedules(model, terms, consumers)
+
+    interventions: list[list[Hook]] = [[]]
+    keys: list[tuple] = [("clean",)]
+    modules = model.depth_attention_modules()
+    for c in consumers:
+        for s in range(terms.weights[c].shape[-1]):
+            interventions.append(source_mask_hooks(model, c, [s]))
+            keys.append(("knockout", c, s))
+        for name, schedule in schedules[c].items():
+            interventions.append([(modules[c].hook_weights.name, replace_hook(schedule))])
+            keys.append((name, c))
+    losses = evaluate_many(model, batch, interventions, progress=progress, desc="routing audit",
+                           score=_per_sequence_losses)
+    by_key = dict(zip(keys, losses))
+    clean = by_key[("clean",)]
+    draws = torch.randint(0, n_seq, (n_boot, n_seq), generator=torch.Generator().manual_seed(seed))
+    weight = F.one_hot(draws, n_seq).sum(1).double()  # [n_boot, seq]: how often each sequence is drawn
+
+    def effect(key: tuple) -> tuple[float, torch.Tensor]:
+        diff = by_key[key] - clean
+        return float(diff.sum() / counts.sum()), (weight @ diff) / (weight @ counts)
+
+    pair_rows, consumer_rows = [], []
+    for c in consumers:
+        n_sources = terms.weights[c].shape[-1]
+        labels = model.source_labels(c)
+        point_mass = mass[c].mean(0)  # equal positions per sequence: the token mean
+        boot_mass = (weight @ mass[c]) / weight.sum(-1, keepdim=True)
+        effects = [effect(("knockout", c, s)) for s in range(n_sources)]
+        boot_effects = torch.stack([boots for _, boots in effects], -1)  # [n_boot, n_sources]
+        for s in range(n_sources):
+            pair_rows.append({**_consumer_info(model, c), "source": s, "source_label": labels[s],
+                              "alpha_mass": point_mass[s].item(), **_interval("alpha_mass", boot_mass[:, s]),
+                              "delta_loss": effects[s][0], **_interval("delta_loss", boot_effects[:, s])})
+        point_effects = [value for value, _ in effects]
+        row = {**_consumer_info(model, c), "n_sources": n_sources,
+               "spearman": spearman(point_mass.tolist(), point_effects) if n_sources > 2 else float("nan")}
+        if n_sources > 2:
+            boots = torch.tensor([spearman(m.tolist(), e.tolist()) for m, e in zip(boot_mass, boot_effects)])
+            row.update(_interval("spearman", boots[~boots.isnan()]))
+        else:
+            row.update(spearman_low=float("nan"), spearman_high=float("nan"))
+        row.update(top_mass_label=labels[int(point_mass.argmax())], top_effect_label=labels[int(np.argmax(point_effects))])
+        for name in schedules[c]:
+            value, boots = effect((name, c))
+            row[f"null_{name}_dloss"] = value
+            row.update(_interval(f"null_{name}_dloss", boots))
+        consumer_rows.append(row)
+    return {"pairs": pd.DataFrame(pair_rows), "consumers": pd.DataFrame(consumer_rows)}
+
+
+def _interval(name: str, samples: torch.Tensor) -> dict[str, float]:
+    if len(samples) == 0:
+        return {f"{name}_low": float("nan"), f"{name}_high": float("nan")}
+    low, high = torch.quantile(samples.double(), torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return {f"{name}_low": low, f"{name}_high": high}
+
+
+def _null_schedules(model: HookedTransformer, terms: DepthTerms, consumers: Sequence[int]
+                    ) -> dict[int, dict[str, torch.Tensor]]:
+    """Per consumer, the `mean` and `recency` schedules (see `routing_audit`), each [n_sources]."""
+    means = {c: terms.weights[c].double().mean(dim=(0, 1)) for c in consumers}
+    by_recency: dict[int, list[float]] = {}
+    for c in consumers:
+        for back, weight in enumerate(reversed(means[c].tolist())):  # 0 = the most recent source
+            by_recency.setdefault(back, []).append(weight)
+    profile = {back: float(np.mean(weights)) for back, weights in by_recency.items()}
+    schedules = {}
+    for c in consumers:
+        n = len(means[c])
+        recency = torch.tensor([profile[n - 1 - s] for s in range(n)], dtype=torch.float64)
+        schedules[c] = {"mean": means[c].to(terms.embedding.dtype),
+                        "recency": (recency / recency.sum()).to(terms.embedding.dtype)}
+    return schedules
+
+
+def audit_summary(audit: dict[str, pd.DataFrame]) -> dict[str, float]:
+    """Headline numbers of `routing_audit`: the mean within-consumer Spearman (consumers with > 2 sources), and
+    the mean Δloss of each null schedule over consumers."""
+    consumers = audit["consumers"]
+    return dict(mean_spearman=float(consumers["spearman"].mean()),
+                null_mean_dloss=float(consumers["null_mean_dloss"].mean()),
+                null_recency_dloss=float(consumers["null_recency_dloss"].mean()),
+                n_consumers=int(len(consumers)))
+
