@@ -126,10 +126,10 @@ Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by `
 Training took {sum(training_minutes(job.out) for job in jobs):.1f} min of wall time summed over the {len(jobs)} runs
 ({seconds / 60:.1f} min in this invocation; 0 when every run was reused), one torch thread per process.
 
-Models: {config['model']['n_layers']} layers with MLPs (24 sublayers), d_model {config['model']['d_model']},
-d_mlp {config['model']['d_mlp']}, RoPE, RMSNorm PreNorm; Block AttnRes uses S = 4 (two layers per block).
-Task: mixed (3-gram text with copied segments), vocab {config['task']['vocab_size']}, length {config['task']['seq_len']}.
-{config['train']['steps']} steps of batch {config['train']['batch_size']}, AdamW {config['train']['lr']}, one torch thread per process.
+Models: {config.model.n_layers} layers with MLPs (24 sublayers), d_model {config.model.d_model},
+d_mlp {config.model.d_mlp}, RoPE, RMSNorm PreNorm; Block AttnRes uses S = 4 (two layers per block).
+Task: mixed (3-gram text with copied segments), vocab {config.task['vocab_size']}, length {config.task['seq_len']}.
+{config.train.steps} steps of batch {config.train.batch_size}, AdamW {config.train.lr}, one torch thread per process.
 Magnitudes come from the recorder (docs/run_directory.md §5) on a fixed held-out batch: hidden state = RMS of a sublayer's input,
 output = RMS of its output f_j, gradient = ‖∂loss/∂f_j‖ averaged over tokens. Seeds: {sorted({j.seed for j in jobs})}.
 

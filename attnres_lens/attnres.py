@@ -205,15 +205,16 @@ class DepthAttention(nn.Module):
             return self.scalar_logits.to(dtype).expand(*sources[0].shape[:-1], len(sources))
         if self.fusable:
             return depth_logits(sources, self.query, self.key_norm.w, self.key_norm.eps)
-        values = [v.to(dtype).unflatten(-1, (self.heads, -1)) for v in sources]  # [..., heads, d / heads]
-        if hasattr(self, "key_norm"):  # each group normalised on its own, then the gain
+        # the readable path of the ablations: sources stacked once, [..., n_sources, heads, d_model / heads]
+        values = torch.stack([v.to(dtype) for v in sources], dim=-2).unflatten(-1, (self.heads, -1))
+        if hasattr(self, "key_norm"):  # each channel group normalised on its own, then the gain
             gain = self.key_norm.w.to(dtype).unflatten(-1, (self.heads, -1))
-            values = [v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.key_norm.eps) * gain for v in values]
+            values = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.key_norm.eps) * gain
         if self.query_kind == "input":
             recent = sources[-1].to(dtype)
             recent = recent * torch.rsqrt(recent.pow(2).mean(-1, keepdim=True) + self.eps)
-            query = (recent @ self.query_proj.to(dtype)).unflatten(-1, (self.heads, -1))  # per token
+            query = (recent @ self.query_proj.to(dtype)).unflatten(-1, (self.heads, -1))  # [..., heads, d / heads]
         else:
             query = self.query.to(dtype).unflatten(-1, (self.heads, -1))
-        logits = torch.stack([(k * query).sum(-1) for k in values], dim=-1)  # [..., heads, n_sources]
+        logits = (values * query.unsqueeze(-3)).sum(-1).transpose(-1, -2)  # [..., heads, n_sources]
         return logits.squeeze(-2) if self.heads == 1 else logits

@@ -3,7 +3,8 @@
 Induction presets follow the calibration in docs/tasks.md §3: attention-only, 64 wide, vocab 64, length 65,
 batch 32, AdamW 3e-3, on the variable-offset copy task (a fixed-period probe is solvable by a
 positional head). Their shared step budget covers the slowest variant's transition (2-layer vanilla
-needed ~5500 steps at this scale). Depth presets: 12 layers with MLPs on the mixed task.
+needed ~5500 steps at this scale). Depth presets: 12 layers with MLPs on the mixed task, one per depth-mixing
+rule (docs/model.md §11-§13).
 """
 
 from __future__ import annotations
@@ -26,10 +27,32 @@ def _induction(n_layers: int, attention: str) -> RunConfig:
     return RunConfig(model, dict(INDUCTION_TASK), copy.deepcopy(INDUCTION_TRAIN))
 
 
-def _depth(residual: str, block_size: int) -> RunConfig:
+def _depth(residual: str, block_size: int = 1, **options: Any) -> RunConfig:
     model = ModelConfig(d_model=64, n_heads=4, n_layers=12, n_ctx=65, d_vocab=64, d_mlp=128,
-                        residual=residual, attnres_block_size=block_size)
+                        residual=residual, attnres_block_size=block_size, **options)
     return RunConfig(model, dict(DEPTH_TASK), copy.deepcopy(DEPTH_TRAIN))
+
+
+# The depth-mixing rules compared by analyses/depth_mixing_ablation.py (the AttnRes paper's Table 4), at the depth
+# presets' size: name -> (description, residual, block size, options).
+DEPTH_MIXING_VARIANTS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
+    "depth-standard": ("standard residual (PreNorm)", "standard", 1, {}),
+    "depth-denseformer": ("DenseFormer: depth-weighted average after every block", "denseformer", 1, {}),
+    "depth-hyper": ("mHC hyper-connections, 4 streams", "hyper", 1, {}),
+    "depth-full": ("Full AttnRes (S = 1)", "attnres", 1, {}),
+    "depth-block": ("Block AttnRes (S = 4: two layers per block)", "attnres", 4, {}),
+    "depth-full-sigmoid": ("Full AttnRes, sigmoid instead of softmax", "attnres", 1, {"attnres_score": "sigmoid"}),
+    "depth-full-no-keynorm": ("Full AttnRes without key RMSNorm", "attnres", 1, {"attnres_key_norm": False}),
+    "depth-block-no-keynorm": ("Block AttnRes (S = 4) without key RMSNorm", "attnres", 4, {"attnres_key_norm": False}),
+    "depth-full-input-query": ("Full AttnRes, input-dependent query from the most recent source", "attnres", 1,
+                               {"attnres_query": "input"}),
+    "depth-full-heads16": ("Full AttnRes, multi-head depth attention (H = 16 channel groups)", "attnres", 1,
+                           {"attnres_heads": 16}),
+    "depth-full-window8": ("Full AttnRes, sliding window (embedding + last 8 sources)", "attnres", 1,
+                           {"attnres_window": 8}),
+    "depth-full-scalar": ("Full AttnRes sources, input-independent scalar mixing", "attnres", 1,
+                          {"attnres_mixing": "scalar"}),
+}
 
 
 def _smoke() -> RunConfig:
@@ -45,9 +68,9 @@ PRESETS: dict[str, tuple[str, Any]] = {
     "induction-2l-vanilla": ("2-layer attention-only, standard attention, copy task (late sharp transition)", lambda: _induction(2, "standard")),
     "induction-1l-kvshift": ("1-layer attention-only, KV-shifting attention, copy task (solves it fast)", lambda: _induction(1, "kv_shift")),
     "induction-2l-kvshift": ("2-layer attention-only, KV-shifting attention, copy task", lambda: _induction(2, "kv_shift")),
-    "depth-standard": ("12-layer PreNorm model with MLPs, standard residual, mixed task", lambda: _depth("standard", 1)),
-    "depth-full": ("12-layer model, Full AttnRes (S = 1), mixed task", lambda: _depth("attnres", 1)),
-    "depth-block": ("12-layer model, Block AttnRes (S = 4: two layers per block), mixed task", lambda: _depth("attnres", 4)),
+    **{name: (f"12-layer model with MLPs, {description}, mixed task",
+              lambda residual=residual, block=block, options=options: _depth(residual, block, **options))
+       for name, (description, residual, block, options) in DEPTH_MIXING_VARIANTS.items()},
     "smoke": ("tiny Block AttnRes + KV-shift model, 40 steps: checks the pipeline end to end in seconds", _smoke),
 }
 

@@ -184,7 +184,7 @@ def test_prefix_score_and_tl_detect_head_agree_in_ranking_on_a_trained_run(induc
 
 def test_analyze_run_writes_its_tables(smoke_run):
     tables = analyze_run(smoke_run, samples=4, progress=False)
-    for name in ("induction_heads", "icl_per_position", "depth_mixing", "depth_weights", "depth_summary",
+    for name in ("induction_heads", "icl_per_position", "depth_mixing", "mixing_diagnostics", "depth_weights", "depth_summary",
                  "depth_weights_tokens"):
         assert (smoke_run / "analysis" / f"{name}.csv").is_file()
         written = pd.read_parquet(smoke_run / "analysis" / f"{name}.parquet")

@@ -163,6 +163,27 @@ def test_a_damaged_checkpoint_index_is_a_message_on_every_page(tmp_path):
         assert not app.exception, (page, [element.value for element in app.exception])
 
 
+def test_every_residual_kind_renders_every_page(tmp_path):
+    """DenseFormer, mHC and an AttnRes ablation (tiny runs trained here) on every page, with the kind in the table."""
+    from attnres_lens.config import apply_overrides
+    from attnres_lens.presets import get_preset
+    from attnres_lens.training import train
+
+    for name, overrides in {"dense": ["model.residual=denseformer"], "hyper": ["model.residual=hyper"],
+                            "sigmoid": ["model.attnres_score=sigmoid"]}.items():
+        train(apply_overrides(get_preset("smoke"), [*overrides, "train.steps=10", "train.checkpoint_every=10"]),
+              tmp_path / name, progress=False)
+    app = open_page("views/runs.py", runs=tmp_path)
+    kinds = set(app.dataframe[0].value["residual"])
+    assert {"DenseFormer", "mHC n=4", "Block AttnRes S=2 (sigmoid)"} <= kinds, kinds
+    for run in ("dense", "hyper", "sigmoid"):
+        app.session_state["selected_runs"] = [str(tmp_path / run)]
+        for page in PAGES:
+            app.switch_page(page).run()
+            assert not app.exception, (run, page, [element.value for element in app.exception])
+            assert not app.error, (run, page, [element.value for element in app.error])
+
+
 def test_a_run_that_has_only_started_renders_every_page(tmp_path):
     """config.json written, no metrics, records or checkpoints yet: messages, never a traceback."""
     (tmp_path / "started").mkdir()

@@ -296,3 +296,39 @@ def test_pruning_runs_on_every_kind(fields):
     sensitivity = tables["pruning_sensitivity"]
     assert len(sensitivity) == model.cfg.n_sublayers and sensitivity["routing_mass"].notna().all()
     assert all(math.isfinite(value) for value in sensitivity["dloss_remove"])
+
+
+# ---------------------------------------------------------------------------- end to end
+KIND_RUNS = {"denseformer": ["model.residual=denseformer"], "hyper": ["model.residual=hyper"],
+             "ablations": ["model.attnres_heads=2", "model.attnres_query=input", "model.attnres_window=2"]}
+
+
+@pytest.fixture(scope="module")
+def kind_runs(tmp_path_factory):
+    from attnres_lens.config import apply_overrides
+    from attnres_lens.presets import get_preset
+    from attnres_lens.training import train
+
+    root = tmp_path_factory.mktemp("kinds")
+    for name, overrides in KIND_RUNS.items():
+        train(apply_overrides(get_preset("smoke"), [*overrides, "train.steps=20", "train.checkpoint_every=20"]),
+              root / name, progress=False)
+    return root
+
+
+@pytest.mark.parametrize("name", list(KIND_RUNS))
+def test_every_kind_trains_records_and_analyses(kind_runs, name):
+    from attnres_lens import load_run
+    from attnres_lens.analysis.run import analyze_run, prune_run
+
+    run = load_run(kind_runs / name)
+    recorded = run.records["depth_mixing"]
+    last = recorded[recorded["step"] == 20].drop(columns="step").reset_index(drop=True)
+    tokens = run.config.build_task().eval_batch(run.config.train.eval_size).tokens[: run.config.train.record_size]
+    computed = depth_mixing_matrix(run.model, tokens)
+    torch.testing.assert_close(torch.tensor(last["weight"].to_numpy()), torch.tensor(computed["weight"].to_numpy()),
+                               rtol=1e-4, atol=1e-5)
+    tables = analyze_run(kind_runs / name, samples=4, progress=False)
+    assert "depth_mixing" in tables
+    result = prune_run(kind_runs / name, samples=4, progress=False)
+    assert result.report_path.is_file()

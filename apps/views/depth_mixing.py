@@ -7,7 +7,7 @@ from __future__ import annotations
 import streamlit as st
 
 from attnres_lens.analysis.depth import depth_mixing_matrix, mixing_matrix_from_weights
-from lens_ui.data import describe_error, task_batch
+from lens_ui.data import describe_error, no_records_message, task_batch
 from lens_ui.figures import mixing_heatmap
 from lens_ui.widgets import loadable_runs, pick_model, pick_runs, show_figure
 
@@ -31,7 +31,10 @@ from_records = source.startswith("recorded")
 
 step = None
 if from_records:
-    recorded = {run.path: run.record("depth_weights") for run in chosen}
+    # M itself is recorded for every residual kind (records/depth_mixing); older AttnRes runs have only α, of which
+    # M is a linear function (records/depth_weights)
+    recorded = {run.path: run.record("depth_mixing") if not run.record("depth_mixing").empty
+                else run.record("depth_weights") for run in chosen}
     steps = sorted(set().union(*(frame["step"].unique() for frame in recorded.values() if not frame.empty)))
     if steps:
         step = st.select_slider("Training step (recorded snapshots)", options=[int(s) for s in steps],
@@ -46,14 +49,19 @@ for run in chosen:
     if handle is None:
         continue
     try:
-        if from_records and run.model_config.residual == "attnres":
+        if from_records and run.model_config.residual != "standard":
             weights = recorded[run.path]
             if weights.empty:
-                st.warning(f"Run {run.name} has no recorded depth weights yet (records/depth_weights.parquet).")
+                st.warning(no_records_message(run, "recorded mixing weights", "records/depth_mixing.parquet")
+                           + " Choose “a checkpoint's model” above.")
                 continue
             at = int(weights["step"][weights["step"] <= step].max()) if (weights["step"] <= step).any() \
                 else int(weights["step"].min())
-            matrix = mixing_matrix_from_weights(handle.model, weights[weights["step"] == at])
+            snapshot = weights[weights["step"] == at]
+            if "sublayer" in snapshot:  # a recorded M
+                matrix = snapshot.drop(columns="step").reset_index(drop=True)
+            else:
+                matrix = mixing_matrix_from_weights(handle.model, snapshot)
             where = f"step {at}"
         elif from_records:  # the standard residual's weights are 1 at every step
             matrix, where = depth_mixing_matrix(handle.model), "every step"

@@ -33,6 +33,7 @@ from transformer_lens.head_detector import detect_head
 from transformer_lens.utilities import get_act_name
 
 from attnres_lens.analysis.interventions import capture, evaluate, evaluate_many, replace_hook
+from attnres_lens.mixing import basis_index, mixing_coefficients
 from attnres_lens.model import HookedTransformer, next_token_loss
 from attnres_lens.recorder import prefix_matching_score
 from attnres_lens.tasks import make_task
@@ -79,8 +80,7 @@ def induction_head_scores(model: HookedTransformer, batch: Optional[Batch] = Non
 
     pattern_names = [get_act_name("pattern", layer) for layer in range(cfg.n_layers)]
     z_names = [get_act_name("z", layer) for layer in range(cfg.n_layers)]
-    final_weights = [model.final_res.hook_weights.name] if cfg.residual == "attnres" else []
-    clean = capture(model, tokens, pattern_names + z_names + final_weights + ["ln_final.hook_scale"])
+    clean = capture(model, tokens, pattern_names + z_names + ["ln_final.hook_scale"])
 
     # TL's detector reads one prompt as a string; averaging over prompts is what it does for a list itself
     # (its list path first calls `to_tokens` on the whole list, which our model does not take).
@@ -122,25 +122,25 @@ def _copying_scores(model: HookedTransformer, batch: Batch, clean: dict[str, tor
     scale = clean["ln_final.hook_scale"][answers]  # [n_answers, 1]
     unembed = model.ln_final.w[:, None] * model.unembed.W_U  # gain folded into W_U: [d_model, d_vocab]
     scores = torch.zeros(cfg.n_layers, cfg.n_heads)
+    readout = mixing_coefficients(model, batch.tokens, per_group=True)[..., cfg.n_sublayers, :]  # [b, p, groups, J+1]
+    readout = readout.to(scale.device)
     for layer, block in enumerate(model.blocks):
         z = clean[get_act_name("z", layer)][answers]  # [n_answers, head, d_head]
         head_out = torch.einsum("nhd,hdm->nhm", z, block.attn.W_O) / scale[:, None]
-        head_out = head_out * _direct_path_weight(model, layer, clean, answers)[:, None, None]
+        head_out = head_out * _direct_path_weight(model, layer, readout, answers)[:, None, :]
         logits = head_out @ unembed  # [n_answers, head, d_vocab]
         correct = logits.gather(-1, targets[:, None, None].expand(-1, cfg.n_heads, 1)).squeeze(-1)
         scores[layer] = (correct - logits.mean(-1)).float().mean(0).cpu()
     return scores
 
 
-def _direct_path_weight(model: HookedTransformer, layer: int, clean: dict[str, torch.Tensor],
+def _direct_path_weight(model: HookedTransformer, layer: int, readout: torch.Tensor,
                         answers: torch.Tensor) -> torch.Tensor:
-    """Per answer position, the weight with which the final readout reads layer's attention output."""
-    if model.cfg.residual == "standard":
-        return torch.ones(int(answers.sum()), device=answers.device)
+    """Per answer position and channel, the weight with which the final readout reads layer's attention output:
+    its column of the depth-mixing matrix (1 for the standard residual), `[n_answers, d_model]`."""
     sublayer = layer if model.cfg.attn_only else 2 * layer
-    n_sublayers = model.cfg.n_sublayers
-    source = next(s for s, members in enumerate(model.sources(n_sublayers)) if sublayer in members)
-    return clean[model.final_res.hook_weights.name][answers][:, source]
+    groups = readout[..., basis_index(sublayer)][answers]  # [n_answers, channel groups]
+    return groups.repeat_interleave(model.cfg.d_model // groups.shape[-1], dim=-1)
 
 
 @torch.no_grad()

@@ -13,7 +13,13 @@ from typing import Any, Callable, Optional, Union
 
 import pandas as pd
 
-from attnres_lens.analysis.depth import depth_mixing_matrix, depth_summary, depth_weights, depth_weights_per_token
+from attnres_lens.analysis.depth import (
+    depth_mixing_matrix,
+    depth_summary,
+    depth_weights,
+    depth_weights_per_token,
+    mixing_diagnostics,
+)
 from attnres_lens.analysis.induction import (
     default_half_len,
     in_context_learning_score,
@@ -79,7 +85,7 @@ def analyze_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples:
                 progress: bool = True) -> dict[str, pd.DataFrame]:
     """Induction heads, in-context learning and depth maps of a run, written under `RUN/analysis/`.
 
-    Tables: induction_heads, icl_per_position, depth_mixing; for AttnRes models also depth_weights,
+    Tables: induction_heads, icl_per_position, depth_mixing, mixing_diagnostics; for AttnRes models also depth_weights,
     depth_summary and depth_weights_tokens (per-token α of the first evaluation sequence); plus
     analysis_summary.json.
     """
@@ -93,6 +99,7 @@ def analyze_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples:
         "induction_heads": induction_head_scores(model, probe, progress=progress),
         "icl_per_position": icl,
         "depth_mixing": depth_mixing_matrix(model, batch.tokens),
+        "mixing_diagnostics": mixing_diagnostics(model, batch.tokens),
     }
     if run.model_config.residual == "attnres":
         tables["depth_weights"] = depth_weights(model, batch.tokens)
