@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,13 +55,28 @@ class PosEmbed(nn.Module):
 
 
 class Unembed(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`x @ W_U (+ b_U)`. Tied (`tie_word_embeddings`): `W_U` is the token embedding's `W_E` transposed, no
+    parameter of its own; `embed` is then that embedding."""
+
+    def __init__(self, cfg: ModelConfig, embed: Optional[Embed] = None):
         super().__init__()
-        self.W_U = nn.Parameter(torch.randn(cfg.d_model, cfg.d_vocab) * cfg.init_range)
-        self.b_U = nn.Parameter(torch.zeros(cfg.d_vocab))
+        if cfg.tie_word_embeddings:
+            if embed is None:
+                raise ValueError("a tied unembedding (tie_word_embeddings=True) needs the model's token embedding")
+            # a plain attribute in a tuple, not a submodule: W_E stays one parameter under one name (embed.W_E)
+            self._tied = (embed,)
+        else:
+            self.W_U = nn.Parameter(torch.randn(cfg.d_model, cfg.d_vocab) * cfg.init_range)
+        self.b_U = nn.Parameter(torch.zeros(cfg.d_vocab)) if cfg.use_bias else None
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "W_U" and "_tied" in self.__dict__:
+            return self.__dict__["_tied"][0].W_E.T
+        return super().__getattr__(name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.W_U + self.b_U
+        logits = x @ self.W_U
+        return logits if self.b_U is None else logits + self.b_U
 
 
 class Attention(nn.Module):
@@ -123,20 +139,38 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """`act(x W_in + b_in) W_out + b_out`, or gated (`gated_mlp`, TransformerLens's gated-MLP names):
+    `(act(x W_gate + b_gate) * (x W_in + b_in)) W_out + b_out`, which with `act_fn="silu"` is SwiGLU.
+    Biases exist only with `use_bias`. Hooks: `hook_pre` (the activation's input: the gate when gated),
+    `hook_pre_linear` (gated only: the linear branch) and `hook_post` (the input of W_out)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         std = cfg.init_range
+        self.gated = cfg.gated_mlp
+        if cfg.gated_mlp:
+            self.W_gate = nn.Parameter(torch.randn(cfg.d_model, cfg.d_mlp) * std)
+            self.b_gate = nn.Parameter(torch.zeros(cfg.d_mlp)) if cfg.use_bias else None
+            self.hook_pre_linear = HookPoint()
         self.W_in = nn.Parameter(torch.randn(cfg.d_model, cfg.d_mlp) * std)
-        self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp))
+        self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp)) if cfg.use_bias else None
         self.W_out = nn.Parameter(torch.randn(cfg.d_mlp, cfg.d_model) * std / math.sqrt(2 * cfg.n_layers))
-        self.b_out = nn.Parameter(torch.zeros(cfg.d_model))
+        self.b_out = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.use_bias else None
         self.act_fn = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}[cfg.act_fn]
         self.hook_pre = HookPoint()
         self.hook_post = HookPoint()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        post = self.hook_post(self.act_fn(self.hook_pre(x @ self.W_in + self.b_in)))
-        return post @ self.W_out + self.b_out
+        if self.gated:
+            gate = self.hook_pre(_affine(x, self.W_gate, self.b_gate))
+            post = self.hook_post(self.act_fn(gate) * self.hook_pre_linear(_affine(x, self.W_in, self.b_in)))
+        else:
+            post = self.hook_post(self.act_fn(self.hook_pre(_affine(x, self.W_in, self.b_in))))
+        return _affine(post, self.W_out, self.b_out)
+
+
+def _affine(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return x @ weight if bias is None else x @ weight + bias
 
 
 def shift_one_position(x: torch.Tensor) -> torch.Tensor:

@@ -320,3 +320,51 @@ def test_tl_residual_helpers_refuse_attnres(block_size):
         with pytest.raises(ValueError, match="running-sum residual stream.*'attnres'"):
             helper()
     assert cache.stack_head_results().shape[0] == model.cfg.n_layers * model.cfg.n_heads  # per-head outputs are fine
+
+
+# ---------------------------------------------------------------------------- Llama-style options (docs/model.md §6)
+def test_gated_mlp_is_swiglu_with_transformer_lens_hook_names():
+    model = HookedTransformer(small_config("attnres", 2, gated_mlp=True, act_fn="silu", d_mlp=40))
+    mlp = model.blocks[0].mlp
+    assert {"W_gate", "b_gate", "W_in", "b_in", "W_out", "b_out"} <= {name for name, _ in mlp.named_parameters()}
+    tokens = torch.randint(0, 20, (2, 7))
+    _, cache = model.run_with_cache(tokens)
+    x = model.blocks[0].ln2(cache["blocks.0.hook_resid_mid"])
+    gate, linear = x @ mlp.W_gate + mlp.b_gate, x @ mlp.W_in + mlp.b_in
+    torch.testing.assert_close(cache["blocks.0.mlp.hook_pre"], gate)
+    torch.testing.assert_close(cache["blocks.0.mlp.hook_pre_linear"], linear)
+    torch.testing.assert_close(cache["blocks.0.mlp.hook_post"], gate * torch.sigmoid(gate) * linear)
+    torch.testing.assert_close(cache["blocks.0.hook_mlp_out"], cache["blocks.0.mlp.hook_post"] @ mlp.W_out + mlp.b_out)
+    assert cache["mlp_post", 0].shape == (2, 7, 40)  # get_act_name resolves the gated names too
+    assert "blocks.0.mlp.hook_pre_linear" not in HookedTransformer(small_config()).hook_dict  # ungated: as before
+
+
+def test_bias_free_and_tied_unembedding():
+    model = HookedTransformer(small_config("standard", use_bias=False, tie_word_embeddings=True, gated_mlp=True))
+    names = set(model.state_dict())
+    assert not {name for name in names if ".b_" in name or name.endswith("b_U")}
+    assert "unembed.W_U" not in names and model.unembed.W_U.shape == (32, 20)
+    assert model.unembed.W_U.data_ptr() == model.embed.W_E.data_ptr()  # the embedding itself, transposed
+    tokens = torch.randint(0, 20, (2, 6))
+    _, cache = model.run_with_cache(tokens)
+    torch.testing.assert_close(model(tokens), model.ln_final(cache["blocks.2.hook_resid_post"]) @ model.embed.W_E.T)
+    model(tokens).sum().backward()  # one parameter, gradients from both ends
+    assert model.embed.W_E.grad is not None and model.embed.W_E.grad.abs().sum() > 0
+    assert torch.count_nonzero(model.accumulated_bias(2)) == 0
+
+
+def test_default_models_keep_their_parameters():
+    """The new switches default to the toolkit's original architecture: biases, an untied unembedding, GELU MLP."""
+    names = set(HookedTransformer(small_config("attnres", 2)).state_dict())
+    assert {"unembed.W_U", "unembed.b_U", "blocks.0.mlp.b_in", "blocks.0.mlp.b_out"} <= names
+    assert not {name for name in names if "W_gate" in name}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(gated_mlp=True, attn_only=True), "gated_mlp=True needs MLP sublayers"),
+    (dict(use_bias="no"), "use_bias must be true or false"),
+    (dict(tie_word_embeddings=1), "tie_word_embeddings must be true or false"),
+])
+def test_new_switches_are_validated(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_config(**overrides)
