@@ -59,6 +59,11 @@ class RunTables:
     def record(self, table: str) -> pd.DataFrame:
         return self.records.get(table, pd.DataFrame())
 
+    @property
+    def imported(self) -> bool:
+        """A model trained elsewhere (docs/interop.md §4): one checkpoint, never any metrics or records."""
+        return self.config.imported
+
 
 @dataclass
 class LoadResult:
@@ -143,15 +148,26 @@ def last_value(frame: pd.DataFrame, column: str) -> float:
     return float(values.iloc[-1]) if len(values) else math.nan
 
 
+def no_records_message(run: RunTables, what: str, where: str) -> str:
+    """Why a page shows no `what` (training records at `where`) for `run`: an imported run never has any; another
+    has none yet."""
+    if run.imported:
+        source = run.config.provenance.get("source", "elsewhere")
+        return (f"Run {run.name} was imported from {source} (trained elsewhere), so it has no training records and no "
+                f"{what}; the views computed from its checkpoint work.")
+    return f"Run {run.name} has no {what} yet ({where})."
+
+
 def summary_row(tables: RunTables) -> dict[str, Any]:
     cfg = tables.model_config
     metrics = tables.metrics
     last_step = int(metrics["step"].max()) if "step" in metrics and len(metrics) else 0
     total = tables.config.train.steps
+    steps = "imported" if tables.imported else f"{last_step}/{total}"  # an imported run's train.steps never ran
     return {
         "run": tables.name, "variant": tables.variant, "task": tables.task,
         "residual": cfg.residual_label, "attention": cfg.attention_label, "layers": cfg.n_layers,
-        "steps": f"{last_step}/{total}",
+        "steps": steps,
         "final loss": last_value(metrics, "loss"), "eval loss": last_value(metrics, "eval_loss"),
         "accuracy": last_value(metrics, "eval_accuracy"),
     }

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from attnres_lens.analysis.depth import depth_weights_per_token
-from lens_ui.data import RunTables
+from attnres_lens.analysis.depth import depth_weights, depth_weights_per_token
+from lens_ui.data import ModelHandle, RunTables, describe_error, load_model, no_records_message, task_batch
 from lens_ui.figures import KIND_TITLES, depth_heatmap, per_token_heatmap
 from lens_ui.widgets import loadable_runs, pick_model, pick_runs, show_figure, token_input
 
@@ -26,10 +26,29 @@ if not chosen:
     st.info("Pick a run.")
     st.stop()
 
+
+
+@st.cache_data(show_spinner="Computing depth weights from the checkpoint…", max_entries=16)
+def checkpoint_weights(_handle: ModelHandle, key: tuple, _run: RunTables, n_sequences: int) -> pd.DataFrame:
+    """Token-averaged α of a checkpoint's model on the run's held-out data, as one snapshot at step 0."""
+    with _handle.lock:
+        return depth_weights(_handle.model, task_batch(_run, n_sequences).tokens).assign(step=0)
+
+
 recorded = {run.path: run.record("depth_weights") for run in chosen}
 for run in chosen:
-    if recorded[run.path].empty:
-        st.warning(f"Run {run.name} has no recorded depth weights yet (records/depth_weights.parquet).")
+    if recorded[run.path].empty and run.imported:  # no snapshots will ever exist: measure its one checkpoint
+        st.info(no_records_message(run, "depth-weight snapshots", "records/depth_weights.parquet")
+                + " Its heatmap is computed now, on 16 held-out sequences of the run's task.")
+        handle, error = load_model(run, "latest")
+        try:
+            recorded[run.path] = checkpoint_weights(handle, handle.key, run, 16) if handle else pd.DataFrame()
+        except Exception as err:  # noqa: BLE001 - e.g. a task whose token file moved
+            error = describe_error(err)
+        if error:
+            st.error(f"Cannot compute the depth weights of {run.name}: {error}")
+    elif recorded[run.path].empty:
+        st.warning(no_records_message(run, "recorded depth weights", "records/depth_weights.parquet"))
 chosen = [run for run in chosen if not recorded[run.path].empty]
 if not chosen:
     st.stop()
@@ -55,10 +74,11 @@ for column, run in zip(columns, chosen):
     at, frame = snapshots[run.path]
     with column:
         st.subheader(run.name)
-        st.caption(f"{run.variant} · step {at}")
+        st.caption(f"{run.variant} · " + ("imported checkpoint" if run.imported else f"step {at}"))
         for kind in KIND_TITLES:
             if (frame["kind"] == kind).any():
-                show_figure(depth_heatmap(frame, kind, f"step {at}", zmax, run.name),
+                where = "imported checkpoint" if run.imported else f"step {at}"
+                show_figure(depth_heatmap(frame, kind, where, zmax, run.name),
                             key=f"depth-{run.name}-{kind}")
 
 st.divider()

@@ -9,7 +9,7 @@ import torch
 from transformer_lens.utilities import get_act_name
 
 from attnres_lens.analysis.induction import induction_head_scores
-from lens_ui.data import ModelHandle
+from lens_ui.data import ModelHandle, no_records_message
 from lens_ui.figures import kv_shift_figure, layer_head_heatmap, pattern_heatmap, score_over_training
 from lens_ui.widgets import loadable_runs, pick_model, pick_run, repeated_tokens_input, show_figure
 
@@ -50,7 +50,8 @@ metric = st.selectbox("Metric", [RECORDED, *METRICS], key="induction-metric",
 if metric == RECORDED:
     scores = run.record("induction_scores")
     if scores.empty:
-        st.warning(f"Run {run.name} has no recorded induction scores yet (records/induction_scores.parquet).")
+        st.warning(no_records_message(run, "recorded induction scores", "records/induction_scores.parquet")
+                   + " Pick a metric measured at a checkpoint.")
     else:
         steps = sorted(int(s) for s in scores["step"].unique())
         step = st.select_slider("Training step", steps, value=steps[-1], key="induction-step") if len(steps) > 1 \
@@ -108,7 +109,7 @@ if run.model_config.attention != "kv_shift":
 else:
     kv = run.record("kv_shift")
     if kv.empty:
-        st.warning(f"Run {run.name} has no recorded KV-shift coefficients yet (records/kv_shift.parquet).")
+        st.warning(no_records_message(run, "recorded KV-shift coefficients", "records/kv_shift.parquet"))
     else:
         st.caption("K̂_t = α1·K_t + α2·K_{t−1}, V̂_t = β1·V_t + β2·V_{t−1}, per head.")
         show_figure(kv_shift_figure(kv, f"{run.name} · KV-shift coefficients"), key=f"induction-kv-{run.name}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from lens_ui.data import no_records_message
 from lens_ui.figures import by_depth_lines, curves, depth_step_heatmap, last_step_by_depth
 from lens_ui.widgets import loadable_runs, pick_runs, show_figure
 
@@ -24,7 +25,7 @@ log_loss = st.toggle("Log-scale loss", value=False, key="dynamics-log-loss")
 series = [(run.name, run.metrics) for run in chosen if not run.metrics.empty]
 for run in chosen:
     if run.metrics.empty:
-        st.warning(f"Run {run.name} has no metrics yet (metrics.jsonl is missing or empty).")
+        st.warning(no_records_message(run, "training curves", "metrics.jsonl is missing or empty"))
 if series:
     left, right = st.columns(2)
     with left:
@@ -62,7 +63,7 @@ def depth_frame(frame: pd.DataFrame) -> pd.DataFrame:
 frames = {}
 for run in chosen:
     if run.record(table).empty:
-        st.warning(f"Run {run.name} has no `{table}` records yet.")
+        st.warning(no_records_message(run, f"`{table}` records", f"records/{table}.parquet"))
     else:
         frames[run.name] = depth_frame(run.record(table))
 if len(frames) > 1:
