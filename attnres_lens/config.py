@@ -444,6 +444,7 @@ def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
     """Apply `key=value` settings: `model.n_layers=4`, `train.lr=1e-3`, `task.vocab_size=48`, or an
     unqualified field name when exactly one section has it. Values are parsed as JSON (else a string)."""
     sections = {"model": config.model.settings(), "task": dict(config.task), "train": dataclasses.asdict(config.train)}
+    given_task_fields = set()
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
         if not sep or not key:
@@ -466,6 +467,13 @@ def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
         except json.JSONDecodeError:
             value = raw
         sections[section][field] = value
+        if section == "task":
+            given_task_fields.add(field)
+    if sections["task"].get("name") != config.task.get("name"):
+        # another task keeps the parameters it shares with the old one (vocab_size, seq_len, seed …); the old task's
+        # own parameters, which the new one would refuse, go unless they were given here
+        shared = task_fields(sections["task"])
+        sections["task"] = {k: v for k, v in sections["task"].items() if k in shared or k in given_task_fields}
     try:
         train = TrainConfig(**sections["train"])
         model = ModelConfig.from_dict(sections["model"])

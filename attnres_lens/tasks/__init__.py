@@ -23,6 +23,8 @@ Tasks (`TASKS`, built with `make_task(name, **params)`):
 * `repeated`: [BOS, r, r] repeated random tokens, a scoring probe (`for_training` is False).
 * `ngram3`: a sparse random 3-gram language (control).
 * `mixed`: 3-gram text with copied segments, for depth studies.
+* `tokens`: windows of a file of token ids from any tokenizer (real text); no BOS of its own, every position an
+  answer (see `tokens.py`).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from .base import BOS, IGNORE_INDEX, Batch, Task
 from .copying import CopyTask
 from .induction import InductionTask, RepeatedTask, repeated_tokens
 from .ngram import MixedTask, NGram3Task
+from .tokens import TokensTask
 
 TASKS: dict[str, type[Task]] = {
-    task.name: task for task in (CopyTask, InductionTask, RepeatedTask, NGram3Task, MixedTask)
+    task.name: task for task in (CopyTask, InductionTask, RepeatedTask, NGram3Task, MixedTask, TokensTask)
 }
 
 
@@ -63,6 +66,7 @@ __all__ = [
     "NGram3Task",
     "RepeatedTask",
     "Task",
+    "TokensTask",
     "make_task",
     "repeated_tokens",
 ]
