@@ -1,4 +1,4 @@
-"""`attnres-lens` command line: presets, train, resume, analyze, prune, dashboard."""
+"""`attnres-lens` command line: presets, train, resume, analyze, prune, attribute, dashboard."""
 
 from __future__ import annotations
 
@@ -43,7 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--metric", default="loss", help="order and plot by 'loss' or 'accuracy' (default: loss)")
     prune.add_argument("--out", metavar="DIR", help="output folder (default: RUN/analysis)")
     prune.add_argument("--samples", type=int, default=8, help="evaluation sequences (default: 8)")
-    for command in (analyze, prune):
+    attribute = commands.add_parser("attribute", help="attribution through depth: which sources a prediction uses, "
+                                    "and through which path (tables + HTML)")
+    attribute.add_argument("run", metavar="RUN", help="run directory")
+    attribute.add_argument("--samples", type=int, default=16, help="held-out sequences (default: 16; at least 2)")
+    attribute.add_argument("--prompt", metavar="IDS", help="space-separated token ids for the per-position views "
+                           "(default: the first held-out sequence)")
+    attribute.add_argument("--out", metavar="DIR", help="output folder (default: RUN/analysis)")
+    for command in (analyze, prune, attribute):
         command.add_argument("--checkpoint", default="latest", help="'latest', 'best' or a step number (default: latest)")
         command.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
@@ -72,6 +79,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _train(args)
     if args.command in ("analyze", "prune"):
         return _analysis(args)
+    if args.command == "attribute":
+        return _attribute(args)
     raise AssertionError(args.command)
 
 
@@ -138,6 +147,28 @@ def _analysis(args: argparse.Namespace) -> int:
     except (ValueError, RunDirError) as err:
         print(f"attnres-lens: error: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _attribute(args: argparse.Namespace) -> int:
+    import torch
+
+    from attnres_lens.analysis.attribution_report import attribute_run
+    from attnres_lens.rundir import RunDirError
+
+    torch.set_num_threads(1)  # small models on a shared CPU: one thread is faster (docs/kernels.md §11)
+    try:
+        result = attribute_run(args.run, args.checkpoint, args.samples, args.prompt, args.out,
+                               progress=not args.no_progress)
+    except (ValueError, RunDirError) as err:
+        print(f"attnres-lens: error: {err}", file=sys.stderr)
+        return 2
+    top = ", ".join(f"{row['source_label']} ({row['share']:.0%})" for row in result.summary["top_logit_sources"])
+    print(f"correct-token logit carried by: {top}")
+    if "edge_agreement" in result.summary:
+        agreement = result.summary["edge_agreement"]
+        print(f"edge estimates vs exact knockouts: Spearman {agreement['spearman']:.3f} over {agreement['n_edges']} edges")
+    print(f"report: {result.report_path}")
     return 0
 
 

@@ -7,7 +7,10 @@ hand-built circuits whose answer is known.
 
 from __future__ import annotations
 
+import json
 import math
+import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -42,6 +45,7 @@ from attnres_lens.analysis.interventions import (
     hook_stages,
     replace_hook,
 )
+from attnres_lens.cli import main as cli_main
 from attnres_lens.config import apply_overrides
 from attnres_lens.evaluation import score_logits
 from attnres_lens.presets import get_preset
@@ -589,3 +593,78 @@ def test_timeline_of_a_recorded_run_covers_every_consumer(smoke_run):
     changes = fastest_changes(timeline)
     routing = changes[changes["series"].isin(["routing_entropy", "max_weight", "embedding_weight"])]
     assert set(routing["step"]) <= steps and len(routing) == 3 * len(consumers)
+
+
+def test_row_wise_spearman_matches_the_pandas_one_with_ties():
+    from attnres_lens.analysis import spearman
+    from attnres_lens.analysis.attribution import spearman_rows
+
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 4, (30, 6), generator=generator).double()  # many ties
+    b = torch.randn(30, 6, generator=generator)
+    b[0] = 1.0  # a constant row
+    rows = spearman_rows(a, b)
+    for row, (x, y) in enumerate(zip(a, b)):
+        expected = spearman(x.tolist(), y.tolist())
+        assert (math.isnan(rows[row]) and math.isnan(expected)) or rows[row].item() == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------------------- the attribute command
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    code = cli_main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+ATTRIBUTION_TABLES = ("depth_dla", "depth_dla_summary", "depth_inputs", "logit_lens", "logit_lens_summary",
+                      "edge_attribution", "edge_attribution_corrupted", "routing", "edge_agreement",
+                      "routing_audit_pairs", "routing_audit_consumers", "kv_shift", "timeline", "timeline_changes")
+
+
+def test_attribute_command_writes_tables_and_one_offline_report(smoke_run, tmp_path, capsys):
+    out = tmp_path / "attribution"
+    code, stdout, _ = run_cli(["attribute", str(smoke_run), "--samples", "3", "--prompt", "0 3 5 7 3 5",
+                               "--out", str(out), "--no-progress"], capsys)
+    assert code == 0 and "report:" in stdout and "Spearman" in stdout
+    for name in ATTRIBUTION_TABLES:
+        assert (out / f"{name}.csv").is_file() and (out / f"{name}.parquet").is_file(), name
+    dla = pd.read_parquet(out / "depth_dla.parquet")
+    assert sorted(dla["position"].unique()) == [0, 1, 2, 3, 4]  # the prompt's positions with a next token
+    summary = json.loads((out / "attribution_summary.json").read_text())
+    assert summary["prompt"] == "0 3 5 7 3 5" and summary["edge_agreement"]["n_edges"] > 0
+    report = (out / "attribution_report.html").read_text()
+    assert re.findall(r"<script[^>]*\ssrc\s*=", report, flags=re.I) == []  # plotly.js is inline, once
+    assert re.findall(r"<link\b", report, flags=re.I) == [] and report.count("plotly.js v") == 1
+    assert report.count('class="plotly-graph-div"') == 9
+
+
+def test_attribute_command_refuses_bad_input_in_one_line(smoke_run, tmp_path, capsys):
+    cases = [
+        (["attribute", str(tmp_path / "missing")], "does not exist"),
+        (["attribute", str(smoke_run), "--samples", "1"], "samples must be an integer >= 2"),
+        (["attribute", str(smoke_run), "--prompt", "1 2 x"], "space-separated integer ids"),
+        (["attribute", str(smoke_run), "--prompt", "1 2 999"], "token id 999 is out of range"),
+        (["attribute", str(smoke_run), "--prompt", "5"], "--prompt needs at least 2 tokens"),
+        (["attribute", str(smoke_run), "--checkpoint", "999"], "step_0000999.safetensors does not exist"),
+    ]
+    (tmp_path / "a-file").write_text("")
+    cases.append((["attribute", str(smoke_run), "--out", str(tmp_path / "a-file")], "is a file"))
+    for argv, message in cases:
+        code, _, err = run_cli(argv + ["--no-progress"], capsys)
+        assert code == 2 and err.startswith("attnres-lens: error: ") and message in err, (argv, err)
+        assert err.count("\n") == 1, err
+
+
+DEMO_RUNS = Path(__file__).resolve().parent.parent / "data" / "demo_runs"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEMO_RUNS.is_dir(), reason="no demo runs (make demo)")
+def test_attribute_works_on_every_shipped_demo_run(tmp_path, capsys):
+    runs = sorted(path for path in DEMO_RUNS.iterdir() if (path / "config.json").is_file())
+    assert runs
+    for run in runs:
+        code, stdout, err = run_cli(["attribute", str(run), "--samples", "2", "--out", str(tmp_path / run.name),
+                                     "--no-progress"], capsys)
+        assert code == 0, (run.name, err)
+        assert (tmp_path / run.name / "attribution_report.html").is_file()

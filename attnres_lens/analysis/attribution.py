@@ -572,7 +572,7 @@ def routing_audit(model: HookedTransformer, batch: Batch, n_boot: int = 1000, se
         row = {**_consumer_info(model, c), "n_sources": n_sources,
                "spearman": spearman(point_mass.tolist(), point_effects) if n_sources > 2 else float("nan")}
         if n_sources > 2:
-            boots = torch.tensor([spearman(m.tolist(), e.tolist()) for m, e in zip(boot_mass, boot_effects)])
+            boots = spearman_rows(boot_mass, boot_effects)
             row.update(_interval("spearman", boots[~boots.isnan()]))
         else:
             row.update(spearman_low=float("nan"), spearman_high=float("nan"))
@@ -583,6 +583,20 @@ def routing_audit(model: HookedTransformer, batch: Batch, n_boot: int = 1000, se
             row.update(_interval(f"null_{name}_dloss", boots))
         consumer_rows.append(row)
     return {"pairs": pd.DataFrame(pair_rows), "consumers": pd.DataFrame(consumer_rows)}
+
+
+def spearman_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Spearman correlation of each row of `a` with the same row of `b` ([rows, n] each; average ranks for ties,
+    as `pruning.spearman`); NaN for a row where either side is constant."""
+    def ranks(x: torch.Tensor) -> torch.Tensor:
+        below = (x[..., :, None] > x[..., None, :]).sum(-1).double()
+        ties = (x[..., :, None] == x[..., None, :]).sum(-1).double()
+        return below + (ties + 1) / 2
+
+    ra, rb = ranks(a.double()), ranks(b.double())
+    ra, rb = ra - ra.mean(-1, keepdim=True), rb - rb.mean(-1, keepdim=True)
+    denominator = (ra.pow(2).sum(-1) * rb.pow(2).sum(-1)).sqrt()
+    return torch.where(denominator > 0, (ra * rb).sum(-1) / denominator.clamp_min(1e-300), float("nan"))
 
 
 def _interval(name: str, samples: torch.Tensor) -> dict[str, float]:

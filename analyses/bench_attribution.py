@@ -1,0 +1,206 @@
+"""Exact interventions, old engine vs new, on a 12-layer Full AttnRes model (issue 13).
+
+`attnres-lens prune` evaluates a few hundred exact interventions (sublayer ablations, cumulative removal sets, a
+knockout of every source of every consumer). This times the same `prune_tables` call three ways, in one process,
+on one briefly trained depth-full model and the run's held-out batch:
+
+* `one pass per intervention`: a full forward pass of the model for each intervention (inline below);
+* `stacked full passes`: the engine before this change: copies of the batch stacked into full forward passes
+  of up to 64 sequences (inline below);
+* `shared prefixes` (the library's `evaluate_many` now): the forward pass in stages; interventions share the
+  stages before they part, and branches run stacked from there.
+
+The tables must agree (max |difference| reported); then the `prune` command end to end, and one forward and
+backward pass of first-order edge attribution against the exact knockouts it estimates.
+
+    python -m analyses.bench_attribution --out analyses/reports/bench_attribution.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import pandas as pd
+import torch
+
+from analyses.common import command_line, emit_report, machine_info
+from attnres_lens.analysis import causal_routing, edge_agreement, edge_attribution, prune_tables
+from attnres_lens.analysis import interventions, pruning, routing
+from attnres_lens.config import apply_overrides
+from attnres_lens.evaluation import score_logits
+from attnres_lens.presets import get_preset
+from attnres_lens.rundir import load_run
+from attnres_lens.training import train
+
+
+# ---------------------------------------------------------------------------- the old engines, inline
+def one_pass_per_intervention(model, batch, interventions_, max_sequences=None, progress=False, desc="", cache=None,
+                              score=score_logits):
+    with torch.no_grad():
+        return [score(model.run_with_hooks(batch.tokens, fwd_hooks=list(hooks)), batch) for hooks in interventions_]
+
+
+def stacked_full_passes(model, batch, interventions_, max_sequences=64, progress=False, desc="", cache=None,
+                        score=score_logits):
+    """The previous `evaluate_many`: copies of the batch in full passes of up to 64 sequences."""
+    n_batch = batch.tokens.shape[0]
+    per_pass = max(1, max_sequences // n_batch)
+    results = []
+    with torch.no_grad():
+        for start in range(0, len(interventions_), per_pass):
+            group = interventions_[start : start + per_pass]
+            by_name: dict[str, list] = defaultdict(list)
+            for slot, hooks in enumerate(group):
+                for name, hook in hooks:
+                    by_name[name].append((slot, hook))
+            fwd_hooks = [(name, interventions._on_copies(n_batch, hooks)) for name, hooks in by_name.items()]
+            logits = model.run_with_hooks(batch.tokens.repeat(len(group), 1), fwd_hooks=fwd_hooks)
+            results += [score(part, batch) for part in logits.split(n_batch)]
+    return results
+
+
+@contextmanager
+def engine(evaluate_many: Optional[Callable]) -> Iterator[list[int]]:
+    """Run the pruning code with another `evaluate_many` (None: the library's), counting interventions."""
+    count = [0]
+    inner = evaluate_many or interventions.evaluate_many
+
+    def counted(model, batch, interventions_, *args, **kwargs):
+        count[0] += len(interventions_)
+        return inner(model, batch, interventions_, *args, **kwargs)
+
+    def single(model, batch, fwd_hooks=()):
+        return counted(model, batch, [fwd_hooks])[0]
+
+    saved = {module: (module.evaluate_many, module.evaluate) for module in (pruning, routing)}
+    try:
+        for module in saved:
+            module.evaluate_many, module.evaluate = counted, single
+        yield count
+    finally:
+        for module, (many, one) in saved.items():
+            module.evaluate_many, module.evaluate = many, one
+
+
+def timed(function: Callable) -> tuple[object, float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = function()
+    return result, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def max_difference(a: dict[str, pd.DataFrame], b: dict[str, pd.DataFrame]) -> float:
+    worst = 0.0
+    for name, frame in a.items():
+        other = b[name]
+        assert list(frame.columns) == list(other.columns) and len(frame) == len(other), name
+        for column in frame.select_dtypes("number").columns:
+            difference = (frame[column].astype(float) - other[column].astype(float)).abs()
+            worst = max(worst, float(difference.max(skipna=True) if difference.notna().any() else 0.0))
+    return worst
+
+
+def load_average() -> str:
+    return " / ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+# ---------------------------------------------------------------------------- main
+def main(argv: Optional[Sequence[str]] = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="depth-full")
+    parser.add_argument("--steps", type=int, default=50, help="training steps before measuring (default 50)")
+    parser.add_argument("--samples", type=int, default=32, help="held-out sequences, as `prune --samples`")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for the model (e.g. model.n_layers=2 for a quick run)")
+    parser.add_argument("--skip-one-pass", action="store_true", help="do not time one pass per intervention")
+    parser.add_argument("--out", type=Path, help="write the markdown report here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # as the CLI does: small models on a shared CPU
+
+    started = time.perf_counter()
+    load_before = load_average()
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / args.preset
+        config = apply_overrides(get_preset(args.preset), [
+            f"train.steps={args.steps}", f"train.eval_every={args.steps}", f"train.record_every={args.steps}",
+            f"train.checkpoint_every={args.steps}", "train.threads=1", *args.overrides])
+        _, train_wall, _ = timed(lambda: train(config, run_dir, progress=False))
+        run = load_run(run_dir)
+        model, batch = run.model, run.config.build_task().eval_batch(args.samples)
+
+        paths = [("shared prefixes", None), ("stacked full passes", stacked_full_passes)]
+        if not args.skip_one_pass:
+            paths.append(("one pass per intervention", one_pass_per_intervention))
+        measured = {}
+        for label, evaluate_many in paths + [("shared prefixes (again)", None)]:
+            with engine(evaluate_many) as count:
+                tables, wall, cpu = timed(lambda: prune_tables(model, batch))
+            measured[label] = dict(tables=tables, wall=wall, cpu=cpu, interventions=count[0])
+            print(f"{label}: {wall:.1f} s wall, {cpu:.1f} s CPU, {count[0]} interventions", file=sys.stderr)
+        reference = measured["shared prefixes"]["tables"]
+        differences = {label: max_difference(reference, entry["tables"]) for label, entry in measured.items()}
+
+        command = [str(Path(sys.executable).parent / "attnres-lens"), "prune", str(run_dir), "--samples",
+                   str(args.samples), "--no-progress", "--out", str(Path(tmp) / "prune")]
+        wall = time.perf_counter()
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        cli_wall = time.perf_counter() - wall
+
+        edges, edge_wall, _ = timed(lambda: edge_attribution(model, batch))
+        exact, exact_wall, _ = timed(lambda: causal_routing(model, batch))
+        agreement, worst = edge_agreement(edges, exact, top=5)
+    load_after = load_average()
+
+    cfg = model.cfg
+    shared = measured["shared prefixes"]
+    lines = [
+        "# Exact interventions: one pass each, stacked full passes, shared prefixes",
+        "",
+        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, one torch "
+        f"thread, in {time.perf_counter() - started:.0f} s, by `{command_line()}`. Load average (1/5/15 min) "
+        f"{load_before} before and {load_after} after: the machine is shared, so wall times carry other "
+        "processes' load; CPU times are this process's own.",
+        "",
+        f"Model: preset `{args.preset}` ({cfg.n_layers} layers, d_model {cfg.d_model}, d_mlp {cfg.d_mlp}, "
+        f"{cfg.n_sublayers} sublayers, {run.model_config.description}), trained {args.steps} steps "
+        f"({train_wall:.0f} s); {args.samples} held-out sequences of length {batch.tokens.shape[1]} of its task. "
+        "Each row is one `prune_tables` call (sensitivity, angular distances, cumulative curves, causal routing).",
+        "",
+        "| engine | interventions | wall (s) | CPU (s) | × shared (wall) | max \\|Δ\\| vs shared |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, entry in measured.items():
+        lines.append(f"| {label} | {entry['interventions']} | {entry['wall']:.1f} | {entry['cpu']:.1f} | "
+                     f"{entry['wall'] / shared['wall']:.2f} | {differences[label]:.1e} |")
+    lines += [
+        "",
+        f"`attnres-lens prune RUN --samples {args.samples}` end to end (process start, imports, model load, every "
+        f"table, the HTML report): **{cli_wall:.1f} s** wall.",
+        "",
+        "First-order edge attribution (one forward and one backward pass, every edge at once) against the exact "
+        f"knockouts it estimates: {edge_wall:.2f} s vs {exact_wall:.1f} s ({len(exact)} edges); Spearman "
+        f"{agreement['spearman']:.3f} overall, {agreement['spearman_within_consumer']:.3f} within consumers, sign "
+        f"agreement {agreement['sign_agreement']:.2f}. Largest disagreements:",
+        "",
+        "| consumer | source | α mass | max α | exact Δloss | estimate |",
+        "|---|---|---|---|---|---|",
+    ]
+    for _, row in worst.iterrows():
+        lines.append(f"| {row['consumer_label']} | {row['source_label']} | {row['alpha_mass']:.3f} | "
+                     f"{row['max_alpha']:.3f} | {row['delta_loss']:.5f} | {row['total']:.5f} |")
+    text = "\n".join(lines) + "\n"
+    emit_report(text, args.out)
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,447 @@
+"""`attnres-lens attribute`: attribution through depth for a run directory (docs/analysis.md §11), as tables and
+one offline HTML report, and the figures the report and the dashboard's Attribution page share.
+
+Data: the run's held-out set (`task.eval_batch(samples)`, scored on its answer positions where it has them),
+one prompt for the per-position views (`--prompt`, default the first held-out sequence), the repeated-tokens
+probe for the KV-shift decomposition, and the run's recorded snapshots for the timeline.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from attnres_lens.analysis.attribution import (
+    audit_summary,
+    depth_input_decomposition,
+    depth_logit_attribution,
+    edge_agreement,
+    edge_attribution,
+    logit_attribution_summary,
+    logit_lens_summary,
+    routing_audit,
+    source_logit_lens,
+)
+from attnres_lens.analysis.induction import default_half_len, repeated_batch
+from attnres_lens.analysis.kv_shift import kv_shift_decomposition
+from attnres_lens.analysis.report import STYLE
+from attnres_lens.analysis.routing import causal_routing
+from attnres_lens.analysis.run import _check_samples, _json_safe, _run_header, write_tables
+from attnres_lens.analysis.timeline import fastest_changes, training_timeline
+from attnres_lens.model import HookedTransformer
+from attnres_lens.rundir import PathLike, RunDir, atomic_write_bytes, atomic_write_json, load_run
+from attnres_lens.tasks.base import IGNORE_INDEX, Batch
+
+SIGNED, SEQUENTIAL = "RdBu_r", "Viridis"
+EDGE_COLUMNS = {"total": "total Δloss", "value_path": "value path", "routing_path": "routing path"}
+
+
+# ---------------------------------------------------------------------------- tables
+def answer_targets(batch: Batch) -> torch.Tensor:
+    """The batch's targets at its answer positions (−100 elsewhere); all targets if it marks no answers."""
+    if not batch.answer_mask.any():
+        return batch.targets
+    return torch.where(batch.answer_mask, batch.targets, IGNORE_INDEX)
+
+
+def attribution_tables(model: HookedTransformer, batch: Batch, prompt: torch.Tensor,
+                       records: Optional[dict[str, pd.DataFrame]] = None, metrics: Optional[pd.DataFrame] = None,
+                       probe: Optional[Batch] = None, n_boot: int = 1000, progress: bool = False,
+                       on_stage: Optional[Callable[[float, str], Any]] = None) -> dict[str, pd.DataFrame]:
+    """Every attribution table for a model (the edge, routing and audit tables for AttnRes models only).
+
+    `prompt` [1, pos] feeds the per-position tables (depth_dla, logit_lens); `batch` the rest. `on_stage(fraction,
+    description)` is called before each stage (a UI's progress bar); `progress` shows a tqdm bar over the stages.
+    """
+    batch = batch.to(model.embed.W_E.device)
+    attnres = model.cfg.residual == "attnres"
+    stages: list[tuple[str, Callable[[dict], None]]] = [
+        ("direct logit attribution", lambda t: t.update(
+            depth_dla=depth_logit_attribution(model, prompt),
+            depth_dla_summary=logit_attribution_summary(depth_logit_attribution(model, batch.tokens,
+                                                                                answer_targets(batch))),
+            depth_inputs=depth_input_decomposition(model, batch.tokens))),
+        ("logit lens", lambda t: t.update(
+            logit_lens=source_logit_lens(model, prompt),
+            logit_lens_summary=logit_lens_summary(source_logit_lens(model, batch.tokens, targets=answer_targets(batch))))),
+    ]
+    if attnres:
+        stages += [
+            ("edge attribution (one forward and backward pass)", lambda t: t.update(
+                edge_attribution=edge_attribution(model, batch),
+                edge_attribution_corrupted=edge_attribution(model, batch, corrupted=batch.tokens.roll(1, dims=0)))),
+            ("exact knockouts (causal routing)", lambda t: t.update(routing=causal_routing(model, batch))),
+            ("routing audit (bootstrap over sequences, null schedules)", lambda t: t.update(
+                **{f"routing_audit_{key}": frame for key, frame in routing_audit(model, batch, n_boot).items()})),
+        ]
+    stages.append(("KV-shift decomposition", lambda t: t.update(
+        kv_shift=kv_shift_decomposition(model, probe if probe is not None else
+                                        repeated_batch(batch.tokens.shape[0], default_half_len(model),
+                                                       model.cfg.d_vocab)))))
+    if records is not None and metrics is not None:
+        stages.append(("training timeline", lambda t: t.update(timeline=training_timeline(records, metrics))))
+    tables: dict[str, pd.DataFrame] = {}
+    report = on_stage or (lambda fraction, description: None)
+    with tqdm(total=len(stages), desc="attribution", disable=not progress, leave=False) as bar:
+        for index, (description, stage) in enumerate(stages):
+            report(index / len(stages), description + "…")
+            bar.set_postfix_str(description)
+            stage(tables)
+            bar.update(1)
+    if "routing" in tables:
+        tables["edge_agreement"] = edge_agreement(tables["edge_attribution"], tables["routing"])[1]
+    if "timeline" in tables:
+        tables["timeline_changes"] = fastest_changes(tables["timeline"])
+    report(1.0, "done")
+    return tables
+
+
+def attribution_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) -> dict[str, Any]:
+    """Headline numbers: the sources carrying most of the correct-token logit, the lens depth where the target
+    first ranks top on average, edge-estimate agreement, the audit's means, the strongest shifted-key head."""
+    dla = tables["depth_dla_summary"].sort_values("mean_abs_contribution", ascending=False)
+    summary: dict[str, Any] = {**header, "top_logit_sources": dla.head(3)[["source_label", "mean_contribution",
+                                                                           "share"]].to_dict("records")}
+    lens = tables["logit_lens_summary"]
+    inputs = lens[lens["vector"] == "input"]
+    summary["lens_final_top1"] = float(inputs["top1"].iloc[-1])
+    if "routing" in tables:
+        agreement, _ = edge_agreement(tables["edge_attribution"], tables["routing"])
+        summary["edge_agreement"] = agreement
+        summary["routing_audit"] = audit_summary({"consumers": tables["routing_audit_consumers"]})
+    kv = tables["kv_shift"]
+    best = kv.loc[kv["prefix_score"].idxmax()]
+    summary["top_induction_head"] = dict(layer=int(best["layer"]), head=int(best["head"]),
+                                         prefix_score=float(best["prefix_score"]),
+                                         shifted_key_induction_score=float(best["shifted_key_induction_score"]))
+    if "timeline_changes" in tables:
+        changes = tables["timeline_changes"]
+        model_wide = changes[changes["consumer"] < 0]
+        summary["fastest_change_steps"] = dict(zip(model_wide["series"], model_wide["step"].astype(int)))
+    return summary
+
+
+@dataclass
+class AttributionResult:
+    tables: dict[str, pd.DataFrame]
+    summary: dict[str, Any]
+    report_path: Path
+
+
+def parse_prompt(model: HookedTransformer, prompt: Union[str, torch.Tensor, None], batch: Batch) -> torch.Tensor:
+    """[1, pos] prompt tokens: space-separated ids (validated by the model), default the first held-out sequence."""
+    if prompt is None:
+        return batch.tokens[:1]
+    tokens = model.to_tokens(prompt)
+    if tokens.shape[0] != 1:
+        raise ValueError(f"--prompt must be one sequence of token ids, got {tokens.shape[0]}")
+    if tokens.shape[1] < 2:
+        raise ValueError("--prompt needs at least 2 tokens (each position is attributed against the next token)")
+    return tokens
+
+
+def attribute_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples: int = 16,
+                  prompt: Optional[str] = None, out: Optional[PathLike] = None, n_boot: int = 1000,
+                  progress: bool = True) -> AttributionResult:
+    """Attribution tables, `attribution_summary.json` and `attribution_report.html` under `out` (default
+    RUN/analysis/)."""
+    _check_samples(samples, 2)  # the bootstrap and the corrupted patch need two sequences
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder (it is created if missing)")
+    run = load_run(path, checkpoint=str(checkpoint))
+    task = run.config.build_task()
+    model = run.model
+    batch = task.eval_batch(samples)
+    prompt_tokens = parse_prompt(model, prompt, batch)
+    probe = repeated_batch(samples, default_half_len(model), task.vocab_size, seed=task.seed)
+    tables = attribution_tables(model, batch, prompt_tokens, run.records, run.metrics, probe, n_boot, progress)
+    header = {**_run_header(run, samples), "prompt": " ".join(map(str, prompt_tokens[0].tolist()))}
+    summary = _json_safe(attribution_summary(tables, header))
+    out_dir = Path(out) if out is not None else RunDir(run.path).analysis_dir
+    write_tables(tables, out_dir)
+    atomic_write_json(out_dir / "attribution_summary.json", summary)
+    report_path = out_dir / "attribution_report.html"
+    atomic_write_bytes(report_path, attribution_report_html(tables, summary).encode())
+    return AttributionResult(tables, summary, report_path)
+
+
+# ---------------------------------------------------------------------------- figures (pure functions of tables)
+def _layout(figure, title: str, height: int = 420, **layout):
+    # an explicit template: importing streamlit changes Plotly's default one
+    layout.setdefault("margin", dict(l=10, r=10, t=60, b=10))
+    figure.update_layout(title=title, height=height, template="plotly_white", **layout)
+    return figure
+
+
+def dla_heatmap(dla: pd.DataFrame, sequence: int = 0):
+    """Per-position direct logit attribution of one sequence: source × position, signed."""
+    import plotly.graph_objects as go
+
+    frame = dla[dla["sequence"] == sequence]
+    grid = frame.pivot(index="source_label", columns="position", values="contribution")
+    grid = grid.reindex(frame.drop_duplicates("source")["source_label"])
+    targets = frame.drop_duplicates("position").set_index("position")["target"].reindex(grid.columns)
+    tokens = frame.drop_duplicates("position").set_index("position")["token"].reindex(grid.columns)
+    limit = float(grid.abs().max().max()) or 1.0
+    figure = go.Figure(go.Heatmap(
+        z=grid.to_numpy(), x=[f"{p}: {t}→{n}" for p, t, n in zip(grid.columns, tokens, targets)],
+        y=grid.index.tolist(), colorscale=SIGNED, zmid=0, zmin=-limit, zmax=limit,
+        colorbar=dict(title=dict(text="logit")),
+        hovertemplate="source %{y}<br>position %{x}<br>contribution %{z:.3f}<extra></extra>"))
+    figure.update_yaxes(autorange="reversed", title="source (final readout)", type="category")
+    figure.update_xaxes(title="position: token→next token", type="category")
+    return _layout(figure, "Direct logit attribution of the next token, per source and position",
+                   max(320, 80 + 24 * len(grid)))
+
+
+def dla_summary_bars(summary: pd.DataFrame):
+    import plotly.graph_objects as go
+
+    figure = go.Figure(go.Bar(x=summary["source_label"], y=summary["mean_contribution"],
+                              error_y=None, marker_color="#4c72b0",
+                              customdata=summary[["share", "mean_alpha"]].to_numpy(),
+                              hovertemplate="%{x}<br>mean contribution %{y:.3f}<br>share of |·| %{customdata[0]:.2f}"
+                                            "<br>mean α %{customdata[1]:.3f}<extra></extra>"))
+    figure.update_xaxes(title="source", type="category")
+    figure.update_yaxes(title="mean contribution to the correct logit")
+    return _layout(figure, "Which sources the prediction reads (held-out answer positions)")
+
+
+def lens_heatmap(lens: pd.DataFrame, sequence: int = 0):
+    """Correct-token rank of every decoded vector (depth order) at each position of one sequence."""
+    import plotly.graph_objects as go
+
+    frame = lens[lens["sequence"] == sequence]
+    order = frame.drop_duplicates(["vector", "label"])["label"].tolist()
+    grid = frame.pivot_table(index="label", columns="position", values="target_rank", aggfunc="first").reindex(order)
+    tops = frame.pivot_table(index="label", columns="position", values="top_tokens", aggfunc="first").reindex(order)
+    figure = go.Figure(go.Heatmap(
+        z=grid.to_numpy(dtype=float), x=[str(p) for p in grid.columns], y=order, customdata=tops.to_numpy(),
+        colorscale=SEQUENTIAL, reversescale=True, colorbar=dict(title=dict(text="rank of the<br>next token")),
+        hovertemplate="%{y}<br>position %{x}<br>rank %{z}<br>top tokens %{customdata}<extra></extra>"))
+    figure.update_yaxes(autorange="reversed", type="category", title="decoded vector (sources, then inputs)")
+    figure.update_xaxes(title="position", type="category")
+    return _layout(figure, "Logit lens over depth: rank of the next token (0 = top)", max(360, 60 + 20 * len(order)))
+
+
+def lens_summary_figure(summary: pd.DataFrame):
+    import plotly.graph_objects as go
+
+    figure = go.Figure()
+    for vector, group in summary.groupby("vector", sort=False):
+        figure.add_trace(go.Scatter(x=group["label"], y=group["top1"], mode="lines+markers", name=f"{vector}s"))
+    figure.update_xaxes(title="decoded vector, in depth order", type="category")
+    figure.update_yaxes(title="share of answers ranked first", range=[0, 1])
+    return _layout(figure, "Logit lens: where the answer becomes readable")
+
+
+def edge_heatmap(edges: pd.DataFrame, column: str = "total"):
+    """Consumer × source heatmap of an edge-attribution column (total, value_path or routing_path)."""
+    import plotly.graph_objects as go
+
+    if column not in EDGE_COLUMNS:
+        raise ValueError(f"column must be one of {list(EDGE_COLUMNS)}, got {column!r}")
+    grid = _edge_grid(edges, column)
+    limit = float(grid.abs().max().max()) if grid.notna().any().any() else 1.0
+    figure = go.Figure(go.Heatmap(
+        z=grid.to_numpy(dtype=float), x=grid.columns.tolist(), y=grid.index.tolist(), colorscale=SIGNED, zmid=0,
+        zmin=-limit, zmax=limit, hoverongaps=False, colorbar=dict(title=dict(text="Δloss (est.)")),
+        hovertemplate="consumer %{y}<br>source %{x}<br>%{z:.4g}<extra></extra>"))
+    figure.update_yaxes(autorange="reversed", type="category", title="consumer")
+    figure.update_xaxes(type="category", title="source")
+    return _layout(figure, f"Edge attribution ({EDGE_COLUMNS[column]}): first-order Δloss of knocking a source out",
+                   max(360, 80 + 22 * len(grid)))
+
+
+def _edge_grid(edges: pd.DataFrame, column: str) -> pd.DataFrame:
+    grid = edges.pivot_table(index=["consumer", "consumer_label"], columns="source_label", values=column)
+    grid = grid.sort_index().droplevel("consumer")
+    first = edges.groupby("source_label")["source"].min()
+    return grid.reindex(columns=sorted(grid.columns, key=lambda label: (label == "partial", first[label], label)))
+
+
+def edge_heatmap_with_toggle(edges: pd.DataFrame):
+    """`edge_heatmap` with buttons switching between the total, the value path and the routing path (works in an
+    offline HTML file)."""
+    figure = edge_heatmap(edges, "total")
+    grids = {column: _edge_grid(edges, column) for column in EDGE_COLUMNS}
+    limit = max(float(grid.abs().max().max()) for grid in grids.values())
+    figure.update_traces(zmin=-limit, zmax=limit)
+    buttons = [dict(label=label, method="update",
+                    args=[{"z": [grids[column].to_numpy(dtype=float)]},
+                          {"title.text": f"Edge attribution ({label}): first-order Δloss of knocking a source out"}])
+               for column, label in EDGE_COLUMNS.items()]
+    figure.update_layout(updatemenus=[dict(type="buttons", direction="right", buttons=buttons, x=1, y=1.02,
+                                           xanchor="right", yanchor="bottom")], margin=dict(t=100))
+    return figure
+
+
+def agreement_scatter(edges: pd.DataFrame, routing: pd.DataFrame):
+    import plotly.graph_objects as go
+
+    merged = edges.merge(routing[["consumer", "source", "delta_loss"]], on=["consumer", "source"])
+    figure = go.Figure(go.Scatter(
+        x=merged["delta_loss"], y=merged["total"], mode="markers",
+        marker=dict(color=merged["max_alpha"], colorscale=SEQUENTIAL, cmin=0, cmax=1, showscale=True,
+                    colorbar=dict(title=dict(text="max α"))),
+        text=merged["consumer_label"] + " ← " + merged["source_label"],
+        hovertemplate="%{text}<br>exact %{x:.4g}<br>estimate %{y:.4g}<extra></extra>"))
+    low = float(min(merged["delta_loss"].min(), merged["total"].min()))
+    high = float(max(merged["delta_loss"].max(), merged["total"].max()))
+    figure.add_trace(go.Scatter(x=[low, high], y=[low, high], mode="lines", line=dict(dash="dot", color="#888"),
+                                name="estimate = exact", hoverinfo="skip"))
+    figure.update_xaxes(title="exact Δloss (masked forward pass)")
+    figure.update_yaxes(title="first-order estimate")
+    return _layout(figure, "Edge attribution vs exact knockouts", showlegend=False)
+
+
+def audit_figure(consumers: pd.DataFrame):
+    """Per consumer: Spearman(α mass, Δloss) with its bootstrap CI, and the Δloss of the two null schedules."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    figure = make_subplots(rows=1, cols=2, subplot_titles=("Spearman(α mass, Δloss) over a consumer's sources",
+                                                           "Δloss when α is replaced by a null schedule"))
+    labels = consumers["consumer_label"]
+    figure.add_trace(go.Scatter(
+        x=labels, y=consumers["spearman"], mode="markers", name="Spearman", marker=dict(color="#4c72b0"),
+        error_y=dict(type="data", symmetric=False, array=consumers["spearman_high"] - consumers["spearman"],
+                     arrayminus=consumers["spearman"] - consumers["spearman_low"])), row=1, col=1)
+    for name, color in (("mean", "#dd8452"), ("recency", "#55a868")):
+        value = consumers[f"null_{name}_dloss"]
+        figure.add_trace(go.Bar(
+            x=labels, y=value, name=f"{name} schedule", marker_color=color,
+            error_y=dict(type="data", symmetric=False, array=consumers[f"null_{name}_dloss_high"] - value,
+                         arrayminus=value - consumers[f"null_{name}_dloss_low"])), row=1, col=2)
+    figure.update_yaxes(range=[-1.05, 1.05], row=1, col=1)
+    figure.update_xaxes(type="category")
+    return _layout(figure, "Routing audit (95% bootstrap intervals over sequences)", 440, barmode="group")
+
+
+def kv_shift_bars(kv: pd.DataFrame):
+    import plotly.graph_objects as go
+
+    labels = "L" + kv["layer"].astype(str) + "H" + kv["head"].astype(str)
+    figure = go.Figure([
+        go.Bar(x=labels, y=kv["current_key_advantage"], name="current key (α1·q·K_k)"),
+        go.Bar(x=labels, y=kv["shifted_key_advantage"], name="shifted key (α2·q·K_{k−1})"),
+    ])
+    figure.add_trace(go.Scatter(x=labels, y=kv["prefix_score"], name="prefix score (attention on target)",
+                                mode="markers", yaxis="y2", marker=dict(color="black", symbol="diamond")))
+    figure.update_layout(yaxis=dict(title="score advantage at the induction target"),
+                         yaxis2=dict(title="prefix score", overlaying="y", side="right", range=[0, 1]))
+    figure.update_xaxes(title="head", type="category")
+    return _layout(figure, "KV-shift decomposition on repeated tokens: which key finds the induction target",
+                   barmode="group")
+
+
+TIMELINE_PANELS = (("loss", "eval_loss"), ("induction_score",), ("routing_entropy",), ("max_weight",),
+                   ("embedding_weight",))
+
+
+def timeline_figure(timeline: pd.DataFrame, changes: pd.DataFrame):
+    """Loss, the induction score and per-consumer routing statistics over training, on one step axis; a dotted
+    line marks where the loss and the induction score change fastest."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    panels = [panel for panel in TIMELINE_PANELS if timeline["series"].isin(panel).any()]
+    figure = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.04,
+                           subplot_titles=[" / ".join(panel) for panel in panels])
+    for row, panel in enumerate(panels, start=1):
+        for series in panel:
+            frame = timeline[timeline["series"] == series]
+            for (consumer, label), curve in frame.groupby(["consumer", "consumer_label"], sort=True):
+                figure.add_trace(go.Scatter(x=curve["step"], y=curve["value"], mode="lines",
+                                            name=label or series, legendgroup=label or series,
+                                            showlegend=row == 3 or consumer < 0,
+                                            hovertemplate=f"{label or series}<br>step %{{x}}<br>%{{y:.4g}}<extra></extra>"),
+                                 row=row, col=1)
+    for series in ("loss", "induction_score"):
+        hit = changes[(changes["series"] == series) & (changes["consumer"] < 0)]
+        if len(hit):
+            step = int(hit["step"].iloc[0])
+            figure.add_vline(x=step, line_dash="dot", line_color="#888")
+            figure.add_annotation(x=step, y=1.0, yref="paper", yanchor="bottom", yshift=24, showarrow=False,
+                                  text=f"fastest {series.replace('_', ' ')}: step {step}", font=dict(size=11))
+    figure.update_xaxes(title="step", row=len(panels), col=1)
+    return _layout(figure, "Training timeline", 170 * len(panels) + 120, margin=dict(l=10, r=10, t=110, b=10))
+
+
+# ---------------------------------------------------------------------------- the HTML report
+def _table(frame: pd.DataFrame, columns: Optional[list[str]] = None) -> str:
+    frame = frame if columns is None else frame[[column for column in columns if column in frame]]
+    return ("<div class=\"wide\">" + frame.to_html(index=False, float_format=lambda value: f"{value:.4g}", border=0)
+            + "</div>")
+
+
+AUDIT_COLUMNS = ["consumer_label", "n_sources", "spearman", "spearman_low", "spearman_high", "top_mass_label",
+                 "top_effect_label", "null_mean_dloss", "null_mean_dloss_low", "null_mean_dloss_high",
+                 "null_recency_dloss", "null_recency_dloss_low", "null_recency_dloss_high"]
+KV_COLUMNS = ["layer", "head", "alpha1", "alpha2", "beta1", "beta2", "prefix_score", "current_key_advantage",
+              "shifted_key_advantage", "shifted_key_induction_score", "shifted_value_share"]
+REPORT_STYLE = STYLE + ".wide { overflow-x: auto; max-width: 100%; }\n"
+
+
+def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, Any], title: Optional[str] = None) -> str:
+    """The report as one HTML string, a section per analysis; plotly.js embedded once, so it opens offline."""
+    title = title or f"Attribution through depth: {summary.get('run', '')}"
+    sections: list[tuple[str, str, list[Any], str]] = [  # heading, note, figures, table HTML
+        ("Direct logit attribution through depth",
+         "Exact: with the final norm's scale frozen at its clean value, the per-source terms of a position sum to "
+         "its logit minus the unembedding bias. The table averages the correct-token logit over held-out answer "
+         "positions.", [dla_heatmap(tables["depth_dla"]), dla_summary_bars(tables["depth_dla_summary"])],
+         _table(tables["depth_dla_summary"])),
+        ("Logit lens over depth",
+         "Every source and every sublayer input decoded through the final norm (recomputed on the vector) and the "
+         "unembedding.", [lens_heatmap(tables["logit_lens"]), lens_summary_figure(tables["logit_lens_summary"])], ""),
+    ]
+    if "routing" in tables:
+        agreement = summary.get("edge_agreement", {})
+        sections += [
+            ("Edge attribution: value and routing paths",
+             f"First-order estimates from one forward and one backward pass (buttons: total, value path, routing "
+             f"path), against the exact knockouts: Spearman {agreement.get('spearman', float('nan')):.3f} over "
+             f"{agreement.get('n_edges')} edges ({agreement.get('spearman_within_consumer', float('nan')):.3f} within "
+             f"consumers), sign agreement {agreement.get('sign_agreement', float('nan')):.2f}. First order fails "
+             "where a softmax is saturated (max α near 1); the largest disagreements are listed.",
+             [edge_heatmap_with_toggle(tables["edge_attribution"]),
+              agreement_scatter(tables["edge_attribution"], tables["routing"])], _table(tables["edge_agreement"])),
+            ("Routing audit",
+             "α mass against the exact effect of each knockout, per consumer, with 95% bootstrap intervals over "
+             "sequences. Null schedules replace a consumer's α by its token mean (content-independent) or by one "
+             "recency profile pooled over consumers.", [audit_figure(tables["routing_audit_consumers"])],
+             _table(tables["routing_audit_consumers"], AUDIT_COLUMNS)),
+        ]
+    sections.append((
+        "KV-shift decomposition",
+        "Scores split into current-key and shifted-key parts on repeated tokens. Shifted-key induction score ≈ 1: "
+        "a one-layer KV-shift induction head; ≈ 0: the target is found through the current key (the two-layer "
+        "previous-token + induction circuit).", [kv_shift_bars(tables["kv_shift"])],
+        _table(tables["kv_shift"], KV_COLUMNS)))
+    if "timeline" in tables and len(tables["timeline"]):
+        changes = tables["timeline_changes"]
+        sections.append(("Training timeline", "From the run's recorded snapshots; dotted lines mark where the loss "
+                         "and the induction score change fastest.",
+                         [timeline_figure(tables["timeline"], changes)], _table(changes[changes["consumer"] < 0])))
+    parts = ["<!DOCTYPE html>", "<html><head><meta charset=\"utf-8\">", f"<title>{html.escape(title)}</title>",
+             f"<style>{REPORT_STYLE}</style></head><body>", f"<h1>{html.escape(title)}</h1>",
+             f"<p>Model {html.escape(str(summary.get('variant')))}, checkpoint "
+             f"{html.escape(str(summary.get('checkpoint')))}, {summary.get('samples')} held-out sequences. Prompt "
+             f"for the per-position views: <code>{html.escape(str(summary.get('prompt', '')))}</code>.</p>"]
+    first = True
+    for heading, note, figures, table in sections:
+        parts += [f"<h2>{html.escape(heading)}</h2>", f"<p class=\"note\">{html.escape(note)}</p>"]
+        for figure in figures:
+            # plotly.js goes inline with the first figure only; later figures reuse it
+            parts.append(figure.to_html(full_html=False, include_plotlyjs=first, config={"displaylogo": False}))
+            first = False
+        parts.append(table)
+    parts.append("</body></html>")
+    return "\n".join(parts)
