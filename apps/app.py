@@ -36,6 +36,7 @@ PAGES = [
     st.Page("views/training_dynamics.py", title="Training dynamics", icon=":material/show_chart:"),
     st.Page("views/induction.py", title="Induction heads", icon=":material/repeat:"),
     st.Page("views/pruning.py", title="Pruning", icon=":material/content_cut:"),
+    st.Page("views/attribution.py", title="Attribution", icon=":material/account_tree:"),
 ]
 page = st.navigation(PAGES)
 with st.sidebar:

@@ -98,5 +98,12 @@ def test_dashboard_in_chromium(dashboard_url):
             page.get_by_role("heading", name="Training dynamics").wait_for(timeout=60_000)
             wait_for_charts(page, count=4)
             page.screenshot(path=str(OUTPUT / "dashboard-training-dynamics.png"), full_page=True)
+
+            page.get_by_role("link", name="Attribution").click()
+            page.get_by_role("heading", name="Attribution").wait_for(timeout=60_000)
+            page.get_by_role("button", name="Compute attribution").click(timeout=60_000)
+            page.get_by_text("Direct logit attribution of the next token").first.wait_for(timeout=120_000)
+            wait_for_charts(page, count=3)  # the timeline, the per-position DLA and the per-source bars
+            page.screenshot(path=str(OUTPUT / "dashboard-attribution.png"), full_page=True)
         finally:
             browser.close()

@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 APP = REPO_ROOT / "apps" / "app.py"
 DEMO_RUNS = REPO_ROOT / "data" / "demo_runs"
 PAGES = ["views/runs.py", "views/depth_attention.py", "views/depth_mixing.py", "views/training_dynamics.py",
-         "views/induction.py", "views/pruning.py"]
+         "views/induction.py", "views/pruning.py", "views/attribution.py"]
 
 pytestmark = pytest.mark.slow
 if not (DEMO_RUNS / "induction-1l-kvshift" / "config.json").is_file():
@@ -127,6 +127,24 @@ def test_live_induction_scores_and_pruning_report_compute():
     app.button(key="pruning-compute").click().run()
     assert_clean(app)
     assert app.get("iframe") or app.get("html"), "the pruning report was not shown"
+
+
+def test_attribution_page_computes_and_toggles_the_edge_path():
+    app = open_page("views/attribution.py")
+    app.selectbox(key="attribution-run").set_value(str(DEMO_RUNS / "depth-full-6l")).run()
+    assert_clean(app)
+    assert any("Training timeline" in spec["layout"]["title"]["text"] for spec in chart_specs(app))
+    app.number_input(key="attribution-samples").set_value(3).run()
+    app.button(key="attribution-compute").click().run()
+    assert_clean(app)
+    titles = [spec["layout"]["title"]["text"] for spec in chart_specs(app)]
+    assert any("Direct logit attribution" in title for title in titles)
+    assert any(title.startswith("Edge attribution (total") for title in titles)
+    total = next(spec for spec in chart_specs(app) if spec["layout"]["title"]["text"].startswith("Edge attribution ("))
+    app.radio(key="attribution-edge-path").set_value("routing_path").run()
+    assert_clean(app)
+    routing = next(spec for spec in chart_specs(app) if spec["layout"]["title"]["text"].startswith("Edge attribution ("))
+    assert "routing path" in routing["layout"]["title"]["text"] and routing["data"][0]["z"] != total["data"][0]["z"]
 
 
 def test_broken_run_directories_show_messages_not_tracebacks(tmp_path):

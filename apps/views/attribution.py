@@ -1,0 +1,147 @@
+"""Attribution: which earlier sublayers a prediction uses, and through which path (docs/analysis.md §11).
+
+The training timeline comes from the run's records; the rest is computed on demand from a checkpoint (the same
+tables as `attnres-lens attribute`, cached per checkpoint, samples and prompt): direct logit attribution per
+source and position, the logit lens over depth, edge attribution with its value / routing split next to the exact
+knockouts, the routing audit with bootstrap intervals, and the KV-shift decomposition.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import pandas as pd
+import streamlit as st
+import torch
+
+from attnres_lens.analysis.attribution_report import (
+    EDGE_COLUMNS,
+    agreement_scatter,
+    attribution_tables,
+    audit_figure,
+    dla_heatmap,
+    dla_summary_bars,
+    edge_heatmap,
+    kv_shift_bars,
+    lens_heatmap,
+    lens_summary_figure,
+    timeline_figure,
+)
+from attnres_lens.analysis.induction import default_half_len, repeated_batch
+from attnres_lens.analysis.timeline import fastest_changes, training_timeline
+from lens_ui.data import ModelHandle, RunTables, describe_error, no_records_message, task_batch
+from lens_ui.widgets import loadable_runs, pick_model, pick_run, show_figure
+
+st.title("Attribution")
+st.caption("Which sources a prediction reads, and whether through the value a source carries or the routing "
+           "weight it gets. Direct logit attribution is exact (final norm's scale frozen); edge attribution is a "
+           "first-order estimate from one backward pass, shown next to the exact knockouts it approximates.")
+
+runs = loadable_runs()
+if not runs:
+    st.info("No readable runs in this folder.")
+    st.stop()
+run = pick_run(runs, key="attribution-run", prefer=lambda r: r.model_config.residual == "attnres")
+st.caption(run.variant)
+
+
+@st.cache_resource(max_entries=1)
+def result_store() -> dict[tuple, dict[str, pd.DataFrame]]:
+    """Finished tables by (model key, samples, prompt), shared by sessions. A plain dict rather than st.cache_data,
+    because the computation reports progress to widgets created outside it."""
+    return {}
+
+
+def compute(run: RunTables, handle: ModelHandle, samples: int, prompt: torch.Tensor,
+            progress: Callable[[float, str], Any]) -> dict[str, pd.DataFrame]:
+    probe = repeated_batch(samples, default_half_len(handle.model), run.build_task().vocab_size)
+    with handle.lock:
+        return attribution_tables(handle.model, task_batch(run, samples), prompt, probe=probe, on_stage=progress)
+
+
+def prompt_input(run: RunTables, handle: ModelHandle, samples: int) -> Optional[torch.Tensor]:
+    """[1, pos] tokens for the per-position views: a held-out sequence, or ids the user types."""
+    source = st.radio("Prompt for the per-position views", ["a held-out sequence", "token ids I type"],
+                      horizontal=True, key="attribution-prompt-source")
+    if source == "a held-out sequence":
+        index = int(st.number_input("Held-out sequence", 0, samples - 1, 0, key="attribution-sequence"))
+        return task_batch(run, samples).tokens[index : index + 1]
+    text = st.text_input(f"Token ids, space-separated (0…{handle.model.cfg.d_vocab - 1}, 2 to "
+                         f"{handle.model.cfg.n_ctx})", "0 5 9 13 5 9", key="attribution-ids")
+    try:
+        tokens = handle.model.to_tokens(text).cpu()
+    except ValueError as err:
+        st.error(f"Invalid token ids: {err}")
+        return None
+    if tokens.shape[1] < 2:
+        st.error("Invalid token ids: give at least 2 (each position is attributed against the next token).")
+        return None
+    return tokens
+
+
+# ---------------------------------------------------------------------------- from the records
+st.header("Training timeline")
+timeline = training_timeline(run.records, run.metrics)
+if timeline.empty:
+    st.info(no_records_message(run, "training records", "records/ and metrics.jsonl"))
+else:
+    changes = fastest_changes(timeline)
+    show_figure(timeline_figure(timeline, changes), key="attribution-timeline")
+    with st.expander("Step of the fastest change, per series and consumer"):
+        st.dataframe(changes, hide_index=True)
+
+# ---------------------------------------------------------------------------- from a checkpoint
+st.header("At a checkpoint")
+handle = pick_model(run, key="attribution-checkpoint")
+if handle is None:
+    st.stop()
+samples = int(st.number_input("Held-out sequences", 2, 128, 8, key="attribution-samples",
+                              help="the routing audit's bootstrap and the corrupted patch need at least 2"))
+prompt = prompt_input(run, handle, samples)
+if prompt is None:
+    st.stop()
+key = (handle.key, samples, tuple(prompt[0].tolist()))
+store = result_store()
+if key not in store and st.button("Compute attribution", type="primary", key="attribution-compute"):
+    bar = st.progress(0.0, text="starting…")
+    try:
+        store[key] = compute(run, handle, samples, prompt, lambda done, text: bar.progress(done, text=text))
+    except Exception as err:  # noqa: BLE001 - a bad checkpoint or task config becomes a message
+        st.error(f"Attribution of {run.name} failed: {describe_error(err)}")
+    bar.empty()
+if key not in store:
+    st.info("A few seconds for a small model (the exact knockouts and the audit take longest); kept for this "
+            "checkpoint, sample count and prompt until the server restarts.")
+    st.stop()
+tables = store[key]
+
+dla_tab, lens_tab, edge_tab, audit_tab, kv_tab = st.tabs(
+    ["Depth DLA", "Logit lens", "Edge attribution", "Routing audit", "KV shift"])
+with dla_tab:
+    show_figure(dla_heatmap(tables["depth_dla"]), key="attribution-dla")
+    show_figure(dla_summary_bars(tables["depth_dla_summary"]), key="attribution-dla-summary")
+    st.dataframe(tables["depth_dla_summary"], hide_index=True)
+with lens_tab:
+    show_figure(lens_heatmap(tables["logit_lens"]), key="attribution-lens")
+    show_figure(lens_summary_figure(tables["logit_lens_summary"]), key="attribution-lens-summary")
+with edge_tab:
+    if "edge_attribution" not in tables:
+        st.info(f"Run {run.name} has a {run.model_config.residual} residual: no depth attention, so no edges "
+                "to attribute (its depth DLA treats e and every f_j as sources).")
+    else:
+        column = st.radio("Path", list(EDGE_COLUMNS), horizontal=True, key="attribution-edge-path",
+                          format_func=lambda c: EDGE_COLUMNS[c])
+        show_figure(edge_heatmap(tables["edge_attribution"], column), key="attribution-edges")
+        show_figure(agreement_scatter(tables["edge_attribution"], tables["routing"]), key="attribution-agreement")
+        st.caption("Largest disagreements between the estimate and the exact knockout (max α near 1: saturated "
+                   "softmax, where first order fails).")
+        st.dataframe(tables["edge_agreement"], hide_index=True)
+with audit_tab:
+    if "routing_audit_consumers" not in tables:
+        st.info(f"Run {run.name} has no depth attention to audit.")
+    else:
+        show_figure(audit_figure(tables["routing_audit_consumers"]), key="attribution-audit")
+        st.dataframe(tables["routing_audit_consumers"], hide_index=True)
+with kv_tab:
+    show_figure(kv_shift_bars(tables["kv_shift"]), key="attribution-kv")
+    st.dataframe(tables["kv_shift"], hide_index=True)
