@@ -1,8 +1,9 @@
-"""`attnres-lens` command line: presets, train, resume, analyze, prune, attribute, dashboard."""
+"""`attnres-lens` command line: presets, train, resume, analyze, prune, attribute, import-fla, export-fla, dashboard."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -54,6 +55,28 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--checkpoint", default="latest", help="'latest', 'best' or a step number (default: latest)")
         command.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
+    import_fla = commands.add_parser("import-fla", help="open a flash-linear-attention Transformer as a run directory")
+    import_fla.add_argument("path", metavar="PATH", help="FLA model directory (config.json + model.safetensors)")
+    import_fla.add_argument("--out", metavar="RUN", required=True, help="run directory to create")
+    evaluation = import_fla.add_mutually_exclusive_group()
+    evaluation.add_argument("--task", metavar="NAME", help="the analyses' evaluation task, at the model's vocabulary "
+                            "and context (default: copy)")
+    evaluation.add_argument("--tokens", metavar="FILE", help="evaluate on windows of a token-id file instead "
+                            "(uint16/uint32 raw or .npy; task 'tokens')")
+    import_fla.add_argument("--tokens-dtype", choices=["uint16", "uint32"], help="dtype of a raw --tokens file")
+    import_fla.add_argument("--set", dest="overrides", action="append", default=[], metavar="task.KEY=VALUE",
+                            help="override a task parameter, e.g. --set task.seq_len=129 (repeatable)")
+    import_fla.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
+                            help="dtype of the imported model (default float32; bf16 weights upcast exactly)")
+
+    export_fla = commands.add_parser("export-fla", help="write a run's model as a flash-linear-attention directory")
+    export_fla.add_argument("run", metavar="RUN", help="run directory")
+    export_fla.add_argument("--out", metavar="DIR", required=True, help="new folder for the FLA model")
+    export_fla.add_argument("--checkpoint", default="latest", help="'latest', 'best' or a step number (default: latest)")
+    export_fla.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"],
+                            help="dtype of the written weights (default: the model's; for a run imported from FLA, "
+                            "the dtype it came in)")
+
     dashboard = commands.add_parser("dashboard", help="open the Streamlit dashboard on a folder of runs")
     dashboard.add_argument("--runs", metavar="DIR", default=str(REPO_ROOT / "data" / "demo_runs"),
                            help="a run directory or a folder of them (default: data/demo_runs)")
@@ -81,6 +104,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _analysis(args)
     if args.command == "attribute":
         return _attribute(args)
+    if args.command in ("import-fla", "export-fla"):
+        return _fla(args)
     raise AssertionError(args.command)
 
 
@@ -170,6 +195,57 @@ def _attribute(args: argparse.Namespace) -> int:
         print(f"edge estimates vs exact knockouts: Spearman {agreement['spearman']:.3f} over {agreement['n_edges']} edges")
     print(f"report: {result.report_path}")
     return 0
+
+
+def _fla(args: argparse.Namespace) -> int:
+    """import-fla / export-fla (docs/interop.md §4)."""
+    import torch
+
+    from attnres_lens import interop
+    from attnres_lens.rundir import RunDirError
+
+    torch.set_num_threads(1)  # small models on a shared CPU: one thread is faster (docs/kernels.md §11)
+    try:
+        if args.command == "export-fla":
+            out = interop.export_fla_run(args.run, args.out, args.checkpoint, args.dtype)
+            print(f"wrote {out}/config.json and {out}/{interop.WEIGHTS_FILE} (open with FLA's "
+                  "TransformerForCausalLM.from_pretrained)")
+            return 0
+        task = _import_task(args, interop)
+        run, loss = interop.import_fla_run(args.path, args.out, task, dtype=args.dtype)
+        print(f"imported {args.path} as run {run} (eval loss {loss:.4g} on task {task['name'] if task else 'copy'}); "
+              f"next: attnres-lens analyze {run}")
+    except (ValueError, RunDirError, OSError) as err:
+        print(f"attnres-lens: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _import_task(args: argparse.Namespace, interop) -> Optional[dict]:
+    """The task section of an imported run: --task NAME or --tokens FILE at the model's vocabulary and context, with
+    --set task.KEY=VALUE on top; None for the default (copy)."""
+    if args.tokens_dtype and not args.tokens:
+        raise ValueError("--tokens-dtype describes a --tokens file; give one")
+    if not (args.task or args.tokens or args.overrides):
+        return None
+    cfg = interop.model_config_from_fla(interop.read_fla_config(args.path), dtype=args.dtype)
+    if args.tokens:
+        task = {"name": "tokens", "path": str(Path(args.tokens).resolve()), "vocab_size": cfg.d_vocab,
+                "seq_len": cfg.n_ctx}
+        if args.tokens_dtype:
+            task["dtype"] = args.tokens_dtype
+    else:
+        task = interop.default_task(cfg, args.task or "copy")
+    for assignment in args.overrides:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key.startswith("task.") or len(key) == len("task."):
+            raise ValueError(f"--set takes task.KEY=VALUE here (the model comes from the FLA directory), got "
+                             f"{assignment!r}")
+        try:
+            task[key[len("task."):]] = json.loads(raw)
+        except json.JSONDecodeError:
+            task[key[len("task."):]] = raw
+    return task
 
 
 def _dashboard(args: argparse.Namespace) -> int:

@@ -110,7 +110,6 @@ class Attention(nn.Module):
             self.register_buffer("rotary_sin", sin, persistent=False)
             self.hook_rot_q = HookPoint()
             self.hook_rot_k = HookPoint()
-        self.register_buffer("causal_mask", torch.ones(cfg.n_ctx, cfg.n_ctx, dtype=torch.bool).tril(), persistent=False)
         self.hook_attn_scores = HookPoint()
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()
@@ -132,7 +131,10 @@ class Attention(nn.Module):
         if group > 1:
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.cfg.d_head)
-        scores = scores.masked_fill(~self.causal_mask[:n_pos, :n_pos], float("-inf"))
+        # built per call at the sequence's length: an [n_ctx, n_ctx] buffer per layer costs gigabytes at the context
+        # lengths of imported models (8192² bytes × 32 layers), and is as large as the scores it masks
+        future = torch.ones(n_pos, n_pos, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
         pattern = self.hook_pattern(self.hook_attn_scores(scores).softmax(dim=-1))
         z = self.hook_z(torch.einsum("bhqk,bkhd->bqhd", pattern, v))
         return torch.einsum("bqhd,hdm->bqm", z, self.W_O)

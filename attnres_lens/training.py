@@ -286,6 +286,10 @@ def resume(out_dir: str | Path, progress: bool = True, steps: Optional[int] = No
     run_dir.read_config_dict()  # a missing or foreign folder is refused before the lock would create anything
     with run_dir.lock() if _is_writer() else contextlib.nullcontext():
         config = run_dir.read_config()
+        if config.imported:
+            raise ValueError(f"{run_dir.path} holds a model imported from {config.provenance.get('source', 'elsewhere')}: "
+                             "it has no training state to resume (continue training it where it was trained, e.g. "
+                             "after `attnres-lens export-fla`)")
         if steps is not None:
             config.train.steps = steps
         if run_dir.read_index().latest is None:
