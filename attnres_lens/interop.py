@@ -4,7 +4,7 @@ The model knows nothing of FLA: this module translates configurations and state 
 
 * `from_fla(model_or_dir)`: an FLA model in memory, or a Hugging Face-format directory (config.json + safetensors),
   becomes a `HookedTransformer` with the same logits: standard residual (`attnres_block_size=None`), Full AttnRes
-  (1) and Block AttnRes (even S). Reading a directory needs neither FLA nor transformers.
+  (1) and Block AttnRes (even S). Reading a directory does not need FLA installed.
 * `to_fla(model)`: an FLA `TransformerForCausalLM` with our weights (needs FLA installed, and flash-attn for FLA's
   attention layer); `save_fla(model, out_dir)` writes a directory FLA's `from_pretrained` opens, without FLA.
 * Anything one side can express and the other cannot is refused with `FlaInteropError` naming the option.
@@ -375,7 +375,7 @@ def to_fla(model: "HookedTransformer", dtype: Optional[torch.dtype] = None, temp
 def save_fla(model: "HookedTransformer", out_dir: PathLike, dtype: Optional[torch.dtype] = None,
              template: Optional[Mapping[str, Any]] = None) -> Path:
     """Write `model` as a Hugging Face-format FLA directory (config.json + model.safetensors) that FLA's
-    `TransformerForCausalLM.from_pretrained` opens. Needs neither FLA nor transformers. `out_dir` must be empty or
+    `TransformerForCausalLM.from_pretrained` opens, without FLA installed. `out_dir` must be empty or
     new: files of another model are never mixed in."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

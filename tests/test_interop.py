@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -384,8 +385,9 @@ def test_the_dashboard_opens_an_imported_run_and_says_what_it_lacks(tmp_path):
     assert not app.exception and not app.error
     assert list(app.dataframe[0].value["steps"]) == ["imported"]
     said = {}
-    for page in ("views/depth_attention.py", "views/depth_mixing.py", "views/training_dynamics.py",
-                 "views/induction.py", "views/pruning.py"):
+    app_source = (Path(__file__).resolve().parent.parent / "apps" / "app.py").read_text()
+    pages = [page for page in re.findall(r'st\.Page\("([^"]+)"', app_source) if page != "views/runs.py"]
+    for page in pages:  # every page of the app, those added later too
         app.switch_page(page).run()
         assert not app.exception, (page, [e.value for e in app.exception])
         assert not app.error, (page, [e.value for e in app.error])
@@ -393,8 +395,9 @@ def test_the_dashboard_opens_an_imported_run_and_says_what_it_lacks(tmp_path):
         if page == "views/depth_attention.py":
             titles = [json.loads(chart.proto.spec)["layout"]["title"]["text"] for chart in app.get("plotly_chart")]
             assert any("imported checkpoint" in title for title in titles), titles
-    for page in ("views/depth_attention.py", "views/training_dynamics.py", "views/induction.py",
-                 "views/depth_mixing.py"):
+    needs_records = {"views/depth_attention.py", "views/training_dynamics.py", "views/induction.py",
+                     "views/depth_mixing.py", "views/attribution.py"} & set(pages)
+    for page in needs_records:
         assert "imported from flash-linear-attention" in said[page], (page, said[page])
     app.switch_page("views/pruning.py").run()
     app.button(key="pruning-compute").click().run()
