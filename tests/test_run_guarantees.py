@@ -162,7 +162,7 @@ def test_float16_training_on_the_cpu_is_refused_up_front(tmp_path, capsys):
     ("model.d_mlp=1.5", "d_mlp must be an integer or null, got 1.5"),
     ("model.init_range=Infinity", "init_range must be a finite number, got inf"),
     ("model.normalization_type=LN", "normalization_type='LN' is not implemented"),
-    ("model.gated_mlp=true", "gated_mlp=True is not implemented"),
+    ("model.final_rms=true", "final_rms=True is not implemented"),  # gated_mlp is implemented (docs/model.md §6)
     ("model.num_experts=4", "num_experts=4 is not implemented"),
 ])
 def test_settings_are_type_checked_not_coerced(setting, message, tmp_path, capsys):
