@@ -564,6 +564,21 @@ def test_trained_runs_use_the_mechanism_their_architecture_allows(induction_runs
     assert (vanilla["shifted_key_advantage"] == 0).all() and (vanilla["shifted_key_induction_score"] == 0).all()
 
 
+@pytest.mark.skipif(not (Path(__file__).resolve().parent.parent / "data" / "demo_runs" / "induction-2l-vanilla").is_dir(),
+                    reason="demo runs missing (make demo)")
+def test_the_shipped_induction_runs_tell_the_two_mechanisms_apart():
+    demo = Path(__file__).resolve().parent.parent / "data" / "demo_runs"
+    probe = repeated_batch(16, half_len=20, vocab_size=64, seed=3)
+    scores = {name: kv_shift_decomposition(load_run(demo / name).model, probe)
+              for name in ("induction-1l-kvshift", "induction-2l-vanilla")}
+    for name, expected in (("induction-1l-kvshift", 1.0), ("induction-2l-vanilla", 0.0)):
+        top = scores[name].loc[scores[name]["prefix_score"].idxmax()]
+        assert top["prefix_score"] > 0.5, name
+        assert top["shifted_key_induction_score"] == pytest.approx(expected, abs=0.05), name
+    vanilla = scores["induction-2l-vanilla"].set_index(["layer", "head"])
+    assert vanilla["prefix_score"].idxmax()[0] == 1 and vanilla["current_key_advantage"].max() > 5  # layer 1, current key
+
+
 # ---------------------------------------------------------------------------- training timeline
 def test_timeline_statistics_and_fastest_change_on_known_snapshots():
     weights = pd.DataFrame([
@@ -668,3 +683,17 @@ def test_attribute_works_on_every_shipped_demo_run(tmp_path, capsys):
                                      "--no-progress"], capsys)
         assert code == 0, (run.name, err)
         assert (tmp_path / run.name / "attribution_report.html").is_file()
+
+
+@pytest.mark.slow
+def test_attribute_works_on_a_run_imported_from_fla(tmp_path, capsys):
+    pytest.importorskip("fla", reason="flash-linear-attention is not installed (pip install attnres_lens[fla])")
+    from attnres_lens.interop import import_fla_run
+    from tests.test_interop import make_fla  # FLA's own model class, built on the CPU
+
+    fla = make_fla(seed=3, num_hidden_layers=2, vocab_size=40, max_position_embeddings=33, attnres_block_size=1)
+    run, _ = import_fla_run(fla, tmp_path / "imported")
+    code, stdout, err = run_cli(["attribute", str(run), "--samples", "3", "--no-progress"], capsys)
+    assert code == 0, err
+    tables = {name: pd.read_parquet(run / "analysis" / f"{name}.parquet") for name in ("edge_attribution", "timeline")}
+    assert len(tables["edge_attribution"]) > 0 and tables["timeline"].empty  # imported: no training records
