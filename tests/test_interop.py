@@ -69,7 +69,7 @@ def make_fla(seed: int = 0, **overrides) -> TransformerForCausalLM:
                 param.copy_(2 * noise / param.shape[-1] ** 0.5)
             else:
                 param.copy_(noise / param.shape[-1] ** 0.5)
-    return model
+    return model.to(DEVICE)
 
 
 def tokens(vocab: int, batch: int = 2, length: int = 20, seed: int = 0) -> torch.Tensor:
