@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import pandas as pd
 import torch
@@ -37,6 +37,9 @@ from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 from attnres_lens.model import HookedTransformer
 from attnres_lens.rundir import PathLike, RunDir, atomic_write_bytes, atomic_write_json, load_run
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 SIGNED, SEQUENTIAL = "RdBu_r", "Viridis"
 EDGE_COLUMNS = {"total": "total Δloss", "value_path": "value path", "routing_path": "routing path"}
@@ -172,14 +175,14 @@ def attribute_run(path: PathLike, checkpoint: Union[str, int] = "latest", sample
 
 
 # ---------------------------------------------------------------------------- figures (pure functions of tables)
-def _layout(figure, title: str, height: int = 420, **layout):
+def _layout(figure: "go.Figure", title: str, height: int = 420, **layout: Any) -> "go.Figure":
     # an explicit template: importing streamlit changes Plotly's default one
     layout.setdefault("margin", dict(l=10, r=10, t=60, b=10))
     figure.update_layout(title=title, height=height, template="plotly_white", **layout)
     return figure
 
 
-def dla_heatmap(dla: pd.DataFrame, sequence: int = 0):
+def dla_heatmap(dla: pd.DataFrame, sequence: int = 0) -> "go.Figure":
     """Per-position direct logit attribution of one sequence: source × position, signed."""
     import plotly.graph_objects as go
 
@@ -200,7 +203,7 @@ def dla_heatmap(dla: pd.DataFrame, sequence: int = 0):
                    max(320, 80 + 24 * len(grid)))
 
 
-def dla_summary_bars(summary: pd.DataFrame):
+def dla_summary_bars(summary: pd.DataFrame) -> "go.Figure":
     import plotly.graph_objects as go
 
     figure = go.Figure(go.Bar(x=summary["source_label"], y=summary["mean_contribution"],
@@ -213,7 +216,7 @@ def dla_summary_bars(summary: pd.DataFrame):
     return _layout(figure, "Which sources the prediction reads (held-out answer positions)")
 
 
-def lens_heatmap(lens: pd.DataFrame, sequence: int = 0):
+def lens_heatmap(lens: pd.DataFrame, sequence: int = 0) -> "go.Figure":
     """Correct-token rank of every decoded vector (depth order) at each position of one sequence."""
     import plotly.graph_objects as go
 
@@ -230,7 +233,7 @@ def lens_heatmap(lens: pd.DataFrame, sequence: int = 0):
     return _layout(figure, "Logit lens over depth: rank of the next token (0 = top)", max(360, 60 + 20 * len(order)))
 
 
-def lens_summary_figure(summary: pd.DataFrame):
+def lens_summary_figure(summary: pd.DataFrame) -> "go.Figure":
     import plotly.graph_objects as go
 
     figure = go.Figure()
@@ -241,7 +244,7 @@ def lens_summary_figure(summary: pd.DataFrame):
     return _layout(figure, "Logit lens: where the answer becomes readable")
 
 
-def edge_heatmap(edges: pd.DataFrame, column: str = "total"):
+def edge_heatmap(edges: pd.DataFrame, column: str = "total") -> "go.Figure":
     """Consumer × source heatmap of an edge-attribution column (total, value_path or routing_path)."""
     import plotly.graph_objects as go
 
@@ -266,7 +269,7 @@ def _edge_grid(edges: pd.DataFrame, column: str) -> pd.DataFrame:
     return grid.reindex(columns=sorted(grid.columns, key=lambda label: (label == "partial", first[label], label)))
 
 
-def edge_heatmap_with_toggle(edges: pd.DataFrame):
+def edge_heatmap_with_toggle(edges: pd.DataFrame) -> "go.Figure":
     """`edge_heatmap` with buttons switching between the total, the value path and the routing path (works in an
     offline HTML file)."""
     figure = edge_heatmap(edges, "total")
@@ -282,7 +285,7 @@ def edge_heatmap_with_toggle(edges: pd.DataFrame):
     return figure
 
 
-def agreement_scatter(edges: pd.DataFrame, routing: pd.DataFrame):
+def agreement_scatter(edges: pd.DataFrame, routing: pd.DataFrame) -> "go.Figure":
     import plotly.graph_objects as go
 
     merged = edges.merge(routing[["consumer", "source", "delta_loss"]], on=["consumer", "source"])
@@ -301,7 +304,7 @@ def agreement_scatter(edges: pd.DataFrame, routing: pd.DataFrame):
     return _layout(figure, "Edge attribution vs exact knockouts", showlegend=False)
 
 
-def audit_figure(consumers: pd.DataFrame):
+def audit_figure(consumers: pd.DataFrame) -> "go.Figure":
     """Per consumer: Spearman(α mass, Δloss) with its bootstrap CI, and the Δloss of the two null schedules."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
@@ -324,7 +327,7 @@ def audit_figure(consumers: pd.DataFrame):
     return _layout(figure, "Routing audit (95% bootstrap intervals over sequences)", 440, barmode="group")
 
 
-def kv_shift_bars(kv: pd.DataFrame):
+def kv_shift_bars(kv: pd.DataFrame) -> "go.Figure":
     import plotly.graph_objects as go
 
     labels = "L" + kv["layer"].astype(str) + "H" + kv["head"].astype(str)
@@ -345,7 +348,7 @@ TIMELINE_PANELS = (("loss", "eval_loss"), ("induction_score",), ("routing_entrop
                    ("embedding_weight",))
 
 
-def timeline_figure(timeline: pd.DataFrame, changes: pd.DataFrame):
+def timeline_figure(timeline: pd.DataFrame, changes: pd.DataFrame) -> "go.Figure":
     """Loss, the induction score and per-consumer routing statistics over training, on one step axis; a dotted
     line marks where the loss and the induction score change fastest."""
     import plotly.graph_objects as go
