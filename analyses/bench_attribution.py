@@ -92,6 +92,25 @@ def engine(evaluate_many: Optional[Callable]) -> Iterator[list[int]]:
             module.evaluate_many, module.evaluate = many, one
 
 
+@contextmanager
+def counting_sublayers(model) -> Iterator[list[int]]:
+    """Count sequence × sublayer evaluations (a machine-independent measure of the work), in the staged forward
+    pass and in full forward passes alike (a hook on every sublayer's output)."""
+    count = [0]
+
+    def note(tensor, hook):
+        count[0] += tensor.shape[0]
+
+    names = [model.sublayer_output_hook(j) for j in range(model.cfg.n_sublayers)]
+    handles = [model.hook_dict[name].register_forward_hook(lambda module, args, output: note(output, None))
+               for name in names]
+    try:
+        yield count
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def timed(function: Callable) -> tuple[object, float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     result = function()
@@ -142,10 +161,12 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
             paths.append(("one pass per intervention", one_pass_per_intervention))
         measured = {}
         for label, evaluate_many in paths + [("shared prefixes (again)", None)]:
-            with engine(evaluate_many) as count:
+            with engine(evaluate_many) as count, counting_sublayers(model) as work:
                 tables, wall, cpu = timed(lambda: prune_tables(model, batch))
-            measured[label] = dict(tables=tables, wall=wall, cpu=cpu, interventions=count[0])
-            print(f"{label}: {wall:.1f} s wall, {cpu:.1f} s CPU, {count[0]} interventions", file=sys.stderr)
+            passes = work[0] / (model.cfg.n_sublayers * batch.tokens.shape[0])  # in full passes over the batch
+            measured[label] = dict(tables=tables, wall=wall, cpu=cpu, interventions=count[0], passes=passes)
+            print(f"{label}: {wall:.1f} s wall, {cpu:.1f} s CPU, {count[0]} interventions, {passes:.0f} full-pass "
+                  "equivalents", file=sys.stderr)
         reference = measured["shared prefixes"]["tables"]
         differences = {label: max_difference(reference, entry["tables"]) for label, entry in measured.items()}
 
@@ -173,14 +194,16 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         f"Model: preset `{args.preset}` ({cfg.n_layers} layers, d_model {cfg.d_model}, d_mlp {cfg.d_mlp}, "
         f"{cfg.n_sublayers} sublayers, {run.model_config.description}), trained {args.steps} steps "
         f"({train_wall:.0f} s); {args.samples} held-out sequences of length {batch.tokens.shape[1]} of its task. "
-        "Each row is one `prune_tables` call (sensitivity, angular distances, cumulative curves, causal routing).",
+        "Each row is one `prune_tables` call (sensitivity, angular distances, cumulative curves, causal routing); "
+        "work counts sequence × sublayer evaluations, in units of one full forward pass over the batch.",
         "",
-        "| engine | interventions | wall (s) | CPU (s) | × shared (wall) | max \\|Δ\\| vs shared |",
-        "|---|---|---|---|---|---|",
+        "| engine | interventions | work (full-pass equivalents) | wall (s) | CPU (s) | × shared (wall) | "
+        "max \\|Δ\\| vs shared |",
+        "|---|---|---|---|---|---|---|",
     ]
     for label, entry in measured.items():
-        lines.append(f"| {label} | {entry['interventions']} | {entry['wall']:.1f} | {entry['cpu']:.1f} | "
-                     f"{entry['wall'] / shared['wall']:.2f} | {differences[label]:.1e} |")
+        lines.append(f"| {label} | {entry['interventions']} | {entry['passes']:.0f} | {entry['wall']:.1f} | "
+                     f"{entry['cpu']:.1f} | {entry['wall'] / shared['wall']:.2f} | {differences[label]:.1e} |")
     lines += [
         "",
         f"`attnres-lens prune RUN --samples {args.samples}` end to end (process start, imports, model load, every "
