@@ -30,19 +30,29 @@ def basis_index(sublayer: int) -> int:
     return 0 if sublayer == EMBEDDING else sublayer + 1
 
 
+def _dtype(model) -> torch.dtype:
+    """fp32, or fp64 for a float64 model (the exactness tests)."""
+    return torch.promote_types(next(model.parameters()).dtype, torch.float32)
+
+
+def _like(model) -> dict:
+    """dtype and device of the coefficient tensors: the model's device, so they combine with captured weights."""
+    return dict(dtype=_dtype(model), device=next(model.parameters()).device)
+
+
 @torch.no_grad()
 def _capture(model, tokens: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
     saved: dict[str, torch.Tensor] = {}
 
     def save(tensor: torch.Tensor, hook) -> None:
-        saved[hook.name] = tensor.detach().float()
+        saved[hook.name] = tensor.detach().to(_dtype(model))
 
     model.run_with_hooks(tokens, return_type=None, fwd_hooks=[(name, save) for name in names])
     return saved
 
 
 def mixing_coefficients(model, tokens: Optional[torch.Tensor] = None, per_group: bool = False) -> torch.Tensor:
-    """`[batch, pos, J+1, J+1]` float32: the coefficient of e (column 0) and of each f_i (column 1+i) in the input of
+    """`[batch, pos, J+1, J+1]` (fp32; fp64 for a float64 model): the coefficient of e (column 0) and of each f_i (column 1+i) in the input of
     each consumer (row c; row J is the final norm's input). Zero above the diagonal (c reads e and f_i, i < c).
 
     `tokens` is needed where the weights depend on the input (AttnRes, mHC); without it the standard residual and
@@ -63,7 +73,7 @@ def mixing_coefficients(model, tokens: Optional[torch.Tensor] = None, per_group:
         tokens = model.to_tokens(tokens)
     shape = (1, 1) if tokens is None else tuple(tokens.shape)
     if residual == "standard":
-        return torch.ones(*shape, n, n).tril()
+        return torch.ones(*shape, n, n, **_like(model)).tril()
     if residual == "denseformer":
         return _denseformer(model).expand(*shape, n, n).clone()
     if residual == "attnres":
@@ -75,7 +85,7 @@ def _attnres(model, tokens: torch.Tensor, n: int, per_group: bool = False) -> to
     modules = model.depth_attention_modules()
     saved = _capture(model, tokens, [module.hook_weights.name for module in modules.values()])
     groups = model.cfg.attnres_heads
-    coefficients = torch.zeros(*tokens.shape, groups, n, n)
+    coefficients = torch.zeros(*tokens.shape, groups, n, n, **_like(model))
     for consumer, module in modules.items():
         weights = saved[module.hook_weights.name]
         if groups == 1:
@@ -89,8 +99,8 @@ def _attnres(model, tokens: torch.Tensor, n: int, per_group: bool = False) -> to
 def _denseformer(model) -> torch.Tensor:
     """The DWA recursion on coefficient vectors: `X_0 = Y_0 = e`, `X_k = Y_{k−1} + f_attn + f_mlp`, `Y_k = Σ a X`."""
     n = model.cfg.n_sublayers + 1
-    coefficients = torch.zeros(n, n)
-    unit = torch.eye(n)
+    coefficients = torch.zeros(n, n, **_like(model))
+    unit = torch.eye(n, **_like(model))
     outputs = [unit[0]]  # X_0 = e
     current = unit[0]
     per_layer = 1 if model.cfg.attn_only else 2
@@ -100,7 +110,7 @@ def _denseformer(model) -> torch.Tensor:
             coefficients[sublayer] = current
             current = current + unit[basis_index(sublayer)]
         outputs.append(current)
-        weights = block.dwa.weights.detach().float()
+        weights = block.dwa.weights.detach().to(_dtype(model))
         current = sum(weight * output for weight, output in zip(weights, outputs))
     coefficients[n - 1] = current
     return coefficients
@@ -113,9 +123,9 @@ def _hyper(model, tokens: torch.Tensor, n: int) -> torch.Tensor:
               for name in (module.hook_write_weights.name, module.hook_stream_mix.name)]
     saved = _capture(model, tokens, names)
     n_streams = model.cfg.hyper_streams
-    streams = torch.zeros(*tokens.shape, n_streams, n)  # each stream's coefficients over [e, f_0, …]
+    streams = torch.zeros(*tokens.shape, n_streams, n, **_like(model))  # each stream's coefficients
     streams[..., 0] = 1.0  # every stream starts as the embedding
-    coefficients = torch.zeros(*tokens.shape, n, n)
+    coefficients = torch.zeros(*tokens.shape, n, n, **_like(model))
     for consumer, module in modules.items():
         read = saved[module.hook_read_weights.name]  # [batch, pos, n_streams]
         coefficients[..., consumer, :] = (read.unsqueeze(-1) * streams).sum(-2)

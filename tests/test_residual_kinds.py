@@ -332,3 +332,18 @@ def test_every_kind_trains_records_and_analyses(kind_runs, name):
     assert "depth_mixing" in tables
     result = prune_run(kind_runs / name, samples=4, progress=False)
     assert result.report_path.is_file()
+
+
+@pytest.mark.parametrize("fields", [dict(residual="denseformer"), dict(residual="hyper")])
+def test_depth_logit_attribution_is_exact_for_every_kind(fields):
+    """Through M, DenseFormer's and mHC's final input splits exactly into per-output terms: they sum to the logit."""
+    from attnres_lens.analysis.attribution import depth_input_decomposition, depth_logit_attribution
+
+    model = randomize(model_of(**fields)).double()
+    tokens = tokens_for(model)
+    table = depth_logit_attribution(model, tokens)
+    per_position = table.groupby(["sequence", "position"]).agg(total=("contribution", "sum"), logit=("logit", "first"),
+                                                               bias=("bias", "first"))
+    torch.testing.assert_close(torch.tensor((per_position["total"] + per_position["bias"]).to_numpy()),
+                               torch.tensor(per_position["logit"].to_numpy()), rtol=1e-9, atol=1e-9)
+    assert len(depth_input_decomposition(model, tokens)) > 0

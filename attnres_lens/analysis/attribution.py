@@ -35,11 +35,14 @@ import torch.nn.functional as F
 from attnres_lens.analysis.interventions import Hook, evaluate_many, replace_hook, source_mask_hooks
 from attnres_lens.analysis.pruning import spearman
 from attnres_lens.attnres import EMBEDDING
+from attnres_lens.mixing import basis_index, mixing_coefficients
 from attnres_lens.model import HookedTransformer
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch, next_token_targets
 
 BatchLike = Union[Batch, torch.Tensor]
-RESIDUALS = ("standard", "attnres")
+RESIDUALS = ("standard", "attnres", "denseformer", "hyper")
+# residual kinds whose inputs are weighted sums of e and every f_i with weights from `attnres_lens.mixing`
+MIXED_RESIDUALS = ("denseformer", "hyper")
 
 
 # ---------------------------------------------------------------------------- one clean pass, through hooks
@@ -51,7 +54,8 @@ class DepthTerms:
     embedding: torch.Tensor  # e (token plus learned position embedding), [batch, pos, d_model]
     outputs: list[torch.Tensor]  # f_j
     inputs: list[torch.Tensor]  # h_c for c = 0 … J (J: the final readout's input)
-    weights: dict[int, torch.Tensor]  # α per consumer, [batch, pos, n_sources] (AttnRes only)
+    weights: dict[int, torch.Tensor]  # α per consumer, [batch, pos, n_sources] (AttnRes; for DenseFormer and mHC
+    # the depth-mixing coefficient of each output, docs/analysis.md §5)
     depth_logits: dict[int, torch.Tensor]  # z per consumer (AttnRes only)
     scale: torch.Tensor  # the final norm's scale σ, [batch, pos, 1]
     logits: torch.Tensor
@@ -79,7 +83,7 @@ class DepthTerms:
 
 def _check_residual(model: HookedTransformer, what: str) -> None:
     if model.cfg.residual not in RESIDUALS:
-        raise ValueError(f"{what} decomposes the standard residual and AttnRes; this model's residual is "
+        raise ValueError(f"{what} decomposes the residual kinds {list(RESIDUALS)}; this model's residual is "
                          f"{model.cfg.residual!r}")
 
 
@@ -140,7 +144,12 @@ def depth_terms(model: HookedTransformer, tokens: torch.Tensor, gradient_of: Opt
         grads = torch.autograd.grad(gradient_of(logits), [tensor for _, tensor in targets], allow_unused=True)
         terms.grads = {key: (torch.zeros_like(tensor) if grad is None else grad).detach()
                        for (key, tensor), grad in zip(targets, grads)}
-    return _detached(terms)
+    terms = _detached(terms)
+    if model.cfg.residual in MIXED_RESIDUALS:  # h_c = Σ_i M[c, i] f_i + M[c, e] e exactly, token by token
+        coefficients = mixing_coefficients(model, tokens).to(terms.embedding)
+        terms.weights = {c: coefficients[..., c, [basis_index(members[0]) for members in model.sources(c)]]
+                         for c in range(n_sublayers + 1)}
+    return terms
 
 
 def _detached(terms: DepthTerms) -> DepthTerms:
