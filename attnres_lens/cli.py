@@ -161,6 +161,7 @@ def _analysis(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)  # small models on a shared CPU: one thread is faster (docs/kernels.md §11)
     try:
+        _check_analysis_out(getattr(args, "out", None))
         if args.command == "analyze":
             tables = analyze_run(args.run, args.checkpoint, args.samples, progress=not args.no_progress)
             print(f"wrote {', '.join(tables)} to {args.run}/analysis/")
@@ -175,6 +176,14 @@ def _analysis(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_analysis_out(out: Optional[str]) -> None:
+    """Analysis outputs never land in the root of a run directory (they would sit beside its config.json)."""
+    from attnres_lens.rundir import RunDir
+
+    if out is not None and RunDir(out).holds_run():
+        raise ValueError(f"--out {out} is a run directory; give a folder for the outputs, e.g. {Path(out) / 'analysis'}")
+
+
 def _attribute(args: argparse.Namespace) -> int:
     import torch
 
@@ -183,6 +192,7 @@ def _attribute(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)  # small models on a shared CPU: one thread is faster (docs/kernels.md §11)
     try:
+        _check_analysis_out(args.out)
         result = attribute_run(args.run, args.checkpoint, args.samples, args.prompt, args.out,
                                progress=not args.no_progress)
     except (ValueError, RunDirError) as err:

@@ -347,3 +347,19 @@ def test_depth_logit_attribution_is_exact_for_every_kind(fields):
     torch.testing.assert_close(torch.tensor((per_position["total"] + per_position["bias"]).to_numpy()),
                                torch.tensor(per_position["logit"].to_numpy()), rtol=1e-9, atol=1e-9)
     assert len(depth_input_decomposition(model, tokens)) > 0
+
+
+def test_attribute_runs_on_an_attnres_option_and_analysis_out_is_never_a_run(tmp_path, capsys):
+    from attnres_lens.cli import main as cli_main
+    from attnres_lens.config import apply_overrides
+    from attnres_lens.presets import get_preset
+    from attnres_lens.training import train
+
+    run = tmp_path / "sigmoid"
+    train(apply_overrides(get_preset("smoke"), ["model.attnres_score=sigmoid", "train.steps=10",
+                                                "train.checkpoint_every=10"]), run, progress=False)
+    assert cli_main(["attribute", str(run), "--samples", "3", "--no-progress"]) == 0  # corrupted patching skipped
+    capsys.readouterr()
+    for command in ("attribute", "prune"):
+        assert cli_main([command, str(run), "--samples", "3", "--out", str(run), "--no-progress"]) == 2
+        assert "is a run directory" in capsys.readouterr().err

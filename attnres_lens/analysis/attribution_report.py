@@ -74,11 +74,14 @@ def attribution_tables(model: HookedTransformer, batch: Batch, prompt: torch.Ten
             logit_lens=source_logit_lens(model, prompt),
             logit_lens_summary=logit_lens_summary(source_logit_lens(model, batch.tokens, targets=answer_targets(batch))))),
     ]
+    # patching from a corrupted input is derived for the paper's default depth attention only (docs/analysis.md §11)
+    patchable = all(getattr(module, "fusable", True) for module in model.depth_attention_modules().values())
     if attnres:
         stages += [
             ("edge attribution (one forward and backward pass)", lambda t: t.update(
                 edge_attribution=edge_attribution(model, batch),
-                edge_attribution_corrupted=edge_attribution(model, batch, corrupted=batch.tokens.roll(1, dims=0)))),
+                **({"edge_attribution_corrupted": edge_attribution(model, batch, corrupted=batch.tokens.roll(1, dims=0))}
+                   if patchable else {}))),
             ("exact knockouts (causal routing)", lambda t: t.update(routing=causal_routing(model, batch))),
             ("routing audit (bootstrap over sequences, null schedules)", lambda t: t.update(
                 **{f"routing_audit_{key}": frame for key, frame in routing_audit(model, batch, n_boot).items()})),
