@@ -307,14 +307,16 @@ class RunDir:
     def read_config(self) -> RunConfig:
         """config.json as a typed `RunConfig` (its task is checked to build)."""
         raw = self.read_config_dict()
-        steps = [("model", lambda: ModelConfig.from_dict(raw["model"])), ("train", lambda: RunConfig.from_dict(raw)),
-                 ("task", lambda: RunConfig.from_dict(raw).build_task())]
-        for section, check in steps:  # in this order, so the message names the first bad section
-            try:
-                check()
-            except (TypeError, ValueError) as err:
-                raise RunDirError(f"{self.config_path} has an invalid {section} section: {err}") from err
-        return RunConfig.from_dict(raw)
+        section = "model"  # checked in this order, so the message names the first bad section
+        try:
+            ModelConfig.from_dict(raw["model"])
+            section = "train"
+            config = RunConfig.from_dict(raw)
+            section = "task"
+            config.build_task()
+        except (TypeError, ValueError) as err:
+            raise RunDirError(f"{self.config_path} has an invalid {section} section: {err}") from err
+        return config
 
     def read_index(self) -> CheckpointIndex:
         if not self.index_path.is_file():

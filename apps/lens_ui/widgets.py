@@ -5,13 +5,13 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import plotly.graph_objects as go
 import streamlit as st
 import torch
 
-from lens_ui.data import SELECTION_KEY, ModelHandle, RunTables, all_runs, load_model, selected_paths
+from lens_ui.data import SELECTION_KEY, ModelHandle, RunTables, all_runs, describe_error, load_model, selected_paths
 
 PLOTLY_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
 
@@ -80,6 +80,33 @@ def pick_model(run: RunTables, key: str) -> Optional[ModelHandle]:
     if error:
         st.error(f"Cannot load checkpoint {checkpoint!r} of {run.name}: {error}")
     return handle
+
+
+# ---------------------------------------------------------------------------- computed on demand
+@st.cache_resource(max_entries=1)
+def _computed_results() -> dict[tuple, Any]:
+    """Finished on-demand computations by (page, key), shared by sessions. A plain dict rather than st.cache_data,
+    because the computations report progress to widgets created outside them."""
+    return {}
+
+
+def computed_on_demand(page: str, key: tuple, button: str, compute: Callable[[Callable[[float, str], Any]], Any],
+                       failure: str, waiting: str) -> Any:
+    """The result of `compute(progress)` for `key`, computed when the user presses `button` (with a progress bar)
+    and kept until the server restarts; stops the page with `waiting` until then, and shows `failure: error` as a
+    message instead of a traceback."""
+    store, full_key = _computed_results(), (page, *key)
+    if full_key not in store and st.button(button, type="primary", key=f"{page}-compute"):
+        bar = st.progress(0.0, text="starting…")
+        try:
+            store[full_key] = compute(lambda done, text: bar.progress(done, text=text))
+        except Exception as err:  # noqa: BLE001 - a bad checkpoint or task config becomes a message
+            st.error(f"{failure}: {describe_error(err)}")
+        bar.empty()
+    if full_key not in store:
+        st.info(waiting)
+        st.stop()
+    return store[full_key]
 
 
 # ---------------------------------------------------------------------------- inputs

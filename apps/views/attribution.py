@@ -29,8 +29,8 @@ from attnres_lens.analysis.attribution_report import (
 )
 from attnres_lens.analysis.induction import default_half_len, repeated_batch
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
-from lens_ui.data import ModelHandle, RunTables, describe_error, no_records_message, task_batch
-from lens_ui.widgets import loadable_runs, pick_model, pick_run, show_figure
+from lens_ui.data import ModelHandle, RunTables, no_records_message, task_batch
+from lens_ui.widgets import computed_on_demand, loadable_runs, pick_model, pick_run, show_figure
 
 st.title("Attribution")
 st.caption("Which sources a prediction reads, and whether through the value a source carries or the routing "
@@ -43,13 +43,6 @@ if not runs:
     st.stop()
 run = pick_run(runs, key="attribution-run", prefer=lambda r: r.model_config.residual == "attnres")
 st.caption(run.variant)
-
-
-@st.cache_resource(max_entries=1)
-def result_store() -> dict[tuple, dict[str, pd.DataFrame]]:
-    """Finished tables by (model key, samples, prompt), shared by sessions. A plain dict rather than st.cache_data,
-    because the computation reports progress to widgets created outside it."""
-    return {}
 
 
 def compute(run: RunTables, handle: ModelHandle, samples: int, prompt: torch.Tensor,
@@ -100,20 +93,12 @@ samples = int(st.number_input("Held-out sequences", 2, 128, 8, key="attribution-
 prompt = prompt_input(run, handle, samples)
 if prompt is None:
     st.stop()
-key = (handle.key, samples, tuple(prompt[0].tolist()))
-store = result_store()
-if key not in store and st.button("Compute attribution", type="primary", key="attribution-compute"):
-    bar = st.progress(0.0, text="starting…")
-    try:
-        store[key] = compute(run, handle, samples, prompt, lambda done, text: bar.progress(done, text=text))
-    except Exception as err:  # noqa: BLE001 - a bad checkpoint or task config becomes a message
-        st.error(f"Attribution of {run.name} failed: {describe_error(err)}")
-    bar.empty()
-if key not in store:
-    st.info("A few seconds for a small model (the exact knockouts and the audit take longest); kept for this "
+tables = computed_on_demand(
+    "attribution", (handle.key, samples, tuple(prompt[0].tolist())), "Compute attribution",
+    lambda progress: compute(run, handle, samples, prompt, progress),
+    failure=f"Attribution of {run.name} failed",
+    waiting="A few seconds for a small model (the exact knockouts and the audit take longest); kept for this "
             "checkpoint, sample count and prompt until the server restarts.")
-    st.stop()
-tables = store[key]
 
 dla_tab, lens_tab, edge_tab, audit_tab, kv_tab = st.tabs(
     ["Depth DLA", "Logit lens", "Edge attribution", "Routing audit", "KV shift"])

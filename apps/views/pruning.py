@@ -10,20 +10,13 @@ import streamlit as st
 
 from attnres_lens.analysis.report import prune_report_html
 from attnres_lens.analysis.run import REMOVAL_TOLERANCE, prune_summary, prune_tables
-from lens_ui.data import ModelHandle, RunTables, describe_error, task_batch
-from lens_ui.widgets import loadable_runs, pick_model, pick_run
+from lens_ui.data import ModelHandle, RunTables, task_batch
+from lens_ui.widgets import computed_on_demand, loadable_runs, pick_model, pick_run
 
 st.title("Layer pruning")
 st.caption("Δloss and Δaccuracy when each sublayer is removed, mean-ablated or resample-ablated; cumulative "
            "curves for several removal orders; angular distances between representations; for AttnRes models, "
            "α mass against the causal effect of masking each source. Computed on the run's held-out data.")
-
-
-@st.cache_resource(max_entries=1)
-def report_store() -> dict[tuple, tuple[dict[str, pd.DataFrame], str]]:
-    """Finished reports by (model key, samples, metric), shared by sessions. A plain dict rather than
-    st.cache_data, because the computation reports progress to widgets created outside it."""
-    return {}
 
 
 def compute_report(run: RunTables, handle: ModelHandle, samples: int, metric: str,
@@ -50,20 +43,12 @@ left, right = st.columns(2)
 samples = int(left.number_input("Held-out sequences", 2, 256, 16, key="pruning-samples"))
 metric = right.radio("Order removals by", ["loss", "accuracy"], horizontal=True, key="pruning-metric")
 
-key = (handle.key, samples, metric)
-store = report_store()
-if key not in store and st.button("Compute pruning report", type="primary", key="pruning-compute"):
-    bar = st.progress(0.0, text="starting…")
-    try:
-        store[key] = compute_report(run, handle, samples, metric, lambda done, text: bar.progress(done, text=text))
-    except Exception as err:  # noqa: BLE001 - a bad checkpoint or task config becomes a message
-        st.error(f"The pruning report of {run.name} failed: {describe_error(err)}")
-    bar.empty()
-if key not in store:
-    st.info("The report takes a few seconds to a minute; it is kept for this checkpoint until the server restarts.")
-    st.stop()
+tables, report = computed_on_demand(
+    "pruning", (handle.key, samples, metric), "Compute pruning report",
+    lambda progress: compute_report(run, handle, samples, metric, progress),
+    failure=f"The pruning report of {run.name} failed",
+    waiting="The report takes a few seconds to a minute; it is kept for this checkpoint until the server restarts.")
 
-tables, report = store[key]
 st.download_button("⬇ Report (HTML)", report, file_name=f"prune_report_{run.name}.html", mime="text/html",
                    key="pruning-download", on_click="ignore")
 summary_left, summary_right = st.columns(2)

@@ -9,7 +9,6 @@ probe for the KV-shift decomposition, and the run's recorded snapshots for the t
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -32,7 +31,7 @@ from attnres_lens.analysis.induction import default_half_len, repeated_batch
 from attnres_lens.analysis.kv_shift import kv_shift_decomposition
 from attnres_lens.analysis.report import STYLE
 from attnres_lens.analysis.routing import causal_routing
-from attnres_lens.analysis.run import _check_samples, _json_safe, _run_header, write_tables
+from attnres_lens.analysis.run import AnalysisResult, _check_samples, _json_safe, _run_header, write_tables
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 from attnres_lens.model import HookedTransformer
 from attnres_lens.rundir import PathLike, RunDir, atomic_write_bytes, atomic_write_json, load_run
@@ -133,13 +132,6 @@ def attribution_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any])
     return summary
 
 
-@dataclass
-class AttributionResult:
-    tables: dict[str, pd.DataFrame]
-    summary: dict[str, Any]
-    report_path: Path
-
-
 def parse_prompt(model: HookedTransformer, prompt: Union[str, torch.Tensor, None], batch: Batch) -> torch.Tensor:
     """[1, pos] prompt tokens: space-separated ids (validated by the model), default the first held-out sequence."""
     if prompt is None:
@@ -154,7 +146,7 @@ def parse_prompt(model: HookedTransformer, prompt: Union[str, torch.Tensor, None
 
 def attribute_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples: int = 16,
                   prompt: Optional[str] = None, out: Optional[PathLike] = None, n_boot: int = 1000,
-                  progress: bool = True) -> AttributionResult:
+                  progress: bool = True) -> AnalysisResult:
     """Attribution tables, `attribution_summary.json` and `attribution_report.html` under `out` (default
     RUN/analysis/)."""
     _check_samples(samples, 2)  # the bootstrap and the corrupted patch need two sequences
@@ -174,7 +166,7 @@ def attribute_run(path: PathLike, checkpoint: Union[str, int] = "latest", sample
     atomic_write_json(out_dir / "attribution_summary.json", summary)
     report_path = out_dir / "attribution_report.html"
     atomic_write_bytes(report_path, attribution_report_html(tables, summary).encode())
-    return AttributionResult(tables, summary, report_path)
+    return AnalysisResult(tables, summary, report_path)
 
 
 # ---------------------------------------------------------------------------- figures (pure functions of tables)

@@ -118,7 +118,9 @@ def analyze_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples:
 
 
 @dataclass
-class PruneResult:
+class AnalysisResult:
+    """What a run-level analysis command computed and wrote: its tables, summary and HTML report."""
+
     tables: dict[str, pd.DataFrame]
     summary: dict[str, Any]
     report_path: Path
@@ -168,7 +170,7 @@ def prune_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) -> di
 
 
 def prune_run(path: PathLike, out: Optional[PathLike] = None, metric: str = "loss", samples: int = 8,
-              checkpoint: Union[str, int] = "latest", progress: bool = True) -> PruneResult:
+              checkpoint: Union[str, int] = "latest", progress: bool = True) -> AnalysisResult:
     """Layer-pruning sensitivity of a run: tables and `prune_report.html` under `out` (default RUN/analysis)."""
     check_metric(metric)
     _check_samples(samples, 2)  # resample ablation swaps activations between sequences
@@ -183,4 +185,4 @@ def prune_run(path: PathLike, out: Optional[PathLike] = None, metric: str = "los
     report_path = out_dir / "prune_report.html"
     html = prune_report_html(tables, summary, metric, REMOVAL_TOLERANCE)
     atomic_write_bytes(report_path, html.encode())
-    return PruneResult(tables, summary, report_path)
+    return AnalysisResult(tables, summary, report_path)
