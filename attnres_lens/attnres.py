@@ -117,7 +117,7 @@ class DepthStream(ResidualStream):
         return windowed(self.blocks + ([self.partial] if self.partial is not None else []), self.window)
 
     def _mix(self, module: "DepthAttention", consumer: int) -> torch.Tensor:
-        if self.consumers is None or module.observed():
+        if self.consumers is None or module.hooked():
             return module(self.sources())
         n_sublayers = len(self.consumers) - 1
         start = block_start(consumer, n_sublayers, self.block_size)
@@ -146,7 +146,9 @@ class DepthAttention(nn.Module):
 
     Default (the AttnRes paper's method): `α = softmax_s(w · RMSNorm_g(v_s))`, `h = Σ_s α_s v_s`. Parameters:
     `query` [d_model] (zeros, so weights start uniform) and `key_norm.w` [d_model] (ones). Hooks: `hook_logits`,
-    `hook_weights`, [batch, pos, n_sources] ([batch, pos, heads, n_sources] with `heads > 1`).
+    `hook_weights`, [batch, pos, n_sources] ([batch, pos, heads, n_sources] with `heads > 1`), and
+    `hook_logit_bias` [batch, pos, n_sources]: zeros that a hook may edit, added to every head's logits (−inf
+    takes a source out of a token's mix; how interventions knock sources out without leaving the fused kernel).
 
     The paper's ablations (docs/model.md §11), each an option: `score="sigmoid"` (α_s = sigmoid(z_s), not
     normalised); `key_norm=False` (keys are the raw sources); `query="input"` (q = W · RMSNorm(x) per token, from
@@ -154,9 +156,9 @@ class DepthAttention(nn.Module):
     `heads=H` (the channels split into H groups, each with its own query slice, key norm and softmax);
     `mixing="scalar"` (learned input-independent weights `scalar_logits` [n_sources], softmax-normalised).
 
-    With the default options and nothing hooked here, the mix runs through the fused `kernels.depth_attention`
-    (`backend`), which never materialises α; a hook (or any option) takes the readable path, whose every step a hook
-    can see, edit and differentiate.
+    With the default options and nothing hooked on the logits or weights, the mix runs through the fused
+    `kernels.depth_attention` (`backend`), which never materialises α; a hook there (or any option) takes the
+    readable path, whose every step a hook can see, edit and differentiate. A bias that needs a gradient does too.
     """
 
     def __init__(self, d_model: int, eps: float, backend: str = "auto", score: str = "softmax", key_norm: bool = True,
@@ -176,6 +178,7 @@ class DepthAttention(nn.Module):
             self.key_norm = RMSNorm(d_model, eps, hooked=False)  # keys only; values stay un-normalised
         self.hook_logits = HookPoint()  # [batch, pos, n_sources] ([batch, pos, heads, n_sources] with heads > 1)
         self.hook_weights = HookPoint()  # same shape as hook_logits
+        self.hook_logit_bias = HookPoint()  # [batch, pos, n_sources]; fires only when hooked
 
     @property
     def fusable(self) -> bool:
@@ -184,19 +187,36 @@ class DepthAttention(nn.Module):
                 and self.heads == 1 and hasattr(self, "key_norm"))
 
     def observed(self) -> bool:
-        """Whether a hook watches this depth attention (then it runs the readable path)."""
+        """Whether a hook watches the logits or weights (then this depth attention runs the readable path)."""
         return self.hook_logits.has_hooks() or self.hook_weights.has_hooks()
+
+    def hooked(self) -> bool:
+        """Whether any hook is on this depth attention (then Block AttnRes mixes it on its own, not two-phase)."""
+        return self.observed() or self.hook_logit_bias.has_hooks()
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         sources = _common_dtype(sources)
-        if self.fusable and not self.observed():
-            return depth_attention(sources, self.query, self.key_norm.w, self.key_norm.eps, backend=self.backend)
-        logits = self.hook_logits(self.logits(sources))
+        bias = self.logit_bias(sources)
+        if self.fusable and not self.observed() and (bias is None or not bias.requires_grad):
+            return depth_attention(sources, self.query, self.key_norm.w, self.key_norm.eps, backend=self.backend,
+                                   logit_bias=bias)
+        logits = self.logits(sources)
+        if bias is not None:
+            logits = logits + (bias if self.heads == 1 else bias.unsqueeze(-2)).to(logits.dtype)
+        logits = self.hook_logits(logits)
         weights = self.hook_weights(logits.softmax(dim=-1) if self.score == "softmax" else torch.sigmoid(logits))
         if self.heads == 1:
             return mix_sources(weights, sources)
         grouped = [v.unflatten(-1, (self.heads, -1)) for v in sources]  # [..., heads, d_model / heads]
         return mix_sources(weights, grouped).flatten(-2)
+
+    def logit_bias(self, sources: list[torch.Tensor]) -> Optional[torch.Tensor]:
+        """`hook_logit_bias`'s output [..., n_sources] when it is hooked (it then fires on zeros), else None."""
+        if not self.hook_logit_bias.has_hooks():
+            return None
+        first = sources[0]
+        dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
+        return self.hook_logit_bias(first.new_zeros((*first.shape[:-1], len(sources)), dtype=dtype))
 
     def logits(self, sources: list[torch.Tensor]) -> torch.Tensor:
         """Pre-score logits `z_s` over the sources: [..., n_sources], or [..., heads, n_sources]."""

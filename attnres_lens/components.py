@@ -116,9 +116,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n_pos = x.shape[1]
-        q = self.hook_q(torch.einsum("bpm,hmd->bphd", x, self.W_Q))
-        k = self.hook_k(torch.einsum("bpm,hmd->bphd", x, self.W_K))
-        v = self.hook_v(torch.einsum("bpm,hmd->bphd", x, self.W_V))
+        q = self.hook_q(_project_heads(x, self.W_Q))
+        k = self.hook_k(_project_heads(x, self.W_K))
+        v = self.hook_v(_project_heads(x, self.W_V))
         if self.cfg.attention == "kv_shift":
             alpha1, alpha2, beta1, beta2 = self.kv_shift.unbind(-1)  # each [n_kv_heads]
             k = self.hook_k_shifted(alpha1[:, None] * k + alpha2[:, None] * shift_one_position(k))
@@ -130,14 +130,30 @@ class Attention(nn.Module):
         group = self.cfg.n_heads // self.cfg.n_key_value_heads
         if group > 1:
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.cfg.d_head)
-        # built per call at the sequence's length: an [n_ctx, n_ctx] buffer per layer costs gigabytes at the context
-        # lengths of imported models (8192² bytes × 32 layers), and is as large as the scores it masks
-        future = torch.ones(n_pos, n_pos, dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-        pattern = self.hook_pattern(self.hook_attn_scores(scores).softmax(dim=-1))
-        z = self.hook_z(torch.einsum("bhqk,bkhd->bqhd", pattern, v))
-        return torch.einsum("bqhd,hdm->bqm", z, self.W_O)
+        if self.observed():
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.cfg.d_head)
+            # built per call at the sequence's length: an [n_ctx, n_ctx] buffer per layer costs gigabytes at the
+            # context lengths of imported models (8192² bytes × 32 layers), and is as large as the scores it masks
+            future = torch.ones(n_pos, n_pos, dtype=torch.bool, device=scores.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+            pattern = self.hook_pattern(self.hook_attn_scores(scores).softmax(dim=-1))
+            z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
+        else:  # nothing watches the scores: the fused kernel computes the same softmax without materialising it
+            z = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, scale=1 / math.sqrt(self.cfg.d_head)).transpose(1, 2)
+        z = self.hook_z(z)
+        return z.flatten(-2) @ self.W_O.flatten(0, 1)
+
+    def observed(self) -> bool:
+        """Whether a hook watches the attention scores or pattern (then they are computed explicitly)."""
+        return self.hook_attn_scores.has_hooks() or self.hook_pattern.has_hooks()
+
+
+def _project_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`einsum("bpm,hmd->bphd", x, weight)` as one matmul whose output is already in [batch, pos, heads, d_head]
+    order (einsum's would be permuted, then copied)."""
+    n_heads, d_model, d_head = weight.shape
+    return (x @ weight.transpose(0, 1).reshape(d_model, n_heads * d_head)).unflatten(-1, (n_heads, d_head))
 
 
 class MLP(nn.Module):

@@ -47,14 +47,18 @@ def make_inputs(
 
 
 def oracle(
-    sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6
+    sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6,
+    logit_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The depth mix (docs/model.md §2) written out again in float64, independent of the package: ``(h, weights, logits)``."""
+    """The depth mix (docs/model.md §2) written out again in float64, independent of the package: ``(h, weights,
+    logits)``, with ``logit_bias`` ``[..., S]`` added to the logits before the softmax."""
     values = torch.stack([source.double() for source in sources], dim=-2)  # [..., S, D]
     d_model = values.shape[-1]
     mean_square = (values * values).sum(dim=-1, keepdim=True) / d_model
     keys = values / torch.sqrt(mean_square + eps) * gain.double()
     logits = (keys * query.double()).sum(dim=-1)
+    if logit_bias is not None:
+        logits = logits + logit_bias.double()
     shifted = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
     weights = shifted / shifted.sum(dim=-1, keepdim=True)
     h = (weights[..., None] * values).sum(dim=-2)

@@ -151,6 +151,99 @@ def test_single_source_passes_through():
         torch.testing.assert_close(depth_attention(sources, query, gain, backend=backend), sources[0])
 
 
+def random_bias(token_shape: tuple[int, ...], n_sources: int, seed: int) -> torch.Tensor:
+    """A logit bias of order 1 with about a third of its entries −inf, never a whole row (one source stays)."""
+    generator = torch.Generator().manual_seed(seed)
+    bias = torch.randn(*token_shape, n_sources, generator=generator)
+    masked = torch.rand(*token_shape, n_sources, generator=generator) < 1 / 3
+    masked[..., torch.randint(0, n_sources, (), generator=generator)] = False
+    return bias.masked_fill(masked, float("-inf"))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_sources,token_shape,d_model", SHAPES)
+def test_logit_bias_matches_float64_oracle(backend, dtype, n_sources, token_shape, d_model):
+    sources, query, gain = make_inputs(n_sources, token_shape, d_model, dtype, seed=11)
+    bias = random_bias(token_shape, n_sources, seed=12)
+    h, weights, logits = depth_attention(sources, query, gain, backend=backend, return_weights=True,
+                                         return_logits=True, logit_bias=bias)
+    expected_h, expected_weights, expected_logits = oracle(sources, query, gain, logit_bias=bias)
+    assert_close(h, expected_h, dtype)
+    assert_close(weights, expected_weights, dtype)
+    assert (weights[bias == float("-inf")] == 0).all()
+    assert torch.equal(logits.isinf(), bias.isinf())  # the logits reported are the softmax's input
+    finite = ~bias.isinf()
+    assert_close(logits[finite], expected_logits[finite], dtype, scale=4.0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_minus_inf_bias_equals_leaving_the_sources_out(backend):
+    # independent ground truth for a knockout: the mix of the sources that remain
+    sources, query, gain = make_inputs(6, (4, 7), 24, seed=13)
+    bias = torch.zeros(4, 7, 6)
+    bias[..., [1, 4]] = float("-inf")
+    kept = [source for s, source in enumerate(sources) if s not in (1, 4)]
+    masked = depth_attention(sources, query, gain, backend=backend, logit_bias=bias)
+    assert_close(masked, oracle(kept, query, gain)[0], torch.float32)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gradients_with_a_logit_bias_match_reference_autograd(backend, dtype):
+    sources, query, gain = make_inputs(5, (3, 13), 40, dtype, seed=14)
+    bias = random_bias((3, 13), 5, seed=15)
+    grad_output = torch.randn(sources[0].shape, generator=torch.Generator().manual_seed(16))
+
+    def gradients(backend, inputs_dtype):
+        leaves = [t.detach().to(dtype).to(inputs_dtype).requires_grad_() for t in (*sources, query, gain)]
+        h = depth_attention(leaves[:-2], leaves[-2], leaves[-1], backend=backend, logit_bias=bias)
+        (h.double() * grad_output.double()).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+    expected = gradients("reference", torch.float64)
+    for actual, wanted in zip(gradients(backend, dtype), expected):
+        assert torch.isfinite(actual).all()  # a masked source's zero weight must not turn into 0 * inf
+        assert_close(actual, wanted, dtype, scale=4.0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_gradcheck_float64_with_a_logit_bias(backend):
+    sources, query, gain = make_inputs(4, (2, 3), 7, torch.float64, seed=17)
+    bias = random_bias((2, 3), 4, seed=18).double()
+    inputs = [t.detach().double().requires_grad_() for t in (*sources, query, gain)]
+
+    def mix(*tensors):
+        return depth_attention(list(tensors[:-2]), tensors[-2], tensors[-1], backend=backend, logit_bias=bias)
+
+    assert torch.autograd.gradcheck(mix, inputs)
+
+
+@pytest.mark.parametrize(
+    "bias,message",
+    [
+        (torch.zeros(3, 3), r"logit_bias must have shape \[3, 2\]"),
+        (torch.zeros(3, 2, dtype=torch.long), "logit_bias must be floating point"),
+    ],
+)
+def test_bad_logit_bias_raises_clear_errors(bias, message):
+    sources, query, gain = make_inputs(2, (3,), 4)
+    with pytest.raises(ValueError, match=message):
+        depth_attention(sources, query, gain, backend="torch", logit_bias=bias)
+
+
+def test_a_logit_bias_never_runs_on_triton(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(backends, "triton_available", lambda: True)
+    assert backends.resolve_backend("auto", cuda) == "triton"
+    assert backends.resolve_backend("auto", cuda, logit_bias=True) == "torch"
+    with pytest.raises(ValueError, match="triton depth-attention kernel takes no logit_bias"):
+        backends.resolve_backend("triton", cuda, logit_bias=True)
+    monkeypatch.setenv(backends.BACKEND_ENV_VAR, "triton")
+    with pytest.raises(ValueError, match="leave \\$ATTNRES_LENS_BACKEND unset"):
+        backends.resolve_backend("auto", cuda, logit_bias=True)
+
+
 # --- backend selection and validation -------------------------------------------------------------------------
 
 

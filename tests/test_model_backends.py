@@ -112,3 +112,58 @@ def test_two_phase_stream_keeps_bf16_inputs_bf16():
         single.write(output)
     torch.testing.assert_close(two_phase.readout(consumers[3]), single.readout(consumers[3]),
                                rtol=2e-2, atol=2e-2)
+
+
+def _knockout(index: list[int]):
+    def hook(tensor, hook):
+        return tensor.index_fill(-1, torch.tensor(index), float("-inf"))
+
+    return hook
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "cpu"])
+@pytest.mark.parametrize("block_size,overrides", [(1, {}), (2, {}), (1, dict(attnres_heads=2)),
+                                                   (2, dict(attnres_score="sigmoid"))])
+def test_a_bias_knockout_equals_a_logit_knockout(backend, block_size, overrides):
+    """Knocking sources out through `hook_logit_bias` (the fused path for the default method) gives the loss and
+    gradients of the same knockout on `hook_logits` (the readable path, the ground truth)."""
+    base = HookedTransformer(small_config("attnres", block_size, depth_attention_backend=backend, **overrides))
+    randomize_depth_parameters(base)
+    tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(5))
+    modules = base.depth_attention_modules()
+    knocked = {3: [0, 2], base.cfg.n_sublayers: [1]}  # consumer -> sources taken out
+    results = {}
+    for point in ("hook_logits", "hook_logit_bias"):
+        hooks = [(getattr(modules[c], point).name, _knockout(sources)) for c, sources in knocked.items()]
+        with base.hooks(fwd_hooks=hooks):
+            results[point] = loss_and_grads(base, tokens)
+    (expected_loss, expected_grads), (loss, grads) = results["hook_logits"], results["hook_logit_bias"]
+    unmasked, _ = loss_and_grads(base, tokens)
+    assert not torch.allclose(unmasked, expected_loss)  # the knockout changes the loss
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_bias_hook_keeps_the_fused_kernel(monkeypatch):
+    model = HookedTransformer(small_config("attnres", 1))
+    module = model.depth_attention_modules()[2]
+    monkeypatch.setattr(DepthAttention, "logits", lambda *args: pytest.fail("took the readable path"))
+    with model.hooks(fwd_hooks=[(module.hook_logit_bias.name, _knockout([1]))]):
+        model(torch.randint(0, 20, (1, 5)))
+
+
+@pytest.mark.parametrize("attention,overrides", [("standard", {}), ("kv_shift", {}), ("standard", dict(n_key_value_heads=2)),
+                                                 ("kv_shift", dict(positional_embedding_type="standard"))])
+def test_fused_attention_equals_the_explicit_softmax(attention, overrides):
+    """Unhooked attention runs PyTorch's fused SDPA; a hook on the pattern computes scores, mask and softmax
+    explicitly. Same outputs and gradients, in float64 to leave rounding out."""
+    model = HookedTransformer(small_config("attnres", 2, attention, **overrides)).double()
+    randomize_depth_parameters(model)
+    tokens = torch.randint(0, 20, (3, 11), generator=torch.Generator().manual_seed(6))
+    fused_loss, fused_grads = loss_and_grads(model, tokens)
+    with model.hooks(fwd_hooks=[(lambda name: name.endswith("hook_pattern"), lambda pattern, hook: None)]):
+        explicit_loss, explicit_grads = loss_and_grads(model, tokens)
+    torch.testing.assert_close(fused_loss, explicit_loss, rtol=1e-12, atol=1e-12)
+    for name in fused_grads:
+        torch.testing.assert_close(fused_grads[name], explicit_grads[name], rtol=1e-10, atol=1e-12, msg=name)

@@ -8,7 +8,8 @@ Removing a set R of sublayers (docs/analysis.md §6) is one rule for every resid
 * every output `f_j`, j ∈ R, is zeroed, which drops it from every sum that contains it: the standard
   residual `e + Σ f_i`, and an AttnRes block sum or partial sum (the block sum minus `f_j`, key and value);
 * an AttnRes source whose members are *all* removed is masked out of every softmax that reads it
-  (logit → −inf) instead of being left as a zero vector: a zero source would still take softmax mass
+  (a logit bias of −inf, on `hook_logit_bias`, which keeps the mix in the fused kernel) instead of being left
+  as a zero vector: a zero source would still take softmax mass
   (its key is zero, so its logit is 0), which is not "absent".
 
 For Full AttnRes (S = 1) every source is a single output, so removal is exactly "mask f_j's source in every
@@ -320,8 +321,8 @@ class _SharedEvaluation:
             else:
                 by_start[start].append((leaf, start_state))
         for start, items in by_start.items():
-            # A hook on a depth attention sends the whole stacked batch down its readable (slower) path, so
-            # leaves hooked at the same points are stacked together.
+            # A hook on a depth attention's logits or weights sends the whole stacked batch down its readable
+            # (slower) path, so leaves hooked at the same points are stacked together.
             by_points: dict[tuple, list[tuple[list[int], Any]]] = defaultdict(list)
             for leaf, leaf_state in items:
                 points = sorted({name for hooks in self.plans[leaf[0]][start + 1 :] for name, _ in hooks})
@@ -401,8 +402,9 @@ def replace_hook(replacement: torch.Tensor) -> Callable:
 
 
 def mask_sources_hook(sources: Sequence[int]) -> Callable:
-    """Hook on a depth attention's `hook_logits` that knocks `sources` out of its softmax. The same sources give
-    the same function object, so `evaluate_many` sees removal sets that agree on a consumer as sharing it."""
+    """Hook on a depth attention's `hook_logit_bias` (or `hook_logits`) that knocks `sources` out of its softmax.
+    The same sources give the same function object, so `evaluate_many` sees removal sets that agree on a consumer
+    as sharing it."""
     return _mask_sources_hook(tuple(int(source) for source in sources))
 
 
@@ -410,8 +412,8 @@ def mask_sources_hook(sources: Sequence[int]) -> Callable:
 def _mask_sources_hook(sources: tuple[int, ...]) -> Callable:
     index = torch.tensor(list(sources))
 
-    def hook(logits: torch.Tensor, hook) -> torch.Tensor:
-        return logits.index_fill(-1, index.to(logits.device), float("-inf"))
+    def hook(bias: torch.Tensor, hook) -> torch.Tensor:
+        return bias.index_fill(-1, index.to(bias.device), float("-inf"))
 
     return hook
 
@@ -430,7 +432,7 @@ def removal_hooks(model: HookedTransformer, removed: Iterable[int]) -> list[Hook
     for consumer, module in model.depth_attention_modules().items():
         emptied = [s for s, members in enumerate(model.sources(consumer)) if set(members) <= removed]
         if emptied:
-            hooks.append((module.hook_logits.name, mask_sources_hook(emptied)))
+            hooks.append((module.hook_logit_bias.name, mask_sources_hook(emptied)))
     return hooks
 
 
@@ -442,7 +444,7 @@ def source_mask_hooks(model: HookedTransformer, consumer: int, sources: Sequence
     n_sources = len(model.sources(consumer))
     if not sources or any(not 0 <= s < n_sources for s in sources) or len(set(sources)) >= n_sources:
         raise ValueError(f"consumer {consumer} reads {n_sources} sources; cannot mask {list(sources)}")
-    return [(modules[consumer].hook_logits.name, mask_sources_hook(sources))]
+    return [(modules[consumer].hook_logit_bias.name, mask_sources_hook(sources))]
 
 
 def resample_permutation(batch_size: int) -> torch.Tensor:

@@ -15,9 +15,11 @@ imported here; Triton is imported the first time the triton backend runs.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from attnres_lens.kernels._common import Sources, check_sources, check_vector
+from attnres_lens.kernels._common import Sources, check_logit_bias, check_sources, check_vector
 from attnres_lens.kernels.backends import BACKEND_ENV_VAR, BACKENDS, resolve_backend, triton_available
 from attnres_lens.kernels.cpu_fused import depth_attention_cpu
 from attnres_lens.kernels.reference import depth_attention_reference
@@ -49,6 +51,7 @@ def depth_attention(
     backend: str = "auto",
     return_weights: bool = False,
     return_logits: bool = False,
+    logit_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Softmax-over-depth mix of ``sources`` (docs/kernels.md §1).
 
@@ -62,7 +65,10 @@ def depth_attention(
             ``$ATTNRES_LENS_BACKEND`` if set, else picks triton for CUDA tensors, cpu for CPU tensors (falling
             back to torch, with a warning, where no C compiler is found) and torch otherwise.
         return_weights: also return ``alpha`` as ``[..., S]`` (fp32; fp64 for fp64 sources).
-        return_logits: also return the pre-softmax logits ``w . k_s`` as ``[..., S]``.
+        return_logits: also return the pre-softmax logits ``w . k_s`` (plus the bias) as ``[..., S]``.
+        logit_bias: optional ``[..., S]``, added to the logits inside the softmax: −inf takes a source out of a
+            token's mix (how interventions knock sources out on the fast path). Not differentiable except with the
+            reference backend; the triton kernel has none, so ``"auto"`` runs such a call on ``torch``.
 
     Returns:
         ``h`` (``[..., D]``, the sources' dtype), followed by the weights and then the logits when asked for.
@@ -73,17 +79,22 @@ def depth_attention(
     d_model = first.shape[-1]
     check_vector("query", query, d_model, first.device)
     check_vector("key_norm_weight", key_norm_weight, d_model, first.device)
-    chosen = resolve_backend(backend, first.device)
     want_stats = return_weights or return_logits
     lead_shape = first.shape[:-1]
+    if logit_bias is not None:
+        check_logit_bias(logit_bias, lead_shape, len(source_list), first.device)
+    chosen = resolve_backend(backend, first.device, logit_bias=logit_bias is not None)
 
     if chosen == "reference":
-        h, weights, logits = depth_attention_reference(source_list, query, key_norm_weight, eps)
+        h, weights, logits = depth_attention_reference(source_list, query, key_norm_weight, eps, logit_bias)
     elif chosen in ("torch", "cpu"):
         fast_path = depth_attention_torch if chosen == "torch" else depth_attention_cpu
-        h, weights, logits = fast_path(source_list, query, key_norm_weight, eps)
+        source_major_bias = None if logit_bias is None else logit_bias.reshape(-1, len(source_list)).t()
+        h, weights, logits = fast_path(source_list, query, key_norm_weight, eps, source_major_bias)
         if want_stats:
             weights, logits = _token_major(weights, lead_shape), _token_major(logits, lead_shape)
+            if logit_bias is not None:
+                logits = logits + logit_bias.to(logits.dtype)
     else:
         from attnres_lens.kernels.triton_fused import depth_attention_triton
 

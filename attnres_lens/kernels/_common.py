@@ -72,3 +72,16 @@ def check_vector(name: str, vector: torch.Tensor, d_model: int, device: torch.de
         raise ValueError(f"{name} must be floating point, got {vector.dtype}")
     if vector.device != device:
         raise ValueError(f"{name} is on {vector.device} but the sources are on {device}")
+
+
+def check_logit_bias(bias: torch.Tensor, lead_shape: torch.Size, n_sources: int, device: torch.device) -> None:
+    """A logit bias is a floating ``[..., n_sources]`` tensor with the sources' leading dims, on their device."""
+    expected = (*lead_shape, n_sources)
+    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != expected:
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"logit_bias must have shape {list(expected)} (the sources' leading dims, then one entry "
+                         f"per source), got {shape}")
+    if not bias.is_floating_point():
+        raise ValueError(f"logit_bias must be floating point, got {bias.dtype}")
+    if bias.device != device:
+        raise ValueError(f"logit_bias is on {bias.device} but the sources are on {device}")

@@ -4,7 +4,8 @@ Every decision of that kind is made here (docs/kernels.md §2):
 
 * ``resolve_backend``: an explicit backend wins; ``"auto"`` defers to ``$ATTNRES_LENS_BACKEND`` when set, else
   picks ``triton`` for CUDA tensors (if Triton is importable), ``cpu`` (the fused C kernel) for CPU tensors where
-  it builds, and ``torch`` otherwise;
+  it builds, and ``torch`` otherwise; a call with a logit bias (a knockout) that would run Triton runs ``torch``
+  under ``"auto"``, since the Triton kernel takes no bias;
 * ``two_phase_backend``: two-phase Block AttnRes runs its fused Triton kernels where the single-pass op would run
   Triton, and its readable PyTorch version everywhere else;
 * ``model_runs_two_phase``: a Block AttnRes model uses two-phase only under Triton; on the CPU one fused pass per
@@ -27,8 +28,17 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Turn ``backend`` (possibly ``"auto"``) into a concrete backend name for tensors on ``device``."""
+def resolve_backend(backend: str, device: torch.device, logit_bias: bool = False) -> str:
+    """Turn ``backend`` (possibly ``"auto"``) into a concrete backend name for tensors on ``device``, for a call
+    with a logit bias when ``logit_bias``."""
+    if logit_bias:
+        chosen = resolve_backend(backend, device)
+        if chosen != "triton":
+            return chosen
+        if backend == "auto" and not os.environ.get(BACKEND_ENV_VAR, "").strip():
+            return "torch"
+        raise ValueError("the triton depth-attention kernel takes no logit_bias; use backend='torch' or 'auto' "
+                         f"(and leave ${BACKEND_ENV_VAR} unset) for calls with one")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":

@@ -6,7 +6,7 @@
  * once. The torch path needs ~10 passes over every source for the same work.
  *
  * Layouts: sources and their gradients are S pointers to [N, D] rows; per-token statistics (rstd, logits,
- * weights) are [S, N]; the folded-query gradient is summed per thread into a [threads, D]
+ * weights) and the optional logit bias are [S, N]; the folded-query gradient is summed per thread into a [threads, D]
  * buffer that the caller reduces in a fixed order (deterministic for a given thread count, no atomics).
  */
 #include <pthread.h>
@@ -25,6 +25,7 @@ typedef struct {
     const real *const *sources; /* S pointers, each to [N, D] */
     int64_t n_sources, n_tokens, d_model;
     const real *folded_query;   /* [D], u = w * g */
+    const real *bias;           /* [S, N] added to the logits inside the softmax only, or NULL */
     real eps;
     /* forward outputs / backward inputs */
     real *h;                    /* [N, D] */
@@ -57,12 +58,14 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
             }
             const real r = (real)1 / sqrt(square_sum / (real)D + a->eps);
             a->rstd[s * N + n] = r;
-            a->logits[s * N + n] = dot * r;
-            if (dot * r > max_logit) max_logit = dot * r;
+            a->logits[s * N + n] = dot * r; /* unbiased: the backward's key term needs r (u . v) itself */
+            const real biased = dot * r + (a->bias ? a->bias[s * N + n] : 0);
+            if (biased > max_logit) max_logit = biased;
         }
         real total = 0;
         for (int64_t s = 0; s < S; ++s) {
-            const real e = exp(a->logits[s * N + n] - max_logit);
+            /* a bias of -inf gives weight 0: the source is out of this token's softmax */
+            const real e = exp(a->logits[s * N + n] + (a->bias ? a->bias[s * N + n] : 0) - max_logit);
             a->weights[s * N + n] = e;
             total += e;
         }
@@ -83,10 +86,11 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
     }
 }
 
-/* Per token (r_s = rstd, l_s = logit, delta = dh . h = sum_s alpha_s (dh . v_s)):
+/* Per token (r_s = rstd, l_s = unbiased logit, delta = dh . h = sum_s alpha_s (dh . v_s)):
  *   dlogit_s = alpha_s (dh . v_s - delta)
  *   dv_s     = alpha_s dh + dlogit_s r_s u - dlogit_s l_s r_s^2 / D v_s
  *   du      += dlogit_s r_s v_s
+ * A logit bias enters only through alpha (saved from the forward), so the backward is the same with or without.
  */
 static void backward_rows(const depth_args *a, int64_t begin, int64_t end, real *grad_u) {
     const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model;
@@ -157,10 +161,10 @@ static void run_rows(void *(*worker)(void *), const depth_args *a, int n_threads
 }
 
 void depth_attention_forward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
-                             const real *folded_query, double eps, real *h, real *rstd, real *logits,
-                             real *weights, int n_threads) {
+                             const real *folded_query, const real *bias, double eps, real *h, real *rstd,
+                             real *logits, real *weights, int n_threads) {
     const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
-                          .folded_query = folded_query, .eps = (real)eps, .h = h, .rstd = rstd, .logits = logits,
+                          .folded_query = folded_query, .bias = bias, .eps = (real)eps, .h = h, .rstd = rstd, .logits = logits,
                           .weights = weights};
     run_rows(forward_worker, &a, n_threads);
 }

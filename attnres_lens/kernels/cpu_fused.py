@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -113,7 +114,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     pointer, int64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.depth_attention_forward.restype = None
     library.depth_attention_forward.argtypes = [
-        pointer, int64, int64, int64, pointer, ctypes.c_double, pointer, pointer, pointer, pointer, c_int
+        pointer, int64, int64, int64, pointer, pointer, ctypes.c_double, pointer, pointer, pointer, pointer, c_int
     ]
     library.depth_attention_backward.restype = None
     library.depth_attention_backward.argtypes = [
@@ -136,13 +137,15 @@ def _pointer_array(tensors) -> ctypes.Array:
 
 
 class CpuDepthAttentionFunction(torch.autograd.Function):
-    """``(h [N, D], weights [S, N], logits [S, N])`` from contiguous ``[N, D]`` fp32/fp64 sources.
+    """``(h [N, D], weights [S, N], logits [S, N])`` from contiguous ``[N, D]`` fp32/fp64 sources and an optional
+    ``[S, N]`` logit bias in their dtype (added inside the softmax; ``logits`` are the unbiased scores).
 
-    Weights and logits are not differentiable (they are reported, not consumed, by the caller).
+    Weights and logits are not differentiable (they are reported, not consumed, by the caller), nor is the bias.
     """
 
     @staticmethod
-    def forward(ctx, query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float, *sources: torch.Tensor):
+    def forward(ctx, query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float, bias: Optional[torch.Tensor],
+                *sources: torch.Tensor):
         n_tokens, d_model = sources[0].shape
         n_sources = len(sources)
         dtype = sources[0].dtype
@@ -152,7 +155,8 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
         rstd, logits, weights = (new_output((n_sources, n_tokens), dtype, h.device) for _ in range(3))
         source_pointers = _pointer_array(sources)
         library.depth_attention_forward(
-            source_pointers, n_sources, n_tokens, d_model, folded_query.data_ptr(), eps,
+            source_pointers, n_sources, n_tokens, d_model, folded_query.data_ptr(),
+            None if bias is None else bias.data_ptr(), eps,
             h.data_ptr(), rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(),
             _n_threads(n_sources * n_tokens * d_model),
         )
@@ -180,13 +184,15 @@ class CpuDepthAttentionFunction(torch.autograd.Function):
         grad_folded = grad_folded_partial.sum(dim=0)
         grad_query = (grad_folded * key_norm_weight.to(dtype)).to(query.dtype)
         grad_gain = (grad_folded * query.to(dtype)).to(key_norm_weight.dtype)
-        return grad_query, grad_gain, None, *grad_sources
+        return grad_query, grad_gain, None, None, *grad_sources
 
 
 def depth_attention_cpu(
-    sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float
+    sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
+    bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return ``(h, weights, logits)``; weights/logits come source-major, ``[n_sources, N]`` (fp32, fp64 for fp64).
+    """Return ``(h, weights, logits)``; weights/logits come source-major, ``[n_sources, N]`` (fp32, fp64 for fp64),
+    the logits unbiased. ``bias``: ``[n_sources, N]`` or None.
 
     Half-precision sources are upcast to fp32 for the kernel and the output cast back.
     """
@@ -196,5 +202,7 @@ def depth_attention_cpu(
     shape = first.shape
     compute = torch.float64 if first.dtype == torch.float64 else torch.float32
     flat = [source.reshape(-1, shape[-1]).to(compute).contiguous() for source in sources]
-    h, weights, logits = CpuDepthAttentionFunction.apply(query, key_norm_weight, eps, *flat)
+    if bias is not None:
+        bias = bias.to(compute).contiguous()
+    h, weights, logits = CpuDepthAttentionFunction.apply(query, key_norm_weight, eps, bias, *flat)
     return h.to(first.dtype).view(shape), weights, logits

@@ -7,6 +7,7 @@ written once: ``depth_logits`` (keys normalised, scored against the query) and `
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -41,11 +42,15 @@ def depth_attention_reference(
     query: torch.Tensor,
     key_norm_weight: torch.Tensor,
     eps: float = 1e-6,
+    logit_bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return ``(h, weights, logits)``; weights and logits are ``[..., n_sources]`` in the compute dtype.
 
-    ``alpha = softmax_s(depth_logits)``, ``h = mix_sources(alpha, sources)``.
+    ``alpha = softmax_s(depth_logits + logit_bias)``, ``h = mix_sources(alpha, sources)``; the logits returned are
+    the softmax's input (a bias of −inf takes a source out of a token's softmax).
     """
     logits = depth_logits(sources, query, key_norm_weight, eps)
+    if logit_bias is not None:
+        logits = logits + logit_bias.to(logits.dtype)
     weights = torch.softmax(logits, dim=-1)
     return mix_sources(weights, sources), weights, logits

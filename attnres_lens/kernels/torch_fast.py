@@ -12,19 +12,23 @@ Backward, per token (r_s = rstd of source s, u = w * g, delta = dh . h):
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from attnres_lens.kernels._common import compute_dtype, new_output
 
 
 class DepthAttentionFunction(torch.autograd.Function):
-    """``(h, weights [S, N], logits [S, N])`` from sources flattened to ``[N, D]``.
+    """``(h, weights [S, N], logits [S, N])`` from sources flattened to ``[N, D]`` and an optional ``[S, N]`` logit
+    bias (added inside the softmax only; ``logits`` are the unbiased scores, which the backward's key term needs).
 
-    Weights and logits are not differentiable (they are reported, not consumed, by the caller).
+    Weights and logits are not differentiable (they are reported, not consumed, by the caller), nor is the bias.
     """
 
     @staticmethod
-    def forward(ctx, query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float, *sources: torch.Tensor):
+    def forward(ctx, query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float, bias: Optional[torch.Tensor],
+                *sources: torch.Tensor):
         d_model = sources[0].shape[-1]
         dtype = compute_dtype(sources[0].dtype)
         folded_query = query.to(dtype) * key_norm_weight.to(dtype)
@@ -33,7 +37,7 @@ class DepthAttentionFunction(torch.autograd.Function):
         rstd = torch.stack([torch.linalg.vector_norm(v, dim=-1) for v in values])
         rstd = rstd.square_().div_(d_model).add_(eps).rsqrt_()
         logits = torch.stack([v @ folded_query for v in values]).mul_(rstd)
-        weights = torch.softmax(logits, dim=0)
+        weights = torch.softmax(logits if bias is None else logits + bias.to(dtype), dim=0)
         h = values[0] * weights[0, :, None]
         for s in range(1, len(values)):
             h.addcmul_(values[s], weights[s, :, None])
@@ -65,14 +69,16 @@ class DepthAttentionFunction(torch.autograd.Function):
         grad_query = (grad_folded * key_norm_weight.to(dtype)).to(query.dtype)
         grad_gain = (grad_folded * query.to(dtype)).to(key_norm_weight.dtype)
         grad_sources = grad_sources.to(sources[0].dtype)
-        return grad_query, grad_gain, None, *grad_sources.unbind(0)
+        return grad_query, grad_gain, None, None, *grad_sources.unbind(0)
 
 
 def depth_attention_torch(
-    sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float
+    sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
+    bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return ``(h, weights, logits)``; weights/logits come source-major, ``[n_sources, N]``."""
+    """Return ``(h, weights, logits)``; weights/logits come source-major, ``[n_sources, N]``, the logits unbiased.
+    ``bias``: ``[n_sources, N]`` or None."""
     shape = sources[0].shape
     flat = [source.reshape(-1, shape[-1]) for source in sources]
-    h, weights, logits = DepthAttentionFunction.apply(query, key_norm_weight, eps, *flat)
+    h, weights, logits = DepthAttentionFunction.apply(query, key_norm_weight, eps, bias, *flat)
     return h.view(shape), weights, logits
