@@ -137,6 +137,8 @@ class DepthStream(ResidualStream):
 
 def _common_dtype(sources: list[torch.Tensor]) -> list[torch.Tensor]:
     """Under autocast the embedding stays fp32 while sublayer outputs are bf16: mix in the wider type."""
+    if all(value.dtype == sources[0].dtype for value in sources):
+        return sources
     dtype = functools.reduce(torch.promote_types, (value.dtype for value in sources))
     return [value.to(dtype) for value in sources]
 

@@ -11,6 +11,7 @@ from transformer_lens.head_detector import detect_head
 from transformer_lens.utilities import get_act_name
 
 from attnres_lens import HookedTransformer, ModelConfig, param_groups
+from attnres_lens import components
 from attnres_lens.components import apply_rotary, rotary_tables
 from tests.helpers import VARIANTS, randomize_depth_parameters, reference_logits, small_config
 
@@ -368,3 +369,15 @@ def test_default_models_keep_their_parameters():
 def test_new_switches_are_validated(overrides, message):
     with pytest.raises(ValueError, match=message):
         small_config(**overrides)
+
+
+def test_inference_mode_then_training():
+    # cached constants (e.g. RoPE's rotation) created under inference_mode must not poison a later backward
+    components._rotate_half_matrix.cache_clear()
+    model = HookedTransformer(small_config("attnres", 2, "kv_shift"))
+    tokens = torch.randint(0, 20, (2, 8))
+    with torch.inference_mode():
+        expected = model(tokens, return_type="loss")
+    loss = model(tokens, return_type="loss")
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), expected)
