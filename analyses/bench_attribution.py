@@ -128,6 +128,18 @@ def max_difference(a: dict[str, pd.DataFrame], b: dict[str, pd.DataFrame]) -> fl
     return worst
 
 
+def clean_pass_time(model, tokens: torch.Tensor, repeats: int = 10) -> float:
+    """Median wall time of one unhooked forward pass (the unit the work column counts in)."""
+    times = []
+    with torch.no_grad():
+        model(tokens)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(tokens)
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def load_average() -> str:
     return " / ".join(f"{value:.2f}" for value in os.getloadavg())
 
@@ -176,6 +188,11 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         cli_wall = time.perf_counter() - wall
 
+        import_wall = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import attnres_lens.analysis.run"], check=True)
+        import_wall = time.perf_counter() - import_wall
+        pass_wall = clean_pass_time(model, batch.tokens)
+
         edges, edge_wall, _ = timed(lambda: edge_attribution(model, batch))
         exact, exact_wall, _ = timed(lambda: causal_routing(model, batch))
         agreement, worst = edge_agreement(edges, exact, top=5)
@@ -207,7 +224,12 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     lines += [
         "",
         f"`attnres-lens prune RUN --samples {args.samples}` end to end (process start, imports, model load, every "
-        f"table, the HTML report): **{cli_wall:.1f} s** wall.",
+        f"table, the HTML report): **{cli_wall:.1f} s** wall. Its floor: importing the package takes "
+        f"{import_wall:.1f} s (torch and TransformerLens), and one clean forward pass over the batch "
+        f"{pass_wall * 1e3:.0f} ms (median of 10, no hooks), so the {shared['passes']:.0f} full-pass equivalents "
+        f"of exact work cost at least {shared['passes'] * pass_wall:.1f} s: "
+        f"{import_wall + shared['passes'] * pass_wall:.1f} s before loading, reporting or any intervention's "
+        "own overhead.",
         "",
         "First-order edge attribution (one forward and one backward pass, every edge at once) against the exact "
         f"knockouts it estimates: {edge_wall:.2f} s vs {exact_wall:.1f} s ({len(exact)} edges); Spearman "

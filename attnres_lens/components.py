@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Optional
 
@@ -122,8 +121,8 @@ class Attention(nn.Module):
         v = self.hook_v(_project_heads(x, self.W_V))
         if self.cfg.attention == "kv_shift":
             alpha1, alpha2, beta1, beta2 = self.kv_shift.unbind(-1)  # each [n_kv_heads]
-            k = self.hook_k_shifted(alpha1[:, None] * k + alpha2[:, None] * shift_one_position(k))
-            v = self.hook_v_shifted(beta1[:, None] * v + beta2[:, None] * shift_one_position(v))
+            k = self.hook_k_shifted(torch.addcmul(alpha1[:, None] * k, alpha2[:, None], shift_one_position(k)))
+            v = self.hook_v_shifted(torch.addcmul(beta1[:, None] * v, beta2[:, None], shift_one_position(v)))
         if self.cfg.positional_embedding_type == "rotary":
             cos, sin = self.rotary_cos[:n_pos, None, :], self.rotary_sin[:n_pos, None, :]
             q = self.hook_rot_q(apply_rotary(q, cos, sin))
@@ -193,8 +192,8 @@ def _affine(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor])
 
 
 def shift_one_position(x: torch.Tensor) -> torch.Tensor:
-    """`x[:, t-1]` at position t, zeros at t = 0 (x is [batch, pos, ...])."""
-    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+    """`x[:, t-1]` at position t, zeros at t = 0 (x is [batch, pos, ...]); one pad, not zeros and a concatenation."""
+    return F.pad(x[:, :-1], (0, 0) * (x.ndim - 2) + (1, 0))
 
 
 def rotary_tables(n_ctx: int, d_head: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,17 +205,8 @@ def rotary_tables(n_ctx: int, d_head: int, base: float) -> tuple[torch.Tensor, t
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x * cos + rotate_half(x) * sin`, rotate_half(x) = [−x₂, x₁] for the halves x₁, x₂ of the last dim."""
-    return torch.addcmul(x * cos, x @ _rotate_half_matrix(x.shape[-1], x.dtype, x.device), sin)
-
-
-@functools.lru_cache(maxsize=None)
-def _rotate_half_matrix(d_head: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """R with x @ R = [−x₂, x₁]: entries 0 and ±1, so the product is exact; one matmul replaces a negation and a
-    concatenation (1.7x faster at 16k rows)."""
-    half = d_head // 2
-    with torch.inference_mode(False):  # cached: an inference tensor could not be saved for a later backward
-        rotation = torch.zeros(d_head, d_head, dtype=dtype, device=device)
-        rotation[half:, :half] = -torch.eye(half, dtype=dtype, device=device)
-        rotation[:half, half:] = torch.eye(half, dtype=dtype, device=device)
-    return rotation
+    """`x * cos + rotate_half(x) * sin` with rotate_half(x) = [−x₂, x₁] for the halves x₁, x₂ of the last dim,
+    written as `roll(x) * [−sin₁, sin₂]`: one copy of x instead of a negation and a concatenation."""
+    half = x.shape[-1] // 2
+    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # [pos, 1, d_head]: small
+    return torch.addcmul(x * cos, x.roll(half, dims=-1), signed_sin)

@@ -285,6 +285,12 @@ class HookedTransformer(HookedRootModule):
                 f"sequence length {tokens.shape[-1]} exceeds n_ctx={self.cfg.n_ctx}; truncate the input or "
                 "build the model with a larger n_ctx"
             )
+        if torch.compiler.is_compiling():
+            # host values (`.item()`) would break a compiled graph: inside one the range check runs as an
+            # assertion on the device, raising RuntimeError with this message when the step runs
+            in_range = ((tokens >= 0) & (tokens < self.cfg.d_vocab)).all()
+            torch._assert_async(in_range, f"token ids must be in 0..{self.cfg.d_vocab - 1} (d_vocab={self.cfg.d_vocab})")
+            return tokens.to(device=self.embed.W_E.device, dtype=torch.long)
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= self.cfg.d_vocab:
             bad = low if low < 0 else high

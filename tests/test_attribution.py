@@ -708,3 +708,4 @@ def test_the_benchmark_script_runs_end_to_end_on_a_tiny_model():
     assert {"shared prefixes", "stacked full passes"} <= set(rows)
     assert float(rows["stacked full passes"][-2].strip()) < 1e-5  # the engines agree
     assert int(rows["shared prefixes"][3]) < int(rows["stacked full passes"][3])  # less work
+    assert any("full-pass equivalents of exact work cost at least" in line for line in lines)  # the floor

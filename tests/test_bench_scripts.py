@@ -20,3 +20,10 @@ def test_block_step_benchmark_dry_run():
     rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ") and "ms" not in line}
     assert set(rows) == {"standard", "block S=2", "full"}
     assert rows["standard"].rstrip(" |").endswith("1.000")
+
+
+def test_compile_benchmark_runs_fullgraph_on_a_tiny_model():
+    lines = load("bench_compile").main(["--tiny", "--repeats", "2", "--backend", "aot_eager",
+                                        "--variants", "standard", "full [cpu kernel]"])
+    rows = [line for line in lines if line.startswith("| ") and "variant" not in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["standard", "full [cpu kernel]"]

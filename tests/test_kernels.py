@@ -232,6 +232,16 @@ def test_bad_logit_bias_raises_clear_errors(bias, message):
         depth_attention(sources, query, gain, backend="torch", logit_bias=bias)
 
 
+def test_a_bias_that_needs_a_gradient_is_refused_where_it_would_get_none():
+    sources, query, gain = make_inputs(2, (3,), 4)
+    bias = torch.zeros(3, 2, requires_grad=True)
+    with pytest.raises(ValueError, match="backend='reference' for a gradient"):
+        depth_attention(sources, query, gain, backend="cpu", logit_bias=bias)
+    h = depth_attention(sources, query, gain, backend="reference", logit_bias=bias)
+    h.sum().backward()
+    assert bias.grad is not None
+
+
 def test_a_logit_bias_never_runs_on_triton(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(backends, "triton_available", lambda: True)

@@ -84,6 +84,9 @@ def depth_attention(
     if logit_bias is not None:
         check_logit_bias(logit_bias, lead_shape, len(source_list), first.device)
     chosen = resolve_backend(backend, first.device, logit_bias=logit_bias is not None)
+    if logit_bias is not None and logit_bias.requires_grad and torch.is_grad_enabled() and chosen != "reference":
+        raise ValueError(f"logit_bias requires grad, but the {chosen} backend does not differentiate it; use "
+                         "backend='reference' for a gradient with respect to the bias")
 
     if chosen == "reference":
         h, weights, logits = depth_attention_reference(source_list, query, key_norm_weight, eps, logit_bias)

@@ -71,6 +71,11 @@ _CPU_KERNEL_STATE: list[bool] = []  # [] until the first "auto" on a CPU tensor 
 
 def _cpu_kernel_builds() -> bool:
     if not _CPU_KERNEL_STATE:
+        if torch.compiler.is_compiling():
+            # The build cannot run inside a traced graph (a subprocess and ctypes). torch.compile on the CPU needs a
+            # C compiler itself, so the kernel is assumed to build; the op builds it when the graph first runs and
+            # raises CpuKernelUnavailable (which names the fix) if it cannot.
+            return True
         from attnres_lens.kernels.cpu_fused import CpuKernelUnavailable, cpu_library
 
         try:

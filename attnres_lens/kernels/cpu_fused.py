@@ -137,55 +137,73 @@ def _pointer_array(tensors) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*(tensor.data_ptr() for tensor in tensors))
 
 
-class CpuDepthAttentionFunction(torch.autograd.Function):
-    """``(h [N, D], weights [S, N], logits [S, N])`` from contiguous ``[N, D]`` fp32/fp64 sources and an optional
-    ``[S, N]`` logit bias in their dtype (added inside the softmax; ``logits`` are the unbiased scores).
+# The kernel is a PyTorch custom op (torch.library), so torch.compile traces a model that calls it into one graph
+# (fullgraph) instead of breaking at the ctypes call: each op has a fake (shape-only) version for tracing, and the
+# forward op's autograd rule calls the backward op. Sources arrive flattened to contiguous [N, D] rows of one
+# dtype (fp32 or fp64); statistics are [S, N].
+@torch.library.custom_op("attnres_lens::depth_attention_cpu_forward", mutates_args=())
+def _forward_op(sources: list[torch.Tensor], folded_query: torch.Tensor, bias: Optional[torch.Tensor],
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(h [N, D], rstd, logits, weights [S, N])``; ``folded_query`` is ``u = w * g`` (contiguous, the sources'
+    dtype); ``bias`` an optional ``[S, N]`` logit bias (added inside the softmax; ``logits`` are unbiased)."""
+    n_tokens, d_model = sources[0].shape
+    n_sources, dtype, device = len(sources), sources[0].dtype, sources[0].device
+    h = new_output((n_tokens, d_model), dtype, device)
+    rstd, logits, weights = (new_output((n_sources, n_tokens), dtype, device) for _ in range(3))
+    cpu_library(dtype).depth_attention_forward(
+        _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(),
+        None if bias is None else bias.data_ptr(), eps,
+        h.data_ptr(), rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(),
+        _n_threads(n_sources * n_tokens * d_model),
+    )
+    return h, rstd, logits, weights
 
-    Weights and logits are not differentiable (they are reported, not consumed, by the caller), nor is the bias.
-    """
 
-    @staticmethod
-    def forward(ctx, query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float, bias: Optional[torch.Tensor],
-                *sources: torch.Tensor):
-        n_tokens, d_model = sources[0].shape
-        n_sources = len(sources)
-        dtype = sources[0].dtype
-        library = cpu_library(dtype)
-        folded_query = (query.to(dtype) * key_norm_weight.to(dtype)).contiguous()
-        h = new_output((n_tokens, d_model), dtype, sources[0].device)
-        rstd, logits, weights = (new_output((n_sources, n_tokens), dtype, h.device) for _ in range(3))
-        source_pointers = _pointer_array(sources)
-        library.depth_attention_forward(
-            source_pointers, n_sources, n_tokens, d_model, folded_query.data_ptr(),
-            None if bias is None else bias.data_ptr(), eps,
-            h.data_ptr(), rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(),
-            _n_threads(n_sources * n_tokens * d_model),
-        )
-        ctx.save_for_backward(query, key_norm_weight, folded_query, rstd, logits, weights, *sources)
-        ctx.mark_non_differentiable(weights, logits)
-        return h, weights, logits
+@_forward_op.register_fake
+def _forward_shapes(sources, folded_query, bias, eps):
+    first = sources[0]
+    return first.new_empty(first.shape), *(first.new_empty((len(sources), first.shape[0])) for _ in range(3))
 
-    @staticmethod
-    def backward(ctx, grad_h: torch.Tensor, _grad_weights: torch.Tensor, _grad_logits: torch.Tensor):
-        query, key_norm_weight, folded_query, rstd, logits, weights, *sources = ctx.saved_tensors
-        n_sources = len(sources)
-        n_tokens, d_model = sources[0].shape
-        dtype = sources[0].dtype
-        grad_h = grad_h.to(dtype).contiguous()
-        n_threads = _n_threads(n_sources * n_tokens * d_model)
-        # one [N, D] tensor per source, not one [S, N, D] block: activation-sized allocations are recycled by the
-        # C allocator step after step, while a block of a new size is often mapped afresh and page-faulted in
-        grad_sources = [new_output((n_tokens, d_model), dtype, grad_h.device) for _ in range(n_sources)]
-        grad_folded_partial = new_output((n_threads, d_model), dtype, grad_h.device)
-        cpu_library(dtype).depth_attention_backward(
-            _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(),
-            rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(), grad_h.data_ptr(),
-            _pointer_array(grad_sources), grad_folded_partial.data_ptr(), n_threads,
-        )
-        grad_folded = grad_folded_partial.sum(dim=0)
-        grad_query = (grad_folded * key_norm_weight.to(dtype)).to(query.dtype)
-        grad_gain = (grad_folded * query.to(dtype)).to(key_norm_weight.dtype)
-        return grad_query, grad_gain, None, None, *grad_sources
+
+@torch.library.custom_op("attnres_lens::depth_attention_cpu_backward", mutates_args=())
+def _backward_op(sources: list[torch.Tensor], folded_query: torch.Tensor, rstd: torch.Tensor, logits: torch.Tensor,
+                 weights: torch.Tensor, grad_h: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``(grad of each source, grad of u)`` for the forward op's saved statistics and ``grad_h`` (contiguous)."""
+    n_tokens, d_model = sources[0].shape
+    n_sources, dtype, device = len(sources), sources[0].dtype, sources[0].device
+    n_threads = _n_threads(n_sources * n_tokens * d_model)
+    # one [N, D] tensor per source, not one [S, N, D] block: activation-sized allocations are recycled by the
+    # C allocator step after step, while a block of a new size is often mapped afresh and page-faulted in
+    grad_sources = [new_output((n_tokens, d_model), dtype, device) for _ in range(n_sources)]
+    grad_folded_partial = new_output((n_threads, d_model), dtype, device)
+    cpu_library(dtype).depth_attention_backward(
+        _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(),
+        rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(), grad_h.data_ptr(),
+        _pointer_array(grad_sources), grad_folded_partial.data_ptr(), n_threads,
+    )
+    return grad_sources, grad_folded_partial.sum(dim=0)
+
+
+@_backward_op.register_fake
+def _backward_shapes(sources, folded_query, rstd, logits, weights, grad_h):
+    return [source.new_empty(source.shape) for source in sources], folded_query.new_empty(folded_query.shape)
+
+
+def _save_for_backward(ctx, inputs, output) -> None:
+    sources, folded_query, _bias, _eps = inputs
+    _h, rstd, logits, weights = output
+    ctx.n_sources = len(sources)
+    ctx.save_for_backward(*sources, folded_query, rstd, logits, weights)
+
+
+def _backward(ctx, grad_h, _grad_rstd, _grad_logits, _grad_weights):
+    saved = ctx.saved_tensors
+    sources, (folded_query, rstd, logits, weights) = list(saved[: ctx.n_sources]), saved[ctx.n_sources :]
+    grad_sources, grad_folded = _backward_op(sources, folded_query, rstd, logits, weights, grad_h.contiguous())
+    return grad_sources, grad_folded, None, None  # the bias is not differentiable here (docs/kernels.md §1)
+
+
+_forward_op.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def depth_attention_cpu(
@@ -208,5 +226,8 @@ def depth_attention_cpu(
             else source.reshape(-1, shape[-1]).to(compute).contiguous() for source in sources]
     if bias is not None:
         bias = bias.to(compute).contiguous()
-    h, weights, logits = CpuDepthAttentionFunction.apply(query, key_norm_weight, eps, bias, *flat)
-    return h.to(first.dtype).view(shape), weights, logits
+    # dw and dg follow from du by autograd through this product
+    folded_query = (query.to(compute) * key_norm_weight.to(compute)).contiguous()
+    h, _, logits, weights = _forward_op(flat, folded_query, bias, float(eps))
+    # reported, not consumed: detached, so nothing can backpropagate through them and silently get zero
+    return h.to(first.dtype).view(shape), weights.detach(), logits.detach()
