@@ -42,7 +42,7 @@ def main() -> None:
                 stepper.step()
         events = prof.key_averages()
         per_step = sum(event.self_cpu_time_total for event in events) / args.steps / 1000
-        depth = {event.key: event.cpu_time_total / args.steps / 1000 for event in events if "DepthAttention" in event.key}
+        depth = {event.key: event.cpu_time_total / args.steps / 1000 for event in events if "depth_attention" in event.key.lower() or "DepthAttention" in event.key}
         rows = [f"| {event.key} | {event.self_cpu_time_total / args.steps / 1000:.2f} | {event.count // args.steps} |"
                 for event in sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]]
         depth_lines = [f"* {key}: {ms:.2f} ms per step (with children)" for key, ms in depth.items()]

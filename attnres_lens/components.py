@@ -120,9 +120,8 @@ class Attention(nn.Module):
         k = self.hook_k(_project_heads(x, self.W_K))
         v = self.hook_v(_project_heads(x, self.W_V))
         if self.cfg.attention == "kv_shift":
-            alpha1, alpha2, beta1, beta2 = self.kv_shift.unbind(-1)  # each [n_kv_heads]
-            k = self.hook_k_shifted(torch.addcmul(alpha1[:, None] * k, alpha2[:, None], shift_one_position(k)))
-            v = self.hook_v_shifted(torch.addcmul(beta1[:, None] * v, beta2[:, None], shift_one_position(v)))
+            k = self.hook_k_shifted(TokenShiftMix.apply(k, self.kv_shift[:, :2]))
+            v = self.hook_v_shifted(TokenShiftMix.apply(v, self.kv_shift[:, 2:]))
         if self.cfg.positional_embedding_type == "rotary":
             cos, sin = self.rotary_cos[:n_pos, None, :], self.rotary_sin[:n_pos, None, :]
             q = self.hook_rot_q(apply_rotary(q, cos, sin))
@@ -189,6 +188,34 @@ class MLP(nn.Module):
 
 def _affine(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return x @ weight if bias is None else x @ weight + bias
+
+
+class TokenShiftMix(torch.autograd.Function):
+    """`c1 ⊙ x_t + c2 ⊙ x_{t−1}` per head (x_{−1} = 0), x [batch, pos, heads, d_head], coefficients [heads, 2]:
+    the KV shift (docs/model.md §5) in two ops each way, where autograd's graph of mul, pad and add took ~10
+    memory-bound passes per tensor (the shift cost 1.11x a small model's step).
+
+    Backward (dy the output gradient, sums over batch, position and d_head):
+        dx_t = c1 dy_t + c2 dy_{t+1} (dy_P = 0),   dc1 = Σ dy_t · x_t,   dc2 = Σ dy_t · x_{t−1}
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+        current, previous = coefficients.to(x.dtype).unbind(-1)
+        y = x * current[:, None]
+        y[:, 1:].addcmul_(x[:, :-1], previous[:, None])
+        ctx.save_for_backward(x, coefficients)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, coefficients = ctx.saved_tensors
+        current, previous = coefficients.to(x.dtype).unbind(-1)
+        dx = dy * current[:, None]
+        dx[:, :-1].addcmul_(dy[:, 1:], previous[:, None])
+        d_current = (dy * x).sum(dim=(0, 1, 3))
+        d_previous = (dy[:, 1:] * x[:, :-1]).sum(dim=(0, 1, 3))
+        return dx, torch.stack([d_current, d_previous], dim=-1).to(coefficients.dtype)
 
 
 def shift_one_position(x: torch.Tensor) -> torch.Tensor:

@@ -27,3 +27,13 @@ def test_compile_benchmark_runs_fullgraph_on_a_tiny_model():
                                         "--variants", "standard", "full [cpu kernel]"])
     rows = [line for line in lines if line.startswith("| ") and "variant" not in line]
     assert [row.split("|")[1].strip() for row in rows] == ["standard", "full [cpu kernel]"]
+
+
+def test_depth_scaling_benchmark_on_tiny_models():
+    lines = load("bench_depth_scaling").main(["--depths", "2", "4", "--contexts", "8", "--n-ctx", "16",
+                                              "--d-model", "16", "--batch", "2", "--repeats", "1"])
+    rows = [line.split("|") for line in lines if line.startswith("| ") and "variant" not in line]
+    assert {(row[1].strip(), row[3].strip()) for row in rows} >= {("2", "full"), ("4", "block4"), ("4", "standard")}
+    growth = next(line for line in lines if line.startswith("Saved activations"))
+    full = float(growth.split("full ")[1].split("×")[0])
+    assert 1.0 < full < 2.0  # twice the depth, less than twice the saved bytes (embedding and readout are fixed)

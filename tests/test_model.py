@@ -379,3 +379,14 @@ def test_inference_mode_then_training():
     loss = model(tokens, return_type="loss")
     loss.backward()
     torch.testing.assert_close(loss.detach(), expected)
+
+
+def test_token_shift_mix_matches_autograd_of_its_definition():
+    from attnres_lens.components import TokenShiftMix, shift_one_position
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 4, dtype=torch.float64, generator=generator, requires_grad=True)
+    coefficients = torch.randn(3, 2, dtype=torch.float64, generator=generator, requires_grad=True)
+    assert torch.autograd.gradcheck(TokenShiftMix.apply, (x, coefficients))
+    expected = coefficients[:, 0, None] * x + coefficients[:, 1, None] * shift_one_position(x)
+    torch.testing.assert_close(TokenShiftMix.apply(x, coefficients), expected)

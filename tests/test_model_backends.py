@@ -167,3 +167,34 @@ def test_fused_attention_equals_the_explicit_softmax(attention, overrides):
     torch.testing.assert_close(fused_loss, explicit_loss, rtol=1e-12, atol=1e-12)
     for name in fused_grads:
         torch.testing.assert_close(fused_grads[name], explicit_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def saved_activation_bytes(model: HookedTransformer, tokens: torch.Tensor) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves for the backward of one loss."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(tokens, return_type="loss")
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_saved_activations_grow_linearly_with_depth(backend, block_size):
+    """Full AttnRes reads J²/2 sources per forward, but each source is one saved tensor: a path that kept stacked
+    copies of the sources alive would add a source's bytes per consumer per layer to each increment. Only the
+    per-source statistics ([n_sources, tokens], 1/d_model of a source) may grow."""
+    tokens = torch.randint(0, 20, (2, 16))
+    saved = [saved_activation_bytes(HookedTransformer(small_config("attnres", block_size, n_layers=n_layers,
+                                                                    depth_attention_backend=backend)), tokens)
+             for n_layers in (1, 2, 3, 4)]
+    increments = [later - earlier for earlier, later in zip(saved, saved[1:])]
+    source_bytes = tokens.numel() * 32 * 4  # one [batch, pos, d_model] fp32 tensor
+    assert all(abs(b - a) < source_bytes / 2 for a, b in zip(increments, increments[1:])), increments

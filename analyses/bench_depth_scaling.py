@@ -1,0 +1,173 @@
+"""How a CPU training step grows with depth and sequence length (issue 15): step time, activation memory, and
+the depth mix's achieved bandwidth against a measured copy bandwidth.
+
+One process, one torch thread, the fused C kernel (what `auto` picks). For each depth (sublayers) the standard,
+Full and Block (S = 4) models step interleaved, medians over repeats. Per step it also reports:
+
+* activation memory: the bytes of every distinct tensor storage autograd saves for the backward (parameters
+  excluded), a machine-independent measure. It must grow linearly in depth for every variant: Full AttnRes
+  reads J²/2 sources per forward, but each source is one tensor saved once, never a stacked copy of them;
+* the depth mix's bandwidth: bytes the fused forward and backward ops must move (forward: every source it reads,
+  plus h; backward: every source and its gradient, plus dh) over their profiled time, next to `copy_` of a
+  256 MB buffer (read + write) on the same core.
+
+    python -m analyses.bench_depth_scaling --out analyses/reports/bench_depth_scaling.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from analyses.common import command_line, emit_report, machine_info
+from attnres_lens import HookedTransformer, ModelConfig, param_groups
+
+VARIANTS = {"standard": dict(residual="standard"), "full": dict(residual="attnres", attnres_block_size=1),
+            "block4": dict(residual="attnres", attnres_block_size=4)}
+DEPTH_OPS = ("attnres_lens::depth_attention_cpu_forward", "attnres_lens::depth_attention_cpu_backward")
+
+
+class Stepper:
+    def __init__(self, overrides: dict, n_layers: int, d_model: int, n_ctx: int, batch: int):
+        self.model = HookedTransformer(ModelConfig(n_layers=n_layers, d_model=d_model, n_heads=4, n_ctx=n_ctx,
+                                                   d_vocab=256, seed=0, **overrides))
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, 0.1), lr=1e-4)
+        self.tokens = torch.randint(0, 256, (batch, n_ctx), generator=torch.Generator().manual_seed(0))
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model(self.tokens, return_type="loss").backward()
+        self.optimizer.step()
+        return time.perf_counter() - start
+
+    def saved_activation_bytes(self) -> int:
+        """Bytes of the distinct non-parameter storages autograd keeps for one backward."""
+        parameters = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in parameters:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = self.model(self.tokens, return_type="loss")
+        loss.backward()
+        self.model.zero_grad(set_to_none=True)
+        return sum(storages.values())
+
+    def depth_mix_bytes(self) -> int:
+        """Bytes the fused depth ops must move per step (docs/kernels.md §8): forward reads each consumer's
+        sources and writes h; backward reads the sources and dh and writes each source's gradient."""
+        cfg = self.model.cfg
+        row_bytes = self.tokens.numel() * cfg.d_model * 4
+        reads = [len(self.model.sources(c)) for c in range(cfg.n_sublayers + 1)]
+        return sum(row_bytes * ((n + 1) + (2 * n + 1)) for n in reads)
+
+    def depth_mix_seconds(self, steps: int = 3) -> float:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                self.step()
+        return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in DEPTH_OPS) / steps / 1e6
+
+
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    source = torch.ones(megabytes * 2**20 // 4)
+    target = torch.empty_like(source)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - start)
+    return 2 * source.numel() * 4 / statistics.median(times[1:]) / 1e9
+
+
+def measure(depths: list[int], n_ctx: int, d_model: int, batch: int, repeats: int) -> list[dict]:
+    rows = []
+    for sublayers in depths:
+        steppers = {name: Stepper(overrides, sublayers // 2, d_model, n_ctx, batch) for name, overrides in VARIANTS.items()}
+        for stepper in steppers.values():
+            stepper.step(), stepper.step()
+        times = {name: [] for name in steppers}
+        for _ in range(repeats):
+            for name, stepper in steppers.items():
+                times[name].append(stepper.step())
+        base = statistics.median(times["standard"])
+        for name, stepper in steppers.items():
+            row = dict(sublayers=sublayers, n_ctx=n_ctx, variant=name, ms=1e3 * statistics.median(times[name]),
+                       spread=(1e3 * min(times[name]), 1e3 * max(times[name])),
+                       ratio=statistics.median(times[name]) / base, saved_mb=stepper.saved_activation_bytes() / 2**20)
+            if name != "standard":
+                seconds = stepper.depth_mix_seconds()
+                row.update(mix_ms=1e3 * seconds, mix_gbs=stepper.depth_mix_bytes() / seconds / 1e9)
+            rows.append(row)
+        print(f"done: {sublayers} sublayers, n_ctx {n_ctx}", file=sys.stderr)
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=[6, 12, 24, 48], help="sublayers (even)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[64, 256],
+                        help="extra sequence lengths, measured at the second depth")
+    parser.add_argument("--n-ctx", type=int, default=128)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if any(depth % 2 or depth < 2 for depth in args.depths):
+        parser.error(f"--depths are sublayer counts (attention + MLP per layer): even numbers >= 2, got {args.depths}")
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    bandwidth = copy_bandwidth()
+    rows = measure(args.depths, args.n_ctx, args.d_model, args.batch, args.repeats)
+    at = args.depths[min(1, len(args.depths) - 1)]
+    context_rows = [row for n_ctx in args.contexts
+                    for row in measure([at], n_ctx, args.d_model, args.batch, args.repeats)]
+    context_rows += [row for row in rows if row["sublayers"] == at]
+    context_rows.sort(key=lambda row: row["n_ctx"])
+
+    def table(selected: list[dict]) -> list[str]:
+        out = ["| sublayers | n_ctx | variant | step (ms) | min–max (ms) | × standard | saved activations (MiB) | "
+               "depth mix (ms) | depth mix GB/s |", "|---|---|---|---|---|---|---|---|---|"]
+        for row in selected:
+            mix = (f"{row['mix_ms']:.1f} | {row['mix_gbs']:.1f}" if "mix_ms" in row else " | ")
+            out.append(f"| {row['sublayers']} | {row['n_ctx']} | {row['variant']} | {row['ms']:.1f} | "
+                       f"{row['spread'][0]:.0f}–{row['spread'][1]:.0f} | {row['ratio']:.3f} | {row['saved_mb']:.1f} | {mix} |")
+        return out
+
+    growth = []
+    for name in VARIANTS:
+        saved = {row["sublayers"]: row["saved_mb"] for row in rows if row["variant"] == name}
+        first, last = min(saved), max(saved)
+        growth.append(f"{name} {saved[last] / saved[first]:.2f}× for {last / first:.0f}× the depth")
+    lines = [
+        "# Training-step cost against depth and sequence length (CPU)",
+        "",
+        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, one torch "
+        f"thread, in {time.perf_counter() - started:.0f} s, by `{command_line()}`. d_model {args.d_model}, batch "
+        f"{args.batch}, 4 heads; forward + backward + AdamW; medians of {args.repeats} interleaved steps. Copy "
+        f"bandwidth (`copy_` of 256 MB, read + write): **{bandwidth:.1f} GB/s**.",
+        "",
+        "## Depth", "", *table(rows), "",
+        f"Saved activations from the shallowest to the deepest model: {'; '.join(growth)} (linear growth: no "
+        "stacked copies of the sources are kept).",
+        "", f"## Sequence length (at {at} sublayers)", "", *table(context_rows),
+    ]
+    emit_report("\n".join(lines) + "\n", args.out)
+    return lines
+
+
+if __name__ == "__main__":
+    main()
