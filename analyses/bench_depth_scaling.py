@@ -27,27 +27,25 @@ from typing import Optional, Sequence
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from analyses import bench_cpu_step
 from analyses.common import command_line, emit_report, machine_info
-from attnres_lens import HookedTransformer, ModelConfig, param_groups
 
 VARIANTS = {"standard": dict(residual="standard"), "full": dict(residual="attnres", attnres_block_size=1),
             "block4": dict(residual="attnres", attnres_block_size=4)}
-DEPTH_OPS = ("attnres_lens::depth_attention_cpu_forward", "attnres_lens::depth_attention_cpu_backward")
 
 
-class Stepper:
+def is_depth_op(key: str) -> bool:
+    """Profiler events of the fused C depth kernel: its eager autograd.Function (forward and backward) or, when
+    compiled, its custom ops (kernels/cpu_fused.py)."""
+    return key.startswith(("_EagerDepthAttention", "attnres_lens::depth_attention_cpu"))
+
+
+class Stepper(bench_cpu_step.Stepper):
+    """`bench_cpu_step`'s training step at a given depth and shape, plus the memory and bandwidth probes."""
+
     def __init__(self, overrides: dict, n_layers: int, d_model: int, n_ctx: int, batch: int):
-        self.model = HookedTransformer(ModelConfig(n_layers=n_layers, d_model=d_model, n_heads=4, n_ctx=n_ctx,
-                                                   d_vocab=256, seed=0, **overrides))
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, 0.1), lr=1e-4)
-        self.tokens = torch.randint(0, 256, (batch, n_ctx), generator=torch.Generator().manual_seed(0))
-
-    def step(self) -> float:
-        start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model(self.tokens, return_type="loss").backward()
-        self.optimizer.step()
-        return time.perf_counter() - start
+        shape = dict(n_layers=n_layers, d_model=d_model, n_heads=4, n_ctx=n_ctx, batch=batch)
+        super().__init__(shape, overrides, eager=False)
 
     def saved_activation_bytes(self) -> int:
         """Bytes of the distinct non-parameter storages autograd keeps for one backward."""
@@ -78,7 +76,11 @@ class Stepper:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 self.step()
-        return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in DEPTH_OPS) / steps / 1e6
+        seconds = sum(e.self_cpu_time_total for e in prof.key_averages() if is_depth_op(e.key)) / steps / 1e6
+        if seconds <= 0:
+            raise RuntimeError("no depth-kernel events in the profile: has the kernel's autograd wrapper been renamed? "
+                               "update is_depth_op")
+        return seconds
 
 
 def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:

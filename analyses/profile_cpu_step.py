@@ -17,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from analyses.bench_cpu_step import SHAPES, Stepper
+from analyses.bench_depth_scaling import is_depth_op
 from analyses.common import command_line, emit_report, machine_info
 
 VARIANTS = {
@@ -42,7 +43,7 @@ def main() -> None:
                 stepper.step()
         events = prof.key_averages()
         per_step = sum(event.self_cpu_time_total for event in events) / args.steps / 1000
-        depth = {event.key: event.cpu_time_total / args.steps / 1000 for event in events if "depth_attention" in event.key.lower() or "DepthAttention" in event.key}
+        depth = {event.key: event.cpu_time_total / args.steps / 1000 for event in events if is_depth_op(event.key)}
         rows = [f"| {event.key} | {event.self_cpu_time_total / args.steps / 1000:.2f} | {event.count // args.steps} |"
                 for event in sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]]
         depth_lines = [f"* {key}: {ms:.2f} ms per step (with children)" for key, ms in depth.items()]
