@@ -47,7 +47,9 @@ def test_threaded_split_matches_oracle_and_one_thread(many_threads, n_tokens):
     h_one, _, grads_one = forward_backward(sources, query, gain)
     torch.testing.assert_close(h, h_one, rtol=0, atol=0)  # rows are independent: the split cannot change them
     for threaded, single in zip(grads, grads_one):
-        torch.testing.assert_close(threaded, single, rtol=1e-5, atol=1e-6)
+        # the query and gain gradients are sums over tokens reduced per thread: fp32 rounding of that order,
+        # relative to the size of what is summed (elements near zero come from cancellation)
+        torch.testing.assert_close(threaded, single, rtol=1e-5, atol=1e-6 * max(1.0, single.abs().max().item()))
 
 
 def test_repeated_runs_are_bitwise_identical(many_threads):
@@ -136,3 +138,28 @@ def test_damaged_cached_library_is_rebuilt(tmp_path):
     second = _run_in_fresh_process(tmp_path, os.environ.get("CC") or "cc", "cpu")
     assert second.returncode == 0, second.stderr
     assert "ok 6.0" in second.stdout and built.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("n_sources", [32, 33, 40])  # either side of the switch to the tiled backward
+@pytest.mark.parametrize("n_tokens", [1, 15, 37])  # under, within and across TILE = 16 token rows
+def test_many_sources_backward_matches_reference(n_sources, n_tokens):
+    sources, query, gain = make_inputs(n_sources, (n_tokens,), 24, torch.float64, seed=13)
+    grad_output = torch.randn(n_tokens, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
+
+    def gradients(backend):
+        leaves = [t.detach().clone().requires_grad_() for t in (*sources, query, gain)]
+        (depth_attention(leaves[:-2], leaves[-2], leaves[-1], backend=backend) * grad_output).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+    for fused, expected in zip(gradients("cpu"), gradients("reference")):
+        torch.testing.assert_close(fused, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_many_sources_threaded_split_matches_one_thread(many_threads):
+    sources, query, gain = make_inputs(40, (50,), 24, seed=15)
+    threaded = forward_backward(sources, query, gain)
+    torch.set_num_threads(1)
+    single = forward_backward(sources, query, gain)
+    torch.testing.assert_close(threaded[0], single[0], rtol=0, atol=0)
+    for a, b in zip(threaded[2][:-2], single[2][:-2]):  # source gradients: rows are independent
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -42,9 +42,14 @@ typedef struct {
     int thread;
 } row_range;
 
-/* Rows are reduced GROUP at a time: one row's sums are a chain of dependent FMAs (D / vector width of them,
- * each waiting on the last), so at d_model 64 a row-at-a-time loop ran at ~5 GB/s, latency-bound; four rows
- * give four independent chains. Results are the same sums, only interleaved. */
+/* Forward: per token row, sources are reduced GROUP at a time: one row's sums are a chain of dependent FMAs
+ * (D / vector width of them, each waiting on the last), so at d_model 64 a row-at-a-time loop was latency-bound;
+ * four sources give four independent chains. Backward: token rows in tiles of TILE, each source read as one
+ * contiguous TILE x D block (a stream the prefetcher follows) while the tile's dh rows stay in L1; row-at-a-time
+ * it hopped between 2S streams per token and at 49 sources ran 3x slower. The tiled forward measured up to
+ * 1.4x slower than this one (docs/kernels.md §6), so only the backward
+ * is tiled, and only for many sources (see backward_rows). Results are the same sums, only interleaved. */
+#define TILE 16
 #define GROUP 4
 
 static inline void row_sums(const real *v, const real *u, int64_t D, real *square_sum, real *dot) {
@@ -74,6 +79,30 @@ static inline void group_sums(const real *v0, const real *v1, const real *v2, co
     }
     square_sum[0] = q0, square_sum[1] = q1, square_sum[2] = q2, square_sum[3] = q3;
     dot[0] = p0, dot[1] = p1, dot[2] = p2, dot[3] = p3;
+}
+
+/* row-wise dots of T consecutive rows of v with the matching rows of g */
+static inline void tile_dots(const real *v, const real *g, int64_t D, int64_t T, real *dot) {
+    int64_t n = 0;
+    for (; n + GROUP <= T; n += GROUP) {
+        const real *v0 = v + n * D, *v1 = v0 + D, *v2 = v1 + D, *v3 = v2 + D;
+        const real *g0 = g + n * D, *g1 = g0 + D, *g2 = g1 + D, *g3 = g2 + D;
+        real p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+#pragma omp simd reduction(+ : p0, p1, p2, p3)
+        for (int64_t d = 0; d < D; ++d) {
+            p0 += v0[d] * g0[d];
+            p1 += v1[d] * g1[d];
+            p2 += v2[d] * g2[d];
+            p3 += v3[d] * g3[d];
+        }
+        dot[n] = p0, dot[n + 1] = p1, dot[n + 2] = p2, dot[n + 3] = p3;
+    }
+    for (; n < T; ++n) {
+        real p = 0;
+#pragma omp simd reduction(+ : p)
+        for (int64_t d = 0; d < D; ++d) p += v[n * D + d] * g[n * D + d];
+        dot[n] = p;
+    }
 }
 
 static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
@@ -128,7 +157,7 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
  *   du      += dlogit_s r_s v_s
  * A logit bias enters only through alpha (saved from the forward), so the backward is the same with or without.
  */
-static void backward_rows(const depth_args *a, int64_t begin, int64_t end, real *grad_u) {
+static void backward_by_token(const depth_args *a, int64_t begin, int64_t end, real *grad_u) {
     const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model;
     const real *u = a->folded_query;
     real dots[S];
@@ -158,6 +187,47 @@ static void backward_rows(const depth_args *a, int64_t begin, int64_t end, real 
     }
 }
 
+static void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, real *grad_u) {
+    const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model;
+    const real *u = a->folded_query;
+    real dots[S * TILE], delta[TILE];
+    for (int64_t t0 = begin; t0 < end; t0 += TILE) {
+        const int64_t T = end - t0 < TILE ? end - t0 : TILE;
+        const real *dh = a->grad_h + t0 * D;
+        for (int64_t n = 0; n < T; ++n) delta[n] = 0;
+        for (int64_t s = 0; s < S; ++s) {
+            tile_dots(a->sources[s] + t0 * D, dh, D, T, dots + s * TILE);
+            for (int64_t n = 0; n < T; ++n) delta[n] += a->weights[s * N + t0 + n] * dots[s * TILE + n];
+        }
+        for (int64_t s = 0; s < S; ++s) {
+            const real *v = a->sources[s] + t0 * D;
+            real *grad = a->grad_sources[s] + t0 * D;
+            for (int64_t n = 0; n < T; ++n) {
+                const int64_t i = s * N + t0 + n;
+                const real w = a->weights[i], r = a->rstd[i];
+                const real key_coef = w * (dots[s * TILE + n] - delta[n]) * r;
+                const real value_coef = key_coef * a->logits[i] * r / (real)D;
+                const real *vn = v + n * D, *dhn = dh + n * D;
+                real *gn = grad + n * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) {
+                    gn[d] = w * dhn[d] + key_coef * u[d] - value_coef * vn[d];
+                    grad_u[d] += key_coef * vn[d];
+                }
+            }
+        }
+    }
+}
+
+/* Up to this many sources the by-token loop is faster (its 2S streams still prefetch well); beyond it the tiled
+ * one: measured 2.1x faster at 49 sources, 1.1-1.4x slower at 9-25 (d_model 64-128). */
+#define TILED_BACKWARD_MIN_SOURCES 33
+
+static void backward_rows(const depth_args *a, int64_t begin, int64_t end, real *grad_u) {
+    if (a->n_sources >= TILED_BACKWARD_MIN_SOURCES) backward_by_tile(a, begin, end, grad_u);
+    else backward_by_token(a, begin, end, grad_u);
+}
+
 static void *forward_worker(void *arg) {
     const row_range *range = arg;
     forward_rows(range->args, range->row_begin, range->row_end);
@@ -181,7 +251,9 @@ static void run_rows(void *(*worker)(void *), const depth_args *a, int n_threads
     row_range ranges[MAX_THREADS];
     pthread_t threads[MAX_THREADS];
     int started[MAX_THREADS];
-    const int64_t per_thread = (a->n_tokens + n_threads - 1) / n_threads;
+    /* ranges start at multiples of TILE, so every row is tiled (and grouped) as in a one-thread run: the split
+     * cannot change a row's result */
+    const int64_t per_thread = ((a->n_tokens + n_threads - 1) / n_threads + TILE - 1) / TILE * TILE;
     for (int t = 0; t < n_threads; ++t) {
         int64_t begin = t * per_thread, end = begin + per_thread;
         if (begin > a->n_tokens) begin = a->n_tokens;
