@@ -37,3 +37,12 @@ def test_depth_scaling_benchmark_on_tiny_models():
     growth = next(line for line in lines if line.startswith("Saved activations"))
     full = float(growth.split("full ")[1].split("×")[0])
     assert 1.0 < full < 2.0  # twice the depth, less than twice the saved bytes (embedding and readout are fixed)
+
+
+def test_inference_benchmark_reports_every_variant(monkeypatch):
+    module = load("bench_inference")
+    monkeypatch.setitem(module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2))
+    lines = module.main(["--shapes", "small", "--repeats", "2"])
+    rows = [line.split("|") for line in lines if line.startswith("| small")]
+    assert [row[2].strip() for row in rows] == list(module.VARIANTS)
+    assert rows[0][4].strip() == "1.000"
