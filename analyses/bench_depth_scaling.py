@@ -29,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from analyses import bench_cpu_step
 from analyses.common import command_line, emit_report, machine_info
+from attnres_lens import HookedTransformer
 
 VARIANTS = {"standard": dict(residual="standard"), "full": dict(residual="attnres", attnres_block_size=1),
             "block4": dict(residual="attnres", attnres_block_size=4)}
@@ -48,21 +49,7 @@ class Stepper(bench_cpu_step.Stepper):
         super().__init__(shape, overrides, eager=False)
 
     def saved_activation_bytes(self) -> int:
-        """Bytes of the distinct non-parameter storages autograd keeps for one backward."""
-        parameters = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        storages: dict[int, int] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in parameters:
-                storages[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            loss = self.model(self.tokens, return_type="loss")
-        loss.backward()
-        self.model.zero_grad(set_to_none=True)
-        return sum(storages.values())
+        return saved_activation_bytes(self.model, self.tokens)
 
     def depth_mix_bytes(self) -> int:
         """Bytes the fused depth ops must move per step (docs/kernels.md §8): forward reads each consumer's
@@ -81,6 +68,22 @@ class Stepper(bench_cpu_step.Stepper):
             raise RuntimeError("no depth-kernel events in the profile: has the kernel's autograd wrapper been renamed? "
                                "update is_depth_op")
         return seconds
+
+
+def saved_activation_bytes(model: HookedTransformer, tokens: torch.Tensor) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves for the backward of one loss."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(tokens, return_type="loss")  # the graph is freed unused when the loss goes out of scope
+    return sum(storages.values())
 
 
 def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:

@@ -226,3 +226,12 @@ def test_models_keep_no_hooks_after_the_pages_ran():
     for model in models:
         for hook_point in model.hook_dict.values():
             assert not hook_point._forward_hooks and not hook_point._backward_hooks, hook_point.name
+
+
+def test_pages_without_a_run_to_show_say_so(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for page in PAGES[1:]:
+        app = open_page(page, runs=tmp_path)
+        assert_clean(app)
+        expected = "No AttnRes run" if page == "views/depth_attention.py" else "No readable runs in this folder."
+        assert any(expected in info.value for info in app.info), (page, [info.value for info in app.info])

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from analyses.bench_depth_scaling import saved_activation_bytes
 from attnres_lens import HookedTransformer
 from attnres_lens.attnres import DepthAttention, DepthStream
 from attnres_lens.kernels import triton_available
@@ -167,22 +168,6 @@ def test_fused_attention_equals_the_explicit_softmax(attention, overrides):
     torch.testing.assert_close(fused_loss, explicit_loss, rtol=1e-12, atol=1e-12)
     for name in fused_grads:
         torch.testing.assert_close(fused_grads[name], explicit_grads[name], rtol=1e-10, atol=1e-12, msg=name)
-
-
-def saved_activation_bytes(model: HookedTransformer, tokens: torch.Tensor) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves for the backward of one loss."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(tokens, return_type="loss")
-    return sum(storages.values())
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])

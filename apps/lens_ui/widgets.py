@@ -17,13 +17,17 @@ PLOTLY_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png",
 
 
 # ---------------------------------------------------------------------------- runs
-def loadable_runs(predicate: Optional[Callable[[RunTables], bool]] = None) -> list[RunTables]:
-    """Loadable runs (optionally filtered); a message on the page when there are none."""
+def loadable_runs(predicate: Optional[Callable[[RunTables], bool]] = None,
+                  none_message: str = "No readable runs in this folder.") -> list[RunTables]:
+    """Loadable runs (optionally filtered); with none, `none_message` on the page and the page stops there."""
     runs, broken = all_runs()
     if broken:
         st.caption(f"{len(broken)} run folder(s) could not be read; see the Runs page.")
     if predicate is not None:
         runs = [run for run in runs if predicate(run)]
+    if not runs:
+        st.info(none_message)
+        st.stop()
     return runs
 
 

@@ -38,9 +38,6 @@ st.caption("Which sources a prediction reads, and whether through the value a so
            "first-order estimate from one backward pass, shown next to the exact knockouts it approximates.")
 
 runs = loadable_runs()
-if not runs:
-    st.info("No readable runs in this folder.")
-    st.stop()
 run = pick_run(runs, key="attribution-run", prefer=lambda r: r.model_config.residual == "attnres")
 st.caption(run.variant)
 

@@ -16,10 +16,8 @@ st.caption("Each AttnRes sublayer reads a softmax mix α over earlier sources (e
            "sums). Rows: the consumer (the sublayer whose input is mixed); columns: its sources. Standard-residual "
            "runs have no depth attention (every weight is 1; see the Depth-mixing matrix page).")
 
-runs = loadable_runs(lambda run: run.model_config.residual == "attnres")
-if not runs:
-    st.info("No AttnRes run in this folder: depth attention exists only with `residual=attnres`.")
-    st.stop()
+runs = loadable_runs(lambda run: run.model_config.residual == "attnres",
+                     "No AttnRes run in this folder: depth attention exists only with `residual=attnres`.")
 chosen = pick_runs(runs, key="depth-runs", label="Runs (one or two, shown side by side)",
                   fallback=2)
 if not chosen:

@@ -17,9 +17,6 @@ st.caption("M[input c, output i] = Σ_s α_{c,s} · [f_i is summed into source s
            "weight shared by the block's members (so Full AttnRes rows sum to 1, Block AttnRes rows need not).")
 
 runs = loadable_runs()
-if not runs:
-    st.info("No readable runs in this folder.")
-    st.stop()
 chosen = pick_runs(runs, key="mixing-runs", label="Runs (one or two, side by side on one colour scale)",
                   fallback=2)
 if not chosen:

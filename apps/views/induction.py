@@ -32,9 +32,6 @@ st.caption("Scores on repeated random tokens [BOS, r, r]. The prefix score and T
            "head's values mix two tokens, so check the copying and ablation scores, not only the pattern.")
 
 runs = loadable_runs()
-if not runs:
-    st.info("No readable runs in this folder.")
-    st.stop()
 run = pick_run(runs, key="induction-run", prefer=lambda r: r.model_config.attention == "kv_shift")
 st.caption(run.variant)
 

@@ -31,9 +31,6 @@ def compute_report(run: RunTables, handle: ModelHandle, samples: int, metric: st
 
 
 runs = loadable_runs()
-if not runs:
-    st.info("No readable runs in this folder.")
-    st.stop()
 run = pick_run(runs, key="pruning-run")
 st.caption(run.variant)
 handle = pick_model(run, key="pruning-checkpoint")

@@ -13,9 +13,6 @@ from lens_ui.widgets import loadable_runs, pick_runs, show_figure
 st.title("Training dynamics")
 
 runs = loadable_runs()
-if not runs:
-    st.info("No readable runs in this folder.")
-    st.stop()
 chosen = pick_runs(runs, key="dynamics-runs", max_runs=None, label="Runs (overlaid)", fallback=3)
 if not chosen:
     st.info("Pick at least one run.")
