@@ -13,6 +13,14 @@ from transformer_lens.hook_points import HookPoint
 from attnres_lens.config import ModelConfig
 
 
+def normal_init(shape: tuple[int, ...], std: float, divisor: float = 1.0) -> torch.Tensor:
+    """`torch.randn(shape) * std / divisor`, the same values, with in-place products: a model built on the meta
+    device (to read its parameter shapes before loading a checkpoint) then runs no Python decomposition, the
+    first of which imports torch._dynamo (1.4 s of every command that loads a run)."""
+    weight = torch.randn(shape).mul_(std)
+    return weight if divisor == 1.0 else weight.div_(divisor)
+
+
 class RMSNorm(nn.Module):
     """`x / rms(x) * w`, with gain `w` (init 1). Hooks `hook_scale` [..., 1] and `hook_normalized`."""
 
@@ -37,7 +45,7 @@ class RMSNorm(nn.Module):
 class Embed(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.W_E = nn.Parameter(torch.randn(cfg.d_vocab, cfg.d_model) * cfg.init_range)
+        self.W_E = nn.Parameter(normal_init((cfg.d_vocab, cfg.d_model), cfg.init_range))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.W_E[tokens]
@@ -48,7 +56,7 @@ class PosEmbed(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.W_pos = nn.Parameter(torch.randn(cfg.n_ctx, cfg.d_model) * cfg.init_range)
+        self.W_pos = nn.Parameter(normal_init((cfg.n_ctx, cfg.d_model), cfg.init_range))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.W_pos[: tokens.shape[-1]].expand(tokens.shape[0], -1, -1)
@@ -66,7 +74,7 @@ class Unembed(nn.Module):
             # a plain attribute in a tuple, not a submodule: W_E stays one parameter under one name (embed.W_E)
             self._tied = (embed,)
         else:
-            self.W_U = nn.Parameter(torch.randn(cfg.d_model, cfg.d_vocab) * cfg.init_range)
+            self.W_U = nn.Parameter(normal_init((cfg.d_model, cfg.d_vocab), cfg.init_range))
         self.b_U = nn.Parameter(torch.zeros(cfg.d_vocab)) if cfg.use_bias else None
 
     def __getattr__(self, name: str) -> Any:
@@ -91,17 +99,22 @@ class Attention(nn.Module):
         self.cfg = cfg
         n_kv = cfg.n_key_value_heads
         std = cfg.init_range
-        self.W_Q = nn.Parameter(torch.randn(cfg.n_heads, cfg.d_model, cfg.d_head) * std)
-        self.W_K = nn.Parameter(torch.randn(n_kv, cfg.d_model, cfg.d_head) * std)
-        self.W_V = nn.Parameter(torch.randn(n_kv, cfg.d_model, cfg.d_head) * std)
+        self.W_Q = nn.Parameter(normal_init((cfg.n_heads, cfg.d_model, cfg.d_head), std))
+        self.W_K = nn.Parameter(normal_init((n_kv, cfg.d_model, cfg.d_head), std))
+        self.W_V = nn.Parameter(normal_init((n_kv, cfg.d_model, cfg.d_head), std))
         # Output projections write into the residual: scaled down with depth as in GPT-2.
-        self.W_O = nn.Parameter(torch.randn(cfg.n_heads, cfg.d_head, cfg.d_model) * std / math.sqrt(2 * cfg.n_layers))
+        self.W_O = nn.Parameter(normal_init((cfg.n_heads, cfg.d_head, cfg.d_model), std, math.sqrt(2 * cfg.n_layers)))
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
         if cfg.attention == "kv_shift":
             alpha1, beta1 = torch.rand(n_kv), torch.rand(n_kv)
-            self.kv_shift = nn.Parameter(torch.stack([alpha1, 1 - alpha1, beta1, 1 - beta1], dim=-1))
+            # [α1, 1 − α1, β1, 1 − β1] per head, filled in place (on the meta device, see normal_init)
+            shift = torch.empty(n_kv, 4)
+            shift[:, 0], shift[:, 2] = alpha1, beta1
+            shift[:, 1].fill_(1).sub_(alpha1)
+            shift[:, 3].fill_(1).sub_(beta1)
+            self.kv_shift = nn.Parameter(shift)
             self.hook_k_shifted = HookPoint()
             self.hook_v_shifted = HookPoint()
         if cfg.positional_embedding_type == "rotary":
@@ -166,12 +179,12 @@ class MLP(nn.Module):
         std = cfg.init_range
         self.gated = cfg.gated_mlp
         if cfg.gated_mlp:
-            self.W_gate = nn.Parameter(torch.randn(cfg.d_model, cfg.d_mlp) * std)
+            self.W_gate = nn.Parameter(normal_init((cfg.d_model, cfg.d_mlp), std))
             self.b_gate = nn.Parameter(torch.zeros(cfg.d_mlp)) if cfg.use_bias else None
             self.hook_pre_linear = HookPoint()
-        self.W_in = nn.Parameter(torch.randn(cfg.d_model, cfg.d_mlp) * std)
+        self.W_in = nn.Parameter(normal_init((cfg.d_model, cfg.d_mlp), std))
         self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp)) if cfg.use_bias else None
-        self.W_out = nn.Parameter(torch.randn(cfg.d_mlp, cfg.d_model) * std / math.sqrt(2 * cfg.n_layers))
+        self.W_out = nn.Parameter(normal_init((cfg.d_mlp, cfg.d_model), std, math.sqrt(2 * cfg.n_layers)))
         self.b_out = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.use_bias else None
         self.act_fn = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}[cfg.act_fn]
         self.hook_pre = HookPoint()
@@ -224,9 +237,10 @@ def shift_one_position(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_tables(n_ctx: int, d_head: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [n_ctx, d_head] for rotate-half RoPE (GPT-NeoX layout)."""
-    inv_freq = 1.0 / base ** (torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)
-    angles = torch.arange(n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    """cos/sin tables [n_ctx, d_head] for rotate-half RoPE (GPT-NeoX layout), computed on the CPU whatever the
+    default device (the model moves them with itself; on the meta device arange would import torch._dynamo)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, d_head, 2, dtype=torch.float64, device="cpu") / d_head)
+    angles = torch.arange(n_ctx, dtype=torch.float64, device="cpu")[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
 

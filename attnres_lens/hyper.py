@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
+from attnres_lens.components import normal_init
 from attnres_lens.streams import ResidualStream
 
 
@@ -50,7 +51,7 @@ class HyperConnection(nn.Module):
                  init_range: float):
         super().__init__()
         self.n, self.norm_eps, self.eps, self.sinkhorn_iters = n_streams, norm_eps, eps, sinkhorn_iters
-        self.fn = nn.Parameter(torch.randn((2 + n_streams) * n_streams, n_streams * d_model) * init_range)
+        self.fn = nn.Parameter(normal_init(((2 + n_streams) * n_streams, n_streams * d_model), init_range))
         self.base = nn.Parameter(torch.zeros((2 + n_streams) * n_streams))
         self.scale = nn.Parameter(torch.ones(3))
         self.hook_read_weights = HookPoint()  # [batch, pos, n] pre: how much the sublayer reads from each stream
@@ -79,7 +80,7 @@ class HyperHead(nn.Module):
     def __init__(self, n_streams: int, d_model: int, norm_eps: float, eps: float, init_range: float):
         super().__init__()
         self.norm_eps, self.eps = norm_eps, eps
-        self.hc_fn = nn.Parameter(torch.randn(n_streams, n_streams * d_model) * init_range)
+        self.hc_fn = nn.Parameter(normal_init((n_streams, n_streams * d_model), init_range))
         self.hc_base = nn.Parameter(torch.zeros(n_streams))
         self.hc_scale = nn.Parameter(torch.ones(1))
         self.hook_read_weights = HookPoint()  # [batch, pos, n]

@@ -11,7 +11,7 @@ from transformer_lens.head_detector import detect_head
 from transformer_lens.utilities import get_act_name
 
 from attnres_lens import HookedTransformer, ModelConfig, param_groups
-from attnres_lens.components import apply_rotary, rotary_tables
+from attnres_lens.components import apply_rotary, normal_init, rotary_tables
 from tests.helpers import VARIANTS, randomize_depth_parameters, reference_logits, small_config
 
 
@@ -390,3 +390,11 @@ def test_token_shift_mix_matches_autograd_of_its_definition():
     assert torch.autograd.gradcheck(TokenShiftMix.apply, (x, coefficients))
     expected = coefficients[:, 0, None] * x + coefficients[:, 1, None] * shift_one_position(x)
     torch.testing.assert_close(TokenShiftMix.apply(x, coefficients), expected)
+
+
+@pytest.mark.parametrize("divisor", [1.0, math.sqrt(8)])
+def test_normal_init_gives_the_values_of_randn_times_std(divisor):
+    torch.manual_seed(3)
+    expected = torch.randn(5, 7) * 0.02 / divisor if divisor != 1.0 else torch.randn(5, 7) * 0.02
+    torch.manual_seed(3)
+    assert torch.equal(normal_init((5, 7), 0.02, divisor), expected)

@@ -244,6 +244,25 @@ def test_checkpoint_metadata_is_checked_before_anything_is_built(smoke_run, tmp_
         load_run(run)
 
 
+_DYNAMO_PROBE = """
+import sys
+from attnres_lens import load_run
+from attnres_lens.presets import PRESETS, get_preset
+from attnres_lens.rundir import _expected_shapes
+for name in sorted(PRESETS):
+    _expected_shapes(get_preset(name).model)
+load_run(sys.argv[1])
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_loading_a_run_stays_clear_of_torch_dynamo(smoke_run):
+    """The shape check builds each preset's model on the meta device; a Python decomposition there would import
+    torch._dynamo, 1.4 s of every command (a fresh process: other tests import it)."""
+    out = subprocess.run([sys.executable, "-c", _DYNAMO_PROBE, str(smoke_run)], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == "False"
+
+
 # ---------------------------------------------------------------------------- smaller cases
 def test_empty_batches_and_one_token_sequences_are_refused():
     model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=1, n_ctx=8, d_vocab=10))
