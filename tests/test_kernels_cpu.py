@@ -140,18 +140,30 @@ def test_damaged_cached_library_is_rebuilt(tmp_path):
     assert "ok 6.0" in second.stdout and built.stat().st_size > 1000
 
 
+def _gradients(backend, sources, query, gain, grad_output):
+    leaves = [t.detach().clone().requires_grad_() for t in (*sources, query, gain)]
+    h = depth_attention(leaves[:-2], leaves[-2], leaves[-1], backend=backend)
+    (h * grad_output).sum().backward()
+    return [h.detach()] + [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("d_model", [32, 64, 128, 256, 96])  # the C file's compile-time widths, and one that is not
+@pytest.mark.parametrize("n_sources", [5, 34])  # by-token and tiled backward
+def test_every_specialised_width_matches_reference(d_model, n_sources):
+    sources, query, gain = make_inputs(n_sources, (19,), d_model, torch.float64, seed=21)
+    grad_output = torch.randn(19, d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(22))
+    for fused, expected in zip(_gradients("cpu", sources, query, gain, grad_output),
+                               _gradients("reference", sources, query, gain, grad_output)):
+        torch.testing.assert_close(fused, expected, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("n_sources", [32, 33, 40])  # either side of the switch to the tiled backward
 @pytest.mark.parametrize("n_tokens", [1, 15, 37])  # under, within and across TILE = 16 token rows
 def test_many_sources_backward_matches_reference(n_sources, n_tokens):
     sources, query, gain = make_inputs(n_sources, (n_tokens,), 24, torch.float64, seed=13)
     grad_output = torch.randn(n_tokens, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
-
-    def gradients(backend):
-        leaves = [t.detach().clone().requires_grad_() for t in (*sources, query, gain)]
-        (depth_attention(leaves[:-2], leaves[-2], leaves[-1], backend=backend) * grad_output).sum().backward()
-        return [leaf.grad for leaf in leaves]
-
-    for fused, expected in zip(gradients("cpu"), gradients("reference")):
+    for fused, expected in zip(_gradients("cpu", sources, query, gain, grad_output),
+                               _gradients("reference", sources, query, gain, grad_output)):
         torch.testing.assert_close(fused, expected, rtol=1e-10, atol=1e-10)
 
 

@@ -51,6 +51,7 @@ typedef struct {
  * is tiled, and only for many sources (see backward_rows). Results are the same sums, only interleaved. */
 #define TILE 16
 #define GROUP 4
+#define INLINE static inline __attribute__((always_inline))
 
 static inline void row_sums(const real *v, const real *u, int64_t D, real *square_sum, real *dot) {
     real q = 0, p = 0;
@@ -82,7 +83,7 @@ static inline void group_sums(const real *v0, const real *v1, const real *v2, co
 }
 
 /* row-wise dots of T consecutive rows of v with the matching rows of g */
-static inline void tile_dots(const real *v, const real *g, int64_t D, int64_t T, real *dot) {
+INLINE void tile_dots(const real *v, const real *g, int64_t D, int64_t T, real *dot) {
     int64_t n = 0;
     for (; n + GROUP <= T; n += GROUP) {
         const real *v0 = v + n * D, *v1 = v0 + D, *v2 = v1 + D, *v3 = v2 + D;
@@ -157,8 +158,8 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
  *   du      += dlogit_s r_s v_s
  * A logit bias enters only through alpha (saved from the forward), so the backward is the same with or without.
  */
-static void backward_by_token(const depth_args *a, int64_t begin, int64_t end, real *grad_u) {
-    const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model;
+INLINE void backward_by_token(const depth_args *a, int64_t begin, int64_t end, real *grad_u, const int64_t D) {
+    const int64_t S = a->n_sources, N = a->n_tokens;
     const real *u = a->folded_query;
     real dots[S];
     for (int64_t n = begin; n < end; ++n) {
@@ -187,8 +188,8 @@ static void backward_by_token(const depth_args *a, int64_t begin, int64_t end, r
     }
 }
 
-static void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, real *grad_u) {
-    const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model;
+INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, real *grad_u, const int64_t D) {
+    const int64_t S = a->n_sources, N = a->n_tokens;
     const real *u = a->folded_query;
     real dots[S * TILE], delta[TILE];
     for (int64_t t0 = begin; t0 < end; t0 += TILE) {
@@ -223,9 +224,23 @@ static void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
  * one: measured 2.1x faster at 49 sources, 1.1-1.4x slower at 9-25 (d_model 64-128). */
 #define TILED_BACKWARD_MIN_SOURCES 33
 
+INLINE void backward_rows_d(const depth_args *a, int64_t begin, int64_t end, real *grad_u, const int64_t D) {
+    if (a->n_sources >= TILED_BACKWARD_MIN_SOURCES) backward_by_tile(a, begin, end, grad_u, D);
+    else backward_by_token(a, begin, end, grad_u, D);
+}
+
+/* The backward is inlined into one copy per common d_model, where the width is a compile-time constant, and a
+ * generic copy: with the trip count known the compiler unrolls the vector loops and keeps the accumulators in
+ * registers, 1.1-1.2x faster at d_model 64 and at few sources of 128 (the same sums, bit for bit). The forward
+ * measured no gain from it (docs/kernels.md §6). */
 static void backward_rows(const depth_args *a, int64_t begin, int64_t end, real *grad_u) {
-    if (a->n_sources >= TILED_BACKWARD_MIN_SOURCES) backward_by_tile(a, begin, end, grad_u);
-    else backward_by_token(a, begin, end, grad_u);
+    switch (a->d_model) {
+    case 32: backward_rows_d(a, begin, end, grad_u, 32); break;
+    case 64: backward_rows_d(a, begin, end, grad_u, 64); break;
+    case 128: backward_rows_d(a, begin, end, grad_u, 128); break;
+    case 256: backward_rows_d(a, begin, end, grad_u, 256); break;
+    default: backward_rows_d(a, begin, end, grad_u, a->d_model);
+    }
 }
 
 static void *forward_worker(void *arg) {
