@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (analyze, prune, attribute):
         command.add_argument("--checkpoint", default="latest", help="'latest', 'best' or a step number (default: latest)")
         command.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+        command.add_argument("--threads", type=int, default=0,
+                             help="torch threads (default 0: one per core; interventions run stacked and use them)")
 
     import_fla = commands.add_parser("import-fla", help="open a flash-linear-attention Transformer as a run directory")
     import_fla.add_argument("path", metavar="PATH", help="FLA model directory (config.json + model.safetensors)")
@@ -154,13 +156,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _analysis(args: argparse.Namespace) -> int:
-    import torch
-
+    from attnres_lens import cpu_settings
     from attnres_lens.analysis.run import analyze_run, prune_run
     from attnres_lens.rundir import RunDirError
 
-    torch.set_num_threads(1)  # small models on a shared CPU: one thread is faster (docs/kernels.md §11)
     try:
+        cpu_settings.configure(args.threads)
         _check_analysis_out(getattr(args, "out", None))
         if args.command == "analyze":
             tables = analyze_run(args.run, args.checkpoint, args.samples, progress=not args.no_progress)
@@ -185,13 +186,12 @@ def _check_analysis_out(out: Optional[str]) -> None:
 
 
 def _attribute(args: argparse.Namespace) -> int:
-    import torch
-
+    from attnres_lens import cpu_settings
     from attnres_lens.analysis.attribution_report import attribute_run
     from attnres_lens.rundir import RunDirError
 
-    torch.set_num_threads(1)  # small models on a shared CPU: one thread is faster (docs/kernels.md §11)
     try:
+        cpu_settings.configure(args.threads)
         _check_analysis_out(args.out)
         result = attribute_run(args.run, args.checkpoint, args.samples, args.prompt, args.out,
                                progress=not args.no_progress)
