@@ -158,6 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for the model (e.g. model.n_layers=2 for a quick run)")
     parser.add_argument("--skip-one-pass", action="store_true", help="do not time one pass per intervention")
+    parser.add_argument("--cli-repeats", type=int, default=2, help="runs of the prune command per setting (default 2)")
     parser.add_argument("--out", type=Path, help="write the markdown report here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # the engines are compared on work; the CLI below runs as shipped
@@ -191,7 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         command = [str(Path(sys.executable).parent / "attnres-lens"), "prune", str(run_dir), "--samples",
                    str(args.samples), "--no-progress", "--out", str(Path(tmp) / "prune")]
         cli_walls: dict[str, list[float]] = {"as shipped": [], "--threads 1": []}
-        for _ in range(2):
+        for _ in range(args.cli_repeats):
             for label, extra in (("as shipped", []), ("--threads 1", ["--threads", "1"])):
                 wall = time.perf_counter()
                 subprocess.run(command + extra, check=True, stdout=subprocess.DEVNULL)

@@ -703,7 +703,7 @@ def test_attribute_works_on_a_run_imported_from_fla(tmp_path, capsys):
 def test_the_benchmark_script_runs_end_to_end_on_a_tiny_model():
     from analyses.bench_attribution import main as bench
 
-    lines = bench(["--steps", "2", "--samples", "2", "--set", "model.n_layers=1", "--skip-one-pass"])
+    lines = bench(["--steps", "2", "--samples", "2", "--set", "model.n_layers=1", "--skip-one-pass", "--cli-repeats", "1"])
     rows = {line.split("|")[1].strip(): line.split("|") for line in lines if line.startswith("| ") and "engine" not in line}
     assert {"shared prefixes", "stacked full passes"} <= set(rows)
     assert float(rows["stacked full passes"][-2].strip()) < 1e-5  # the engines agree
