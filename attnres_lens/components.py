@@ -11,6 +11,8 @@ from torch import nn
 from transformer_lens.hook_points import HookPoint
 
 from attnres_lens.config import ModelConfig
+from attnres_lens.kernels.backends import token_shift_runs_cpu_kernel
+from attnres_lens.kernels.cpu_fused import kv_shift_cpu
 
 
 def normal_init(shape: tuple[int, ...], std: float, divisor: float = 1.0) -> torch.Tensor:
@@ -133,8 +135,11 @@ class Attention(nn.Module):
         k = self.hook_k(_project_heads(x, self.W_K))
         v = self.hook_v(_project_heads(x, self.W_V))
         if self.cfg.attention == "kv_shift":
-            k = self.hook_k_shifted(TokenShiftMix.apply(k, self.kv_shift[:, :2]))
-            v = self.hook_v_shifted(TokenShiftMix.apply(v, self.kv_shift[:, 2:]))
+            if token_shift_runs_cpu_kernel(self.cfg.depth_attention_backend, k):  # both in one fused op
+                k, v = kv_shift_cpu(k, v, self.kv_shift)
+            else:
+                k, v = TokenShiftMix.apply(k, self.kv_shift[:, :2]), TokenShiftMix.apply(v, self.kv_shift[:, 2:])
+            k, v = self.hook_k_shifted(k), self.hook_v_shifted(v)
         if self.cfg.positional_embedding_type == "rotary":
             cos, sin = self.rotary_cos[:n_pos, None, :], self.rotary_sin[:n_pos, None, :]
             q = self.hook_rot_q(apply_rotary(q, cos, sin))

@@ -175,3 +175,79 @@ def test_many_sources_threaded_split_matches_one_thread(many_threads):
     torch.testing.assert_close(threaded[0], single[0], rtol=0, atol=0)
     for a, b in zip(threaded[2][:-2], single[2][:-2]):  # source gradients: rows are independent
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- KV token shift
+def _shift_oracle(x: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
+    """c1 x_t + c2 x_{t-1} in float64, from its definition (x_{-1} = 0)."""
+    x, c = x.double(), pair.double()
+    previous = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+    return c[:, 0, None] * x + c[:, 1, None] * previous
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 5, 3, 7), (3, 17, 2, 16), (1, 33, 5, 9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kv_shift_kernel_matches_its_definition_and_gradients(shape, dtype):
+    generator = torch.Generator().manual_seed(sum(shape))
+    k, v, grad_k, grad_v = (torch.randn(*shape, generator=generator).to(dtype) for _ in range(4))
+    k.requires_grad_(), v.requires_grad_()
+    coefficients = torch.randn(shape[2], 4, generator=generator).to(dtype).requires_grad_()
+    shifted_k, shifted_v = cpu_fused.kv_shift_cpu(k, v, coefficients)  # outputs NaN-poisoned: all must be written
+    ((shifted_k * grad_k).sum() + (shifted_v * grad_v).sum()).backward()
+    k64, v64, c64 = (t.detach().double().requires_grad_() for t in (k, v, coefficients))
+    expected_k, expected_v = _shift_oracle(k64, c64[:, :2]), _shift_oracle(v64, c64[:, 2:])
+    ((expected_k * grad_k.double()).sum() + (expected_v * grad_v.double()).sum()).backward()
+    tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    pairs = ((shifted_k, expected_k), (shifted_v, expected_v), (k.grad, k64.grad), (v.grad, v64.grad),
+             (coefficients.grad, c64.grad))
+    for got, want in pairs:
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want.detach(), **tolerance)
+
+
+def test_kv_shift_kernel_passes_gradcheck_and_agrees_with_the_torch_twin():
+    from attnres_lens.components import TokenShiftMix
+
+    generator = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(2, 6, 3, 4, dtype=torch.float64, generator=generator, requires_grad=True) for _ in range(2))
+    coefficients = torch.randn(3, 5, dtype=torch.float64, generator=generator, requires_grad=True)[:, 1:]  # a view
+    assert torch.autograd.gradcheck(cpu_fused.kv_shift_cpu, (k, v, coefficients))
+    twin = TokenShiftMix.apply(k, coefficients[:, :2]), TokenShiftMix.apply(v, coefficients[:, 2:])
+    strided = k.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, not contiguous
+    for got in (cpu_fused.kv_shift_cpu(k, v, coefficients), cpu_fused.kv_shift_cpu(strided, v, coefficients)):
+        for a, b in zip(got, twin):
+            torch.testing.assert_close(a, b)
+
+
+def test_kv_shift_kernel_refuses_what_it_cannot_run():
+    x = torch.randn(2, 3, 4, 5)
+    with pytest.raises(ValueError, match="4-D fp32/fp64 CPU tensors, got k 3-D"):
+        cpu_fused.kv_shift_cpu(x[0], x[0], torch.rand(4, 4))
+    with pytest.raises(ValueError, match="got v 4-D torch.bfloat16"):
+        cpu_fused.kv_shift_cpu(x, x.bfloat16(), torch.rand(4, 4))
+    with pytest.raises(ValueError, match="k and v must match"):
+        cpu_fused.kv_shift_cpu(x, x[:, :2], torch.rand(4, 4))
+    with pytest.raises(ValueError, match=r"coefficients must be \[heads, 4\] = \[4, 4\], got \[4, 2\]"):
+        cpu_fused.kv_shift_cpu(x, x, torch.rand(4, 2))
+
+
+def test_a_kv_shift_model_runs_the_kernel_only_on_the_cpu_backend(monkeypatch):
+    from attnres_lens import HookedTransformer, ModelConfig
+
+    calls = []
+    real = cpu_fused.kv_shift_cpu
+    monkeypatch.setattr("attnres_lens.components.kv_shift_cpu", lambda *args: calls.append(1) or real(*args))
+    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for backend in ("cpu", "reference"):
+        cfg = ModelConfig(d_model=16, n_heads=2, n_layers=2, n_ctx=9, d_vocab=32, attention="kv_shift",
+                          residual="attnres", depth_attention_backend=backend, dtype=torch.float64, seed=1)
+        model = HookedTransformer(cfg)
+        loss = model(tokens, return_type="loss")
+        loss.backward()
+        results[backend] = (loss.detach(), model.blocks[0].attn.kv_shift.grad, model.blocks[1].attn.W_K.grad)
+        if backend == "cpu":
+            assert len(calls) == cfg.n_layers  # one fused call per layer
+    assert len(calls) == 2  # none on the reference backend
+    for got, want in zip(results["cpu"], results["reference"]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

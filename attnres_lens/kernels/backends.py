@@ -9,7 +9,9 @@ Every decision of that kind is made here (docs/kernels.md §2):
 * ``two_phase_backend``: two-phase Block AttnRes runs its fused Triton kernels where the single-pass op would run
   Triton, and its readable PyTorch version everywhere else;
 * ``model_runs_two_phase``: a Block AttnRes model uses two-phase only under Triton; on the CPU one fused pass per
-  sublayer measured faster (analyses/reports/bench_two_phase_cpu.md).
+  sublayer measured faster (analyses/reports/bench_two_phase_cpu.md);
+* ``token_shift_runs_cpu_kernel``: the KV shift runs its C kernel wherever the model's depth-attention backend
+  resolves to ``cpu``, for fp32/fp64 tensors outside torch.compile (which fuses the PyTorch version itself).
 """
 
 from __future__ import annotations
@@ -64,6 +66,12 @@ def two_phase_backend(backend: str, device: torch.device) -> str:
 def model_runs_two_phase(block_size: int, backend: str, device: torch.device) -> bool:
     """Whether a model with AttnRes block size ``block_size`` mixes its blocks two-phase on ``device``."""
     return block_size > 1 and resolve_backend(backend, device) == "triton"
+
+
+def token_shift_runs_cpu_kernel(backend: str, x: torch.Tensor) -> bool:
+    """Whether the KV shift of ``x`` runs the C kernel, for a model whose depth-attention backend is ``backend``."""
+    return (x.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling()
+            and resolve_backend(backend, x.device) == "cpu")
 
 
 _CPU_KERNEL_STATE: list[bool] = []  # [] until the first "auto" on a CPU tensor tries the build

@@ -1,4 +1,5 @@
 /* Fused depth attention for CPU tensors (docs/kernels.md §4-§5). Readable reference: reference.py; math: torch_fast.py.
+ * Also the KV token shift (docs/model.md §5; readable twin: components.TokenShiftMix), at the end of the file.
  *
  * Compiled on first use by cpu_fused.py, once per element type, with -DREAL=float or -DREAL=double.
  * Each token row is finished before the next one starts: a row of every source (S * D values) stays in L1/L2,
@@ -301,4 +302,75 @@ void depth_attention_backward(const real *const *sources, int64_t n_sources, int
                           .weights = (real *)weights, .grad_h = grad_h, .grad_sources = grad_sources,
                           .grad_query_partial = grad_query_partial};
     run_rows(backward_worker, &a, n_threads);
+}
+
+/* KV token shift, x [B, P, H, Dh] contiguous; per head h the pair (c1, c2) = coefficients[h * stride + {0, 1}]
+ * (a layer's [H, 4] parameter holds K's pair and V's side by side, so both read it in place):
+ *   y_t = c1 x_t + c2 x_{t-1}   (x_{-1} = 0)
+ * Backward for the output gradient dy (sums over batch, position and d_head, per head; written with the same
+ * stride):
+ *   dx_t = c1 dy_t + c2 dy_{t+1}   (dy_P = 0),   dc1 = sum dy_t . x_t,   dc2 = sum dy_t . x_{t-1}
+ * One pass over x each way (and dy in the backward), where PyTorch ops take one pass per product and sum. The
+ * coefficient sums run in double. One thread: at a layer's K or V (a few hundred KB) a thread start would cost
+ * more than it saves. */
+void token_shift_forward(const real *x, const real *coefficients, int64_t stride, int64_t B, int64_t P, int64_t H,
+                         int64_t Dh, real *y) {
+    const int64_t row = H * Dh;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < P; ++t) {
+            const int64_t offset = (b * P + t) * row;
+            for (int64_t h = 0; h < H; ++h) {
+                const real c1 = coefficients[h * stride], c2 = coefficients[h * stride + 1];
+                const real *now = x + offset + h * Dh, *before = t > 0 ? now - row : now;
+                real *out = y + offset + h * Dh;
+                if (t == 0) {
+#pragma omp simd
+                    for (int64_t d = 0; d < Dh; ++d) out[d] = c1 * now[d];
+                } else {
+#pragma omp simd
+                    for (int64_t d = 0; d < Dh; ++d) out[d] = c1 * now[d] + c2 * before[d];
+                }
+            }
+        }
+}
+
+void token_shift_backward(const real *x, const real *coefficients, int64_t stride, const real *grad_y, int64_t B,
+                          int64_t P, int64_t H, int64_t Dh, real *grad_x, real *grad_coefficients) {
+    const int64_t row = H * Dh;
+    double sums[2 * H];
+    for (int64_t i = 0; i < 2 * H; ++i) sums[i] = 0;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < P; ++t) {
+            const int64_t offset = (b * P + t) * row;
+            for (int64_t h = 0; h < H; ++h) {
+                const real c1 = coefficients[h * stride], c2 = coefficients[h * stride + 1];
+                const real *dy = grad_y + offset + h * Dh, *dy_next = t + 1 < P ? dy + row : dy;
+                const real *now = x + offset + h * Dh, *before = t > 0 ? now - row : now;
+                real *dx = grad_x + offset + h * Dh;
+                real current = 0, previous = 0;
+                if (t + 1 < P) {
+#pragma omp simd reduction(+ : current)
+                    for (int64_t d = 0; d < Dh; ++d) {
+                        dx[d] = c1 * dy[d] + c2 * dy_next[d];
+                        current += dy[d] * now[d];
+                    }
+                } else {
+#pragma omp simd reduction(+ : current)
+                    for (int64_t d = 0; d < Dh; ++d) {
+                        dx[d] = c1 * dy[d];
+                        current += dy[d] * now[d];
+                    }
+                }
+                if (t > 0) {
+#pragma omp simd reduction(+ : previous)
+                    for (int64_t d = 0; d < Dh; ++d) previous += dy[d] * before[d];
+                }
+                sums[2 * h] += current;
+                sums[2 * h + 1] += previous;
+            }
+        }
+    for (int64_t h = 0; h < H; ++h) {
+        grad_coefficients[h * stride] = (real)sums[2 * h];
+        grad_coefficients[h * stride + 1] = (real)sums[2 * h + 1];
+    }
 }

@@ -121,6 +121,11 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.depth_attention_backward.argtypes = [
         pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer, pointer, pointer, c_int
     ]
+    library.token_shift_forward.restype = None
+    library.token_shift_forward.argtypes = [pointer, pointer, int64, int64, int64, int64, int64, pointer]
+    library.token_shift_backward.restype = None
+    library.token_shift_backward.argtypes = [pointer, pointer, int64, pointer, int64, int64, int64, int64, pointer,
+                                             pointer]
     return library
 
 
@@ -260,3 +265,51 @@ def depth_attention_cpu(
     else:
         h, logits, weights = _EagerDepthAttention.apply(folded_query, bias, float(eps), *flat)
     return h.to(first.dtype).view(shape), weights, logits
+
+
+class _EagerKVShift(torch.autograd.Function):
+    """`components.TokenShiftMix` (the KV shift, its formulas there) of a layer's K and V in one autograd node,
+    one C pass over each tensor each way; k, v [B, P, H, Dh], coefficients [H, 4] = (K's pair, V's pair)."""
+
+    @staticmethod
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = k.contiguous(), v.contiguous()
+        pairs = coefficients.to(k.dtype).contiguous()
+        library = cpu_library(k.dtype)
+        shifted = []
+        for x, column in ((k, 0), (v, 2)):
+            y = new_output(x.shape, x.dtype, x.device)
+            library.token_shift_forward(x.data_ptr(), pairs[:, column:].data_ptr(), 4, *x.shape, y.data_ptr())
+            shifted.append(y)
+        ctx.save_for_backward(k, v, pairs)
+        ctx.coefficient_dtype = coefficients.dtype
+        return shifted[0], shifted[1]
+
+    @staticmethod
+    def backward(ctx, grad_k: torch.Tensor, grad_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k, v, pairs = ctx.saved_tensors
+        library = cpu_library(k.dtype)
+        grad_pairs = new_output(pairs.shape, pairs.dtype, pairs.device)
+        grads = []
+        for x, grad_y, column in ((k, grad_k, 0), (v, grad_v, 2)):
+            grad_y = grad_y.contiguous()
+            grad_x = new_output(x.shape, x.dtype, x.device)
+            library.token_shift_backward(x.data_ptr(), pairs[:, column:].data_ptr(), 4, grad_y.data_ptr(), *x.shape,
+                                         grad_x.data_ptr(), grad_pairs[:, column:].data_ptr())
+            grads.append(grad_x)
+        return grads[0], grads[1], grad_pairs.to(ctx.coefficient_dtype)
+
+
+def kv_shift_cpu(k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's KV shift: `c1 ⊙ x_t + c2 ⊙ x_{t−1}` per head (x_{−1} = 0) for x = k with the pair
+    `coefficients[:, :2]` and x = v with `coefficients[:, 2:]`; fp32/fp64 CPU tensors [batch, pos, heads, d_head],
+    differentiable in all three."""
+    for name, x in (("k", k), ("v", v)):
+        if x.device.type != "cpu" or x.dtype not in _REAL_TYPES or x.dim() != 4:
+            raise ValueError(f"kv_shift_cpu needs 4-D fp32/fp64 CPU tensors, got {name} {x.dim()}-D {x.dtype} on "
+                             f"{x.device}")
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"k and v must match, got {list(k.shape)} {k.dtype} and {list(v.shape)} {v.dtype}")
+    if coefficients.shape != (k.shape[2], 4):
+        raise ValueError(f"coefficients must be [heads, 4] = [{k.shape[2]}, 4], got {list(coefficients.shape)}")
+    return _EagerKVShift.apply(k, v, coefficients)
