@@ -27,9 +27,12 @@ from attnres_lens.kernels._common import new_output
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 CACHE_ENV_VAR = "ATTNRES_LENS_KERNEL_CACHE"
 MAX_THREADS = 64  # the C file's MAX_THREADS
-# Starting a thread costs ~50-100 us on a small VM (a persistent pool woke no faster): below ~0.25M source
-# elements per thread a second thread costs more than it saves (2 threads: S=4 x 768 x 128 no gain, S=9 1.2x).
-MIN_ELEMENTS_PER_THREAD = 1 << 18
+# Starting a thread costs ~50-100 us on a small VM (a persistent pool woke no faster), and a split waits for the
+# slower thread when the other core is busy: a second thread pays from ~1M source elements each (forward +
+# backward alone, 2026-12-01: S=9 x 768 x 128 0.97x, 13 x 1024 x 256 1.17x, 25 x 1024 x 128 1.5x; inside a
+# two-thread training step of the small shape the old 0.25M threshold made Full 1.47x the standard step, one
+# kernel thread 1.24x).
+MIN_ELEMENTS_PER_THREAD = 1 << 20
 _REAL_TYPES = {torch.float32: "float", torch.float64: "double"}
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fopenmp-simd", "-fno-math-errno"]
 
