@@ -214,7 +214,7 @@ def _fla(args: argparse.Namespace) -> int:
     from attnres_lens import interop
     from attnres_lens.rundir import RunDirError
 
-    torch.set_num_threads(1)  # small models on a shared CPU: one thread is faster (docs/kernels.md §11)
+    torch.set_num_threads(1)  # import/export evaluate one small batch (the analysis commands take --threads)
     try:
         if args.command == "export-fla":
             out = interop.export_fla_run(args.run, args.out, args.checkpoint, args.dtype)

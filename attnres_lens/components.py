@@ -135,7 +135,7 @@ class Attention(nn.Module):
         k = self.hook_k(_project_heads(x, self.W_K))
         v = self.hook_v(_project_heads(x, self.W_V))
         if self.cfg.attention == "kv_shift":
-            if token_shift_runs_cpu_kernel(self.cfg.depth_attention_backend, k):  # both in one fused op
+            if token_shift_runs_cpu_kernel(self.cfg.depth_attention_backend, k, v):  # both in one fused op
                 k, v = kv_shift_cpu(k, v, self.kv_shift)
             else:
                 k, v = TokenShiftMix.apply(k, self.kv_shift[:, :2]), TokenShiftMix.apply(v, self.kv_shift[:, 2:])
@@ -242,10 +242,13 @@ def shift_one_position(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_tables(n_ctx: int, d_head: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [n_ctx, d_head] for rotate-half RoPE (GPT-NeoX layout), computed on the CPU whatever the
-    default device (the model moves them with itself; on the meta device arange would import torch._dynamo)."""
-    inv_freq = 1.0 / base ** (torch.arange(0, d_head, 2, dtype=torch.float64, device="cpu") / d_head)
-    angles = torch.arange(n_ctx, dtype=torch.float64, device="cpu")[:, None] * inv_freq[None, :]
+    """cos/sin tables [n_ctx, d_head] for rotate-half RoPE (GPT-NeoX layout). On the meta device (a model built
+    for its shapes) they are empty tables of that shape: nothing is allocated, and arange there would import
+    torch._dynamo."""
+    if torch.empty(0).is_meta:
+        return torch.empty(n_ctx, d_head), torch.empty(n_ctx, d_head)
+    inv_freq = 1.0 / base ** (torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)
+    angles = torch.arange(n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
 

@@ -227,8 +227,25 @@ def test_kv_shift_kernel_refuses_what_it_cannot_run():
         cpu_fused.kv_shift_cpu(x, x.bfloat16(), torch.rand(4, 4))
     with pytest.raises(ValueError, match="k and v must match"):
         cpu_fused.kv_shift_cpu(x, x[:, :2], torch.rand(4, 4))
-    with pytest.raises(ValueError, match=r"coefficients must be \[heads, 4\] = \[4, 4\], got \[4, 2\]"):
+    with pytest.raises(ValueError, match=r"coefficients must be a CPU tensor \[heads, 4\] = \[4, 4\], got \[4, 2\]"):
         cpu_fused.kv_shift_cpu(x, x, torch.rand(4, 2))
+    with pytest.raises(ValueError, match="got \\[4, 4\\] on meta"):
+        cpu_fused.kv_shift_cpu(x, x, torch.rand(4, 4, device="meta"))
+    k = x.clone().requires_grad_()
+    (shifted, _) = cpu_fused.kv_shift_cpu(k, x, torch.rand(4, 4))
+    (grad,) = torch.autograd.grad(shifted.square().sum(), k, create_graph=True)
+    with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
+        grad.sum().backward()  # no second derivative through the C backward, rather than a silent zero
+
+
+def test_kv_shift_falls_back_to_the_twin_when_k_and_v_differ():
+    from attnres_lens.kernels.backends import token_shift_runs_cpu_kernel
+
+    k = torch.randn(2, 3, 4, 5)
+    assert token_shift_runs_cpu_kernel("auto", k, k.clone())
+    assert not token_shift_runs_cpu_kernel("auto", k, k.double())  # e.g. a hook on hook_v changed its dtype
+    assert not token_shift_runs_cpu_kernel("reference", k, k.clone())
+    assert not token_shift_runs_cpu_kernel("auto", k.bfloat16(), k.bfloat16())
 
 
 def test_a_kv_shift_model_runs_the_kernel_only_on_the_cpu_backend(monkeypatch):

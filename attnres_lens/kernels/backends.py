@@ -68,10 +68,12 @@ def model_runs_two_phase(block_size: int, backend: str, device: torch.device) ->
     return block_size > 1 and resolve_backend(backend, device) == "triton"
 
 
-def token_shift_runs_cpu_kernel(backend: str, x: torch.Tensor) -> bool:
-    """Whether the KV shift of ``x`` runs the C kernel, for a model whose depth-attention backend is ``backend``."""
-    return (x.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling()
-            and resolve_backend(backend, x.device) == "cpu")
+def token_shift_runs_cpu_kernel(backend: str, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a layer's KV shift of ``k`` and ``v`` runs the C kernel, for a model whose depth-attention backend
+    is ``backend``."""
+    same = k.dtype == v.dtype and k.shape == v.shape and k.device == v.device  # a hook may have changed one
+    return (same and k.device.type == "cpu" and k.dtype in (torch.float32, torch.float64)
+            and not torch.compiler.is_compiling() and resolve_backend(backend, k.device) == "cpu")
 
 
 _CPU_KERNEL_STATE: list[bool] = []  # [] until the first "auto" on a CPU tensor tries the build

@@ -310,9 +310,10 @@ void depth_attention_backward(const real *const *sources, int64_t n_sources, int
  * Backward for the output gradient dy (sums over batch, position and d_head, per head; written with the same
  * stride):
  *   dx_t = c1 dy_t + c2 dy_{t+1}   (dy_P = 0),   dc1 = sum dy_t . x_t,   dc2 = sum dy_t . x_{t-1}
- * One pass over x each way (and dy in the backward), where PyTorch ops take one pass per product and sum. The
- * coefficient sums run in double. One thread: at a layer's K or V (a few hundred KB) a thread start would cost
- * more than it saves. */
+ * One pass over x each way (and dy in the backward), where PyTorch ops take one pass per product and sum. Each
+ * row's dots run in the element type, their sum over rows in double. One thread: at a training step's K or V (a
+ * few hundred KB) a thread start would cost more than it saves; the larger stacked batches of exact
+ * interventions run on one thread too. */
 void token_shift_forward(const real *x, const real *coefficients, int64_t stride, int64_t B, int64_t P, int64_t H,
                          int64_t Dh, real *y) {
     const int64_t row = H * Dh;

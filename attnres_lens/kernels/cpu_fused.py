@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from attnres_lens.kernels._common import new_output
 
@@ -289,6 +290,7 @@ class _EagerKVShift(torch.autograd.Function):
         return shifted[0], shifted[1]
 
     @staticmethod
+    @once_differentiable  # the C backward builds no graph: a second derivative raises instead of coming out zero
     def backward(ctx, grad_k: torch.Tensor, grad_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         k, v, pairs = ctx.saved_tensors
         library = cpu_library(k.dtype)
@@ -313,6 +315,7 @@ def kv_shift_cpu(k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor) -
                              f"{x.device}")
     if k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(f"k and v must match, got {list(k.shape)} {k.dtype} and {list(v.shape)} {v.dtype}")
-    if coefficients.shape != (k.shape[2], 4):
-        raise ValueError(f"coefficients must be [heads, 4] = [{k.shape[2]}, 4], got {list(coefficients.shape)}")
+    if coefficients.shape != (k.shape[2], 4) or coefficients.device.type != "cpu":
+        raise ValueError(f"coefficients must be a CPU tensor [heads, 4] = [{k.shape[2]}, 4], got "
+                         f"{list(coefficients.shape)} on {coefficients.device}")
     return _EagerKVShift.apply(k, v, coefficients)
