@@ -256,6 +256,17 @@ print("torch._dynamo" in sys.modules)
 """
 
 
+def test_the_shape_check_allocates_nothing_for_an_absurd_context_length():
+    import dataclasses
+
+    from attnres_lens.rundir import _expected_shapes
+
+    cfg = get_preset("depth-full").model
+    assert cfg.positional_embedding_type == "rotary"  # no parameter is n_ctx long; the rotary tables would be
+    shapes = _expected_shapes(dataclasses.replace(cfg, n_ctx=2**40))  # 2^40 x d_head doubles if they were real
+    assert shapes["embed.W_E"] == (cfg.d_vocab, cfg.d_model)
+
+
 def test_loading_a_run_stays_clear_of_torch_dynamo(smoke_run):
     """The shape check builds each preset's model on the meta device; a Python decomposition there would import
     torch._dynamo, 1.4 s of every command (a fresh process: other tests import it)."""
