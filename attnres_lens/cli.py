@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("run", metavar="RUN", help="run directory")
     prune.add_argument("--metric", default="loss", help="order and plot by 'loss' or 'accuracy' (default: loss)")
     prune.add_argument("--out", metavar="DIR", help="output folder (default: RUN/analysis)")
-    prune.add_argument("--samples", type=int, default=8, help="evaluation sequences (default: 8)")
+    prune.add_argument("--samples", type=int, default=8, help="evaluation sequences (default: 8; at least 2)")
     attribute = commands.add_parser("attribute", help="attribution through depth: which sources a prediction uses, "
                                     "and through which path (tables + HTML)")
     attribute.add_argument("run", metavar="RUN", help="run directory")

@@ -292,7 +292,8 @@ class RunDir:
     def read_config_dict(self) -> dict[str, Any]:
         """config.json as written, checked to have its model, task and train sections."""
         if not self.path.is_dir():
-            raise RunDirError(f"run directory {self.path} does not exist")
+            raise RunDirError(f"run directory {self.path} does not exist; give a folder that holds a run's "
+                              f"{self.CONFIG} (one `attnres-lens train --out DIR` wrote)")
         if not self.config_path.is_file():
             raise RunDirError(f"{self.path} is not a run directory: {self.CONFIG} is missing")
         try:
@@ -337,15 +338,17 @@ class RunDir:
 
     def resolve_checkpoint(self, checkpoint: Union[str, int] = "latest") -> str:
         """The checkpoint name meant by "latest", "best", a step number or a name such as "step_0000100"."""
-        if isinstance(checkpoint, int) or str(checkpoint).isdigit():
-            return checkpoint_name(int(checkpoint))
         if checkpoint in ("latest", "best"):
             name = getattr(self.read_index(), checkpoint)
             if name is None:
                 raise RunDirError(f"run directory {self.path} has no {checkpoint} checkpoint yet ({self.index_path})")
             return name
-        if str(checkpoint).startswith("step_"):
-            return str(checkpoint)
+        if isinstance(checkpoint, int) or str(checkpoint).isdigit() or str(checkpoint).startswith("step_"):
+            name = checkpoint_name(int(checkpoint)) if str(checkpoint).isdigit() else str(checkpoint)
+            if not self.weights_path(name).is_file():
+                raise RunDirError(f"run directory {self.path} has no checkpoint {checkpoint!r}; it has: "
+                                  f"{', '.join(self.read_index().names()) or 'none'}")
+            return name
         raise RunDirError(
             f"checkpoint must be 'latest', 'best', a step number or a name like 'step_0000100', got {checkpoint!r}")
 

@@ -224,7 +224,7 @@ def test_bad_run_directories_and_options_give_clear_errors(smoke_run, tmp_path, 
     code, err = run_cli(["analyze", str(untrained)], capsys)
     assert code == 2 and "no latest checkpoint" in err
     code, err = run_cli(["analyze", str(smoke_run), "--checkpoint", "999"], capsys)
-    assert code == 2 and "step_0000999.safetensors does not exist" in err
+    assert code == 2 and "has no checkpoint '999'; it has: latest" in err
     code, err = run_cli(["prune", str(smoke_run), "--metric", "perplexity"], capsys)
     assert code == 2 and "metric must be one of ['loss', 'accuracy']" in err
     code, err = run_cli(["prune", str(smoke_run), "--samples", "1"], capsys)

@@ -200,7 +200,7 @@ def test_corrupt_and_missing_run_directories_give_clear_errors(smoke_run, tmp_pa
     weights.write_bytes(b"\x00" * 100)
     with pytest.raises(RunDirError, match="corrupt or truncated"):
         load_run(copy)
-    with pytest.raises(RunDirError, match="step_0000123.safetensors does not exist"):
+    with pytest.raises(RunDirError, match=r"has no checkpoint 123; it has: latest, best, step_0000020, step_0000040"):
         load_run(copy, checkpoint=123)
     (copy / "records" / "magnitudes.parquet").write_bytes(b"PAR1 garbage")
     with pytest.raises(RunDirError, match="magnitudes.parquet is corrupt"):

@@ -136,7 +136,12 @@ def parse_prompt(model: HookedTransformer, prompt: Union[str, torch.Tensor, None
     """[1, pos] prompt tokens: space-separated ids (validated by the model), default the first held-out sequence."""
     if prompt is None:
         return batch.tokens[:1]
-    tokens = model.to_tokens(prompt)
+    if isinstance(prompt, str) and not prompt.split():
+        raise ValueError("--prompt is empty; give space-separated token ids, e.g. --prompt \"3 17 5 3 17\"")
+    try:
+        tokens = model.to_tokens(prompt)
+    except ValueError as err:  # the model names the problem; this names the option
+        raise ValueError(f"--prompt: {err}") from None
     if tokens.shape[0] != 1:
         raise ValueError(f"--prompt must be one sequence of token ids, got {tokens.shape[0]}")
     if tokens.shape[1] < 2:
