@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     analyze = commands.add_parser("analyze", help="induction heads, in-context learning and depth maps of a run")
-    analyze.add_argument("run", metavar="RUN", help="run directory; tables are written to RUN/analysis/")
+    analyze.add_argument("run", metavar="RUN", help="run directory")
     analyze.add_argument("--samples", type=int, default=16, help="evaluation sequences (default: 16)")
+    analyze.add_argument("--out", metavar="DIR", help="output folder (default: RUN/analysis)")
 
     prune = commands.add_parser("prune", help="layer-pruning sensitivity report of a run (tables + HTML)")
     prune.add_argument("run", metavar="RUN", help="run directory")
@@ -162,10 +163,10 @@ def _analysis(args: argparse.Namespace) -> int:
 
     try:
         cpu_settings.configure(args.threads)
-        _check_analysis_out(getattr(args, "out", None))
+        _check_analysis_out(args.out)
         if args.command == "analyze":
-            tables = analyze_run(args.run, args.checkpoint, args.samples, progress=not args.no_progress)
-            print(f"wrote {', '.join(tables)} to {args.run}/analysis/")
+            tables = analyze_run(args.run, args.checkpoint, args.samples, progress=not args.no_progress, out=args.out)
+            print(f"wrote {', '.join(tables)} to {args.out or Path(args.run) / 'analysis'}/")
         else:
             result = prune_run(args.run, args.out, args.metric, args.samples, args.checkpoint, progress=not args.no_progress)
             for row in result.summary["removable"]:

@@ -192,6 +192,21 @@ def test_analyze_run_writes_its_tables(smoke_run):
     assert (smoke_run / "analysis" / "analysis_summary.json").is_file()
 
 
+def test_analyze_command_writes_to_out_and_leaves_the_run_alone(smoke_run, tmp_path, capsys):
+    from attnres_lens.cli import main
+
+    before = sorted(path.name for path in (smoke_run / "analysis").iterdir()) if (smoke_run / "analysis").exists() else []
+    out = tmp_path / "elsewhere"
+    assert main(["analyze", str(smoke_run), "--samples", "2", "--no-progress", "--out", str(out)]) == 0
+    assert f"to {out}/" in capsys.readouterr().out
+    assert (out / "induction_heads.parquet").is_file() and (out / "analysis_summary.json").is_file()
+    after = sorted(path.name for path in (smoke_run / "analysis").iterdir()) if (smoke_run / "analysis").exists() else []
+    assert after == before
+    (tmp_path / "a-file").write_text("")
+    assert main(["analyze", str(smoke_run), "--no-progress", "--out", str(tmp_path / "a-file")]) == 2
+    assert "is a file; give a folder" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- depth maps
 def _tokens(cfg: ModelConfig, n: int = 3, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, cfg.d_vocab, (n, cfg.n_ctx), generator=torch.Generator().manual_seed(seed))

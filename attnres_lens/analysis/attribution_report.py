@@ -9,7 +9,6 @@ probe for the KV-shift decomposition, and the run's recorded snapshots for the t
 from __future__ import annotations
 
 import html
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import pandas as pd
@@ -31,10 +30,18 @@ from attnres_lens.analysis.induction import default_half_len, repeated_batch
 from attnres_lens.analysis.kv_shift import kv_shift_decomposition
 from attnres_lens.analysis.report import STYLE
 from attnres_lens.analysis.routing import causal_routing
-from attnres_lens.analysis.run import AnalysisResult, _check_samples, _json_safe, _run_header, write_tables
+from attnres_lens.analysis.run import (
+    AnalysisResult,
+    _check_out,
+    _check_samples,
+    _json_safe,
+    _run_header,
+    output_dir,
+    write_tables,
+)
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 from attnres_lens.model import HookedTransformer
-from attnres_lens.rundir import PathLike, RunDir, atomic_write_bytes, atomic_write_json, load_run
+from attnres_lens.rundir import PathLike, atomic_write_bytes, atomic_write_json, load_run
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch
 
 if TYPE_CHECKING:
@@ -155,8 +162,7 @@ def attribute_run(path: PathLike, checkpoint: Union[str, int] = "latest", sample
     """Attribution tables, `attribution_summary.json` and `attribution_report.html` under `out` (default
     RUN/analysis/)."""
     _check_samples(samples, 2)  # the bootstrap and the corrupted patch need two sequences
-    if out is not None and Path(out).exists() and not Path(out).is_dir():
-        raise ValueError(f"--out {out} is a file; give a folder (it is created if missing)")
+    _check_out(out)
     run = load_run(path, checkpoint=str(checkpoint))
     task = run.config.build_task()
     model = run.model
@@ -166,7 +172,7 @@ def attribute_run(path: PathLike, checkpoint: Union[str, int] = "latest", sample
     tables = attribution_tables(model, batch, prompt_tokens, run.records, run.metrics, probe, n_boot, progress)
     header = {**_run_header(run, samples), "prompt": " ".join(map(str, prompt_tokens[0].tolist()))}
     summary = _json_safe(attribution_summary(tables, header))
-    out_dir = Path(out) if out is not None else RunDir(run.path).analysis_dir
+    out_dir = output_dir(run, out)
     write_tables(tables, out_dir)
     atomic_write_json(out_dir / "attribution_summary.json", summary)
     report_path = out_dir / "attribution_report.html"

@@ -55,6 +55,17 @@ def _check_samples(samples: int, minimum: int) -> None:
         raise ValueError(f"samples must be an integer >= {minimum}, got {samples!r}")
 
 
+def _check_out(out: Optional[PathLike]) -> None:
+    """Before any work: an output folder given as `--out` may be missing (it is created) but not a file."""
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder (it is created if missing)")
+
+
+def output_dir(run: Run, out: Optional[PathLike]) -> Path:
+    """Where a run-level analysis writes: `out`, else RUN/analysis/."""
+    return Path(out) if out is not None else RunDir(run.path).analysis_dir
+
+
 def write_tables(tables: dict[str, pd.DataFrame], out_dir: Path) -> list[Path]:
     """Each table as `name.csv` and `name.parquet` (atomic writes)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -82,14 +93,15 @@ def _run_header(run: Run, samples: int) -> dict[str, Any]:
 
 
 def analyze_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples: int = 16,
-                progress: bool = True) -> dict[str, pd.DataFrame]:
-    """Induction heads, in-context learning and depth maps of a run, written under `RUN/analysis/`.
+                progress: bool = True, out: Optional[PathLike] = None) -> dict[str, pd.DataFrame]:
+    """Induction heads, in-context learning and depth maps of a run, written under `out` (default RUN/analysis/).
 
     Tables: induction_heads, icl_per_position, depth_mixing, mixing_diagnostics; for AttnRes models also depth_weights,
     depth_summary and depth_weights_tokens (per-token α of the first evaluation sequence); plus
     analysis_summary.json.
     """
     _check_samples(samples, 1)
+    _check_out(out)
     run, task = open_run(path, checkpoint)
     model = run.model
     batch = task.eval_batch(samples)
@@ -105,7 +117,7 @@ def analyze_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples:
         tables["depth_weights"] = depth_weights(model, batch.tokens)
         tables["depth_summary"] = depth_summary(model, batch.tokens)
         tables["depth_weights_tokens"] = depth_weights_per_token(model, batch.tokens[:1])
-    out_dir = RunDir(run.path).analysis_dir
+    out_dir = output_dir(run, out)
     write_tables(tables, out_dir)
     heads = tables["induction_heads"]
     best = heads.loc[heads["prefix_score"].idxmax()]
@@ -174,12 +186,11 @@ def prune_run(path: PathLike, out: Optional[PathLike] = None, metric: str = "los
     """Layer-pruning sensitivity of a run: tables and `prune_report.html` under `out` (default RUN/analysis)."""
     check_metric(metric)
     _check_samples(samples, 2)  # resample ablation swaps activations between sequences
-    if out is not None and Path(out).exists() and not Path(out).is_dir():
-        raise ValueError(f"--out {out} is a file; give a folder (it is created if missing)")
+    _check_out(out)
     run, task = open_run(path, checkpoint)
     tables = prune_tables(run.model, task.eval_batch(samples), metric, progress)
     summary = prune_summary(tables, {**_run_header(run, samples), "metric": metric})
-    out_dir = Path(out) if out is not None else RunDir(run.path).analysis_dir
+    out_dir = output_dir(run, out)
     write_tables(tables, out_dir)
     atomic_write_json(out_dir / "prune_summary.json", _json_safe(summary))
     report_path = out_dir / "prune_report.html"
