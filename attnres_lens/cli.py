@@ -163,7 +163,6 @@ def _analysis(args: argparse.Namespace) -> int:
 
     try:
         cpu_settings.configure(args.threads)
-        _check_analysis_out(args.out)
         if args.command == "analyze":
             tables = analyze_run(args.run, args.checkpoint, args.samples, progress=not args.no_progress, out=args.out)
             print(f"wrote {', '.join(tables)} to {args.out or Path(args.run) / 'analysis'}/")
@@ -178,14 +177,6 @@ def _analysis(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_analysis_out(out: Optional[str]) -> None:
-    """Analysis outputs never land in the root of a run directory (they would sit beside its config.json)."""
-    from attnres_lens.rundir import RunDir
-
-    if out is not None and RunDir(out).holds_run():
-        raise ValueError(f"--out {out} is a run directory; give a folder for the outputs, e.g. {Path(out) / 'analysis'}")
-
-
 def _attribute(args: argparse.Namespace) -> int:
     from attnres_lens import cpu_settings
     from attnres_lens.analysis.attribution_report import attribute_run
@@ -193,7 +184,6 @@ def _attribute(args: argparse.Namespace) -> int:
 
     try:
         cpu_settings.configure(args.threads)
-        _check_analysis_out(args.out)
         result = attribute_run(args.run, args.checkpoint, args.samples, args.prompt, args.out,
                                progress=not args.no_progress)
     except (ValueError, RunDirError) as err:

@@ -343,14 +343,17 @@ class RunDir:
             if name is None:
                 raise RunDirError(f"run directory {self.path} has no {checkpoint} checkpoint yet ({self.index_path})")
             return name
-        if isinstance(checkpoint, int) or str(checkpoint).isdigit() or str(checkpoint).startswith("step_"):
-            name = checkpoint_name(int(checkpoint)) if str(checkpoint).isdigit() else str(checkpoint)
-            if not self.weights_path(name).is_file():
-                raise RunDirError(f"run directory {self.path} has no checkpoint {checkpoint!r}; it has: "
-                                  f"{', '.join(self.read_index().names()) or 'none'}")
-            return name
-        raise RunDirError(
-            f"checkpoint must be 'latest', 'best', a step number or a name like 'step_0000100', got {checkpoint!r}")
+        if isinstance(checkpoint, int) or str(checkpoint).isdigit():
+            name = checkpoint_name(int(checkpoint))
+        elif str(checkpoint).startswith("step_"):
+            name = str(checkpoint)
+        else:
+            raise RunDirError(
+                f"checkpoint must be 'latest', 'best', a step number or a name like 'step_0000100', got {checkpoint!r}")
+        if not self.weights_path(name).is_file():
+            raise RunDirError(f"run directory {self.path} has no checkpoint {checkpoint!r}; it has: "
+                              f"{', '.join(self.read_index().names()) or 'none'}")
+        return name
 
     def is_complete(self) -> bool:
         """True when the latest checkpoint is at the run's final step and its weights file exists. A run holding

@@ -56,9 +56,14 @@ def _check_samples(samples: int, minimum: int) -> None:
 
 
 def _check_out(out: Optional[PathLike]) -> None:
-    """Before any work: an output folder given as `--out` may be missing (it is created) but not a file."""
-    if out is not None and Path(out).exists() and not Path(out).is_dir():
+    """Before any work: an output folder given as `--out` may be missing (it is created) but not a file, and not
+    the root of a run directory (the outputs would sit beside its config.json)."""
+    if out is None:
+        return
+    if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"--out {out} is a file; give a folder (it is created if missing)")
+    if RunDir(out).holds_run():
+        raise ValueError(f"--out {out} is a run directory; give a folder for the outputs, e.g. {Path(out) / 'analysis'}")
 
 
 def output_dir(run: Run, out: Optional[PathLike]) -> Path:
