@@ -188,9 +188,12 @@ class DepthAttention(nn.Module):
         return (self.score == "softmax" and self.mixing == "attention" and self.query_kind == "static"
                 and self.heads == 1 and hasattr(self, "key_norm"))
 
+    # hook points whose hooks send the mix down the readable path (interventions stack copies by them)
+    path_hooks = ("hook_logits", "hook_weights")
+
     def observed(self) -> bool:
         """Whether a hook watches the logits or weights (then this depth attention runs the readable path)."""
-        return self.hook_logits.has_hooks() or self.hook_weights.has_hooks()
+        return any(getattr(self, name).has_hooks() for name in self.path_hooks)
 
     def hooked(self) -> bool:
         """Whether any hook is on this depth attention (then Block AttnRes mixes it on its own, not two-phase)."""

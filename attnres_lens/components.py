@@ -161,9 +161,12 @@ class Attention(nn.Module):
         z = self.hook_z(z)
         return z.flatten(-2) @ self.W_O.flatten(0, 1)
 
+    # hook points whose hooks make the attention compute its scores explicitly (interventions stack copies by them)
+    path_hooks = ("hook_attn_scores", "hook_pattern")
+
     def observed(self) -> bool:
         """Whether a hook watches the attention scores or pattern (then they are computed explicitly)."""
-        return self.hook_attn_scores.has_hooks() or self.hook_pattern.has_hooks()
+        return any(getattr(self, name).has_hooks() for name in self.path_hooks)
 
 
 def _project_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

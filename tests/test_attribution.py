@@ -43,6 +43,7 @@ from attnres_lens.analysis.interventions import (
     StagedForward,
     StateCache,
     hook_stages,
+    model_replica,
     replace_hook,
 )
 from attnres_lens.cli import main as cli_main
@@ -150,6 +151,60 @@ def test_shared_evaluation_equals_one_pass_per_intervention(residual, block_size
         assert together.loss == pytest.approx(single.loss, abs=1e-6)
         assert together.answer_loss == pytest.approx(single.answer_loss, abs=1e-6)
         assert together.accuracy == single.accuracy
+    # on three worker threads (each its own copy of the modules): the same numbers, not merely close ones
+    parallel = evaluate_many(model, batch, interventions, max_sequences=max_sequences, workers=3)
+    assert [result.__dict__ for result in parallel] == [result.__dict__ for result in shared]
+    assert not any(point.fwd_hooks for point in model.hook_dict.values())
+
+
+def test_leaves_that_part_at_different_stages_share_one_stacked_pass():
+    model = HookedTransformer(small_config("attnres", 1)).eval()
+    randomize_depth_parameters(model)
+    batch = copy_batch(3)
+    J = model.cfg.n_sublayers
+    # each removal parts from the clean path at its own stage and never parts again: one train takes them all
+    interventions = [removal_hooks(model, [j]) for j in range(J)]
+    readouts = []
+    handle = model.ln_final.register_forward_pre_hook(lambda module, args: readouts.append(args[0].shape[0]))
+    try:
+        shared = evaluate_many(model, batch, interventions)
+    finally:
+        handle.remove()
+    assert readouts == [J * 3]
+    for single, together in zip(one_pass_each(model, batch, interventions), shared):
+        assert together.loss == pytest.approx(single.loss, abs=1e-6)
+
+
+def test_parallel_evaluation_restores_threads_and_hooks_and_reports_a_failing_hook():
+    model = HookedTransformer(small_config("attnres", 1)).eval()
+    batch = copy_batch(3)
+    interventions = [removal_hooks(model, [j]) for j in range(model.cfg.n_sublayers)]
+
+    def fail(tensor, hook):
+        raise RuntimeError(f"hook failed at {hook.name}")
+
+    interventions.append([(model.sublayer_output_hook(2), fail)])
+    with pytest.raises(RuntimeError, match="hook failed at blocks.1.hook_attn_out"):
+        evaluate_many(model, batch, interventions, max_sequences=3, workers=2)
+    assert torch.get_num_threads() == 1  # the suite's setting, restored
+    assert not any(point.fwd_hooks for point in model.hook_dict.values())
+    with pytest.raises(ValueError, match="workers must be a positive integer, got 0"):
+        evaluate_many(model, batch, interventions, workers=0)
+
+
+def test_a_model_replica_shares_the_weights_and_keeps_its_own_hooks():
+    model = HookedTransformer(small_config("attnres", 1)).eval()
+    replica = model_replica(model)
+    assert all(a is b for a, b in zip(model.parameters(), replica.parameters()))
+    tokens = copy_batch(2).tokens
+    with torch.no_grad():
+        model.embed.W_E.mul_(2)  # an edit in place reaches the replica
+        assert torch.equal(replica(tokens), model(tokens))
+    fired = []
+    replica.hook_dict["hook_embed"].add_hook(lambda tensor, hook: fired.append(hook.name))
+    with torch.no_grad():
+        model(tokens)
+    assert fired == []
 
 
 def test_a_state_cache_resumes_a_later_call_and_stays_exact():

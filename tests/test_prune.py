@@ -23,6 +23,7 @@ from attnres_lens.analysis import (
     source_mask_hooks,
 )
 from attnres_lens.analysis.interventions import evaluate, evaluate_many
+from attnres_lens.analysis.pruning import removal_orders
 from attnres_lens.cli import main as cli_main
 from attnres_lens.presets import get_preset
 from attnres_lens.tasks import make_task
@@ -161,6 +162,33 @@ def test_cumulative_curves_start_clean_and_end_with_everything_removed():
     least_important = sensitivity.sort_values(["dacc_remove", "sublayer"], ascending=[False, True])["sublayer"].iloc[0]
     assert measured.loc[1, "removed"] == str(least_important)
 
+
+def test_curves_that_stop_mid_round_match_evaluating_each_set_alone():
+    model = HookedTransformer(small_config("attnres", 1)).eval()
+    randomize_depth_parameters(model)
+    batch = copy_batch()
+    sensitivity = pruning_sensitivity(model, batch)
+    distances = angular_distance_matrix(model, batch.tokens)
+    orders = removal_orders(sensitivity, distances)
+    base = evaluate(model, batch).loss
+    alone = {removed: evaluate(model, batch, removal_hooks(model, removed))
+             for sets in orders.values() for removed in sets}
+    increases = sorted(result.loss / base - 1 for result in alone.values())
+    stop_at = increases[int(len(increases) * 0.95)]
+    curves = cumulative_pruning(model, batch, sensitivity, distances, stop_at=stop_at)
+    lengths = []
+    for strategy, sets in orders.items():
+        expected = [frozenset()]
+        for removed in sets:  # the rule, one set at a time: a curve ends at its first set that far above clean
+            expected.append(removed)
+            if alone[removed].loss / base - 1 >= stop_at:
+                break
+        curve = curves[curves["strategy"] == strategy]
+        assert list(curve["n_removed"]) == list(range(len(expected)))
+        assert curve["loss"].iloc[1:].to_numpy() == pytest.approx([alone[r].loss for r in expected[1:]], abs=1e-6)
+        lengths.append(len(expected) - 1)
+    # not vacuous: some curves stop inside the first round (steps 1-4), some run into the second
+    assert min(lengths) < 4 < max(lengths), lengths
 
 # ---------------------------------------------------------------------------- runs and commands
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from attnres_lens.analysis.interventions import Hook, evaluate_many, replace_hook, source_mask_hooks
+from attnres_lens.analysis.interventions import Hook, analysis_workers, evaluate_many, replace_hook, source_mask_hooks
 from attnres_lens.analysis.pruning import spearman
 from attnres_lens.attnres import EMBEDDING
 from attnres_lens.mixing import basis_index, mixing_coefficients
@@ -555,7 +555,7 @@ def routing_audit(model: HookedTransformer, batch: Batch, n_boot: int = 1000, se
             interventions.append([(modules[c].hook_weights.name, replace_hook(schedule))])
             keys.append((name, c))
     losses = evaluate_many(model, batch, interventions, progress=progress, desc="routing audit",
-                           score=_per_sequence_losses)
+                           score=_per_sequence_losses, workers=analysis_workers(model))
     by_key = dict(zip(keys, losses))
     clean = by_key[("clean",)]
     draws = torch.randint(0, n_seq, (n_boot, n_seq), generator=torch.Generator().manual_seed(seed))

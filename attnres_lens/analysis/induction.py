@@ -32,7 +32,7 @@ import torch
 from transformer_lens.head_detector import detect_head
 from transformer_lens.utilities import get_act_name
 
-from attnres_lens.analysis.interventions import capture, evaluate, evaluate_many, replace_hook
+from attnres_lens.analysis.interventions import analysis_workers, capture, evaluate, evaluate_many, replace_hook
 from attnres_lens.mixing import basis_index, mixing_coefficients
 from attnres_lens.model import HookedTransformer, next_token_loss
 from attnres_lens.recorder import prefix_matching_score
@@ -98,7 +98,8 @@ def induction_head_scores(model: HookedTransformer, batch: Optional[Batch] = Non
         zeroed = z * (1 - one_head)
         mean_ablated = zeroed + one_head * z[:, :, head].mean(dim=(0, 1))
         ablations += [[(z_names[layer], replace_hook(zeroed))], [(z_names[layer], replace_hook(mean_ablated))]]
-    ablated = iter(evaluate_many(model, batch, ablations, progress=progress, desc="ablating heads"))
+    ablated = iter(evaluate_many(model, batch, ablations, progress=progress, desc="ablating heads",
+                                 workers=analysis_workers(model)))
     rows = []
     for layer, head in heads:
         pattern = clean[pattern_names[layer]]

@@ -22,7 +22,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
+import queue
+import threading
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -62,8 +66,8 @@ def evaluate(model: HookedTransformer, batch: Batch, fwd_hooks: Sequence[Hook] =
 @torch.no_grad()
 def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequence[Sequence[Hook]],
                   max_sequences: int = 256, progress: bool = False, desc: str = "interventions",
-                  cache: Optional[StateCache] = None, score: Callable[[torch.Tensor, Batch], Any] = score_logits
-                  ) -> list[Any]:
+                  cache: Optional[StateCache] = None, score: Callable[[torch.Tensor, Batch], Any] = score_logits,
+                  workers: int = 1) -> list[Any]:
     """`evaluate` for each intervention (a list of hooks), sharing every computation the interventions share.
 
     The forward pass runs in stages (embedding, each sublayer, the final readout; `hook_stages`). Interventions
@@ -74,13 +78,27 @@ def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequenc
     removal sets that agree on the first sublayers share them; with a `StateCache`, a call also resumes from the
     states of the previous call. Results equal one full pass per intervention up to float rounding of the
     larger batches. `score(logits, batch)` turns each intervention's logits into its result (default: the
-    evaluation metric)."""
+    evaluation metric).
+
+    `workers` > 1 runs the stacked branches on that many threads at one torch thread each, every thread on its
+    own copy of the model's modules (sharing the parameters), so one thread's hooks never fire in another; the
+    results are the same numbers as with one worker. Hooks then run on worker threads, in no fixed order, so
+    they must not depend on each other's side effects (`analysis_workers` gives the analyses' default)."""
     if not interventions:
         return []
-    if isinstance(max_sequences, bool) or not isinstance(max_sequences, int) or max_sequences < 1:
-        raise ValueError(f"max_sequences must be a positive integer, got {max_sequences!r}")
+    for name, value in (("max_sequences", max_sequences), ("workers", workers)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     with tqdm(total=len(interventions), desc=desc, disable=not progress, leave=False) as bar:
-        return _SharedEvaluation(model, batch, interventions, max_sequences, bar, cache, score).run()
+        return _SharedEvaluation(model, batch, interventions, max_sequences, bar, cache, score, workers).run()
+
+
+def analysis_workers(model: nn.Module) -> int:
+    """How many threads the analyses give `evaluate_many`: on the CPU one per torch thread (independent stacked
+    passes scale across cores, measured 1.7-2.0x on two, where splitting each op over two threads gave 1.25x;
+    docs/analysis.md §11), on a GPU one (its kernels already fill it)."""
+    on_cpu = all(parameter.device.type == "cpu" for parameter in model.parameters())
+    return torch.get_num_threads() if on_cpu else 1
 
 
 EMBEDDING_STAGE = -1
@@ -232,16 +250,75 @@ class StateCache:
         self.owner = (id(model), batch.tokens)
 
 
+def model_replica(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s modules that shares its parameters and buffers (in place edits of the weights reach
+    both): hooks attached to the copy fire only there."""
+    shared = {id(tensor): tensor for tensor in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, shared)
+
+
+class _Workers:
+    """Jobs `job(forward)` on `n` threads, each job given a `StagedForward` of a replica no other running job
+    holds. Torch runs at one thread meanwhile (the jobs are the parallelism; restored on close)."""
+
+    def __init__(self, model: HookedTransformer, n: int):
+        self.forwards: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(n):
+            self.forwards.put(StagedForward(model_replica(model)))
+        self.previous_threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the global setting new threads start from
+        self.grad_enabled = torch.is_grad_enabled()  # thread-local in torch: each job sets the caller's
+        self.executor = ThreadPoolExecutor(n, thread_name_prefix="attnres-lens-evaluate",
+                                           initializer=torch.set_num_threads, initargs=(1,))
+        self.futures: list[Future] = []
+
+    def submit(self, job: Callable[["StagedForward"], None]) -> None:
+        def run() -> None:
+            forward = self.forwards.get()
+            try:
+                with torch.set_grad_enabled(self.grad_enabled):
+                    job(forward)
+            finally:
+                self.forwards.put(forward)
+
+        self.futures.append(self.executor.submit(run))
+
+    def wait(self) -> None:
+        """Wait for every job, those that jobs submit included, and re-raise the first failure (after cancelling
+        the jobs not yet started)."""
+        for future in self.futures:  # a job submits its children before it ends, so the loop reaches them
+            if future.exception() is not None:
+                for pending in self.futures:
+                    pending.cancel()
+                future.result()
+
+    def close(self, cancel: bool = False) -> None:
+        """`wait`, shut the threads down and restore torch's thread count; with `cancel` (the caller is failing
+        already), cancel the jobs not yet started and wait for the running ones only."""
+        try:
+            if cancel:
+                for pending in self.futures:
+                    pending.cancel()
+            else:
+                self.wait()
+        finally:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+            torch.set_num_threads(self.previous_threads)
+
+
 class _SharedEvaluation:
     """`evaluate_many`'s traversal of the tree of interventions (see its docstring)."""
 
     def __init__(self, model: HookedTransformer, batch: Batch, interventions: Sequence[Sequence[Hook]],
                  max_sequences: int, bar: tqdm, cache: Optional[StateCache] = None,
-                 score: Callable[[torch.Tensor, Batch], Any] = score_logits):
+                 score: Callable[[torch.Tensor, Batch], Any] = score_logits, workers: int = 1):
         self.model = model
         self.score = score
         self.batch = batch
         self.forward = StagedForward(model)
+        self.workers = workers
+        self.pool: Optional[_Workers] = None
+        self.lock = threading.Lock()  # results, progress and remembered states are written from worker threads
         self.n_batch = batch.tokens.shape[0]
         self.max_copies = max(1, max_sequences // self.n_batch)
         self.bar = bar
@@ -261,12 +338,25 @@ class _SharedEvaluation:
         self.results: list[Any] = [None] * len(interventions)
         self.cache = cache
         self.seen: dict[tuple, Any] = {}  # this call's states, by the keys of every stage up to theirs
+        self.pending: list[tuple[list[int], Any, int]] = []  # leaves to run: members, input state, start stage
         if cache is not None:
             cache.check(model, batch)
 
     def run(self) -> list[Any]:
         tokens = self.model.to_tokens(self.batch.tokens)
-        self._descend(list(range(len(self.plans))), tokens, EMBEDDING_STAGE)
+        if self.workers > 1:
+            self.pool = _Workers(self.model, self.workers)
+        try:
+            self._spawn(list(range(len(self.plans))), tokens, EMBEDDING_STAGE)
+            if self.pool is not None:
+                self.pool.wait()  # every branch has descended and queued its leaves
+            self._run_pending()
+        except BaseException:
+            if self.pool is not None:
+                self.pool.close(cancel=True)
+            raise
+        if self.pool is not None:
+            self.pool.close()
         if self.cache is not None:
             self.cache.states = self.seen
             self.cache.functions = [function for plan in self.plans for hooks in plan for _, function in hooks]
@@ -282,17 +372,21 @@ class _SharedEvaluation:
 
     def _remember(self, member: int, stage: int, state: Any) -> None:
         if self.cache is not None:
-            self.seen[self._prefix(member, stage)] = state
+            with self.lock:
+                self.seen[self._prefix(member, stage)] = state
 
-    def _descend(self, members: list[int], state: Any, stage: int) -> None:
-        """`members` share every computation before `stage`, whose input is `state` (one copy of the batch)."""
+    def _descend(self, forward: StagedForward, members: list[int], state: Any, stage: int) -> None:
+        """`members` share every computation before `stage`, whose input is `state` (one copy of the batch).
+        Branches that part again descend on their own (on the workers, if any, in parallel); the leaves are
+        queued for `_run_pending`."""
         while True:
             children: dict[tuple, list[int]] = defaultdict(list)
             for member in members:
                 children[self.keys[member][stage + 1]].append(member)
             if len(children) == 1:
                 cached = self._cached(members[0], stage)
-                state = cached if cached is not None else self._step(state, stage, [self.plans[members[0]][stage + 1]])
+                state = cached if cached is not None else self._step(forward, state, stage,
+                                                                      [self.plans[members[0]][stage + 1]])
                 self._remember(members[0], stage, state)
                 if stage == self.last:
                     self._finish([members], state)
@@ -305,12 +399,17 @@ class _SharedEvaluation:
             self._run_leaves(leaves, state, stage)
             for group in groups:
                 if not any(group is leaf for leaf in leaves):
-                    self._descend(group, state, stage)
+                    self._spawn(group, state, stage)
             return
 
+    def _spawn(self, members: list[int], state: Any, stage: int) -> None:
+        if self.pool is None:
+            self._descend(self.forward, members, state, stage)
+        else:
+            self.pool.submit(lambda forward: self._descend(forward, members, state, stage))
+
     def _run_leaves(self, leaves: list[list[int]], state: Any, stage: int) -> None:
-        """Run each leaf from `stage` to the logits, resuming after the deepest stage an earlier call cached."""
-        by_start: dict[int, list[tuple[list[int], Any]]] = defaultdict(list)
+        """Queue each leaf to run from `stage`, or from after the deepest stage an earlier call cached."""
         for leaf in leaves:
             start, start_state = stage, state
             while start <= self.last and (cached := self._cached(leaf[0], start)) is not None:
@@ -319,31 +418,54 @@ class _SharedEvaluation:
             if start > self.last:
                 self._finish([leaf], start_state)
             else:
-                by_start[start].append((leaf, start_state))
-        for start, items in by_start.items():
-            # A hook on a depth attention's logits or weights sends the whole stacked batch down its readable
-            # (slower) path, so leaves hooked at the same points are stacked together.
-            by_points: dict[tuple, list[tuple[list[int], Any]]] = defaultdict(list)
-            for leaf, leaf_state in items:
-                points = sorted({name for hooks in self.plans[leaf[0]][start + 1 :] for name, _ in hooks})
-                by_points[tuple(points)].append((leaf, leaf_state))
-            for similar in by_points.values():
-                for first in range(0, len(similar), self.max_copies):
-                    chunk = similar[first : first + self.max_copies]
-                    self._run_stacked([leaf for leaf, _ in chunk], [state for _, state in chunk], start)
+                self.pending.append((leaf, start_state, start))
 
-    def _run_stacked(self, groups: list[list[int]], states: list[Any], stage: int) -> None:
-        """Run each group from `stage` (its own input state, one copy of the batch each, stacked) to the logits."""
-        state = states[0] if len(states) == 1 else concat_states(states)
-        for current in range(stage, self.last + 1):
-            state = self._step(state, current, [self.plans[group[0]][current + 1] for group in groups])
+    def _run_pending(self) -> None:
+        """Run the queued leaves in trains: a train starts with the leaves that start earliest and takes on the
+        next ones as it reaches their start stage (their states join its stack), up to `max_copies` copies, so
+        leaves that part at different stages still share passes. A hook on a depth attention's logits or
+        weights (a module's `path_hooks`) sends the whole stack down its readable, slower path, so leaves are
+        grouped by those points first. Trains run longest first, here or on the workers."""
+        path_points = {f"{name}.{hook}" for name, module in self.model.named_modules()
+                       for hook in getattr(module, "path_hooks", ())}
+        by_points: dict[tuple, list[tuple[list[int], Any, int]]] = defaultdict(list)
+        # sorted, so the trains (and the float rounding of their stacked passes) do not depend on thread timing
+        for leaf, state, start in sorted(self.pending, key=lambda item: (item[2], item[0][0])):
+            points = {name for hooks in self.plans[leaf[0]][start + 1:] for name, _ in hooks} & path_points
+            by_points[tuple(sorted(points))].append((leaf, state, start))
+        trains = []
+        for similar in by_points.values():
+            trains += [similar[first : first + self.max_copies] for first in range(0, len(similar), self.max_copies)]
+        trains.sort(key=lambda train: -sum(self.last + 1 - start for _, _, start in train))
+        for train in trains:
+            if self.pool is None:
+                self._run_train(self.forward, train)
+            else:
+                self.pool.submit(lambda forward, train=train: self._run_train(forward, train))
+
+    def _run_train(self, forward: StagedForward, train: list[tuple[list[int], Any, int]]) -> None:
+        """Run a train's leaves (sorted by start stage, each its own input state, one copy of the batch) to the
+        logits, stacked: a leaf's copy joins at the end of the stack at its start stage."""
+        groups: list[list[int]] = []
+        state: Any = None
+        joined = 0
+        for current in range(train[0][2], self.last + 1):
+            joining = []
+            while joined < len(train) and train[joined][2] == current:
+                joining.append(train[joined])
+                joined += 1
+            if joining:
+                groups += [leaf for leaf, _, _ in joining]
+                states = ([] if state is None else [state]) + [leaf_state for _, leaf_state, _ in joining]
+                state = states[0] if len(states) == 1 else concat_states(states)
+            state = self._step(forward, state, current, [self.plans[group[0]][current + 1] for group in groups])
             if self.cache is not None:
                 for slot, group in enumerate(groups):
                     rows = slice(slot * self.n_batch, (slot + 1) * self.n_batch)
                     self._remember(group[0], current, map_state(state, lambda tensor: tensor[rows]))
         self._finish(groups, state)
 
-    def _step(self, state: Any, stage: int, hooks_per_copy: list[tuple[Hook, ...]]) -> Any:
+    def _step(self, forward: StagedForward, state: Any, stage: int, hooks_per_copy: list[tuple[Hook, ...]]) -> Any:
         if len(hooks_per_copy) == 1:
             fwd_hooks = list(hooks_per_copy[0])
         else:
@@ -353,16 +475,17 @@ class _SharedEvaluation:
                     by_name[name].append((slot, function))
             fwd_hooks = [(name, _on_copies(self.n_batch, functions)) for name, functions in by_name.items()]
         if not fwd_hooks:
-            return self.forward.run(state, stage)
-        with hooks_on(self.model, fwd_hooks):
-            return self.forward.run(state, stage)
+            return forward.run(state, stage)
+        with hooks_on(forward.model, fwd_hooks):
+            return forward.run(state, stage)
 
     def _finish(self, groups: list[list[int]], logits: torch.Tensor) -> None:
         for group, part in zip(groups, logits.split(self.n_batch)):
             result = self.score(part, self.batch)
-            for member in group:
-                self.results[member] = result
-            self.bar.update(len(group))
+            with self.lock:
+                for member in group:
+                    self.results[member] = result
+                self.bar.update(len(group))
 
 
 def concat_states(states: list[Any]) -> Any:

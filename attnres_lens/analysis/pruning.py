@@ -40,6 +40,7 @@ from attnres_lens.analysis.depth import depth_mixing_matrix
 from attnres_lens.analysis.interventions import (
     Evaluation,
     StateCache,
+    analysis_workers,
     capture,
     evaluate,
     evaluate_many,
@@ -136,7 +137,8 @@ def ablation_sensitivity(model: HookedTransformer, batch: Batch, progress: bool 
         name = model.sublayer_output_hook(j)
         interventions += [removal_hooks(model, [j]), [(name, replace_hook(outputs[j].mean(dim=(0, 1))))],
                           [(name, replace_hook(outputs[j][permutation]))]]
-    results = iter(evaluate_many(model, batch, interventions, progress=progress, desc="ablating sublayers"))
+    results = iter(evaluate_many(model, batch, interventions, progress=progress, desc="ablating sublayers",
+                                 workers=analysis_workers(model)))
     rows = []
     for j in range(model.cfg.n_sublayers):
         label = model.sublayer_name(j)
@@ -210,20 +212,29 @@ def cumulative_pruning(model: HookedTransformer, batch: Batch, sensitivity: pd.D
     results: dict[frozenset[int], Evaluation] = {frozenset(): base}
     curves = {strategy: [frozenset()] for strategy in orders}
     running = set(orders)
-    # Round k evaluates every running strategy's k-th set together; each set resumes from its predecessor's
-    # states where they agree (the sublayers before the one it adds), kept by the cache between rounds.
+    # Rounds of 4, 4, 8, 16, … steps (each as long as all before it): a round evaluates every running strategy's
+    # next sets in one call, so sets that agree on their first sublayers share them and branches of different
+    # strategies and steps stack and run in parallel; each set resumes from the previous round's states where
+    # they agree (the cache). A strategy that stops mid-round costs at most as many sets again as it needed.
     cache = StateCache()
-    for k in tqdm(range(1, len(sensitivity) + 1), desc="cumulative removal", disable=not progress, leave=False):
-        step = {strategy: orders[strategy][k - 1] for strategy in orders if strategy in running}
-        new = sorted(set(step.values()) - set(results), key=sorted)
-        results.update(zip(new, evaluate_many(model, batch, [removal_hooks(model, removed) for removed in new],
-                                              cache=cache)))
-        for strategy, removed in step.items():
-            curves[strategy].append(removed)
-            if stop_at is not None and results[removed].loss / base.loss - 1 >= stop_at:
-                running.discard(strategy)
-        if not running:
-            break
+    n_sublayers = len(sensitivity)
+    with tqdm(total=n_sublayers, desc="cumulative removal", disable=not progress, leave=False) as bar:
+        first = 1
+        while first <= n_sublayers and running:
+            steps = range(first, min(first + max(4, first - 1), n_sublayers + 1))
+            wanted = {orders[strategy][k - 1] for strategy in running for k in steps}
+            new = sorted(wanted - set(results), key=sorted)
+            results.update(zip(new, evaluate_many(model, batch, [removal_hooks(model, removed) for removed in new],
+                                                  cache=cache, workers=analysis_workers(model))))
+            for strategy in sorted(running):
+                for k in steps:
+                    removed = orders[strategy][k - 1]
+                    curves[strategy].append(removed)
+                    if stop_at is not None and results[removed].loss / base.loss - 1 >= stop_at:
+                        running.discard(strategy)
+                        break
+            bar.update(len(steps))
+            first = steps.stop
     rows = []
     for strategy, sets in curves.items():
         for removed in sets:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pandas as pd
 
 from attnres_lens.analysis.depth import depth_weights_by_consumer
-from attnres_lens.analysis.interventions import evaluate, evaluate_many, source_mask_hooks
+from attnres_lens.analysis.interventions import analysis_workers, evaluate, evaluate_many, source_mask_hooks
 from attnres_lens.analysis.pruning import spearman
 from attnres_lens.model import HookedTransformer
 from attnres_lens.tasks.base import Batch
@@ -27,7 +27,7 @@ def causal_routing(model: HookedTransformer, batch: Batch, progress: bool = Fals
     base = evaluate(model, batch)
     pairs = [(c, s) for c, w in weights.items() if w.shape[-1] > 1 for s in range(w.shape[-1])]
     results = evaluate_many(model, batch, [source_mask_hooks(model, consumer, [source]) for consumer, source in pairs],
-                            progress=progress, desc="masking depth sources")
+                            progress=progress, desc="masking depth sources", workers=analysis_workers(model))
     rows = []
     for (consumer, source), result in zip(pairs, results):
         rows.append(dict(
