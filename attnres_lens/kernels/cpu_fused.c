@@ -45,11 +45,12 @@ typedef struct {
 
 /* Forward: per token row, sources are reduced GROUP at a time: one row's sums are a chain of dependent FMAs
  * (D / vector width of them, each waiting on the last), so at d_model 64 a row-at-a-time loop was latency-bound;
- * four sources give four independent chains. Backward: token rows in tiles of TILE, each source read as one
- * contiguous TILE x D block (a stream the prefetcher follows) while the tile's dh rows stay in L1; row-at-a-time
- * it hopped between 2S streams per token and at 49 sources ran 3x slower. The tiled forward measured up to
- * 1.4x slower than this one (docs/kernels.md §6), so only the backward
- * is tiled, and only for many sources (see backward_rows). Results are the same sums, only interleaved. */
+ * four sources give four independent chains. Its softmax statistics are computed for TILE tokens at once (see
+ * forward_rows). Backward: token rows in tiles of TILE, each source read as one contiguous TILE x D block (a
+ * stream the prefetcher follows) while the tile's dh rows stay in L1; row-at-a-time it hopped between 2S streams
+ * per token and at 49 sources ran 3x slower. Reading the forward's sources that way measured 1.2-1.5x slower
+ * (docs/kernels.md §6), so only the backward reads by blocks, and only for many sources (see backward_rows).
+ * Results are the same sums, only interleaved. */
 #define TILE 16
 #define GROUP 4
 #define INLINE static inline __attribute__((always_inline))
@@ -107,48 +108,101 @@ INLINE void tile_dots(const real *v, const real *g, int64_t D, int64_t T, real *
     }
 }
 
+/* exp(x) for x <= 0 (a softmax's logit minus its maximum) in the float build, in a form the compiler vectorises
+ * across tokens: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (truncation < 1e-8, below
+ * half an ulp), times 2^n built in the exponent bits. Within 2 ulp of libm's expf; exp(x) < 2^-125 (x < -87,
+ * a -inf bias included) gives 0. libm's scalar expf was ~40% of the forward (docs/kernels.md §6). NaN stays NaN.
+ * The double build (tests, float64 oracles) keeps libm's exp. */
+INLINE real exp_nonpositive(real x) {
+    if (sizeof(real) != sizeof(float)) return exp(x);
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits */
+    const float shifted = fmaf((float)x, 1.44269504088896341f, magic);
+    const float n = shifted - magic;
+    const float r = fmaf(n, -0.693145751953125f, fmaf(n, -1.428606765330187e-06f, (float)x)); /* x - n ln2 */
+    float p = 1.0f / 5040.0f;
+    p = fmaf(p, r, 1.0f / 720.0f);
+    p = fmaf(p, r, 1.0f / 120.0f);
+    p = fmaf(p, r, 1.0f / 24.0f);
+    p = fmaf(p, r, 1.0f / 6.0f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    int32_t bits;
+    memcpy(&bits, &shifted, sizeof bits);
+    bits = (bits - 0x4B400000 + 127) << 23; /* 0x4B400000: the bits of magic, so this is (n + 127) << 23 */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return (float)x < -87.0f ? 0.0f : p * scale;
+}
+
+/* Forward, in tiles of TILE tokens: pass 1 reads each token row of every source once for its two sums (GROUP
+ * sources at a time); the per-token statistics (rstd, logits, softmax) are then computed for the whole tile,
+ * vectorised across its tokens (one token at a time they were scalar sqrt, division and exp per source, more
+ * than the reads cost); pass 2 mixes the rows, still in L1/L2. */
 static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
     const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model;
     const real *u = a->folded_query;
-    real square_sums[S], dots[S];
-    for (int64_t n = begin; n < end; ++n) {
-        const real *const *src = a->sources;
-        const int64_t row = n * D;
-        /* pass 1: rstd and logit of every source, one read of each row for both sums */
-        int64_t s = 0;
-        for (; s + GROUP <= S; s += GROUP)
-            group_sums(src[s] + row, src[s + 1] + row, src[s + 2] + row, src[s + 3] + row, u, D, square_sums + s,
-                       dots + s);
-        for (; s < S; ++s) row_sums(src[s] + row, u, D, square_sums + s, dots + s);
-        real max_logit = -INFINITY;
-        for (s = 0; s < S; ++s) {
-            const real r = (real)1 / sqrt(square_sums[s] / (real)D + a->eps);
-            a->rstd[s * N + n] = r;
-            a->logits[s * N + n] = dots[s] * r; /* unbiased: the backward's key term needs r (u . v) itself */
-            const real biased = dots[s] * r + (a->bias ? a->bias[s * N + n] : 0);
-            if (biased > max_logit) max_logit = biased;
+    const real *const *src = a->sources;
+    real square_sums[S * TILE], dots[S * TILE], w[S * TILE], max_logit[TILE], total[TILE];
+    for (int64_t t0 = begin; t0 < end; t0 += TILE) {
+        const int64_t T = end - t0 < TILE ? end - t0 : TILE;
+        /* pass 1: rstd and logit sums of every source, one read of each row for both (row by row: read source
+         * by source, as TILE x D blocks, it measured 1.2-1.5x slower) */
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t row = (t0 + t) * D;
+            real q[GROUP], p[GROUP];
+            int64_t s = 0;
+            for (; s + GROUP <= S; s += GROUP) {
+                group_sums(src[s] + row, src[s + 1] + row, src[s + 2] + row, src[s + 3] + row, u, D, q, p);
+                for (int g = 0; g < GROUP; ++g) square_sums[(s + g) * TILE + t] = q[g], dots[(s + g) * TILE + t] = p[g];
+            }
+            for (; s < S; ++s) row_sums(src[s] + row, u, D, square_sums + s * TILE + t, dots + s * TILE + t);
         }
-        real total = 0;
-        for (s = 0; s < S; ++s) {
-            /* a bias of -inf gives weight 0: the source is out of this token's softmax */
-            const real e = exp(a->logits[s * N + n] + (a->bias ? a->bias[s * N + n] : 0) - max_logit);
-            a->weights[s * N + n] = e;
-            total += e;
-        }
-        real w[S];
-        for (s = 0; s < S; ++s) w[s] = a->weights[s * N + n] = a->weights[s * N + n] / total;
-        /* pass 2: h = sum_s alpha_s v_s, rows still in cache, GROUP sources per sweep of h */
-        real *h = a->h + row;
-        for (int64_t d = 0; d < D; ++d) h[d] = 0;
-        for (s = 0; s + GROUP <= S; s += GROUP) {
-            const real *v0 = src[s] + row, *v1 = src[s + 1] + row, *v2 = src[s + 2] + row, *v3 = src[s + 3] + row;
+        /* statistics, across the tile's tokens */
+        for (int64_t t = 0; t < T; ++t) max_logit[t] = -INFINITY, total[t] = 0;
+        for (int64_t s = 0; s < S; ++s) {
+            const real *bias = a->bias ? a->bias + s * N + t0 : NULL;
+            real *rstd = a->rstd + s * N + t0, *logits = a->logits + s * N + t0, *z = w + s * TILE;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) h[d] += w[s] * v0[d] + w[s + 1] * v1[d] + w[s + 2] * v2[d] + w[s + 3] * v3[d];
+            for (int64_t t = 0; t < T; ++t) {
+                const real r = (real)1 / sqrt(square_sums[s * TILE + t] / (real)D + a->eps);
+                rstd[t] = r;
+                logits[t] = dots[s * TILE + t] * r; /* unbiased: the backward's key term needs r (u . v) itself */
+                z[t] = logits[t] + (bias ? bias[t] : 0);
+                max_logit[t] = z[t] > max_logit[t] ? z[t] : max_logit[t];
+            }
         }
-        for (; s < S; ++s) {
-            const real *v = src[s] + row;
+        for (int64_t s = 0; s < S; ++s) {
+            real *e = w + s * TILE;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) h[d] += w[s] * v[d];
+            for (int64_t t = 0; t < T; ++t) {
+                e[t] = exp_nonpositive(e[t] - max_logit[t]); /* a bias of -inf gives weight 0 */
+                total[t] += e[t];
+            }
+        }
+        for (int64_t s = 0; s < S; ++s) {
+            real *weights = a->weights + s * N + t0, *alpha = w + s * TILE;
+#pragma omp simd
+            for (int64_t t = 0; t < T; ++t) weights[t] = alpha[t] = alpha[t] / total[t];
+        }
+        /* pass 2: h = sum_s alpha_s v_s, GROUP sources per sweep of h */
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t row = (t0 + t) * D;
+            real *h = a->h + row;
+            for (int64_t d = 0; d < D; ++d) h[d] = 0;
+            int64_t s = 0;
+            for (; s + GROUP <= S; s += GROUP) {
+                const real *v0 = src[s] + row, *v1 = src[s + 1] + row, *v2 = src[s + 2] + row, *v3 = src[s + 3] + row;
+                const real w0 = w[s * TILE + t], w1 = w[(s + 1) * TILE + t], w2 = w[(s + 2) * TILE + t],
+                           w3 = w[(s + 3) * TILE + t];
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) h[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
+            }
+            for (; s < S; ++s) {
+                const real *v = src[s] + row, ws = w[s * TILE + t];
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) h[d] += ws * v[d];
+            }
         }
     }
 }
