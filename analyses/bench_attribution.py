@@ -8,10 +8,11 @@ on one briefly trained depth-full model and the run's held-out batch:
 * `stacked full passes`: the engine before this change: copies of the batch stacked into full forward passes
   of up to 64 sequences (inline below);
 * `shared prefixes` (the library's `evaluate_many` now): the forward pass in stages; interventions share the
-  stages before they part, and branches run stacked from there.
+  stages before they part, and branches run stacked from there, a branch joining the stack at the stage where
+  it parts; with several workers, branches run on that many threads.
 
 The tables must agree (max |difference| reported); the engines run at one torch thread, so the comparison is of
-work, not of parallelism. Then the `prune` command end to end, as shipped (one thread per core, freed memory kept
+work, and the library's engine once more with one worker per core, the parallelism it ships with. Then the `prune` command end to end, as shipped (one thread per core, freed memory kept
 for reuse) and with `--threads 1`, alternating, twice each; and one forward and backward pass of first-order edge
 attribution against the exact knockouts it estimates.
 
@@ -48,13 +49,13 @@ from attnres_lens.training import train
 
 # ---------------------------------------------------------------------------- the old engines, inline
 def one_pass_per_intervention(model, batch, interventions_, max_sequences=None, progress=False, desc="", cache=None,
-                              score=score_logits):
+                              score=score_logits, workers=1):
     with torch.no_grad():
         return [score(model.run_with_hooks(batch.tokens, fwd_hooks=list(hooks)), batch) for hooks in interventions_]
 
 
 def stacked_full_passes(model, batch, interventions_, max_sequences=64, progress=False, desc="", cache=None,
-                        score=score_logits):
+                        score=score_logits, workers=1):
     """The previous `evaluate_many`: copies of the batch in full passes of up to 64 sequences."""
     n_batch = batch.tokens.shape[0]
     per_pass = max(1, max_sequences // n_batch)
@@ -175,17 +176,21 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         run = load_run(run_dir)
         model, batch = run.model, run.config.build_task().eval_batch(args.samples)
 
-        paths = [("shared prefixes", None), ("stacked full passes", stacked_full_passes)]
+        cores = os.cpu_count() or 1
+        parallel = f"shared prefixes, {cores} workers"
+        paths = [("shared prefixes", None, 1), (parallel, None, cores), ("stacked full passes", stacked_full_passes, 1)]
         if not args.skip_one_pass:
-            paths.append(("one pass per intervention", one_pass_per_intervention))
+            paths.append(("one pass per intervention", one_pass_per_intervention, 1))
         measured = {}
-        for label, evaluate_many in paths + [("shared prefixes (again)", None)]:
+        for label, evaluate_many, threads in paths + [(f"{parallel} (again)", None, cores)]:
+            torch.set_num_threads(threads)  # the analyses run one worker per torch thread
             with engine(evaluate_many) as count, counting_sublayers(model) as work:
                 tables, wall, cpu = timed(lambda: prune_tables(model, batch))
             passes = work[0] / (model.cfg.n_sublayers * batch.tokens.shape[0])  # in full passes over the batch
             measured[label] = dict(tables=tables, wall=wall, cpu=cpu, interventions=count[0], passes=passes)
             print(f"{label}: {wall:.1f} s wall, {cpu:.1f} s CPU, {count[0]} interventions, {passes:.0f} full-pass "
                   "equivalents", file=sys.stderr)
+        torch.set_num_threads(1)
         reference = measured["shared prefixes"]["tables"]
         differences = {label: max_difference(reference, entry["tables"]) for label, entry in measured.items()}
 
@@ -214,16 +219,18 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     lines = [
         "# Exact interventions: one pass each, stacked full passes, shared prefixes",
         "",
-        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, one torch "
-        f"thread, in {time.perf_counter() - started:.0f} s, by `{command_line()}`. Load average (1/5/15 min) "
+        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, "
+        f"in {time.perf_counter() - started:.0f} s, by `{command_line()}`. Load average (1/5/15 min) "
         f"{load_before} before and {load_after} after: the machine is shared, so wall times carry other "
-        "processes' load; CPU times are this process's own.",
+        "processes' load; CPU times are this process's own (summed over its threads).",
         "",
         f"Model: preset `{args.preset}` ({cfg.n_layers} layers, d_model {cfg.d_model}, d_mlp {cfg.d_mlp}, "
         f"{cfg.n_sublayers} sublayers, {run.model_config.description}), trained {args.steps} steps "
         f"({train_wall:.0f} s); {args.samples} held-out sequences of length {batch.tokens.shape[1]} of its task. "
-        "Each row is one `prune_tables` call (sensitivity, angular distances, cumulative curves, causal routing); "
-        "work counts sequence × sublayer evaluations, in units of one full forward pass over the batch.",
+        "Each row is one `prune_tables` call (sensitivity, angular distances, cumulative curves, causal routing) "
+        f"at one torch thread, except the rows with {cores} workers (one per core: the stacked branches run on "
+        "that many threads, each on its own copy of the modules); work counts sequence × sublayer evaluations, "
+        "in units of one full forward pass over the batch.",
         "",
         "| engine | interventions | work (full-pass equivalents) | wall (s) | CPU (s) | × shared (wall) | "
         "max \\|Δ\\| vs shared |",
@@ -243,7 +250,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         f"{pass_wall * 1e3:.0f} ms (median of 10, no hooks), so the {shared['passes']:.0f} full-pass equivalents "
         f"of exact work cost at least {shared['passes'] * pass_wall:.1f} s: "
         f"{import_wall + shared['passes'] * pass_wall:.1f} s before loading, reporting or any intervention's "
-        "own overhead.",
+        f"own overhead; spread perfectly over {cores} cores, "
+        f"{import_wall + shared['passes'] * pass_wall / cores:.1f} s.",
         "",
         "First-order edge attribution (one forward and one backward pass, every edge at once) against the exact "
         f"knockouts it estimates: {edge_wall:.2f} s vs {exact_wall:.1f} s ({len(exact)} edges); Spearman "
