@@ -110,15 +110,17 @@ INLINE void tile_dots(const real *v, const real *g, int64_t D, int64_t T, real *
 
 /* exp(x) for x <= 0 (a softmax's logit minus its maximum) in the float build, in a form the compiler vectorises
  * across tokens: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (truncation < 1e-8, below
- * half an ulp), times 2^n built in the exponent bits. Within 2 ulp of libm's expf; exp(x) < 2^-125 (x < -87,
- * a -inf bias included) gives 0. libm's scalar expf was ~40% of the forward (docs/kernels.md §6). NaN stays NaN.
+ * half an ulp), times 2^n built in the exponent bits; exp(x) < 2^-125 (x < -87, a -inf bias included) gives 0.
+ * Token by token, libm's scalar expf with the other statistics cost more than the row sums (docs/kernels.md §6).
+ * NaN stays NaN.
  * The double build (tests, float64 oracles) keeps libm's exp. */
 INLINE real exp_nonpositive(real x) {
     if (sizeof(real) != sizeof(float)) return exp(x);
     const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits */
     const float shifted = fmaf((float)x, 1.44269504088896341f, magic);
     const float n = shifted - magic;
-    const float r = fmaf(n, -0.693145751953125f, fmaf(n, -1.428606765330187e-06f, (float)x)); /* x - n ln2 */
+    /* x - n ln2, the exact high part of ln2 first (n * hi has no rounding error for |n| < 512), then the rest */
+    const float r = fmaf(n, -1.428606765330187e-06f, fmaf(n, -0.693145751953125f, (float)x));
     float p = 1.0f / 5040.0f;
     p = fmaf(p, r, 1.0f / 720.0f);
     p = fmaf(p, r, 1.0f / 120.0f);
