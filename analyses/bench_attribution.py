@@ -8,8 +8,8 @@ on one briefly trained depth-full model and the run's held-out batch:
 * `stacked full passes`: the engine before this change: copies of the batch stacked into full forward passes
   of up to 64 sequences (inline below);
 * `shared prefixes` (the library's `evaluate_many` now): the forward pass in stages; interventions share the
-  stages before they part, and branches run stacked from there, a branch joining the stack at the stage where
-  it parts; with several workers, branches run on that many threads.
+  stages before they part, and branches run stacked from there; with several workers, branches run on that
+  many threads.
 
 The tables must agree (max |difference| reported); the engines run at one torch thread, so the comparison is of
 work, and the library's engine once more with one worker per core, the parallelism it ships with. Then the `prune` command end to end, as shipped (one thread per core, freed memory kept
@@ -49,13 +49,13 @@ from attnres_lens.training import train
 
 # ---------------------------------------------------------------------------- the old engines, inline
 def one_pass_per_intervention(model, batch, interventions_, max_sequences=None, progress=False, desc="", cache=None,
-                              score=score_logits, workers=1):
+                              score=score_logits, workers=1, remember=None):
     with torch.no_grad():
         return [score(model.run_with_hooks(batch.tokens, fwd_hooks=list(hooks)), batch) for hooks in interventions_]
 
 
 def stacked_full_passes(model, batch, interventions_, max_sequences=64, progress=False, desc="", cache=None,
-                        score=score_logits, workers=1):
+                        score=score_logits, workers=1, remember=None):
     """The previous `evaluate_many`: copies of the batch in full passes of up to 64 sequences."""
     n_batch = batch.tokens.shape[0]
     per_pass = max(1, max_sequences // n_batch)

@@ -112,6 +112,9 @@ class DepthStream(ResidualStream):
     def readout(self, mixer: "DepthAttention") -> torch.Tensor:
         return self._mix(mixer, self.n_written)
 
+    def batch_changed(self) -> None:
+        self._phase1 = None  # the block's phase-1 statistics were computed for the old batch
+
     def sources(self) -> list[torch.Tensor]:
         """The sources the next consumer reads (after `read` has closed a completed block)."""
         return windowed(self.blocks + ([self.partial] if self.partial is not None else []), self.window)

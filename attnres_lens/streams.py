@@ -37,6 +37,10 @@ class ResidualStream:
     def end_layer(self, mixer: Optional[nn.Module]) -> None:
         """After a layer's sublayers (DenseFormer's depth-weighted average happens here); nothing by default."""
 
+    def batch_changed(self) -> None:
+        """After this copy's tensors were sliced or stacked along the batch (interventions do): drop whatever was
+        derived from the old batch; nothing by default."""
+
 
 class SumStream(ResidualStream):
     """The standard PreNorm residual: sublayer j reads `e + Σ_{i<j} f_i`, and so does the final norm.

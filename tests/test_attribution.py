@@ -17,9 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import attnres_lens.model as model_module
 from attnres_lens import HookedTransformer, ModelConfig
 from attnres_lens.analysis import (
+    angular_distance_matrix,
     causal_routing,
+    cumulative_pruning,
     depth_input_decomposition,
     depth_logit_attribution,
     edge_agreement,
@@ -30,6 +33,7 @@ from attnres_lens.analysis import (
     kv_shift_parts,
     logit_attribution_summary,
     logit_lens_summary,
+    pruning_sensitivity,
     removal_hooks,
     repeated_batch,
     routing_audit,
@@ -42,9 +46,11 @@ from attnres_lens.analysis.interventions import (
     EMBEDDING_STAGE,
     StagedForward,
     StateCache,
+    analysis_workers,
     hook_stages,
     model_replica,
     replace_hook,
+    slice_state,
 )
 from attnres_lens.cli import main as cli_main
 from attnres_lens.config import apply_overrides
@@ -157,24 +163,6 @@ def test_shared_evaluation_equals_one_pass_per_intervention(residual, block_size
     assert not any(point.fwd_hooks for point in model.hook_dict.values())
 
 
-def test_leaves_that_part_at_different_stages_share_one_stacked_pass():
-    model = HookedTransformer(small_config("attnres", 1)).eval()
-    randomize_depth_parameters(model)
-    batch = copy_batch(3)
-    J = model.cfg.n_sublayers
-    # each removal parts from the clean path at its own stage and never parts again: one train takes them all
-    interventions = [removal_hooks(model, [j]) for j in range(J)]
-    readouts = []
-    handle = model.ln_final.register_forward_pre_hook(lambda module, args: readouts.append(args[0].shape[0]))
-    try:
-        shared = evaluate_many(model, batch, interventions)
-    finally:
-        handle.remove()
-    assert readouts == [J * 3]
-    for single, together in zip(one_pass_each(model, batch, interventions), shared):
-        assert together.loss == pytest.approx(single.loss, abs=1e-6)
-
-
 def test_parallel_evaluation_restores_threads_and_hooks_and_reports_a_failing_hook():
     model = HookedTransformer(small_config("attnres", 1)).eval()
     batch = copy_batch(3)
@@ -192,6 +180,61 @@ def test_parallel_evaluation_restores_threads_and_hooks_and_reports_a_failing_ho
         evaluate_many(model, batch, interventions, workers=0)
 
 
+@pytest.mark.parametrize("residual, block_size, two_phase", [("attnres", 1, False), ("attnres", 3, True),
+                                                              ("standard", 1, False)]
+                         + [(kind, 1, False) for kind in ("denseformer", "hyper") if _accepted(kind)])
+def test_the_analyses_give_the_same_numbers_on_worker_threads(residual, block_size, two_phase, monkeypatch):
+    # two_phase: Block AttnRes's two-phase mix (the GPU's path) forced on the CPU, whose per-block statistics
+    # belong to one batch: stacking or slicing a stream must drop them
+    if two_phase:
+        monkeypatch.setattr(model_module, "model_runs_two_phase", lambda *args: True)
+    model = HookedTransformer(small_config(residual, block_size)).eval()
+    randomize_depth_parameters(model)
+    batch = copy_batch(3)
+
+    def tables() -> list[pd.DataFrame]:
+        sensitivity = pruning_sensitivity(model, batch)
+        distances = angular_distance_matrix(model, batch.tokens)
+        out = [sensitivity, cumulative_pruning(model, batch, sensitivity, distances, stop_at=None)]
+        return out + ([causal_routing(model, batch)] if residual == "attnres" else [])
+
+    serial = tables()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # analysis_workers gives one worker per torch thread
+    try:
+        assert analysis_workers(model) == 3
+        parallel = tables()
+    finally:
+        torch.set_num_threads(threads)
+    for one, other in zip(serial, parallel):
+        pd.testing.assert_frame_equal(one, other, check_exact=True)
+
+
+def test_worker_threads_are_refused_where_they_would_compute_something_else():
+    model = HookedTransformer(small_config("attnres", 1)).eval()
+    batch = copy_batch(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # thread-local: a worker would run in float32
+        assert analysis_workers(model) == 1
+        with pytest.raises(ValueError, match="workers=2 needs worker threads, but autocast is on"):
+            evaluate_many(model, batch, [[], removal_hooks(model, [1])], workers=2)
+
+
+def test_a_kept_state_copies_its_rows_once_for_every_stage():
+    model = HookedTransformer(small_config("attnres", 1)).eval()
+    forward = StagedForward(model)
+    tokens = torch.cat([copy_batch(2).tokens] * 3)  # three copies of a batch of two, stacked
+    copies: dict = {}
+    first = forward.run(forward.run(tokens, EMBEDDING_STAGE), 0)
+    second = forward.run(first, 1)
+    rows = [slice_state(state, 2, 2, copies) for state in (first, second)]
+    for full, part in zip((first, second), rows):
+        assert len(part.blocks) == len(full.blocks)
+        for stacked, sliced in zip(full.blocks, part.blocks):
+            assert torch.equal(sliced, stacked[2:4])
+            assert sliced.untyped_storage().data_ptr() != stacked.untyped_storage().data_ptr()  # a copy
+    assert rows[1].blocks[0] is rows[0].blocks[0]  # the embedding, shared by both stages, is copied once
+
+
 def test_a_model_replica_shares_the_weights_and_keeps_its_own_hooks():
     model = HookedTransformer(small_config("attnres", 1)).eval()
     replica = model_replica(model)
@@ -205,6 +248,18 @@ def test_a_model_replica_shares_the_weights_and_keeps_its_own_hooks():
     with torch.no_grad():
         model(tokens)
     assert fired == []
+
+    class Counter:  # a hook attached before the copy, as a bound method: the copy calls the same object
+        calls = 0
+
+        def count(self, module, args, output) -> None:
+            self.calls += 1
+
+    counter = Counter()
+    model.hook_dict["hook_embed"].register_forward_hook(counter.count)
+    with torch.no_grad():
+        model_replica(model)(tokens)
+    assert counter.calls == 1
 
 
 def test_a_state_cache_resumes_a_later_call_and_stays_exact():

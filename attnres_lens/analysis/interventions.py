@@ -26,7 +26,6 @@ import itertools
 import queue
 import threading
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -65,9 +64,9 @@ def evaluate(model: HookedTransformer, batch: Batch, fwd_hooks: Sequence[Hook] =
 
 @torch.no_grad()
 def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequence[Sequence[Hook]],
-                  max_sequences: int = 256, progress: bool = False, desc: str = "interventions",
+                  max_sequences: int = 64, progress: bool = False, desc: str = "interventions",
                   cache: Optional[StateCache] = None, score: Callable[[torch.Tensor, Batch], Any] = score_logits,
-                  workers: int = 1) -> list[Any]:
+                  workers: int = 1, remember: Optional[Iterable[int]] = None) -> list[Any]:
     """`evaluate` for each intervention (a list of hooks), sharing every computation the interventions share.
 
     The forward pass runs in stages (embedding, each sublayer, the final readout; `hook_stages`). Interventions
@@ -76,7 +75,9 @@ def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequenc
     part again run stacked along the batch, up to `max_sequences` sequences per pass, each intervention's hooks
     seeing only its own copy. So knocking a source out of consumer c recomputes only sublayers c … J, and
     removal sets that agree on the first sublayers share them; with a `StateCache`, a call also resumes from the
-    states of the previous call. Results equal one full pass per intervention up to float rounding of the
+    states of the previous call (`remember`: the indices of the interventions whose states it keeps, default all;
+    a kept state holds copies of its own rows, not views that would pin the stacks it was computed in). Results
+    equal one full pass per intervention up to float rounding of the
     larger batches. `score(logits, batch)` turns each intervention's logits into its result (default: the
     evaluation metric).
 
@@ -89,16 +90,30 @@ def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequenc
     for name, value in (("max_sequences", max_sequences), ("workers", workers)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if workers > 1 and (problem := _parallel_problem(model)) is not None:
+        raise ValueError(f"workers={workers} needs worker threads, but {problem}; use workers=1 "
+                         "(analysis_workers(model) chooses)")
     with tqdm(total=len(interventions), desc=desc, disable=not progress, leave=False) as bar:
-        return _SharedEvaluation(model, batch, interventions, max_sequences, bar, cache, score, workers).run()
+        return _SharedEvaluation(model, batch, interventions, max_sequences, bar, cache, score, workers,
+                                 remember).run()
 
 
 def analysis_workers(model: nn.Module) -> int:
     """How many threads the analyses give `evaluate_many`: on the CPU one per torch thread (independent stacked
-    passes scale across cores, measured 1.7-2.0x on two, where splitting each op over two threads gave 1.25x;
-    docs/analysis.md §11), on a GPU one (its kernels already fill it)."""
-    on_cpu = all(parameter.device.type == "cpu" for parameter in model.parameters())
-    return torch.get_num_threads() if on_cpu else 1
+    passes scale across cores, measured 1.6-2.0x on two, where splitting each op over two threads gave 1.1-1.4x;
+    docs/analysis.md §11); one on a GPU (its kernels already fill it) and under autocast (`_parallel_problem`)."""
+    return torch.get_num_threads() if _parallel_problem(model) is None else 1
+
+
+def _parallel_problem(model: nn.Module) -> Optional[str]:
+    """Why interventions cannot run on worker threads, or None: a worker does not inherit the caller's autocast or
+    CUDA device and stream (thread-local in torch), so it would compute something else."""
+    devices = sorted({str(parameter.device) for parameter in model.parameters()} - {"cpu"})
+    if devices:
+        return f"the model is on {', '.join(devices)} (worker threads run CPU models only)"
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        return "autocast is on (worker threads would not inherit it)"
+    return None
 
 
 EMBEDDING_STAGE = -1
@@ -252,57 +267,82 @@ class StateCache:
 
 def model_replica(model: nn.Module) -> nn.Module:
     """A copy of `model`'s modules that shares its parameters and buffers (in place edits of the weights reach
-    both): hooks attached to the copy fire only there."""
+    both) and the hooks attached to it now (the same callables, so a bound method's object sees the calls):
+    hooks attached to the copy later fire only there."""
     shared = {id(tensor): tensor for tensor in itertools.chain(model.parameters(), model.buffers())}
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name.endswith("hooks") and isinstance(value, dict):  # _forward_hooks, _forward_pre_hooks, …
+                shared.update((id(hook), hook) for hook in value.values())
     return copy.deepcopy(model, shared)
 
 
 class _Workers:
-    """Jobs `job(forward)` on `n` threads, each job given a `StagedForward` of a replica no other running job
-    holds. Torch runs at one thread meanwhile (the jobs are the parallelism; restored on close)."""
+    """Jobs `job(forward)` on `n` threads, each thread with a `StagedForward` of its own replica of the model and
+    torch at one thread (the jobs are the parallelism; the caller's thread count is restored on close). The
+    newest job runs first, as in the depth-first walk of one thread, so the states that queued jobs hold stay
+    few. After a failure the jobs not yet started are skipped, and `wait` re-raises it."""
 
     def __init__(self, model: HookedTransformer, n: int):
-        self.forwards: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(n):
-            self.forwards.put(StagedForward(model_replica(model)))
+        self.model = model
+        self.jobs: queue.LifoQueue = queue.LifoQueue()
+        self.done = threading.Condition()
+        self.outstanding = 0
+        self.errors: list[BaseException] = []
+        self.skip = False
         self.previous_threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # the global setting new threads start from
-        self.grad_enabled = torch.is_grad_enabled()  # thread-local in torch: each job sets the caller's
-        self.executor = ThreadPoolExecutor(n, thread_name_prefix="attnres-lens-evaluate",
-                                           initializer=torch.set_num_threads, initargs=(1,))
-        self.futures: list[Future] = []
+        self.grad_enabled = torch.is_grad_enabled()  # thread-local in torch: the jobs run with the caller's
+        self.threads = [threading.Thread(target=self._work, name=f"attnres-lens-evaluate-{i}", daemon=True)
+                        for i in range(n)]
+        for thread in self.threads:
+            thread.start()
 
-    def submit(self, job: Callable[["StagedForward"], None]) -> None:
-        def run() -> None:
-            forward = self.forwards.get()
+    def submit(self, job: Callable[[StagedForward], None]) -> None:
+        with self.done:
+            self.outstanding += 1
+        self.jobs.put(job)
+
+    def _work(self) -> None:
+        torch.set_num_threads(1)
+        forward: Optional[StagedForward] = None
+        while (job := self.jobs.get()) is not None:
             try:
-                with torch.set_grad_enabled(self.grad_enabled):
-                    job(forward)
+                if not self.skip:
+                    forward = forward or StagedForward(model_replica(self.model))
+                    with torch.set_grad_enabled(self.grad_enabled):
+                        job(forward)
+            except BaseException as err:  # re-raised in the caller by wait()
+                with self.done:
+                    self.errors.append(err)
+                    self.skip = True
             finally:
-                self.forwards.put(forward)
-
-        self.futures.append(self.executor.submit(run))
+                with self.done:
+                    self.outstanding -= 1
+                    self.done.notify_all()
 
     def wait(self) -> None:
-        """Wait for every job, those that jobs submit included, and re-raise the first failure (after cancelling
-        the jobs not yet started)."""
-        for future in self.futures:  # a job submits its children before it ends, so the loop reaches them
-            if future.exception() is not None:
-                for pending in self.futures:
-                    pending.cancel()
-                future.result()
+        """Wait for every job, those that jobs submit included (a job submits its children before it ends), and
+        re-raise the first failure."""
+        with self.done:
+            self.done.wait_for(lambda: self.outstanding == 0)
+        if self.errors:
+            raise self.errors[0]
 
     def close(self, cancel: bool = False) -> None:
-        """`wait`, shut the threads down and restore torch's thread count; with `cancel` (the caller is failing
-        already), cancel the jobs not yet started and wait for the running ones only."""
+        """`wait`, stop the threads and restore torch's thread count; with `cancel` (the caller is failing
+        already), skip the jobs not yet started and raise nothing."""
         try:
             if cancel:
-                for pending in self.futures:
-                    pending.cancel()
+                self.skip = True
+                with self.done:
+                    self.done.wait_for(lambda: self.outstanding == 0)
             else:
                 self.wait()
         finally:
-            self.executor.shutdown(wait=True, cancel_futures=True)
+            for _ in self.threads:
+                self.jobs.put(None)
+            for thread in self.threads:
+                thread.join()
             torch.set_num_threads(self.previous_threads)
 
 
@@ -311,7 +351,8 @@ class _SharedEvaluation:
 
     def __init__(self, model: HookedTransformer, batch: Batch, interventions: Sequence[Sequence[Hook]],
                  max_sequences: int, bar: tqdm, cache: Optional[StateCache] = None,
-                 score: Callable[[torch.Tensor, Batch], Any] = score_logits, workers: int = 1):
+                 score: Callable[[torch.Tensor, Batch], Any] = score_logits, workers: int = 1,
+                 remember: Optional[Iterable[int]] = None):
         self.model = model
         self.score = score
         self.batch = batch
@@ -338,19 +379,18 @@ class _SharedEvaluation:
         self.results: list[Any] = [None] * len(interventions)
         self.cache = cache
         self.seen: dict[tuple, Any] = {}  # this call's states, by the keys of every stage up to theirs
-        self.pending: list[tuple[list[int], Any, int]] = []  # leaves to run: members, input state, start stage
+        self.path_points = {f"{name}.{hook}" for name, module in model.named_modules()
+                            for hook in getattr(module, "path_hooks", ())}
+        self.kept = set(range(len(interventions))) if remember is None else set(remember)  # states the cache keeps
         if cache is not None:
             cache.check(model, batch)
 
     def run(self) -> list[Any]:
         tokens = self.model.to_tokens(self.batch.tokens)
-        if self.workers > 1:
-            self.pool = _Workers(self.model, self.workers)
+        if self.workers > 1 and len(self.plans) > 1:  # one intervention is one chain of stages: nothing to share
+            self.pool = _Workers(self.model, min(self.workers, len(self.plans)))
         try:
             self._spawn(list(range(len(self.plans))), tokens, EMBEDDING_STAGE)
-            if self.pool is not None:
-                self.pool.wait()  # every branch has descended and queued its leaves
-            self._run_pending()
         except BaseException:
             if self.pool is not None:
                 self.pool.close(cancel=True)
@@ -370,15 +410,17 @@ class _SharedEvaluation:
             return None
         return self.cache.states.get(self._prefix(member, stage))
 
+    def _keeps(self, members: list[int]) -> bool:
+        return self.cache is not None and not self.kept.isdisjoint(members)
+
     def _remember(self, member: int, stage: int, state: Any) -> None:
-        if self.cache is not None:
-            with self.lock:
-                self.seen[self._prefix(member, stage)] = state
+        with self.lock:
+            self.seen[self._prefix(member, stage)] = state
 
     def _descend(self, forward: StagedForward, members: list[int], state: Any, stage: int) -> None:
         """`members` share every computation before `stage`, whose input is `state` (one copy of the batch).
-        Branches that part again descend on their own (on the workers, if any, in parallel); the leaves are
-        queued for `_run_pending`."""
+        Branches that part again descend on their own, and leaves run stacked (on the workers, if any, in
+        parallel)."""
         while True:
             children: dict[tuple, list[int]] = defaultdict(list)
             for member in members:
@@ -387,7 +429,8 @@ class _SharedEvaluation:
                 cached = self._cached(members[0], stage)
                 state = cached if cached is not None else self._step(forward, state, stage,
                                                                       [self.plans[members[0]][stage + 1]])
-                self._remember(members[0], stage, state)
+                if self._keeps(members):
+                    self._remember(members[0], stage, state)
                 if stage == self.last:
                     self._finish([members], state)
                     return
@@ -409,60 +452,41 @@ class _SharedEvaluation:
             self.pool.submit(lambda forward: self._descend(forward, members, state, stage))
 
     def _run_leaves(self, leaves: list[list[int]], state: Any, stage: int) -> None:
-        """Queue each leaf to run from `stage`, or from after the deepest stage an earlier call cached."""
+        """Run each leaf from `stage`, or from after the deepest stage an earlier call cached: leaves that start at
+        the same stage stacked, up to `max_copies` copies a pass, here or on the workers. (Stacking leaves of
+        different branches or start stages too, each joining the stack at its own stage, measured slower: every
+        join copies the stack.) A hook on a depth attention's logits or weights (a module's `path_hooks`) sends
+        the whole stack down its readable, slower path, so leaves are grouped by those points too."""
+        similar: dict[tuple, list[tuple[list[int], Any]]] = defaultdict(list)
         for leaf in leaves:
             start, start_state = stage, state
             while start <= self.last and (cached := self._cached(leaf[0], start)) is not None:
-                self._remember(leaf[0], start, cached)
+                if self._keeps(leaf):
+                    self._remember(leaf[0], start, cached)
                 start, start_state = start + 1, cached
             if start > self.last:
                 self._finish([leaf], start_state)
-            else:
-                self.pending.append((leaf, start_state, start))
+                continue
+            points = {name for hooks in self.plans[leaf[0]][start + 1:] for name, _ in hooks} & self.path_points
+            similar[(start, tuple(sorted(points)))].append((leaf, start_state))
+        for (start, _), items in similar.items():
+            for first in range(0, len(items), self.max_copies):
+                chunk = items[first : first + self.max_copies]
+                if self.pool is None:
+                    self._run_stacked(self.forward, chunk, start)
+                else:
+                    self.pool.submit(lambda forward, chunk=chunk, start=start: self._run_stacked(forward, chunk, start))
 
-    def _run_pending(self) -> None:
-        """Run the queued leaves in trains: a train starts with the leaves that start earliest and takes on the
-        next ones as it reaches their start stage (their states join its stack), up to `max_copies` copies, so
-        leaves that part at different stages still share passes. A hook on a depth attention's logits or
-        weights (a module's `path_hooks`) sends the whole stack down its readable, slower path, so leaves are
-        grouped by those points first. Trains run longest first, here or on the workers."""
-        path_points = {f"{name}.{hook}" for name, module in self.model.named_modules()
-                       for hook in getattr(module, "path_hooks", ())}
-        by_points: dict[tuple, list[tuple[list[int], Any, int]]] = defaultdict(list)
-        # sorted, so the trains (and the float rounding of their stacked passes) do not depend on thread timing
-        for leaf, state, start in sorted(self.pending, key=lambda item: (item[2], item[0][0])):
-            points = {name for hooks in self.plans[leaf[0]][start + 1:] for name, _ in hooks} & path_points
-            by_points[tuple(sorted(points))].append((leaf, state, start))
-        trains = []
-        for similar in by_points.values():
-            trains += [similar[first : first + self.max_copies] for first in range(0, len(similar), self.max_copies)]
-        trains.sort(key=lambda train: -sum(self.last + 1 - start for _, _, start in train))
-        for train in trains:
-            if self.pool is None:
-                self._run_train(self.forward, train)
-            else:
-                self.pool.submit(lambda forward, train=train: self._run_train(forward, train))
-
-    def _run_train(self, forward: StagedForward, train: list[tuple[list[int], Any, int]]) -> None:
-        """Run a train's leaves (sorted by start stage, each its own input state, one copy of the batch) to the
-        logits, stacked: a leaf's copy joins at the end of the stack at its start stage."""
-        groups: list[list[int]] = []
-        state: Any = None
-        joined = 0
-        for current in range(train[0][2], self.last + 1):
-            joining = []
-            while joined < len(train) and train[joined][2] == current:
-                joining.append(train[joined])
-                joined += 1
-            if joining:
-                groups += [leaf for leaf, _, _ in joining]
-                states = ([] if state is None else [state]) + [leaf_state for _, leaf_state, _ in joining]
-                state = states[0] if len(states) == 1 else concat_states(states)
+    def _run_stacked(self, forward: StagedForward, items: list[tuple[list[int], Any]], stage: int) -> None:
+        """Run leaves from `stage` (each its own input state, one copy of the batch) to the logits, stacked."""
+        groups = [leaf for leaf, _ in items]
+        state = items[0][1] if len(items) == 1 else concat_states([leaf_state for _, leaf_state in items])
+        kept = [(slot, group, {}) for slot, group in enumerate(groups) if self._keeps(group)]
+        for current in range(stage, self.last + 1):
             state = self._step(forward, state, current, [self.plans[group[0]][current + 1] for group in groups])
-            if self.cache is not None:
-                for slot, group in enumerate(groups):
-                    rows = slice(slot * self.n_batch, (slot + 1) * self.n_batch)
-                    self._remember(group[0], current, map_state(state, lambda tensor: tensor[rows]))
+            for slot, group, copies in kept:
+                self._remember(group[0], current, state if len(groups) == 1 else
+                               slice_state(state, slot * self.n_batch, self.n_batch, copies))
         self._finish(groups, state)
 
     def _step(self, forward: StagedForward, state: Any, stage: int, hooks_per_copy: list[tuple[Hook, ...]]) -> Any:
@@ -501,7 +525,24 @@ def concat_states(states: list[Any]) -> Any:
             columns = zip(*[vars(state)[key] for state in states])
             setattr(stacked, key, [torch.cat(list(column)) if isinstance(column[0], torch.Tensor) else column[0]
                                    for column in columns])
+    stacked.batch_changed()
     return stacked
+
+
+def slice_state(state: Union[torch.Tensor, ResidualStream], start: int, length: int,
+                copies: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Union[torch.Tensor, ResidualStream]:
+    """Rows start … start + length − 1 of a stacked state, as copies, not views that would keep the whole stack
+    alive. `copies` (one dict per copy of the batch, kept while its stack runs) maps each stacked tensor to its
+    copy, so the states of consecutive stages share the copies of the tensors they share (a stream's sources)."""
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in copies:  # the stacked tensor is held too, so its id is not reused meanwhile
+            copies[id(tensor)] = (tensor, tensor[start : start + length].clone())
+        return copies[id(tensor)][1]
+
+    sliced = map_state(state, rows)
+    if not isinstance(sliced, torch.Tensor):
+        sliced.batch_changed()
+    return sliced
 
 
 def _on_copies(n_batch: int, functions: list[tuple[int, Callable]]) -> Callable:

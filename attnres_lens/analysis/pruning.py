@@ -224,8 +224,11 @@ def cumulative_pruning(model: HookedTransformer, batch: Batch, sensitivity: pd.D
             steps = range(first, min(first + max(4, first - 1), n_sublayers + 1))
             wanted = {orders[strategy][k - 1] for strategy in running for k in steps}
             new = sorted(wanted - set(results), key=sorted)
+            # the next round resumes from each order's last set of this one: only their states are kept
+            last = {orders[strategy][steps[-1] - 1] for strategy in running}
             results.update(zip(new, evaluate_many(model, batch, [removal_hooks(model, removed) for removed in new],
-                                                  cache=cache, workers=analysis_workers(model))))
+                                                  cache=cache, workers=analysis_workers(model),
+                                                  remember=[i for i, removed in enumerate(new) if removed in last])))
             for strategy in sorted(running):
                 for k in steps:
                     removed = orders[strategy][k - 1]
