@@ -54,8 +54,11 @@ def test_a_training_step_compiles_into_one_graph(name):
     expected_loss, expected_grads = loss_and_grads(model, lambda t: model(t, return_type="loss"), tokens)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
     assert grads.keys() == expected_grads.keys()
+    # The compiled graph runs the KV shift's torch twin, the eager step its C op: the same sums rounded differently
+    # (gradients ~1 here differ by up to 2e-6; with the twin in both the steps agree exactly)
+    atol = 1e-5 if attention == "kv_shift" else 1e-6
     for key in grads:
-        torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(grads[key], expected_grads[key], rtol=1e-5, atol=atol, msg=key)
 
 
 def test_compiled_token_range_check_still_fires():

@@ -273,8 +273,8 @@ def test_a_kv_shift_model_runs_the_kernel_only_on_the_cpu_backend(monkeypatch):
 def test_the_forward_softmax_matches_float64_across_the_whole_range_of_logits():
     # With a zero query every logit is 0, so the weights are softmax(bias): the kernel's own exp (float build) is
     # checked against float64 over logit gaps from 0 down past float underflow, a -inf bias included.
-    gaps = torch.cat([-torch.logspace(-6, 2, 200), torch.tensor([0.0, -87.5, float("-inf")])])
-    n_tokens, d_model = len(gaps), 64  # 203 tokens: not a multiple of the 16-token tile
+    gaps = torch.cat([-torch.logspace(-6, 2, 200), torch.tensor([0.0, -87.2, -87.5, float("-inf")])])
+    n_tokens, d_model = len(gaps), 64  # 204 tokens: not a multiple of the 16-token tile
     bias = torch.stack([torch.zeros(n_tokens), gaps])
     sources = [torch.randn(n_tokens, d_model) for _ in range(2)]
     _, _, logits, weights = cpu_fused._forward_kernel(sources, torch.zeros(d_model), bias, 1e-6)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 import warnings
 
 import torch
@@ -79,6 +80,9 @@ def token_shift_runs_cpu_kernel(backend: str, k: torch.Tensor, v: torch.Tensor) 
 _CPU_KERNEL_STATE: list[bool] = []  # [] until the first "auto" on a CPU tensor tries the build
 
 
+_CPU_KERNEL_LOCK = threading.Lock()  # worker threads may all ask first: one tries, one warning
+
+
 def _cpu_kernel_builds() -> bool:
     if not _CPU_KERNEL_STATE:
         if torch.compiler.is_compiling():
@@ -88,10 +92,12 @@ def _cpu_kernel_builds() -> bool:
             return True
         from attnres_lens.kernels.cpu_fused import CpuKernelUnavailable, cpu_library
 
-        try:
-            cpu_library(torch.float32)
-            _CPU_KERNEL_STATE.append(True)
-        except CpuKernelUnavailable as err:
-            warnings.warn(f"depth attention falls back to the slower torch path: {err}", stacklevel=3)
-            _CPU_KERNEL_STATE.append(False)
+        with _CPU_KERNEL_LOCK:
+            if not _CPU_KERNEL_STATE:
+                try:
+                    cpu_library(torch.float32)
+                    _CPU_KERNEL_STATE.append(True)
+                except CpuKernelUnavailable as err:
+                    warnings.warn(f"depth attention falls back to the slower torch path: {err}", stacklevel=3)
+                    _CPU_KERNEL_STATE.append(False)
     return _CPU_KERNEL_STATE[0]

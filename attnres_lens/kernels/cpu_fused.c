@@ -110,7 +110,7 @@ INLINE void tile_dots(const real *v, const real *g, int64_t D, int64_t T, real *
 
 /* exp(x) for x <= 0 (a softmax's logit minus its maximum) in the float build, in a form the compiler vectorises
  * across tokens: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (truncation < 1e-8, below
- * half an ulp), times 2^n built in the exponent bits; exp(x) < 2^-125 (x < -87, a -inf bias included) gives 0.
+ * half an ulp), times 2^n built in the exponent bits; exp(x) < 2^-126 (x < -87.34, a -inf bias included) gives 0.
  * Token by token, libm's scalar expf with the other statistics cost more than the row sums (docs/kernels.md §6).
  * NaN stays NaN.
  * The double build (tests, float64 oracles) keeps libm's exp. */
@@ -129,12 +129,12 @@ INLINE real exp_nonpositive(real x) {
     p = fmaf(p, r, 0.5f);
     p = fmaf(p, r, 1.0f);
     p = fmaf(p, r, 1.0f);
-    int32_t bits;
+    uint32_t bits; /* unsigned: the shift is defined for every input, NaN and the zeroed range included */
     memcpy(&bits, &shifted, sizeof bits);
-    bits = (bits - 0x4B400000 + 127) << 23; /* 0x4B400000: the bits of magic, so this is (n + 127) << 23 */
+    bits = (bits - 0x4B400000u + 127u) << 23; /* 0x4B400000: the bits of magic, so this is (n + 127) << 23 */
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return (float)x < -87.0f ? 0.0f : p * scale;
+    return (float)x < -87.33654475f ? 0.0f : p * scale; /* below ln(2^-126) e^x is not a normal float */
 }
 
 /* Forward, in tiles of TILE tokens: pass 1 reads each token row of every source once for its two sums (GROUP

@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -75,8 +76,18 @@ def _compile(compiler: str, flags: list[str], target: Path) -> subprocess.Comple
         partial.unlink(missing_ok=True)
 
 
+_BUILD_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=None)
 def _library(real_type: str) -> ctypes.CDLL:
+    # Worker threads (exact interventions) can meet the kernel first at once: one builds, the others then load its
+    # file (lru_cache alone would let each of them build).
+    with _BUILD_LOCK:
+        return _build_library(real_type)
+
+
+def _build_library(real_type: str) -> ctypes.CDLL:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise CpuKernelUnavailable(
