@@ -259,6 +259,19 @@ def test_bad_run_directories_and_options_give_clear_errors(smoke_run, tmp_path, 
     assert code == 2 and "samples must be an integer >= 2" in err
 
 
+def test_samples_that_cannot_fit_are_refused_before_any_work(smoke_run, tmp_path, capsys, monkeypatch):
+    import attnres_lens.analysis.run as run_module
+
+    assert run_module.available_memory(torch.device("cpu")) > 0  # this machine's figure is read
+    monkeypatch.setattr(run_module, "available_memory", lambda device: 2**20)  # 1 MiB left
+    for command in ("analyze", "prune", "attribute"):
+        out = tmp_path / command
+        code, err = run_cli([command, str(smoke_run), "--samples", "4096", "--out", str(out)], capsys)
+        assert code == 2 and "samples=4096 needs at least" in err and "GiB are available" in err, err
+        assert "samples=" in err.split("use far fewer: ")[1]
+        assert not out.exists()  # nothing was written
+
+
 def test_stacked_evaluation_gives_each_intervention_its_own_result():
     model = HookedTransformer(small_config("attnres", 2))
     randomize_depth_parameters(model)

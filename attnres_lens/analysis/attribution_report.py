@@ -32,6 +32,7 @@ from attnres_lens.analysis.report import STYLE
 from attnres_lens.analysis.routing import causal_routing
 from attnres_lens.analysis.run import (
     AnalysisResult,
+    _check_fits,
     _check_out,
     _check_samples,
     _json_safe,
@@ -167,6 +168,7 @@ def attribute_run(path: PathLike, checkpoint: Union[str, int] = "latest", sample
     task = run.config.build_task()
     model = run.model
     batch = task.eval_batch(samples)
+    _check_fits(model, batch.tokens.to(model.embed.W_E.device))
     prompt_tokens = parse_prompt(model, prompt, batch)
     probe = repeated_batch(samples, default_half_len(model), task.vocab_size, seed=task.seed)
     tables = attribution_tables(model, batch, prompt_tokens, run.records, run.metrics, probe, n_boot, progress)

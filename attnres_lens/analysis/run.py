@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import pandas as pd
+import torch
 
 from attnres_lens.analysis.depth import (
     depth_mixing_matrix,
@@ -53,6 +54,43 @@ def open_run(path: PathLike, checkpoint: Union[str, int] = "latest") -> tuple[Ru
 def _check_samples(samples: int, minimum: int) -> None:
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < minimum:
         raise ValueError(f"samples must be an integer >= {minimum}, got {samples!r}")
+
+
+def available_memory(device: torch.device) -> Optional[int]:
+    """Bytes this process can still allocate on `device`, or None where it cannot tell: on a GPU what torch reports
+    free; on Linux the kernel's MemAvailable, or less when a cgroup limit is nearer."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        available = int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:"))) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def _check_fits(model: HookedTransformer, tokens: torch.Tensor) -> None:
+    """Before any work: a `samples` whose one forward pass cannot fit gets an error, not a process killed without
+    a word. The bound is a floor, so it never refuses what would fit: the residual stream's tensors at the final
+    readout (every source it reads for AttnRes, else one) and the logits."""
+    available = available_memory(tokens.device)
+    if available is None:
+        return
+    cfg, (n_sequences, n_positions) = model.cfg, tokens.shape
+    n_tensors = len(model.sources(cfg.n_sublayers)) if cfg.residual == "attnres" else 1
+    per_sequence = n_positions * (n_tensors * cfg.d_model + cfg.d_vocab) * model.embed.W_E.element_size()
+    if n_sequences * per_sequence > available:
+        raise ValueError(
+            f"samples={n_sequences} needs at least {n_sequences * per_sequence / 2**30:.1f} GiB for one forward pass "
+            f"of this model (its residual stream and logits), but {available / 2**30:.1f} GiB are available; use "
+            f"far fewer: samples={max(1, available // per_sequence)} is the most that could fit even that one pass, "
+            "and the analyses hold several")
 
 
 def _check_out(out: Optional[PathLike]) -> None:
@@ -110,6 +148,7 @@ def analyze_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples:
     run, task = open_run(path, checkpoint)
     model = run.model
     batch = task.eval_batch(samples)
+    _check_fits(model, batch.tokens.to(model.embed.W_E.device))
     probe = repeated_batch(samples, default_half_len(model), task.vocab_size, seed=task.seed)
     icl = per_position_loss(model, batch.tokens)
     tables = {
@@ -193,7 +232,9 @@ def prune_run(path: PathLike, out: Optional[PathLike] = None, metric: str = "los
     _check_samples(samples, 2)  # resample ablation swaps activations between sequences
     _check_out(out)
     run, task = open_run(path, checkpoint)
-    tables = prune_tables(run.model, task.eval_batch(samples), metric, progress)
+    batch = task.eval_batch(samples)
+    _check_fits(run.model, batch.tokens.to(run.model.embed.W_E.device))
+    tables = prune_tables(run.model, batch, metric, progress)
     summary = prune_summary(tables, {**_run_header(run, samples), "metric": metric})
     out_dir = output_dir(run, out)
     write_tables(tables, out_dir)
