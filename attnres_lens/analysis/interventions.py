@@ -81,7 +81,7 @@ def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequenc
     larger batches. `score(logits, batch)` turns each intervention's logits into its result (default: the
     evaluation metric).
 
-    `workers` > 1 runs the stacked branches on that many threads at one torch thread each, every thread on its
+    `workers` > 1 runs the stacked branches on that many threads, which share torch's threads, every thread on its
     own copy of the model's modules (sharing the parameters), so one thread's hooks never fire in another; the
     results are the same numbers as with one worker. Hooks then run on worker threads, in no fixed order, so
     they must not depend on each other's side effects (`analysis_workers` gives the analyses' default)."""
@@ -98,11 +98,15 @@ def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequenc
                                  remember).run()
 
 
+MAX_ANALYSIS_WORKERS = 4  # each worker holds a stack of activations; beyond this, workers split torch's threads
+
+
 def analysis_workers(model: nn.Module) -> int:
-    """How many threads the analyses give `evaluate_many`: on the CPU one per torch thread (independent stacked
-    passes scale across cores, measured 1.6-2.0x on two, where splitting each op over two threads gave 1.1-1.4x;
-    docs/analysis.md §11); one on a GPU (its kernels already fill it) and under autocast (`_parallel_problem`)."""
-    return torch.get_num_threads() if _parallel_problem(model) is None else 1
+    """How many threads the analyses give `evaluate_many`: on the CPU one per torch thread up to
+    `MAX_ANALYSIS_WORKERS` (independent stacked passes scale across cores, measured 1.6-2.0x on two, where
+    splitting each op over two threads gave 1.1-1.4x; docs/analysis.md §11); one on a GPU (its kernels already
+    fill it) and under autocast (`_parallel_problem`)."""
+    return min(torch.get_num_threads(), MAX_ANALYSIS_WORKERS) if _parallel_problem(model) is None else 1
 
 
 def _parallel_problem(model: nn.Module) -> Optional[str]:
@@ -279,7 +283,8 @@ def model_replica(model: nn.Module) -> nn.Module:
 
 class _Workers:
     """Jobs `job(forward)` on `n` threads, each thread with a `StagedForward` of its own replica of the model and
-    torch at one thread (the jobs are the parallelism; the caller's thread count is restored on close). The
+    an equal share of torch's threads (one each when there are no more threads than workers; the caller's thread
+    count is restored on close). The
     newest job runs first, as in the depth-first walk of one thread, so the states that queued jobs hold stay
     few. After a failure the jobs not yet started are skipped, and `wait` re-raises it."""
 
@@ -291,6 +296,7 @@ class _Workers:
         self.errors: list[BaseException] = []
         self.skip = False
         self.previous_threads = torch.get_num_threads()
+        self.threads_each = max(1, self.previous_threads // n)
         self.grad_enabled = torch.is_grad_enabled()  # thread-local in torch: the jobs run with the caller's
         self.threads = [threading.Thread(target=self._work, name=f"attnres-lens-evaluate-{i}", daemon=True)
                         for i in range(n)]
@@ -303,7 +309,7 @@ class _Workers:
         self.jobs.put(job)
 
     def _work(self) -> None:
-        torch.set_num_threads(1)
+        torch.set_num_threads(self.threads_each)
         forward: Optional[StagedForward] = None
         while (job := self.jobs.get()) is not None:
             try:
