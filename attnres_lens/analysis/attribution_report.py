@@ -168,7 +168,7 @@ def attribute_run(path: PathLike, checkpoint: Union[str, int] = "latest", sample
     task = run.config.build_task()
     model = run.model
     batch = task.eval_batch(samples)
-    _check_fits(model, batch.tokens.to(model.embed.W_E.device))
+    _check_fits(model, batch)
     prompt_tokens = parse_prompt(model, prompt, batch)
     probe = repeated_batch(samples, default_half_len(model), task.vocab_size, seed=task.seed)
     tables = attribution_tables(model, batch, prompt_tokens, run.records, run.metrics, probe, n_boot, progress)

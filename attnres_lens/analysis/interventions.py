@@ -284,9 +284,9 @@ def model_replica(model: nn.Module) -> nn.Module:
 class _Workers:
     """Jobs `job(forward)` on `n` threads, each thread with a `StagedForward` of its own replica of the model and
     an equal share of torch's threads (one each when there are no more threads than workers; the caller's thread
-    count is restored on close). The
-    newest job runs first, as in the depth-first walk of one thread, so the states that queued jobs hold stay
-    few. After a failure the jobs not yet started are skipped, and `wait` re-raises it."""
+    count is restored on close). The newest job runs first, as in the depth-first walk of one thread, so the
+    states that queued jobs hold stay few. After a failure the jobs not yet started are skipped, and `wait`
+    re-raises it."""
 
     def __init__(self, model: HookedTransformer, n: int):
         self.model = model
@@ -326,11 +326,14 @@ class _Workers:
                     self.outstanding -= 1
                     self.done.notify_all()
 
-    def wait(self) -> None:
-        """Wait for every job, those that jobs submit included (a job submits its children before it ends), and
-        re-raise the first failure."""
+    def _wait_idle(self) -> None:
+        """Until every job has ended, those that jobs submit included (a job submits its children before it ends)."""
         with self.done:
             self.done.wait_for(lambda: self.outstanding == 0)
+
+    def wait(self) -> None:
+        """`_wait_idle`, then re-raise the first failure."""
+        self._wait_idle()
         if self.errors:
             raise self.errors[0]
 
@@ -340,8 +343,7 @@ class _Workers:
         try:
             if cancel:
                 self.skip = True
-                with self.done:
-                    self.done.wait_for(lambda: self.outstanding == 0)
+                self._wait_idle()
             else:
                 self.wait()
         finally:
@@ -419,9 +421,18 @@ class _SharedEvaluation:
     def _keeps(self, members: list[int]) -> bool:
         return self.cache is not None and not self.kept.isdisjoint(members)
 
-    def _remember(self, member: int, stage: int, state: Any) -> None:
-        with self.lock:
-            self.seen[self._prefix(member, stage)] = state
+    def _remember(self, members: list[int], stage: int, state: Any) -> None:
+        """Keep `state` (the input of stage + 1) for the next call, if the cache keeps any of `members`."""
+        if self._keeps(members):
+            with self.lock:
+                self.seen[self._prefix(members[0], stage)] = state
+
+    def _dispatch(self, job: Callable[[StagedForward], None]) -> None:
+        """Run `job` here on the model, or queue it for a worker and its replica."""
+        if self.pool is None:
+            job(self.forward)
+        else:
+            self.pool.submit(job)
 
     def _descend(self, forward: StagedForward, members: list[int], state: Any, stage: int) -> None:
         """`members` share every computation before `stage`, whose input is `state` (one copy of the batch).
@@ -435,8 +446,7 @@ class _SharedEvaluation:
                 cached = self._cached(members[0], stage)
                 state = cached if cached is not None else self._step(forward, state, stage,
                                                                       [self.plans[members[0]][stage + 1]])
-                if self._keeps(members):
-                    self._remember(members[0], stage, state)
+                self._remember(members, stage, state)
                 if stage == self.last:
                     self._finish([members], state)
                     return
@@ -452,10 +462,7 @@ class _SharedEvaluation:
             return
 
     def _spawn(self, members: list[int], state: Any, stage: int) -> None:
-        if self.pool is None:
-            self._descend(self.forward, members, state, stage)
-        else:
-            self.pool.submit(lambda forward: self._descend(forward, members, state, stage))
+        self._dispatch(lambda forward: self._descend(forward, members, state, stage))
 
     def _run_leaves(self, leaves: list[list[int]], state: Any, stage: int) -> None:
         """Run each leaf from `stage`, or from after the deepest stage an earlier call cached: leaves that start at
@@ -467,8 +474,7 @@ class _SharedEvaluation:
         for leaf in leaves:
             start, start_state = stage, state
             while start <= self.last and (cached := self._cached(leaf[0], start)) is not None:
-                if self._keeps(leaf):
-                    self._remember(leaf[0], start, cached)
+                self._remember(leaf, start, cached)
                 start, start_state = start + 1, cached
             if start > self.last:
                 self._finish([leaf], start_state)
@@ -478,10 +484,7 @@ class _SharedEvaluation:
         for (start, _), items in similar.items():
             for first in range(0, len(items), self.max_copies):
                 chunk = items[first : first + self.max_copies]
-                if self.pool is None:
-                    self._run_stacked(self.forward, chunk, start)
-                else:
-                    self.pool.submit(lambda forward, chunk=chunk, start=start: self._run_stacked(forward, chunk, start))
+                self._dispatch(lambda forward, chunk=chunk, start=start: self._run_stacked(forward, chunk, start))
 
     def _run_stacked(self, forward: StagedForward, items: list[tuple[list[int], Any]], stage: int) -> None:
         """Run leaves from `stage` (each its own input state, one copy of the batch) to the logits, stacked."""
@@ -491,7 +494,7 @@ class _SharedEvaluation:
         for current in range(stage, self.last + 1):
             state = self._step(forward, state, current, [self.plans[group[0]][current + 1] for group in groups])
             for slot, group, copies in kept:
-                self._remember(group[0], current, state if len(groups) == 1 else
+                self._remember(group, current, state if len(groups) == 1 else
                                slice_state(state, slot * self.n_batch, self.n_batch, copies))
         self._finish(groups, state)
 

@@ -75,14 +75,14 @@ def available_memory(device: torch.device) -> Optional[int]:
     return available
 
 
-def _check_fits(model: HookedTransformer, tokens: torch.Tensor) -> None:
+def _check_fits(model: HookedTransformer, batch: Batch) -> None:
     """Before any work: a `samples` whose one forward pass cannot fit gets an error, not a process killed without
     a word. The bound is a floor, so it never refuses what would fit: the residual stream's tensors at the final
     readout (every source it reads for AttnRes, else one) and the logits."""
-    available = available_memory(tokens.device)
+    available = available_memory(model.embed.W_E.device)
     if available is None:
         return
-    cfg, (n_sequences, n_positions) = model.cfg, tokens.shape
+    cfg, (n_sequences, n_positions) = model.cfg, batch.tokens.shape
     n_tensors = len(model.sources(cfg.n_sublayers)) if cfg.residual == "attnres" else 1
     per_sequence = n_positions * (n_tensors * cfg.d_model + cfg.d_vocab) * model.embed.W_E.element_size()
     if n_sequences * per_sequence > available:
@@ -148,7 +148,7 @@ def analyze_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples:
     run, task = open_run(path, checkpoint)
     model = run.model
     batch = task.eval_batch(samples)
-    _check_fits(model, batch.tokens.to(model.embed.W_E.device))
+    _check_fits(model, batch)
     probe = repeated_batch(samples, default_half_len(model), task.vocab_size, seed=task.seed)
     icl = per_position_loss(model, batch.tokens)
     tables = {
@@ -233,7 +233,7 @@ def prune_run(path: PathLike, out: Optional[PathLike] = None, metric: str = "los
     _check_out(out)
     run, task = open_run(path, checkpoint)
     batch = task.eval_batch(samples)
-    _check_fits(run.model, batch.tokens.to(run.model.embed.W_E.device))
+    _check_fits(run.model, batch)
     tables = prune_tables(run.model, batch, metric, progress)
     summary = prune_summary(tables, {**_run_header(run, samples), "metric": metric})
     out_dir = output_dir(run, out)
