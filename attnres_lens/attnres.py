@@ -20,7 +20,7 @@ index lists (what analyses and plot labels use), `DepthStream` carries the tenso
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from transformer_lens.hook_points import HookPoint
 
 from attnres_lens.components import RMSNorm
 from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
+from attnres_lens.kernels.backends import stream_two_phase_backend
 from attnres_lens.kernels.reference import depth_logits, mix_sources
 from attnres_lens.streams import ResidualStream
 
@@ -69,16 +70,34 @@ def windowed(sources: list, window: Optional[int]) -> list:
     return sources if window is None else sources[:1] + sources[1:][-window:]
 
 
+class _Phase1(NamedTuple):
+    """A two-phase window: consumers `first` … `last` scored against the stream's first `n_sources` sources."""
+
+    first: int
+    last: int
+    n_sources: int
+    stats: BlockStats
+
+
+# Full AttnRes without a gradient on the CPU: this many consecutive consumers share one read of their common
+# sources (a larger window saves little more: its merges re-read the sources written since); two-phase only from
+# this many shared sources, below which one pass per consumer moves fewer bytes (docs/kernels.md §7)
+LOOKAHEAD = 4
+MIN_SHARED_SOURCES = 3
+
+
 class DepthStream(ResidualStream):
     """The residual state between sublayers of an AttnRes model: completed blocks and the current partial sum.
 
     `read(module)` mixes the next consumer's input, `write(f, input)` adds a sublayer's output to the partial sum,
     `readout(module)` mixes the final readout's input; `state` is the current partial sum.
 
-    With `consumers` (every sublayer's depth attention, then the final readout's), Block AttnRes runs two-phase
-    (paper Alg. 1): at a block's first unhooked consumer, one phase-1 pass scores all of the block's pseudo-queries
-    against the completed blocks; each consumer then merges in its own partial sum. A hooked consumer still takes
-    its readable path, so hook values are unchanged.
+    With `consumers` (every sublayer's depth attention, then the final readout's), consumers may mix two-phase
+    (paper Alg. 1; `kernels.backends.stream_two_phase_backend` says where): at a window's first unhooked consumer,
+    one phase-1 pass scores the pseudo-queries of every consumer in the window against the sources they all read;
+    each consumer then merges in what phase 1 could not see. The window is the rest of the block for Block AttnRes
+    (its partial sum is merged), the next `LOOKAHEAD` consumers for Full AttnRes (the outputs written since are
+    merged). A hooked consumer still takes its readable path, so hook values are unchanged.
     """
 
     def __init__(self, embedding: torch.Tensor, block_size: int, consumers: Optional[list["DepthAttention"]] = None,
@@ -89,7 +108,7 @@ class DepthStream(ResidualStream):
         self.partial: Optional[torch.Tensor] = None  # sum of the current block's outputs so far
         self.n_written = 0  # index of the next sublayer
         self.consumers = consumers
-        self._phase1: Optional[tuple[int, BlockStats]] = None  # (first sublayer of the block, its phase-1 state)
+        self._phase1: Optional[_Phase1] = None
 
     @property
     def state(self) -> Optional[torch.Tensor]:
@@ -113,7 +132,7 @@ class DepthStream(ResidualStream):
         return self._mix(mixer, self.n_written)
 
     def batch_changed(self) -> None:
-        self._phase1 = None  # the block's phase-1 statistics were computed for the old batch
+        self._phase1 = None  # the window's phase-1 statistics were computed for the old batch
 
     def sources(self) -> list[torch.Tensor]:
         """The sources the next consumer reads (after `read` has closed a completed block)."""
@@ -122,20 +141,37 @@ class DepthStream(ResidualStream):
     def _mix(self, module: "DepthAttention", consumer: int) -> torch.Tensor:
         if self.consumers is None or module.hooked():
             return module(self.sources())
-        n_sublayers = len(self.consumers) - 1
-        start = block_start(consumer, n_sublayers, self.block_size)
-        if self._phase1 is None or self._phase1[0] != start:
-            end = start + self.block_size
-            members = list(range(start, min(end, n_sublayers))) + ([n_sublayers] if end >= n_sublayers else [])
-            self._phase1 = (start, self._score_block([self.consumers[i] for i in members]))
-        partial = None if self.partial is None else self.partial.to(self._phase1[1].out_dtype)
-        return merge_partial(self._phase1[1], consumer - start, partial)
+        sources = _common_dtype(self.sources())
+        phase1 = self._phase1
+        if phase1 is None or not phase1.first <= consumer <= phase1.last:
+            phase1 = self._phase1 = self._start_window(consumer, sources)
+        unseen = sources[phase1.n_sources:] if phase1 is not None else []
+        if phase1 is None or (phase1.stats.backend == "cpu" and torch.is_grad_enabled()
+                              and any(source.requires_grad for source in unseen)):
+            return module(self.sources())  # the C merge has no backward
+        unseen = [source.to(phase1.stats.out_dtype) for source in unseen]
+        return merge_partial(phase1.stats, consumer - phase1.first, unseen)
 
-    def _score_block(self, members: list["DepthAttention"]) -> BlockStats:
-        blocks = _common_dtype(self.sources())[: len(self.blocks)]
+    def _start_window(self, consumer: int, sources: list[torch.Tensor]) -> Optional[_Phase1]:
+        """Phase 1 for the window that starts at `consumer`, or None where it mixes one pass per consumer."""
+        shared = sources[: len(self.blocks)]  # the current partial sum changes within the window: merged later
+        module = self.consumers[consumer]
+        needs_grad = torch.is_grad_enabled() and (module.query.requires_grad
+                                                 or any(source.requires_grad for source in shared))
+        backend = stream_two_phase_backend(self.block_size, module.backend, shared[0].device, needs_grad)
+        if backend is None or (backend == "cpu" and len(shared) < MIN_SHARED_SOURCES):
+            return None
+        final = len(self.consumers) - 1
+        if self.block_size > 1:  # the rest of the block; the final readout belongs to the last block
+            end = block_start(consumer, final, self.block_size) + self.block_size
+            last = end - 1 if end < final else final
+        else:
+            last = min(consumer + LOOKAHEAD - 1, final)
+        members = self.consumers[consumer : last + 1]
         queries = torch.stack([member.query for member in members])
         gains = torch.stack([member.key_norm.w for member in members])
-        return block_phase1(blocks, queries, gains, members[0].key_norm.eps, backend=members[0].backend)
+        stats = block_phase1(shared, queries, gains, module.key_norm.eps, backend=backend)
+        return _Phase1(consumer, last, len(shared), stats)
 
 
 def _common_dtype(sources: list[torch.Tensor]) -> list[torch.Tensor]:

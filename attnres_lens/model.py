@@ -223,9 +223,10 @@ class HookedTransformer(HookedRootModule):
         return getattr(self, "final_res", None) or getattr(self, "final_hc", None)
 
     def _two_phase_consumers(self, device: torch.device) -> Optional[list[DepthAttention]]:
-        """Block AttnRes runs two-phase where the depth-attention backend is Triton (fused phase-1 and merge
-        kernels); the CPU paths mix each sublayer in one pass, which measured faster there (kernels.backends).
-        The ablation options (and a sliding window, whose sources differ per consumer) mix one sublayer at a time."""
+        """The consumers a stream may mix two-phase (kernels.backends.model_runs_two_phase): Block AttnRes under
+        Triton, and Block or Full AttnRes on the C kernel when no gradient is needed (the stream decides per
+        window). The ablation options (and a sliding window, whose sources differ per consumer) mix one sublayer
+        at a time."""
         if (self.cfg.attnres_options
                 or not model_runs_two_phase(self.cfg.attnres_block_size, self.cfg.depth_attention_backend, device)):
             return None

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnres_lens.kernels import _common, backends, cpu_fused, depth_attention
-from tests.kernel_cases import assert_close, make_inputs, oracle
+from tests.kernel_cases import SHAPES, assert_close, make_inputs, oracle
 
 
 @pytest.fixture(autouse=True)
@@ -283,3 +283,44 @@ def test_the_forward_softmax_matches_float64_across_the_whole_range_of_logits():
     # within ~2.5 ulp (exp, the division, the rounding), or below float's normal range
     assert ((weights.double() - expected).abs() <= 3e-7 * expected + 1.2e-38).all()
     assert (weights[1][gaps == float("-inf")] == 0).all()  # a masked source takes no weight at all
+
+
+def _several_queries_oracle(sources, folded_queries, eps, prior=None):
+    """Each query's softmax over the prior part (logit its lse, value its mix) and the sources, in float64."""
+    values = torch.stack([source.double() for source in sources], dim=-2)  # [..., S, D]
+    rstd = (values.pow(2).mean(-1) + eps).rsqrt()
+    logits = torch.einsum("...sd,qd->q...s", values, folded_queries.double()) * rstd  # [Q, ..., S]
+    values = values.expand(folded_queries.shape[0], *values.shape)
+    if prior is not None:
+        logits = torch.cat([prior[1].double()[..., None], logits], dim=-1)
+        values = torch.cat([prior[0].double()[..., None, :], values], dim=-2)
+    return (logits.softmax(-1)[..., None] * values).sum(-2), logits.logsumexp(-1)
+
+
+@pytest.mark.parametrize("n_sources, token_shape, d_model", SHAPES)
+@pytest.mark.parametrize("n_queries", [1, 3, 9])  # 9 > MAX_QUERIES: split into two kernel calls
+@pytest.mark.parametrize("with_prior", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_several_queries_at_once_match_float64(many_threads, n_sources, token_shape, d_model, n_queries,
+                                               with_prior, dtype):
+    sources, query, gain = make_inputs(n_sources, token_shape, d_model, dtype)
+    generator = torch.Generator().manual_seed(7)
+    folded = (query * gain + 0.5 * torch.randn(n_queries, d_model, generator=generator) / d_model ** 0.5).to(dtype)
+    prior = None
+    if with_prior:  # a part over other sources, its lse spread around the sources' logits
+        prior = (torch.randn(n_queries, *token_shape, d_model, generator=generator).to(dtype),
+                 (2 * torch.randn(n_queries, *token_shape, generator=generator)).to(dtype))
+    mix, lse = cpu_fused.depth_attention_multi_cpu(sources, folded, 1e-6, prior=prior)
+    expected_mix, expected_lse = _several_queries_oracle(sources, folded, 1e-6, prior)
+    assert mix.shape == (n_queries, *token_shape, d_model) and lse.shape == (n_queries, *token_shape)
+    assert_close(mix, expected_mix, dtype)
+    assert_close(lse, expected_lse, dtype)
+
+
+def test_several_queries_refuse_a_gradient():
+    sources, query, gain = make_inputs(3, (5,), 8)
+    sources[1].requires_grad_()
+    with pytest.raises(ValueError, match="no backward.*no_grad"):
+        cpu_fused.depth_attention_multi_cpu(sources, (query * gain)[None], 1e-6)
+    with torch.no_grad():
+        cpu_fused.depth_attention_multi_cpu(sources, (query * gain)[None], 1e-6)

@@ -183,3 +183,58 @@ def test_saved_activations_grow_linearly_with_depth(backend, block_size):
     increments = [later - earlier for earlier, later in zip(saved, saved[1:])]
     source_bytes = tokens.numel() * 32 * 4  # one [batch, pos, d_model] fp32 tensor
     assert all(abs(b - a) < source_bytes / 2 for a, b in zip(increments, increments[1:])), increments
+
+
+def _count_two_phase_calls(monkeypatch) -> list[int]:
+    from attnres_lens.kernels import cpu_fused
+
+    calls = [0]
+    inner = cpu_fused.depth_attention_multi_cpu
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_fused, "depth_attention_multi_cpu", counted)
+    return calls
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])  # Full (windows of LOOKAHEAD consumers) and Block AttnRes
+def test_without_a_gradient_the_cpu_mixes_two_phase_and_agrees_with_the_readable_path(block_size, monkeypatch):
+    base = HookedTransformer(small_config("attnres", block_size, n_layers=5, dtype=torch.float64))
+    randomize_depth_parameters(base)
+    tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(5))
+    with base.hooks(fwd_hooks=[(lambda name: name.endswith("hook_weights"), lambda w, hook: None)]):
+        expected = base(tokens).detach()
+    model = HookedTransformer(dataclasses.replace(base.cfg, depth_attention_backend="cpu"))
+    model.load_state_dict(base.state_dict())
+    calls = _count_two_phase_calls(monkeypatch)
+    with torch.no_grad():
+        logits = model(tokens)
+    assert calls[0] > 0
+    torch.testing.assert_close(logits, expected, rtol=1e-10, atol=1e-10)
+    # with a gradient every consumer mixes in one fused pass (the two-phase C kernel has no backward)
+    calls[0] = 0
+    loss = model(tokens, return_type="loss")
+    loss.backward()
+    assert calls[0] == 0 and model.final_res.query.grad is not None
+
+
+def test_a_hooked_consumer_inside_a_two_phase_window(monkeypatch):
+    """Full AttnRes: knocking a source out of the second consumer of a window (a logit-bias hook) sends only that
+    consumer down its own path; the window's other consumers keep their phase-1 state and the result equals the
+    readable path with the same knockout."""
+    base = HookedTransformer(small_config("attnres", 1, n_layers=5, dtype=torch.float64))
+    randomize_depth_parameters(base)
+    tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(6))
+    knockout = ("blocks.2.mlp_res.hook_logit_bias", _knockout([1, 3]))  # consumer 5: the window opened at 4
+    watch = (lambda name: name.endswith("hook_weights"), lambda w, hook: None)
+    with base.hooks(fwd_hooks=[knockout, watch]):
+        expected = base(tokens).detach()
+    model = HookedTransformer(dataclasses.replace(base.cfg, depth_attention_backend="cpu"))
+    model.load_state_dict(base.state_dict())
+    calls = _count_two_phase_calls(monkeypatch)
+    with torch.no_grad(), model.hooks(fwd_hooks=[knockout]):
+        logits = model(tokens)
+    assert calls[0] > 0
+    torch.testing.assert_close(logits, expected, rtol=1e-10, atol=1e-10)

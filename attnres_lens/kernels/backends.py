@@ -6,10 +6,13 @@ Every decision of that kind is made here (docs/kernels.md §2):
   picks ``triton`` for CUDA tensors (if Triton is importable), ``cpu`` (the fused C kernel) for CPU tensors where
   it builds, and ``torch`` otherwise; a call with a logit bias (a knockout) that would run Triton runs ``torch``
   under ``"auto"``, since the Triton kernel takes no bias;
-* ``two_phase_backend``: two-phase Block AttnRes runs its fused Triton kernels where the single-pass op would run
-  Triton, and its readable PyTorch version everywhere else;
-* ``model_runs_two_phase``: a Block AttnRes model uses two-phase only under Triton; on the CPU one fused pass per
-  sublayer measured faster (analyses/reports/bench_two_phase_cpu.md);
+* ``two_phase_backend``: two-phase AttnRes runs its fused Triton kernels where the single-pass op would run
+  Triton, its C kernel (no backward) where the single-pass op would run the C kernel and no gradient is needed,
+  and its readable PyTorch version everywhere else;
+* ``model_runs_two_phase`` / ``stream_two_phase_backend``: Block AttnRes mixes two-phase under Triton; on the CPU
+  without a gradient, Block and Full AttnRes both do (one read of the shared sources per window of consumers);
+  with a gradient on the CPU, one fused pass per sublayer measured faster
+  (analyses/reports/bench_two_phase_cpu.md);
 * ``token_shift_runs_cpu_kernel``: the KV shift runs its C kernel wherever the model's depth-attention backend
   resolves to ``cpu``, for fp32/fp64 tensors outside torch.compile (which fuses the PyTorch version itself).
 """
@@ -20,6 +23,7 @@ import importlib.util
 import os
 import threading
 import warnings
+from typing import Optional
 
 import torch
 
@@ -59,14 +63,35 @@ def resolve_backend(backend: str, device: torch.device, logit_bias: bool = False
     return "torch"
 
 
-def two_phase_backend(backend: str, device: torch.device) -> str:
-    """``"triton"`` where the single-pass op would run Triton, else ``"torch"`` (the readable version)."""
-    return "triton" if resolve_backend(backend, device) == "triton" else "torch"
+def two_phase_backend(backend: str, device: torch.device, needs_grad: bool = True) -> str:
+    """``"triton"`` where the single-pass op would run Triton; ``"cpu"`` where it would run the C kernel and
+    ``needs_grad`` is false (its two-phase kernel has no backward); else ``"torch"`` (the readable version)."""
+    chosen = resolve_backend(backend, device)
+    if chosen == "triton":
+        return "triton"
+    if chosen == "cpu" and not needs_grad and not torch.compiler.is_compiling():
+        return "cpu"
+    return "torch"
 
 
 def model_runs_two_phase(block_size: int, backend: str, device: torch.device) -> bool:
-    """Whether a model with AttnRes block size ``block_size`` mixes its blocks two-phase on ``device``."""
-    return block_size > 1 and resolve_backend(backend, device) == "triton"
+    """Whether a model with AttnRes block size ``block_size`` may mix two-phase on ``device`` (its stream then
+    decides per window with ``stream_two_phase_backend``): Block AttnRes under Triton, and any AttnRes model whose
+    backend resolves to the C kernel."""
+    chosen = resolve_backend(backend, device)
+    return (block_size > 1 and chosen == "triton") or chosen == "cpu"
+
+
+def stream_two_phase_backend(block_size: int, backend: str, device: torch.device, needs_grad: bool) -> Optional[str]:
+    """The backend of an AttnRes stream's next two-phase window, or None to mix each consumer in one pass: Triton
+    for Block AttnRes (forward and backward); the C kernel where no gradient is needed, for Block and Full AttnRes
+    (the window's shared sources are read once for all its consumers, a third to a half of the bytes at depth,
+    analyses/reports/bench_inference.md); with a gradient on the CPU, one fused pass per consumer, which measured
+    faster than the readable two-phase (analyses/reports/bench_two_phase_cpu.md)."""
+    chosen = two_phase_backend(backend, device, needs_grad)
+    if chosen == "torch" or (chosen == "triton" and block_size == 1):
+        return None
+    return chosen
 
 
 def token_shift_runs_cpu_kernel(backend: str, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -38,7 +38,7 @@ typedef struct {
 } depth_args;
 
 typedef struct {
-    const depth_args *args;
+    const void *args; /* a depth_args or a multi_args */
     int64_t row_begin, row_end;
     int thread;
 } row_range;
@@ -137,6 +137,15 @@ INLINE real exp_nonpositive(real x) {
     return (float)x < -87.33654475f ? 0.0f : p * scale; /* below ln(2^-126) e^x is not a normal float */
 }
 
+/* Software prefetch of one token row of every source, PREFETCH_ROWS tokens ahead: a mix reads S streams at once,
+ * more than the hardware prefetchers follow, and at depth the sources come from memory (docs/kernels.md §6). */
+#define PREFETCH_ROWS 4
+INLINE void prefetch_rows(const real *const *src, int64_t S, int64_t offset, int64_t D) {
+    const int64_t line = 64 / (int64_t)sizeof(real);
+    for (int64_t s = 0; s < S; ++s)
+        for (int64_t d = 0; d < D; d += line) __builtin_prefetch(src[s] + offset + d, 0, 3);
+}
+
 /* Forward, in tiles of TILE tokens: pass 1 reads each token row of every source once for its two sums (GROUP
  * sources at a time); the per-token statistics (rstd, logits, softmax) are then computed for the whole tile,
  * vectorised across its tokens (one token at a time they were scalar sqrt, division and exp per source, more
@@ -153,6 +162,7 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
         for (int64_t t = 0; t < T; ++t) {
             const int64_t row = (t0 + t) * D;
             real q[GROUP], p[GROUP];
+            if (t0 + t + PREFETCH_ROWS < end) prefetch_rows(src, S, row + PREFETCH_ROWS * D, D);
             int64_t s = 0;
             for (; s + GROUP <= S; s += GROUP) {
                 group_sums(src[s] + row, src[s + 1] + row, src[s + 2] + row, src[s + 3] + row, u, D, q, p);
@@ -302,13 +312,13 @@ static void backward_rows(const depth_args *a, int64_t begin, int64_t end, real 
 
 static void *forward_worker(void *arg) {
     const row_range *range = arg;
-    forward_rows(range->args, range->row_begin, range->row_end);
+    forward_rows((const depth_args *)range->args, range->row_begin, range->row_end);
     return NULL;
 }
 
 static void *backward_worker(void *arg) {
     const row_range *range = arg;
-    const depth_args *a = range->args;
+    const depth_args *a = (const depth_args *)range->args;
     real *grad_u = a->grad_query_partial + range->thread * a->d_model;
     memset(grad_u, 0, (size_t)a->d_model * sizeof(real));
     backward_rows(a, range->row_begin, range->row_end, grad_u);
@@ -317,7 +327,7 @@ static void *backward_worker(void *arg) {
 
 /* Split the rows into n_threads contiguous ranges; the calling thread takes the first. A thread that cannot be
  * started has its range run here instead, so the result never depends on thread creation succeeding. */
-static void run_rows(void *(*worker)(void *), const depth_args *a, int n_threads) {
+static void run_rows(void *(*worker)(void *), const void *a, int64_t n_tokens, int n_threads) {
     if (n_threads < 1) n_threads = 1;
     if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
     row_range ranges[MAX_THREADS];
@@ -325,11 +335,11 @@ static void run_rows(void *(*worker)(void *), const depth_args *a, int n_threads
     int started[MAX_THREADS];
     /* ranges start at multiples of TILE, so every row is tiled (and grouped) as in a one-thread run: the split
      * cannot change a row's result */
-    const int64_t per_thread = ((a->n_tokens + n_threads - 1) / n_threads + TILE - 1) / TILE * TILE;
+    const int64_t per_thread = ((n_tokens + n_threads - 1) / n_threads + TILE - 1) / TILE * TILE;
     for (int t = 0; t < n_threads; ++t) {
         int64_t begin = t * per_thread, end = begin + per_thread;
-        if (begin > a->n_tokens) begin = a->n_tokens;
-        if (end > a->n_tokens) end = a->n_tokens;
+        if (begin > n_tokens) begin = n_tokens;
+        if (end > n_tokens) end = n_tokens;
         ranges[t] = (row_range){a, begin, end, t};
         started[t] = t > 0 && pthread_create(&threads[t], NULL, worker, &ranges[t]) == 0;
     }
@@ -346,7 +356,7 @@ void depth_attention_forward(const real *const *sources, int64_t n_sources, int6
     const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
                           .folded_query = folded_query, .bias = bias, .eps = (real)eps, .h = h, .rstd = rstd, .logits = logits,
                           .weights = weights};
-    run_rows(forward_worker, &a, n_threads);
+    run_rows(forward_worker, &a, n_tokens, n_threads);
 }
 
 void depth_attention_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
@@ -357,7 +367,159 @@ void depth_attention_backward(const real *const *sources, int64_t n_sources, int
                           .folded_query = folded_query, .rstd = (real *)rstd, .logits = (real *)logits,
                           .weights = (real *)weights, .grad_h = grad_h, .grad_sources = grad_sources,
                           .grad_query_partial = grad_query_partial};
-    run_rows(backward_worker, &a, n_threads);
+    run_rows(backward_worker, &a, n_tokens, n_threads);
+}
+
+/* Without a backward (no_grad: inference, exact interventions), several consumers read the same sources: Q folded
+ * queries u_q are scored against S sources in one read of each source row, and each query's softmax may include
+ * a prior part, a mix of other sources already reduced to (normalised mix m_q, log-sum-exp l_q) (docs/kernels.md
+ * §7). Per token and query, over the parts {prior, s = 0 … S-1} with logits {l_q, z_qs = r_s (u_q . v_s)}:
+ *   M = max(l_q, max_s z_qs),  e_s = exp(z_qs - M),  e_p = exp(l_q - M),  E = e_p + sum_s e_s
+ *   mix_q = (e_p m_q + sum_s e_s v_s) / E,   lse_q = M + log E
+ * which equals one softmax over the prior's sources and these together. Phase 1 of two-phase AttnRes is a call
+ * without prior; phase 2 (the sources phase 1 could not see) a call with Q = 1 and phase 1's part as the prior.
+ * Layouts: queries [Q, D]; prior_mix and mix [Q, N, D]; prior_lse and lse [Q, N] (lse may be NULL). */
+#define MAX_QUERIES 8 /* cpu_fused.py splits larger query sets */
+
+typedef struct {
+    const real *const *sources;
+    int64_t n_sources, n_tokens, d_model, n_queries;
+    const real *queries, *prior_mix, *prior_lse;
+    real eps;
+    real *mix, *lse;
+} multi_args;
+
+static inline void group_dots(const real *v0, const real *v1, const real *v2, const real *v3, const real *u,
+                              int64_t D, real *dot) {
+    real p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+#pragma omp simd reduction(+ : p0, p1, p2, p3)
+    for (int64_t d = 0; d < D; ++d) {
+        p0 += v0[d] * u[d];
+        p1 += v1[d] * u[d];
+        p2 += v2[d] * u[d];
+        p3 += v3[d] * u[d];
+    }
+    dot[0] = p0, dot[1] = p1, dot[2] = p2, dot[3] = p3;
+}
+
+static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
+    const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model, Q = a->n_queries;
+    const real *const *src = a->sources;
+    real rstd[S * TILE], w[Q * S * TILE], prior_weight[Q * TILE], dot[GROUP];
+    for (int64_t t0 = begin; t0 < end; t0 += TILE) {
+        const int64_t T = end - t0 < TILE ? end - t0 : TILE;
+        /* pass 1: every row's square sum (with the first query's dot) and the other queries' dots */
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t row = (t0 + t) * D;
+            if (t0 + t + PREFETCH_ROWS < end) prefetch_rows(src, S, row + PREFETCH_ROWS * D, D);
+            for (int64_t q = 0; q < Q; ++q) {
+                const real *u = a->queries + q * D;
+                real *z = w + q * S * TILE;
+                int64_t s = 0;
+                for (; s + GROUP <= S; s += GROUP) {
+                    const real *v0 = src[s] + row, *v1 = src[s + 1] + row, *v2 = src[s + 2] + row, *v3 = src[s + 3] + row;
+                    if (q == 0) {
+                        real square[GROUP];
+                        group_sums(v0, v1, v2, v3, u, D, square, dot);
+                        for (int g = 0; g < GROUP; ++g) rstd[(s + g) * TILE + t] = square[g];
+                    } else {
+                        group_dots(v0, v1, v2, v3, u, D, dot);
+                    }
+                    for (int g = 0; g < GROUP; ++g) z[(s + g) * TILE + t] = dot[g];
+                }
+                for (; s < S; ++s) {
+                    real square;
+                    row_sums(src[s] + row, u, D, &square, dot);
+                    if (q == 0) rstd[s * TILE + t] = square;
+                    z[s * TILE + t] = dot[0];
+                }
+            }
+        }
+        /* statistics, across the tile's tokens: rstd once per source, then each query's softmax */
+        for (int64_t s = 0; s < S; ++s) {
+#pragma omp simd
+            for (int64_t t = 0; t < T; ++t) rstd[s * TILE + t] = (real)1 / sqrt(rstd[s * TILE + t] / (real)D + a->eps);
+        }
+        for (int64_t q = 0; q < Q; ++q) {
+            real *z = w + q * S * TILE, *e_prior = prior_weight + q * TILE;
+            const real *prior_lse = a->prior_lse ? a->prior_lse + q * N + t0 : NULL;
+            real max_logit[TILE], total[TILE];
+            for (int64_t t = 0; t < T; ++t) max_logit[t] = prior_lse ? prior_lse[t] : -INFINITY;
+            for (int64_t s = 0; s < S; ++s) {
+#pragma omp simd
+                for (int64_t t = 0; t < T; ++t) {
+                    z[s * TILE + t] *= rstd[s * TILE + t];
+                    max_logit[t] = z[s * TILE + t] > max_logit[t] ? z[s * TILE + t] : max_logit[t];
+                }
+            }
+            for (int64_t t = 0; t < T; ++t) {
+                e_prior[t] = prior_lse ? exp_nonpositive(prior_lse[t] - max_logit[t]) : 0;
+                total[t] = e_prior[t];
+            }
+            for (int64_t s = 0; s < S; ++s) {
+#pragma omp simd
+                for (int64_t t = 0; t < T; ++t) {
+                    z[s * TILE + t] = exp_nonpositive(z[s * TILE + t] - max_logit[t]);
+                    total[t] += z[s * TILE + t];
+                }
+            }
+            for (int64_t t = 0; t < T; ++t) {
+                if (a->lse) a->lse[q * N + t0 + t] = max_logit[t] + log(total[t]);
+                total[t] = (real)1 / total[t];
+                e_prior[t] *= total[t];
+            }
+            for (int64_t s = 0; s < S; ++s) {
+#pragma omp simd
+                for (int64_t t = 0; t < T; ++t) z[s * TILE + t] *= total[t];
+            }
+        }
+        /* pass 2: each query's mix, GROUP sources per sweep, the rows still in L1/L2 */
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t row = (t0 + t) * D;
+            if (t0 + t + PREFETCH_ROWS < end) prefetch_rows(src, S, row + PREFETCH_ROWS * D, D);
+            for (int64_t q = 0; q < Q; ++q) {
+                const real *alpha = w + q * S * TILE;
+                real *h = a->mix + q * N * D + row;
+                const real *prior = a->prior_mix ? a->prior_mix + q * N * D + row : NULL;
+                const real wp = prior_weight[q * TILE + t];
+                if (prior) {
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) h[d] = wp * prior[d];
+                } else {
+                    for (int64_t d = 0; d < D; ++d) h[d] = 0;
+                }
+                int64_t s = 0;
+                for (; s + GROUP <= S; s += GROUP) {
+                    const real *v0 = src[s] + row, *v1 = src[s + 1] + row, *v2 = src[s + 2] + row, *v3 = src[s + 3] + row;
+                    const real w0 = alpha[s * TILE + t], w1 = alpha[(s + 1) * TILE + t], w2 = alpha[(s + 2) * TILE + t],
+                               w3 = alpha[(s + 3) * TILE + t];
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) h[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
+                }
+                for (; s < S; ++s) {
+                    const real *v = src[s] + row, ws = alpha[s * TILE + t];
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) h[d] += ws * v[d];
+                }
+            }
+        }
+    }
+}
+
+static void *multi_worker(void *arg) {
+    const row_range *range = arg;
+    multi_rows((const multi_args *)range->args, range->row_begin, range->row_end);
+    return NULL;
+}
+
+void depth_attention_multi(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
+                           const real *queries, int64_t n_queries, const real *prior_mix, const real *prior_lse,
+                           double eps, real *mix, real *lse, int n_threads) {
+    if (n_queries < 1 || n_queries > MAX_QUERIES) return; /* cpu_fused.py never asks: it splits query sets */
+    const multi_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
+                          .n_queries = n_queries, .queries = queries, .prior_mix = prior_mix,
+                          .prior_lse = prior_lse, .eps = (real)eps, .mix = mix, .lse = lse};
+    run_rows(multi_worker, &a, n_tokens, n_threads);
 }
 
 /* KV token shift, x [B, P, H, Dh] contiguous; per head h the pair (c1, c2) = coefficients[h * stride + {0, 1}]

@@ -29,6 +29,7 @@ from attnres_lens.kernels._common import new_output
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 CACHE_ENV_VAR = "ATTNRES_LENS_KERNEL_CACHE"
 MAX_THREADS = 64  # the C file's MAX_THREADS
+MAX_QUERIES = 8  # the C file's MAX_QUERIES: larger query sets are split
 # Starting a thread costs ~50-100 us on a small VM (a persistent pool woke no faster), and a split waits for the
 # slower thread when the other core is busy: a second thread pays from ~1M source elements each (forward +
 # backward alone, 2026-12-01: S=9 x 768 x 128 0.97x, 13 x 1024 x 256 1.17x, 25 x 1024 x 128 1.5x; inside a
@@ -135,6 +136,10 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.depth_attention_backward.restype = None
     library.depth_attention_backward.argtypes = [
         pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer, pointer, pointer, c_int
+    ]
+    library.depth_attention_multi.restype = None
+    library.depth_attention_multi.argtypes = [
+        pointer, int64, int64, int64, pointer, int64, pointer, pointer, ctypes.c_double, pointer, pointer, c_int
     ]
     library.token_shift_forward.restype = None
     library.token_shift_forward.argtypes = [pointer, pointer, int64, int64, int64, int64, int64, pointer]
@@ -280,6 +285,44 @@ def depth_attention_cpu(
     else:
         h, logits, weights = _EagerDepthAttention.apply(folded_query, bias, float(eps), *flat)
     return h.to(first.dtype).view(shape), weights, logits
+
+
+def depth_attention_multi_cpu(
+    sources: list[torch.Tensor], folded_queries: torch.Tensor, eps: float,
+    prior: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q depth attentions over the same ``sources`` (each ``[..., D]``) in one read of them, without a backward
+    (docs/kernels.md §7): ``folded_queries`` ``[Q, D]`` (``u_q = w_q * g_q``); ``prior`` an optional part per query
+    over other sources, ``(mix [Q, ..., D], lse [Q, ...])``, folded into each softmax. Returns ``(mix [Q, ..., D],
+    lse [Q, ...])`` in fp32 (fp64 for fp64 sources): phase 1 of two-phase AttnRes, or with a prior its phase 2."""
+    first = sources[0]
+    if first.device.type != "cpu":
+        raise ValueError(f"the cpu backend needs CPU tensors, got tensors on {first.device}; use backend='auto'")
+    tensors = [*sources, folded_queries, *(prior or ())]
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors):
+        raise ValueError("the cpu two-phase kernel has no backward; run it under torch.no_grad(), or mix with "
+                         "depth_attention for a gradient")
+    lead, d_model = first.shape[:-1], first.shape[-1]
+    compute = torch.float64 if first.dtype == torch.float64 else torch.float32
+    flat = [source.view(-1, d_model) if source.dtype == compute and source.is_contiguous()
+            else source.reshape(-1, d_model).to(compute).contiguous() for source in sources]
+    n_tokens, n_queries = flat[0].shape[0], folded_queries.shape[0]
+    queries = folded_queries.to(compute).contiguous()
+    if prior is not None:
+        prior = prior[0].to(compute).reshape(n_queries, n_tokens, d_model).contiguous(), \
+            prior[1].to(compute).reshape(n_queries, n_tokens).contiguous()
+    mix = new_output((n_queries, n_tokens, d_model), compute, first.device)
+    lse = new_output((n_queries, n_tokens), compute, first.device)
+    library, pointers = cpu_library(compute), _pointer_array(flat)
+    threads = _n_threads(len(flat) * n_tokens * d_model)
+    for start in range(0, n_queries, MAX_QUERIES):
+        part = slice(start, start + MAX_QUERIES)
+        library.depth_attention_multi(
+            pointers, len(flat), n_tokens, d_model, queries[part].data_ptr(), queries[part].shape[0],
+            None if prior is None else prior[0][part].data_ptr(), None if prior is None else prior[1][part].data_ptr(),
+            eps, mix[part].data_ptr(), lse[part].data_ptr(), threads,
+        )
+    return mix.view(n_queries, *lead, d_model), lse.view(n_queries, *lead)
 
 
 class _EagerKVShift(torch.autograd.Function):

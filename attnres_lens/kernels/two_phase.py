@@ -1,16 +1,18 @@
-"""Two-phase Block AttnRes (paper Alg. 1, docs/kernels.md §7): readable PyTorch here, fused Triton in ``triton_two_phase.py``.
+"""Two-phase AttnRes (paper Alg. 1, docs/kernels.md §7): readable PyTorch here, fused Triton in
+``triton_two_phase.py``, fused C without a backward in ``cpu_fused.c`` (``depth_attention_multi``).
 
 Pseudo-queries do not depend on the input, so every sublayer of a block can score the completed-block sources
 ``[b_0, ..., b_{n-1}]`` together as soon as the block starts (phase 1): each source is read once for all queries,
-its rstd is computed once, and the ``n_q`` logits come from one matmul. Phase 2 folds in the one source phase 1
-could not see, the sublayer's own partial sum ``p`` (taken *before* the sublayer's update), with the
-online-softmax merge of two parts ``(m1, l1, o1)`` and ``(m2, l2, o2)``::
+its rstd is computed once, and the ``n_q`` logits come from one matmul. Phase 2 folds in the sources phase 1
+could not see — the sublayer's own partial sum ``p`` (taken *before* the sublayer's update), or for Full AttnRes
+the outputs written since phase 1 — with the online-softmax merge of two parts ``(m1, l1, o1)`` and
+``(m2, l2, o2)``::
 
     m = max(m1, m2),   h = (e^{m1-m} o1 + e^{m2-m} o2) / (e^{m1-m} l1 + e^{m2-m} l2)
 
 Phase 1 keeps each query's part normalised, as ``(lse1, h1) = (m1 + log l1, o1 / l1)`` (the same state with
-``l = 1``); the partial is a one-source part ``(logit_p, 1, p)``. The result equals one softmax over
-``[b_0, ..., b_{n-1}, p]`` in value and gradient.
+``l = 1``); the partial is a one-source part ``(logit_p, 1, p)`` (several sources: their own softmax part). The
+result equals one softmax over ``[b_0, ..., b_{n-1}, p]`` in value and gradient.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+
+from collections.abc import Sequence
 
 from attnres_lens.kernels._common import Sources, check_sources, compute_dtype
 from attnres_lens.kernels.backends import two_phase_backend
@@ -36,7 +40,7 @@ class BlockStats(NamedTuple):
     key_norm_weights: torch.Tensor  # [n_q, D]
     logits: Optional[torch.Tensor]  # [n_q, ..., n_completed] when phase 1 was asked for them
     eps: float
-    backend: str  # "torch" or "triton": phase 2 runs where phase 1 ran
+    backend: str  # "torch", "triton" or "cpu": phase 2 runs where phase 1 ran
     out_dtype: torch.dtype  # the sources' dtype, which every merged output is cast back to
 
 
@@ -56,7 +60,8 @@ def block_phase1(
         key_norm_weights: ``[n_q, D]``, each sublayer's key-norm gain.
         eps: RMSNorm epsilon of the keys.
         return_logits: keep the per-source logits (for hooks that report depth weights).
-        backend: as for ``depth_attention``; ``"triton"`` (or ``"auto"`` on CUDA) runs the fused kernels, any
+        backend: as for ``depth_attention``; ``"triton"`` (or ``"auto"`` on CUDA) runs the fused kernels, and
+            ``"cpu"`` (or ``"auto"`` on the CPU) the fused C kernel when no gradient and no logits are needed; any
             other choice this module's PyTorch.
     """
     source_list = check_sources(sources)
@@ -67,8 +72,14 @@ def block_phase1(
         raise ValueError(
             f"key_norm_weights must match queries' shape {tuple(queries.shape)}, got {tuple(key_norm_weights.shape)}"
         )
-    chosen = two_phase_backend(backend, source_list[0].device)
-    if chosen == "triton":
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*source_list, queries, key_norm_weights))
+    chosen = two_phase_backend(backend, source_list[0].device, needs_grad or return_logits)
+    if chosen == "cpu":
+        from attnres_lens.kernels.cpu_fused import depth_attention_multi_cpu
+
+        mix, lse = depth_attention_multi_cpu(source_list, queries * key_norm_weights, eps)
+        logits = None
+    elif chosen == "triton":
         from attnres_lens.kernels.triton_two_phase import phase1_triton
 
         mix, lse, logits = phase1_triton(source_list, queries, key_norm_weights, eps, return_logits)
@@ -95,44 +106,60 @@ def block_phase1(
 def merge_partial(
     stats: BlockStats,
     index: int,
-    partial: Optional[torch.Tensor],
+    partial: Optional[torch.Tensor | Sequence[torch.Tensor]],
     return_weights: bool = False,
     return_logits: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """Phase 2: the input of the block's ``index``-th sublayer, merging its partial sum into phase-1 ``stats``.
+    """Phase 2: the input of the block's ``index``-th sublayer, merging what phase 1 did not see into ``stats``.
 
     ``partial`` is the sum of the block's earlier sublayer outputs (``[..., D]``), or None for the sublayer that
-    starts the block (then ``h`` is the phase-1 mix). Returns ``h`` in the sources' dtype, followed by the depth
-    weights and/or logits over ``[completed..., partial]`` (``[..., n_sources]``) when asked; those need phase-1
-    logits.
+    starts the block (then ``h`` is the phase-1 mix); for Full AttnRes, the list of sources written since phase 1
+    (empty for the consumer phase 1 started at). Returns ``h`` in the sources' dtype, followed by the depth
+    weights and/or logits over ``[completed..., partial...]`` (``[..., n_sources]``) when asked; those need
+    phase-1 logits.
     """
     n_queries = stats.queries.shape[0]
     if not 0 <= index < n_queries:
         raise ValueError(f"index must be in 0..{n_queries - 1}, got {index}")
     if (return_weights or return_logits) and stats.logits is None:
         raise ValueError("depth weights/logits need block_phase1(..., return_logits=True)")
+    new_sources = [] if partial is None else [partial] if isinstance(partial, torch.Tensor) else list(partial)
     completed_logits = stats.logits[index] if stats.logits is not None else None
     mix, completed_lse = stats.mix[index], stats.lse[index]
-    if partial is None:
+    if not new_sources:
         h, logits = mix.to(stats.out_dtype), completed_logits
     else:
-        if partial.shape != mix.shape:
-            raise ValueError(f"partial must have shape {tuple(mix.shape)}, got {tuple(partial.shape)}")
+        for value in new_sources:
+            if value.shape != mix.shape:
+                raise ValueError(f"partial must have shape {tuple(mix.shape)}, got {tuple(value.shape)}")
         query, gain = stats.queries[index], stats.key_norm_weights[index]
+        new_logits = None
         if stats.backend == "triton":
+            if len(new_sources) != 1:
+                raise ValueError(f"the triton merge takes one partial sum, got {len(new_sources)} sources")
             from attnres_lens.kernels.triton_two_phase import merge_triton
 
-            h, partial_logit = merge_triton(mix, completed_lse, partial, query, gain, stats.eps, completed_logits is not None)
+            h, new_logits = merge_triton(mix, completed_lse, new_sources[0], query, gain, stats.eps,
+                                         completed_logits is not None)
+            new_logits = None if new_logits is None else new_logits[..., None]
+        elif stats.backend == "cpu":
+            from attnres_lens.kernels.cpu_fused import depth_attention_multi_cpu
+
+            merged, _ = depth_attention_multi_cpu(new_sources, (query * gain)[None], stats.eps,
+                                                  prior=(mix[None], completed_lse[None]))
+            h = merged[0].to(stats.out_dtype)
         else:
-            value = partial.to(mix.dtype)
-            partial_logit = (value @ (query.to(value.dtype) * gain.to(value.dtype))) * rstd(value, stats.eps)
-            total_lse = torch.logaddexp(completed_lse, partial_logit)
-            weight1 = torch.exp(completed_lse - total_lse)[..., None]
-            weight2 = torch.exp(partial_logit - total_lse)[..., None]
-            h = (weight1 * mix + weight2 * value).to(stats.out_dtype)
+            values = [value.to(mix.dtype) for value in new_sources]
+            folded = query.to(mix.dtype) * gain.to(mix.dtype)
+            new_logits = torch.stack([(value @ folded) * rstd(value, stats.eps) for value in values], dim=-1)
+            total_lse = torch.logaddexp(completed_lse, torch.logsumexp(new_logits, dim=-1))
+            h = torch.exp(completed_lse - total_lse)[..., None] * mix
+            for value, logit in zip(values, new_logits.unbind(-1)):
+                h = h + torch.exp(logit - total_lse)[..., None] * value
+            h = h.to(stats.out_dtype)
         logits = None
         if completed_logits is not None:
-            logits = torch.cat([completed_logits, partial_logit[..., None]], dim=-1)
+            logits = torch.cat([completed_logits, new_logits], dim=-1)
     extras = []
     if return_weights:
         extras.append(torch.softmax(logits, dim=-1))
