@@ -11,8 +11,8 @@ from torch import nn
 from transformer_lens.hook_points import HookPoint
 
 from attnres_lens.config import ModelConfig
-from attnres_lens.kernels.backends import token_shift_runs_cpu_kernel
-from attnres_lens.kernels.cpu_fused import kv_shift_cpu
+from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel
+from attnres_lens.kernels.cpu_fused import kv_shift_cpu, rotary_cpu
 
 
 def normal_init(shape: tuple[int, ...], std: float, divisor: float = 1.0) -> torch.Tensor:
@@ -135,15 +135,19 @@ class Attention(nn.Module):
         k = self.hook_k(_project_heads(x, self.W_K))
         v = self.hook_v(_project_heads(x, self.W_V))
         if self.cfg.attention == "kv_shift":
-            if token_shift_runs_cpu_kernel(self.cfg.depth_attention_backend, k, v):  # both in one fused op
+            if elementwise_runs_cpu_kernel(self.cfg.depth_attention_backend, k, v):  # both in one fused op
                 k, v = kv_shift_cpu(k, v, self.kv_shift)
             else:
                 k, v = TokenShiftMix.apply(k, self.kv_shift[:, :2]), TokenShiftMix.apply(v, self.kv_shift[:, 2:])
             k, v = self.hook_k_shifted(k), self.hook_v_shifted(v)
         if self.cfg.positional_embedding_type == "rotary":
-            cos, sin = self.rotary_cos[:n_pos, None, :], self.rotary_sin[:n_pos, None, :]
-            q = self.hook_rot_q(apply_rotary(q, cos, sin))
-            k = self.hook_rot_k(apply_rotary(k, cos, sin))
+            backend = self.cfg.depth_attention_backend
+            if elementwise_runs_cpu_kernel(backend, q) and elementwise_runs_cpu_kernel(backend, k):  # one C pass each
+                q, k = rotary_cpu(q, self.rotary_cos, self.rotary_sin), rotary_cpu(k, self.rotary_cos, self.rotary_sin)
+            else:
+                cos, sin = self.rotary_cos[:n_pos, None, :], self.rotary_sin[:n_pos, None, :]
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.hook_rot_q(q), self.hook_rot_k(k)
         group = self.cfg.n_heads // self.cfg.n_key_value_heads
         if group > 1:
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)

@@ -239,13 +239,13 @@ def test_kv_shift_kernel_refuses_what_it_cannot_run():
 
 
 def test_kv_shift_falls_back_to_the_twin_when_k_and_v_differ():
-    from attnres_lens.kernels.backends import token_shift_runs_cpu_kernel
+    from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel
 
     k = torch.randn(2, 3, 4, 5)
-    assert token_shift_runs_cpu_kernel("auto", k, k.clone())
-    assert not token_shift_runs_cpu_kernel("auto", k, k.double())  # e.g. a hook on hook_v changed its dtype
-    assert not token_shift_runs_cpu_kernel("reference", k, k.clone())
-    assert not token_shift_runs_cpu_kernel("auto", k.bfloat16(), k.bfloat16())
+    assert elementwise_runs_cpu_kernel("auto", k, k.clone())
+    assert not elementwise_runs_cpu_kernel("auto", k, k.double())  # e.g. a hook on hook_v changed its dtype
+    assert not elementwise_runs_cpu_kernel("reference", k, k.clone())
+    assert not elementwise_runs_cpu_kernel("auto", k.bfloat16(), k.bfloat16())
 
 
 def test_a_kv_shift_model_runs_the_kernel_only_on_the_cpu_backend(monkeypatch):
@@ -324,3 +324,56 @@ def test_several_queries_refuse_a_gradient():
         cpu_fused.depth_attention_multi_cpu(sources, (query * gain)[None], 1e-6)
     with torch.no_grad():
         cpu_fused.depth_attention_multi_cpu(sources, (query * gain)[None], 1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 2), (2, 5, 3, 8), (3, 17, 2, 16), (1, 33, 5, 10)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rotary_kernel_matches_its_twin_and_gradients(shape, dtype):
+    from attnres_lens.components import apply_rotary, rotary_tables
+
+    cos, sin = rotary_tables(40, shape[-1], 10000.0)  # more positions than the input has: rows are strided reads
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(shape, generator=generator, dtype=torch.float64).requires_grad_()
+    n_pos = shape[1]
+    expected = apply_rotary(x, cos[:n_pos, None].double(), sin[:n_pos, None].double())
+    got = cpu_fused.rotary_cpu(x.detach().to(dtype).requires_grad_(), cos, sin)  # output NaN-poisoned
+    assert_close(got, expected, dtype)
+    grad = torch.randn(shape, generator=generator, dtype=torch.float64)
+    (expected_grad,) = torch.autograd.grad(expected, x, grad)
+    leaf = x.detach().to(dtype).requires_grad_()
+    (got_grad,) = torch.autograd.grad(cpu_fused.rotary_cpu(leaf, cos, sin), leaf, grad.to(dtype))
+    assert_close(got_grad, expected_grad, dtype)
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(lambda t: cpu_fused.rotary_cpu(t, cos, sin), (x,))
+
+
+def test_rotary_kernel_refuses_what_it_cannot_run():
+    cos, sin = torch.ones(8, 4), torch.zeros(8, 4)
+    with pytest.raises(ValueError, match="even last dim"):
+        cpu_fused.rotary_cpu(torch.zeros(1, 2, 1, 3), torch.ones(8, 3), torch.zeros(8, 3))
+    with pytest.raises(ValueError, match="4-D fp32/fp64"):
+        cpu_fused.rotary_cpu(torch.zeros(2, 1, 4).bfloat16(), cos, sin)
+    with pytest.raises(ValueError, match=r"n_ctx >= 9"):
+        cpu_fused.rotary_cpu(torch.zeros(1, 9, 1, 4), cos, sin)
+    with pytest.raises(ValueError, match="must not require grad"):
+        cpu_fused.rotary_cpu(torch.zeros(1, 2, 1, 4), cos.requires_grad_(), sin)
+
+
+def test_a_rotary_model_runs_the_rotary_kernel_only_on_the_cpu_backend(monkeypatch):
+    from attnres_lens import HookedTransformer, ModelConfig
+
+    calls = []
+    real = cpu_fused.rotary_cpu
+    monkeypatch.setattr("attnres_lens.components.rotary_cpu", lambda *args: calls.append(1) or real(*args))
+    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for backend in ("cpu", "reference"):
+        cfg = ModelConfig(d_model=16, n_heads=2, n_layers=2, n_ctx=12, d_vocab=32, residual="attnres",
+                          depth_attention_backend=backend, dtype=torch.float64, seed=1)
+        model = HookedTransformer(cfg)
+        loss = model(tokens, return_type="loss")
+        loss.backward()
+        results[backend] = (loss.detach(), model.blocks[0].attn.W_Q.grad, model.blocks[1].attn.W_K.grad)
+    assert len(calls) == 2 * 2  # q and k of each layer, none on the reference backend
+    for got, want in zip(results["cpu"], results["reference"]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

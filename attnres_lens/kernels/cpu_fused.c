@@ -1,5 +1,6 @@
 /* Fused depth attention for CPU tensors (docs/kernels.md §4-§5). Readable reference: reference.py; math: torch_fast.py.
- * Also the KV token shift (docs/model.md §5; readable twin: components.TokenShiftMix), at the end of the file.
+ * Also the KV token shift (docs/model.md §5; readable twin: components.TokenShiftMix) and the rotary embedding
+ * (docs/model.md §6; twin: components.apply_rotary), at the end of the file.
  *
  * Compiled on first use by cpu_fused.py, once per element type, with -DREAL=float or -DREAL=double.
  * Each token row is finished before the next one starts: a row of every source (S * D values) stays in L1/L2,
@@ -592,4 +593,31 @@ void token_shift_backward(const real *x, const real *coefficients, int64_t strid
         grad_coefficients[h * stride] = (real)sums[2 * h];
         grad_coefficients[h * stride + 1] = (real)sums[2 * h + 1];
     }
+}
+
+/* Rotate-half rotary embedding (docs/model.md §6; readable twin: components.apply_rotary) of x [B, P, H, Dh]
+ * contiguous, Dh even, with half = Dh / 2 and per position t the angles' cos c and sin s ([P, ·] tables with row
+ * stride `table_stride`; the first half of a row is read, rotary_tables repeats it in the second):
+ *   y_d = x_d c_d - x_{d+half} s_d,   y_{d+half} = x_{d+half} c_d + x_d s_d        (d < half)
+ * The map is a rotation of each pair (x_d, x_{d+half}) by the angle, so its backward is the rotation by minus the
+ * angle: the same loop with `sign` = -1 on the output gradient. One pass over x, where the PyTorch form makes
+ * three (x * cos, roll, addcmul). */
+void rotary_forward(const real *x, const real *cos_table, const real *sin_table, int64_t table_stride, int64_t B,
+                    int64_t P, int64_t H, int64_t Dh, double sign, real *y) {
+    const int64_t half = Dh / 2;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < P; ++t) {
+            const real *c = cos_table + t * table_stride, *s = sin_table + t * table_stride;
+            for (int64_t h = 0; h < H; ++h) {
+                const int64_t offset = ((b * P + t) * H + h) * Dh;
+                const real *x1 = x + offset, *x2 = x1 + half;
+                real *y1 = y + offset, *y2 = y1 + half;
+#pragma omp simd
+                for (int64_t d = 0; d < half; ++d) {
+                    const real sd = (real)sign * s[d];
+                    y1[d] = x1[d] * c[d] - x2[d] * sd;
+                    y2[d] = x2[d] * c[d] + x1[d] * sd;
+                }
+            }
+        }
 }

@@ -141,6 +141,9 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.depth_attention_multi.argtypes = [
         pointer, int64, int64, int64, pointer, int64, pointer, pointer, ctypes.c_double, pointer, pointer, c_int
     ]
+    library.rotary_forward.restype = None
+    library.rotary_forward.argtypes = [pointer, pointer, pointer, int64, int64, int64, int64, int64, ctypes.c_double,
+                                       pointer]
     library.token_shift_forward.restype = None
     library.token_shift_forward.argtypes = [pointer, pointer, int64, int64, int64, int64, int64, pointer]
     library.token_shift_backward.restype = None
@@ -373,3 +376,41 @@ def kv_shift_cpu(k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor) -
         raise ValueError(f"coefficients must be a CPU tensor [heads, 4] = [{k.shape[2]}, 4], got "
                          f"{list(coefficients.shape)} on {coefficients.device}")
     return _EagerKVShift.apply(k, v, coefficients)
+
+
+class _EagerRotary(torch.autograd.Function):
+    """`components.apply_rotary` in one C pass each way (the backward rotates the gradient back: the same kernel
+    with the sine negated); x [B, P, H, Dh], cos and sin [≥ P, Dh] tables whose two halves are equal."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x.contiguous(), cos, sin, 1.0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad.contiguous(), cos, sin, -1.0), None, None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    y = new_output(x.shape, x.dtype, x.device)
+    cpu_library(x.dtype).rotary_forward(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0), *x.shape, sign,
+                                        y.data_ptr())
+    return y
+
+
+def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x`` ``[B, P, H, Dh]`` (fp32/fp64, CPU) with ``rotary_tables``' ``cos`` and ``sin``
+    (``[n_ctx, Dh]``, n_ctx >= P; cast to x's dtype), differentiable in ``x``; equals `components.apply_rotary`."""
+    if x.dim() != 4 or x.device.type != "cpu" or x.dtype not in _REAL_TYPES or x.shape[-1] % 2:
+        raise ValueError(f"rotary_cpu needs a 4-D fp32/fp64 CPU tensor with an even last dim, got {x.dim()}-D "
+                         f"{x.dtype} on {x.device} of shape {tuple(x.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] < x.shape[1] or cos.shape[1] != x.shape[-1]:
+        raise ValueError(f"cos and sin must be [n_ctx >= {x.shape[1]}, {x.shape[-1]}] tables, got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError("rotary_cpu differentiates x only; the cos/sin tables must not require grad")
+    cos, sin = (table.to(x.dtype).contiguous() for table in (cos, sin))
+    return _EagerRotary.apply(x, cos, sin)
