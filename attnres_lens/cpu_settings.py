@@ -1,5 +1,5 @@
-"""Process-wide CPU settings for the command-line tools (docs/kernels.md §11): torch's thread count and how the C
-allocator treats freed memory.
+"""Process-wide CPU settings for the command-line tools (docs/kernels.md §11): torch's thread count, how the C
+allocator treats freed memory, and Python's cyclic garbage collector.
 
 Both act on the whole process, so the library never applies them on import: the `attnres-lens` commands do, for
 their own process, and a notebook or script may call `configure` itself.
@@ -11,6 +11,12 @@ knockouts). Raising its mmap and trim thresholds keeps freed blocks for reuse: n
 11.7 instead of 13.7 s at one thread (medians of four runs in two processes each, 2026-12-01; two threads: 10.7 s).
 The cost is that the process holds on to its peak memory until it exits, which is right for a command that ends
 and wrong for a long-lived server (the dashboard does not call this).
+
+The garbage collector. A command imports over a million Python objects (torch, TransformerLens, transformers,
+pandas) that live until it exits, yet every full collection traverses them all, and the interpreter's exit runs
+more. `gc.freeze()` once the imports are done moves them to a permanent generation the collector skips: for
+`attnres-lens prune` of the 12-layer Full model (--samples 32) the full collections took 0.08 instead of 0.41 s
+and the process's exit 0.15 instead of 0.9 s (2026-12-01). Objects made afterwards are collected as before.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import platform
 
 import torch
@@ -29,9 +36,11 @@ _NEVER_TRIM = (1 << 31) - 1  # mallopt takes a C int
 
 
 def configure(threads: int = 0) -> None:
-    """`threads` torch threads (0: torch's default, one per core) and `keep_freed_memory()`."""
+    """`threads` torch threads (0: torch's default, one per core), `keep_freed_memory()`, and the objects alive now
+    (call it after the imports) frozen out of the garbage collector's traversals (`gc.freeze`)."""
     set_threads(threads)
     keep_freed_memory()
+    gc.freeze()
 
 
 def set_threads(threads: int) -> None:

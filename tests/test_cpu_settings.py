@@ -70,3 +70,11 @@ def test_keep_freed_memory_stops_repeated_page_faults():
     # 20 rounds x 24 MB is ~120k pages: the default faults most of them in again, the setting almost none
     assert int(default) > 10_000, out
     assert int(kept) < int(default) / 20, out
+
+
+def test_configure_freezes_the_objects_alive_out_of_the_collector():
+    probe = ("import gc\nfrom attnres_lens import cpu_settings\nbefore = gc.get_freeze_count()\n"
+             "cpu_settings.configure(0)\nprint(before, gc.get_freeze_count())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    before, after = map(int, out.split())
+    assert before == 0 and after > 10_000  # every object of the imports (torch alone has far more)
