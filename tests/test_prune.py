@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 
 import pandas as pd
@@ -23,7 +24,8 @@ from attnres_lens.analysis import (
     source_mask_hooks,
 )
 from attnres_lens.analysis.interventions import evaluate, evaluate_many
-from attnres_lens.analysis.pruning import removal_orders
+from attnres_lens.analysis.pruning import removal_orders, residual_states
+from attnres_lens.analysis.run import prune_tables
 from attnres_lens.cli import main as cli_main
 from attnres_lens.presets import get_preset
 from attnres_lens.tasks import make_task
@@ -286,3 +288,46 @@ def test_stacked_evaluation_gives_each_intervention_its_own_result():
     for single, together in zip(one_by_one, stacked):
         assert together.loss == pytest.approx(single.loss, abs=1e-5)
         assert together.accuracy == pytest.approx(single.accuracy, abs=1e-6)
+
+
+def test_angular_distances_equal_the_pairwise_definition():
+    """All pairs at once (one product per start) against arccos(cos)/π per pair in float64, token-averaged."""
+    model = HookedTransformer(small_config("attnres", 2))
+    randomize_depth_parameters(model)
+    batch = copy_batch()
+    states, _ = residual_states(model, batch.tokens)
+    distances = angular_distance_matrix(model, batch.tokens).set_index(["start", "end"])["distance"]
+    assert len(distances) == len(states) * (len(states) - 1) // 2
+    for (start, end), distance in distances.items():
+        cosine = torch.nn.functional.cosine_similarity(states[start].double(), states[end].double(), dim=-1)
+        assert distance == pytest.approx((cosine.clamp(-1, 1).arccos() / math.pi).mean().item(), rel=1e-12, abs=1e-12)
+
+
+def test_prune_tables_shares_its_clean_passes(monkeypatch):
+    """Inside prune_tables the clean evaluation and the residual-state capture run once each (three times each
+    before), and the tables equal those of the functions called one by one."""
+    from attnres_lens.analysis import depth, interventions, pruning
+
+    model = HookedTransformer(small_config("attnres", 1)).eval()
+    randomize_depth_parameters(model)
+    batch = copy_batch()
+    counts = {"evaluate": 0, "states": 0, "weights": 0}
+
+    def counting(module, name, key, only_clean=False):
+        inner = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            if not only_clean or not any(args[2]):
+                counts[key] += 1
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+    counting(interventions, "evaluate_many", "evaluate", only_clean=True)
+    counting(pruning, "capture", "states")
+    counting(depth, "capture", "weights")
+    tables = prune_tables(model, batch)
+    assert counts == {"evaluate": 1, "states": 1, "weights": 1}
+    pd.testing.assert_frame_equal(tables["pruning_sensitivity"], pruning_sensitivity(model, batch))
+    pd.testing.assert_frame_equal(tables["angular_distance"], angular_distance_matrix(model, batch.tokens))
+    pd.testing.assert_frame_equal(tables["routing"], causal_routing(model, batch))

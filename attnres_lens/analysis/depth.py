@@ -13,7 +13,7 @@ from typing import Optional
 import pandas as pd
 import torch
 
-from attnres_lens.analysis.interventions import capture
+from attnres_lens.analysis.interventions import capture, clean_result
 from attnres_lens.attnres import EMBEDDING
 from attnres_lens.mixing import mixing_coefficients, mixing_rows, stream_dominance
 from attnres_lens.model import HookedTransformer
@@ -28,7 +28,7 @@ def depth_weights_by_consumer(model: HookedTransformer, tokens: torch.Tensor) ->
         raise ValueError(f"a residual={model.cfg.residual!r} model has no depth attention; its mixing weights are in "
                          "depth_mixing_matrix")
     names = {consumer: module.hook_weights.name for consumer, module in modules.items()}
-    saved = capture(model, tokens, names.values())
+    saved = clean_result("depth_weights", model, tokens, lambda: capture(model, tokens, names.values()))
     # with attnres_heads > 1 each channel group has its own α: the vector's effective weight is their mean
     return {consumer: saved[name].float().mean(-2) if saved[name].ndim == 4 else saved[name].float()
             for consumer, name in names.items()}

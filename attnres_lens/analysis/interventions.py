@@ -59,7 +59,36 @@ def capture(model: HookedTransformer, tokens: torch.Tensor, names: Iterable[str]
 
 def evaluate(model: HookedTransformer, batch: Batch, fwd_hooks: Sequence[Hook] = ()) -> Evaluation:
     """The batch's loss, answer loss and accuracy with the hooks `fwd_hooks` applied."""
+    if not fwd_hooks:
+        return clean_result("evaluate", model, batch.tokens, lambda: evaluate_many(model, batch, [()])[0])
     return evaluate_many(model, batch, [fwd_hooks])[0]
+
+
+_SHARED_CLEAN: Optional[dict[tuple, tuple[torch.Tensor, Any]]] = None
+
+
+@contextlib.contextmanager
+def sharing_clean_passes() -> Iterator[None]:
+    """Inside, a clean (unhooked) result of a model on a token tensor — the evaluation, the residual states, the
+    depth weights — is computed once and reused: for a caller that derives several tables from one clean run
+    (`prune_tables`: eight clean passes become four). The model must not change meanwhile."""
+    global _SHARED_CLEAN
+    outer, _SHARED_CLEAN = _SHARED_CLEAN, {} if _SHARED_CLEAN is None else _SHARED_CLEAN
+    try:
+        yield
+    finally:
+        _SHARED_CLEAN = outer
+
+
+def clean_result(kind: str, model: nn.Module, tokens: torch.Tensor, compute: Callable[[], Any]) -> Any:
+    """`compute()`, or inside `sharing_clean_passes` its first result for this kind, model and token tensor (the
+    tensor is held, so its id is not reused meanwhile)."""
+    if _SHARED_CLEAN is None:
+        return compute()
+    key = (kind, id(model), id(tokens))
+    if key not in _SHARED_CLEAN:
+        _SHARED_CLEAN[key] = (tokens, compute())
+    return _SHARED_CLEAN[key][1]
 
 
 @torch.no_grad()

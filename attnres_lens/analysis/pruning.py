@@ -42,6 +42,7 @@ from attnres_lens.analysis.interventions import (
     StateCache,
     analysis_workers,
     capture,
+    clean_result,
     evaluate,
     evaluate_many,
     removal_hooks,
@@ -71,16 +72,19 @@ def check_metric(metric: str) -> None:
 def residual_states(model: HookedTransformer, tokens: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(x_0 … x_J, f_0 … f_{J−1}) from one clean pass: the input of every sublayer plus the final readout's
     input (read by a PyTorch pre-hook on the final norm, which has no hook point of its own), and every output."""
-    n_sublayers = model.cfg.n_sublayers
-    inputs = [model.sublayer_input_hook(j) for j in range(n_sublayers)]
-    outputs = [model.sublayer_output_hook(j) for j in range(n_sublayers)]
-    final: list[torch.Tensor] = []
-    handle = model.ln_final.register_forward_pre_hook(lambda module, args: final.append(args[0]))
-    try:
-        saved = capture(model, tokens, inputs + outputs)
-    finally:
-        handle.remove()
-    return [saved[name] for name in inputs] + final, [saved[name] for name in outputs]
+    def compute() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        n_sublayers = model.cfg.n_sublayers
+        inputs = [model.sublayer_input_hook(j) for j in range(n_sublayers)]
+        outputs = [model.sublayer_output_hook(j) for j in range(n_sublayers)]
+        final: list[torch.Tensor] = []
+        handle = model.ln_final.register_forward_pre_hook(lambda module, args: final.append(args[0]))
+        try:
+            saved = capture(model, tokens, inputs + outputs)
+        finally:
+            handle.remove()
+        return [saved[name] for name in inputs] + final, [saved[name] for name in outputs]
+
+    return clean_result("residual_states", model, tokens, compute)
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -95,11 +99,16 @@ def angular_distance_matrix(model: HookedTransformer, tokens: torch.Tensor) -> p
     """Token-averaged `arccos(cos(x_ℓ, x_{ℓ+n}))/π` for 0 ≤ ℓ < ℓ+n ≤ J: start, n, end, start_label,
     end_label (x_ℓ is labelled by the sublayer it enters, x_J by 'final'), distance."""
     states, _ = residual_states(model, tokens)
+    # every pair at once: unit vectors in float64 (F.cosine_similarity's normalisation), one product per start
+    units = [F.normalize(state.double().flatten(0, -2), dim=-1, eps=1e-8) for state in states]  # [tokens, d]
     rows = []
     for start in range(len(states) - 1):
-        for end in range(start + 1, len(states)):
+        later = torch.stack(units[start + 1:])  # [n_later, tokens, d]
+        cosines = (later * units[start]).sum(-1).clamp(-1, 1)
+        distances = (cosines.arccos() / math.pi).mean(-1).tolist()
+        for end, distance in zip(range(start + 1, len(states)), distances):
             rows.append(dict(start=start, n=end - start, end=end, start_label=model.sublayer_name(start),
-                             end_label=model.sublayer_name(end), distance=_angular(states[start], states[end])))
+                             end_label=model.sublayer_name(end), distance=distance))
     return pd.DataFrame(rows)
 
 

@@ -28,6 +28,7 @@ from attnres_lens.analysis.induction import (
     per_position_loss,
     repeated_batch,
 )
+from attnres_lens.analysis.interventions import sharing_clean_passes
 from attnres_lens.analysis.pruning import (
     angular_distance_matrix,
     check_metric,
@@ -189,8 +190,13 @@ def prune_tables(model: HookedTransformer, batch: Batch, metric: str = "loss", p
     `on_stage(fraction_done, description)` is called before each stage (a UI's progress bar).
     """
     check_metric(metric)
+    with sharing_clean_passes():  # the tables share one clean evaluation and one residual-state capture
+        return _prune_tables(model, batch, metric, on_stage or (lambda fraction, description: None), progress)
+
+
+def _prune_tables(model: HookedTransformer, batch: Batch, metric: str, report: Callable[[float, str], Any],
+                  progress: bool) -> dict[str, pd.DataFrame]:
     stages = 4 if model.cfg.residual == "attnres" else 3
-    report = on_stage or (lambda fraction, description: None)
     batch = batch.to(model.embed.W_E.device)
     report(0 / stages, "ablating each sublayer (remove, mean, resample)…")
     sensitivity = pruning_sensitivity(model, batch, progress)
