@@ -59,13 +59,13 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg = cfg
-        self.ln1 = RMSNorm(cfg.d_model, cfg.eps)
+        self.ln1 = RMSNorm(cfg.d_model, cfg.eps, backend=cfg.depth_attention_backend)
         self.attn = Attention(cfg)
         self.hook_resid_pre = HookPoint()  # [batch, pos, d_model] input of the attention sublayer
         self.hook_attn_out = HookPoint()  # [batch, pos, d_model] f_j of the attention sublayer
         sublayers = [2 * layer] if not cfg.attn_only else [layer]
         if not cfg.attn_only:
-            self.ln2 = RMSNorm(cfg.d_model, cfg.eps)
+            self.ln2 = RMSNorm(cfg.d_model, cfg.eps, backend=cfg.depth_attention_backend)
             self.mlp = MLP(cfg)
             self.hook_resid_mid = HookPoint()  # [batch, pos, d_model] input of the MLP sublayer
             self.hook_mlp_out = HookPoint()  # [batch, pos, d_model] f_j of the MLP sublayer
@@ -171,7 +171,7 @@ class HookedTransformer(HookedRootModule):
             self.final_res = depth_attention(cfg, cfg.n_sublayers)
         elif cfg.residual == "hyper":
             self.final_hc = HyperHead(cfg.hyper_streams, cfg.d_model, cfg.eps, cfg.hyper_eps, cfg.init_range)
-        self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
+        self.ln_final = RMSNorm(cfg.d_model, cfg.eps, backend=cfg.depth_attention_backend)
         self.unembed = Unembed(cfg, self.embed)  # the embedding is W_U too when tie_word_embeddings
         self.to(device=cfg.device, dtype=cfg.dtype)
         self.setup()

@@ -377,3 +377,50 @@ def test_a_rotary_model_runs_the_rotary_kernel_only_on_the_cpu_backend(monkeypat
     assert len(calls) == 2 * 2  # q and k of each layer, none on the reference backend
     for got, want in zip(results["cpu"], results["reference"]):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7, 33), (2, 17, 64), (5, 130)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rms_norm_kernel_matches_float64_and_gradients(shape, dtype):
+    generator = torch.Generator().manual_seed(3)
+    x = (3 * torch.randn(shape, generator=generator, dtype=torch.float64)).requires_grad_()
+    w = (1 + 0.3 * torch.randn(shape[-1], generator=generator, dtype=torch.float64)).requires_grad_()
+    expected = x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * w  # the definition, float64
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (x, w)]
+    got = cpu_fused.rms_norm_cpu(*leaves, 1e-5)  # outputs NaN-poisoned
+    assert_close(got, expected, dtype)
+    grad = torch.randn(shape, generator=generator, dtype=torch.float64)
+    for got_grad, expected_grad in zip(torch.autograd.grad(got, leaves, grad.to(dtype)),
+                                       torch.autograd.grad(expected, (x, w), grad)):
+        assert_close(got_grad, expected_grad, dtype, scale=10)  # dw sums over rows
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(lambda a, b: cpu_fused.rms_norm_cpu(a, b, 1e-5), (x, w))
+
+
+def test_rms_norm_kernel_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="fp32/fp64 CPU tensor"):
+        cpu_fused.rms_norm_cpu(torch.zeros(2, 4).bfloat16(), torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match=r"gain must be \[4\]"):
+        cpu_fused.rms_norm_cpu(torch.zeros(2, 4), torch.ones(5), 1e-5)
+    with pytest.raises(ValueError, match="gain must be"):
+        cpu_fused.rms_norm_cpu(torch.zeros(2, 4), torch.ones(4, dtype=torch.float64), 1e-5)
+
+
+def test_a_model_on_the_cpu_backend_runs_the_norm_kernel(monkeypatch):
+    from attnres_lens import HookedTransformer, ModelConfig
+
+    calls = []
+    real = cpu_fused.rms_norm_cpu
+    monkeypatch.setattr("attnres_lens.components.rms_norm_cpu", lambda *args: calls.append(1) or real(*args))
+    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for backend in ("cpu", "reference"):
+        cfg = ModelConfig(d_model=16, n_heads=2, n_layers=2, n_ctx=12, d_vocab=32, depth_attention_backend=backend,
+                          dtype=torch.float64, seed=1)
+        model = HookedTransformer(cfg)
+        loss = model(tokens, return_type="loss")
+        loss.backward()
+        results[backend] = (loss.detach(), model.blocks[0].ln1.w.grad, model.ln_final.w.grad, model.blocks[1].mlp.W_in.grad)
+    assert len(calls) == 2 * 2 + 1  # ln1 and ln2 of each layer and the final norm; none on the reference backend
+    for got, want in zip(results["cpu"], results["reference"]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -13,7 +13,7 @@ Every decision of that kind is made here (docs/kernels.md §2):
   without a gradient, Block and Full AttnRes both do (one read of the shared sources per window of consumers);
   with a gradient on the CPU, one fused pass per sublayer measured faster
   (analyses/reports/bench_two_phase_cpu.md);
-* ``elementwise_runs_cpu_kernel``: the KV shift and the rotary embedding run their C kernels wherever the model's
+* ``elementwise_runs_cpu_kernel``: the KV shift, the rotary embedding and RMSNorm run their C kernels wherever the model's
   depth-attention backend resolves to ``cpu``, for fp32/fp64 tensors outside torch.compile (which fuses the
   PyTorch versions itself).
 """
@@ -96,9 +96,9 @@ def stream_two_phase_backend(block_size: int, backend: str, device: torch.device
 
 
 def elementwise_runs_cpu_kernel(backend: str, *tensors: torch.Tensor) -> bool:
-    """Whether a layer's KV shift (of K and V together) or rotary embedding runs its C kernel on ``tensors``, for
-    a model whose depth-attention backend is ``backend``: they must agree in shape, dtype and device (a hook may
-    have changed one)."""
+    """Whether a layer's KV shift (of K and V together), rotary embedding or RMSNorm runs its C kernel on
+    ``tensors``, for a model whose depth-attention backend is ``backend``: they must agree in shape, dtype and
+    device (a hook may have changed one)."""
     first = tensors[0]
     same = all(x.dtype == first.dtype and x.shape == first.shape and x.device == first.device for x in tensors)
     return (same and first.device.type == "cpu" and first.dtype in (torch.float32, torch.float64)

@@ -1,6 +1,6 @@
 /* Fused depth attention for CPU tensors (docs/kernels.md §4-§5). Readable reference: reference.py; math: torch_fast.py.
- * Also the KV token shift (docs/model.md §5; readable twin: components.TokenShiftMix) and the rotary embedding
- * (docs/model.md §6; twin: components.apply_rotary), at the end of the file.
+ * Also the KV token shift (docs/model.md §5; readable twin: components.TokenShiftMix), the rotary embedding
+ * (docs/model.md §6; twin: components.apply_rotary) and RMSNorm (twin: components.RMSNorm), at the end of the file.
  *
  * Compiled on first use by cpu_fused.py, once per element type, with -DREAL=float or -DREAL=double.
  * Each token row is finished before the next one starts: a row of every source (S * D values) stays in L1/L2,
@@ -620,4 +620,45 @@ void rotary_forward(const real *x, const real *cos_table, const real *sin_table,
                 }
             }
         }
+}
+
+/* RMSNorm (docs/model.md §6; readable twin: components.RMSNorm's hooked path) of N rows of D, gain w:
+ *   r = 1 / sqrt(mean(x^2) + eps),   y = x r w
+ * Backward for the output gradient g (per row; dw sums over rows, in double):
+ *   dx = r (g w) - x r^3 / D * sum_d (g w x),   dw = sum_rows g x r
+ * One pass over x forward (r kept for the backward), one over x and g back, where PyTorch's CPU rms_norm takes
+ * six (pow, mean, add, rsqrt, two products). */
+void rms_norm_forward(const real *x, const real *w, int64_t N, int64_t D, double eps, real *y, real *rstd) {
+    for (int64_t n = 0; n < N; ++n) {
+        const real *xn = x + n * D;
+        real *yn = y + n * D;
+        real square = 0;
+#pragma omp simd reduction(+ : square)
+        for (int64_t d = 0; d < D; ++d) square += xn[d] * xn[d];
+        const real r = (real)1 / sqrt(square / (real)D + (real)eps);
+        rstd[n] = r;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) yn[d] = xn[d] * r * w[d];
+    }
+}
+
+void rms_norm_backward(const real *x, const real *w, const real *rstd, const real *grad_y, int64_t N, int64_t D,
+                       real *grad_x, real *grad_w) {
+    double sums[D];
+    for (int64_t d = 0; d < D; ++d) sums[d] = 0;
+    for (int64_t n = 0; n < N; ++n) {
+        const real *xn = x + n * D, *gn = grad_y + n * D;
+        real *dx = grad_x + n * D;
+        const real r = rstd[n];
+        real dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += gn[d] * w[d] * xn[d];
+        const real coefficient = dot * r * r * r / (real)D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+            dx[d] = r * gn[d] * w[d] - coefficient * xn[d];
+            sums[d] += (double)(gn[d] * xn[d] * r);
+        }
+    }
+    for (int64_t d = 0; d < D; ++d) grad_w[d] = (real)sums[d];
 }

@@ -144,6 +144,10 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.rotary_forward.restype = None
     library.rotary_forward.argtypes = [pointer, pointer, pointer, int64, int64, int64, int64, int64, ctypes.c_double,
                                        pointer]
+    library.rms_norm_forward.restype = None
+    library.rms_norm_forward.argtypes = [pointer, pointer, int64, int64, ctypes.c_double, pointer, pointer]
+    library.rms_norm_backward.restype = None
+    library.rms_norm_backward.argtypes = [pointer, pointer, pointer, pointer, int64, int64, pointer, pointer]
     library.token_shift_forward.restype = None
     library.token_shift_forward.argtypes = [pointer, pointer, int64, int64, int64, int64, int64, pointer]
     library.token_shift_backward.restype = None
@@ -414,3 +418,41 @@ def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         raise ValueError("rotary_cpu differentiates x only; the cos/sin tables must not require grad")
     cos, sin = (table.to(x.dtype).contiguous() for table in (cos, sin))
     return _EagerRotary.apply(x, cos, sin)
+
+
+class _EagerRMSNorm(torch.autograd.Function):
+    """`components.RMSNorm` in one C pass each way (formulas in cpu_fused.c); x [..., D], w [D]."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        x, w = x.contiguous(), w.contiguous()
+        rows = x.numel() // x.shape[-1]
+        y = new_output(x.shape, x.dtype, x.device)
+        rstd = new_output((rows,), x.dtype, x.device)
+        cpu_library(x.dtype).rms_norm_forward(x.data_ptr(), w.data_ptr(), rows, x.shape[-1], eps, y.data_ptr(),
+                                              rstd.data_ptr())
+        ctx.save_for_backward(x, w, rstd)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, w, rstd = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = new_output(x.shape, x.dtype, x.device)
+        grad_w = new_output(w.shape, x.dtype, x.device)
+        cpu_library(x.dtype).rms_norm_backward(x.data_ptr(), w.data_ptr(), rstd.data_ptr(), grad.data_ptr(),
+                                               rstd.numel(), x.shape[-1], grad_x.data_ptr(), grad_w.data_ptr())
+        return grad_x, grad_w, None
+
+
+def rms_norm_cpu(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x / sqrt(mean(x²) + eps) * w` over the last dim of an fp32/fp64 CPU tensor, differentiable in x and w;
+    equals `F.rms_norm(x, x.shape[-1:], w, eps)`."""
+    if x.device.type != "cpu" or x.dtype not in _REAL_TYPES or x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"rms_norm_cpu needs an fp32/fp64 CPU tensor [..., D], got {x.dtype} on {x.device} of "
+                         f"shape {tuple(x.shape)}")
+    if w.shape != x.shape[-1:] or w.device != x.device or w.dtype != x.dtype:
+        raise ValueError(f"the gain must be [{x.shape[-1]}] {x.dtype} on {x.device}, got {tuple(w.shape)} {w.dtype} "
+                         f"on {w.device}")
+    return _EagerRMSNorm.apply(x, w, float(eps))
