@@ -81,9 +81,10 @@ class _Phase1(NamedTuple):
 
 # Full AttnRes without a gradient on the CPU: this many consecutive consumers share one read of their common
 # sources (a larger window saves little more: its merges re-read the sources written since); two-phase only from
-# this many shared sources, below which one pass per consumer moves fewer bytes (docs/kernels.md §7)
+# this many shared sources: below it the sources sit in cache and the extra calls cost more than the reads
+# saved (measured in forward passes of 4-24-layer models, docs/kernels.md §7)
 LOOKAHEAD = 4
-MIN_SHARED_SOURCES = 3
+MIN_SHARED_SOURCES = 8
 
 
 class DepthStream(ResidualStream):

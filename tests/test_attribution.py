@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnres_lens import HookedTransformer, ModelConfig
+import attnres_lens.model as model_module
+from attnres_lens import HookedTransformer, ModelConfig, attnres
 from attnres_lens.analysis import (
     angular_distance_matrix,
     causal_routing,
@@ -181,9 +182,14 @@ def test_parallel_evaluation_restores_threads_and_hooks_and_reports_a_failing_ho
 
 @pytest.mark.parametrize("residual, block_size", [("attnres", 1), ("attnres", 3), ("standard", 1)]
                          + [(kind, 1) for kind in ("denseformer", "hyper") if _accepted(kind)])
-def test_the_analyses_give_the_same_numbers_on_worker_threads(residual, block_size):
-    # without a gradient AttnRes mixes two-phase on the CPU (Full and Block), and a window's phase-1 statistics
-    # belong to one batch: stacking or slicing a stream must drop them
+def test_the_analyses_give_the_same_numbers_on_worker_threads(residual, block_size, monkeypatch):
+    # AttnRes mixes two-phase here, and a window's phase-1 statistics belong to one batch: stacking or slicing a
+    # stream must drop them. Full AttnRes on the C kernel from the first shared source (in this small model no
+    # window would open otherwise); Block AttnRes on the readable two-phase, as it runs where Triton does.
+    monkeypatch.setattr(attnres, "MIN_SHARED_SOURCES", 1)
+    if block_size > 1:
+        monkeypatch.setattr(attnres, "stream_two_phase_backend", lambda *args: "torch")
+        monkeypatch.setattr(model_module, "model_runs_two_phase", lambda *args: True)
     model = HookedTransformer(small_config(residual, block_size)).eval()
     randomize_depth_parameters(model)
     batch = copy_batch(3)

@@ -199,9 +199,8 @@ def _count_two_phase_calls(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("block_size", [1, 2, 4])  # Full (windows of LOOKAHEAD consumers) and Block AttnRes
-def test_without_a_gradient_the_cpu_mixes_two_phase_and_agrees_with_the_readable_path(block_size, monkeypatch):
-    base = HookedTransformer(small_config("attnres", block_size, n_layers=5, dtype=torch.float64))
+def test_without_a_gradient_full_attnres_mixes_two_phase_on_the_cpu_and_agrees_with_the_readable_path(monkeypatch):
+    base = HookedTransformer(small_config("attnres", 1, n_layers=6, dtype=torch.float64))
     randomize_depth_parameters(base)
     tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(5))
     with base.hooks(fwd_hooks=[(lambda name: name.endswith("hook_weights"), lambda w, hook: None)]):
@@ -211,13 +210,22 @@ def test_without_a_gradient_the_cpu_mixes_two_phase_and_agrees_with_the_readable
     calls = _count_two_phase_calls(monkeypatch)
     with torch.no_grad():
         logits = model(tokens)
-    assert calls[0] > 0
+    # windows from MIN_SHARED_SOURCES = 8 sources: consumers 7-10 (phase 1 and 3 merges) and 11-12
+    assert calls[0] == 4 + 2
     torch.testing.assert_close(logits, expected, rtol=1e-10, atol=1e-10)
     # with a gradient every consumer mixes in one fused pass (the two-phase C kernel has no backward)
     calls[0] = 0
     loss = model(tokens, return_type="loss")
     loss.backward()
     assert calls[0] == 0 and model.final_res.query.grad is not None
+
+
+def test_block_attnres_mixes_one_pass_per_consumer_on_the_cpu(monkeypatch):
+    model = HookedTransformer(small_config("attnres", 2, n_layers=6, depth_attention_backend="cpu"))
+    calls = _count_two_phase_calls(monkeypatch)
+    with torch.no_grad():
+        model(torch.randint(0, 20, (2, 9)))
+    assert calls[0] == 0
 
 
 def test_a_hooked_consumer_inside_a_two_phase_window(monkeypatch):
@@ -227,7 +235,7 @@ def test_a_hooked_consumer_inside_a_two_phase_window(monkeypatch):
     base = HookedTransformer(small_config("attnres", 1, n_layers=5, dtype=torch.float64))
     randomize_depth_parameters(base)
     tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(6))
-    knockout = ("blocks.2.mlp_res.hook_logit_bias", _knockout([1, 3]))  # consumer 5: the window opened at 4
+    knockout = ("blocks.4.attn_res.hook_logit_bias", _knockout([1, 3]))  # consumer 8: the window opened at 7
     watch = (lambda name: name.endswith("hook_weights"), lambda w, hook: None)
     with base.hooks(fwd_hooks=[knockout, watch]):
         expected = base(tokens).detach()

@@ -10,8 +10,8 @@ Every decision of that kind is made here (docs/kernels.md §2):
   Triton, its C kernel (no backward) where the single-pass op would run the C kernel and no gradient is needed,
   and its readable PyTorch version everywhere else;
 * ``model_runs_two_phase`` / ``stream_two_phase_backend``: Block AttnRes mixes two-phase under Triton; on the CPU
-  without a gradient, Block and Full AttnRes both do (one read of the shared sources per window of consumers);
-  with a gradient on the CPU, one fused pass per sublayer measured faster
+  without a gradient, Full AttnRes does (one read of the shared sources per window of consumers); Block AttnRes
+  on the CPU, and any mix with a gradient there, one fused pass per sublayer, which measured as fast or faster
   (analyses/reports/bench_two_phase_cpu.md);
 * ``elementwise_runs_cpu_kernel``: the KV shift, the rotary embedding and RMSNorm run their C kernels wherever the model's
   depth-attention backend resolves to ``cpu``, for fp32/fp64 tensors outside torch.compile (which fuses the
@@ -77,20 +77,20 @@ def two_phase_backend(backend: str, device: torch.device, needs_grad: bool = Tru
 
 def model_runs_two_phase(block_size: int, backend: str, device: torch.device) -> bool:
     """Whether a model with AttnRes block size ``block_size`` may mix two-phase on ``device`` (its stream then
-    decides per window with ``stream_two_phase_backend``): Block AttnRes under Triton, and any AttnRes model whose
-    backend resolves to the C kernel."""
+    decides per window with ``stream_two_phase_backend``): Block AttnRes under Triton, Full AttnRes on the C
+    kernel."""
     chosen = resolve_backend(backend, device)
-    return (block_size > 1 and chosen == "triton") or chosen == "cpu"
+    return (block_size > 1 and chosen == "triton") or (block_size == 1 and chosen == "cpu")
 
 
 def stream_two_phase_backend(block_size: int, backend: str, device: torch.device, needs_grad: bool) -> Optional[str]:
     """The backend of an AttnRes stream's next two-phase window, or None to mix each consumer in one pass: Triton
-    for Block AttnRes (forward and backward); the C kernel where no gradient is needed, for Block and Full AttnRes
-    (the window's shared sources are read once for all its consumers, a third to a half of the bytes at depth,
-    analyses/reports/bench_inference.md); with a gradient on the CPU, one fused pass per consumer, which measured
-    faster than the readable two-phase (analyses/reports/bench_two_phase_cpu.md)."""
+    for Block AttnRes (forward and backward); the C kernel for Full AttnRes where no gradient is needed (a
+    window's shared sources are read once for all its consumers: about half the bytes at depth; docs/kernels.md
+    §7). On the CPU, Block AttnRes (a few block sources, in cache) and any mix with a gradient run one fused pass
+    per consumer, which measured as fast or faster there (analyses/reports/bench_two_phase_cpu.md)."""
     chosen = two_phase_backend(backend, device, needs_grad)
-    if chosen == "torch" or (chosen == "triton" and block_size == 1):
+    if chosen == "torch" or (chosen == "triton" and block_size == 1) or (chosen == "cpu" and block_size > 1):
         return None
     return chosen
 
