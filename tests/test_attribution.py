@@ -41,6 +41,7 @@ from attnres_lens.analysis import (
     source_mask_hooks,
     training_timeline,
 )
+from attnres_lens.analysis import interventions
 from attnres_lens.analysis.attribution import depth_terms
 from attnres_lens.analysis.interventions import (
     EMBEDDING_STAGE,
@@ -52,6 +53,7 @@ from attnres_lens.analysis.interventions import (
     replace_hook,
     slice_state,
 )
+from attnres_lens.analysis.run import prune_tables
 from attnres_lens.cli import main as cli_main
 from attnres_lens.config import apply_overrides
 from attnres_lens.evaluation import score_logits
@@ -215,6 +217,39 @@ def test_the_analyses_give_the_same_numbers_on_worker_threads(residual, block_si
         pd.testing.assert_frame_equal(one, other, check_exact=True)
         # two torch threads per worker may split an op's sums differently: equal up to float rounding
         pd.testing.assert_frame_equal(one, third, check_exact=False, rtol=1e-6, atol=1e-7)
+
+
+def test_an_analysis_session_keeps_the_workers_replicas_and_notices_new_hooks(monkeypatch):
+    """prune_tables makes one replica per worker for all its evaluate_many calls, with the tables of a run
+    without workers; a hook attached to the model between two calls of a session reaches the workers (the
+    replicas copied before it are not reused)."""
+    model = HookedTransformer(small_config("attnres", 1)).eval()
+    randomize_depth_parameters(model)
+    batch = copy_batch(3)
+    serial = prune_tables(model, batch)
+    made = [0]
+    inner = interventions.model_replica
+    monkeypatch.setattr(interventions, "model_replica", lambda m: made.__setitem__(0, made[0] + 1) or inner(m))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tables = prune_tables(model, batch)
+        assert made[0] == 2
+        for name, frame in serial.items():
+            pd.testing.assert_frame_equal(frame, tables[name], check_exact=True)
+        seen = []
+        # the knockouts part at consumer 2, so sublayer 4 (where the new hook is) runs on the workers only
+        knockouts = [source_mask_hooks(model, 2, [source]) for source in range(3)]
+        with interventions.analysis_session():
+            first = evaluate_many(model, batch, knockouts, workers=2)
+            model.blocks[2].hook_resid_pre.add_hook(lambda tensor, hook: seen.append(1))
+            try:
+                second = evaluate_many(model, batch, knockouts, workers=2)
+            finally:
+                model.blocks[2].hook_resid_pre.remove_hooks()
+        assert seen and [r.loss for r in first] == [r.loss for r in second]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_worker_threads_are_refused_where_they_would_compute_something_else():

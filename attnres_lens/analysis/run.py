@@ -28,7 +28,7 @@ from attnres_lens.analysis.induction import (
     per_position_loss,
     repeated_batch,
 )
-from attnres_lens.analysis.interventions import sharing_clean_passes
+from attnres_lens.analysis.interventions import analysis_session
 from attnres_lens.analysis.pruning import (
     angular_distance_matrix,
     check_metric,
@@ -190,7 +190,7 @@ def prune_tables(model: HookedTransformer, batch: Batch, metric: str = "loss", p
     `on_stage(fraction_done, description)` is called before each stage (a UI's progress bar).
     """
     check_metric(metric)
-    with sharing_clean_passes():  # the tables share one clean evaluation and one residual-state capture
+    with analysis_session():  # the tables share one clean evaluation, one residual-state capture, the replicas
         return _prune_tables(model, batch, metric, on_stage or (lambda fraction, description: None), progress)
 
 
