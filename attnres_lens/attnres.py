@@ -148,20 +148,14 @@ class DepthStream(ResidualStream):
             phase1 = self._phase1 = self._start_window(consumer, sources)
         unseen = sources[phase1.n_sources:] if phase1 is not None else []
         if phase1 is None or (phase1.stats.backend == "cpu" and torch.is_grad_enabled()
-                              and any(source.requires_grad for source in unseen)):
-            return module(self.sources())  # the C merge has no backward
+                              and _any_requires_grad(unseen, [module])):
+            return module(self.sources())  # the C merge has no backward (a window opened without a gradient)
         unseen = [source.to(phase1.stats.out_dtype) for source in unseen]
         return merge_partial(phase1.stats, consumer - phase1.first, unseen)
 
     def _start_window(self, consumer: int, sources: list[torch.Tensor]) -> Optional[_Phase1]:
         """Phase 1 for the window that starts at `consumer`, or None where it mixes one pass per consumer."""
         shared = sources[: len(self.blocks)]  # the current partial sum changes within the window: merged later
-        module = self.consumers[consumer]
-        needs_grad = torch.is_grad_enabled() and (module.query.requires_grad
-                                                 or any(source.requires_grad for source in shared))
-        backend = stream_two_phase_backend(self.block_size, module.backend, shared[0].device, needs_grad)
-        if backend is None or (backend == "cpu" and len(shared) < MIN_SHARED_SOURCES):
-            return None
         final = len(self.consumers) - 1
         if self.block_size > 1:  # the rest of the block; the final readout belongs to the last block
             end = block_start(consumer, final, self.block_size) + self.block_size
@@ -169,10 +163,20 @@ class DepthStream(ResidualStream):
         else:
             last = min(consumer + LOOKAHEAD - 1, final)
         members = self.consumers[consumer : last + 1]
+        module = members[0]
+        needs_grad = torch.is_grad_enabled() and _any_requires_grad(shared, members)
+        backend = stream_two_phase_backend(self.block_size, module.backend, shared[0].device, needs_grad)
+        if backend is None or (backend == "cpu" and len(shared) < MIN_SHARED_SOURCES):
+            return None
         queries = torch.stack([member.query for member in members])
         gains = torch.stack([member.key_norm.w for member in members])
         stats = block_phase1(shared, queries, gains, module.key_norm.eps, backend=backend)
         return _Phase1(consumer, last, len(shared), stats)
+
+
+def _any_requires_grad(sources: list[torch.Tensor], modules: list["DepthAttention"]) -> bool:
+    return (any(source.requires_grad for source in sources)
+            or any(module.query.requires_grad or module.key_norm.w.requires_grad for module in modules))
 
 
 def _common_dtype(sources: list[torch.Tensor]) -> list[torch.Tensor]:

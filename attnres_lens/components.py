@@ -221,8 +221,13 @@ class MLP(nn.Module):
 
 def _affine(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """`x @ weight + bias`, the bias added inside the matmul (one pass over the output instead of two: ~10% of
-    an MLP's two affine maps at 64 x 65 tokens x 64/128 on the CPU)."""
-    return x @ weight if bias is None else F.linear(x, weight.t(), bias)
+    an MLP's two affine maps at 64 x 65 tokens x 64/128 on the CPU). Under autocast the sum keeps its own form:
+    there a linear would round the fp32 bias and the output to the autocast dtype."""
+    if bias is None:
+        return x @ weight
+    if torch.is_autocast_enabled(x.device.type):
+        return x @ weight + bias
+    return F.linear(x, weight.t(), bias)
 
 
 class TokenShiftMix(torch.autograd.Function):

@@ -40,6 +40,12 @@ def configure(threads: int = 0) -> None:
     (call it after the imports) frozen out of the garbage collector's traversals (`gc.freeze`)."""
     set_threads(threads)
     keep_freed_memory()
+    _freeze_imports()
+
+
+@functools.lru_cache(maxsize=None)
+def _freeze_imports() -> None:
+    """Once per process (cyclic garbage alive at that moment is never freed, so repeated calls would keep more)."""
     gc.freeze()
 
 

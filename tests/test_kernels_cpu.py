@@ -424,3 +424,20 @@ def test_a_model_on_the_cpu_backend_runs_the_norm_kernel(monkeypatch):
     assert len(calls) == 2 * 2 + 1  # ln1 and ln2 of each layer and the final norm; none on the reference backend
     for got, want in zip(results["cpu"], results["reference"]):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_two_phase_on_the_cpu_folds_low_precision_queries_in_fp32():
+    """A bf16 model's pseudo-queries and gains are folded (u = w * g) in fp32, as the single-pass kernel does:
+    folding them in bf16 first put the logits 0.1 off."""
+    from attnres_lens.kernels import block_phase1, merge_partial
+
+    sources, query, gain = make_inputs(6, (4, 9), 64)
+    queries = torch.stack([query, -query, 2 * query]).bfloat16()
+    gains = torch.stack([gain, gain.flip(0), gain]).bfloat16()
+    with torch.no_grad():
+        fused = block_phase1(sources[:5], queries, gains, backend="cpu")
+        readable = block_phase1(sources[:5], queries, gains, backend="torch")
+        assert fused.backend == "cpu" and readable.backend == "torch"
+        torch.testing.assert_close(fused.mix, readable.mix, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(merge_partial(fused, 1, [sources[5]]), merge_partial(readable, 1, [sources[5]]),
+                                   rtol=1e-5, atol=1e-5)

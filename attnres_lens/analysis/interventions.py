@@ -61,7 +61,8 @@ def capture(model: HookedTransformer, tokens: torch.Tensor, names: Iterable[str]
 def evaluate(model: HookedTransformer, batch: Batch, fwd_hooks: Sequence[Hook] = ()) -> Evaluation:
     """The batch's loss, answer loss and accuracy with the hooks `fwd_hooks` applied."""
     if not fwd_hooks:
-        return clean_result("evaluate", model, batch.tokens, lambda: evaluate_many(model, batch, [()])[0])
+        return clean_result("evaluate", model, (batch.tokens, batch.targets, batch.answer_mask),
+                            lambda: evaluate_many(model, batch, [()])[0])
     return evaluate_many(model, batch, [fwd_hooks])[0]
 
 
@@ -70,7 +71,7 @@ class _Session:
     model, each with the fingerprint of the model it copied (`_fingerprint`)."""
 
     def __init__(self) -> None:
-        self.clean: dict[tuple, tuple[torch.Tensor, Any]] = {}
+        self.clean: dict[tuple, tuple[tuple, Any]] = {}  # key -> (what keeps the key's ids alive, result)
         self.replicas: dict[int, tuple[tuple, list[nn.Module]]] = {}
         self.lock = threading.Lock()  # replicas are taken and given back by worker threads
 
@@ -93,24 +94,33 @@ def analysis_session() -> Iterator[None]:
         _SESSION.reset(token)
 
 
-def clean_result(kind: str, model: nn.Module, tokens: torch.Tensor, compute: Callable[[], Any]) -> Any:
-    """`compute()`, or inside `analysis_session` its first result for this kind, model and token tensor (the
-    tensor is held, so its id is not reused meanwhile)."""
+def clean_result(kind: str, model: nn.Module, inputs: Union[torch.Tensor, tuple[torch.Tensor, ...]],
+                 compute: Callable[[], Any]) -> Any:
+    """`compute()`, or inside `analysis_session` its first result for this kind, the same input tensors and the
+    model as it is now (its modules, parameters, buffers, hooks and train/eval mode: a result under a hook is
+    not a clean one). The model and inputs are held, so their ids are not reused meanwhile."""
     session = _SESSION.get()
     if session is None:
         return compute()
-    key = (kind, id(model), id(tokens))
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    key = (kind, id(model), _fingerprint(model), *map(id, inputs))
     if key not in session.clean:
-        session.clean[key] = (tokens, compute())
+        held = (model, inputs, [hook for module in model.modules() for hook in _hooks_of(module)])
+        session.clean[key] = (held, compute())
     return session.clean[key][1]
 
 
 def _fingerprint(model: nn.Module) -> tuple:
-    """What a replica copies: the module tree, its parameters and buffers, and the hooks attached to it."""
-    return tuple((id(module), tuple(map(id, module._parameters.values())), tuple(map(id, module._buffers.values())),
-                  tuple(id(hook) for name, value in vars(module).items()
-                        if name.endswith("hooks") and isinstance(value, dict) for hook in value.values()))
+    """What a replica copies: the module tree, its parameters and buffers, train/eval mode and the hooks attached
+    (by id: whoever keeps a fingerprint keeps those objects alive too, so no id is reused meanwhile)."""
+    return tuple((id(module), module.training, tuple(map(id, module._parameters.values())),
+                  tuple(map(id, module._buffers.values())), tuple(map(id, _hooks_of(module))))
                  for module in model.modules())
+
+
+def _hooks_of(module: nn.Module) -> list[Callable]:
+    return [hook for name, value in vars(module).items() if name.endswith("hooks") and isinstance(value, dict)
+            for hook in value.values()]
 
 
 def _take_replica(model: nn.Module, session: Optional[_Session]) -> tuple[nn.Module, tuple]:
@@ -348,10 +358,8 @@ def model_replica(model: nn.Module) -> nn.Module:
     both) and the hooks attached to it now (the same callables, so a bound method's object sees the calls):
     hooks attached to the copy later fire only there."""
     shared = {id(tensor): tensor for tensor in itertools.chain(model.parameters(), model.buffers())}
-    for module in model.modules():
-        for name, value in vars(module).items():
-            if name.endswith("hooks") and isinstance(value, dict):  # _forward_hooks, _forward_pre_hooks, …
-                shared.update((id(hook), hook) for hook in value.values())
+    for module in model.modules():  # _forward_hooks, _forward_pre_hooks, …
+        shared.update((id(hook), hook) for hook in _hooks_of(module))
     return copy.deepcopy(model, shared)
 
 

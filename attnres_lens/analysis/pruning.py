@@ -100,11 +100,10 @@ def angular_distance_matrix(model: HookedTransformer, tokens: torch.Tensor) -> p
     end_label (x_ℓ is labelled by the sublayer it enters, x_J by 'final'), distance."""
     states, _ = residual_states(model, tokens)
     # every pair at once: unit vectors in float64 (F.cosine_similarity's normalisation), one product per start
-    units = [F.normalize(state.double().flatten(0, -2), dim=-1, eps=1e-8) for state in states]  # [tokens, d]
+    units = torch.stack([F.normalize(state.double().flatten(0, -2), dim=-1, eps=1e-8) for state in states])
     rows = []
-    for start in range(len(states) - 1):
-        later = torch.stack(units[start + 1:])  # [n_later, tokens, d]
-        cosines = (later * units[start]).sum(-1).clamp(-1, 1)
+    for start in range(len(states) - 1):  # [J + 1, tokens, d]: one contraction per start, no product temporary
+        cosines = torch.einsum("ltd,td->lt", units[start + 1:], units[start]).clamp(-1, 1)
         distances = (cosines.arccos() / math.pi).mean(-1).tolist()
         for end, distance in zip(range(start + 1, len(states)), distances):
             rows.append(dict(start=start, n=end - start, end=end, start_label=model.sublayer_name(start),

@@ -310,6 +310,9 @@ def depth_attention_multi_cpu(
         raise ValueError("the cpu two-phase kernel has no backward; run it under torch.no_grad(), or mix with "
                          "depth_attention for a gradient")
     lead, d_model = first.shape[:-1], first.shape[-1]
+    if folded_queries.dim() != 2 or folded_queries.shape[1] != d_model:
+        raise ValueError(f"folded_queries must be [n_queries, {d_model}] (the sources' last dim), got "
+                         f"{tuple(folded_queries.shape)}")
     compute = torch.float64 if first.dtype == torch.float64 else torch.float32
     flat = [source.view(-1, d_model) if source.dtype == compute and source.is_contiguous()
             else source.reshape(-1, d_model).to(compute).contiguous() for source in sources]

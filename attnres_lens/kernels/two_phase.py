@@ -77,7 +77,8 @@ def block_phase1(
     if chosen == "cpu":
         from attnres_lens.kernels.cpu_fused import depth_attention_multi_cpu
 
-        mix, lse = depth_attention_multi_cpu(source_list, queries * key_norm_weights, eps)
+        dtype = compute_dtype(source_list[0].dtype)  # fold u = w * g as the single-pass kernel does
+        mix, lse = depth_attention_multi_cpu(source_list, queries.to(dtype) * key_norm_weights.to(dtype), eps)
         logits = None
     elif chosen == "triton":
         from attnres_lens.kernels.triton_two_phase import phase1_triton
@@ -116,7 +117,8 @@ def merge_partial(
     starts the block (then ``h`` is the phase-1 mix); for Full AttnRes, the list of sources written since phase 1
     (empty for the consumer phase 1 started at). Returns ``h`` in the sources' dtype, followed by the depth
     weights and/or logits over ``[completed..., partial...]`` (``[..., n_sources]``) when asked; those need
-    phase-1 logits.
+    phase-1 logits. Phase 2 runs where phase 1 ran: after the C kernel's phase 1 (no gradient) a partial that
+    needs a gradient is refused with a ValueError.
     """
     n_queries = stats.queries.shape[0]
     if not 0 <= index < n_queries:
@@ -145,7 +147,8 @@ def merge_partial(
         elif stats.backend == "cpu":
             from attnres_lens.kernels.cpu_fused import depth_attention_multi_cpu
 
-            merged, _ = depth_attention_multi_cpu(new_sources, (query * gain)[None], stats.eps,
+            folded = query.to(mix.dtype) * gain.to(mix.dtype)
+            merged, _ = depth_attention_multi_cpu(new_sources, folded[None], stats.eps,
                                                   prior=(mix[None], completed_lse[None]))
             h = merged[0].to(stats.out_dtype)
         else:
