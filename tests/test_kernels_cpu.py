@@ -248,28 +248,6 @@ def test_kv_shift_falls_back_to_the_twin_when_k_and_v_differ():
     assert not elementwise_runs_cpu_kernel("auto", k.bfloat16(), k.bfloat16())
 
 
-def test_a_kv_shift_model_runs_the_kernel_only_on_the_cpu_backend(monkeypatch):
-    from attnres_lens import HookedTransformer, ModelConfig
-
-    calls = []
-    real = cpu_fused.kv_shift_cpu
-    monkeypatch.setattr("attnres_lens.components.kv_shift_cpu", lambda *args: calls.append(1) or real(*args))
-    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
-    results = {}
-    for backend in ("cpu", "reference"):
-        cfg = ModelConfig(d_model=16, n_heads=2, n_layers=2, n_ctx=9, d_vocab=32, attention="kv_shift",
-                          residual="attnres", depth_attention_backend=backend, dtype=torch.float64, seed=1)
-        model = HookedTransformer(cfg)
-        loss = model(tokens, return_type="loss")
-        loss.backward()
-        results[backend] = (loss.detach(), model.blocks[0].attn.kv_shift.grad, model.blocks[1].attn.W_K.grad)
-        if backend == "cpu":
-            assert len(calls) == cfg.n_layers  # one fused call per layer
-    assert len(calls) == 2  # none on the reference backend
-    for got, want in zip(results["cpu"], results["reference"]):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-
-
 def test_the_forward_softmax_matches_float64_across_the_whole_range_of_logits():
     # With a zero query every logit is 0, so the weights are softmax(bias): the kernel's own exp (float build) is
     # checked against float64 over logit gaps from 0 down past float underflow, a -inf bias included.
@@ -359,26 +337,6 @@ def test_rotary_kernel_refuses_what_it_cannot_run():
         cpu_fused.rotary_cpu(torch.zeros(1, 2, 1, 4), cos.requires_grad_(), sin)
 
 
-def test_a_rotary_model_runs_the_rotary_kernel_only_on_the_cpu_backend(monkeypatch):
-    from attnres_lens import HookedTransformer, ModelConfig
-
-    calls = []
-    real = cpu_fused.rotary_cpu
-    monkeypatch.setattr("attnres_lens.components.rotary_cpu", lambda *args: calls.append(1) or real(*args))
-    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
-    results = {}
-    for backend in ("cpu", "reference"):
-        cfg = ModelConfig(d_model=16, n_heads=2, n_layers=2, n_ctx=12, d_vocab=32, residual="attnres",
-                          depth_attention_backend=backend, dtype=torch.float64, seed=1)
-        model = HookedTransformer(cfg)
-        loss = model(tokens, return_type="loss")
-        loss.backward()
-        results[backend] = (loss.detach(), model.blocks[0].attn.W_Q.grad, model.blocks[1].attn.W_K.grad)
-    assert len(calls) == 2 * 2  # q and k of each layer, none on the reference backend
-    for got, want in zip(results["cpu"], results["reference"]):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-
-
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7, 33), (2, 17, 64), (5, 130)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rms_norm_kernel_matches_float64_and_gradients(shape, dtype):
@@ -406,26 +364,6 @@ def test_rms_norm_kernel_refuses_what_it_cannot_run():
         cpu_fused.rms_norm_cpu(torch.zeros(2, 4), torch.ones(4, dtype=torch.float64), 1e-5)
 
 
-def test_a_model_on_the_cpu_backend_runs_the_norm_kernel(monkeypatch):
-    from attnres_lens import HookedTransformer, ModelConfig
-
-    calls = []
-    real = cpu_fused.rms_norm_cpu
-    monkeypatch.setattr("attnres_lens.components.rms_norm_cpu", lambda *args: calls.append(1) or real(*args))
-    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
-    results = {}
-    for backend in ("cpu", "reference"):
-        cfg = ModelConfig(d_model=16, n_heads=2, n_layers=2, n_ctx=12, d_vocab=32, depth_attention_backend=backend,
-                          dtype=torch.float64, seed=1)
-        model = HookedTransformer(cfg)
-        loss = model(tokens, return_type="loss")
-        loss.backward()
-        results[backend] = (loss.detach(), model.blocks[0].ln1.w.grad, model.ln_final.w.grad, model.blocks[1].mlp.W_in.grad)
-    assert len(calls) == 2 * 2 + 1  # ln1 and ln2 of each layer and the final norm; none on the reference backend
-    for got, want in zip(results["cpu"], results["reference"]):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-
-
 def test_two_phase_on_the_cpu_folds_low_precision_queries_in_fp32():
     """A bf16 model's pseudo-queries and gains are folded (u = w * g) in fp32, as the single-pass kernel does:
     folding them in bf16 first put the logits 0.1 off."""
@@ -441,3 +379,38 @@ def test_two_phase_on_the_cpu_folds_low_precision_queries_in_fp32():
         torch.testing.assert_close(fused.mix, readable.mix, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(merge_partial(fused, 1, [sources[5]]), merge_partial(readable, 1, [sources[5]]),
                                    rtol=1e-5, atol=1e-5)
+
+
+# (the C function a model calls, model options, calls per forward of 2 layers, parameters whose gradients compare)
+_MODEL_KERNELS = {
+    "kv_shift_cpu": (dict(attention="kv_shift", n_ctx=9), 2, ["blocks.0.attn.kv_shift", "blocks.1.attn.W_K"]),
+    "rotary_cpu": (dict(n_ctx=12), 2 * 2, ["blocks.0.attn.W_Q", "blocks.1.attn.W_K"]),  # q and k of each layer
+    "rms_norm_cpu": (dict(n_ctx=12), 2 * 2 + 1, ["blocks.0.ln1.w", "ln_final.w", "blocks.1.mlp.W_in"]),  # + final
+}
+
+
+@pytest.mark.parametrize("kernel", list(_MODEL_KERNELS))
+def test_a_model_runs_each_elementwise_kernel_only_on_the_cpu_backend(kernel, monkeypatch):
+    """The KV shift (one fused call per layer for K and V), rotary and RMSNorm kernels run on the cpu backend,
+    none on the reference one, and loss and gradients agree to float64 rounding."""
+    from attnres_lens import HookedTransformer, ModelConfig
+
+    options, expected_calls, compared = _MODEL_KERNELS[kernel]
+    calls = []
+    real = getattr(cpu_fused, kernel)
+    monkeypatch.setattr(f"attnres_lens.components.{kernel}", lambda *args: calls.append(1) or real(*args))
+    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for backend in ("cpu", "reference"):
+        cfg = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_vocab=32, residual="attnres",
+                          depth_attention_backend=backend, dtype=torch.float64, seed=1, **options)
+        model = HookedTransformer(cfg)
+        loss = model(tokens, return_type="loss")
+        loss.backward()
+        parameters = dict(model.named_parameters())
+        results[backend] = [loss.detach()] + [parameters[name].grad for name in compared]
+        if backend == "cpu":
+            assert len(calls) == expected_calls
+    assert len(calls) == expected_calls  # none on the reference backend
+    for got, want in zip(results["cpu"], results["reference"]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -147,6 +147,24 @@ INLINE void prefetch_rows(const real *const *src, int64_t S, int64_t offset, int
         for (int64_t d = 0; d < D; d += line) __builtin_prefetch(src[s] + offset + d, 0, 3);
 }
 
+/* h += sum_s alpha[s * TILE] v_s for one token row (alpha points at the token's entry of a tile's weights),
+ * GROUP sources per sweep of h */
+INLINE void mix_row(real *h, const real *const *src, int64_t S, int64_t row, int64_t D, const real *alpha) {
+    int64_t s = 0;
+    for (; s + GROUP <= S; s += GROUP) {
+        const real *v0 = src[s] + row, *v1 = src[s + 1] + row, *v2 = src[s + 2] + row, *v3 = src[s + 3] + row;
+        const real w0 = alpha[s * TILE], w1 = alpha[(s + 1) * TILE], w2 = alpha[(s + 2) * TILE],
+                   w3 = alpha[(s + 3) * TILE];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) h[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
+    }
+    for (; s < S; ++s) {
+        const real *v = src[s] + row, ws = alpha[s * TILE];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) h[d] += ws * v[d];
+    }
+}
+
 /* Forward, in tiles of TILE tokens: pass 1 reads each token row of every source once for its two sums (GROUP
  * sources at a time); the per-token statistics (rstd, logits, softmax) are then computed for the whole tile,
  * vectorised across its tokens (one token at a time they were scalar sqrt, division and exp per source, more
@@ -198,24 +216,12 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
 #pragma omp simd
             for (int64_t t = 0; t < T; ++t) weights[t] = alpha[t] = alpha[t] / total[t];
         }
-        /* pass 2: h = sum_s alpha_s v_s, GROUP sources per sweep of h */
+        /* pass 2: h = sum_s alpha_s v_s, the rows still in L1/L2 */
         for (int64_t t = 0; t < T; ++t) {
             const int64_t row = (t0 + t) * D;
             real *h = a->h + row;
             for (int64_t d = 0; d < D; ++d) h[d] = 0;
-            int64_t s = 0;
-            for (; s + GROUP <= S; s += GROUP) {
-                const real *v0 = src[s] + row, *v1 = src[s + 1] + row, *v2 = src[s + 2] + row, *v3 = src[s + 3] + row;
-                const real w0 = w[s * TILE + t], w1 = w[(s + 1) * TILE + t], w2 = w[(s + 2) * TILE + t],
-                           w3 = w[(s + 3) * TILE + t];
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) h[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
-            }
-            for (; s < S; ++s) {
-                const real *v = src[s] + row, ws = w[s * TILE + t];
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) h[d] += ws * v[d];
-            }
+            mix_row(h, src, S, row, D, w + t);
         }
     }
 }
@@ -489,19 +495,7 @@ static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
                 } else {
                     for (int64_t d = 0; d < D; ++d) h[d] = 0;
                 }
-                int64_t s = 0;
-                for (; s + GROUP <= S; s += GROUP) {
-                    const real *v0 = src[s] + row, *v1 = src[s + 1] + row, *v2 = src[s + 2] + row, *v3 = src[s + 3] + row;
-                    const real w0 = alpha[s * TILE + t], w1 = alpha[(s + 1) * TILE + t], w2 = alpha[(s + 2) * TILE + t],
-                               w3 = alpha[(s + 3) * TILE + t];
-#pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) h[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
-                }
-                for (; s < S; ++s) {
-                    const real *v = src[s] + row, ws = alpha[s * TILE + t];
-#pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) h[d] += ws * v[d];
-                }
+                mix_row(h, src, S, row, D, alpha + t);
             }
         }
     }
