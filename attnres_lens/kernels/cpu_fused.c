@@ -85,21 +85,26 @@ static inline void group_sums(const real *v0, const real *v1, const real *v2, co
     dot[0] = p0, dot[1] = p1, dot[2] = p2, dot[3] = p3;
 }
 
+/* four dots v_i . g_i at once (four independent FMA chains) */
+INLINE void four_dots(const real *v0, const real *v1, const real *v2, const real *v3, const real *g0,
+                      const real *g1, const real *g2, const real *g3, int64_t D, real *dot) {
+    real p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+#pragma omp simd reduction(+ : p0, p1, p2, p3)
+    for (int64_t d = 0; d < D; ++d) {
+        p0 += v0[d] * g0[d];
+        p1 += v1[d] * g1[d];
+        p2 += v2[d] * g2[d];
+        p3 += v3[d] * g3[d];
+    }
+    dot[0] = p0, dot[1] = p1, dot[2] = p2, dot[3] = p3;
+}
+
 /* row-wise dots of T consecutive rows of v with the matching rows of g */
 INLINE void tile_dots(const real *v, const real *g, int64_t D, int64_t T, real *dot) {
     int64_t n = 0;
     for (; n + GROUP <= T; n += GROUP) {
-        const real *v0 = v + n * D, *v1 = v0 + D, *v2 = v1 + D, *v3 = v2 + D;
-        const real *g0 = g + n * D, *g1 = g0 + D, *g2 = g1 + D, *g3 = g2 + D;
-        real p0 = 0, p1 = 0, p2 = 0, p3 = 0;
-#pragma omp simd reduction(+ : p0, p1, p2, p3)
-        for (int64_t d = 0; d < D; ++d) {
-            p0 += v0[d] * g0[d];
-            p1 += v1[d] * g1[d];
-            p2 += v2[d] * g2[d];
-            p3 += v3[d] * g3[d];
-        }
-        dot[n] = p0, dot[n + 1] = p1, dot[n + 2] = p2, dot[n + 3] = p3;
+        const real *v0 = v + n * D, *g0 = g + n * D;
+        four_dots(v0, v0 + D, v0 + 2 * D, v0 + 3 * D, g0, g0 + D, g0 + 2 * D, g0 + 3 * D, D, dot + n);
     }
     for (; n < T; ++n) {
         real p = 0;
@@ -396,19 +401,6 @@ typedef struct {
     real *mix, *lse;
 } multi_args;
 
-static inline void group_dots(const real *v0, const real *v1, const real *v2, const real *v3, const real *u,
-                              int64_t D, real *dot) {
-    real p0 = 0, p1 = 0, p2 = 0, p3 = 0;
-#pragma omp simd reduction(+ : p0, p1, p2, p3)
-    for (int64_t d = 0; d < D; ++d) {
-        p0 += v0[d] * u[d];
-        p1 += v1[d] * u[d];
-        p2 += v2[d] * u[d];
-        p3 += v3[d] * u[d];
-    }
-    dot[0] = p0, dot[1] = p1, dot[2] = p2, dot[3] = p3;
-}
-
 static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
     const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model, Q = a->n_queries;
     const real *const *src = a->sources;
@@ -430,7 +422,7 @@ static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
                         group_sums(v0, v1, v2, v3, u, D, square, dot);
                         for (int g = 0; g < GROUP; ++g) rstd[(s + g) * TILE + t] = square[g];
                     } else {
-                        group_dots(v0, v1, v2, v3, u, D, dot);
+                        four_dots(v0, v1, v2, v3, u, u, u, u, D, dot);
                     }
                     for (int g = 0; g < GROUP; ++g) z[(s + g) * TILE + t] = dot[g];
                 }
