@@ -92,7 +92,12 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _angular(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (_cosine(a, b).arccos() / math.pi).mean().item()
+    return _mean_angle(_cosine(a, b).flatten()).item()
+
+
+def _mean_angle(cosines: torch.Tensor) -> torch.Tensor:
+    """The angular distance arccos(cos)/π, averaged over the last (token) dim."""
+    return (cosines.clamp(-1, 1).arccos() / math.pi).mean(-1)
 
 
 def angular_distance_matrix(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFrame:
@@ -103,8 +108,7 @@ def angular_distance_matrix(model: HookedTransformer, tokens: torch.Tensor) -> p
     units = torch.stack([F.normalize(state.double().flatten(0, -2), dim=-1, eps=1e-8) for state in states])
     rows = []
     for start in range(len(states) - 1):  # [J + 1, tokens, d]: one contraction per start, no product temporary
-        cosines = torch.einsum("ltd,td->lt", units[start + 1:], units[start]).clamp(-1, 1)
-        distances = (cosines.arccos() / math.pi).mean(-1).tolist()
+        distances = _mean_angle(torch.einsum("ltd,td->lt", units[start + 1:], units[start])).tolist()
         for end, distance in zip(range(start + 1, len(states)), distances):
             rows.append(dict(start=start, n=end - start, end=end, start_label=model.sublayer_name(start),
                              end_label=model.sublayer_name(end), distance=distance))

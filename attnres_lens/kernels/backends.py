@@ -79,8 +79,7 @@ def model_runs_two_phase(block_size: int, backend: str, device: torch.device) ->
     """Whether a model with AttnRes block size ``block_size`` may mix two-phase on ``device`` (its stream then
     decides per window with ``stream_two_phase_backend``): Block AttnRes under Triton, Full AttnRes on the C
     kernel."""
-    chosen = resolve_backend(backend, device)
-    return (block_size > 1 and chosen == "triton") or (block_size == 1 and chosen == "cpu")
+    return stream_two_phase_backend(block_size, backend, device, needs_grad=False) is not None
 
 
 def stream_two_phase_backend(block_size: int, backend: str, device: torch.device, needs_grad: bool) -> Optional[str]:

@@ -263,6 +263,14 @@ class _EagerDepthAttention(torch.autograd.Function):
         return grad_folded, None, None, *grad_sources
 
 
+def _rows(sources: list[torch.Tensor], compute: torch.dtype) -> list[torch.Tensor]:
+    """Each source as contiguous [N, D] rows of the compute dtype. The model's (fp32, contiguous) are viewed, not
+    copied: a no-op `.to().contiguous()` per source cost more than the kernel at small shapes."""
+    d_model = sources[0].shape[-1]
+    return [source.view(-1, d_model) if source.dtype == compute and source.is_contiguous()
+            else source.reshape(-1, d_model).to(compute).contiguous() for source in sources]
+
+
 def depth_attention_cpu(
     sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
     bias: Optional[torch.Tensor] = None,
@@ -277,10 +285,7 @@ def depth_attention_cpu(
         raise ValueError(f"the cpu backend needs CPU tensors, got tensors on {first.device}; use backend='auto'")
     shape = first.shape
     compute = torch.float64 if first.dtype == torch.float64 else torch.float32
-    # fp32 contiguous sources (the model's) are viewed, not copied: a no-op `.to().contiguous()` per source
-    # cost more than the kernel at small shapes
-    flat = [source.view(-1, shape[-1]) if source.dtype == compute and source.is_contiguous()
-            else source.reshape(-1, shape[-1]).to(compute).contiguous() for source in sources]
+    flat = _rows(sources, compute)
     if bias is not None:
         bias = bias.to(compute).contiguous()
     # dw and dg follow from du by autograd through this product
@@ -314,8 +319,7 @@ def depth_attention_multi_cpu(
         raise ValueError(f"folded_queries must be [n_queries, {d_model}] (the sources' last dim), got "
                          f"{tuple(folded_queries.shape)}")
     compute = torch.float64 if first.dtype == torch.float64 else torch.float32
-    flat = [source.view(-1, d_model) if source.dtype == compute and source.is_contiguous()
-            else source.reshape(-1, d_model).to(compute).contiguous() for source in sources]
+    flat = _rows(sources, compute)
     n_tokens, n_queries = flat[0].shape[0], folded_queries.shape[0]
     queries = folded_queries.to(compute).contiguous()
     if prior is not None:

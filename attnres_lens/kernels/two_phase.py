@@ -17,11 +17,10 @@ result equals one softmax over ``[b_0, ..., b_{n-1}, p]`` in value and gradient.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple, Optional
 
 import torch
-
-from collections.abc import Sequence
 
 from attnres_lens.kernels._common import Sources, check_sources, compute_dtype
 from attnres_lens.kernels.backends import two_phase_backend
