@@ -46,3 +46,30 @@ def test_inference_benchmark_reports_every_variant(monkeypatch):
     rows = [line.split("|") for line in lines if line.startswith("| small")]
     assert [row[2].strip() for row in rows] == list(module.VARIANTS)
     assert rows[0][4].strip() == "1.000"
+
+
+def test_cpu_kernels_benchmark_on_tiny_shapes():
+    lines = load("bench_cpu_kernels").main(["--tiny", "--repeats", "1", "--processes", "1"])
+    ops = [line.split("|")[1].strip() for line in lines if line.startswith("| RMSNorm") or line.startswith("| rotary")]
+    assert ops == ["RMSNorm [2, 8, 16]", "rotary [2, 8, 2, 4]"]
+    assert any(line.startswith("| 2 layers") for line in lines)
+    assert any(line.startswith("Process costs:") and "gc.freeze" in line for line in lines)
+
+
+def test_prune_baseline_benchmark_alternates_two_trees(tmp_path):
+    """Against HEAD itself on a one-layer model: both trees run, the worktree is removed afterwards."""
+    import subprocess
+
+    repository = ANALYSES.parent
+    if subprocess.run(["git", "-C", str(repository), "rev-parse", "HEAD"], capture_output=True).returncode:
+        raise AssertionError("the benchmark needs the repository's git history; run the tests in a git checkout")
+
+    def worktrees() -> str:
+        return subprocess.run(["git", "-C", str(repository), "worktree", "list"], capture_output=True, text=True).stdout
+
+    before = worktrees()
+    lines = load("bench_prune_baseline").main(["--baseline", "HEAD", "--steps", "2", "--samples", "2", "--repeats",
+                                               "1", "--set", "model.n_layers=1", "--out", str(tmp_path / "r.md")])
+    rows = [line for line in lines if line.startswith("| baseline") or line.startswith("| this checkout")]
+    assert len(rows) == 2 and (tmp_path / "r.md").exists()
+    assert worktrees() == before  # the baseline's worktree is removed

@@ -1,0 +1,179 @@
+"""The CPU speed-ups of the rotary/RMSNorm C kernels, Full AttnRes's two-phase forward, and the commands' process
+costs, each measured side by side (issues 13 and 15; docs/kernels.md §2, §7, §11).
+
+* ops: `components.apply_rotary` vs `cpu_fused.rotary_cpu`, `F.rms_norm` vs `cpu_fused.rms_norm_cpu`, forward
+  and forward + backward, interleaved repeats in one process at one torch thread;
+* two-phase: forward passes (no_grad) of Full AttnRes models with the C two-phase windows as shipped and with
+  every consumer mixed in one pass (`attnres.stream_two_phase_backend` replaced for the comparison), interleaved;
+* process costs: a model replica for the worker threads (`interventions.model_replica`), and the exit of a process
+  that imported the analysis commands, with and without `gc.freeze()` (fresh processes, alternating).
+
+    python -m analyses.bench_cpu_kernels --out analyses/reports/bench_cpu_kernels.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from analyses.common import command_line, emit_report, machine_info
+from attnres_lens import HookedTransformer, ModelConfig, attnres
+from attnres_lens.analysis.interventions import model_replica
+from attnres_lens.components import apply_rotary, rotary_tables
+from attnres_lens.kernels.cpu_fused import rms_norm_cpu, rotary_cpu
+
+# (label, model shape, batch): the training shapes of bench_cpu_step, the prune model at a stacked pass, a deep one
+MODEL_SHAPES = [
+    ("4 layers, d128, 12 x 64 tokens", dict(n_layers=4, d_model=128, n_heads=4, n_ctx=64), 12),
+    ("6 layers, d256, 8 x 128 tokens", dict(n_layers=6, d_model=256, n_heads=8, n_ctx=128), 8),
+    ("12 layers, d64, 64 x 65 tokens", dict(n_layers=12, d_model=64, n_heads=4, n_ctx=65), 64),
+    ("24 layers, d128, 8 x 128 tokens", dict(n_layers=24, d_model=128, n_heads=4, n_ctx=128), 8),
+]
+TINY_SHAPES = [("2 layers, d16, 2 x 8 tokens", dict(n_layers=2, d_model=16, n_heads=2, n_ctx=8), 2)]
+
+_EXIT_PROBE = """
+import sys, time
+import attnres_lens.analysis.run
+from attnres_lens import cpu_settings
+cpu_settings.set_threads(1)
+if sys.argv[1] == "freeze":
+    cpu_settings.configure(1)
+print(time.time(), flush=True)
+"""
+
+
+def interleaved(functions: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, called in turn `repeats` times after one warm-up round."""
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for round_ in range(repeats + 1):
+        for name, function in functions.items():
+            start = time.perf_counter()
+            function()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def forward_backward(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        leaf = x.detach().requires_grad_()
+        function(leaf).sum().backward()
+
+    return run
+
+
+def op_rows(repeats: int, tiny: bool) -> list[str]:
+    rows = []
+    batch, pos, heads, d_head = (2, 8, 2, 4) if tiny else (64, 65, 4, 16)
+    cos, sin = rotary_tables(pos, d_head, 10000.0)
+    x = torch.randn(batch, pos, heads, d_head)
+    table_cos, table_sin = cos[:pos, None], sin[:pos, None]
+    torch_rotary, c_rotary = (lambda t: apply_rotary(t, table_cos, table_sin)), (lambda t: rotary_cpu(t, cos, sin))
+    for width in ((16,) if tiny else (64, 256)):
+        y = torch.randn(batch, pos, width)
+        w = torch.rand(width) + 0.5
+        torch_norm, c_norm = (lambda t, w=w: F.rms_norm(t, t.shape[-1:], w, 1e-5)), (lambda t, w=w: rms_norm_cpu(t, w, 1e-5))
+        rows += _op_row(f"RMSNorm [{batch}, {pos}, {width}]", torch_norm, c_norm, y, repeats)
+    rows += _op_row(f"rotary [{batch}, {pos}, {heads}, {d_head}]", torch_rotary, c_rotary, x, repeats)
+    return rows
+
+
+def _op_row(label: str, torch_form, c_form, x: torch.Tensor, repeats: int) -> list[str]:
+    with torch.no_grad():
+        forward = interleaved({"torch": lambda: torch_form(x), "c": lambda: c_form(x)}, repeats)
+    both = interleaved({"torch": forward_backward(torch_form, x), "c": forward_backward(c_form, x)}, repeats)
+    return [f"| {label} | {forward['torch'] * 1e3:.3f} | {forward['c'] * 1e3:.3f} | "
+            f"{forward['torch'] / forward['c']:.2f} | {both['torch'] * 1e3:.3f} | {both['c'] * 1e3:.3f} | "
+            f"{both['torch'] / both['c']:.2f} |"]
+
+
+def two_phase_rows(shapes, repeats: int) -> list[str]:
+    shipped = attnres.stream_two_phase_backend
+    rows = []
+    for label, shape, batch in shapes:
+        model = HookedTransformer(ModelConfig(d_vocab=64, residual="attnres", attnres_block_size=1,
+                                              depth_attention_backend="cpu", **shape)).eval()
+        with torch.no_grad():
+            for module in model.depth_attention_modules().values():
+                module.query.normal_()  # away from the uniform start, as in a trained model
+        tokens = torch.randint(0, 64, (batch, shape["n_ctx"]))
+
+        def run(policy):
+            def forward() -> None:
+                attnres.stream_two_phase_backend = policy
+                model(tokens)
+            return forward
+
+        try:
+            with torch.no_grad():
+                result = interleaved({"one pass": run(lambda *args: None), "two-phase": run(shipped)}, repeats)
+        finally:
+            attnres.stream_two_phase_backend = shipped
+        rows.append(f"| {label} | {result['one pass'] * 1e3:.1f} | {result['two-phase'] * 1e3:.1f} | "
+                    f"{result['two-phase'] / result['one pass']:.3f} |")
+    return rows
+
+
+def exit_seconds(mode: str) -> float:
+    """Seconds from the probe's last line to its process's end."""
+    out = subprocess.run([sys.executable, "-c", _EXIT_PROBE, mode], capture_output=True, text=True, check=True)
+    return time.time() - float(out.stdout.split()[-1])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--processes", type=int, default=3, help="exits timed per setting (fresh processes)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a test of the script)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    lines = [
+        "# CPU kernels and process costs, side by side",
+        "",
+        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, one torch "
+        f"thread, by `{command_line()}`; medians of {args.repeats} interleaved repeats.",
+        "",
+        "| op | PyTorch fwd (ms) | C fwd (ms) | × | PyTorch fwd+bwd (ms) | C fwd+bwd (ms) | × |",
+        "|---|---|---|---|---|---|---|",
+        *op_rows(args.repeats, args.tiny),
+        "",
+        "Full AttnRes forward (no_grad, `cpu` backend): every consumer in one fused pass vs the shipped two-phase "
+        "windows (4 consumers from 8 shared sources, docs/kernels.md §7).",
+        "",
+        "| model | one pass (ms) | two-phase (ms) | two-phase / one pass |",
+        "|---|---|---|---|",
+        *two_phase_rows(TINY_SHAPES if args.tiny else MODEL_SHAPES, args.repeats),
+    ]
+    shapes = TINY_SHAPES if args.tiny else MODEL_SHAPES[2:3]
+    model = HookedTransformer(ModelConfig(d_vocab=64, residual="attnres", **shapes[0][1]))
+    replica = interleaved({"replica": lambda: model_replica(model)}, max(3, args.repeats // 4))["replica"]
+    exits = {"plain": [], "freeze": []}
+    for _ in range(args.processes):
+        for mode in exits:
+            exits[mode].append(exit_seconds(mode))
+    lines += [
+        "",
+        f"Process costs: one worker replica of the {shapes[0][0].split(',')[0]} Full model "
+        f"(`model_replica`) {replica * 1e3:.0f} ms; the exit of a process that imported the analysis commands "
+        f"{statistics.median(exits['plain']):.2f} s, {statistics.median(exits['freeze']):.2f} s after "
+        f"`cpu_settings.configure` (gc.freeze), medians of {args.processes} fresh processes each, alternating.",
+        "",
+        f"Took {time.perf_counter() - started:.0f} s.",
+    ]
+    emit_report("\n".join(lines), args.out)
+    return lines
+
+
+if __name__ == "__main__":
+    main()
