@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from attnres_lens import HookedTransformer, ModelConfig, param_groups
+from attnres_lens import HookedTransformer, ModelConfig, adamw
 
 TARGET = 1.03  # Block AttnRes step time / standard
 
@@ -42,7 +42,7 @@ def build(shape: dict, overrides: dict, device: str):
     cfg = ModelConfig(d_vocab=shape["d_vocab"], n_layers=shape["n_layers"], d_model=shape["d_model"],
                       n_heads=shape["n_heads"], n_ctx=shape["n_ctx"], device=device, seed=0, **overrides)
     model = HookedTransformer(cfg)
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
+    optimizer = adamw(model, 1e-4, 0.1)
     tokens = torch.randint(0, cfg.d_vocab, (shape["batch"], cfg.n_ctx), device=device)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
 

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from analyses.common import command_line, emit_report, machine_info
-from attnres_lens import HookedTransformer, ModelConfig, param_groups
+from attnres_lens import HookedTransformer, ModelConfig, adamw
 
 SHAPE = dict(n_layers=4, d_model=128, n_heads=4, n_ctx=64, batch=12)
 VARIANTS = {
@@ -37,7 +37,7 @@ VARIANTS = {
 class Stepper:
     def __init__(self, model: HookedTransformer, tokens: torch.Tensor, loss_fn: Callable):
         self.model, self.tokens, self.loss_fn = model, tokens, loss_fn
-        self.optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
+        self.optimizer = adamw(model, 1e-4, 0.1)
 
     def step(self) -> float:
         start = time.perf_counter()

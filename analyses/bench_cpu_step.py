@@ -1,7 +1,8 @@
 """CPU training-step time of AttnRes and KV-shift variants relative to the standard model (issue 3).
 
 One process, every variant built up front, steps interleaved variant by variant (so machine noise hits
-all of them alike), median over repeats. A step is forward + backward + AdamW update on random tokens.
+all of them alike), median over repeats. A step is forward + backward + AdamW update (`attnres_lens.adamw`, fused, as
+`train` runs it) on random tokens.
 Depth-attention paths compared:
 
 * `eager`: the readable path of `attnres_lens/attnres.py` (what runs when a hook watches the weights);
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from analyses.common import command_line, emit_report, machine_info
-from attnres_lens import HookedTransformer, ModelConfig, param_groups
+from attnres_lens import HookedTransformer, ModelConfig, adamw
 
 SHAPES = {
     "small": dict(n_layers=4, d_model=128, n_heads=4, n_ctx=64, batch=12),
@@ -52,7 +53,7 @@ class Stepper:
         batch = shape.pop("batch")
         cfg = ModelConfig(d_vocab=256, seed=0, **shape, **overrides)
         self.model = HookedTransformer(cfg)
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, 0.1), lr=1e-4)
+        self.optimizer = adamw(self.model, 1e-4, 0.1)
         self.tokens = torch.randint(0, cfg.d_vocab, (batch, cfg.n_ctx), generator=torch.Generator().manual_seed(0))
         if eager:  # a no-op hook on each depth-weight point makes the model take its readable path
             for name, hook in self.model.hook_dict.items():
@@ -115,7 +116,7 @@ def main() -> None:
         "",
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, "
         f"in {time.perf_counter() - start:.0f} s, by `{command_line()}`.",
-        "Median of interleaved repeats of one training step (forward, backward, AdamW). Shapes: "
+        "Median of interleaved repeats of one training step (forward, backward, fused AdamW as `train` runs it). Shapes: "
         + "; ".join(f"{k}: {v['n_layers']} layers, d_model {v['d_model']}, n_ctx {v['n_ctx']}, batch {v['batch']}"
                     for k, v in SHAPES.items() if k in args.shapes) + ". Targets: " + ", ".join(f"{name} ≤ {target:.2f}×" for name, target in TARGETS.items()) + ".",
         "",

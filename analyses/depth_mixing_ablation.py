@@ -59,7 +59,7 @@ def step_time_ratios(variants: list[str], steps_override: list[str], rounds: int
     """Median forward + backward + AdamW step of each variant relative to the standard model, one torch thread,
     the variants stepped in interleaved rounds in one process (so machine noise hits all of them alike)."""
     from attnres_lens.config import apply_overrides
-    from attnres_lens.model import HookedTransformer, next_token_loss, param_groups
+    from attnres_lens.model import HookedTransformer, adamw, next_token_loss
     from attnres_lens.presets import get_preset
 
     torch.set_num_threads(1)
@@ -67,7 +67,7 @@ def step_time_ratios(variants: list[str], steps_override: list[str], rounds: int
     for name in variants:
         config = apply_overrides(get_preset(name), steps_override)
         model = HookedTransformer(config.model)
-        optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
+        optimizer = adamw(model, 1e-3, 0.1)
         task = config.build_task()
         steppers[name] = (model, optimizer, task.sample(config.train.batch_size, task.train_generator()).tokens)
     times: dict[str, list[float]] = {name: [] for name in variants}

@@ -14,6 +14,7 @@ _EXPORTS = {
     "HookedTransformer": "attnres_lens.model",
     "next_token_loss": "attnres_lens.model",
     "param_groups": "attnres_lens.model",
+    "adamw": "attnres_lens.model",
     "Run": "attnres_lens.rundir",
     "RunDirError": "attnres_lens.rundir",
     "load_run": "attnres_lens.rundir",

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from attnres_lens.config import RunConfig
 from attnres_lens.evaluation import evaluate_model
-from attnres_lens.model import HookedTransformer, next_token_loss, param_groups
+from attnres_lens.model import HookedTransformer, adamw, next_token_loss
 from attnres_lens.recorder import Recorder
 from attnres_lens.rundir import RunDir, RunDirError
 from attnres_lens.tasks.base import Batch
@@ -82,10 +82,7 @@ class Trainer:
             )
         model_cfg = dataclasses.replace(model_cfg, device=str(self.device), seed=train_cfg.seed)
         self.model = HookedTransformer(model_cfg)
-        self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, train_cfg.weight_decay), lr=train_cfg.lr, betas=train_cfg.betas,
-            fused=self.device.type == "cuda",
-        )
+        self.optimizer = adamw(self.model, train_cfg.lr, train_cfg.weight_decay, train_cfg.betas)
         self.data_generator = self.task.train_generator()
         self.eval_batch = self.task.eval_batch(train_cfg.eval_size).to(self.device)
         probe_half = (min(self.task.seq_len, model_cfg.n_ctx) - 1) // 2

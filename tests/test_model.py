@@ -10,7 +10,7 @@ from transformer_lens import ActivationCache
 from transformer_lens.head_detector import detect_head
 from transformer_lens.utilities import get_act_name
 
-from attnres_lens import HookedTransformer, ModelConfig, param_groups
+from attnres_lens import HookedTransformer, ModelConfig, adamw, param_groups
 from attnres_lens.components import apply_rotary, normal_init, rotary_tables
 from tests.helpers import VARIANTS, randomize_depth_parameters, reference_logits, small_config
 
@@ -162,6 +162,27 @@ def test_param_groups_keep_scalars_queries_and_gains_out_of_weight_decay():
     for name in ["blocks.0.attn.W_Q", "blocks.0.mlp.W_in", "embed.W_E", "unembed.W_U"]:
         assert name in decayed, name
     torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)  # accepted by the optimiser as is
+
+
+def test_adamw_is_fused_on_the_cpu_and_steps_like_the_per_tensor_loop():
+    def trained(make_optimizer) -> dict[str, torch.Tensor]:
+        model = HookedTransformer(small_config("attnres", 2, "kv_shift"))
+        optimizer = make_optimizer(model)
+        tokens = torch.randint(0, 20, (3, 8), generator=torch.Generator().manual_seed(0))
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            model(tokens, return_type="loss").backward()
+            optimizer.step()
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    fused = adamw(HookedTransformer(small_config()), 1e-2, 0.1, (0.9, 0.95))
+    assert fused.defaults["fused"] and [g["weight_decay"] for g in fused.param_groups] == [0.1, 0.0]
+    got = trained(lambda model: adamw(model, 1e-2, 0.1, (0.9, 0.95)))
+    want = trained(lambda model: torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.95),
+                                                   foreach=False))
+    assert got.keys() == want.keys()
+    for name in want:  # three steps of lr 1e-2 move every parameter; the two implementations agree to rounding
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_loss_is_next_token_cross_entropy():
