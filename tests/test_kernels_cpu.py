@@ -255,7 +255,7 @@ def test_the_forward_softmax_matches_float64_across_the_whole_range_of_logits():
     n_tokens, d_model = len(gaps), 64  # 204 tokens: not a multiple of the 16-token tile
     bias = torch.stack([torch.zeros(n_tokens), gaps])
     sources = [torch.randn(n_tokens, d_model) for _ in range(2)]
-    _, _, logits, weights = cpu_fused._forward_kernel(sources, torch.zeros(d_model), bias, 1e-6)
+    _, (_, logits, weights) = cpu_fused._forward_kernel(sources, torch.zeros(d_model), bias, 1e-6)
     assert torch.equal(logits, torch.zeros_like(logits))
     expected = torch.softmax(bias.double(), dim=0)
     # within ~2.5 ulp (exp, the division, the rounding), or below float's normal range

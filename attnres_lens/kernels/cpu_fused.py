@@ -173,23 +173,27 @@ def _pointer_array(tensors) -> ctypes.Array:
 # model that calls them traces into one graph (fullgraph) instead of breaking at the ctypes call: each op has a
 # fake (shape-only) version for tracing, and the forward op's autograd rule calls the backward op. In eager mode
 # an autograd.Function calls the same two functions: its dispatch costs ~80 us less per call than a custom op's
-# at small shapes, which is 2-3% of a small model's step with one call per sublayer. Sources arrive flattened to
-# contiguous [N, D] rows of one dtype (fp32 or fp64); statistics are [S, N].
+# at small shapes, which is 2-3% of a small model's step with one call per sublayer; it also folds the query in
+# itself (an autograd product and its backward cost ~15% of a small mix, forward and backward). Sources arrive as
+# contiguous [..., D] tensors of one dtype (fp32 or fp64), read as [N, D] rows; the statistics (rstd, logits,
+# weights) come as one [3, S, N] block.
 def _forward_kernel(sources: list[torch.Tensor], folded_query: torch.Tensor, bias: Optional[torch.Tensor],
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(h [N, D], rstd, logits, weights [S, N])``; ``folded_query`` is ``u = w * g`` (contiguous, the sources'
-    dtype); ``bias`` an optional ``[S, N]`` logit bias (added inside the softmax; ``logits`` are unbiased)."""
-    n_tokens, d_model = sources[0].shape
-    n_sources, dtype, device = len(sources), sources[0].dtype, sources[0].device
-    h = new_output((n_tokens, d_model), dtype, device)
-    rstd, logits, weights = (new_output((n_sources, n_tokens), dtype, device) for _ in range(3))
-    cpu_library(dtype).depth_attention_forward(
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h [..., D], stats [3, S, N])``; ``folded_query`` is ``u = w * g`` (contiguous, the sources' dtype);
+    ``bias`` an optional ``[S, N]`` logit bias (added inside the softmax; the logits in ``stats`` are unbiased)."""
+    first = sources[0]
+    d_model = first.shape[-1]
+    n_tokens, n_sources = first.numel() // d_model, len(sources)
+    h = new_output(first.shape, first.dtype, first.device)
+    stats = new_output((3, n_sources, n_tokens), first.dtype, first.device)
+    rstd, logits, weights = stats.unbind(0)
+    cpu_library(first.dtype).depth_attention_forward(
         _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(),
         None if bias is None else bias.data_ptr(), eps,
         h.data_ptr(), rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(),
         _n_threads(n_sources * n_tokens * d_model),
     )
-    return h, rstd, logits, weights
+    return h, stats
 
 
 _forward_op = torch.library.custom_op("attnres_lens::depth_attention_cpu_forward", _forward_kernel, mutates_args=())
@@ -198,20 +202,22 @@ _forward_op = torch.library.custom_op("attnres_lens::depth_attention_cpu_forward
 @_forward_op.register_fake
 def _forward_shapes(sources, folded_query, bias, eps):
     first = sources[0]
-    return first.new_empty(first.shape), *(first.new_empty((len(sources), first.shape[0])) for _ in range(3))
+    return first.new_empty(first.shape), first.new_empty((3, len(sources), first.numel() // first.shape[-1]))
 
 
-def _backward_kernel(sources: list[torch.Tensor], folded_query: torch.Tensor, rstd: torch.Tensor, logits: torch.Tensor,
-                     weights: torch.Tensor, grad_h: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _backward_kernel(sources: list[torch.Tensor], folded_query: torch.Tensor, stats: torch.Tensor,
+                     grad_h: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``(grad of each source, grad of u)`` for the forward op's saved statistics and ``grad_h`` (contiguous)."""
-    n_tokens, d_model = sources[0].shape
-    n_sources, dtype, device = len(sources), sources[0].dtype, sources[0].device
+    first = sources[0]
+    d_model = first.shape[-1]
+    n_tokens, n_sources = first.numel() // d_model, len(sources)
     n_threads = _n_threads(n_sources * n_tokens * d_model)
-    # one [N, D] tensor per source, not one [S, N, D] block: activation-sized allocations are recycled by the
-    # C allocator step after step, while a block of a new size is often mapped afresh and page-faulted in
-    grad_sources = [new_output((n_tokens, d_model), dtype, device) for _ in range(n_sources)]
-    grad_folded_partial = new_output((n_threads, d_model), dtype, device)
-    cpu_library(dtype).depth_attention_backward(
+    rstd, logits, weights = stats.unbind(0)
+    # one tensor per source, not one [S, N, D] block: activation-sized allocations are recycled by the C
+    # allocator step after step, while a block of a new size is often mapped afresh and page-faulted in
+    grad_sources = [new_output(first.shape, first.dtype, first.device) for _ in range(n_sources)]
+    grad_folded_partial = new_output((n_threads, d_model), first.dtype, first.device)
+    cpu_library(first.dtype).depth_attention_backward(
         _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(),
         rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(), grad_h.data_ptr(),
         _pointer_array(grad_sources), grad_folded_partial.data_ptr(), n_threads,
@@ -224,21 +230,21 @@ _backward_op = torch.library.custom_op("attnres_lens::depth_attention_cpu_backwa
 
 
 @_backward_op.register_fake
-def _backward_shapes(sources, folded_query, rstd, logits, weights, grad_h):
+def _backward_shapes(sources, folded_query, stats, grad_h):
     return [source.new_empty(source.shape) for source in sources], folded_query.new_empty(folded_query.shape)
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
     sources, folded_query, _bias, _eps = inputs
-    _h, rstd, logits, weights = output
+    _h, stats = output
     ctx.n_sources = len(sources)
-    ctx.save_for_backward(*sources, folded_query, rstd, logits, weights)
+    ctx.save_for_backward(*sources, folded_query, stats)
 
 
-def _backward(ctx, grad_h, _grad_rstd, _grad_logits, _grad_weights):
+def _backward(ctx, grad_h, _grad_stats):
     saved = ctx.saved_tensors
-    sources, (folded_query, rstd, logits, weights) = list(saved[: ctx.n_sources]), saved[ctx.n_sources :]
-    grad_sources, grad_folded = _backward_op(sources, folded_query, rstd, logits, weights, grad_h.contiguous())
+    sources, (folded_query, stats) = list(saved[: ctx.n_sources]), saved[ctx.n_sources :]
+    grad_sources, grad_folded = _backward_op(sources, folded_query, stats, grad_h.contiguous())
     return grad_sources, grad_folded, None, None  # the bias is not differentiable here (docs/kernels.md §1)
 
 
@@ -246,29 +252,32 @@ _forward_op.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 class _EagerDepthAttention(torch.autograd.Function):
-    """The eager twin of `_forward_op` with its autograd rule: ``(h, logits, weights)``, the last two reported
-    only (non-differentiable)."""
+    """The eager twin of `_forward_op` with its autograd rule, the query folded in here (``u = w * g``, so
+    ``dw = du * g`` and ``dg = du * w``): ``(h, logits, weights)``, the last two reported only
+    (non-differentiable). ``query`` and ``gain`` come in the sources' dtype."""
 
     @staticmethod
-    def forward(ctx, folded_query: torch.Tensor, bias: Optional[torch.Tensor], eps: float, *sources: torch.Tensor):
-        h, rstd, logits, weights = _forward_kernel(list(sources), folded_query, bias, eps)
-        ctx.save_for_backward(folded_query, rstd, logits, weights, *sources)
+    def forward(ctx, query: torch.Tensor, gain: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                *sources: torch.Tensor):
+        folded_query = (query * gain).contiguous()
+        h, stats = _forward_kernel(list(sources), folded_query, bias, eps)
+        ctx.save_for_backward(query, gain, folded_query, stats, *sources)
+        _rstd, logits, weights = stats.unbind(0)
         ctx.mark_non_differentiable(logits, weights)
         return h, logits, weights
 
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor, _grad_logits: torch.Tensor, _grad_weights: torch.Tensor):
-        folded_query, rstd, logits, weights, *sources = ctx.saved_tensors
-        grad_sources, grad_folded = _backward_kernel(sources, folded_query, rstd, logits, weights, grad_h.contiguous())
-        return grad_folded, None, None, *grad_sources
+        query, gain, folded_query, stats, *sources = ctx.saved_tensors
+        grad_sources, grad_folded = _backward_kernel(sources, folded_query, stats, grad_h.contiguous())
+        return grad_folded * gain, grad_folded * query, None, None, *grad_sources
 
 
-def _rows(sources: list[torch.Tensor], compute: torch.dtype) -> list[torch.Tensor]:
-    """Each source as contiguous [N, D] rows of the compute dtype. The model's (fp32, contiguous) are viewed, not
-    copied: a no-op `.to().contiguous()` per source cost more than the kernel at small shapes."""
-    d_model = sources[0].shape[-1]
-    return [source.view(-1, d_model) if source.dtype == compute and source.is_contiguous()
-            else source.reshape(-1, d_model).to(compute).contiguous() for source in sources]
+def _contiguous(sources: list[torch.Tensor], compute: torch.dtype) -> list[torch.Tensor]:
+    """Each source contiguous in the compute dtype. The model's (fp32, contiguous) are passed as they are: a
+    no-op `.to().contiguous()` or a view per source cost more than the kernel at small shapes."""
+    return [source if source.dtype == compute and source.is_contiguous() else source.to(compute).contiguous()
+            for source in sources]
 
 
 def depth_attention_cpu(
@@ -283,20 +292,20 @@ def depth_attention_cpu(
     first = sources[0]
     if first.device.type != "cpu":
         raise ValueError(f"the cpu backend needs CPU tensors, got tensors on {first.device}; use backend='auto'")
-    shape = first.shape
     compute = torch.float64 if first.dtype == torch.float64 else torch.float32
-    flat = _rows(sources, compute)
+    flat = _contiguous(sources, compute)
     if bias is not None:
         bias = bias.to(compute).contiguous()
-    # dw and dg follow from du by autograd through this product
-    folded_query = (query.to(compute) * key_norm_weight.to(compute)).contiguous()
+    # the query and gain are folded in the compute dtype (bf16 parameters would round the product)
+    query, gain = query.to(compute), key_norm_weight.to(compute)
     if torch.compiler.is_compiling():
-        h, _, logits, weights = _forward_op(flat, folded_query, bias, float(eps))
+        # dw and dg follow from du by autograd through this product
+        h, stats = _forward_op(flat, (query * gain).contiguous(), bias, float(eps))
         # reported, not consumed: detached, so nothing can backpropagate through them and silently get zero
-        logits, weights = logits.detach(), weights.detach()
+        logits, weights = stats[1].detach(), stats[2].detach()
     else:
-        h, logits, weights = _EagerDepthAttention.apply(folded_query, bias, float(eps), *flat)
-    return h.to(first.dtype).view(shape), weights, logits
+        h, logits, weights = _EagerDepthAttention.apply(query, gain, bias, float(eps), *flat)
+    return (h if h.dtype == first.dtype else h.to(first.dtype)), weights, logits
 
 
 def depth_attention_multi_cpu(
@@ -319,8 +328,8 @@ def depth_attention_multi_cpu(
         raise ValueError(f"folded_queries must be [n_queries, {d_model}] (the sources' last dim), got "
                          f"{tuple(folded_queries.shape)}")
     compute = torch.float64 if first.dtype == torch.float64 else torch.float32
-    flat = _rows(sources, compute)
-    n_tokens, n_queries = flat[0].shape[0], folded_queries.shape[0]
+    flat = _contiguous(sources, compute)
+    n_tokens, n_queries = first.numel() // d_model, folded_queries.shape[0]
     queries = folded_queries.to(compute).contiguous()
     if prior is not None:
         prior = prior[0].to(compute).reshape(n_queries, n_tokens, d_model).contiguous(), \
