@@ -61,11 +61,17 @@ class Stepper:
                     hook.add_hook(lambda weights, hook: None)
 
     def step(self) -> float:
+        """Seconds of one step; `phases` keeps its (forward, backward, optimizer) split."""
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        self.model(self.tokens, return_type="loss").backward()
+        loss = self.model(self.tokens, return_type="loss")
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
         self.optimizer.step()
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        self.phases = (forward - start, backward - forward, end - backward)
+        return end - start
 
 
 def bench(shape_name: str, threads: int, repeats: int, paths: list[str]) -> list[dict]:

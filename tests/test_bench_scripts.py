@@ -73,3 +73,17 @@ def test_prune_baseline_benchmark_alternates_two_trees(tmp_path):
     rows = [line for line in lines if line.startswith("| baseline") or line.startswith("| this checkout")]
     assert len(rows) == 2 and (tmp_path / "r.md").exists()
     assert worktrees() == before  # the baseline's worktree is removed
+
+
+def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
+    module = load("profile_cpu_step")
+    monkeypatch.setitem(module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=16, batch=2))
+    lines = module.main(["--repeats", "1", "--steps", "1"])
+    rows = [line.split("|") for line in lines if line.startswith("| ") and "variant" not in line
+            and not line.startswith("| aten") and "ms" not in line.split("|")[1]]
+    table = {row[1].strip(): row for row in rows if row[1].strip() in module.variants("cpu")}
+    assert list(table) == list(module.variants("cpu"))
+    assert table["standard"][3].strip() == "1.000" and table["standard"][4].strip() == "+0.0"
+    phases = [float(x) for x in table["full"][7].split("/")]
+    assert len(phases) == 3 and all(x > 0 for x in phases)
+    assert [line for line in lines if line.startswith("### ")][0].startswith("### standard:")
