@@ -7,7 +7,8 @@ The small shape of `bench_cpu_step.py` (4 layers, d_model 128, n_ctx 64, batch 1
 * **Fixed cost.** Each variant is also stepped at 8 tokens (batch 1, n_ctx 8, same layers and widths), where the
   arithmetic is negligible: that step is the per-step cost of Python, dispatch, allocation and autograd
   bookkeeping, which no faster kernel removes. Both shapes are stepped interleaved in one process (medians), and
-  each step is split into forward, backward and optimizer.
+  each step is split into forward, backward and optimizer. A last row steps the standard model with PyTorch's
+  per-tensor AdamW loop (its CPU default) instead of the fused optimizer `train` uses.
 * **Profile.** The profiler adds per-op overhead, so its absolute times are inflated; read the shares and the
   depth-attention rows.
 
@@ -28,8 +29,10 @@ from torch.profiler import ProfilerActivity, profile
 from analyses.bench_cpu_step import SHAPES, Stepper, variants
 from analyses.bench_depth_scaling import is_depth_op
 from analyses.common import command_line, emit_report, machine_info
+from attnres_lens import param_groups
 
 PROFILED = ("standard", "block4", "full")
+LOOPED_ADAMW = "standard, per-tensor AdamW"  # what `train` ran on the CPU before it used the fused optimizer
 
 
 def fixed_costs(repeats: int) -> list[str]:
@@ -37,6 +40,9 @@ def fixed_costs(repeats: int) -> list[str]:
     shapes = {"small": SHAPES["small"], "8 tokens": dict(SHAPES["small"], batch=1, n_ctx=8)}
     steppers = {(variant, shape): Stepper(dims, overrides, eager=False)
                 for variant, overrides in variants("cpu").items() for shape, dims in shapes.items()}
+    for shape, dims in shapes.items():  # the standard model under PyTorch's CPU default: a loop over tensors
+        looped = steppers[(LOOPED_ADAMW, shape)] = Stepper(dims, variants("cpu")["standard"], eager=False)
+        looped.optimizer = torch.optim.AdamW(param_groups(looped.model, 0.1), lr=1e-4, foreach=False)
     for stepper in steppers.values():
         for _ in range(3):
             stepper.step()
@@ -49,7 +55,7 @@ def fixed_costs(repeats: int) -> list[str]:
     lines = ["| variant | small step (ms) | × standard | + standard (ms) | 8-token step (ms) | + standard (ms) | "
              "8 tokens: forward / backward / optimizer (ms) | fixed share of the overhead |",
              "|---|---|---|---|---|---|---|---|"]
-    for variant in variants("cpu"):
+    for variant in [*variants("cpu"), LOOPED_ADAMW]:
         small, tiny = ms[(variant, "small")], ms[(variant, "8 tokens")]
         extra_small = small[0] - ms[("standard", "small")][0]
         extra_tiny = tiny[0] - ms[("standard", "8 tokens")][0]

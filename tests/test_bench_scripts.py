@@ -83,6 +83,7 @@ def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
             and not line.startswith("| aten") and "ms" not in line.split("|")[1]]
     table = {row[1].strip(): row for row in rows if row[1].strip() in module.variants("cpu")}
     assert list(table) == list(module.variants("cpu"))
+    assert any(row[1].strip() == module.LOOPED_ADAMW for row in rows)
     assert table["standard"][3].strip() == "1.000" and table["standard"][4].strip() == "+0.0"
     phases = [float(x) for x in table["full"][7].split("/")]
     assert len(phases) == 3 and all(x > 0 for x in phases)
