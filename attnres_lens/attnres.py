@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from attnres_lens.components import RMSNorm
+from attnres_lens.components import RMSNorm, is_hooked
 from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
 from attnres_lens.kernels.backends import stream_two_phase_backend
 from attnres_lens.kernels.reference import depth_logits, mix_sources
@@ -175,8 +175,9 @@ class DepthStream(ResidualStream):
 
 
 def _any_requires_grad(sources: list[torch.Tensor], modules: list["DepthAttention"]) -> bool:
-    return (any(source.requires_grad for source in sources)
-            or any(module.query.requires_grad or module.key_norm.w.requires_grad for module in modules))
+    # the modules first: in training their parameters answer at once, without a look at every source
+    return (any(module.query.requires_grad or module.key_norm.w.requires_grad for module in modules)
+            or any(source.requires_grad for source in sources))
 
 
 def _common_dtype(sources: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -237,11 +238,11 @@ class DepthAttention(nn.Module):
 
     def observed(self) -> bool:
         """Whether a hook watches the logits or weights (then this depth attention runs the readable path)."""
-        return any(getattr(self, name).has_hooks() for name in self.path_hooks)
+        return any(is_hooked(getattr(self, name)) for name in self.path_hooks)
 
     def hooked(self) -> bool:
         """Whether any hook is on this depth attention (then Block AttnRes mixes it on its own, not two-phase)."""
-        return self.observed() or self.hook_logit_bias.has_hooks()
+        return self.observed() or is_hooked(self.hook_logit_bias)
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         sources = _common_dtype(sources)
@@ -261,7 +262,7 @@ class DepthAttention(nn.Module):
 
     def logit_bias(self, sources: list[torch.Tensor]) -> Optional[torch.Tensor]:
         """`hook_logit_bias`'s output [..., n_sources] when it is hooked (it then fires on zeros), else None."""
-        if not self.hook_logit_bias.has_hooks():
+        if not is_hooked(self.hook_logit_bias):
             return None
         first = sources[0]
         dtype = torch.float64 if first.dtype == torch.float64 else torch.float32

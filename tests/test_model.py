@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformer_lens import ActivationCache
 from transformer_lens.head_detector import detect_head
+from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities import get_act_name
 
 from attnres_lens import HookedTransformer, ModelConfig, adamw, param_groups
-from attnres_lens.components import apply_rotary, normal_init, rotary_tables
+from attnres_lens.components import apply_rotary, is_hooked, normal_init, rotary_tables
 from tests.helpers import VARIANTS, randomize_depth_parameters, reference_logits, small_config
 
 
@@ -419,3 +420,32 @@ def test_normal_init_gives_the_values_of_randn_times_std(divisor):
     expected = torch.randn(5, 7) * 0.02 / divisor if divisor != 1.0 else torch.randn(5, 7) * 0.02
     torch.manual_seed(3)
     assert torch.equal(normal_init((5, 7), 0.02, divisor), expected)
+
+
+def test_is_hooked_answers_what_has_hooks_answers():
+    point = HookPoint()
+
+    def agree() -> bool:
+        assert is_hooked(point) == point.has_hooks()
+        return is_hooked(point)
+
+    assert not agree()
+    point.add_hook(lambda tensor, hook: tensor)
+    assert agree()
+    point.remove_hooks()
+    assert not agree()
+    point.add_hook(lambda grad, hook: None, dir="bwd")
+    assert agree()
+    point.remove_hooks(dir="bwd")
+    assert not agree()
+    point.add_perma_hook(lambda tensor, hook: tensor)
+    assert agree()
+    point.remove_hooks()  # permanent hooks stay
+    assert agree()
+    point.remove_hooks(including_permanent=True)
+    assert not agree()
+    model = HookedTransformer(small_config("attnres", 1))
+    mixer = model.blocks[0].attn_res
+    with model.hooks(fwd_hooks=[("blocks.0.attn_res.hook_weights", lambda weights, hook: weights)]):
+        assert is_hooked(mixer.hook_weights) and mixer.observed() and mixer.hooked()
+    assert not (is_hooked(mixer.hook_weights) or mixer.hooked())
