@@ -1,8 +1,9 @@
 """The CPU speed-ups of the rotary/RMSNorm C kernels, Full AttnRes's two-phase forward, and the commands' process
 costs, each measured side by side (issues 13 and 15; docs/kernels.md §2, §7, §11).
 
-* ops: `components.apply_rotary` vs `cpu_fused.rotary_cpu`, `F.rms_norm` vs `cpu_fused.rms_norm_cpu`, forward
-  and forward + backward, interleaved repeats in one process at one torch thread;
+* ops: `components.apply_rotary` vs `cpu_fused.rotary_cpu`, `F.rms_norm` vs `cpu_fused.rms_norm_cpu`, and a depth
+  mix with its consumer's pre-norm as two C calls vs one fused call, forward and forward + backward, interleaved
+  repeats in one process at one torch thread;
 * two-phase: forward passes (no_grad) of Full AttnRes models with the C two-phase windows as shipped and with
   every consumer mixed in one pass (`attnres.stream_two_phase_backend` replaced for the comparison), interleaved;
 * process costs: a model replica for the worker threads (`interventions.model_replica`), and the exit of a process
@@ -29,7 +30,8 @@ from analyses.common import command_line, emit_report, machine_info
 from attnres_lens import HookedTransformer, ModelConfig, attnres
 from attnres_lens.analysis.interventions import model_replica
 from attnres_lens.components import apply_rotary, rotary_tables
-from attnres_lens.kernels.cpu_fused import rms_norm_cpu, rotary_cpu
+from attnres_lens.kernels.cpu_fused import (depth_attention_cpu, depth_attention_normed_cpu, rms_norm_cpu,
+                                          rotary_cpu)
 
 # (label, model shape, batch): the training shapes of bench_cpu_step, the prune model at a stacked pass, a deep one
 MODEL_SHAPES = [
@@ -96,6 +98,32 @@ def _op_row(label: str, torch_form, c_form, x: torch.Tensor, repeats: int) -> li
             f"{both['torch'] / both['c']:.2f} |"]
 
 
+def fused_norm_rows(repeats: int, tiny: bool) -> list[str]:
+    """A consumer's depth mix then its pre-norm as two C calls (what the model ran before) vs one fused call,
+    forward and forward + backward (the loss on the normed output only, as in a model)."""
+    rows = []
+    for n_sources, batch, pos, width in ((3, 2, 8, 16),) if tiny else ((5, 12, 64, 128), (9, 12, 64, 128),
+                                                                        (13, 8, 128, 256)):
+        generator = torch.Generator().manual_seed(n_sources)
+        sources = [torch.randn(batch, pos, width, generator=generator, requires_grad=True) for _ in range(n_sources)]
+        query, gain, norm_weight = (torch.randn(width, generator=generator, requires_grad=True) for _ in range(3))
+
+        def two_calls():
+            return rms_norm_cpu(depth_attention_cpu(sources, query, gain, 1e-6)[0], norm_weight, 1e-5)
+
+        def one_call():
+            return depth_attention_normed_cpu(sources, query, gain, 1e-6, norm_weight, 1e-5)[1]
+
+        with torch.no_grad():
+            forward = interleaved({"two": two_calls, "one": one_call}, repeats)
+        both = interleaved({"two": lambda: two_calls().sum().backward(), "one": lambda: one_call().sum().backward()},
+                           repeats)
+        rows.append(f"| {n_sources} x [{batch}, {pos}, {width}] | {forward['two'] * 1e3:.3f} | "
+                    f"{forward['one'] * 1e3:.3f} | {forward['two'] / forward['one']:.2f} | {both['two'] * 1e3:.3f} | "
+                    f"{both['one'] * 1e3:.3f} | {both['two'] / both['one']:.2f} |")
+    return rows
+
+
 def two_phase_rows(shapes, repeats: int) -> list[str]:
     shipped = attnres.stream_two_phase_backend
     rows = []
@@ -147,6 +175,13 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         "| op | PyTorch fwd (ms) | C fwd (ms) | × | PyTorch fwd+bwd (ms) | C fwd+bwd (ms) | × |",
         "|---|---|---|---|---|---|---|",
         *op_rows(args.repeats, args.tiny),
+        "",
+        "A sublayer's depth mix and its pre-norm (docs/kernels.md §4): `depth_attention_cpu` then `rms_norm_cpu` vs "
+        "one `depth_attention_normed_cpu` call.",
+        "",
+        "| sources x shape | two calls fwd (ms) | fused fwd (ms) | × | two calls fwd+bwd (ms) | fused fwd+bwd (ms) | × |",
+        "|---|---|---|---|---|---|---|",
+        *fused_norm_rows(args.repeats, args.tiny),
         "",
         "Full AttnRes forward (no_grad, `cpu` backend): every consumer in one fused pass vs the shipped two-phase "
         "windows (4 consumers from 8 shared sources, docs/kernels.md §7).",

@@ -28,7 +28,8 @@ from transformer_lens.hook_points import HookPoint
 
 from attnres_lens.components import RMSNorm, is_hooked
 from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
-from attnres_lens.kernels.backends import stream_two_phase_backend
+from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel, stream_two_phase_backend
+from attnres_lens.kernels.cpu_fused import depth_attention_normed_cpu
 from attnres_lens.kernels.reference import depth_logits, mix_sources
 from attnres_lens.streams import ResidualStream
 
@@ -120,10 +121,20 @@ class DepthStream(ResidualStream):
         self.partial = value
 
     def read(self, mixer: "DepthAttention") -> torch.Tensor:
+        self._close_block()
+        return self._mix(mixer, self.n_written)
+
+    def read_normed(self, mixer: "DepthAttention", hook_in: HookPoint, norm: RMSNorm
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if is_hooked(hook_in):  # a hook may edit x: the norm must read what it returns
+            return super().read_normed(mixer, hook_in, norm)
+        self._close_block()
+        return self._mix(mixer, self.n_written, norm)
+
+    def _close_block(self) -> None:
         if starts_block(self.n_written, self.block_size) and self.partial is not None:
             self.blocks.append(self.partial)
             self.partial = None
-        return self._mix(mixer, self.n_written)
 
     def write(self, output: torch.Tensor, input: Optional[torch.Tensor] = None) -> None:
         self.partial = output if self.partial is None else self.partial + output
@@ -139,9 +150,10 @@ class DepthStream(ResidualStream):
         """The sources the next consumer reads (after `read` has closed a completed block)."""
         return windowed(self.blocks + ([self.partial] if self.partial is not None else []), self.window)
 
-    def _mix(self, module: "DepthAttention", consumer: int) -> torch.Tensor:
+    def _mix(self, module: "DepthAttention", consumer: int, norm: Optional[RMSNorm] = None):
+        """The consumer's input h, or with `norm` (its pre-norm) `(h, norm(h))`."""
         if self.consumers is None or module.hooked():
-            return module(self.sources())
+            return self._one_pass(module, norm)
         sources = _common_dtype(self.sources())
         phase1 = self._phase1
         if phase1 is None or not phase1.first <= consumer <= phase1.last:
@@ -149,9 +161,13 @@ class DepthStream(ResidualStream):
         unseen = sources[phase1.n_sources:] if phase1 is not None else []
         if phase1 is None or (phase1.stats.backend == "cpu" and torch.is_grad_enabled()
                               and _any_requires_grad(unseen, [module])):
-            return module(self.sources())  # the C merge has no backward (a window opened without a gradient)
+            return self._one_pass(module, norm)  # the C merge has no backward (a window opened without a gradient)
         unseen = [source.to(phase1.stats.out_dtype) for source in unseen]
-        return merge_partial(phase1.stats, consumer - phase1.first, unseen)
+        h = merge_partial(phase1.stats, consumer - phase1.first, unseen)
+        return h if norm is None else (h, norm(h))
+
+    def _one_pass(self, module: "DepthAttention", norm: Optional[RMSNorm]):
+        return module(self.sources()) if norm is None else module.mix_and_norm(self.sources(), norm)
 
     def _start_window(self, consumer: int, sources: list[torch.Tensor]) -> Optional[_Phase1]:
         """Phase 1 for the window that starts at `consumer`, or None where it mixes one pass per consumer."""
@@ -259,6 +275,19 @@ class DepthAttention(nn.Module):
             return mix_sources(weights, sources)
         grouped = [v.unflatten(-1, (self.heads, -1)) for v in sources]  # [..., heads, d_model / heads]
         return mix_sources(weights, grouped).flatten(-2)
+
+    def mix_and_norm(self, sources: list[torch.Tensor], norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(h, norm(h))` for this mix h of `sources` (a consumer and its pre-norm): one C kernel call each way
+        where the mix would run the C kernel and nothing watches it or the norm (docs/kernels.md §4)."""
+        sources = _common_dtype(sources)
+        first = sources[0]
+        if (self.fusable and not self.hooked() and not norm.watched()
+                and elementwise_runs_cpu_kernel(self.backend, *sources)
+                and self.query.dtype == self.key_norm.w.dtype == norm.w.dtype == first.dtype):
+            return depth_attention_normed_cpu(sources, self.query, self.key_norm.w, self.key_norm.eps, norm.w,
+                                              norm.eps)
+        h = self(sources)
+        return h, norm(h)
 
     def logit_bias(self, sources: list[torch.Tensor]) -> Optional[torch.Tensor]:
         """`hook_logit_bias`'s output [..., n_sources] when it is hooked (it then fires on zeros), else None."""

@@ -46,6 +46,13 @@ class RMSNorm(nn.Module):
             self.hook_scale = HookPoint()
             self.hook_normalized = HookPoint()
 
+    def watched(self) -> bool:
+        """Whether a hook sees this norm's scale or output, or a PyTorch module hook its call (then a depth mix
+        does not compute it inside its own kernel)."""
+        return ((self.hooked and (is_hooked(self.hook_scale) or is_hooked(self.hook_normalized)))
+                or bool(self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
+                        or self._backward_pre_hooks))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.hooked and (is_hooked(self.hook_scale) or is_hooked(self.hook_normalized))):
             # nothing watches the scale: one C pass each way on the cpu backend (2x faster than PyTorch's at

@@ -103,8 +103,8 @@ class TransformerBlock(nn.Module):
     @staticmethod
     def _sublayer(stream: ResidualStream, mixer: Optional[nn.Module], hook_in: HookPoint, norm: RMSNorm,
                   sublayer: nn.Module, hook_out: HookPoint) -> None:
-        x = hook_in(stream.read(mixer))
-        stream.write(hook_out(sublayer(norm(x))), x)
+        x, normed = stream.read_normed(mixer, hook_in, norm)
+        stream.write(hook_out(sublayer(normed)), x)
 
 
 class DepthActivationCache(ActivationCache):
@@ -409,8 +409,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999)
           ) -> torch.optim.AdamW:
     """AdamW over `param_groups`, fused (one kernel call for all tensors) on the CPU and CUDA. PyTorch's default
-    on the CPU is a Python loop of ~8 ops per parameter tensor, ~6 ms of a 4-layer model's ~70 ms step, and
-    AttnRes adds two tensors per sublayer (docs/kernels.md §11)."""
+    on the CPU is a Python loop of ~8 ops per parameter tensor: 6.4 ms of optimizer time per step of a 4-layer
+    model against 2.2 ms fused, and AttnRes adds two tensors per sublayer (docs/kernels.md §11)."""
     device = next(model.parameters()).device
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas,
                              fused=device.type in ("cpu", "cuda"))

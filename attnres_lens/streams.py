@@ -28,6 +28,13 @@ class ResidualStream:
     def read(self, mixer: Optional[nn.Module]) -> torch.Tensor:
         raise NotImplementedError
 
+    def read_normed(self, mixer: Optional[nn.Module], hook_in: nn.Module, norm: nn.Module
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next sublayer's input through its hook point and its pre-norm, `(x, norm(x))` (a stream may compute
+        both in one kernel where nothing watches x)."""
+        x = hook_in(self.read(mixer))
+        return x, norm(x)
+
     def write(self, output: torch.Tensor, input: torch.Tensor) -> None:
         raise NotImplementedError
 

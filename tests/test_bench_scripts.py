@@ -52,6 +52,7 @@ def test_cpu_kernels_benchmark_on_tiny_shapes():
     lines = load("bench_cpu_kernels").main(["--tiny", "--repeats", "1", "--processes", "1"])
     ops = [line.split("|")[1].strip() for line in lines if line.startswith("| RMSNorm") or line.startswith("| rotary")]
     assert ops == ["RMSNorm [2, 8, 16]", "rotary [2, 8, 2, 4]"]
+    assert any(line.startswith("| 3 x [2, 8, 16] |") for line in lines)  # the fused pre-norm
     assert any(line.startswith("| 2 layers") for line in lines)
     assert any(line.startswith("Process costs:") and "gc.freeze" in line for line in lines)
 

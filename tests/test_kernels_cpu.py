@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from attnres_lens.kernels import _common, backends, cpu_fused, depth_attention
+from tests.helpers import randomize_depth_parameters
 from tests.kernel_cases import SHAPES, assert_close, make_inputs, oracle
 
 
@@ -385,26 +386,35 @@ def test_two_phase_on_the_cpu_folds_low_precision_queries_in_fp32():
 _MODEL_KERNELS = {
     "kv_shift_cpu": (dict(attention="kv_shift", n_ctx=9), 2, ["blocks.0.attn.kv_shift", "blocks.1.attn.W_K"]),
     "rotary_cpu": (dict(n_ctx=12), 2 * 2, ["blocks.0.attn.W_Q", "blocks.1.attn.W_K"]),  # q and k of each layer
-    "rms_norm_cpu": (dict(n_ctx=12), 2 * 2 + 1, ["blocks.0.ln1.w", "ln_final.w", "blocks.1.mlp.W_in"]),  # + final
+    # the final norm; each sublayer's pre-norm runs inside its depth mix (next entry)
+    "rms_norm_cpu": (dict(n_ctx=12), 1, ["ln_final.w", "blocks.1.mlp.W_in"]),
+    "depth_attention_normed_cpu": (dict(n_ctx=12), 2 * 2, ["blocks.0.ln1.w", "blocks.1.ln2.w", "blocks.0.attn_res.query",
+                                                           "blocks.1.mlp_res.key_norm.w", "blocks.0.attn.W_Q"]),
 }
 
 
 @pytest.mark.parametrize("kernel", list(_MODEL_KERNELS))
 def test_a_model_runs_each_elementwise_kernel_only_on_the_cpu_backend(kernel, monkeypatch):
-    """The KV shift (one fused call per layer for K and V), rotary and RMSNorm kernels run on the cpu backend,
-    none on the reference one, and loss and gradients agree to float64 rounding."""
+    """The KV shift (one fused call per layer for K and V), rotary, RMSNorm and depth mix + pre-norm kernels run on
+    the cpu backend, none on the reference one, and loss and gradients agree to float64 rounding."""
     from attnres_lens import HookedTransformer, ModelConfig
 
     options, expected_calls, compared = _MODEL_KERNELS[kernel]
     calls = []
     real = getattr(cpu_fused, kernel)
-    monkeypatch.setattr(f"attnres_lens.components.{kernel}", lambda *args: calls.append(1) or real(*args))
+    caller = "attnres" if kernel == "depth_attention_normed_cpu" else "components"
+    monkeypatch.setattr(f"attnres_lens.{caller}.{kernel}", lambda *args: calls.append(1) or real(*args))
     tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
     results = {}
     for backend in ("cpu", "reference"):
         cfg = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_vocab=32, residual="attnres",
                           depth_attention_backend=backend, dtype=torch.float64, seed=1, **options)
         model = HookedTransformer(cfg)
+        randomize_depth_parameters(model)  # non-uniform depth weights
+        with torch.no_grad():  # and gains other than 1
+            for name, parameter in model.named_parameters():
+                if name.endswith(("ln1.w", "ln2.w", "ln_final.w")):
+                    parameter.mul_(torch.linspace(0.5, 1.5, parameter.numel(), dtype=parameter.dtype))
         loss = model(tokens, return_type="loss")
         loss.backward()
         parameters = dict(model.named_parameters())
@@ -414,3 +424,96 @@ def test_a_model_runs_each_elementwise_kernel_only_on_the_cpu_backend(kernel, mo
     assert len(calls) == expected_calls  # none on the reference backend
     for got, want in zip(results["cpu"], results["reference"]):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n_sources,shape", [(3, (2, 5, 8)), (1, (4, 6)), (40, (3, 7, 16))])  # 40: the tiled backward
+def test_the_mix_with_its_pre_norm_fused_matches_the_mix_then_the_norm(dtype, n_sources, shape):
+    """`depth_attention_normed_cpu` against the readable mix followed by PyTorch's RMSNorm, for y alone, for y and
+    h together (h's gradient added to the norm's) and for h alone (the gain gets none)."""
+    generator = torch.Generator().manual_seed(n_sources)
+    d_model = shape[-1]
+    sources = [torch.randn(*shape, generator=generator, dtype=dtype, requires_grad=True) for _ in range(n_sources)]
+    query, gain, norm_weight = (torch.randn(d_model, generator=generator, dtype=dtype, requires_grad=True)
+                                for _ in range(3))
+    leaves = [*sources, query, gain, norm_weight]
+    tolerance = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    for use_y, use_h in ((True, False), (True, True), (False, True)):
+        h, y = cpu_fused.depth_attention_normed_cpu(sources, query, gain, 1e-6, norm_weight, 1e-5)
+        want_h = depth_attention(sources, query, gain, 1e-6, backend="reference")
+        want_y = torch.nn.functional.rms_norm(want_h, (d_model,), norm_weight, 1e-5)
+        torch.testing.assert_close(h, want_h, **tolerance)
+        torch.testing.assert_close(y, want_y, **tolerance)
+        probe_h, probe_y = torch.randn_like(h), torch.randn_like(y)
+
+        def loss(h, y):
+            return (y * probe_y).sum() * use_y + (h * probe_h).sum() * use_h
+
+        got = torch.autograd.grad(loss(h, y), leaves, allow_unused=True)
+        want = torch.autograd.grad(loss(want_h, want_y), leaves, allow_unused=True)
+        for name, a, b in zip([f"source {i}" for i in range(n_sources)] + ["query", "gain", "norm_weight"], got, want):
+            if b is None or not use_y and name == "norm_weight":
+                assert a is None or not a.any(), name
+            else:
+                torch.testing.assert_close(a, b, **tolerance, msg=name)
+    if dtype == torch.float64 and n_sources < 10:
+        def fused(*tensors):
+            return cpu_fused.depth_attention_normed_cpu(list(tensors[:n_sources]), *tensors[n_sources:n_sources + 2],
+                                                        1e-6, tensors[-1], 1e-5)
+        assert torch.autograd.gradcheck(fused, tuple(leaves))
+
+
+def test_the_fused_pre_norm_writes_every_output(many_threads):
+    """With outputs NaN-poisoned before the kernel writes them (this file's fixture), none stays NaN: an odd token
+    count, 33 sources (the tiled backward), split over threads."""
+    sources = [torch.randn(37, 24, requires_grad=True) for _ in range(33)]
+    query, gain, norm_weight = (torch.randn(24, requires_grad=True) for _ in range(3))
+    h, y = cpu_fused.depth_attention_normed_cpu(sources, query, gain, 1e-6, norm_weight, 1e-5)
+    assert torch.isfinite(h).all() and torch.isfinite(y).all()
+    grads = torch.autograd.grad(y.square().sum() + h.sum(), [*sources, query, gain, norm_weight])
+    assert all(torch.isfinite(grad).all() for grad in grads)
+
+
+def test_the_fused_pre_norm_refuses_what_it_cannot_run():
+    sources = [torch.randn(2, 8) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"norm_weight must be \[8\] torch.float32"):
+        cpu_fused.depth_attention_normed_cpu(sources, torch.zeros(8), torch.ones(8), 1e-6, torch.ones(8).double(), 1e-5)
+    with pytest.raises(ValueError, match="fp32/fp64 CPU tensors, got torch.bfloat16"):
+        cpu_fused.depth_attention_normed_cpu([s.bfloat16() for s in sources], torch.zeros(8), torch.ones(8), 1e-6,
+                                             torch.ones(8), 1e-5)
+
+
+@pytest.mark.parametrize("watch", ["blocks.0.hook_resid_pre", "blocks.0.ln1.hook_normalized", "module hook"])
+def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
+    """A hook on a sublayer's input or on its norm (or a PyTorch hook on the norm module) sends that sublayer down
+    the unfused path, so the hook sees and edits what the norm reads or returns: the output equals a reference-
+    backend model's (never fused) with the same hook; the other sublayers stay fused."""
+    from attnres_lens import HookedTransformer, ModelConfig
+
+    calls = []
+    real = cpu_fused.depth_attention_normed_cpu
+    monkeypatch.setattr("attnres_lens.attnres.depth_attention_normed_cpu", lambda *a: calls.append(1) or real(*a))
+    models = {}
+    for backend in ("cpu", "reference"):
+        models[backend] = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=2, d_vocab=32, n_ctx=8,
+                                                        residual="attnres", depth_attention_backend=backend, seed=0))
+        randomize_depth_parameters(models[backend])
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    clean = models["cpu"](tokens)
+    assert len(calls) == 4
+
+    def edited(model: HookedTransformer) -> torch.Tensor:
+        shift = lambda tensor, hook=None: tensor + 0.5  # noqa: E731
+        if watch != "module hook":
+            return model.run_with_hooks(tokens, fwd_hooks=[(watch, shift)])
+        handle = model.blocks[0].ln1.register_forward_hook(lambda module, args, output: shift(output))
+        try:
+            return model(tokens)
+        finally:
+            handle.remove()
+
+    calls.clear()
+    got = edited(models["cpu"])
+    assert len(calls) == 3  # blocks.0's attention sublayer ran unfused
+    torch.testing.assert_close(got, edited(models["reference"]), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, clean, atol=1e-3)

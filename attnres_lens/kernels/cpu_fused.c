@@ -33,9 +33,15 @@ typedef struct {
     real *h;                    /* [N, D] */
     real *rstd, *logits, *weights; /* [S, N] */
     /* backward */
-    const real *grad_h;         /* [N, D] */
+    const real *grad_h;         /* [N, D]; NULL with a fused pre-norm whose input gets no other gradient */
     real *const *grad_sources;  /* S pointers, each to [N, D] */
     real *grad_query_partial;   /* [threads, D] */
+    /* the consumer's pre-norm y = RMSNorm(h) * norm_weight, fused (norm_weight NULL: not fused) */
+    const real *norm_weight;    /* [D] */
+    real norm_eps;
+    real *y, *norm_rstd;        /* forward outputs (backward inputs): [N, D], [N] */
+    const real *grad_y;         /* [N, D] */
+    real *grad_norm_partial;    /* [threads, D], the gain's gradient summed per thread */
 } depth_args;
 
 typedef struct {
@@ -170,6 +176,32 @@ INLINE void mix_row(real *h, const real *const *src, int64_t S, int64_t row, int
     }
 }
 
+/* RMSNorm of one row (docs/model.md §6): r = 1 / sqrt(mean(x^2) + eps), y = x r w; returns r */
+INLINE real norm_row(const real *x, const real *w, int64_t D, real eps, real *y) {
+    real square = 0;
+#pragma omp simd reduction(+ : square)
+    for (int64_t d = 0; d < D; ++d) square += x[d] * x[d];
+    const real r = (real)1 / sqrt(square / (real)D + eps);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) y[d] = x[d] * r * w[d];
+    return r;
+}
+
+/* Its backward for the output gradient g: dx = r (g w) - x r^3 / D * sum_d (g w x) (plus `extra`, the input's
+ * gradient from elsewhere, when not NULL); dw += g x r */
+INLINE void norm_row_backward(const real *x, const real *w, real r, const real *g, const real *extra, int64_t D,
+                              real *dx, real *grad_w) {
+    real dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += g[d] * w[d] * x[d];
+    const real coefficient = dot * r * r * r / (real)D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) {
+        dx[d] = r * g[d] * w[d] - coefficient * x[d] + (extra ? extra[d] : 0);
+        grad_w[d] += g[d] * x[d] * r;
+    }
+}
+
 /* Forward, in tiles of TILE tokens: pass 1 reads each token row of every source once for its two sums (GROUP
  * sources at a time); the per-token statistics (rstd, logits, softmax) are then computed for the whole tile,
  * vectorised across its tokens (one token at a time they were scalar sqrt, division and exp per source, more
@@ -221,12 +253,13 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
 #pragma omp simd
             for (int64_t t = 0; t < T; ++t) weights[t] = alpha[t] = alpha[t] / total[t];
         }
-        /* pass 2: h = sum_s alpha_s v_s, the rows still in L1/L2 */
+        /* pass 2: h = sum_s alpha_s v_s, the rows still in L1/L2, and the fused pre-norm of h while it is */
         for (int64_t t = 0; t < T; ++t) {
             const int64_t row = (t0 + t) * D;
             real *h = a->h + row;
             for (int64_t d = 0; d < D; ++d) h[d] = 0;
             mix_row(h, src, S, row, D, w + t);
+            if (a->norm_weight) a->norm_rstd[t0 + t] = norm_row(h, a->norm_weight, D, a->norm_eps, a->y + row);
         }
     }
 }
@@ -237,12 +270,18 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
  *   du      += dlogit_s r_s v_s
  * A logit bias enters only through alpha (saved from the forward), so the backward is the same with or without.
  */
-INLINE void backward_by_token(const depth_args *a, int64_t begin, int64_t end, real *grad_u, const int64_t D) {
+INLINE void backward_by_token(const depth_args *a, int64_t begin, int64_t end, real *grad_u, real *grad_norm,
+                              const int64_t D) {
     const int64_t S = a->n_sources, N = a->n_tokens;
     const real *u = a->folded_query;
-    real dots[S];
+    real dots[S], fused_dh[a->norm_weight ? D : 1];
     for (int64_t n = begin; n < end; ++n) {
-        const real *dh = a->grad_h + n * D;
+        const real *dh = a->grad_h ? a->grad_h + n * D : NULL;
+        if (a->norm_weight) {
+            norm_row_backward(a->h + n * D, a->norm_weight, a->norm_rstd[n], a->grad_y + n * D, dh, D, fused_dh,
+                              grad_norm);
+            dh = fused_dh;
+        }
         real delta = 0;
         for (int64_t s = 0; s < S; ++s) {
             const real *v = a->sources[s] + n * D;
@@ -267,13 +306,20 @@ INLINE void backward_by_token(const depth_args *a, int64_t begin, int64_t end, r
     }
 }
 
-INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, real *grad_u, const int64_t D) {
+INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, real *grad_u, real *grad_norm,
+                             const int64_t D) {
     const int64_t S = a->n_sources, N = a->n_tokens;
     const real *u = a->folded_query;
-    real dots[S * TILE], delta[TILE];
+    real dots[S * TILE], delta[TILE], fused_dh[a->norm_weight ? TILE * D : 1];
     for (int64_t t0 = begin; t0 < end; t0 += TILE) {
         const int64_t T = end - t0 < TILE ? end - t0 : TILE;
-        const real *dh = a->grad_h + t0 * D;
+        const real *dh = a->grad_h ? a->grad_h + t0 * D : NULL;
+        if (a->norm_weight) {
+            for (int64_t n = 0; n < T; ++n)
+                norm_row_backward(a->h + (t0 + n) * D, a->norm_weight, a->norm_rstd[t0 + n], a->grad_y + (t0 + n) * D,
+                                  dh ? dh + n * D : NULL, D, fused_dh + n * D, grad_norm);
+            dh = fused_dh;
+        }
         for (int64_t n = 0; n < T; ++n) delta[n] = 0;
         for (int64_t s = 0; s < S; ++s) {
             tile_dots(a->sources[s] + t0 * D, dh, D, T, dots + s * TILE);
@@ -303,22 +349,23 @@ INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
  * one: measured 2.1x faster at 49 sources, 1.1-1.4x slower at 9-25 (d_model 64-128). */
 #define TILED_BACKWARD_MIN_SOURCES 33
 
-INLINE void backward_rows_d(const depth_args *a, int64_t begin, int64_t end, real *grad_u, const int64_t D) {
-    if (a->n_sources >= TILED_BACKWARD_MIN_SOURCES) backward_by_tile(a, begin, end, grad_u, D);
-    else backward_by_token(a, begin, end, grad_u, D);
+INLINE void backward_rows_d(const depth_args *a, int64_t begin, int64_t end, real *grad_u, real *grad_norm,
+                            const int64_t D) {
+    if (a->n_sources >= TILED_BACKWARD_MIN_SOURCES) backward_by_tile(a, begin, end, grad_u, grad_norm, D);
+    else backward_by_token(a, begin, end, grad_u, grad_norm, D);
 }
 
 /* The backward is inlined into one copy per common d_model, where the width is a compile-time constant, and a
  * generic copy: with the trip count known the compiler unrolls the vector loops and keeps the accumulators in
  * registers, 1.1-1.2x faster at d_model 64 and at few sources of 128 (the same sums, bit for bit). The forward
  * measured no gain from it (docs/kernels.md §6). */
-static void backward_rows(const depth_args *a, int64_t begin, int64_t end, real *grad_u) {
+static void backward_rows(const depth_args *a, int64_t begin, int64_t end, real *grad_u, real *grad_norm) {
     switch (a->d_model) {
-    case 32: backward_rows_d(a, begin, end, grad_u, 32); break;
-    case 64: backward_rows_d(a, begin, end, grad_u, 64); break;
-    case 128: backward_rows_d(a, begin, end, grad_u, 128); break;
-    case 256: backward_rows_d(a, begin, end, grad_u, 256); break;
-    default: backward_rows_d(a, begin, end, grad_u, a->d_model);
+    case 32: backward_rows_d(a, begin, end, grad_u, grad_norm, 32); break;
+    case 64: backward_rows_d(a, begin, end, grad_u, grad_norm, 64); break;
+    case 128: backward_rows_d(a, begin, end, grad_u, grad_norm, 128); break;
+    case 256: backward_rows_d(a, begin, end, grad_u, grad_norm, 256); break;
+    default: backward_rows_d(a, begin, end, grad_u, grad_norm, a->d_model);
     }
 }
 
@@ -333,7 +380,9 @@ static void *backward_worker(void *arg) {
     const depth_args *a = (const depth_args *)range->args;
     real *grad_u = a->grad_query_partial + range->thread * a->d_model;
     memset(grad_u, 0, (size_t)a->d_model * sizeof(real));
-    backward_rows(a, range->row_begin, range->row_end, grad_u);
+    real *grad_norm = a->norm_weight ? a->grad_norm_partial + range->thread * a->d_model : NULL;
+    if (grad_norm) memset(grad_norm, 0, (size_t)a->d_model * sizeof(real));
+    backward_rows(a, range->row_begin, range->row_end, grad_u, grad_norm);
     return NULL;
 }
 
@@ -379,6 +428,35 @@ void depth_attention_backward(const real *const *sources, int64_t n_sources, int
                           .folded_query = folded_query, .rstd = (real *)rstd, .logits = (real *)logits,
                           .weights = (real *)weights, .grad_h = grad_h, .grad_sources = grad_sources,
                           .grad_query_partial = grad_query_partial};
+    run_rows(backward_worker, &a, n_tokens, n_threads);
+}
+
+/* The same two with the consumer's pre-norm fused (docs/kernels.md §4): the forward also writes y = RMSNorm(h) * nw
+ * and its rstd while each h row is in L1; the backward turns dy (plus dh, when h has other uses; else NULL) into dh
+ * row by row before the mix's backward, with the gain's gradient summed per thread into grad_norm_partial. */
+void depth_attention_normed_forward(const real *const *sources, int64_t n_sources, int64_t n_tokens,
+                                    int64_t d_model, const real *folded_query, double eps, const real *norm_weight,
+                                    double norm_eps, real *h, real *rstd, real *logits, real *weights, real *y,
+                                    real *norm_rstd, int n_threads) {
+    const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
+                          .folded_query = folded_query, .eps = (real)eps, .h = h, .rstd = rstd, .logits = logits,
+                          .weights = weights, .norm_weight = norm_weight, .norm_eps = (real)norm_eps, .y = y,
+                          .norm_rstd = norm_rstd};
+    run_rows(forward_worker, &a, n_tokens, n_threads);
+}
+
+void depth_attention_normed_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens,
+                                     int64_t d_model, const real *folded_query, const real *rstd,
+                                     const real *logits, const real *weights, const real *h,
+                                     const real *norm_weight, const real *norm_rstd, const real *grad_y,
+                                     const real *grad_h, real *const *grad_sources, real *grad_query_partial,
+                                     real *grad_norm_partial, int n_threads) {
+    const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
+                          .folded_query = folded_query, .rstd = (real *)rstd, .logits = (real *)logits,
+                          .weights = (real *)weights, .h = (real *)h, .grad_h = grad_h,
+                          .grad_sources = grad_sources, .grad_query_partial = grad_query_partial,
+                          .norm_weight = norm_weight, .norm_rstd = (real *)norm_rstd, .grad_y = grad_y,
+                          .grad_norm_partial = grad_norm_partial};
     run_rows(backward_worker, &a, n_tokens, n_threads);
 }
 
@@ -615,17 +693,7 @@ void rotary_forward(const real *x, const real *cos_table, const real *sin_table,
  * One pass over x forward (r kept for the backward), one over x and g back, where PyTorch's CPU rms_norm takes
  * six (pow, mean, add, rsqrt, two products). */
 void rms_norm_forward(const real *x, const real *w, int64_t N, int64_t D, double eps, real *y, real *rstd) {
-    for (int64_t n = 0; n < N; ++n) {
-        const real *xn = x + n * D;
-        real *yn = y + n * D;
-        real square = 0;
-#pragma omp simd reduction(+ : square)
-        for (int64_t d = 0; d < D; ++d) square += xn[d] * xn[d];
-        const real r = (real)1 / sqrt(square / (real)D + (real)eps);
-        rstd[n] = r;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) yn[d] = xn[d] * r * w[d];
-    }
+    for (int64_t n = 0; n < N; ++n) rstd[n] = norm_row(x + n * D, w, D, (real)eps, y + n * D);
 }
 
 void rms_norm_backward(const real *x, const real *w, const real *rstd, const real *grad_y, int64_t N, int64_t D,

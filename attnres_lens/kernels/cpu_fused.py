@@ -137,6 +137,16 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.depth_attention_backward.argtypes = [
         pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer, pointer, pointer, c_int
     ]
+    library.depth_attention_normed_forward.restype = None
+    library.depth_attention_normed_forward.argtypes = [
+        pointer, int64, int64, int64, pointer, ctypes.c_double, pointer, ctypes.c_double, pointer, pointer, pointer,
+        pointer, pointer, pointer, c_int
+    ]
+    library.depth_attention_normed_backward.restype = None
+    library.depth_attention_normed_backward.argtypes = [
+        pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
+        pointer, pointer, pointer, pointer, c_int
+    ]
     library.depth_attention_multi.restype = None
     library.depth_attention_multi.argtypes = [
         pointer, int64, int64, int64, pointer, int64, pointer, pointer, ctypes.c_double, pointer, pointer, c_int
@@ -254,7 +264,7 @@ _forward_op.register_autograd(_backward, setup_context=_save_for_backward)
 class _EagerDepthAttention(torch.autograd.Function):
     """The eager twin of `_forward_op` with its autograd rule, the query folded in here (``u = w * g``, so
     ``dw = du * g`` and ``dg = du * w``): ``(h, logits, weights)``, the last two reported only
-    (non-differentiable). ``query`` and ``gain`` come in the sources' dtype."""
+    (non-differentiable). ``query`` and ``gain`` come in the compute dtype (fp32, or fp64 for fp64 sources)."""
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, gain: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
@@ -267,6 +277,7 @@ class _EagerDepthAttention(torch.autograd.Function):
         return h, logits, weights
 
     @staticmethod
+    @once_differentiable  # the C backward builds no graph: a second derivative raises instead of coming out wrong
     def backward(ctx, grad_h: torch.Tensor, _grad_logits: torch.Tensor, _grad_weights: torch.Tensor):
         query, gain, folded_query, stats, *sources = ctx.saved_tensors
         grad_sources, grad_folded = _backward_kernel(sources, folded_query, stats, grad_h.contiguous())
@@ -306,6 +317,77 @@ def depth_attention_cpu(
     else:
         h, logits, weights = _EagerDepthAttention.apply(query, gain, bias, float(eps), *flat)
     return (h if h.dtype == first.dtype else h.to(first.dtype)), weights, logits
+
+
+class _EagerNormedDepthAttention(torch.autograd.Function):
+    """`_EagerDepthAttention` with the consumer's pre-norm fused: ``(h, y)`` with ``y = RMSNorm(h) * norm_weight``
+    (docs/kernels.md §4). ``h`` may have other uses (its gradient is then added to the norm's); weights and logits
+    are not reported. All inputs in the sources' dtype."""
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, gain: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_eps: float,
+                *sources: torch.Tensor):
+        first = sources[0]
+        d_model = first.shape[-1]
+        n_tokens, n_sources = first.numel() // d_model, len(sources)
+        folded_query = (query * gain).contiguous()
+        h, y = (new_output(first.shape, first.dtype, first.device) for _ in range(2))
+        stats = new_output((3, n_sources, n_tokens), first.dtype, first.device)
+        rstd, logits, weights = stats.unbind(0)
+        norm_rstd = new_output((n_tokens,), first.dtype, first.device)
+        cpu_library(first.dtype).depth_attention_normed_forward(
+            _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(), eps,
+            norm_weight.data_ptr(), norm_eps, h.data_ptr(), rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(),
+            y.data_ptr(), norm_rstd.data_ptr(), _n_threads(n_sources * n_tokens * d_model),
+        )
+        ctx.save_for_backward(query, gain, folded_query, norm_weight, stats, norm_rstd, h, *sources)
+        ctx.set_materialize_grads(False)  # h usually has no other use: no zero gradient to add
+        return h, y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_h: Optional[torch.Tensor], grad_y: Optional[torch.Tensor]):
+        query, gain, folded_query, norm_weight, stats, norm_rstd, h, *sources = ctx.saved_tensors
+        if grad_y is None and grad_h is None:
+            return (None,) * (5 + len(sources))
+        if grad_y is None:  # only h was used: the plain mix's backward
+            grad_sources, grad_folded = _backward_kernel(sources, folded_query, stats, grad_h.contiguous())
+            return grad_folded * gain, grad_folded * query, None, None, None, *grad_sources
+        first = sources[0]
+        d_model = first.shape[-1]
+        n_tokens, n_sources = first.numel() // d_model, len(sources)
+        n_threads = _n_threads(n_sources * n_tokens * d_model)
+        rstd, logits, weights = stats.unbind(0)
+        grad_sources = [new_output(first.shape, first.dtype, first.device) for _ in range(n_sources)]
+        partials = new_output((2, n_threads, d_model), first.dtype, first.device)  # the query's, the gain's
+        grad_y = grad_y.contiguous()
+        grad_h = None if grad_h is None else grad_h.contiguous()
+        cpu_library(first.dtype).depth_attention_normed_backward(
+            _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(), rstd.data_ptr(),
+            logits.data_ptr(), weights.data_ptr(), h.data_ptr(), norm_weight.data_ptr(), norm_rstd.data_ptr(),
+            grad_y.data_ptr(), None if grad_h is None else grad_h.data_ptr(), _pointer_array(grad_sources),
+            partials[0].data_ptr(), partials[1].data_ptr(), n_threads,
+        )
+        grad_folded, grad_norm_weight = partials.sum(dim=1).unbind(0)
+        return grad_folded * gain, grad_folded * query, grad_norm_weight, None, None, *grad_sources
+
+
+def depth_attention_normed_cpu(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor,
+                               eps: float, norm_weight: torch.Tensor, norm_eps: float
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, RMSNorm(h) * norm_weight)`` for contiguous fp32/fp64 CPU sources of one dtype, with parameters of that
+    dtype, in one kernel call each way (eager only: under torch.compile inductor fuses the norm itself); equals
+    `depth_attention_cpu` followed by `rms_norm_cpu`."""
+    first = sources[0]
+    if first.device.type != "cpu" or first.dtype not in _REAL_TYPES or torch.compiler.is_compiling():
+        raise ValueError(f"the fused pre-norm runs eagerly on fp32/fp64 CPU tensors, got {first.dtype} on "
+                         f"{first.device}")
+    for name, tensor in (("query", query), ("key_norm_weight", key_norm_weight), ("norm_weight", norm_weight)):
+        if tensor.dtype != first.dtype or tensor.shape != first.shape[-1:]:
+            raise ValueError(f"{name} must be [{first.shape[-1]}] {first.dtype} like the sources, got "
+                             f"{list(tensor.shape)} {tensor.dtype}")
+    return _EagerNormedDepthAttention.apply(query, key_norm_weight, norm_weight.contiguous(), float(eps),
+                                            float(norm_eps), *_contiguous(sources, first.dtype))
 
 
 def depth_attention_multi_cpu(
