@@ -91,13 +91,14 @@ def bench(shape_name: str, threads: int, repeats: int, paths: list[str]) -> list
     for _ in range(repeats):
         for label, stepper in steppers.items():
             times[label].append(stepper.step())
-    base = statistics.median(times["standard"])
     rows = []
     for label, samples in times.items():
-        median = statistics.median(samples)
+        # the ratio within each round, then their median: a slow spell of the shared machine that spans a round
+        # slows the standard step of that round too (medians of each variant's own times mix rounds)
+        ratio = statistics.median(t / base for t, base in zip(samples, times["standard"]))
         name = label.split(" [")[0]
-        rows.append(dict(shape=shape_name, threads=threads, variant=label, ms=1000 * median, ratio=median / base,
-                         target=TARGETS.get(name)))
+        rows.append(dict(shape=shape_name, threads=threads, variant=label, ms=1000 * statistics.median(samples),
+                         ratio=ratio, target=TARGETS.get(name)))
     return rows
 
 
@@ -122,7 +123,8 @@ def main() -> None:
         "",
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, "
         f"in {time.perf_counter() - start:.0f} s, by `{command_line()}`.",
-        "Median of interleaved repeats of one training step (forward, backward, fused AdamW as `train` runs it). Shapes: "
+        "Interleaved repeats of one training step (forward, backward, fused AdamW as `train` runs it): step time the "
+        "median of each variant's, × standard the median over rounds of the ratio within the round. Shapes: "
         + "; ".join(f"{k}: {v['n_layers']} layers, d_model {v['d_model']}, n_ctx {v['n_ctx']}, batch {v['batch']}"
                     for k, v in SHAPES.items() if k in args.shapes) + ". Targets: " + ", ".join(f"{name} ≤ {target:.2f}×" for name, target in TARGETS.items()) + ".",
         "",

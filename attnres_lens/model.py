@@ -56,6 +56,9 @@ class TransformerBlock(nn.Module):
     (`hook_resid_post`), so TransformerLens helpers that decompose one refuse the other kinds.
     """
 
+    # hook points whose hooks keep a sublayer's pre-norm out of its depth mix's kernel (interventions stack by them)
+    path_hooks = ("hook_resid_pre", "hook_resid_mid")
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg = cfg

@@ -89,3 +89,26 @@ def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     phases = [float(x) for x in table["full"][7].split("/")]
     assert len(phases) == 3 and all(x > 0 for x in phases)
     assert [line for line in lines if line.startswith("### ")][0].startswith("### standard:")
+
+
+def test_step_benchmark_takes_each_ratio_within_its_round(monkeypatch):
+    module = load("bench_cpu_step")
+    monkeypatch.setitem(module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2))
+    # fake step times (ms) after the 3 warm-up steps: the machine is slow in rounds 1 and 2 for everyone; every
+    # variant takes 1.1x the standard step of its round, except one spell of its own in the last round. Per round
+    # the ratio is 1.1 four times out of five; the medians of each variant's own times would give 9.9 / 1 = 9.9.
+    standard = [1, 9, 9, 1, 1]
+    counts: dict[int, int] = {}
+
+    def fake_step(self) -> float:
+        count = counts[id(self)] = counts.get(id(self), -1) + 1
+        round_ = max(count - 3, 0)
+        if self.model.cfg.residual == "standard" and self.model.cfg.attention == "standard":
+            return standard[round_] / 1000
+        return (10 if round_ == 4 else 1.1 * standard[round_]) / 1000
+
+    monkeypatch.setattr(module.Stepper, "step", fake_step)
+    rows = module.bench("small", 1, 5, ["cpu"])
+    assert [row["variant"] for row in rows] == ["standard", "standard+kv_shift", "full [cpu]", "block2 [cpu]",
+                                                "block4 [cpu]"]
+    assert [round(row["ratio"], 6) for row in rows] == [1.0, 1.1, 1.1, 1.1, 1.1]

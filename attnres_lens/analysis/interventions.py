@@ -556,8 +556,10 @@ class _SharedEvaluation:
         """Run each leaf from `stage`, or from after the deepest stage an earlier call cached: leaves that start at
         the same stage stacked, up to `max_copies` copies a pass, here or on the workers. (Stacking leaves of
         different branches or start stages too, each joining the stack at its own stage, measured slower: every
-        join copies the stack.) A hook on a depth attention's logits or weights (a module's `path_hooks`) sends
-        the whole stack down its readable, slower path, so leaves are grouped by those points too."""
+        join copies the stack.) A hook on a point that changes a module's path (a module's `path_hooks`: a depth
+        attention's logits or weights, an attention's scores or pattern, a sublayer's input or its norm, which keep
+        the norm out of the depth mix's kernel) sends the whole stack down that path, so leaves are grouped by those
+        points too."""
         similar: dict[tuple, list[tuple[list[int], Any]]] = defaultdict(list)
         for leaf in leaves:
             start, start_state = stage, state
