@@ -30,6 +30,7 @@ from analyses.common import command_line, emit_report, machine_info
 from attnres_lens import HookedTransformer, ModelConfig, attnres
 from attnres_lens.analysis.interventions import model_replica
 from attnres_lens.components import apply_rotary, rotary_tables
+from attnres_lens.cpu_settings import keep_freed_memory
 from attnres_lens.kernels.cpu_fused import (depth_attention_cpu, depth_attention_normed_cpu, rms_norm_cpu,
                                           rotary_cpu)
 
@@ -157,7 +158,7 @@ def exit_seconds(mode: str) -> float:
     return time.time() - float(out.stdout.split()[-1])
 
 
-def main(argv: Optional[Sequence[str]] = None) -> list[str]:
+def main(argv: Optional[Sequence[str]] = None, keep_memory: bool = False) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--processes", type=int, default=3, help="exits timed per setting (fresh processes)")
@@ -165,12 +166,17 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    # freed blocks reused (as in a training loop's steady state and in the analysis commands): a call that allocates
+    # megabytes of gradients otherwise page-faults them in afresh each time, which swamps the kernels' difference.
+    # Process-wide, so only the command applies it, not a test calling main().
+    kept = keep_memory and keep_freed_memory()
+    allocator = "freed memory kept (`cpu_settings.keep_freed_memory`)" if kept else "the C library's default allocator"
     started = time.perf_counter()
     lines = [
         "# CPU kernels and process costs, side by side",
         "",
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, one torch "
-        f"thread, by `{command_line()}`; medians of {args.repeats} interleaved repeats.",
+        f"thread, by `{command_line()}`; medians of {args.repeats} interleaved repeats; {allocator}.",
         "",
         "| op | PyTorch fwd (ms) | C fwd (ms) | × | PyTorch fwd+bwd (ms) | C fwd+bwd (ms) | × |",
         "|---|---|---|---|---|---|---|",
@@ -211,4 +217,4 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    main(keep_memory=True)
