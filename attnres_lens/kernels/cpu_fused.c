@@ -41,7 +41,7 @@ typedef struct {
     real norm_eps;
     real *y, *norm_rstd;        /* forward outputs (backward inputs): [N, D], [N] */
     const real *grad_y;         /* [N, D] */
-    real *grad_norm_partial;    /* [threads, D], the gain's gradient summed per thread */
+    double *grad_norm_partial;  /* [threads, D], the gain's gradient summed per thread (in double) */
 } depth_args;
 
 typedef struct {
@@ -188,9 +188,9 @@ INLINE real norm_row(const real *x, const real *w, int64_t D, real eps, real *y)
 }
 
 /* Its backward for the output gradient g: dx = r (g w) - x r^3 / D * sum_d (g w x) (plus `extra`, the input's
- * gradient from elsewhere, when not NULL); dw += g x r */
+ * gradient from elsewhere, when not NULL); dw += g x r, summed over rows in double */
 INLINE void norm_row_backward(const real *x, const real *w, real r, const real *g, const real *extra, int64_t D,
-                              real *dx, real *grad_w) {
+                              real *dx, double *grad_w) {
     real dot = 0;
 #pragma omp simd reduction(+ : dot)
     for (int64_t d = 0; d < D; ++d) dot += g[d] * w[d] * x[d];
@@ -198,7 +198,7 @@ INLINE void norm_row_backward(const real *x, const real *w, real r, const real *
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) {
         dx[d] = r * g[d] * w[d] - coefficient * x[d] + (extra ? extra[d] : 0);
-        grad_w[d] += g[d] * x[d] * r;
+        grad_w[d] += (double)(g[d] * x[d] * r);
     }
 }
 
@@ -270,7 +270,7 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
  *   du      += dlogit_s r_s v_s
  * A logit bias enters only through alpha (saved from the forward), so the backward is the same with or without.
  */
-INLINE void backward_by_token(const depth_args *a, int64_t begin, int64_t end, real *grad_u, real *grad_norm,
+INLINE void backward_by_token(const depth_args *a, int64_t begin, int64_t end, real *grad_u, double *grad_norm,
                               const int64_t D) {
     const int64_t S = a->n_sources, N = a->n_tokens;
     const real *u = a->folded_query;
@@ -306,7 +306,7 @@ INLINE void backward_by_token(const depth_args *a, int64_t begin, int64_t end, r
     }
 }
 
-INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, real *grad_u, real *grad_norm,
+INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, real *grad_u, double *grad_norm,
                              const int64_t D) {
     const int64_t S = a->n_sources, N = a->n_tokens;
     const real *u = a->folded_query;
@@ -349,7 +349,7 @@ INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
  * one: measured 2.1x faster at 49 sources, 1.1-1.4x slower at 9-25 (d_model 64-128). */
 #define TILED_BACKWARD_MIN_SOURCES 33
 
-INLINE void backward_rows_d(const depth_args *a, int64_t begin, int64_t end, real *grad_u, real *grad_norm,
+INLINE void backward_rows_d(const depth_args *a, int64_t begin, int64_t end, real *grad_u, double *grad_norm,
                             const int64_t D) {
     if (a->n_sources >= TILED_BACKWARD_MIN_SOURCES) backward_by_tile(a, begin, end, grad_u, grad_norm, D);
     else backward_by_token(a, begin, end, grad_u, grad_norm, D);
@@ -359,7 +359,7 @@ INLINE void backward_rows_d(const depth_args *a, int64_t begin, int64_t end, rea
  * generic copy: with the trip count known the compiler unrolls the vector loops and keeps the accumulators in
  * registers, 1.1-1.2x faster at d_model 64 and at few sources of 128 (the same sums, bit for bit). The forward
  * measured no gain from it (docs/kernels.md §6). */
-static void backward_rows(const depth_args *a, int64_t begin, int64_t end, real *grad_u, real *grad_norm) {
+static void backward_rows(const depth_args *a, int64_t begin, int64_t end, real *grad_u, double *grad_norm) {
     switch (a->d_model) {
     case 32: backward_rows_d(a, begin, end, grad_u, grad_norm, 32); break;
     case 64: backward_rows_d(a, begin, end, grad_u, grad_norm, 64); break;
@@ -380,8 +380,8 @@ static void *backward_worker(void *arg) {
     const depth_args *a = (const depth_args *)range->args;
     real *grad_u = a->grad_query_partial + range->thread * a->d_model;
     memset(grad_u, 0, (size_t)a->d_model * sizeof(real));
-    real *grad_norm = a->norm_weight ? a->grad_norm_partial + range->thread * a->d_model : NULL;
-    if (grad_norm) memset(grad_norm, 0, (size_t)a->d_model * sizeof(real));
+    double *grad_norm = a->norm_weight ? a->grad_norm_partial + range->thread * a->d_model : NULL;
+    if (grad_norm) memset(grad_norm, 0, (size_t)a->d_model * sizeof(double));
     backward_rows(a, range->row_begin, range->row_end, grad_u, grad_norm);
     return NULL;
 }
@@ -433,7 +433,7 @@ void depth_attention_backward(const real *const *sources, int64_t n_sources, int
 
 /* The same two with the consumer's pre-norm fused (docs/kernels.md §4): the forward also writes y = RMSNorm(h) * nw
  * and its rstd while each h row is in L1; the backward turns dy (plus dh, when h has other uses; else NULL) into dh
- * row by row before the mix's backward, with the gain's gradient summed per thread into grad_norm_partial. */
+ * row by row before the mix's backward, with the gain's gradient summed per thread, in double, into grad_norm_partial. */
 void depth_attention_normed_forward(const real *const *sources, int64_t n_sources, int64_t n_tokens,
                                     int64_t d_model, const real *folded_query, double eps, const real *norm_weight,
                                     double norm_eps, real *h, real *rstd, real *logits, real *weights, real *y,
@@ -450,7 +450,7 @@ void depth_attention_normed_backward(const real *const *sources, int64_t n_sourc
                                      const real *logits, const real *weights, const real *h,
                                      const real *norm_weight, const real *norm_rstd, const real *grad_y,
                                      const real *grad_h, real *const *grad_sources, real *grad_query_partial,
-                                     real *grad_norm_partial, int n_threads) {
+                                     double *grad_norm_partial, int n_threads) {
     const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
                           .folded_query = folded_query, .rstd = (real *)rstd, .logits = (real *)logits,
                           .weights = (real *)weights, .h = (real *)h, .grad_h = grad_h,
@@ -700,19 +700,6 @@ void rms_norm_backward(const real *x, const real *w, const real *rstd, const rea
                        real *grad_x, real *grad_w) {
     double sums[D];
     for (int64_t d = 0; d < D; ++d) sums[d] = 0;
-    for (int64_t n = 0; n < N; ++n) {
-        const real *xn = x + n * D, *gn = grad_y + n * D;
-        real *dx = grad_x + n * D;
-        const real r = rstd[n];
-        real dot = 0;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += gn[d] * w[d] * xn[d];
-        const real coefficient = dot * r * r * r / (real)D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) {
-            dx[d] = r * gn[d] * w[d] - coefficient * xn[d];
-            sums[d] += (double)(gn[d] * xn[d] * r);
-        }
-    }
+    for (int64_t n = 0; n < N; ++n) norm_row_backward(x + n * D, w, rstd[n], grad_y + n * D, NULL, D, grad_x + n * D, sums);
     for (int64_t d = 0; d < D; ++d) grad_w[d] = (real)sums[d];
 }

@@ -215,17 +215,23 @@ def _forward_shapes(sources, folded_query, bias, eps):
     return first.new_empty(first.shape), first.new_empty((3, len(sources), first.numel() // first.shape[-1]))
 
 
+def _gradient_buffers(sources: list[torch.Tensor]) -> tuple[list[torch.Tensor], int, int, int]:
+    """A backward's outputs for the sources, and its ``(n_tokens, d_model, threads)``. One tensor per source, not
+    one [S, N, D] block: activation-sized allocations are recycled by the C allocator step after step, while a
+    block of a new size is often mapped afresh and page-faulted in."""
+    first = sources[0]
+    d_model = first.shape[-1]
+    n_tokens = first.numel() // d_model
+    grad_sources = [new_output(first.shape, first.dtype, first.device) for _ in sources]
+    return grad_sources, n_tokens, d_model, _n_threads(len(sources) * n_tokens * d_model)
+
+
 def _backward_kernel(sources: list[torch.Tensor], folded_query: torch.Tensor, stats: torch.Tensor,
                      grad_h: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``(grad of each source, grad of u)`` for the forward op's saved statistics and ``grad_h`` (contiguous)."""
-    first = sources[0]
-    d_model = first.shape[-1]
-    n_tokens, n_sources = first.numel() // d_model, len(sources)
-    n_threads = _n_threads(n_sources * n_tokens * d_model)
+    first, n_sources = sources[0], len(sources)
+    grad_sources, n_tokens, d_model, n_threads = _gradient_buffers(sources)
     rstd, logits, weights = stats.unbind(0)
-    # one tensor per source, not one [S, N, D] block: activation-sized allocations are recycled by the C
-    # allocator step after step, while a block of a new size is often mapped afresh and page-faulted in
-    grad_sources = [new_output(first.shape, first.dtype, first.device) for _ in range(n_sources)]
     grad_folded_partial = new_output((n_threads, d_model), first.dtype, first.device)
     cpu_library(first.dtype).depth_attention_backward(
         _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(),
@@ -353,22 +359,20 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
         if grad_y is None:  # only h was used: the plain mix's backward
             grad_sources, grad_folded = _backward_kernel(sources, folded_query, stats, grad_h.contiguous())
             return grad_folded * gain, grad_folded * query, None, None, None, *grad_sources
-        first = sources[0]
-        d_model = first.shape[-1]
-        n_tokens, n_sources = first.numel() // d_model, len(sources)
-        n_threads = _n_threads(n_sources * n_tokens * d_model)
+        first, n_sources = sources[0], len(sources)
+        grad_sources, n_tokens, d_model, n_threads = _gradient_buffers(sources)
         rstd, logits, weights = stats.unbind(0)
-        grad_sources = [new_output(first.shape, first.dtype, first.device) for _ in range(n_sources)]
-        partials = new_output((2, n_threads, d_model), first.dtype, first.device)  # the query's, the gain's
+        grad_folded_partial = new_output((n_threads, d_model), first.dtype, first.device)
+        grad_norm_partial = new_output((n_threads, d_model), torch.float64, first.device)  # summed in double
         grad_y = grad_y.contiguous()
         grad_h = None if grad_h is None else grad_h.contiguous()
         cpu_library(first.dtype).depth_attention_normed_backward(
             _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(), rstd.data_ptr(),
             logits.data_ptr(), weights.data_ptr(), h.data_ptr(), norm_weight.data_ptr(), norm_rstd.data_ptr(),
             grad_y.data_ptr(), None if grad_h is None else grad_h.data_ptr(), _pointer_array(grad_sources),
-            partials[0].data_ptr(), partials[1].data_ptr(), n_threads,
+            grad_folded_partial.data_ptr(), grad_norm_partial.data_ptr(), n_threads,
         )
-        grad_folded, grad_norm_weight = partials.sum(dim=1).unbind(0)
+        grad_folded, grad_norm_weight = grad_folded_partial.sum(dim=0), grad_norm_partial.sum(dim=0).to(first.dtype)
         return grad_folded * gain, grad_folded * query, grad_norm_weight, None, None, *grad_sources
 
 
