@@ -36,9 +36,9 @@ VARIANTS = {"standard": dict(residual="standard"), "full": dict(residual="attnre
 
 
 def is_depth_op(key: str) -> bool:
-    """Profiler events of the fused C depth kernel: its eager autograd.Function (forward and backward) or, when
-    compiled, its custom ops (kernels/cpu_fused.py)."""
-    return key.startswith(("_EagerDepthAttention", "attnres_lens::depth_attention_cpu"))
+    """Profiler events of the fused C depth kernel: its eager autograd.Functions (forward and backward, with the
+    sublayer's pre-norm fused or not) or, when compiled, its custom ops (kernels/cpu_fused.py)."""
+    return key.startswith(("_EagerDepthAttention", "_EagerNormedDepthAttention", "attnres_lens::depth_attention_cpu"))
 
 
 class Stepper(bench_cpu_step.Stepper):

@@ -50,19 +50,26 @@ def fixed_costs(repeats: int) -> list[str]:
     for _ in range(repeats):
         for key, stepper in steppers.items():
             samples[key].append((stepper.step(), *stepper.phases))
-    # per (variant, shape): median step, forward, backward, optimizer (ms)
-    ms = {key: [1000 * statistics.median(column) for column in zip(*rows)] for key, rows in samples.items()}
+
+    def median_ms(values) -> float:
+        return 1000 * statistics.median(values)
+
+    def versus_standard(key: tuple[str, str]) -> tuple[float, float]:
+        """Median over rounds of (ratio, excess in ms) to the standard step of the same round (as bench_cpu_step)."""
+        pairs = list(zip((row[0] for row in samples[key]), (row[0] for row in samples[("standard", key[1])])))
+        return statistics.median(t / base for t, base in pairs), median_ms(t - base for t, base in pairs)
+
     lines = ["| variant | small step (ms) | × standard | + standard (ms) | 8-token step (ms) | + standard (ms) | "
              "8 tokens: forward / backward / optimizer (ms) | fixed share of the overhead |",
              "|---|---|---|---|---|---|---|---|"]
     for variant in [*variants("cpu"), LOOPED_ADAMW]:
-        small, tiny = ms[(variant, "small")], ms[(variant, "8 tokens")]
-        extra_small = small[0] - ms[("standard", "small")][0]
-        extra_tiny = tiny[0] - ms[("standard", "8 tokens")][0]
+        small, tiny = samples[(variant, "small")], samples[(variant, "8 tokens")]
+        ratio, extra_small = versus_standard((variant, "small"))
+        _, extra_tiny = versus_standard((variant, "8 tokens"))
         share = f"{extra_tiny / extra_small:.0%}" if extra_small > 0.5 else "(no overhead)"
-        lines.append(f"| {variant} | {small[0]:.1f} | {small[0] / ms[('standard', 'small')][0]:.3f} | "
-                     f"{extra_small:+.1f} | {tiny[0]:.1f} | {extra_tiny:+.1f} | "
-                     f"{tiny[1]:.1f} / {tiny[2]:.1f} / {tiny[3]:.1f} | {share} |")
+        phases = " / ".join(f"{median_ms(column):.1f}" for column in list(zip(*tiny))[1:])
+        lines.append(f"| {variant} | {median_ms(row[0] for row in small):.1f} | {ratio:.3f} | {extra_small:+.1f} | "
+                     f"{median_ms(row[0] for row in tiny):.1f} | {extra_tiny:+.1f} | {phases} | {share} |")
     return lines
 
 
@@ -95,11 +102,12 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, one torch "
         f"thread, by `{command_line()}`.", "",
         "## Fixed cost per step", "",
-        f"Medians of {args.repeats} interleaved steps of each variant at the small shape and at 8 tokens (batch 1, "
+        f"{args.repeats} interleaved rounds: each variant stepped at the small shape and at 8 tokens (batch 1, "
         "n_ctx 8, same layers and widths), where the arithmetic is negligible: the 8-token step is the cost of "
-        "Python, dispatch, allocation and autograd bookkeeping per step. The last column is the 8-token excess over "
-        "the standard model as a share of the small-shape excess: the part of each variant's overhead that does not "
-        "shrink with faster kernels or fewer bytes.", "",
+        "Python, dispatch, allocation and autograd bookkeeping per step. Step times are medians; × standard and "
+        "+ standard the medians over rounds of the ratio and difference to the standard step of the same round. "
+        "The last column is the 8-token excess as a share of the small-shape excess: the part of each variant's "
+        "overhead that does not shrink with faster kernels or fewer bytes.", "",
         *fixed_costs(args.repeats), "",
         "## Profile at the small shape", "",
     ]
