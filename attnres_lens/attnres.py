@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from attnres_lens.components import RMSNorm, is_hooked
+from attnres_lens.components import RMSNorm, is_hooked, module_hooked
 from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
 from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel, stream_two_phase_backend
 from attnres_lens.kernels.cpu_fused import depth_attention_normed_cpu
@@ -126,7 +126,7 @@ class DepthStream(ResidualStream):
 
     def read_normed(self, mixer: "DepthAttention", hook_in: HookPoint, norm: RMSNorm
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if is_hooked(hook_in):  # a hook may edit x: the norm must read what it returns
+        if module_hooked(hook_in):  # a hook may see or edit x: the norm must read what it returns
             return super().read_normed(mixer, hook_in, norm)
         self._close_block()
         return self._mix(mixer, self.n_written, norm)
@@ -281,7 +281,7 @@ class DepthAttention(nn.Module):
         where the mix would run the C kernel and nothing watches it or the norm (docs/kernels.md §4)."""
         sources = _common_dtype(sources)
         first = sources[0]
-        if (self.fusable and not self.hooked() and not norm.watched()
+        if (self.fusable and not self.hooked() and not module_hooked(self) and not norm.watched()
                 and elementwise_runs_cpu_kernel(self.backend, *sources)
                 and self.query.dtype == self.key_norm.w.dtype == norm.w.dtype == first.dtype):
             return depth_attention_normed_cpu(sources, self.query, self.key_norm.w, self.key_norm.eps, norm.w,

@@ -32,6 +32,17 @@ def is_hooked(point: HookPoint) -> bool:
     return bool(point.fwd_hooks or point.bwd_hooks)
 
 
+def module_hooked(module: nn.Module) -> bool:
+    """Whether a PyTorch hook would see a call of `module`: one of its own (TransformerLens's hooks on a hook point
+    are such hooks) or a global module hook. A fused path that skips the call must not run then."""
+    from torch.nn.modules import module as torch_module  # the global hooks live there (register_module_*_hook)
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or torch_module._global_forward_hooks
+                or torch_module._global_forward_pre_hooks or torch_module._global_backward_hooks
+                or torch_module._global_backward_pre_hooks)
+
+
 class RMSNorm(nn.Module):
     """`x / rms(x) * w`, with gain `w` (init 1). Hooks `hook_scale` [..., 1] and `hook_normalized`."""
 
@@ -54,10 +65,9 @@ class RMSNorm(nn.Module):
         return self.hooked and any(is_hooked(getattr(self, name)) for name in self.path_hooks)
 
     def watched(self) -> bool:
-        """`observed()`, or a PyTorch module hook on this norm's call: then a depth mix does not compute the
-        norm inside its own kernel."""
-        return self.observed() or bool(self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
-                                       or self._backward_pre_hooks)
+        """`observed()`, or a PyTorch hook on this norm's call: then a depth mix does not compute the norm inside
+        its own kernel."""
+        return self.observed() or module_hooked(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.observed():

@@ -483,11 +483,13 @@ def test_the_fused_pre_norm_refuses_what_it_cannot_run():
                                              torch.ones(8), 1e-5)
 
 
-@pytest.mark.parametrize("watch", ["blocks.0.hook_resid_pre", "blocks.0.ln1.hook_normalized", "module hook"])
+@pytest.mark.parametrize("watch", ["blocks.0.hook_resid_pre", "blocks.0.ln1.hook_normalized", "module blocks.0.ln1",
+                                   "module blocks.0.attn_res", "module blocks.0.hook_resid_pre", "global"])
 def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
-    """A hook on a sublayer's input or on its norm (or a PyTorch hook on the norm module) sends that sublayer down
-    the unfused path, so the hook sees and edits what the norm reads or returns: the output equals a reference-
-    backend model's (never fused) with the same hook; the other sublayers stay fused."""
+    """A hook on a sublayer's input or on its norm (TransformerLens hooks, PyTorch hooks on the norm, the depth
+    attention or the input's hook point, or a global module hook) sends that sublayer down the unfused path, so
+    the hook sees and edits what it did: the output equals a reference-backend model's (never fused) with the
+    same hook; with a TransformerLens or module hook the other sublayers stay fused."""
     from attnres_lens import HookedTransformer, ModelConfig
 
     calls = []
@@ -504,9 +506,14 @@ def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
 
     def edited(model: HookedTransformer) -> torch.Tensor:
         shift = lambda tensor, hook=None: tensor + 0.5  # noqa: E731
-        if watch != "module hook":
+        if watch == "global":  # shifts the first sublayer's input, through its hook point
+            def on_input(module, args, output):
+                return shift(output) if module is model.blocks[0].hook_resid_pre else output
+            handle = torch.nn.modules.module.register_module_forward_hook(on_input)
+        elif watch.startswith("module "):
+            handle = model.get_submodule(watch.split()[1]).register_forward_hook(lambda m, a, output: shift(output))
+        else:
             return model.run_with_hooks(tokens, fwd_hooks=[(watch, shift)])
-        handle = model.blocks[0].ln1.register_forward_hook(lambda module, args, output: shift(output))
         try:
             return model(tokens)
         finally:
@@ -514,6 +521,6 @@ def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
 
     calls.clear()
     got = edited(models["cpu"])
-    assert len(calls) == 3  # blocks.0's attention sublayer ran unfused
+    assert len(calls) == (0 if watch == "global" else 3)  # blocks.0's attention sublayer ran unfused
     torch.testing.assert_close(got, edited(models["reference"]), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, clean, atol=1e-3)
