@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from analyses.common import command_line, emit_report, machine_info
+from analyses.common import command_line, emit_report, machine_info, within_rounds
 from attnres_lens import HookedTransformer, ModelConfig, adamw
 
 SHAPES = {
@@ -93,9 +93,7 @@ def bench(shape_name: str, threads: int, repeats: int, paths: list[str]) -> list
             times[label].append(stepper.step())
     rows = []
     for label, samples in times.items():
-        # the ratio within each round, then their median: a slow spell of the shared machine that spans a round
-        # slows the standard step of that round too (medians of each variant's own times mix rounds)
-        ratio = statistics.median(t / base for t, base in zip(samples, times["standard"]))
+        ratio = within_rounds(samples, times["standard"])
         name = label.split(" [")[0]
         rows.append(dict(shape=shape_name, threads=threads, variant=label, ms=1000 * statistics.median(samples),
                          ratio=ratio, target=TARGETS.get(name)))

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from analyses.bench_cpu_step import SHAPES
-from analyses.common import command_line, emit_report, machine_info
+from analyses.common import command_line, emit_report, machine_info, within_rounds
 from attnres_lens import HookedTransformer, ModelConfig
 
 VARIANTS = {
@@ -50,7 +50,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         "# Inference latency (forward only) relative to the standard model (CPU)",
         "",
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, one torch "
-        f"thread, by `{command_line()}`; medians of {args.repeats} interleaved forward passes under no_grad. "
+        f"thread, by `{command_line()}`; {args.repeats} interleaved rounds of forward passes under no_grad: times are "
+        "medians, × standard the median over rounds of the ratio within the round. "
         "`hooked`: a no-op hook on every `hook_weights` point (the readable depth path, as when recording α).",
         "",
         "| shape | variant | forward (ms) | × standard | hooked (ms) | hooked × standard |",
@@ -79,12 +80,13 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
                         model(tokens)
                         times[(name, kind)].append(time.perf_counter() - start)
         medians = {key: statistics.median(values) for key, values in times.items()}
-        base = medians[("standard", 0)]
+        base = times[("standard", 0)]
         for name in models:
             plain, hooked = medians[(name, 0)], medians[(name, 1)]
-            hooked_cells = ("–", "–") if name.startswith("standard") else (f"{1e3 * hooked:.1f}", f"{hooked / base:.3f}")
-            lines.append(f"| {shape_name} | {name} | {1e3 * plain:.1f} | {plain / base:.3f} | {hooked_cells[0]} | "
-                         f"{hooked_cells[1]} |")
+            hooked_cells = ("–", "–") if name.startswith("standard") else (
+                f"{1e3 * hooked:.1f}", f"{within_rounds(times[(name, 1)], base):.3f}")
+            lines.append(f"| {shape_name} | {name} | {1e3 * plain:.1f} | {within_rounds(times[(name, 0)], base):.3f} | "
+                         f"{hooked_cells[0]} | {hooked_cells[1]} |")
     lines.insert(2, f"Took {time.perf_counter() - started:.0f} s.")
     emit_report("\n".join(lines) + "\n", args.out)
     return lines

@@ -8,11 +8,12 @@ import os
 import platform
 import shlex
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -105,6 +106,20 @@ def reproduction_jobs(description: str, presets: list[str], default_seeds: list[
     overrides = (f"train.steps={args.steps}",) if args.steps else ()
     jobs = [Job(preset, seed, args.runs_dir / f"{preset}-s{seed}", overrides) for preset in presets for seed in args.seeds]
     return jobs, args
+
+
+def within_rounds(samples: Sequence[float], base: Sequence[float], compare: str = "ratio") -> float:
+    """The median over interleaved rounds of each round's `ratio` (or `difference`) to the baseline's time in the
+    same round: a slow spell of the shared machine that spans a round slows the baseline too, where medians of
+    each variant's own times would mix rounds (single runs moved by ±7% that way)."""
+    if len(samples) != len(base):
+        raise ValueError(f"one baseline time per round: got {len(samples)} samples and {len(base)} baseline times")
+    pairs = zip(samples, base)
+    if compare == "ratio":
+        return statistics.median(t / b for t, b in pairs)
+    if compare == "difference":
+        return statistics.median(t - b for t, b in pairs)
+    raise ValueError(f"compare must be 'ratio' or 'difference', got {compare!r}")
 
 
 def emit_report(text: str, out: Optional[Path]) -> None:

@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from analyses.bench_cpu_step import SHAPES, Stepper, variants
 from analyses.bench_depth_scaling import is_depth_op
-from analyses.common import command_line, emit_report, machine_info
+from analyses.common import command_line, emit_report, machine_info, within_rounds
 from attnres_lens import param_groups
 
 PROFILED = ("standard", "block4", "full")
@@ -55,9 +55,9 @@ def fixed_costs(repeats: int) -> list[str]:
         return 1000 * statistics.median(values)
 
     def versus_standard(key: tuple[str, str]) -> tuple[float, float]:
-        """Median over rounds of (ratio, excess in ms) to the standard step of the same round (as bench_cpu_step)."""
-        pairs = list(zip((row[0] for row in samples[key]), (row[0] for row in samples[("standard", key[1])])))
-        return statistics.median(t / base for t, base in pairs), median_ms(t - base for t, base in pairs)
+        """(ratio, excess in ms) to the standard step, within rounds (as bench_cpu_step)."""
+        steps, base = [row[0] for row in samples[key]], [row[0] for row in samples[("standard", key[1])]]
+        return within_rounds(steps, base), 1000 * within_rounds(steps, base, "difference")
 
     lines = ["| variant | small step (ms) | × standard | + standard (ms) | 8-token step (ms) | + standard (ms) | "
              "8 tokens: forward / backward / optimizer (ms) | fixed share of the overhead |",

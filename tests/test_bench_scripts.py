@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ANALYSES = Path(__file__).resolve().parent.parent / "analyses"
 
 
@@ -112,3 +114,15 @@ def test_step_benchmark_takes_each_ratio_within_its_round(monkeypatch):
     assert [row["variant"] for row in rows] == ["standard", "standard+kv_shift", "full [cpu]", "block2 [cpu]",
                                                 "block4 [cpu]"]
     assert [round(row["ratio"], 6) for row in rows] == [1.0, 1.1, 1.1, 1.1, 1.1]
+
+
+def test_within_rounds_compares_each_round_to_its_own_baseline():
+    from analyses.common import within_rounds
+
+    base = [1, 9, 9, 1, 1]  # the machine slow in rounds 1 and 2; the variant's own slow spell in the last round
+    assert within_rounds([1.1, 9.9, 9.9, 1.1, 10], base) == pytest.approx(1.1)  # own medians: 9.9 / 1
+    assert within_rounds([1.1, 9.1, 9.1, 1.1, 10], base, "difference") == pytest.approx(0.1)  # own: 9.1 - 1
+    with pytest.raises(ValueError, match="one baseline time per round: got 2 samples and 3"):
+        within_rounds([1, 2], [1, 2, 3])
+    with pytest.raises(ValueError, match="compare must be 'ratio' or 'difference', got 'sum'"):
+        within_rounds([1], [1], "sum")
