@@ -412,8 +412,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999)
           ) -> torch.optim.AdamW:
     """AdamW over `param_groups`, fused (one kernel call for all tensors) on the CPU and CUDA. PyTorch's default
-    on the CPU is a Python loop of ~8 ops per parameter tensor: 6.0-6.4 ms of optimizer time per step of a
-    4-layer model against 2.2 ms fused, and AttnRes adds two tensors per sublayer (docs/kernels.md §11)."""
+    on the CPU is a Python loop of ~8 ops per parameter tensor: 6.0 ms of optimizer time per step of a 4-layer
+    model against 2.2 ms fused, and AttnRes adds two tensors per sublayer (docs/kernels.md §11)."""
     device = next(model.parameters()).device
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas,
                              fused=device.type in ("cpu", "cuda"))
