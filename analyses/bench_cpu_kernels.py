@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from analyses.common import command_line, emit_report, machine_info
+from analyses.common import command_line, emit_report, machine_info, within_rounds
 from attnres_lens import HookedTransformer, ModelConfig, attnres
 from attnres_lens.analysis.interventions import model_replica
 from attnres_lens.components import apply_rotary, rotary_tables
@@ -54,16 +54,27 @@ print(time.time(), flush=True)
 """
 
 
-def interleaved(functions: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, called in turn `repeats` times after one warm-up round."""
-    times: dict[str, list[float]] = {name: [] for name in functions}
+class Timings(dict):
+    """Seconds of each function, one per round."""
+
+    def ms(self, name: str) -> float:
+        return 1e3 * statistics.median(self[name])
+
+    def ratio(self, name: str, base: str) -> float:
+        """`name`'s time over `base`'s, within rounds (`analyses.common.within_rounds`)."""
+        return within_rounds(self[name], self[base])
+
+
+def interleaved(functions: dict[str, Callable[[], object]], repeats: int) -> Timings:
+    """Each function called in turn `repeats` times after one warm-up round."""
+    times = Timings({name: [] for name in functions})
     for round_ in range(repeats + 1):
         for name, function in functions.items():
             start = time.perf_counter()
             function()
             if round_:
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
 
 
 def forward_backward(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], None]:
@@ -94,9 +105,8 @@ def _op_row(label: str, torch_form, c_form, x: torch.Tensor, repeats: int) -> li
     with torch.no_grad():
         forward = interleaved({"torch": lambda: torch_form(x), "c": lambda: c_form(x)}, repeats)
     both = interleaved({"torch": forward_backward(torch_form, x), "c": forward_backward(c_form, x)}, repeats)
-    return [f"| {label} | {forward['torch'] * 1e3:.3f} | {forward['c'] * 1e3:.3f} | "
-            f"{forward['torch'] / forward['c']:.2f} | {both['torch'] * 1e3:.3f} | {both['c'] * 1e3:.3f} | "
-            f"{both['torch'] / both['c']:.2f} |"]
+    return [f"| {label} | {forward.ms('torch'):.3f} | {forward.ms('c'):.3f} | {forward.ratio('torch', 'c'):.2f} | "
+            f"{both.ms('torch'):.3f} | {both.ms('c'):.3f} | {both.ratio('torch', 'c'):.2f} |"]
 
 
 def fused_norm_rows(repeats: int, tiny: bool) -> list[str]:
@@ -119,9 +129,9 @@ def fused_norm_rows(repeats: int, tiny: bool) -> list[str]:
             forward = interleaved({"two": two_calls, "one": one_call}, repeats)
         both = interleaved({"two": lambda: two_calls().sum().backward(), "one": lambda: one_call().sum().backward()},
                            repeats)
-        rows.append(f"| {n_sources} x [{batch}, {pos}, {width}] | {forward['two'] * 1e3:.3f} | "
-                    f"{forward['one'] * 1e3:.3f} | {forward['two'] / forward['one']:.2f} | {both['two'] * 1e3:.3f} | "
-                    f"{both['one'] * 1e3:.3f} | {both['two'] / both['one']:.2f} |")
+        rows.append(f"| {n_sources} x [{batch}, {pos}, {width}] | {forward.ms('two'):.3f} | {forward.ms('one'):.3f} | "
+                    f"{forward.ratio('two', 'one'):.2f} | {both.ms('two'):.3f} | {both.ms('one'):.3f} | "
+                    f"{both.ratio('two', 'one'):.2f} |")
     return rows
 
 
@@ -147,8 +157,8 @@ def two_phase_rows(shapes, repeats: int) -> list[str]:
                 result = interleaved({"one pass": run(lambda *args: None), "two-phase": run(shipped)}, repeats)
         finally:
             attnres.stream_two_phase_backend = shipped
-        rows.append(f"| {label} | {result['one pass'] * 1e3:.1f} | {result['two-phase'] * 1e3:.1f} | "
-                    f"{result['two-phase'] / result['one pass']:.3f} |")
+        rows.append(f"| {label} | {result.ms('one pass'):.1f} | {result.ms('two-phase'):.1f} | "
+                    f"{result.ratio('two-phase', 'one pass'):.3f} |")
     return rows
 
 
@@ -176,7 +186,8 @@ def main(argv: Optional[Sequence[str]] = None, keep_memory: bool = False) -> lis
         "# CPU kernels and process costs, side by side",
         "",
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, one torch "
-        f"thread, by `{command_line()}`; medians of {args.repeats} interleaved repeats; {allocator}.",
+        f"thread, by `{command_line()}`; {args.repeats} interleaved rounds: times are medians, ratios the median "
+        f"over rounds of the ratio within the round; {allocator}.",
         "",
         "| op | PyTorch fwd (ms) | C fwd (ms) | × | PyTorch fwd+bwd (ms) | C fwd+bwd (ms) | × |",
         "|---|---|---|---|---|---|---|",
@@ -198,7 +209,7 @@ def main(argv: Optional[Sequence[str]] = None, keep_memory: bool = False) -> lis
     ]
     shapes = TINY_SHAPES if args.tiny else MODEL_SHAPES[2:3]
     model = HookedTransformer(ModelConfig(d_vocab=64, residual="attnres", **shapes[0][1]))
-    replica = interleaved({"replica": lambda: model_replica(model)}, max(3, args.repeats // 4))["replica"]
+    replica = interleaved({"replica": lambda: model_replica(model)}, max(3, args.repeats // 4)).ms("replica")
     exits = {"plain": [], "freeze": []}
     for _ in range(args.processes):
         for mode in exits:
@@ -206,7 +217,7 @@ def main(argv: Optional[Sequence[str]] = None, keep_memory: bool = False) -> lis
     lines += [
         "",
         f"Process costs: one worker replica of the {shapes[0][0].split(',')[0]} Full model "
-        f"(`model_replica`) {replica * 1e3:.0f} ms; the exit of a process that imported the analysis commands "
+        f"(`model_replica`) {replica:.0f} ms; the exit of a process that imported the analysis commands "
         f"{statistics.median(exits['plain']):.2f} s, {statistics.median(exits['freeze']):.2f} s after "
         f"`cpu_settings.configure` (gc.freeze), medians of {args.processes} fresh processes each, alternating.",
         "",

@@ -111,6 +111,10 @@ class DepthStream(ResidualStream):
         self.n_written = 0  # index of the next sublayer
         self.consumers = consumers
         self._phase1: Optional[_Phase1] = None
+        # set once the backend policy refused a window: it answers the same for the rest of this forward (grad
+        # mode, backend and device do not change, and sources that need a gradient keep needing it), so the
+        # later consumers of a training step skip the question
+        self._one_pass_only = False
 
     @property
     def state(self) -> Optional[torch.Tensor]:
@@ -152,7 +156,7 @@ class DepthStream(ResidualStream):
 
     def _mix(self, module: "DepthAttention", consumer: int, norm: Optional[RMSNorm] = None):
         """The consumer's input h, or with `norm` (its pre-norm) `(h, norm(h))`."""
-        if self.consumers is None or module.hooked():
+        if self.consumers is None or self._one_pass_only or module.hooked():
             return self._one_pass(module, norm)
         sources = _common_dtype(self.sources())
         phase1 = self._phase1
@@ -182,6 +186,7 @@ class DepthStream(ResidualStream):
         module = members[0]
         needs_grad = torch.is_grad_enabled() and _any_requires_grad(shared, members)
         backend = stream_two_phase_backend(self.block_size, module.backend, shared[0].device, needs_grad)
+        self._one_pass_only = backend is None
         if backend is None or (backend == "cpu" and len(shared) < MIN_SHARED_SOURCES):
             return None
         queries = torch.stack([member.query for member in members])

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as torch_module  # its global hooks (register_module_*_hook)
 from transformer_lens.hook_points import HookPoint
 
 from attnres_lens.config import ModelConfig
@@ -35,8 +36,6 @@ def is_hooked(point: HookPoint) -> bool:
 def module_hooked(module: nn.Module) -> bool:
     """Whether a PyTorch hook would see a call of `module`: one of its own (TransformerLens's hooks on a hook point
     are such hooks) or a global module hook. A fused path that skips the call must not run then."""
-    from torch.nn.modules import module as torch_module  # the global hooks live there (register_module_*_hook)
-
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or torch_module._global_forward_hooks
                 or torch_module._global_forward_pre_hooks or torch_module._global_backward_hooks

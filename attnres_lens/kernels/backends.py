@@ -64,7 +64,7 @@ def resolve_backend(backend: str, device: torch.device, logit_bias: bool = False
     return "torch"
 
 
-def two_phase_backend(backend: str, device: torch.device, needs_grad: bool = True) -> str:
+def two_phase_backend(backend: str, device: torch.device, needs_grad: bool) -> str:
     """``"triton"`` where the single-pass op would run Triton; ``"cpu"`` where it would run the C kernel and
     ``needs_grad`` is false (its two-phase kernel has no backward); else ``"torch"`` (the readable version)."""
     chosen = resolve_backend(backend, device)

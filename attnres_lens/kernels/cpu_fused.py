@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from attnres_lens.kernels._common import new_output
+from attnres_lens.kernels._common import compute_dtype, new_output
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 CACHE_ENV_VAR = "ATTNRES_LENS_KERNEL_CACHE"
@@ -309,7 +309,7 @@ def depth_attention_cpu(
     first = sources[0]
     if first.device.type != "cpu":
         raise ValueError(f"the cpu backend needs CPU tensors, got tensors on {first.device}; use backend='auto'")
-    compute = torch.float64 if first.dtype == torch.float64 else torch.float32
+    compute = compute_dtype(first.dtype)
     flat = _contiguous(sources, compute)
     if bias is not None:
         bias = bias.to(compute).contiguous()
@@ -413,7 +413,7 @@ def depth_attention_multi_cpu(
     if folded_queries.dim() != 2 or folded_queries.shape[1] != d_model:
         raise ValueError(f"folded_queries must be [n_queries, {d_model}] (the sources' last dim), got "
                          f"{tuple(folded_queries.shape)}")
-    compute = torch.float64 if first.dtype == torch.float64 else torch.float32
+    compute = compute_dtype(first.dtype)
     flat = _contiguous(sources, compute)
     n_tokens, n_queries = first.numel() // d_model, folded_queries.shape[0]
     queries = folded_queries.to(compute).contiguous()
