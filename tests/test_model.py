@@ -184,6 +184,9 @@ def test_adamw_is_fused_on_the_cpu_and_steps_like_the_per_tensor_loop():
     assert got.keys() == want.keys()
     for name in want:  # three steps of lr 1e-2 move every parameter; the two implementations agree to rounding
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    frozen = HookedTransformer(small_config()).requires_grad_(False)
+    with pytest.raises(ValueError, match="adamw needs a model with trainable parameters; HookedTransformer has none"):
+        adamw(frozen, 1e-2, 0.1)
 
 
 def test_loss_is_next_token_cross_entropy():
