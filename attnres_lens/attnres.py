@@ -29,7 +29,7 @@ from transformer_lens.hook_points import HookPoint
 from attnres_lens.components import RMSNorm, is_hooked, module_hooked
 from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
 from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel, stream_two_phase_backend
-from attnres_lens.kernels.cpu_fused import depth_attention_normed_cpu
+from attnres_lens.kernels.cpu_fused import depth_attention_normed_cpu, share_gradient
 from attnres_lens.kernels.reference import depth_logits, mix_sources
 from attnres_lens.streams import ResidualStream
 
@@ -115,6 +115,7 @@ class DepthStream(ResidualStream):
         # mode, backend and device do not change, and sources that need a gradient keep needing it), so the
         # later consumers of a training step skip the question
         self._one_pass_only = False
+        self._shared: list[tuple[torch.Tensor, torch.Tensor]] = []  # (block, its share_gradient view), see _one_pass
 
     @property
     def state(self) -> Optional[torch.Tensor]:
@@ -171,7 +172,24 @@ class DepthStream(ResidualStream):
         return h if norm is None else (h, norm(h))
 
     def _one_pass(self, module: "DepthAttention", norm: Optional[RMSNorm]):
-        return module(self.sources()) if norm is None else module.mix_and_norm(self.sources(), norm)
+        sources = self._gradient_shared_sources() if self._shares_gradients(module) else self.sources()
+        return module(sources) if norm is None else module.mix_and_norm(sources, norm)
+
+    def _shares_gradients(self, module: "DepthAttention") -> bool:
+        """Whether this consumer's C backward adds its source gradients into buffers the completed blocks share
+        (`kernels.cpu_fused.SharedGradient`; docs/kernels.md §5): with a gradient, on the C kernel, when nothing
+        hooked on the mix could see the blocks' shared views (a module hook sees its inputs)."""
+        return (torch.is_grad_enabled() and module.fusable and not module.hooked() and not module_hooked(module)
+                and elementwise_runs_cpu_kernel(module.backend, self.blocks[0]))
+
+    def _gradient_shared_sources(self) -> list[torch.Tensor]:
+        """`sources()` with every completed block seen through its `share_gradient` view (made once per block)."""
+        for i, block in enumerate(self.blocks):
+            if i == len(self._shared) or self._shared[i][0] is not block:  # new, or replaced (a copied stream)
+                del self._shared[i:]
+                self._shared.append((block, share_gradient(block)))
+        return windowed([view for _, view in self._shared] + ([self.partial] if self.partial is not None else []),
+                        self.window)
 
     def _start_window(self, consumer: int, sources: list[torch.Tensor]) -> Optional[_Phase1]:
         """Phase 1 for the window that starts at `consumer`, or None where it mixes one pass per consumer."""

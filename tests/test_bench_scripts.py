@@ -126,3 +126,22 @@ def test_within_rounds_compares_each_round_to_its_own_baseline():
         within_rounds([1, 2], [1, 2, 3])
     with pytest.raises(ValueError, match="compare must be 'ratio' or 'difference', got 'sum'"):
         within_rounds([1], [1], "sum")
+
+
+def test_shared_gradient_benchmark_turns_the_sums_off_and_on(monkeypatch):
+    module = load("bench_shared_gradients")
+    from attnres_lens import attnres
+    from attnres_lens.kernels import cpu_fused
+
+    shared = []
+    monkeypatch.setattr(attnres, "share_gradient", lambda source: shared.append(1) or cpu_fused.share_gradient(source))
+    stepper = module.Stepper(module.TINY, module.VARIANTS["full"], eager=False)
+    with module.sums_off():
+        stepper.step()
+    assert not shared
+    stepper.step()
+    assert shared  # restored on exit
+    lines = module.main(["--tiny", "--repeats", "2"])
+    rows = [line.split("|") for line in lines if line.startswith("| tiny")]
+    assert [row[2].strip() for row in rows] == ["full", "block4"]
+    assert all(float(row[5]) > 0 for row in rows)

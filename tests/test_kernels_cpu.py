@@ -524,3 +524,103 @@ def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
     assert len(calls) == (0 if watch == "global" else 3)  # blocks.0's attention sublayer ran unfused
     torch.testing.assert_close(got, edited(models["reference"]), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, clean, atol=1e-3)
+
+
+def _shared_gradient_case(dtype: torch.dtype, n_tokens: int = 7, d_model: int = 24, n_sources: int = 5):
+    generator = torch.Generator().manual_seed(n_sources)
+    leaves = [torch.randn(n_tokens, d_model, generator=generator, dtype=dtype, requires_grad=True)
+              for _ in range(n_sources)]
+    queries = [torch.randn(d_model, generator=generator, dtype=dtype) for _ in range(3)]
+    gain, norm_weight = (torch.randn(d_model, generator=generator, dtype=dtype) for _ in range(2))
+    probes = [torch.randn(n_tokens, d_model, generator=generator, dtype=dtype) for _ in range(4)]
+
+    def loss(sources: list[torch.Tensor], backend: str = "cpu") -> torch.Tensor:
+        """Four consumers of the same sources: the plain C mix, the C mix with its pre-norm (y and h used), one on
+        a non-C backend (whose gradient reaches the shared view through autograd), another plain C mix."""
+        h0 = depth_attention(sources, queries[0], gain, 1e-6, backend=backend)
+        if backend == "cpu":
+            h1, y1 = cpu_fused.depth_attention_normed_cpu(sources, queries[1], gain, 1e-6, norm_weight, 1e-5)
+        else:
+            h1 = depth_attention(sources, queries[1], gain, 1e-6, backend=backend)
+            y1 = torch.nn.functional.rms_norm(h1, (d_model,), norm_weight, 1e-5)
+        h2 = depth_attention(sources[1:], queries[2], gain, 1e-6, backend="reference")
+        h3 = depth_attention(sources[::2], queries[2], gain, 1e-6, backend=backend)
+        return sum((tensor * probe).sum() for tensor, probe in zip((h0, y1 + h1, h2, h3), probes))
+
+    return leaves, loss
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_consumers_sum_a_shared_source_gradient_in_place(many_threads, dtype):
+    """Sources seen through `share_gradient`: the C backwards of the consumers that read them add into one buffer
+    per source (the first writes it: the buffers start NaN-poisoned) and the node hands the sum on, together with
+    the gradient of an unfused consumer. The leaves' gradients equal the readable path's, split over threads."""
+    leaves, loss = _shared_gradient_case(dtype)
+    tolerance = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    calls = {True: 0, False: 0}
+    target = cpu_fused.SharedGradient.target
+
+    def counted(self, like):
+        buffer, accumulate = target(self, like)
+        calls[accumulate] += 1
+        return buffer, accumulate
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_fused.SharedGradient, "target", counted)
+        got = torch.autograd.grad(loss([cpu_fused.share_gradient(leaf) for leaf in leaves]), leaves)
+    want = torch.autograd.grad(loss(leaves, backend="reference"), leaves)
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, **tolerance, msg=f"source {i}")
+    # three C consumers read 5 + 5 + 3 sources: each source's first part is written, the other 8 added
+    assert calls == {False: 5, True: 8}
+
+
+def test_a_shared_source_gradient_survives_retained_graphs_and_partial_backwards():
+    """A second backward through a retained graph starts its sums afresh, and a backward that stopped short of the
+    shared node (a gradient with respect to one consumer's query only) leaves nothing stale for the next."""
+    leaves, loss = _shared_gradient_case(torch.float64)
+    want = torch.autograd.grad(loss(leaves, backend="reference"), leaves)
+    total = loss([cpu_fused.share_gradient(leaf) for leaf in leaves])
+    for _ in range(2):
+        got = torch.autograd.grad(total, leaves, retain_graph=True)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    views = [cpu_fused.share_gradient(leaf) for leaf in leaves]
+    query = torch.randn(leaves[0].shape[-1], dtype=torch.float64, requires_grad=True)
+    stopped = (depth_attention(views, query, torch.ones_like(query), 1e-6, backend="cpu") ** 2).sum()
+    torch.autograd.grad(stopped, [query], retain_graph=True)  # runs the mix's backward, not the shared nodes'
+    got = torch.autograd.grad(stopped + loss(views), leaves)
+    extra = torch.autograd.grad((depth_attention(leaves, query, torch.ones_like(query), 1e-6,
+                                                 backend="reference") ** 2).sum(), leaves)
+    for a, b, c in zip(got, want, extra):
+        torch.testing.assert_close(a, b + c, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("block_size,window", [(1, None), (2, None), (1, 2)])
+def test_a_model_shares_source_gradients_only_where_nothing_can_see_them(block_size, window, monkeypatch):
+    """In training on the C kernel the completed blocks' fused consumers sum their gradients in shared buffers:
+    loss and gradients equal the reference backend's in float64. A module hook on a depth attention receives the
+    stream's own tensors, never the shared views, so a gradient taken with respect to what it saw is complete."""
+    from attnres_lens import HookedTransformer, ModelConfig
+
+    shared = []
+    real = cpu_fused.share_gradient
+    monkeypatch.setattr("attnres_lens.attnres.share_gradient", lambda source: shared.append(1) or real(source))
+    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for backend in ("cpu", "reference"):
+        model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=3, d_vocab=32, n_ctx=9,
+                                              residual="attnres", attnres_block_size=block_size,
+                                              attnres_window=window, depth_attention_backend=backend,
+                                              dtype=torch.float64, seed=1))
+        randomize_depth_parameters(model)
+        seen = []
+        handle = model.blocks[2].mlp_res.register_forward_hook(lambda module, args, output: seen.extend(args[0]))
+        loss = model(tokens, return_type="loss")
+        handle.remove()
+        assert not any(hasattr(tensor, "shared_gradient") for tensor in seen)
+        parameters = dict(model.named_parameters())
+        results[backend] = [loss.detach(), *torch.autograd.grad(loss, [*seen, *parameters.values()])]
+    assert shared  # the other consumers did share
+    for got, want in zip(results["cpu"], results["reference"]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -35,6 +35,7 @@ typedef struct {
     /* backward */
     const real *grad_h;         /* [N, D]; NULL with a fused pre-norm whose input gets no other gradient */
     real *const *grad_sources;  /* S pointers, each to [N, D] */
+    const uint8_t *accumulate;  /* [S]: 1 adds source s's gradient into grad_sources[s], 0 writes it; NULL: all 0 */
     real *grad_query_partial;   /* [threads, D] */
     /* the consumer's pre-norm y = RMSNorm(h) * norm_weight, fused (norm_weight NULL: not fused) */
     const real *norm_weight;    /* [D] */
@@ -269,6 +270,9 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
  *   dv_s     = alpha_s dh + dlogit_s r_s u - dlogit_s l_s r_s^2 / D v_s
  *   du      += dlogit_s r_s v_s
  * A logit bias enters only through alpha (saved from the forward), so the backward is the same with or without.
+ * dv_s is written, or with accumulate[s] added to what grad_sources[s] holds: a source that many consumers read
+ * then gets its gradient summed in one buffer as it is written, where autograd would add each consumer's fresh
+ * copy in a separate pass (docs/kernels.md §5).
  */
 INLINE void backward_by_token(const depth_args *a, int64_t begin, int64_t end, real *grad_u, double *grad_norm,
                               const int64_t D) {
@@ -297,9 +301,10 @@ INLINE void backward_by_token(const depth_args *a, int64_t begin, int64_t end, r
             const real value_coef = key_coef * a->logits[s * N + n] * r / (real)D;
             const real *v = a->sources[s] + n * D;
             real *grad = a->grad_sources[s] + n * D;
+            const int keep = a->accumulate && a->accumulate[s];
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) {
-                grad[d] = w * dh[d] + key_coef * u[d] - value_coef * v[d];
+                grad[d] = (keep ? grad[d] : 0) + w * dh[d] + key_coef * u[d] - value_coef * v[d];
                 grad_u[d] += key_coef * v[d];
             }
         }
@@ -328,6 +333,7 @@ INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
         for (int64_t s = 0; s < S; ++s) {
             const real *v = a->sources[s] + t0 * D;
             real *grad = a->grad_sources[s] + t0 * D;
+            const int keep = a->accumulate && a->accumulate[s];
             for (int64_t n = 0; n < T; ++n) {
                 const int64_t i = s * N + t0 + n;
                 const real w = a->weights[i], r = a->rstd[i];
@@ -337,7 +343,7 @@ INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
                 real *gn = grad + n * D;
 #pragma omp simd
                 for (int64_t d = 0; d < D; ++d) {
-                    gn[d] = w * dhn[d] + key_coef * u[d] - value_coef * vn[d];
+                    gn[d] = (keep ? gn[d] : 0) + w * dhn[d] + key_coef * u[d] - value_coef * vn[d];
                     grad_u[d] += key_coef * vn[d];
                 }
             }
@@ -423,11 +429,11 @@ void depth_attention_forward(const real *const *sources, int64_t n_sources, int6
 void depth_attention_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
                               const real *folded_query, const real *rstd, const real *logits,
                               const real *weights, const real *grad_h, real *const *grad_sources,
-                              real *grad_query_partial, int n_threads) {
+                              const uint8_t *accumulate, real *grad_query_partial, int n_threads) {
     const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
                           .folded_query = folded_query, .rstd = (real *)rstd, .logits = (real *)logits,
                           .weights = (real *)weights, .grad_h = grad_h, .grad_sources = grad_sources,
-                          .grad_query_partial = grad_query_partial};
+                          .accumulate = accumulate, .grad_query_partial = grad_query_partial};
     run_rows(backward_worker, &a, n_tokens, n_threads);
 }
 
@@ -449,12 +455,13 @@ void depth_attention_normed_backward(const real *const *sources, int64_t n_sourc
                                      int64_t d_model, const real *folded_query, const real *rstd,
                                      const real *logits, const real *weights, const real *h,
                                      const real *norm_weight, const real *norm_rstd, const real *grad_y,
-                                     const real *grad_h, real *const *grad_sources, real *grad_query_partial,
-                                     double *grad_norm_partial, int n_threads) {
+                                     const real *grad_h, real *const *grad_sources, const uint8_t *accumulate,
+                                     real *grad_query_partial, double *grad_norm_partial, int n_threads) {
     const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
                           .folded_query = folded_query, .rstd = (real *)rstd, .logits = (real *)logits,
                           .weights = (real *)weights, .h = (real *)h, .grad_h = grad_h,
-                          .grad_sources = grad_sources, .grad_query_partial = grad_query_partial,
+                          .grad_sources = grad_sources, .accumulate = accumulate,
+                          .grad_query_partial = grad_query_partial,
                           .norm_weight = norm_weight, .norm_rstd = (real *)norm_rstd, .grad_y = grad_y,
                           .grad_norm_partial = grad_norm_partial};
     run_rows(backward_worker, &a, n_tokens, n_threads);

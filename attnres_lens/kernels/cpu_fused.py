@@ -135,7 +135,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     ]
     library.depth_attention_backward.restype = None
     library.depth_attention_backward.argtypes = [
-        pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer, pointer, pointer, c_int
+        pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer, c_int
     ]
     library.depth_attention_normed_forward.restype = None
     library.depth_attention_normed_forward.argtypes = [
@@ -145,7 +145,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.depth_attention_normed_backward.restype = None
     library.depth_attention_normed_backward.argtypes = [
         pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
-        pointer, pointer, pointer, pointer, c_int
+        pointer, pointer, pointer, pointer, pointer, c_int
     ]
     library.depth_attention_multi.restype = None
     library.depth_attention_multi.argtypes = [
@@ -215,30 +215,111 @@ def _forward_shapes(sources, folded_query, bias, eps):
     return first.new_empty(first.shape), first.new_empty((3, len(sources), first.numel() // first.shape[-1]))
 
 
-def _gradient_buffers(sources: list[torch.Tensor]) -> tuple[list[torch.Tensor], int, int, int]:
-    """A backward's outputs for the sources, and its ``(n_tokens, d_model, threads)``. One tensor per source, not
-    one [S, N, D] block: activation-sized allocations are recycled by the C allocator step after step, while a
-    block of a new size is often mapped afresh and page-faulted in."""
+class SharedGradient:
+    """The gradient of one source that several fused consumers read, summed in place (docs/kernels.md §5).
+
+    `share_gradient` puts a node after the source whose output the consumers read; each consumer's C backward adds
+    its part into `buffer` (the first of a backward pass writes it) and returns no gradient for that input, where
+    autograd would add every consumer's fresh copy in a pass of its own; the node, which autograd runs only after
+    every consumer of its output, hands the sum on. Tagged with autograd's graph task, so a backward pass that
+    stopped short of the node leaves nothing stale for the next one."""
+
+    __slots__ = ("task", "buffer")
+
+    def __init__(self):
+        self.task: Optional[int] = None
+        self.buffer: Optional[torch.Tensor] = None
+
+    def target(self, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The buffer this backward pass adds into, and whether it already holds a part (else write it)."""
+        task = torch._C._current_graph_task_id()
+        if self.task == task and self.buffer is not None:
+            return self.buffer, True
+        self.task, self.buffer = task, new_output(like.shape, like.dtype, like.device)
+        return self.buffer, False
+
+    def take(self) -> Optional[torch.Tensor]:
+        """The sum of this backward pass's parts (None if no consumer added one), released."""
+        buffer = self.buffer if self.task == torch._C._current_graph_task_id() else None
+        self.task = self.buffer = None
+        return buffer
+
+
+class _ShareGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, source: torch.Tensor, shared: SharedGradient) -> torch.Tensor:
+        ctx.shared = shared
+        ctx.set_materialize_grads(False)
+        return source.view_as(source)
+
+    @staticmethod
+    def backward(ctx, grad: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], None]:
+        summed = ctx.shared.take()
+        if summed is None or grad is None:  # the node's other uses (an unfused consumer) send grad
+            return (grad if summed is None else summed), None
+        return summed.add_(grad), None
+
+
+def share_gradient(source: torch.Tensor) -> torch.Tensor:
+    """`source`, seen through a node that collects the fused consumers' gradients in one buffer (`SharedGradient`).
+    Give the result only to depth mixes: a gradient taken with respect to it directly would miss their parts (the
+    gradient of `source` itself is complete)."""
+    shared = SharedGradient()
+    view = _ShareGradient.apply(source, shared)
+    view.shared_gradient = shared
+    return view
+
+
+def _shared_gradients(sources: tuple[torch.Tensor, ...]) -> Optional[list[Optional[SharedGradient]]]:
+    shared = [getattr(source, "shared_gradient", None) for source in sources]
+    return shared if any(item is not None for item in shared) else None
+
+
+def _gradient_buffers(sources: list[torch.Tensor], shared: Optional[list[Optional[SharedGradient]]] = None
+                      ) -> tuple[list[torch.Tensor], Optional[ctypes.Array], int, int, int]:
+    """A backward's outputs for the sources (a source with a `SharedGradient` gets its buffer), the C kernel's
+    per-source add-or-write flags (None: write all), and ``(n_tokens, d_model, threads)``. One tensor per source,
+    not one [S, N, D] block: activation-sized allocations are recycled by the C allocator step after step, while
+    a block of a new size is often mapped afresh and page-faulted in."""
     first = sources[0]
     d_model = first.shape[-1]
     n_tokens = first.numel() // d_model
-    grad_sources = [new_output(first.shape, first.dtype, first.device) for _ in sources]
-    return grad_sources, n_tokens, d_model, _n_threads(len(sources) * n_tokens * d_model)
+    grad_sources, accumulate = [], [0] * len(sources)
+    for s, source in enumerate(sources):
+        if shared is not None and shared[s] is not None:
+            buffer, accumulate[s] = shared[s].target(source)
+            grad_sources.append(buffer)
+        else:
+            grad_sources.append(new_output(first.shape, first.dtype, first.device))
+    flags = None if shared is None else (ctypes.c_uint8 * len(sources))(*accumulate)
+    return grad_sources, flags, n_tokens, d_model, _n_threads(len(sources) * n_tokens * d_model)
+
+
+def _returned(grad_sources: list[torch.Tensor], shared: Optional[list[Optional[SharedGradient]]]) -> list:
+    """The gradients a backward returns for its sources: none for those summed in a shared buffer."""
+    if shared is None:
+        return grad_sources
+    return [None if item is not None else grad for grad, item in zip(grad_sources, shared)]
 
 
 def _backward_kernel(sources: list[torch.Tensor], folded_query: torch.Tensor, stats: torch.Tensor,
                      grad_h: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``(grad of each source, grad of u)`` for the forward op's saved statistics and ``grad_h`` (contiguous)."""
+    return _run_backward(sources, folded_query, stats, grad_h, None)
+
+
+def _run_backward(sources: list[torch.Tensor], folded_query: torch.Tensor, stats: torch.Tensor, grad_h: torch.Tensor,
+                  shared: Optional[list[Optional[SharedGradient]]]) -> tuple[list, torch.Tensor]:
     first, n_sources = sources[0], len(sources)
-    grad_sources, n_tokens, d_model, n_threads = _gradient_buffers(sources)
+    grad_sources, accumulate, n_tokens, d_model, n_threads = _gradient_buffers(sources, shared)
     rstd, logits, weights = stats.unbind(0)
     grad_folded_partial = new_output((n_threads, d_model), first.dtype, first.device)
     cpu_library(first.dtype).depth_attention_backward(
         _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(),
         rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(), grad_h.data_ptr(),
-        _pointer_array(grad_sources), grad_folded_partial.data_ptr(), n_threads,
+        _pointer_array(grad_sources), accumulate, grad_folded_partial.data_ptr(), n_threads,
     )
-    return grad_sources, grad_folded_partial.sum(dim=0)
+    return _returned(grad_sources, shared), grad_folded_partial.sum(dim=0)
 
 
 _backward_op = torch.library.custom_op("attnres_lens::depth_attention_cpu_backward", _backward_kernel,
@@ -278,6 +359,7 @@ class _EagerDepthAttention(torch.autograd.Function):
         folded_query = (query * gain).contiguous()
         h, stats = _forward_kernel(list(sources), folded_query, bias, eps)
         ctx.save_for_backward(query, gain, folded_query, stats, *sources)
+        ctx.shared = _shared_gradients(sources)
         _rstd, logits, weights = stats.unbind(0)
         ctx.mark_non_differentiable(logits, weights)
         return h, logits, weights
@@ -286,7 +368,7 @@ class _EagerDepthAttention(torch.autograd.Function):
     @once_differentiable  # the C backward builds no graph: a second derivative raises instead of coming out wrong
     def backward(ctx, grad_h: torch.Tensor, _grad_logits: torch.Tensor, _grad_weights: torch.Tensor):
         query, gain, folded_query, stats, *sources = ctx.saved_tensors
-        grad_sources, grad_folded = _backward_kernel(sources, folded_query, stats, grad_h.contiguous())
+        grad_sources, grad_folded = _run_backward(sources, folded_query, stats, grad_h.contiguous(), ctx.shared)
         return grad_folded * gain, grad_folded * query, None, None, *grad_sources
 
 
@@ -347,6 +429,7 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
             y.data_ptr(), norm_rstd.data_ptr(), _n_threads(n_sources * n_tokens * d_model),
         )
         ctx.save_for_backward(query, gain, folded_query, norm_weight, stats, norm_rstd, h, *sources)
+        ctx.shared = _shared_gradients(sources)
         ctx.set_materialize_grads(False)  # h usually has no other use: no zero gradient to add
         return h, y
 
@@ -357,10 +440,10 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
         if grad_y is None and grad_h is None:
             return (None,) * (5 + len(sources))
         if grad_y is None:  # only h was used: the plain mix's backward
-            grad_sources, grad_folded = _backward_kernel(sources, folded_query, stats, grad_h.contiguous())
+            grad_sources, grad_folded = _run_backward(sources, folded_query, stats, grad_h.contiguous(), ctx.shared)
             return grad_folded * gain, grad_folded * query, None, None, None, *grad_sources
         first, n_sources = sources[0], len(sources)
-        grad_sources, n_tokens, d_model, n_threads = _gradient_buffers(sources)
+        grad_sources, accumulate, n_tokens, d_model, n_threads = _gradient_buffers(sources, ctx.shared)
         rstd, logits, weights = stats.unbind(0)
         grad_folded_partial = new_output((n_threads, d_model), first.dtype, first.device)
         grad_norm_partial = new_output((n_threads, d_model), torch.float64, first.device)  # summed in double
@@ -370,10 +453,11 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
             _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(), rstd.data_ptr(),
             logits.data_ptr(), weights.data_ptr(), h.data_ptr(), norm_weight.data_ptr(), norm_rstd.data_ptr(),
             grad_y.data_ptr(), None if grad_h is None else grad_h.data_ptr(), _pointer_array(grad_sources),
-            grad_folded_partial.data_ptr(), grad_norm_partial.data_ptr(), n_threads,
+            accumulate, grad_folded_partial.data_ptr(), grad_norm_partial.data_ptr(), n_threads,
         )
         grad_folded, grad_norm_weight = grad_folded_partial.sum(dim=0), grad_norm_partial.sum(dim=0).to(first.dtype)
-        return grad_folded * gain, grad_folded * query, grad_norm_weight, None, None, *grad_sources
+        return (grad_folded * gain, grad_folded * query, grad_norm_weight, None, None,
+                *_returned(grad_sources, ctx.shared))
 
 
 def depth_attention_normed_cpu(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor,

@@ -1,0 +1,92 @@
+"""The fused backward's in-place sums of shared source gradients (docs/kernels.md §5), on against off (issue 15).
+
+One process, one torch thread, the C kernel. Each case is one model and batch (`bench_cpu_step`'s training step)
+stepped with the sums on and off in turn, the order alternating round by round; each round's ratio is taken
+within it (`within_rounds`), so a slow spell of the shared machine slows both. Off is the stream handing its
+consumers its own tensors, as before the sums existed: every consumer's backward writes a fresh gradient per
+source and autograd adds them.
+
+    python -m analyses.bench_shared_gradients --out analyses/reports/bench_shared_gradients.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import statistics
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from analyses.bench_cpu_step import SHAPES, Stepper
+from analyses.common import command_line, emit_report, machine_info, within_rounds
+from attnres_lens.attnres import DepthStream
+
+CASES = {
+    "small (8 sublayers)": SHAPES["small"],
+    "48 sublayers": dict(n_layers=24, d_model=128, n_heads=4, n_ctx=128, batch=8),  # bench_depth_scaling's deepest
+}
+VARIANTS = {"full": dict(residual="attnres", attnres_block_size=1),
+            "block4": dict(residual="attnres", attnres_block_size=4)}
+TINY = dict(n_layers=2, d_model=16, n_heads=2, n_ctx=8, batch=2)
+
+
+@contextlib.contextmanager
+def sums_off() -> Iterator[None]:
+    """Every consumer reads the stream's own tensors (autograd then adds their gradients)."""
+    shares = DepthStream._shares_gradients
+    DepthStream._shares_gradients = lambda self, module: False
+    try:
+        yield
+    finally:
+        DepthStream._shares_gradients = shares
+
+
+def measure(shape: dict, overrides: dict, repeats: int) -> dict:
+    stepper = Stepper(shape, overrides, eager=False)
+    for _ in range(2):
+        stepper.step()
+        with sums_off():
+            stepper.step()
+    on, off = [], []
+    for round_ in range(repeats):
+        for sums in ((True, False) if round_ % 2 else (False, True)):
+            with (contextlib.nullcontext() if sums else sums_off()):
+                (on if sums else off).append(stepper.step())
+    ratios = [a / b for a, b in zip(on, off)]
+    return dict(on=1000 * statistics.median(on), off=1000 * statistics.median(off), ratio=within_rounds(on, off),
+                low=min(ratios), high=max(ratios))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=8, help="rounds (each steps both ways once)")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model only (tests)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    cases = {"tiny": TINY} if args.tiny else CASES
+    started = datetime.datetime.now(datetime.timezone.utc)
+    lines = [
+        "# Shared source gradients summed in the fused backward, on against off",
+        "",
+        f"Measured {started:%Y-%m-%d %H:%M} UTC on {machine_info()}, one torch thread, by `{command_line()}`. "
+        f"Forward + backward + AdamW of `bench_cpu_step`'s step; {args.repeats} rounds, each stepping the same model "
+        "with the sums on and off (order alternating); the ratio is each round's on / off, median and range.",
+        "",
+        "| shape | variant | on (ms) | off (ms) | on / off | range |",
+        "|---|---|---|---|---|---|",
+    ]
+    for case, shape in cases.items():
+        for variant, overrides in VARIANTS.items():
+            row = measure(shape, overrides, args.repeats)
+            lines.append(f"| {case} | {variant} | {row['on']:.1f} | {row['off']:.1f} | {row['ratio']:.3f} | "
+                         f"{row['low']:.3f}–{row['high']:.3f} |")
+    emit_report("\n".join(lines) + "\n", args.out)
+    return lines
+
+
+if __name__ == "__main__":
+    main()
