@@ -24,9 +24,9 @@ from analyses.bench_cpu_step import SHAPES, Stepper
 from analyses.common import command_line, emit_report, machine_info, within_rounds
 from attnres_lens.attnres import DepthStream
 
-CASES = {
-    "small (8 sublayers)": SHAPES["small"],
-    "48 sublayers": dict(n_layers=24, d_model=128, n_heads=4, n_ctx=128, batch=8),  # bench_depth_scaling's deepest
+CASES = {  # shape, rounds (a small step is cheap and its ratio closer to 1: more rounds)
+    "small (8 sublayers)": (SHAPES["small"], 40),
+    "48 sublayers": (dict(n_layers=24, d_model=128, n_heads=4, n_ctx=128, batch=8), 10),  # bench_depth_scaling's
 }
 VARIANTS = {"full": dict(residual="attnres", attnres_block_size=1),
             "block4": dict(residual="attnres", attnres_block_size=4)}
@@ -62,27 +62,29 @@ def measure(shape: dict, overrides: dict, repeats: int) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=8, help="rounds (each steps both ways once)")
+    parser.add_argument("--repeats", type=int, help="rounds per case (each steps both ways once; default 40 small, "
+                        "10 deep)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model only (tests)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    cases = {"tiny": TINY} if args.tiny else CASES
+    cases = {"tiny": (TINY, 2)} if args.tiny else CASES
     started = datetime.datetime.now(datetime.timezone.utc)
     lines = [
         "# Shared source gradients summed in the fused backward, on against off",
         "",
         f"Measured {started:%Y-%m-%d %H:%M} UTC on {machine_info()}, one torch thread, by `{command_line()}`. "
-        f"Forward + backward + AdamW of `bench_cpu_step`'s step; {args.repeats} rounds, each stepping the same model "
-        "with the sums on and off (order alternating); the ratio is each round's on / off, median and range.",
+        "Forward + backward + AdamW of `bench_cpu_step`'s step; rounds (per row) each step the same model with the "
+        "sums on and off (order alternating); the ratio is each round's on / off, median and range.",
         "",
-        "| shape | variant | on (ms) | off (ms) | on / off | range |",
-        "|---|---|---|---|---|---|",
+        "| shape | variant | rounds | on (ms) | off (ms) | on / off | range |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for case, shape in cases.items():
+    for case, (shape, rounds) in cases.items():
+        rounds = args.repeats or rounds
         for variant, overrides in VARIANTS.items():
-            row = measure(shape, overrides, args.repeats)
-            lines.append(f"| {case} | {variant} | {row['on']:.1f} | {row['off']:.1f} | {row['ratio']:.3f} | "
+            row = measure(shape, overrides, rounds)
+            lines.append(f"| {case} | {variant} | {rounds} | {row['on']:.1f} | {row['off']:.1f} | {row['ratio']:.3f} | "
                          f"{row['low']:.3f}–{row['high']:.3f} |")
     emit_report("\n".join(lines) + "\n", args.out)
     return lines

@@ -560,7 +560,6 @@ static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
         /* pass 2: each query's mix, GROUP sources per sweep, the rows still in L1/L2 */
         for (int64_t t = 0; t < T; ++t) {
             const int64_t row = (t0 + t) * D;
-            if (t0 + t + PREFETCH_ROWS < end) prefetch_rows(src, S, row + PREFETCH_ROWS * D, D);
             for (int64_t q = 0; q < Q; ++q) {
                 const real *alpha = w + q * S * TILE;
                 real *h = a->mix + q * N * D + row;
