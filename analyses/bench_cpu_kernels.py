@@ -6,6 +6,10 @@ costs, each measured side by side (issues 13 and 15; docs/kernels.md §2, §7, �
   repeats in one process at one torch thread;
 * two-phase: forward passes (no_grad) of Full AttnRes models with the C two-phase windows as shipped and with
   every consumer mixed in one pass (`attnres.stream_two_phase_backend` replaced for the comparison), interleaved;
+* vector sums: the float C library as built (its AVX2 vector sums, where the processor has them) against the same
+  source and flags built with `-DNO_VECTOR_SUMS` (its portable `omp simd` loops), and against the fallback build
+  without `-march=native`: depth mixes forward, forward + backward and with four queries, and a forward pass of
+  the prune model, interleaved;
 * process costs: a model replica for the worker threads (`interventions.model_replica`), and the exit of a process
   that imported the analysis commands, with and without `gc.freeze()` (fresh processes, alternating).
 
@@ -15,13 +19,16 @@ costs, each measured side by side (issues 13 and 15; docs/kernels.md §2, §7, �
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +38,9 @@ from attnres_lens import HookedTransformer, ModelConfig, attnres
 from attnres_lens.analysis.interventions import model_replica
 from attnres_lens.components import apply_rotary, rotary_tables
 from attnres_lens.cpu_settings import keep_freed_memory
-from attnres_lens.kernels.cpu_fused import (depth_attention_cpu, depth_attention_normed_cpu, rms_norm_cpu,
-                                          rotary_cpu)
+from attnres_lens.kernels import cpu_fused
+from attnres_lens.kernels.cpu_fused import (depth_attention_cpu, depth_attention_multi_cpu, depth_attention_normed_cpu,
+                                          rms_norm_cpu, rotary_cpu)
 
 # (label, model shape, batch): the training shapes of bench_cpu_step, the prune model at a stacked pass, a deep one
 MODEL_SHAPES = [
@@ -162,6 +170,69 @@ def two_phase_rows(shapes, repeats: int) -> list[str]:
     return rows
 
 
+def float_library(arch_flags: list[str]) -> object:
+    """The float kernel library built with `arch_flags` in place of the shipped ones, in a cache of its own."""
+    flags, cache = cpu_fused.ARCH_FLAGS, os.environ.get(cpu_fused.CACHE_ENV_VAR)
+    with tempfile.TemporaryDirectory() as folder:
+        os.environ[cpu_fused.CACHE_ENV_VAR], cpu_fused.ARCH_FLAGS = folder, (arch_flags,)
+        try:
+            return cpu_fused._build_library("float")  # loaded: the file may go
+        finally:
+            cpu_fused.ARCH_FLAGS = flags
+            if cache is None:
+                del os.environ[cpu_fused.CACHE_ENV_VAR]
+            else:
+                os.environ[cpu_fused.CACHE_ENV_VAR] = cache
+
+
+@contextlib.contextmanager
+def kernels_from(library: object) -> Iterator[None]:
+    """Every C call of `cpu_fused` goes to `library`."""
+    shipped = cpu_fused.cpu_library
+    cpu_fused.cpu_library = lambda dtype: library
+    try:
+        yield
+    finally:
+        cpu_fused.cpu_library = shipped
+
+
+def vector_sum_rows(repeats: int, tiny: bool) -> list[str]:
+    libraries = {"fallback": float_library([]), "loops": float_library([*cpu_fused.ARCH_FLAGS[0], "-DNO_VECTOR_SUMS"]),
+                 "vector": cpu_fused.cpu_library(torch.float32)}
+
+    def on(name: str, function: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            with kernels_from(libraries[name]):
+                function()
+        return run
+
+    def compare(function: Callable[[], object]) -> Timings:
+        return interleaved({name: on(name, function) for name in libraries}, repeats)
+
+    rows = []
+    cases = ((5, 2, 8, 16),) if tiny else ((9, 12, 64, 128), (25, 64, 65, 64), (49, 8, 128, 128))
+    for n_sources, batch, pos, width in cases:
+        generator = torch.Generator().manual_seed(n_sources)
+        sources = [torch.randn(batch, pos, width, generator=generator, requires_grad=True) for _ in range(n_sources)]
+        query, gain = (torch.randn(width, generator=generator, requires_grad=True) for _ in range(2))
+        queries = torch.randn(4, width, generator=generator)
+        with torch.no_grad():
+            forward = compare(lambda: depth_attention_cpu(sources, query, gain, 1e-6))
+            multi = compare(lambda: depth_attention_multi_cpu(sources, queries, 1e-6))
+        both = compare(lambda: depth_attention_cpu(sources, query, gain, 1e-6)[0].sum().backward())
+        rows.append(f"| {n_sources} x [{batch}, {pos}, {width}] | " + " | ".join(
+            f"{timing.ms('loops'):.2f} | {timing.ms('vector'):.2f} | {timing.ratio('vector', 'loops'):.3f} | "
+            f"{timing.ratio('fallback', 'loops'):.2f}" for timing in (forward, both, multi)) + " |")
+    label, shape, batch = (TINY_SHAPES if tiny else MODEL_SHAPES[2:3])[0]
+    model = HookedTransformer(ModelConfig(d_vocab=64, residual="attnres", depth_attention_backend="cpu", **shape))
+    tokens = torch.randint(0, 64, (batch, shape["n_ctx"]))
+    with torch.no_grad():
+        timing = compare(lambda: model(tokens))
+    rows.append(f"| forward, Full {label} | | | | | | | | | {timing.ms('loops'):.1f} | {timing.ms('vector'):.1f} | "
+                f"{timing.ratio('vector', 'loops'):.3f} | {timing.ratio('fallback', 'loops'):.2f} |")
+    return rows
+
+
 def exit_seconds(mode: str) -> float:
     """Seconds from the probe's last line to its process's end."""
     out = subprocess.run([sys.executable, "-c", _EXIT_PROBE, mode], capture_output=True, text=True, check=True)
@@ -206,6 +277,17 @@ def main(argv: Optional[Sequence[str]] = None, keep_memory: bool = False) -> lis
         "| model | one pass (ms) | two-phase (ms) | two-phase / one pass |",
         "|---|---|---|---|",
         *two_phase_rows(TINY_SHAPES if args.tiny else MODEL_SHAPES, args.repeats),
+        "",
+        "The float library's AVX2 vector sums (docs/kernels.md §6) against its `omp simd` loops (the same source and "
+        "flags with -DNO_VECTOR_SUMS; `fallback ×`: the build without -march=native, over the loops): one depth mix "
+        "forward (no_grad), forward + backward, and with four queries (`depth_attention_multi_cpu`, phase 1 of "
+        "two-phase); the last row a whole forward pass (no_grad, its two-phase windows included) in the last "
+        "column group.",
+        "",
+        "| sources x shape | loops fwd (ms) | vector fwd (ms) | × | fallback × | loops fwd+bwd (ms) | "
+        "vector fwd+bwd (ms) | × | fallback × | loops 4 queries (ms) | vector 4 queries (ms) | × | fallback × |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *vector_sum_rows(args.repeats, args.tiny),
     ]
     shapes = TINY_SHAPES if args.tiny else MODEL_SHAPES[2:3]
     model = HookedTransformer(ModelConfig(d_vocab=64, residual="attnres", **shapes[0][1]))

@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 ANALYSES = Path(__file__).resolve().parent.parent / "analyses"
 
@@ -56,7 +57,12 @@ def test_cpu_kernels_benchmark_on_tiny_shapes():
     assert ops == ["RMSNorm [2, 8, 16]", "rotary [2, 8, 2, 4]"]
     assert any(line.startswith("| 3 x [2, 8, 16] |") for line in lines)  # the fused pre-norm
     assert any(line.startswith("| 2 layers") for line in lines)
+    assert any(line.startswith("| 5 x [2, 8, 16] |") for line in lines)  # the vector sums against portable loops
+    assert any(line.startswith("| forward, Full 2 layers") for line in lines)
     assert any(line.startswith("Process costs:") and "gc.freeze" in line for line in lines)
+    from attnres_lens.kernels import cpu_fused
+
+    assert cpu_fused.ARCH_FLAGS[0] and cpu_fused.cpu_library(torch.float32) is cpu_fused._library("float")  # restored
 
 
 def test_prune_baseline_benchmark_alternates_two_trees(tmp_path):

@@ -624,3 +624,35 @@ def test_a_model_shares_source_gradients_only_where_nothing_can_see_them(block_s
     assert shared  # the other consumers did share
     for got, want in zip(results["cpu"], results["reference"]):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_the_portable_build_and_the_vector_sums_agree_with_float64(tmp_path, monkeypatch):
+    """The float library built without -march=native (the fallback for compilers that reject it) runs the C
+    file's portable loops, the default build its AVX2 vector sums where the processor has them: forward, backward
+    (with gradients summed into shared buffers) and the several-query kernel of each match the float64 oracle."""
+    monkeypatch.setenv(cpu_fused.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(cpu_fused, "ARCH_FLAGS", ([],))
+    portable = cpu_fused._build_library("float")
+    native = cpu_fused.cpu_library(torch.float32)
+    results = {}
+    for name, library in (("portable", portable), ("native", native)):
+        monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype, library=library: library)
+        outputs = []
+        for n_sources, token_shape, d_model in SHAPES:
+            sources, query, gain = make_inputs(n_sources, token_shape, d_model)
+            leaves, loss = _shared_gradient_case(torch.float32, n_tokens=int(torch.tensor(token_shape).prod()),
+                                                 d_model=d_model, n_sources=max(2, n_sources))
+            with torch.no_grad():
+                mix, _ = cpu_fused.depth_attention_multi_cpu(sources, torch.stack([query * gain, gain]), 1e-6)
+            shared = torch.autograd.grad(loss([cpu_fused.share_gradient(leaf) for leaf in leaves]), leaves)
+            outputs.append((mix, *_gradients("cpu", sources, query, gain, torch.ones(*token_shape, d_model)),
+                            *shared))
+            want_mix = oracle(sources, query * gain, torch.ones_like(gain))[0]
+            torch.testing.assert_close(mix[0].double(), want_mix, rtol=1e-4, atol=1e-5)
+            want_shared = torch.autograd.grad(loss(leaves, backend="reference"), leaves)
+            for got, want in zip(shared, want_shared):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        results[name] = outputs
+    for portable_case, native_case in zip(results["portable"], results["native"]):
+        for a, b in zip(portable_case, native_case):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -74,8 +74,48 @@ static inline void row_sums(const real *v, const real *u, int64_t D, real *squar
     *dot = p;
 }
 
-static inline void group_sums(const real *v0, const real *v1, const real *v2, const real *v3, const real *u,
-                              int64_t D, real *square_sum, real *dot) {
+/* The float build on a processor with AVX2 and FMA (-march=native) sums the lanes of four vector accumulators at
+ * once (three horizontal adds): the compiler's own lowering of a `omp simd` reduction stores each accumulator and
+ * adds its eight lanes one after the other, which at d_model 64 cost about as much as the row's FMAs (perf,
+ * docs/kernels.md §6). The same sums, in another order; the double build keeps the portable loops, and so does
+ * -DNO_VECTOR_SUMS (analyses/bench_cpu_kernels.py's baseline). */
+#define FLOAT_BUILD_float 1
+#define PASTE(a, b) a##b
+#define EXPAND_PASTE(a, b) PASTE(a, b)
+#if defined(__AVX2__) && defined(__FMA__) && EXPAND_PASTE(FLOAT_BUILD_, REAL) && !defined(NO_VECTOR_SUMS)
+#define VECTOR_SUMS 1
+#include <immintrin.h>
+
+/* [lane sum of a0, of a1, of a2, of a3] */
+INLINE __m128 lane_sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+#else
+#define VECTOR_SUMS 0
+#endif
+
+INLINE void group_sums(const real *v0, const real *v1, const real *v2, const real *v3, const real *u, int64_t D,
+                       real *square_sum, real *dot) {
+#if VECTOR_SUMS
+    __m256 q0 = _mm256_setzero_ps(), q1 = q0, q2 = q0, q3 = q0, p0 = q0, p1 = q0, p2 = q0, p3 = q0;
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+        const __m256 w = _mm256_loadu_ps(u + d), x0 = _mm256_loadu_ps(v0 + d), x1 = _mm256_loadu_ps(v1 + d),
+                     x2 = _mm256_loadu_ps(v2 + d), x3 = _mm256_loadu_ps(v3 + d);
+        q0 = _mm256_fmadd_ps(x0, x0, q0), q1 = _mm256_fmadd_ps(x1, x1, q1);
+        q2 = _mm256_fmadd_ps(x2, x2, q2), q3 = _mm256_fmadd_ps(x3, x3, q3);
+        p0 = _mm256_fmadd_ps(x0, w, p0), p1 = _mm256_fmadd_ps(x1, w, p1);
+        p2 = _mm256_fmadd_ps(x2, w, p2), p3 = _mm256_fmadd_ps(x3, w, p3);
+    }
+    _mm_storeu_ps(square_sum, lane_sums4(q0, q1, q2, q3));
+    _mm_storeu_ps(dot, lane_sums4(p0, p1, p2, p3));
+    for (; d < D; ++d) {
+        square_sum[0] += v0[d] * v0[d], square_sum[1] += v1[d] * v1[d];
+        square_sum[2] += v2[d] * v2[d], square_sum[3] += v3[d] * v3[d];
+        dot[0] += v0[d] * u[d], dot[1] += v1[d] * u[d], dot[2] += v2[d] * u[d], dot[3] += v3[d] * u[d];
+    }
+#else
     real q0 = 0, q1 = 0, q2 = 0, q3 = 0, p0 = 0, p1 = 0, p2 = 0, p3 = 0;
 #pragma omp simd reduction(+ : q0, q1, q2, q3, p0, p1, p2, p3)
     for (int64_t d = 0; d < D; ++d) {
@@ -90,11 +130,24 @@ static inline void group_sums(const real *v0, const real *v1, const real *v2, co
     }
     square_sum[0] = q0, square_sum[1] = q1, square_sum[2] = q2, square_sum[3] = q3;
     dot[0] = p0, dot[1] = p1, dot[2] = p2, dot[3] = p3;
+#endif
 }
 
 /* four dots v_i . g_i at once (four independent FMA chains) */
 INLINE void four_dots(const real *v0, const real *v1, const real *v2, const real *v3, const real *g0,
                       const real *g1, const real *g2, const real *g3, int64_t D, real *dot) {
+#if VECTOR_SUMS
+    __m256 p0 = _mm256_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(v0 + d), _mm256_loadu_ps(g0 + d), p0);
+        p1 = _mm256_fmadd_ps(_mm256_loadu_ps(v1 + d), _mm256_loadu_ps(g1 + d), p1);
+        p2 = _mm256_fmadd_ps(_mm256_loadu_ps(v2 + d), _mm256_loadu_ps(g2 + d), p2);
+        p3 = _mm256_fmadd_ps(_mm256_loadu_ps(v3 + d), _mm256_loadu_ps(g3 + d), p3);
+    }
+    _mm_storeu_ps(dot, lane_sums4(p0, p1, p2, p3));
+    for (; d < D; ++d) dot[0] += v0[d] * g0[d], dot[1] += v1[d] * g1[d], dot[2] += v2[d] * g2[d], dot[3] += v3[d] * g3[d];
+#else
     real p0 = 0, p1 = 0, p2 = 0, p3 = 0;
 #pragma omp simd reduction(+ : p0, p1, p2, p3)
     for (int64_t d = 0; d < D; ++d) {
@@ -104,6 +157,7 @@ INLINE void four_dots(const real *v0, const real *v1, const real *v2, const real
         p3 += v3[d] * g3[d];
     }
     dot[0] = p0, dot[1] = p1, dot[2] = p2, dot[3] = p3;
+#endif
 }
 
 /* row-wise dots of T consecutive rows of v with the matching rows of g */
@@ -159,9 +213,34 @@ INLINE void prefetch_rows(const real *const *src, int64_t S, int64_t offset, int
         for (int64_t d = 0; d < D; d += line) __builtin_prefetch(src[s] + offset + d, 0, 3);
 }
 
-/* h += sum_s alpha[s * TILE] v_s for one token row (alpha points at the token's entry of a tile's weights),
- * GROUP sources per sweep of h */
+/* h += sum_s alpha[s * TILE] v_s for one token row (alpha points at the token's entry of a tile's weights).
+ * With vector sums, 64 columns of h stay in eight registers while every source is added (eight independent FMA
+ * chains, one load per source vector), where GROUP sources per sweep reload and store h every four sources. */
 INLINE void mix_row(real *h, const real *const *src, int64_t S, int64_t row, int64_t D, const real *alpha) {
+#if VECTOR_SUMS
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) {
+        __m256 acc[8];
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_loadu_ps(h + d + 8 * c);
+        for (int64_t s = 0; s < S; ++s) {
+            const __m256 w = _mm256_set1_ps(alpha[s * TILE]);
+            const real *v = src[s] + row + d;
+            for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(h + d + 8 * c, acc[c]);
+    }
+    for (; d + 8 <= D; d += 8) {
+        __m256 acc = _mm256_loadu_ps(h + d);
+        for (int64_t s = 0; s < S; ++s)
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(alpha[s * TILE]), _mm256_loadu_ps(src[s] + row + d), acc);
+        _mm256_storeu_ps(h + d, acc);
+    }
+    for (; d < D; ++d) {
+        real x = h[d];
+        for (int64_t s = 0; s < S; ++s) x += alpha[s * TILE] * src[s][row + d];
+        h[d] = x;
+    }
+#else
     int64_t s = 0;
     for (; s + GROUP <= S; s += GROUP) {
         const real *v0 = src[s] + row, *v1 = src[s + 1] + row, *v2 = src[s + 2] + row, *v3 = src[s + 3] + row;
@@ -175,6 +254,7 @@ INLINE void mix_row(real *h, const real *const *src, int64_t S, int64_t row, int
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) h[d] += ws * v[d];
     }
+#endif
 }
 
 /* RMSNorm of one row (docs/model.md §6): r = 1 / sqrt(mean(x^2) + eps), y = x r w; returns r */

@@ -38,6 +38,10 @@ MAX_QUERIES = 8  # the C file's MAX_QUERIES: larger query sets are split
 MIN_ELEMENTS_PER_THREAD = 1 << 20
 _REAL_TYPES = {torch.float32: "float", torch.float64: "double"}
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fopenmp-simd", "-fno-math-errno"]
+# Tried in turn: -march=native gives the compiler AVX2/FMA where the machine has them (and the C file's vector sums
+# with them); some compilers reject it, and the portable build follows. 256-bit vectors: at d_model 64 a 512-bit
+# row is 4 iterations and its reductions dominate (1.3x slower here).
+ARCH_FLAGS = (["-march=native", "-mprefer-vector-width=256"], [])
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -96,9 +100,7 @@ def _build_library(real_type: str) -> ctypes.CDLL:
             "(e.g. `apt-get install gcc`), set $CC, or use backend='torch'"
         )
     errors = []
-    # -march=native gives the compiler AVX/FMA where the machine has them; some compilers reject it
-    # 256-bit vectors: at d_model 64 a 512-bit row is 4 iterations and its reductions dominate (1.3x slower here)
-    for arch_flags in (["-march=native", "-mprefer-vector-width=256"], []):
+    for arch_flags in ARCH_FLAGS:
         flags = [*_BASE_FLAGS, *arch_flags, f"-DREAL={real_type}"]
         key = hashlib.sha256(
             "\0".join([SOURCE.read_text(), compiler, *flags, platform.machine(), _cpu_fingerprint()]).encode()
