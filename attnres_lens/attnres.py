@@ -150,6 +150,7 @@ class DepthStream(ResidualStream):
 
     def batch_changed(self) -> None:
         self._phase1 = None  # the window's phase-1 statistics were computed for the old batch
+        self._shared = []  # views of the old batch's blocks
 
     def sources(self) -> list[torch.Tensor]:
         """The sources the next consumer reads (after `read` has closed a completed block)."""
@@ -184,6 +185,7 @@ class DepthStream(ResidualStream):
 
     def _gradient_shared_sources(self) -> list[torch.Tensor]:
         """`sources()` with every completed block seen through its `share_gradient` view (made once per block)."""
+        del self._shared[len(self.blocks):]
         for i, block in enumerate(self.blocks):
             if i == len(self._shared) or self._shared[i][0] is not block:  # new, or replaced (a copied stream)
                 del self._shared[i:]

@@ -630,10 +630,12 @@ def test_the_portable_build_and_the_vector_sums_agree_with_float64(tmp_path, mon
     """The float library built without -march=native (the fallback for compilers that reject it) runs the C
     file's portable loops, the default build its AVX2 vector sums where the processor has them: forward, backward
     (with gradients summed into shared buffers) and the several-query kernel of each match the float64 oracle."""
+    native = cpu_fused.cpu_library(torch.float32)  # as shipped, before the flags change
     monkeypatch.setenv(cpu_fused.CACHE_ENV_VAR, str(tmp_path))
     monkeypatch.setattr(cpu_fused, "ARCH_FLAGS", ([],))
     portable = cpu_fused._build_library("float")
-    native = cpu_fused.cpu_library(torch.float32)
+    flags = next((line.split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    assert native.vector_sums() == ("avx2" in flags and "fma" in flags) and portable.vector_sums() == 0
     results = {}
     for name, library in (("portable", portable), ("native", native)):
         monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype, library=library: library)
@@ -656,3 +658,66 @@ def test_the_portable_build_and_the_vector_sums_agree_with_float64(tmp_path, mon
     for portable_case, native_case in zip(results["portable"], results["native"]):
         for a, b in zip(portable_case, native_case):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_shared_source_gradient_refuses_a_second_derivative():
+    """A double backward through fused consumers raises, shared sources or not (their buffers carry no graph, so
+    a consumer whose incoming gradient builds one returns fresh gradients that `once_differentiable` guards)."""
+    from attnres_lens import HookedTransformer, ModelConfig
+
+    model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=2, d_vocab=32, n_ctx=9, residual="attnres",
+                                          depth_attention_backend="cpu", dtype=torch.float64, seed=1))
+    randomize_depth_parameters(model)
+    saved = []
+
+    def leaf(embedding, hook):
+        saved.append(embedding.detach().requires_grad_())
+        return saved[-1]
+
+    with model.hooks(fwd_hooks=[("hook_embed", leaf)]):
+        loss = model(torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0)), return_type="loss")
+    (penalty,) = torch.autograd.grad(loss, saved, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (loss + penalty.square().sum()).backward()
+
+
+def test_concurrent_and_reentrant_backwards_keep_their_own_sums():
+    """Two threads differentiating one retained graph at once, and a backward started from a hook inside another,
+    each get the readable path's gradients; a backward that stopped short of the shared nodes frees its buffers."""
+    import threading
+
+    leaves, loss = _shared_gradient_case(torch.float64, n_tokens=512, d_model=64, n_sources=6)
+    want = torch.autograd.grad(loss(leaves, backend="reference"), leaves)
+    views = [cpu_fused.share_gradient(leaf) for leaf in leaves]
+    total = loss(views)
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(torch.autograd.grad(total, leaves, retain_graph=True)))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 4
+    for got in results:
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+    query = torch.randn(64, dtype=torch.float64)
+    inner_loss = (depth_attention(views, query, torch.ones_like(query), 1e-6, backend="cpu") * 2).sum()
+    want_inner = torch.autograd.grad((depth_attention(leaves, query, torch.ones_like(query), 1e-6,
+                                                      backend="reference") * 2).sum(), leaves)
+    inner = []
+    probe = depth_attention(views, -query, torch.ones_like(query), 1e-6, backend="cpu")
+    probe.register_hook(lambda grad: inner.append(torch.autograd.grad(inner_loss, leaves, retain_graph=True)))
+    outer = torch.autograd.grad(total + probe.sum(), leaves, retain_graph=True)
+    want_probe = torch.autograd.grad(depth_attention(leaves, -query, torch.ones_like(query), 1e-6,
+                                                     backend="reference").sum(), leaves)
+    for a, b, c in zip(outer, want, want_probe):
+        torch.testing.assert_close(a, b + c, rtol=1e-10, atol=1e-12)
+    for a, b in zip(inner[0], want_inner):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+    shared = [view.shared_gradient for view in views]
+    gain = torch.ones(64, dtype=torch.float64, requires_grad=True)
+    torch.autograd.grad(depth_attention(views, query, gain, 1e-6, backend="cpu").sum(), [gain])
+    assert all(not item.buffers for item in shared)

@@ -95,6 +95,9 @@ INLINE __m128 lane_sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 #define VECTOR_SUMS 0
 #endif
 
+/* Whether this build runs the vector sums (tests tell the builds apart by it). */
+int vector_sums(void) { return VECTOR_SUMS; }
+
 INLINE void group_sums(const real *v0, const real *v1, const real *v2, const real *v3, const real *u, int64_t D,
                        real *square_sum, real *dot) {
 #if VECTOR_SUMS

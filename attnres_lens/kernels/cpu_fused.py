@@ -149,6 +149,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
         pointer, pointer, pointer, pointer, pointer, c_int
     ]
+    library.vector_sums.restype = c_int
+    library.vector_sums.argtypes = []
     library.depth_attention_multi.restype = None
     library.depth_attention_multi.argtypes = [
         pointer, int64, int64, int64, pointer, int64, pointer, pointer, ctypes.c_double, pointer, pointer, c_int
@@ -221,30 +223,30 @@ class SharedGradient:
     """The gradient of one source that several fused consumers read, summed in place (docs/kernels.md §5).
 
     `share_gradient` puts a node after the source whose output the consumers read; each consumer's C backward adds
-    its part into `buffer` (the first of a backward pass writes it) and returns no gradient for that input, where
-    autograd would add every consumer's fresh copy in a pass of its own; the node, which autograd runs only after
-    every consumer of its output, hands the sum on. Tagged with autograd's graph task, so a backward pass that
-    stopped short of the node leaves nothing stale for the next one."""
+    its part into this object's buffer for the running backward pass (the first part writes it) and returns no
+    gradient for that input, where autograd would add every consumer's fresh copy in a pass of its own; the node,
+    which autograd runs only after every consumer of its output, hands the sum on. One buffer per backward pass
+    (autograd's graph task: concurrent and reentrant backwards keep theirs apart), dropped when that pass ends, so
+    one that stopped short of the node (a gradient with respect to a query only) leaves nothing behind."""
 
-    __slots__ = ("task", "buffer")
+    __slots__ = ("buffers",)
 
     def __init__(self):
-        self.task: Optional[int] = None
-        self.buffer: Optional[torch.Tensor] = None
+        self.buffers: dict[int, torch.Tensor] = {}
 
     def target(self, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The buffer this backward pass adds into, and whether it already holds a part (else write it)."""
         task = torch._C._current_graph_task_id()
-        if self.task == task and self.buffer is not None:
-            return self.buffer, True
-        self.task, self.buffer = task, new_output(like.shape, like.dtype, like.device)
-        return self.buffer, False
+        buffer = self.buffers.get(task)
+        if buffer is not None:
+            return buffer, True
+        self.buffers[task] = buffer = new_output(like.shape, like.dtype, like.device)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.buffers.pop(task, None))
+        return buffer, False
 
     def take(self) -> Optional[torch.Tensor]:
         """The sum of this backward pass's parts (None if no consumer added one), released."""
-        buffer = self.buffer if self.task == torch._C._current_graph_task_id() else None
-        self.task = self.buffer = None
-        return buffer
+        return self.buffers.pop(torch._C._current_graph_task_id(), None)
 
 
 class _ShareGradient(torch.autograd.Function):
@@ -263,9 +265,11 @@ class _ShareGradient(torch.autograd.Function):
 
 
 def share_gradient(source: torch.Tensor) -> torch.Tensor:
-    """`source`, seen through a node that collects the fused consumers' gradients in one buffer (`SharedGradient`).
-    Give the result only to depth mixes: a gradient taken with respect to it directly would miss their parts (the
-    gradient of `source` itself is complete)."""
+    """`source`, seen through a node that collects the fused consumers' gradients in one buffer (`SharedGradient`);
+    `source` itself when it needs no gradient. Give the result only to depth mixes: a gradient taken with respect
+    to it directly would miss their parts (the gradient of `source` itself is complete)."""
+    if not source.requires_grad:
+        return source
     shared = SharedGradient()
     view = _ShareGradient.apply(source, shared)
     view.shared_gradient = shared
@@ -275,6 +279,13 @@ def share_gradient(source: torch.Tensor) -> torch.Tensor:
 def _shared_gradients(sources: tuple[torch.Tensor, ...]) -> Optional[list[Optional[SharedGradient]]]:
     shared = [getattr(source, "shared_gradient", None) for source in sources]
     return shared if any(item is not None for item in shared) else None
+
+
+def _summed_in_place(ctx, *grads: Optional[torch.Tensor]) -> Optional[list[Optional[SharedGradient]]]:
+    """The consumer's shared buffers for this backward, or None when a gradient builds a graph (create_graph): a
+    shared buffer carries no graph, so those gradients come back fresh, where `once_differentiable` makes a second
+    derivative through them raise instead of come out wrong."""
+    return None if any(grad is not None and grad.requires_grad for grad in grads) else ctx.shared
 
 
 def _gradient_buffers(sources: list[torch.Tensor], shared: Optional[list[Optional[SharedGradient]]] = None
@@ -370,7 +381,8 @@ class _EagerDepthAttention(torch.autograd.Function):
     @once_differentiable  # the C backward builds no graph: a second derivative raises instead of coming out wrong
     def backward(ctx, grad_h: torch.Tensor, _grad_logits: torch.Tensor, _grad_weights: torch.Tensor):
         query, gain, folded_query, stats, *sources = ctx.saved_tensors
-        grad_sources, grad_folded = _run_backward(sources, folded_query, stats, grad_h.contiguous(), ctx.shared)
+        grad_sources, grad_folded = _run_backward(sources, folded_query, stats, grad_h.contiguous(),
+                                                  _summed_in_place(ctx, grad_h))
         return grad_folded * gain, grad_folded * query, None, None, *grad_sources
 
 
@@ -441,11 +453,12 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
         query, gain, folded_query, norm_weight, stats, norm_rstd, h, *sources = ctx.saved_tensors
         if grad_y is None and grad_h is None:
             return (None,) * (5 + len(sources))
+        shared = _summed_in_place(ctx, grad_h, grad_y)
         if grad_y is None:  # only h was used: the plain mix's backward
-            grad_sources, grad_folded = _run_backward(sources, folded_query, stats, grad_h.contiguous(), ctx.shared)
+            grad_sources, grad_folded = _run_backward(sources, folded_query, stats, grad_h.contiguous(), shared)
             return grad_folded * gain, grad_folded * query, None, None, None, *grad_sources
         first, n_sources = sources[0], len(sources)
-        grad_sources, accumulate, n_tokens, d_model, n_threads = _gradient_buffers(sources, ctx.shared)
+        grad_sources, accumulate, n_tokens, d_model, n_threads = _gradient_buffers(sources, shared)
         rstd, logits, weights = stats.unbind(0)
         grad_folded_partial = new_output((n_threads, d_model), first.dtype, first.device)
         grad_norm_partial = new_output((n_threads, d_model), torch.float64, first.device)  # summed in double
@@ -459,7 +472,7 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
         )
         grad_folded, grad_norm_weight = grad_folded_partial.sum(dim=0), grad_norm_partial.sum(dim=0).to(first.dtype)
         return (grad_folded * gain, grad_folded * query, grad_norm_weight, None, None,
-                *_returned(grad_sources, ctx.shared))
+                *_returned(grad_sources, shared))
 
 
 def depth_attention_normed_cpu(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor,
