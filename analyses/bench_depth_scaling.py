@@ -17,6 +17,7 @@ Full and Block (S = 4) models step interleaved, medians over repeats. Per step i
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import statistics
 import sys
@@ -28,7 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from analyses import bench_cpu_step
-from analyses.common import command_line, emit_report, machine_info
+from analyses.common import command_line, emit_report, machine_info, within_rounds
 from attnres_lens import HookedTransformer
 
 VARIANTS = {"standard": dict(residual="standard"), "full": dict(residual="attnres", attnres_block_size=1),
@@ -53,11 +54,14 @@ class Stepper(bench_cpu_step.Stepper):
 
     def depth_mix_bytes(self) -> int:
         """Bytes the fused depth ops must move per step (docs/kernels.md §8): forward reads each consumer's
-        sources and writes h; backward reads the sources and dh and writes each source's gradient."""
+        sources and writes h; backward reads the sources and dh and writes each source's gradient, and where
+        another consumer of the source wrote it already, reads it to add into it (§5)."""
         cfg = self.model.cfg
         row_bytes = self.tokens.numel() * cfg.d_model * 4
-        reads = [len(self.model.sources(c)) for c in range(cfg.n_sublayers + 1)]
-        return sum(row_bytes * ((n + 1) + (2 * n + 1)) for n in reads)
+        layouts = [self.model.sources(c) for c in range(cfg.n_sublayers + 1)]
+        readers = collections.Counter(tuple(source) for layout in layouts for source in layout)
+        added = sum(count - 1 for count in readers.values())
+        return row_bytes * (sum((n + 1) + (2 * n + 1) for n in map(len, layouts)) + added)
 
     def depth_mix_seconds(self, steps: int = 3) -> float:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -111,7 +115,8 @@ def measure(depths: list[int], n_ctx: int, d_model: int, batch: int, repeats: in
         for name, stepper in steppers.items():
             row = dict(sublayers=sublayers, n_ctx=n_ctx, variant=name, ms=1e3 * statistics.median(times[name]),
                        spread=(1e3 * min(times[name]), 1e3 * max(times[name])),
-                       ratio=statistics.median(times[name]) / base, saved_mb=stepper.saved_activation_bytes() / 2**20)
+                       ratio=within_rounds(times[name], times["standard"]),
+                       saved_mb=stepper.saved_activation_bytes() / 2**20)
             if name != "standard":
                 seconds = stepper.depth_mix_seconds()
                 row.update(mix_ms=1e3 * seconds, mix_gbs=stepper.depth_mix_bytes() / seconds / 1e9,
@@ -131,7 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     parser.add_argument("--n-ctx", type=int, default=128)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if any(depth % 2 or depth < 2 for depth in args.depths):
@@ -165,13 +170,15 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         "",
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, one torch "
         f"thread, in {time.perf_counter() - started:.0f} s, by `{command_line()}`. d_model {args.d_model}, batch "
-        f"{args.batch}, 4 heads; forward + backward + AdamW; medians of {args.repeats} interleaved steps. Copy "
+        f"{args.batch}, 4 heads; forward + backward + AdamW; {args.repeats} interleaved rounds: step times are "
+        f"medians, × standard the median over rounds of the ratio within the round. Copy "
         f"bandwidth (`copy_` of 256 MB, read + write): **{bandwidth:.1f} GB/s**.",
         "",
         "## Depth", "", *table(rows), "",
         "`bandwidth floor`: the standard step plus the bytes the depth mix must move at the measured copy "
-        "bandwidth, the least any implementation of this one-pass-per-consumer mix could cost (a formulation "
-        "that reads each source once for several consumers, like two-phase Block AttnRes, moves fewer bytes).",
+        "bandwidth (the sums of each shared source's gradient included), the least any implementation of this "
+        "one-pass-per-consumer mix could cost (a formulation that reads each source once for several consumers, "
+        "like two-phase Block AttnRes, moves fewer bytes).",
         "",
         f"Saved activations from the shallowest to the deepest model: {'; '.join(growth)} (linear growth: no "
         "stacked copies of the sources are kept).",
