@@ -86,6 +86,11 @@ class _Phase1(NamedTuple):
 # saved (measured in forward passes of 4-24-layer models, docs/kernels.md §7)
 LOOKAHEAD = 4
 MIN_SHARED_SOURCES = 8
+# Training on the C kernel: completed blocks' gradients are summed in place (DepthStream._one_pass) from this many
+# elements per source; below it the sums' nodes and buffers cost more than autograd's additions they save
+# (4-layer Full / Block S=4 steps, on - off: +0.6 / +0.6 ms at 1K elements, +0.5 / +0.2 at 8K, -0.1 / +0.7 at 32K,
+# -1.0 / -1.7 ms at 98K; 0.83x / 0.96x at 48 sublayers of 131K; analyses/reports/bench_shared_gradients.md)
+MIN_SHARED_GRADIENT_ELEMENTS = 1 << 16
 
 
 class DepthStream(ResidualStream):
@@ -178,9 +183,11 @@ class DepthStream(ResidualStream):
 
     def _shares_gradients(self, module: "DepthAttention") -> bool:
         """Whether this consumer's C backward adds its source gradients into buffers the completed blocks share
-        (`kernels.cpu_fused.SharedGradient`; docs/kernels.md §5): with a gradient, on the C kernel, when nothing
-        hooked on the mix could see the blocks' shared views (a module hook sees its inputs)."""
-        return (torch.is_grad_enabled() and module.fusable and not module.hooked() and not module_hooked(module)
+        (`kernels.cpu_fused.SharedGradient`; docs/kernels.md §5): with a gradient, on the C kernel, for sources
+        of `MIN_SHARED_GRADIENT_ELEMENTS` or more, when nothing hooked on the mix could see the blocks' shared
+        views (a module hook sees its inputs)."""
+        return (torch.is_grad_enabled() and self.blocks[0].numel() >= MIN_SHARED_GRADIENT_ELEMENTS and module.fusable
+                and not module.hooked() and not module_hooked(module)
                 and elementwise_runs_cpu_kernel(module.backend, self.blocks[0]))
 
     def _gradient_shared_sources(self) -> list[torch.Tensor]:

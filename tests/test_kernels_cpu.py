@@ -606,6 +606,7 @@ def test_a_model_shares_source_gradients_only_where_nothing_can_see_them(block_s
     shared = []
     real = cpu_fused.share_gradient
     monkeypatch.setattr("attnres_lens.attnres.share_gradient", lambda source: shared.append(1) or real(source))
+    monkeypatch.setattr("attnres_lens.attnres.MIN_SHARED_GRADIENT_ELEMENTS", 0)  # this model's sources are tiny
     tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
     results = {}
     for backend in ("cpu", "reference"):
@@ -660,10 +661,12 @@ def test_the_portable_build_and_the_vector_sums_agree_with_float64(tmp_path, mon
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_a_shared_source_gradient_refuses_a_second_derivative():
+def test_a_shared_source_gradient_refuses_a_second_derivative(monkeypatch):
     """A double backward through fused consumers raises, shared sources or not (their buffers carry no graph, so
     a consumer whose incoming gradient builds one returns fresh gradients that `once_differentiable` guards)."""
     from attnres_lens import HookedTransformer, ModelConfig
+
+    monkeypatch.setattr("attnres_lens.attnres.MIN_SHARED_GRADIENT_ELEMENTS", 0)
 
     model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=2, d_vocab=32, n_ctx=9, residual="attnres",
                                           depth_attention_backend="cpu", dtype=torch.float64, seed=1))
