@@ -1,8 +1,8 @@
 """The fused backward's in-place sums of shared source gradients (docs/kernels.md §5), on against off (issue 15).
 
 One process, one torch thread, the C kernel. Each case is one model and batch (`bench_cpu_step`'s training step)
-stepped with the sums on (at any source size: the cases place `attnres.MIN_SHARED_GRADIENT_ELEMENTS`) and off in
-turn, the order alternating round by round; each round's ratio is taken within it (`within_rounds`), so a slow
+stepped with the sums on (forced at any source size: the cases are what `attnres.MIN_SHARED_GRADIENT_ELEMENTS` is
+chosen from) and off in turn, the order alternating round by round; each round's ratio is taken within it (`within_rounds`), so a slow
 spell of the shared machine slows both. Off is the stream handing its consumers its own tensors, as before the
 sums existed: every consumer's backward writes a fresh gradient per source and autograd adds them.
 

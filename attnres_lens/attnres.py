@@ -186,6 +186,8 @@ class DepthStream(ResidualStream):
         (`kernels.cpu_fused.SharedGradient`; docs/kernels.md §5): with a gradient, on the C kernel, for sources
         of `MIN_SHARED_GRADIENT_ELEMENTS` or more, when nothing hooked on the mix could see the blocks' shared
         views (a module hook sees its inputs)."""
+        # elementwise_runs_cpu_kernel: the C kernel's rule for these tensors (false under torch.compile, whose
+        # custom ops take no shared buffers)
         return (torch.is_grad_enabled() and self.blocks[0].numel() >= MIN_SHARED_GRADIENT_ELEMENTS and module.fusable
                 and not module.hooked() and not module_hooked(module)
                 and elementwise_runs_cpu_kernel(module.backend, self.blocks[0]))

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
-import torch
 
 ANALYSES = Path(__file__).resolve().parent.parent / "analyses"
 
@@ -52,6 +52,9 @@ def test_inference_benchmark_reports_every_variant(monkeypatch):
 
 
 def test_cpu_kernels_benchmark_on_tiny_shapes():
+    from attnres_lens.kernels import cpu_fused
+
+    shipped = (cpu_fused.ARCH_FLAGS, cpu_fused.cpu_library, os.environ.get(cpu_fused.CACHE_ENV_VAR))
     lines = load("bench_cpu_kernels").main(["--tiny", "--repeats", "1", "--processes", "1"])
     ops = [line.split("|")[1].strip() for line in lines if line.startswith("| RMSNorm") or line.startswith("| rotary")]
     assert ops == ["RMSNorm [2, 8, 16]", "rotary [2, 8, 2, 4]"]
@@ -60,9 +63,7 @@ def test_cpu_kernels_benchmark_on_tiny_shapes():
     assert any(line.startswith("| 5 x [2, 8, 16] |") for line in lines)  # the vector sums against portable loops
     assert any(line.startswith("| forward, Full 2 layers") for line in lines)
     assert any(line.startswith("Process costs:") and "gc.freeze" in line for line in lines)
-    from attnres_lens.kernels import cpu_fused
-
-    assert cpu_fused.ARCH_FLAGS[0] and cpu_fused.cpu_library(torch.float32) is cpu_fused._library("float")  # restored
+    assert (cpu_fused.ARCH_FLAGS, cpu_fused.cpu_library, os.environ.get(cpu_fused.CACHE_ENV_VAR)) == shipped
 
 
 def test_prune_baseline_benchmark_alternates_two_trees(tmp_path):

@@ -551,11 +551,12 @@ def _shared_gradient_case(dtype: torch.dtype, n_tokens: int = 7, d_model: int = 
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_consumers_sum_a_shared_source_gradient_in_place(many_threads, dtype):
+@pytest.mark.parametrize("n_sources", [5, 34])  # 34: the mixes of all sources take the tiled backward
+def test_consumers_sum_a_shared_source_gradient_in_place(many_threads, dtype, n_sources):
     """Sources seen through `share_gradient`: the C backwards of the consumers that read them add into one buffer
     per source (the first writes it: the buffers start NaN-poisoned) and the node hands the sum on, together with
     the gradient of an unfused consumer. The leaves' gradients equal the readable path's, split over threads."""
-    leaves, loss = _shared_gradient_case(dtype)
+    leaves, loss = _shared_gradient_case(dtype, n_sources=n_sources)
     tolerance = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
     calls = {True: 0, False: 0}
     target = cpu_fused.SharedGradient.target
@@ -571,13 +572,14 @@ def test_consumers_sum_a_shared_source_gradient_in_place(many_threads, dtype):
     want = torch.autograd.grad(loss(leaves, backend="reference"), leaves)
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, **tolerance, msg=f"source {i}")
-    # three C consumers read 5 + 5 + 3 sources: each source's first part is written, the other 8 added
-    assert calls == {False: 5, True: 8}
+    # three C consumers read n + n + ceil(n / 2) sources: each source's first part is written, the others added
+    assert calls == {False: n_sources, True: n_sources + (n_sources + 1) // 2}
 
 
 def test_a_shared_source_gradient_survives_retained_graphs_and_partial_backwards():
-    """A second backward through a retained graph starts its sums afresh, and a backward that stopped short of the
-    shared node (a gradient with respect to one consumer's query only) leaves nothing stale for the next."""
+    """A second backward through a retained graph starts its sums afresh, and a backward that ran a consumer but
+    stopped short of the shared nodes (a gradient with respect to its query only) leaves the next one correct
+    (that its buffers are freed at its end is checked by the next test)."""
     leaves, loss = _shared_gradient_case(torch.float64)
     want = torch.autograd.grad(loss(leaves, backend="reference"), leaves)
     total = loss([cpu_fused.share_gradient(leaf) for leaf in leaves])
@@ -606,8 +608,12 @@ def test_a_model_shares_source_gradients_only_where_nothing_can_see_them(block_s
     shared = []
     real = cpu_fused.share_gradient
     monkeypatch.setattr("attnres_lens.attnres.share_gradient", lambda source: shared.append(1) or real(source))
-    monkeypatch.setattr("attnres_lens.attnres.MIN_SHARED_GRADIENT_ELEMENTS", 0)  # this model's sources are tiny
     tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=3, d_vocab=32, n_ctx=9, residual="attnres",
+                                          depth_attention_backend="cpu"))
+    model(tokens, return_type="loss").backward()
+    assert not shared  # sources of 288 elements: below MIN_SHARED_GRADIENT_ELEMENTS, autograd adds
+    monkeypatch.setattr("attnres_lens.attnres.MIN_SHARED_GRADIENT_ELEMENTS", 0)
     results = {}
     for backend in ("cpu", "reference"):
         model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=3, d_vocab=32, n_ctx=9,
@@ -629,8 +635,9 @@ def test_a_model_shares_source_gradients_only_where_nothing_can_see_them(block_s
 
 def test_the_portable_build_and_the_vector_sums_agree_with_float64(tmp_path, monkeypatch):
     """The float library built without -march=native (the fallback for compilers that reject it) runs the C
-    file's portable loops, the default build its AVX2 vector sums where the processor has them: forward, backward
-    (with gradients summed into shared buffers) and the several-query kernel of each match the float64 oracle."""
+    file's portable loops, the default build its AVX2 vector sums where the processor has them: in each, one mix
+    forward and backward against float64, the several-query kernel against the float64 oracle, gradients summed
+    into shared buffers against the readable path; and the two builds agree."""
     native = cpu_fused.cpu_library(torch.float32)  # as shipped, before the flags change
     monkeypatch.setenv(cpu_fused.CACHE_ENV_VAR, str(tmp_path))
     monkeypatch.setattr(cpu_fused, "ARCH_FLAGS", ([],))
@@ -648,8 +655,13 @@ def test_the_portable_build_and_the_vector_sums_agree_with_float64(tmp_path, mon
             with torch.no_grad():
                 mix, _ = cpu_fused.depth_attention_multi_cpu(sources, torch.stack([query * gain, gain]), 1e-6)
             shared = torch.autograd.grad(loss([cpu_fused.share_gradient(leaf) for leaf in leaves]), leaves)
-            outputs.append((mix, *_gradients("cpu", sources, query, gain, torch.ones(*token_shape, d_model)),
-                            *shared))
+            grad_output = torch.linspace(-1, 1, mix[0].numel()).view(*token_shape, d_model)
+            plain = _gradients("cpu", sources, query, gain, grad_output)
+            want_plain = _gradients("reference", [s.double() for s in sources], query.double(), gain.double(),
+                                    grad_output.double())
+            for got, want in zip(plain, want_plain):
+                torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+            outputs.append((mix, *plain, *shared))
             want_mix = oracle(sources, query * gain, torch.ones_like(gain))[0]
             torch.testing.assert_close(mix[0].double(), want_mix, rtol=1e-4, atol=1e-5)
             want_shared = torch.autograd.grad(loss(leaves, backend="reference"), leaves)

@@ -640,7 +640,7 @@ static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
                 for (int64_t t = 0; t < T; ++t) z[s * TILE + t] *= total[t];
             }
         }
-        /* pass 2: each query's mix, GROUP sources per sweep, the rows still in L1/L2 */
+        /* pass 2: each query's mix (mix_row), the rows still in L1/L2 */
         for (int64_t t = 0; t < T; ++t) {
             const int64_t row = (t0 + t) * D;
             for (int64_t q = 0; q < Q; ++q) {

@@ -281,7 +281,7 @@ def _shared_gradients(sources: tuple[torch.Tensor, ...]) -> Optional[list[Option
     return shared if any(item is not None for item in shared) else None
 
 
-def _summed_in_place(ctx, *grads: Optional[torch.Tensor]) -> Optional[list[Optional[SharedGradient]]]:
+def _buffers_to_sum_into(ctx, *grads: Optional[torch.Tensor]) -> Optional[list[Optional[SharedGradient]]]:
     """The consumer's shared buffers for this backward, or None when a gradient builds a graph (create_graph): a
     shared buffer carries no graph, so those gradients come back fresh, where `once_differentiable` makes a second
     derivative through them raise instead of come out wrong."""
@@ -317,7 +317,8 @@ def _returned(grad_sources: list[torch.Tensor], shared: Optional[list[Optional[S
 
 def _backward_kernel(sources: list[torch.Tensor], folded_query: torch.Tensor, stats: torch.Tensor,
                      grad_h: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``(grad of each source, grad of u)`` for the forward op's saved statistics and ``grad_h`` (contiguous)."""
+    """``(grad of each source, grad of u)`` for the forward op's saved statistics and ``grad_h`` (contiguous): the
+    custom op's signature, which has no shared buffers (a compiled model's stream does not share)."""
     return _run_backward(sources, folded_query, stats, grad_h, None)
 
 
@@ -382,7 +383,7 @@ class _EagerDepthAttention(torch.autograd.Function):
     def backward(ctx, grad_h: torch.Tensor, _grad_logits: torch.Tensor, _grad_weights: torch.Tensor):
         query, gain, folded_query, stats, *sources = ctx.saved_tensors
         grad_sources, grad_folded = _run_backward(sources, folded_query, stats, grad_h.contiguous(),
-                                                  _summed_in_place(ctx, grad_h))
+                                                  _buffers_to_sum_into(ctx, grad_h))
         return grad_folded * gain, grad_folded * query, None, None, *grad_sources
 
 
@@ -453,7 +454,7 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
         query, gain, folded_query, norm_weight, stats, norm_rstd, h, *sources = ctx.saved_tensors
         if grad_y is None and grad_h is None:
             return (None,) * (5 + len(sources))
-        shared = _summed_in_place(ctx, grad_h, grad_y)
+        shared = _buffers_to_sum_into(ctx, grad_h, grad_y)
         if grad_y is None:  # only h was used: the plain mix's backward
             grad_sources, grad_folded = _run_backward(sources, folded_query, stats, grad_h.contiguous(), shared)
             return grad_folded * gain, grad_folded * query, None, None, None, *grad_sources
