@@ -194,11 +194,10 @@ class DepthStream(ResidualStream):
 
     def _gradient_shared_sources(self) -> list[torch.Tensor]:
         """`sources()` with every completed block seen through its `share_gradient` view (made once per block)."""
-        del self._shared[len(self.blocks):]
         for i, block in enumerate(self.blocks):
             if i == len(self._shared) or self._shared[i][0] is not block:  # new, or replaced (a copied stream)
-                del self._shared[i:]
-                self._shared.append((block, share_gradient(block)))
+                self._shared[i:] = [(block, share_gradient(block))]
+        del self._shared[len(self.blocks):]
         return windowed([view for _, view in self._shared] + ([self.partial] if self.partial is not None else []),
                         self.window)
 

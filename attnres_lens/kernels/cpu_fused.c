@@ -500,53 +500,32 @@ static void run_rows(void *(*worker)(void *), const void *a, int64_t n_tokens, i
     }
 }
 
+/* With the consumer's pre-norm fused (docs/kernels.md §4; norm_weight not NULL) the forward also writes
+ * y = RMSNorm(h) * norm_weight and its rstd while each h row is in L1, and the backward turns dy (plus dh, when h
+ * has other uses; else grad_h is NULL) into dh row by row before the mix's backward, with the gain's gradient
+ * summed per thread, in double, into grad_norm_partial. Without it those pointers are NULL. */
 void depth_attention_forward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
-                             const real *folded_query, const real *bias, double eps, real *h, real *rstd,
-                             real *logits, real *weights, int n_threads) {
+                             const real *folded_query, const real *bias, double eps, const real *norm_weight,
+                             double norm_eps, real *h, real *rstd, real *logits, real *weights, real *y,
+                             real *norm_rstd, int n_threads) {
     const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
-                          .folded_query = folded_query, .bias = bias, .eps = (real)eps, .h = h, .rstd = rstd, .logits = logits,
-                          .weights = weights};
+                          .folded_query = folded_query, .bias = bias, .eps = (real)eps, .h = h, .rstd = rstd,
+                          .logits = logits, .weights = weights, .norm_weight = norm_weight,
+                          .norm_eps = (real)norm_eps, .y = y, .norm_rstd = norm_rstd};
     run_rows(forward_worker, &a, n_tokens, n_threads);
 }
 
 void depth_attention_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
-                              const real *folded_query, const real *rstd, const real *logits,
-                              const real *weights, const real *grad_h, real *const *grad_sources,
-                              const uint8_t *accumulate, real *grad_query_partial, int n_threads) {
-    const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
-                          .folded_query = folded_query, .rstd = (real *)rstd, .logits = (real *)logits,
-                          .weights = (real *)weights, .grad_h = grad_h, .grad_sources = grad_sources,
-                          .accumulate = accumulate, .grad_query_partial = grad_query_partial};
-    run_rows(backward_worker, &a, n_tokens, n_threads);
-}
-
-/* The same two with the consumer's pre-norm fused (docs/kernels.md §4): the forward also writes y = RMSNorm(h) * nw
- * and its rstd while each h row is in L1; the backward turns dy (plus dh, when h has other uses; else NULL) into dh
- * row by row before the mix's backward, with the gain's gradient summed per thread, in double, into grad_norm_partial. */
-void depth_attention_normed_forward(const real *const *sources, int64_t n_sources, int64_t n_tokens,
-                                    int64_t d_model, const real *folded_query, double eps, const real *norm_weight,
-                                    double norm_eps, real *h, real *rstd, real *logits, real *weights, real *y,
-                                    real *norm_rstd, int n_threads) {
-    const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
-                          .folded_query = folded_query, .eps = (real)eps, .h = h, .rstd = rstd, .logits = logits,
-                          .weights = weights, .norm_weight = norm_weight, .norm_eps = (real)norm_eps, .y = y,
-                          .norm_rstd = norm_rstd};
-    run_rows(forward_worker, &a, n_tokens, n_threads);
-}
-
-void depth_attention_normed_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens,
-                                     int64_t d_model, const real *folded_query, const real *rstd,
-                                     const real *logits, const real *weights, const real *h,
-                                     const real *norm_weight, const real *norm_rstd, const real *grad_y,
-                                     const real *grad_h, real *const *grad_sources, const uint8_t *accumulate,
-                                     real *grad_query_partial, double *grad_norm_partial, int n_threads) {
+                              const real *folded_query, const real *rstd, const real *logits, const real *weights,
+                              const real *h, const real *norm_weight, const real *norm_rstd, const real *grad_y,
+                              const real *grad_h, real *const *grad_sources, const uint8_t *accumulate,
+                              real *grad_query_partial, double *grad_norm_partial, int n_threads) {
     const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
                           .folded_query = folded_query, .rstd = (real *)rstd, .logits = (real *)logits,
                           .weights = (real *)weights, .h = (real *)h, .grad_h = grad_h,
                           .grad_sources = grad_sources, .accumulate = accumulate,
-                          .grad_query_partial = grad_query_partial,
-                          .norm_weight = norm_weight, .norm_rstd = (real *)norm_rstd, .grad_y = grad_y,
-                          .grad_norm_partial = grad_norm_partial};
+                          .grad_query_partial = grad_query_partial, .norm_weight = norm_weight,
+                          .norm_rstd = (real *)norm_rstd, .grad_y = grad_y, .grad_norm_partial = grad_norm_partial};
     run_rows(backward_worker, &a, n_tokens, n_threads);
 }
 

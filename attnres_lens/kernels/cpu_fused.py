@@ -133,19 +133,11 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     pointer, int64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.depth_attention_forward.restype = None
     library.depth_attention_forward.argtypes = [
-        pointer, int64, int64, int64, pointer, pointer, ctypes.c_double, pointer, pointer, pointer, pointer, c_int
+        pointer, int64, int64, int64, pointer, pointer, ctypes.c_double, pointer, ctypes.c_double, pointer, pointer,
+        pointer, pointer, pointer, pointer, c_int
     ]
     library.depth_attention_backward.restype = None
     library.depth_attention_backward.argtypes = [
-        pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer, c_int
-    ]
-    library.depth_attention_normed_forward.restype = None
-    library.depth_attention_normed_forward.argtypes = [
-        pointer, int64, int64, int64, pointer, ctypes.c_double, pointer, ctypes.c_double, pointer, pointer, pointer,
-        pointer, pointer, pointer, c_int
-    ]
-    library.depth_attention_normed_backward.restype = None
-    library.depth_attention_normed_backward.argtypes = [
         pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
         pointer, pointer, pointer, pointer, pointer, c_int
     ]
@@ -179,6 +171,11 @@ def _n_threads(n_elements: int) -> int:
     return max(1, min(torch.get_num_threads(), MAX_THREADS, n_elements // MIN_ELEMENTS_PER_THREAD))
 
 
+def _address(tensor: Optional[torch.Tensor]) -> Optional[int]:
+    """A tensor's data pointer for the C kernel, NULL for None."""
+    return None if tensor is None else tensor.data_ptr()
+
+
 def _pointer_array(tensors) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*(tensor.data_ptr() for tensor in tensors))
 
@@ -191,22 +188,34 @@ def _pointer_array(tensors) -> ctypes.Array:
 # itself (an autograd product and its backward cost ~15% of a small mix, forward and backward). Sources arrive as
 # contiguous [..., D] tensors of one dtype (fp32 or fp64), read as [N, D] rows; the statistics (rstd, logits,
 # weights) come as one [3, S, N] block.
-def _forward_kernel(sources: list[torch.Tensor], folded_query: torch.Tensor, bias: Optional[torch.Tensor],
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h [..., D], stats [3, S, N])``; ``folded_query`` is ``u = w * g`` (contiguous, the sources' dtype);
-    ``bias`` an optional ``[S, N]`` logit bias (added inside the softmax; the logits in ``stats`` are unbiased)."""
+def _run_forward(sources: list[torch.Tensor], folded_query: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                 norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 0.0
+                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(h [..., D], stats [3, S, N], y, norm_rstd [N])``; ``y = RMSNorm(h) * norm_weight`` and its rstd with the
+    consumer's pre-norm fused (``norm_weight`` given, contiguous), else None."""
     first = sources[0]
     d_model = first.shape[-1]
     n_tokens, n_sources = first.numel() // d_model, len(sources)
     h = new_output(first.shape, first.dtype, first.device)
     stats = new_output((3, n_sources, n_tokens), first.dtype, first.device)
     rstd, logits, weights = stats.unbind(0)
+    y = norm_rstd = None
+    if norm_weight is not None:
+        y, norm_rstd = new_output(first.shape, first.dtype, first.device), new_output((n_tokens,), first.dtype,
+                                                                                       first.device)
     cpu_library(first.dtype).depth_attention_forward(
-        _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(),
-        None if bias is None else bias.data_ptr(), eps,
-        h.data_ptr(), rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(),
-        _n_threads(n_sources * n_tokens * d_model),
+        _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(), _address(bias), eps,
+        _address(norm_weight), norm_eps, h.data_ptr(), rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(),
+        _address(y), _address(norm_rstd), _n_threads(n_sources * n_tokens * d_model),
     )
+    return h, stats, y, norm_rstd
+
+
+def _forward_kernel(sources: list[torch.Tensor], folded_query: torch.Tensor, bias: Optional[torch.Tensor],
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h [..., D], stats [3, S, N])``; ``folded_query`` is ``u = w * g`` (contiguous, the sources' dtype);
+    ``bias`` an optional ``[S, N]`` logit bias (added inside the softmax; the logits in ``stats`` are unbiased)."""
+    h, stats, _, _ = _run_forward(sources, folded_query, bias, eps)
     return h, stats
 
 
@@ -319,21 +328,31 @@ def _backward_kernel(sources: list[torch.Tensor], folded_query: torch.Tensor, st
                      grad_h: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``(grad of each source, grad of u)`` for the forward op's saved statistics and ``grad_h`` (contiguous): the
     custom op's signature, which has no shared buffers (a compiled model's stream does not share)."""
-    return _run_backward(sources, folded_query, stats, grad_h, None)
+    grad_sources, grad_folded, _ = _run_backward(sources, folded_query, stats, grad_h, None)
+    return grad_sources, grad_folded
 
 
-def _run_backward(sources: list[torch.Tensor], folded_query: torch.Tensor, stats: torch.Tensor, grad_h: torch.Tensor,
-                  shared: Optional[list[Optional[SharedGradient]]]) -> tuple[list, torch.Tensor]:
+def _run_backward(sources: list[torch.Tensor], folded_query: torch.Tensor, stats: torch.Tensor,
+                  grad_h: Optional[torch.Tensor], shared: Optional[list[Optional[SharedGradient]]],
+                  norm: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[list, torch.Tensor, Optional[torch.Tensor]]:
+    """``(grads returned for the sources, grad of u, grad of the norm's weight)``; ``norm`` the fused pre-norm's
+    ``(h, norm_weight, norm_rstd, grad_y)`` (``grad_h`` may then be None), else None (no weight gradient)."""
     first, n_sources = sources[0], len(sources)
     grad_sources, accumulate, n_tokens, d_model, n_threads = _gradient_buffers(sources, shared)
     rstd, logits, weights = stats.unbind(0)
     grad_folded_partial = new_output((n_threads, d_model), first.dtype, first.device)
+    h = norm_weight = norm_rstd = grad_y = grad_norm_partial = None
+    if norm is not None:
+        h, norm_weight, norm_rstd, grad_y = norm
+        grad_norm_partial = new_output((n_threads, d_model), torch.float64, first.device)  # summed in double
     cpu_library(first.dtype).depth_attention_backward(
-        _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(),
-        rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(), grad_h.data_ptr(),
-        _pointer_array(grad_sources), accumulate, grad_folded_partial.data_ptr(), n_threads,
+        _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(), rstd.data_ptr(),
+        logits.data_ptr(), weights.data_ptr(), _address(h), _address(norm_weight), _address(norm_rstd),
+        _address(grad_y), _address(grad_h), _pointer_array(grad_sources), accumulate, grad_folded_partial.data_ptr(),
+        _address(grad_norm_partial), n_threads,
     )
-    return _returned(grad_sources, shared), grad_folded_partial.sum(dim=0)
+    grad_norm_weight = None if grad_norm_partial is None else grad_norm_partial.sum(dim=0).to(first.dtype)
+    return _returned(grad_sources, shared), grad_folded_partial.sum(dim=0), grad_norm_weight
 
 
 _backward_op = torch.library.custom_op("attnres_lens::depth_attention_cpu_backward", _backward_kernel,
@@ -382,8 +401,8 @@ class _EagerDepthAttention(torch.autograd.Function):
     @once_differentiable  # the C backward builds no graph: a second derivative raises instead of coming out wrong
     def backward(ctx, grad_h: torch.Tensor, _grad_logits: torch.Tensor, _grad_weights: torch.Tensor):
         query, gain, folded_query, stats, *sources = ctx.saved_tensors
-        grad_sources, grad_folded = _run_backward(sources, folded_query, stats, grad_h.contiguous(),
-                                                  _buffers_to_sum_into(ctx, grad_h))
+        grad_sources, grad_folded, _ = _run_backward(sources, folded_query, stats, grad_h.contiguous(),
+                                                     _buffers_to_sum_into(ctx, grad_h))
         return grad_folded * gain, grad_folded * query, None, None, *grad_sources
 
 
@@ -430,19 +449,8 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query: torch.Tensor, gain: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_eps: float,
                 *sources: torch.Tensor):
-        first = sources[0]
-        d_model = first.shape[-1]
-        n_tokens, n_sources = first.numel() // d_model, len(sources)
         folded_query = (query * gain).contiguous()
-        h, y = (new_output(first.shape, first.dtype, first.device) for _ in range(2))
-        stats = new_output((3, n_sources, n_tokens), first.dtype, first.device)
-        rstd, logits, weights = stats.unbind(0)
-        norm_rstd = new_output((n_tokens,), first.dtype, first.device)
-        cpu_library(first.dtype).depth_attention_normed_forward(
-            _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(), eps,
-            norm_weight.data_ptr(), norm_eps, h.data_ptr(), rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(),
-            y.data_ptr(), norm_rstd.data_ptr(), _n_threads(n_sources * n_tokens * d_model),
-        )
+        h, stats, y, norm_rstd = _run_forward(list(sources), folded_query, None, eps, norm_weight, norm_eps)
         ctx.save_for_backward(query, gain, folded_query, norm_weight, stats, norm_rstd, h, *sources)
         ctx.shared = _shared_gradients(sources)
         ctx.set_materialize_grads(False)  # h usually has no other use: no zero gradient to add
@@ -454,26 +462,11 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
         query, gain, folded_query, norm_weight, stats, norm_rstd, h, *sources = ctx.saved_tensors
         if grad_y is None and grad_h is None:
             return (None,) * (5 + len(sources))
-        shared = _buffers_to_sum_into(ctx, grad_h, grad_y)
-        if grad_y is None:  # only h was used: the plain mix's backward
-            grad_sources, grad_folded = _run_backward(sources, folded_query, stats, grad_h.contiguous(), shared)
-            return grad_folded * gain, grad_folded * query, None, None, None, *grad_sources
-        first, n_sources = sources[0], len(sources)
-        grad_sources, accumulate, n_tokens, d_model, n_threads = _gradient_buffers(sources, shared)
-        rstd, logits, weights = stats.unbind(0)
-        grad_folded_partial = new_output((n_threads, d_model), first.dtype, first.device)
-        grad_norm_partial = new_output((n_threads, d_model), torch.float64, first.device)  # summed in double
-        grad_y = grad_y.contiguous()
-        grad_h = None if grad_h is None else grad_h.contiguous()
-        cpu_library(first.dtype).depth_attention_normed_backward(
-            _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(), rstd.data_ptr(),
-            logits.data_ptr(), weights.data_ptr(), h.data_ptr(), norm_weight.data_ptr(), norm_rstd.data_ptr(),
-            grad_y.data_ptr(), None if grad_h is None else grad_h.data_ptr(), _pointer_array(grad_sources),
-            accumulate, grad_folded_partial.data_ptr(), grad_norm_partial.data_ptr(), n_threads,
-        )
-        grad_folded, grad_norm_weight = grad_folded_partial.sum(dim=0), grad_norm_partial.sum(dim=0).to(first.dtype)
-        return (grad_folded * gain, grad_folded * query, grad_norm_weight, None, None,
-                *_returned(grad_sources, shared))
+        norm = None if grad_y is None else (h, norm_weight, norm_rstd, grad_y.contiguous())  # None: only h was used
+        grad_sources, grad_folded, grad_norm_weight = _run_backward(
+            sources, folded_query, stats, None if grad_h is None else grad_h.contiguous(),
+            _buffers_to_sum_into(ctx, grad_h, grad_y), norm)
+        return grad_folded * gain, grad_folded * query, grad_norm_weight, None, None, *grad_sources
 
 
 def depth_attention_normed_cpu(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor,
