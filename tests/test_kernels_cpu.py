@@ -61,6 +61,41 @@ def test_repeated_runs_are_bitwise_identical(many_threads):
         assert torch.equal(a, b)
 
 
+def test_the_kernel_threads_are_torchs_openmp_pool():
+    """The shipped build runs its row split on OpenMP, and its OpenMP runtime is the one torch loaded: its thread
+    count follows torch.set_num_threads (a second runtime would keep its own count and its own threads)."""
+    library = cpu_fused.cpu_library(torch.float32)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (3, 1, 2):
+            torch.set_num_threads(threads)
+            assert library.openmp_threads() == threads
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("n_tokens", [5, 97])
+def test_the_pthread_build_splits_rows_as_the_openmp_build(many_threads, tmp_path, monkeypatch, n_tokens):
+    """A compiler without OpenMP builds the pthread form of the split: the same ranges and the same per-thread
+    sums reduced in the same order, so forward and backward equal the OpenMP build's bit for bit (and float64)."""
+    shipped = cpu_fused.cpu_library(torch.float32)
+    monkeypatch.setenv(cpu_fused.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(cpu_fused, "THREAD_FLAGS", ([],))
+    pthreads = cpu_fused._build_library("float")
+    assert shipped.openmp_threads() == 4 and pthreads.openmp_threads() == 0
+    sources, query, gain = make_inputs(7, (n_tokens,), 40, seed=14)
+    results = {}
+    for name, library in (("openmp", shipped), ("pthreads", pthreads)):
+        monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype, library=library: library)
+        results[name] = forward_backward(sources, query, gain)
+    expected_h, expected_weights, _ = oracle(sources, query, gain)
+    assert_close(results["pthreads"][0], expected_h, torch.float32)
+    assert_close(results["pthreads"][1], expected_weights, torch.float32)
+    for got, want in zip([*results["pthreads"][:2], *results["pthreads"][2]],
+                         [*results["openmp"][:2], *results["openmp"][2]]):
+        assert torch.equal(got, want)
+
+
 def test_non_contiguous_sources_and_leading_dims():
     sources, query, gain = make_inputs(3, (4, 6), 10, seed=13)
     transposed = [source.transpose(0, 1) for source in sources]  # [6, 4, 10] views, not contiguous

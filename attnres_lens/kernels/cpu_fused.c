@@ -13,6 +13,9 @@
  */
 #include <pthread.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <string.h>
 #include <tgmath.h> /* sqrt/exp in the element type, not double */
 
@@ -475,14 +478,15 @@ static void *backward_worker(void *arg) {
     return NULL;
 }
 
-/* Split the rows into n_threads contiguous ranges; the calling thread takes the first. A thread that cannot be
- * started has its range run here instead, so the result never depends on thread creation succeeding. */
+/* Split the rows into n_threads contiguous ranges and run each on its own thread, the calling thread included.
+ * Built with OpenMP (docs/kernels.md §6), the threads are those of torch's own OpenMP pool: the library's libgomp
+ * is the one torch loaded (same soname), whose threads are awake between torch's ops, so a split pays from tens
+ * of thousands of elements; a pthread started per call costs 50-100 us and paid only from ~1M. Without OpenMP,
+ * pthreads: a thread that cannot be started has its range run here, so the result never depends on it. */
 static void run_rows(void *(*worker)(void *), const void *a, int64_t n_tokens, int n_threads) {
     if (n_threads < 1) n_threads = 1;
     if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
     row_range ranges[MAX_THREADS];
-    pthread_t threads[MAX_THREADS];
-    int started[MAX_THREADS];
     /* ranges start at multiples of TILE, so every row is tiled (and grouped) as in a one-thread run: the split
      * cannot change a row's result */
     const int64_t per_thread = ((n_tokens + n_threads - 1) / n_threads + TILE - 1) / TILE * TILE;
@@ -491,13 +495,35 @@ static void run_rows(void *(*worker)(void *), const void *a, int64_t n_tokens, i
         if (begin > n_tokens) begin = n_tokens;
         if (end > n_tokens) end = n_tokens;
         ranges[t] = (row_range){a, begin, end, t};
-        started[t] = t > 0 && pthread_create(&threads[t], NULL, worker, &ranges[t]) == 0;
     }
+    if (n_threads == 1) {
+        worker(&ranges[0]);
+        return;
+    }
+#ifdef _OPENMP
+    /* one range per iteration: a team smaller than asked for still runs every range */
+#pragma omp parallel for num_threads(n_threads) schedule(static, 1)
+    for (int t = 0; t < n_threads; ++t) worker(&ranges[t]);
+#else
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS];
+    for (int t = 1; t < n_threads; ++t) started[t] = pthread_create(&threads[t], NULL, worker, &ranges[t]) == 0;
     worker(&ranges[0]);
     for (int t = 1; t < n_threads; ++t) {
         if (started[t]) pthread_join(threads[t], NULL);
         else worker(&ranges[t]);
     }
+#endif
+}
+
+/* The OpenMP runtime's thread count for the calling thread, 0 in a build without OpenMP: with torch's runtime
+ * shared, it follows torch.set_num_threads (tests tell the builds apart, and the runtimes, by it). */
+int openmp_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 0;
+#endif
 }
 
 /* With the consumer's pre-norm fused (docs/kernels.md §4; norm_weight not NULL) the forward also writes

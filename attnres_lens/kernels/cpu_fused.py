@@ -4,7 +4,8 @@ The C source is compiled on first use with the system C compiler (``$CC``, else 
 into ``$ATTNRES_LENS_KERNEL_CACHE`` (default ``~/.cache/attnres_lens/kernels``), and loaded with ctypes: no torch
 headers, so a build takes about a second. The cache key covers the source, the flags and the CPU, so a shared home
 directory never serves a library built for another processor. ctypes releases the GIL during the call; the kernel
-splits token rows over its own threads, as many as torch's intra-op pool when the work is large enough to pay.
+splits token rows over torch's own OpenMP threads, as many as torch's intra-op pool when the work is large enough to
+pay.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import shutil
@@ -30,18 +32,19 @@ SOURCE = Path(__file__).with_name("cpu_fused.c")
 CACHE_ENV_VAR = "ATTNRES_LENS_KERNEL_CACHE"
 MAX_THREADS = 64  # the C file's MAX_THREADS
 MAX_QUERIES = 8  # the C file's MAX_QUERIES: larger query sets are split
-# Starting a thread costs ~50-100 us on a small VM (a persistent pool woke no faster), and a split waits for the
-# slower thread when the other core is busy: a second thread pays from ~1M source elements each (forward +
-# backward alone, 2026-12-01: S=9 x 768 x 128 0.97x, 13 x 1024 x 256 1.17x, 25 x 1024 x 128 1.5x; inside a
-# two-thread training step of the small shape the old 0.25M threshold made Full 1.47x the standard step, one
-# kernel thread 1.24x).
-MIN_ELEMENTS_PER_THREAD = 1 << 20
+# The kernel splits its rows over torch's OpenMP pool (docs/kernels.md §6), whose threads are awake between torch's
+# ops: a second thread paid from ~50K source elements (forward + backward of one mix, 2 threads against 1,
+# 2026-12-02, AMD EPYC: 49K elements 0.93x, 164K 0.90x, 0.5-3.4M 0.73-0.76x), where a pthread started per call
+# (the build without OpenMP) paid only from ~1M.
+MIN_ELEMENTS_PER_THREAD = 1 << 15
 _REAL_TYPES = {torch.float32: "float", torch.float64: "double"}
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fopenmp-simd", "-fno-math-errno"]
 # Tried in turn: -march=native gives the compiler AVX2/FMA where the machine has them (and the C file's vector sums
 # with them); some compilers reject it, and the portable build follows. 256-bit vectors: at d_model 64 a 512-bit
 # row is 4 iterations and its reductions dominate (1.3x slower here).
 ARCH_FLAGS = (["-march=native", "-mprefer-vector-width=256"], [])
+# OpenMP puts the kernel's threads in torch's pool; a compiler without it (Apple's clang) builds the pthread form.
+THREAD_FLAGS = (["-fopenmp"], [])
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -100,8 +103,8 @@ def _build_library(real_type: str) -> ctypes.CDLL:
             "(e.g. `apt-get install gcc`), set $CC, or use backend='torch'"
         )
     errors = []
-    for arch_flags in ARCH_FLAGS:
-        flags = [*_BASE_FLAGS, *arch_flags, f"-DREAL={real_type}"]
+    for arch_flags, thread_flags in itertools.product(ARCH_FLAGS, THREAD_FLAGS):
+        flags = [*_BASE_FLAGS, *arch_flags, *thread_flags, f"-DREAL={real_type}"]
         key = hashlib.sha256(
             "\0".join([SOURCE.read_text(), compiler, *flags, platform.machine(), _cpu_fingerprint()]).encode()
         ).hexdigest()[:16]
@@ -143,6 +146,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     ]
     library.vector_sums.restype = c_int
     library.vector_sums.argtypes = []
+    library.openmp_threads.restype = c_int
+    library.openmp_threads.argtypes = []
     library.depth_attention_multi.restype = None
     library.depth_attention_multi.argtypes = [
         pointer, int64, int64, int64, pointer, int64, pointer, pointer, ctypes.c_double, pointer, pointer, c_int
