@@ -40,6 +40,7 @@ from analyses.common import command_line, emit_report, machine_info
 from attnres_lens import cpu_settings
 from attnres_lens.analysis import causal_routing, edge_agreement, edge_attribution, prune_tables
 from attnres_lens.analysis import interventions, pruning, routing
+from attnres_lens.analysis.interventions import StagedForward
 from attnres_lens.config import apply_overrides
 from attnres_lens.evaluation import score_logits
 from attnres_lens.presets import get_preset
@@ -99,15 +100,15 @@ def engine(evaluate_many: Optional[Callable]) -> Iterator[list[int]]:
 @contextmanager
 def counting_sublayers(model) -> Iterator[list[int]]:
     """Count sequence × sublayer evaluations (a machine-independent measure of the work), in the staged forward
-    pass and in full forward passes alike (a hook on every sublayer's output)."""
+    pass and in full forward passes alike: a hook on every sublayer module (attention or MLP), so a sublayer that
+    an intervention replaces and the engine skips is not counted."""
     count = [0]
 
-    def note(tensor, hook):
-        count[0] += tensor.shape[0]
+    def note(module, args, output):
+        count[0] += output.shape[0]
 
-    names = [model.sublayer_output_hook(j) for j in range(model.cfg.n_sublayers)]
-    handles = [model.hook_dict[name].register_forward_hook(lambda module, args, output: note(output, None))
-               for name in names]
+    forward = StagedForward(model)
+    handles = [forward.sublayer_parts(j)[3].register_forward_hook(note) for j in range(model.cfg.n_sublayers)]
     try:
         yield count
     finally:

@@ -273,9 +273,14 @@ class StagedForward:
             return SumStream(embedding)
         return DepthStream(embedding, self.cfg.attnres_block_size)
 
-    def sublayer(self, stream: ResidualStream, j: int) -> None:
+    def sublayer(self, stream: ResidualStream, j: int, skipped: Sequence[int] = (), n_copies: int = 1) -> None:
+        """Run sublayer j; the copies `skipped` (of `n_copies` stacked along the batch) do not compute the sublayer
+        itself: their output is zeros, for a hook that replaces it whatever it was (`replaces_activation`)."""
         layer, block = self.block_of(j)
-        type(block)._sublayer(stream, *self.sublayer_parts(j))
+        mixer, hook_in, norm, sublayer, hook_out = self.sublayer_parts(j)
+        if skipped:
+            sublayer = _on_kept_copies(sublayer, skipped, n_copies)
+        type(block)._sublayer(stream, mixer, hook_in, norm, sublayer, hook_out)
         if self.closes_layer(j):
             if hasattr(stream, "end_layer"):
                 stream.end_layer(getattr(block, "dwa", None))
@@ -290,16 +295,38 @@ class StagedForward:
         mixer = model.final_mixer() if hasattr(model, "final_mixer") else getattr(model, "final_res", None)
         return model.unembed(model.ln_final(stream.readout(mixer)))
 
-    def run(self, state: Union[torch.Tensor, ResidualStream], stage: int) -> Union[ResidualStream, torch.Tensor]:
+    def run(self, state: Union[torch.Tensor, ResidualStream], stage: int, skipped: Sequence[int] = (),
+            n_copies: int = 1) -> Union[ResidualStream, torch.Tensor]:
         """Run one stage on `state` (tokens before stage −1, else a stream, which is copied, not changed): the
-        stream before stage + 1, or the logits after stage J."""
+        stream before stage + 1, or the logits after stage J. `skipped`: as `sublayer`."""
         if stage == EMBEDDING_STAGE:
             return self.embed(state)
         stream = map_state(state, lambda tensor: tensor)
         if stage == self.n_sublayers:
             return self.final(stream)
-        self.sublayer(stream, stage)
+        self.sublayer(stream, stage, skipped, n_copies)
         return stream
+
+
+def _on_kept_copies(sublayer: Callable[[torch.Tensor], torch.Tensor], skipped: Sequence[int], n_copies: int
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`sublayer` computed on the rows of the copies not `skipped` only (batch rows are independent), zeros in
+    the others' rows (a sublayer's output has its input's shape)."""
+    def run(normed: torch.Tensor) -> torch.Tensor:
+        output = torch.zeros_like(normed)
+        n_batch = normed.shape[0] // n_copies
+        kept = [slot for slot in range(n_copies) if slot not in skipped]
+        if not kept:
+            return output
+        if kept[-1] - kept[0] + 1 == len(kept):  # one run of rows: views, no gather
+            rows = slice(kept[0] * n_batch, (kept[-1] + 1) * n_batch)
+            output[rows] = sublayer(normed[rows])
+        else:
+            index = torch.cat([torch.arange(slot * n_batch, (slot + 1) * n_batch) for slot in kept])
+            output.index_copy_(0, index, sublayer(normed.index_select(0, index)))
+        return output
+
+    return run
 
 
 @contextlib.contextmanager
@@ -477,6 +504,10 @@ class _SharedEvaluation:
         self.seen: dict[tuple, Any] = {}  # this call's states, by the keys of every stage up to theirs
         self.path_points = {f"{name}.{hook}" for name, module in model.named_modules()
                             for hook in getattr(module, "path_hooks", ())}
+        # per sublayer: its output's hook point, and the hook points inside the sublayer (see `_skipped`)
+        self.outputs = [model.sublayer_output_hook(j) for j in range(self.last)]
+        self.inside = [{point.name for point in _hook_points(self.forward.sublayer_parts(j)[3])}
+                       for j in range(self.last)]
         self.kept = set(range(len(interventions))) if remember is None else set(remember)  # states the cache keeps
         if cache is not None:
             cache.check(model, batch)
@@ -597,10 +628,24 @@ class _SharedEvaluation:
                 for name, function in hooks:
                     by_name[name].append((slot, function))
             fwd_hooks = [(name, _on_copies(self.n_batch, functions)) for name, functions in by_name.items()]
+        skipped = self._skipped(stage, hooks_per_copy)
         if not fwd_hooks:
             return forward.run(state, stage)
         with hooks_on(forward.model, fwd_hooks):
-            return forward.run(state, stage)
+            return forward.run(state, stage, skipped, len(hooks_per_copy))
+
+    def _skipped(self, stage: int, hooks_per_copy: list[tuple[Hook, ...]]) -> list[int]:
+        """The copies whose sublayer at `stage` need not run: the first hook on its output replaces it whatever
+        it was (`replaces_activation`: a removal or an ablation). Only when no copy hooks a point inside the
+        sublayer, whose tensors would then hold fewer copies than its hooks expect."""
+        if not 0 <= stage < self.last:
+            return []
+        output, inside = self.outputs[stage], self.inside[stage]
+        if any(name in inside for hooks in hooks_per_copy for name, _ in hooks):
+            return []
+        return [slot for slot, hooks in enumerate(hooks_per_copy)
+                if next((getattr(function, "replaces_activation", False) for name, function in hooks
+                         if name == output), False)]
 
     def _finish(self, groups: list[list[int]], logits: torch.Tensor) -> None:
         for group, part in zip(groups, logits.split(self.n_batch)):
@@ -655,9 +700,17 @@ def _on_copies(n_batch: int, functions: list[tuple[int, Callable]]) -> Callable:
 
 
 # ---------------------------------------------------------------------------- interventions
+def replaces_activation(hook: Callable) -> Callable:
+    """Mark `hook` as one whose result does not depend on the activation it is given (only on its shape and
+    dtype): on a sublayer's output, `evaluate_many` then skips computing that sublayer for the copies it serves."""
+    hook.replaces_activation = True
+    return hook
+
+
 def replace_hook(replacement: torch.Tensor) -> Callable:
     """Hook that replaces an activation by `replacement` (broadcast to the activation's shape)."""
 
+    @replaces_activation
     def hook(tensor: torch.Tensor, hook) -> torch.Tensor:
         return replacement.to(tensor.dtype).expand_as(tensor)
 
@@ -681,6 +734,7 @@ def _mask_sources_hook(sources: tuple[int, ...]) -> Callable:
     return hook
 
 
+@replaces_activation
 def _zero(tensor: torch.Tensor, hook) -> torch.Tensor:
     return torch.zeros_like(tensor)
 
