@@ -2,7 +2,9 @@
 on every depth-weight point (what recording α costs: those consumers take the readable path) (issue 15).
 
 One process, one torch thread, models built up front and run interleaved under `torch.no_grad()`, medians over
-repeats; the same shapes as `bench_cpu_step`.
+repeats; the same shapes as `bench_cpu_step`. A second table times the same forward passes with the token
+attention's C kernel (what runs without a gradient) against PyTorch's `scaled_dot_product_attention` (what runs
+with one), interleaved, also at the shape of `prune`'s 12-layer model (docs/kernels.md §2).
 
     python -m analyses.bench_inference --out analyses/reports/bench_inference.md
 """
@@ -10,17 +12,18 @@ repeats; the same shapes as `bench_cpu_step`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import statistics
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
 from analyses.bench_cpu_step import SHAPES
 from analyses.common import command_line, emit_report, machine_info, within_rounds
-from attnres_lens import HookedTransformer, ModelConfig
+from attnres_lens import HookedTransformer, ModelConfig, components
 
 VARIANTS = {
     "standard": dict(residual="standard"),
@@ -36,6 +39,44 @@ def record_weights(model: HookedTransformer) -> None:
     for name, point in model.hook_dict.items():
         if name.endswith("hook_weights"):
             point.add_hook(lambda weights, hook: None)
+
+
+# the 12-layer depth-full preset's model and `prune --samples 32`'s batch (sequences of 65 tokens)
+PRUNE_SHAPE = dict(n_layers=12, d_model=64, n_heads=4, d_mlp=128, n_ctx=65, batch=32)
+
+
+@contextlib.contextmanager
+def attention_kernel(enabled: bool) -> Iterator[None]:
+    """The token attention on its C kernel (as shipped) or, with `enabled` false, on PyTorch's SDPA."""
+    shipped = components.attention_runs_cpu_kernel
+    if not enabled:
+        components.attention_runs_cpu_kernel = lambda *args: False
+    try:
+        yield
+    finally:
+        components.attention_runs_cpu_kernel = shipped
+
+
+def attention_rows(shapes: dict[str, dict], repeats: int) -> list[str]:
+    rows = []
+    for shape_name, shape in shapes.items():
+        shape = dict(shape)
+        batch = shape.pop("batch")
+        tokens = torch.randint(0, 256, (batch, shape["n_ctx"]), generator=torch.Generator().manual_seed(0))
+        for name in ("standard", "full"):
+            model = HookedTransformer(ModelConfig(d_vocab=256, seed=0, **shape, **VARIANTS[name]))
+            times: dict[bool, list[float]] = {True: [], False: []}
+            with torch.no_grad():
+                for _ in range(repeats + 2):  # two warm-up rounds
+                    for enabled in times:
+                        with attention_kernel(enabled):
+                            start = time.perf_counter()
+                            model(tokens)
+                            times[enabled].append(time.perf_counter() - start)
+            kernel, sdpa = times[True][2:], times[False][2:]
+            rows.append(f"| {shape_name} | {name} | {1e3 * statistics.median(sdpa):.1f} | "
+                        f"{1e3 * statistics.median(kernel):.1f} | {within_rounds(kernel, sdpa):.3f} |")
+    return rows
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[str]:
@@ -87,6 +128,18 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
                 f"{1e3 * hooked:.1f}", f"{within_rounds(times[(name, 1)], base):.3f}")
             lines.append(f"| {shape_name} | {name} | {1e3 * plain:.1f} | {within_rounds(times[(name, 0)], base):.3f} | "
                          f"{hooked_cells[0]} | {hooked_cells[1]} |")
+    lines += [
+        "",
+        "## The token attention's C kernel against PyTorch's SDPA",
+        "",
+        "The same forward passes (no gradient, no hooks), interleaved, with the C kernel and with PyTorch's "
+        "`scaled_dot_product_attention`; `prune` is the 12-layer depth-full model over `prune --samples 32`'s batch. "
+        "× SDPA is the median over rounds of the ratio within the round.",
+        "",
+        "| shape | variant | SDPA (ms) | C kernel (ms) | × SDPA |",
+        "|---|---|---|---|---|",
+        *attention_rows({**{name: SHAPES[name] for name in args.shapes}, "prune": PRUNE_SHAPE}, args.repeats),
+    ]
     lines.insert(2, f"Took {time.perf_counter() - started:.0f} s.")
     emit_report("\n".join(lines) + "\n", args.out)
     return lines

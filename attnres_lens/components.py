@@ -12,8 +12,8 @@ from torch.nn.modules import module as torch_module  # its global hooks (registe
 from transformer_lens.hook_points import HookPoint
 
 from attnres_lens.config import ModelConfig
-from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel
-from attnres_lens.kernels.cpu_fused import kv_shift_cpu, rms_norm_cpu, rotary_cpu
+from attnres_lens.kernels.backends import attention_runs_cpu_kernel, elementwise_runs_cpu_kernel
+from attnres_lens.kernels.cpu_fused import causal_attention_cpu, kv_shift_cpu, rms_norm_cpu, rotary_cpu
 
 
 def normal_init(shape: tuple[int, ...], std: float, divisor: float = 1.0) -> torch.Tensor:
@@ -195,6 +195,8 @@ class Attention(nn.Module):
             scores = scores.masked_fill(future, float("-inf"))
             pattern = self.hook_pattern(self.hook_attn_scores(scores).softmax(dim=-1))
             z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
+        elif attention_runs_cpu_kernel(self.cfg.depth_attention_backend, q, k, v):  # no gradient: one C pass
+            z = causal_attention_cpu(q, k, v, 1 / math.sqrt(self.cfg.d_head))
         else:  # nothing watches the scores: the fused kernel computes the same softmax without materialising it
             z = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, scale=1 / math.sqrt(self.cfg.d_head)).transpose(1, 2)

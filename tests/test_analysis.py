@@ -276,7 +276,9 @@ def test_per_token_depth_weights_match_the_hooked_weights():
     consumer = 3
     hooked = cache[model.depth_attention_modules()[consumer].hook_weights.name]
     rows = frame[(frame["consumer"] == consumer) & (frame["sequence"] == 1) & (frame["position"] == 5)]
-    assert rows["weight"].to_numpy() == pytest.approx(hooked[1, 5].numpy())
+    # the cached run computes every attention pattern explicitly, the table's no-grad run in the fused kernel:
+    # the same weights to float32 rounding
+    assert rows["weight"].to_numpy() == pytest.approx(hooked[1, 5].numpy(), rel=1e-5, abs=1e-7)
     assert (rows["token"] == tokens[1, 5].item()).all()
     assert list(rows["source_label"]) == model.source_labels(consumer)
     with pytest.raises(ValueError, match="no depth attention"):

@@ -44,11 +44,19 @@ def test_depth_scaling_benchmark_on_tiny_models():
 
 def test_inference_benchmark_reports_every_variant(monkeypatch):
     module = load("bench_inference")
-    monkeypatch.setitem(module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2))
+    tiny = dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2)
+    monkeypatch.setitem(module.SHAPES, "small", tiny)
+    monkeypatch.setattr(module, "PRUNE_SHAPE", tiny)
+    shipped = module.components.attention_runs_cpu_kernel
     lines = module.main(["--shapes", "small", "--repeats", "2"])
     rows = [line.split("|") for line in lines if line.startswith("| small")]
-    assert [row[2].strip() for row in rows] == list(module.VARIANTS)
+    assert [row[2].strip() for row in rows][:len(module.VARIANTS)] == list(module.VARIANTS)
     assert rows[0][4].strip() == "1.000"
+    attention = [line.split("|")[1:3] for line in lines[lines.index("## The token attention's C kernel against "
+                                                                    "PyTorch's SDPA"):] if line.startswith("| ")]
+    assert [[cell.strip() for cell in row] for row in attention[1:]] == [
+        ["small", "standard"], ["small", "full"], ["prune", "standard"], ["prune", "full"]]
+    assert module.components.attention_runs_cpu_kernel is shipped
 
 
 def test_cpu_kernels_benchmark_on_tiny_shapes():

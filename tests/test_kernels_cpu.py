@@ -88,12 +88,19 @@ def test_the_pthread_build_splits_rows_as_the_openmp_build(many_threads, tmp_pat
     for name, library in (("openmp", shipped), ("pthreads", pthreads)):
         monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype, library=library: library)
         results[name] = forward_backward(sources, query, gain)
+    q, k, v = (torch.randn(2, n_tokens, 3, 16, generator=torch.Generator().manual_seed(seed)) for seed in range(3))
+    monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype: shipped)
+    results["attention"] = cpu_fused.causal_attention_cpu(q, k, v, 0.25)
+    monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype: pthreads)
     expected_h, expected_weights, _ = oracle(sources, query, gain)
     assert_close(results["pthreads"][0], expected_h, torch.float32)
     assert_close(results["pthreads"][1], expected_weights, torch.float32)
     for got, want in zip([*results["pthreads"][:2], *results["pthreads"][2]],
                          [*results["openmp"][:2], *results["openmp"][2]]):
         assert torch.equal(got, want)
+    # the causal attention's (batch, head) pairs run on one thread there, the same arithmetic
+    q, k, v = (torch.randn(2, n_tokens, 3, 16, generator=torch.Generator().manual_seed(seed)) for seed in range(3))
+    assert torch.equal(cpu_fused.causal_attention_cpu(q, k, v, 0.25), results["attention"])
 
 
 def test_non_contiguous_sources_and_leading_dims():
@@ -282,6 +289,101 @@ def test_kv_shift_falls_back_to_the_twin_when_k_and_v_differ():
     assert not elementwise_runs_cpu_kernel("auto", k, k.double())  # e.g. a hook on hook_v changed its dtype
     assert not elementwise_runs_cpu_kernel("reference", k, k.clone())
     assert not elementwise_runs_cpu_kernel("auto", k.bfloat16(), k.bfloat16())
+
+
+def _attention_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax attention in float64 from its definition, [B, P, H, Dh] in and out."""
+    q, k, v = (x.double() for x in (q, k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    n_pos = q.shape[1]
+    scores = scores.masked_fill(torch.ones(n_pos, n_pos, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+ATTENTION_SHAPES = [(1, 1, 1, 16), (2, 7, 3, 24), (3, 17, 2, 8), (2, 33, 4, 16), (2, 65, 2, 40), (1, 50, 1, 2)]
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_causal_attention_kernel_matches_float64(shape, dtype):
+    # token counts on both sides of the 16- and 32-key chunks, head widths past the last 16 columns; outputs
+    # NaN-poisoned, so every element must be written
+    generator = torch.Generator().manual_seed(sum(shape))
+    q, k, v = (torch.randn(*shape, generator=generator).mul(2).to(dtype) for _ in range(3))
+    scale = shape[-1] ** -0.5
+    got = cpu_fused.causal_attention_cpu(q, k, v, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    # float32: the scores' rounding, amplified by the softmax (values up to ~6 here)
+    tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), _attention_oracle(q, k, v, scale), **tolerance)
+
+
+def test_causal_attention_kernel_splits_heads_over_threads_bitwise(many_threads):
+    q, k, v = (torch.randn(3, 40, 5, 16, generator=torch.Generator().manual_seed(seed)) for seed in range(3))
+    threaded = cpu_fused.causal_attention_cpu(q, k, v, 0.25)  # 15 (batch, head) pairs over 4 threads
+    torch.set_num_threads(1)
+    assert torch.equal(threaded, cpu_fused.causal_attention_cpu(q, k, v, 0.25))
+    strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, not contiguous
+    assert torch.equal(cpu_fused.causal_attention_cpu(strided, k, v, 0.25), threaded)
+
+
+def test_causal_attention_kernel_softmax_survives_large_and_equal_scores():
+    # scores 1e3 apart (the softmax is one-hot), and all equal (uniform over the causal prefix)
+    q = torch.zeros(1, 9, 1, 8)
+    k = torch.zeros(1, 9, 1, 8)
+    v = torch.arange(9.0).view(1, 9, 1, 1).expand(1, 9, 1, 8).contiguous()
+    uniform = cpu_fused.causal_attention_cpu(q, k, v, 1.0)
+    torch.testing.assert_close(uniform[0, :, 0, 0], torch.arange(9.0) / 2)  # mean of 0 … t
+    q[..., 0], k[0, 4, 0, 0] = 1.0, 1e3  # key 4 dominates every query that sees it
+    peaked = cpu_fused.causal_attention_cpu(q, k, v, 1.0)
+    torch.testing.assert_close(peaked[0, 4:, 0, 0], torch.full((5,), 4.0))
+    torch.testing.assert_close(peaked[0, :4, 0, 0], torch.arange(4.0) / 2)
+
+
+def test_causal_attention_kernel_refuses_what_it_cannot_run():
+    x = torch.randn(2, 3, 4, 8)
+    with pytest.raises(ValueError, match="4-D fp32/fp64 CPU tensors, got q 3-D"):
+        cpu_fused.causal_attention_cpu(x[0], x[0], x[0], 1.0)
+    with pytest.raises(ValueError, match="got v 4-D torch.bfloat16"):
+        cpu_fused.causal_attention_cpu(x, x, x.bfloat16(), 1.0)
+    with pytest.raises(ValueError, match=r"must agree in shape and dtype, got \[2, 3, 4, 8\] torch.float32 and k"):
+        cpu_fused.causal_attention_cpu(x, x[:, :2], x, 1.0)
+    with pytest.raises(ValueError, match="has no backward, but q requires a gradient"):
+        cpu_fused.causal_attention_cpu(x.clone().requires_grad_(), x, x, 1.0)
+    with torch.no_grad():  # no gradient is needed there
+        cpu_fused.causal_attention_cpu(x.clone().requires_grad_(), x, x, 1.0)
+
+
+def test_the_models_attention_runs_the_kernel_exactly_where_no_gradient_is_needed(monkeypatch):
+    """Without a gradient (inference, exact interventions) every variant's attention runs the C kernel, with one
+    SDPA: the same logits to float rounding; with a gradient, under a hook on the scores, or for another backend,
+    it does not run."""
+    from attnres_lens import HookedTransformer, ModelConfig, components
+
+    calls = []
+    kernel = cpu_fused.causal_attention_cpu
+    monkeypatch.setattr(components, "causal_attention_cpu", lambda *args: calls.append(1) or kernel(*args))
+    tokens = torch.randint(0, 32, (3, 11), generator=torch.Generator().manual_seed(0))
+    for extra in (dict(), dict(attention="kv_shift"), dict(residual="attnres", attnres_block_size=2),
+                  dict(n_key_value_heads=1)):
+        model = HookedTransformer(ModelConfig(d_model=32, n_heads=4, n_layers=2, d_vocab=32, n_ctx=16, seed=3, **extra))
+        calls.clear()
+        with_grad = model(tokens)
+        assert calls == []
+        with torch.no_grad():
+            without = model(tokens)
+        assert len(calls) == model.cfg.n_layers, extra
+        torch.testing.assert_close(without, with_grad.detach(), rtol=1e-5, atol=1e-5)
+        calls.clear()
+        with torch.no_grad(), model.hooks(fwd_hooks=[("blocks.0.attn.hook_pattern", lambda t, hook: t)]):
+            model(tokens)
+        assert len(calls) == model.cfg.n_layers - 1  # the watched layer computes its pattern explicitly
+    reference = HookedTransformer(ModelConfig(d_model=32, n_heads=4, n_layers=2, d_vocab=32, n_ctx=16,
+                                              depth_attention_backend="torch"))
+    calls.clear()
+    with torch.no_grad():
+        reference(tokens)
+    assert calls == []
 
 
 def test_the_forward_softmax_matches_float64_across_the_whole_range_of_logits():
@@ -706,6 +808,11 @@ def test_the_portable_build_and_the_vector_sums_agree_with_float64(tmp_path, mon
     for portable_case, native_case in zip(results["portable"], results["native"]):
         for a, b in zip(portable_case, native_case):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype: portable)  # its causal attention: portable loops
+    for shape in ATTENTION_SHAPES:
+        q, k, v = (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) for seed in range(3))
+        torch.testing.assert_close(cpu_fused.causal_attention_cpu(q, k, v, 0.3).double(),
+                                   _attention_oracle(q, k, v, 0.3), rtol=1e-5, atol=1e-5)
 
 
 def test_a_shared_source_gradient_refuses_a_second_derivative(monkeypatch):

@@ -15,7 +15,9 @@ Every decision of that kind is made here (docs/kernels.md §2):
   (analyses/reports/bench_two_phase_cpu.md);
 * ``elementwise_runs_cpu_kernel``: the KV shift, the rotary embedding and RMSNorm run their C kernels wherever the model's
   depth-attention backend resolves to ``cpu``, for fp32/fp64 tensors outside torch.compile (which fuses the
-  PyTorch versions itself).
+  PyTorch versions itself);
+* ``attention_runs_cpu_kernel``: the causal token attention runs its C kernel (no backward) under the same
+  conditions where no gradient is needed: inference and exact interventions.
 """
 
 from __future__ import annotations
@@ -102,6 +104,13 @@ def elementwise_runs_cpu_kernel(backend: str, *tensors: torch.Tensor) -> bool:
     same = all(x.dtype == first.dtype and x.shape == first.shape and x.device == first.device for x in tensors)
     return (same and first.device.type == "cpu" and first.dtype in (torch.float32, torch.float64)
             and not torch.compiler.is_compiling() and resolve_backend(backend, first.device) == "cpu")
+
+
+def attention_runs_cpu_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a layer's causal attention runs the C kernel (`cpu_fused.causal_attention_cpu`): where its
+    elementwise ops do and no gradient flows through q, k or v (the kernel has no backward)."""
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return not needs_grad and elementwise_runs_cpu_kernel(backend, q, k, v)
 
 
 _CPU_KERNEL_STATE: list[bool] = []  # [] until the first "auto" on a CPU tensor tries the build

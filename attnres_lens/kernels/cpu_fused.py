@@ -155,6 +155,9 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.rotary_forward.restype = None
     library.rotary_forward.argtypes = [pointer, pointer, pointer, int64, int64, int64, int64, int64, ctypes.c_double,
                                        pointer]
+    library.causal_attention_forward.restype = c_int
+    library.causal_attention_forward.argtypes = [pointer, pointer, pointer, int64, int64, int64, int64,
+                                                 ctypes.c_double, pointer, c_int]
     library.rms_norm_forward.restype = None
     library.rms_norm_forward.argtypes = [pointer, pointer, int64, int64, ctypes.c_double, pointer, pointer]
     library.rms_norm_backward.restype = None
@@ -656,3 +659,30 @@ def rms_norm_cpu(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"the gain must be [{x.shape[-1]}] {x.dtype} on {x.device}, got {tuple(w.shape)} {w.dtype} "
                          f"on {w.device}")
     return _EagerRMSNorm.apply(x, w, float(eps))
+
+
+def causal_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax attention without a gradient: `softmax(q kᵀ · scale, causal) v` per batch row and head, for
+    fp32/fp64 CPU tensors [batch, pos, heads, d_head] (the model's layout), output in the same layout; equals
+    `F.scaled_dot_product_attention(..., is_causal=True)` on the transposed tensors (docs/kernels.md §2). For
+    inference and exact interventions: it refuses tensors that require a gradient."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.device.type != "cpu" or x.dtype not in _REAL_TYPES or x.dim() != 4:
+            raise ValueError(f"causal_attention_cpu needs 4-D fp32/fp64 CPU tensors, got {name} {x.dim()}-D "
+                             f"{x.dtype} on {x.device}")
+        if x.shape != q.shape or x.dtype != q.dtype:
+            raise ValueError(f"q, k and v must agree in shape and dtype, got {list(q.shape)} {q.dtype} and {name} "
+                             f"{list(x.shape)} {x.dtype}")
+        if x.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"causal_attention_cpu has no backward, but {name} requires a gradient; use "
+                             "F.scaled_dot_product_attention, or run under torch.no_grad()")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    batch, pos, heads, d_head = q.shape
+    out = new_output(q.shape, q.dtype, q.device)
+    threads = min(torch.get_num_threads(), MAX_THREADS, max(1, q.numel() * 3 // MIN_ELEMENTS_PER_THREAD))
+    status = cpu_library(q.dtype).causal_attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), batch, pos,
+                                                           heads, d_head, float(scale), out.data_ptr(), threads)
+    if status != 0:
+        raise MemoryError(f"causal_attention_cpu could not allocate its key blocks ({d_head + 1} x {pos} values "
+                          "per thread)")
+    return out
