@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from analyses.common import command_line, emit_report, machine_info, within_rounds
-from attnres_lens import HookedTransformer, ModelConfig, adamw
+from attnres_lens import HookedTransformer, ModelConfig, adamw, cpu_settings
 
 SHAPES = {
     "small": dict(n_layers=4, d_model=128, n_heads=4, n_ctx=64, batch=12),
@@ -121,7 +121,8 @@ def main() -> None:
         "",
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, "
         f"in {time.perf_counter() - start:.0f} s, by `{command_line()}`.",
-        "Interleaved repeats of one training step (forward, backward, fused AdamW as `train` runs it): step time the "
+        "Interleaved repeats of one training step (forward, backward, fused AdamW and freed memory kept for reuse "
+        "(`cpu_settings.keep_freed_memory`), as `train` runs it): step time the "
         "median of each variant's, × standard the median over rounds of the ratio within the round. Shapes: "
         + "; ".join(f"{k}: {v['n_layers']} layers, d_model {v['d_model']}, n_ctx {v['n_ctx']}, batch {v['batch']}"
                     for k, v in SHAPES.items() if k in args.shapes) + ". Targets: " + ", ".join(f"{name} ≤ {target:.2f}×" for name, target in TARGETS.items()) + ".",
@@ -137,4 +138,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    cpu_settings.keep_freed_memory()  # as the `train` command runs (process-wide, so not in main: tests call it)
     main()

@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 from analyses.bench_cpu_step import SHAPES, Stepper, variants
 from analyses.bench_depth_scaling import is_depth_op
 from analyses.common import command_line, emit_report, machine_info, within_rounds
-from attnres_lens import param_groups
+from attnres_lens import cpu_settings, param_groups
 
 PROFILED = ("standard", "block4", "full")
 LOOPED_ADAMW = "standard, per-tensor AdamW"  # what `train` ran on the CPU before it used the fused optimizer
@@ -118,4 +118,5 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
 
 
 if __name__ == "__main__":
+    cpu_settings.keep_freed_memory()  # as the `train` command runs (process-wide, so not in main: tests call it)
     main()

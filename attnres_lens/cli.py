@@ -113,11 +113,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from attnres_lens import cpu_settings
     from attnres_lens.config import apply_overrides
     from attnres_lens.presets import get_preset
     from attnres_lens.rundir import RunDir, RunDirError
     from attnres_lens.training import TrainingDiverged, resume, train
 
+    cpu_settings.configure()  # freed memory kept, imports frozen; the run's own thread count is set by train
     try:
         if args.resume:
             if args.out or args.overrides or args.seed is not None or args.device:

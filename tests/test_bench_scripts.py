@@ -164,3 +164,29 @@ def test_shared_gradient_benchmark_turns_the_sums_off_and_on(monkeypatch):
     rows = [line.split("|") for line in lines if line.startswith("| tiny")]
     assert [row[3].strip() for row in rows] == ["full", "block4"]
     assert all(float(row[8]) > 0 for row in rows)
+
+
+def test_page_fault_benchmark_reports_each_variant_and_setting(monkeypatch):
+    """Each variant and allocator setting runs in its own process; here the children run in this one (without the
+    process-wide allocator setting) on a tiny model."""
+    import json
+    import types
+
+    module = load("step_page_faults")
+    monkeypatch.setitem(module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2))
+    children = []
+    run = module.subprocess.run
+
+    def child(command, **kwargs):
+        if "--child" not in command:  # machine_info's own commands
+            return run(command, **kwargs)
+        variant, setting = command[command.index("--child") + 1:][:2]
+        children.append((variant, setting))
+        return types.SimpleNamespace(stdout=json.dumps(module.measure(variant, False, "small", 1)))
+
+    monkeypatch.setattr(module.subprocess, "run", child)
+    lines = module.main(["--steps", "1", "--processes", "1"])
+    assert children == [(name, setting) for name in module.VARIANTS for setting in ("default", "kept")]
+    rows = [line.split("|") for line in lines if line.startswith("| ") and "variant" not in line]
+    assert [row[1].strip() for row in rows] == list(module.VARIANTS)
+    assert all(float(row[4]) > 0 and float(row[5]) > 0 for row in rows)  # step times
