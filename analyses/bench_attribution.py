@@ -100,20 +100,27 @@ def engine(evaluate_many: Optional[Callable]) -> Iterator[list[int]]:
 @contextmanager
 def counting_sublayers(model) -> Iterator[list[int]]:
     """Count sequence × sublayer evaluations (a machine-independent measure of the work), in the staged forward
-    pass and in full forward passes alike: a hook on every sublayer module (attention or MLP), so a sublayer that
-    an intervention replaces and the engine skips is not counted."""
+    pass and in full forward passes alike: the sublayer classes' (attention, MLP) forward counts the sequences it
+    gets, so a sublayer that an intervention replaces and the engine skips is not counted. Not a hook: a hook on a
+    sublayer makes the engine compute it for every copy."""
     count = [0]
-
-    def note(module, args, output):
-        count[0] += output.shape[0]
-
     forward = StagedForward(model)
-    handles = [forward.sublayer_parts(j)[3].register_forward_hook(note) for j in range(model.cfg.n_sublayers)]
+    classes = {type(forward.sublayer_parts(j)[3]) for j in range(model.cfg.n_sublayers)}
+    shipped = {cls: cls.forward for cls in classes}
+
+    def counting(original):
+        def run(module, x, *args, **kwargs):
+            count[0] += x.shape[0]
+            return original(module, x, *args, **kwargs)
+        return run
+
+    for cls in classes:
+        cls.forward = counting(shipped[cls])
     try:
         yield count
     finally:
-        for handle in handles:
-            handle.remove()
+        for cls, original in shipped.items():
+            cls.forward = original
 
 
 def timed(function: Callable) -> tuple[object, float, float]:

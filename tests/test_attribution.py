@@ -166,38 +166,59 @@ def test_shared_evaluation_equals_one_pass_per_intervention(residual, block_size
     assert not any(point.fwd_hooks for point in model.hook_dict.values())
 
 
-def test_a_sublayer_whose_output_is_replaced_is_not_computed_for_that_copy():
+def test_a_sublayer_whose_output_is_replaced_is_not_computed_for_that_copy(monkeypatch):
     """Removals and ablations replace a sublayer's output whatever it was (`replaces_activation`), so a stacked
-    pass computes that sublayer for the other copies only; an unmarked hook of the same effect, or any hook inside
-    the sublayer, keeps every copy computed. Results equal one full pass each either way."""
+    pass computes that sublayer for the other copies only; an unmarked hook of the same effect, any hook inside
+    the sublayer, or a hook already on the model there keeps every copy computed. Results equal one full pass each
+    either way."""
+    from attnres_lens.components import Attention
+
     model = HookedTransformer(small_config("attnres", 1)).eval()
     randomize_depth_parameters(model)
     batch = copy_batch(4)
     j = 2
-    block = model.blocks[j // 2]
+    watched = model.blocks[j // 2].attn
     rows_seen: list[int] = []
-    handle = block.attn.register_forward_hook(lambda module, args, output: rows_seen.append(args[0].shape[0]))
+    forward = Attention.forward
+
+    def counting(module, x):  # not a hook: a hook on the module is itself a reason to compute every copy
+        if module is watched:
+            rows_seen.append(x.shape[0])
+        return forward(module, x)
+
+    monkeypatch.setattr(Attention, "forward", counting)
     output_point = model.sublayer_output_hook(j)
     unmarked_zero = (output_point, lambda tensor, hook: torch.zeros_like(tensor))
     doubled = (output_point, lambda tensor, hook: tensor * 2)
+    halved = (output_point, lambda tensor, hook: tensor * 0.5)
     mean = torch.full((model.cfg.d_model,), 0.25)
+    inside = (f"blocks.{j // 2}.attn.hook_z", lambda tensor, hook: tensor * 0.5)
     cases = {  # interventions stacked in one pass -> rows the attention of sublayer j computes
         "removal beside a doubling": ([removal_hooks(model, [j]), [doubled]], 4),
         "replacement beside a doubling": ([[(output_point, replace_hook(mean))], [doubled]], 4),
+        "removal between two kept copies": ([[doubled], removal_hooks(model, [j]), [halved]], 8),
         "removal and replacement": ([removal_hooks(model, [j]), [(output_point, replace_hook(mean))]], 0),
         "unmarked zero": ([[unmarked_zero], [doubled]], 8),
-        "removal beside a hook inside": ([removal_hooks(model, [j]), [(f"blocks.{j // 2}.attn.hook_z",
-                                                                        lambda tensor, hook: tensor * 0.5)]], 8),
+        "removal beside a hook inside": ([removal_hooks(model, [j]), [inside]], 8),
     }
+
+    def check(name: str, interventions: list, expected_rows: int) -> None:
+        rows_seen.clear()
+        got = evaluate_many(model, batch, interventions, max_sequences=12)
+        assert rows_seen == ([expected_rows] if expected_rows else []), name
+        for single, together in zip(one_pass_each(model, batch, interventions), got):
+            assert together.loss == pytest.approx(single.loss, abs=1e-6), name
+
+    for name, (interventions, expected_rows) in cases.items():
+        check(name, interventions, expected_rows)
+    # a hook the model already carries inside the sublayer sees every copy, as without interventions
+    seen_by_recorder: list[int] = []
+    model.hook_dict[inside[0]].add_hook(lambda tensor, hook: seen_by_recorder.append(tensor.shape[0]))
     try:
-        for name, (interventions, expected_rows) in cases.items():
-            rows_seen.clear()
-            got = evaluate_many(model, batch, interventions, max_sequences=8)
-            assert rows_seen == ([expected_rows] if expected_rows else []), name
-            for single, together in zip(one_pass_each(model, batch, interventions), got):
-                assert together.loss == pytest.approx(single.loss, abs=1e-6), name
+        check("recorded", [removal_hooks(model, [j]), [doubled]], 8)
     finally:
-        handle.remove()
+        model.reset_hooks()
+    assert max(seen_by_recorder) == 8  # the stacked pass: both copies (the reference passes see one each)
 
 
 def test_parallel_evaluation_restores_threads_and_hooks_and_reports_a_failing_hook():

@@ -82,8 +82,7 @@ def test_configure_freezes_the_objects_alive_out_of_the_collector():
 
 def test_the_train_command_configures_its_process_like_the_analysis_commands(monkeypatch, tmp_path):
     """`train` keeps freed memory and freezes its imports too: a training step's activations are freed and
-    allocated again every step (without it a 4-layer Full AttnRes step page-faulted ~2400 times, docs/kernels.md
-    §11)."""
+    allocated again every step (without it a 4-layer step page-faulted hundreds of times, docs/kernels.md §11)."""
     calls = []
     monkeypatch.setattr(cpu_settings, "configure", lambda threads=0: calls.append(threads))
     assert main(["train", "--preset", "smoke", "--out", str(tmp_path / "run"), "--steps", "2", "--no-progress"]) == 0

@@ -24,6 +24,7 @@ def poisoned_outputs(monkeypatch):
 def many_threads(monkeypatch):
     """Split even tiny inputs over 4 kernel threads, more than some inputs have rows."""
     monkeypatch.setattr(cpu_fused, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_fused, "PTHREAD_MIN_ELEMENTS_PER_THREAD", 1)
     previous = torch.get_num_threads()
     torch.set_num_threads(4)
     yield
@@ -65,6 +66,8 @@ def test_the_kernel_threads_are_torchs_openmp_pool():
     """The shipped build runs its row split on OpenMP, and its OpenMP runtime is the one torch loaded: its thread
     count follows torch.set_num_threads (a second runtime would keep its own count and its own threads)."""
     library = cpu_fused.cpu_library(torch.float32)
+    if not library.thread_pool:
+        pytest.skip("this C compiler builds the kernel without OpenMP (the pthread form)")
     previous = torch.get_num_threads()
     try:
         for threads in (3, 1, 2):
@@ -79,6 +82,8 @@ def test_the_pthread_build_splits_rows_as_the_openmp_build(many_threads, tmp_pat
     """A compiler without OpenMP builds the pthread form of the split: the same ranges and the same per-thread
     sums reduced in the same order, so forward and backward equal the OpenMP build's bit for bit (and float64)."""
     shipped = cpu_fused.cpu_library(torch.float32)
+    if not shipped.thread_pool:
+        pytest.skip("this C compiler builds the kernel without OpenMP: there is no OpenMP build to compare with")
     monkeypatch.setenv(cpu_fused.CACHE_ENV_VAR, str(tmp_path))
     monkeypatch.setattr(cpu_fused, "THREAD_FLAGS", ([],))
     pthreads = cpu_fused._build_library("float")
@@ -300,7 +305,8 @@ def _attention_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
 
 
-ATTENTION_SHAPES = [(1, 1, 1, 16), (2, 7, 3, 24), (3, 17, 2, 8), (2, 33, 4, 16), (2, 65, 2, 40), (1, 50, 1, 2)]
+ATTENTION_SHAPES = [(1, 1, 1, 16), (2, 7, 3, 24), (3, 17, 2, 8), (2, 33, 4, 16), (2, 65, 2, 40), (1, 50, 1, 2),
+                    (2, 20, 2, 17)]
 
 
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
@@ -352,6 +358,34 @@ def test_causal_attention_kernel_refuses_what_it_cannot_run():
         cpu_fused.causal_attention_cpu(x.clone().requires_grad_(), x, x, 1.0)
     with torch.no_grad():  # no gradient is needed there
         cpu_fused.causal_attention_cpu(x.clone().requires_grad_(), x, x, 1.0)
+    assert cpu_fused.causal_attention_cpu(x[:0], x[:0], x[:0], 1.0).shape == (0, 3, 4, 8)  # nothing to attend
+
+
+def test_the_c_attention_runs_only_where_it_measured_faster(monkeypatch):
+    """Heads whose keys fit in MAX_CPU_ATTENTION_KEYS values; at several torch threads, only on the OpenMP pool
+    and with as many (batch, head) pairs as threads (what the kernel splits)."""
+    from types import SimpleNamespace
+
+    from attnres_lens.kernels.backends import MAX_CPU_ATTENTION_KEYS, attention_runs_cpu_kernel
+
+    def runs(batch: int, pos: int, heads: int, d_head: int) -> bool:
+        x = torch.empty(batch, pos, heads, d_head)
+        return attention_runs_cpu_kernel("auto", x, x, x)
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert runs(1, 65, 1, 16) and runs(1, MAX_CPU_ATTENTION_KEYS // 64, 1, 64)
+        assert not runs(1, MAX_CPU_ATTENTION_KEYS // 64 + 1, 1, 64)  # a long head: PyTorch's flash kernel
+        torch.set_num_threads(2)
+        assert runs(1, 65, 2, 16) and not runs(1, 65, 1, 16)  # one pair would leave a thread idle
+        monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype: SimpleNamespace(thread_pool=False))
+        assert not runs(4, 65, 4, 16)  # a build without OpenMP runs it on one thread: SDPA uses both
+    finally:
+        torch.set_num_threads(previous)
+    x = torch.empty(2, 65, 4, 16, requires_grad=True)
+    assert not attention_runs_cpu_kernel("auto", x, x, x)  # a gradient is needed
+    assert not attention_runs_cpu_kernel("torch", x.detach(), x.detach(), x.detach())
 
 
 def test_the_models_attention_runs_the_kernel_exactly_where_no_gradient_is_needed(monkeypatch):

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from transformer_lens.hook_points import HookPoint
 
 from attnres_lens.attnres import DepthStream
+from attnres_lens.components import module_hooked
 from attnres_lens.evaluation import Evaluation, score_logits
 from attnres_lens.model import HookedTransformer
 from attnres_lens.streams import ResidualStream, SumStream
@@ -313,18 +314,14 @@ def _on_kept_copies(sublayer: Callable[[torch.Tensor], torch.Tensor], skipped: S
     """`sublayer` computed on the rows of the copies not `skipped` only (batch rows are independent), zeros in
     the others' rows (a sublayer's output has its input's shape)."""
     def run(normed: torch.Tensor) -> torch.Tensor:
-        output = torch.zeros_like(normed)
-        n_batch = normed.shape[0] // n_copies
         kept = [slot for slot in range(n_copies) if slot not in skipped]
         if not kept:
-            return output
-        if kept[-1] - kept[0] + 1 == len(kept):  # one run of rows: views, no gather
-            rows = slice(kept[0] * n_batch, (kept[-1] + 1) * n_batch)
-            output[rows] = sublayer(normed[rows])
-        else:
-            index = torch.cat([torch.arange(slot * n_batch, (slot + 1) * n_batch) for slot in kept])
-            output.index_copy_(0, index, sublayer(normed.index_select(0, index)))
-        return output
+            return torch.zeros_like(normed)
+        copies = list(normed.chunk(n_copies))
+        results = iter(sublayer(torch.cat([copies[slot] for slot in kept]) if len(kept) > 1 else copies[kept[0]])
+                       .chunk(len(kept)))
+        return torch.cat([next(results) if slot in kept else torch.zeros_like(copies[slot])
+                          for slot in range(n_copies)])
 
     return run
 
@@ -504,10 +501,15 @@ class _SharedEvaluation:
         self.seen: dict[tuple, Any] = {}  # this call's states, by the keys of every stage up to theirs
         self.path_points = {f"{name}.{hook}" for name, module in model.named_modules()
                             for hook in getattr(module, "path_hooks", ())}
-        # per sublayer: its output's hook point, and the hook points inside the sublayer (see `_skipped`)
-        self.outputs = [model.sublayer_output_hook(j) for j in range(self.last)]
-        self.inside = [{point.name for point in _hook_points(self.forward.sublayer_parts(j)[3])}
-                       for j in range(self.last)]
+        # per sublayer: its output's hook point, and the hook points inside the sublayer (see `_skipped`); None
+        # where the sublayer always runs: a hook already on the model watches it, its output or a module call
+        self.outputs: list[Optional[str]] = []
+        self.inside: list[set[str]] = []
+        for j in range(self.last):
+            _, _, _, sublayer, hook_out = self.forward.sublayer_parts(j)
+            watched = any(module_hooked(module) for module in (*sublayer.modules(), hook_out))
+            self.outputs.append(None if watched else model.sublayer_output_hook(j))
+            self.inside.append({point.name for point in _hook_points(sublayer)})
         self.kept = set(range(len(interventions))) if remember is None else set(remember)  # states the cache keeps
         if cache is not None:
             cache.check(model, batch)
@@ -637,8 +639,10 @@ class _SharedEvaluation:
     def _skipped(self, stage: int, hooks_per_copy: list[tuple[Hook, ...]]) -> list[int]:
         """The copies whose sublayer at `stage` need not run: the first hook on its output replaces it whatever
         it was (`replaces_activation`: a removal or an ablation). Only when no copy hooks a point inside the
-        sublayer, whose tensors would then hold fewer copies than its hooks expect."""
-        if not 0 <= stage < self.last:
+        sublayer (its tensors would then hold fewer copies than its hooks expect), no hook already on the model
+        watches the sublayer or its output, and autocast is off (the zeros would not have the sublayer's dtype)."""
+        if (not 0 <= stage < self.last or self.outputs[stage] is None or torch.is_autocast_enabled("cpu")
+                or torch.is_autocast_enabled("cuda")):
             return []
         output, inside = self.outputs[stage], self.inside[stage]
         if any(name in inside for hooks in hooks_per_copy for name, _ in hooks):

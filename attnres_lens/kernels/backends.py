@@ -106,11 +106,30 @@ def elementwise_runs_cpu_kernel(backend: str, *tensors: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling() and resolve_backend(backend, first.device) == "cpu")
 
 
+# The C attention keeps a head's keys, [d_head, pos], in L1/L2 while every query reads them: faster than PyTorch's
+# SDPA up to 16K values (64 KB of fp32; 1.0x at 512 x 64), 1.8-2.7x slower from 64K (1024 x 64, 512 x 128, one and
+# two threads, 2026-12-02, AMD EPYC; docs/kernels.md §2)
+MAX_CPU_ATTENTION_KEYS = 1 << 14
+
+
 def attention_runs_cpu_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a layer's causal attention runs the C kernel (`cpu_fused.causal_attention_cpu`): where its
-    elementwise ops do and no gradient flows through q, k or v (the kernel has no backward)."""
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return not needs_grad and elementwise_runs_cpu_kernel(backend, q, k, v)
+    elementwise ops do, no gradient flows through q, k or v (the kernel has no backward), a head's keys fit in
+    `MAX_CPU_ATTENTION_KEYS` values, and its (batch, head) pairs can keep torch's threads busy (they are what it
+    splits over torch's OpenMP pool; a build without OpenMP runs them on one thread, so only at one torch thread)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    if not elementwise_runs_cpu_kernel(backend, q, k, v) or q.dim() != 4:
+        return False
+    batch, pos, heads, d_head = q.shape
+    if pos * d_head > MAX_CPU_ATTENTION_KEYS:
+        return False
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return True
+    from attnres_lens.kernels.cpu_fused import cpu_library
+
+    return cpu_library(q.dtype).thread_pool and batch * heads >= threads
 
 
 _CPU_KERNEL_STATE: list[bool] = []  # [] until the first "auto" on a CPU tensor tries the build

@@ -14,6 +14,11 @@
 #include <pthread.h>
 #include <stdint.h>
 #ifdef _OPENMP
+/* Only GCC's OpenMP runtime is torch's (libgomp, docs/kernels.md §6): clang's -fopenmp links LLVM's libomp, a second
+ * pool competing for the cores, so a clang build takes the pthread form (the build without -fopenmp follows). */
+#if defined(__clang__)
+#error "the OpenMP form of this kernel needs GCC's libgomp; clang builds the pthread form"
+#endif
 #include <omp.h>
 #endif
 #include <stdlib.h>
@@ -947,7 +952,10 @@ int causal_attention_forward(const real *q, const real *k, const real *v, int64_
     {
         /* a [Dh, Tp] key block and Tp scores per thread; 64-byte aligned (Tp * sizeof(real) is a multiple of 64) */
         real *block = aligned_alloc(64, (size_t)(Dh + 1) * (size_t)Tp * sizeof(real));
-        if (block == NULL) failed = 1;
+        if (block == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * H; ++bh) {
             if (block == NULL) continue;

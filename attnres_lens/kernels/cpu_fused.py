@@ -34,9 +34,10 @@ MAX_THREADS = 64  # the C file's MAX_THREADS
 MAX_QUERIES = 8  # the C file's MAX_QUERIES: larger query sets are split
 # The kernel splits its rows over torch's OpenMP pool (docs/kernels.md §6), whose threads are awake between torch's
 # ops: a second thread paid from ~50K source elements (forward + backward of one mix, 2 threads against 1,
-# 2026-12-02, AMD EPYC: 49K elements 0.93x, 164K 0.90x, 0.5-3.4M 0.73-0.76x), where a pthread started per call
-# (the build without OpenMP) paid only from ~1M.
+# 2026-12-02, AMD EPYC: 49K elements 0.93x, 164K 0.90x, 0.5-3.4M 0.73-0.76x). The build without OpenMP starts a
+# pthread per call (50-100 us), which paid only from ~1M (2026-12-01: S=9 x 768 x 128 0.97x, 13 x 1024 x 256 1.17x).
 MIN_ELEMENTS_PER_THREAD = 1 << 15
+PTHREAD_MIN_ELEMENTS_PER_THREAD = 1 << 20
 _REAL_TYPES = {torch.float32: "float", torch.float64: "double"}
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fopenmp-simd", "-fno-math-errno"]
 # Tried in turn: -march=native gives the compiler AVX2/FMA where the machine has them (and the C file's vector sums
@@ -148,6 +149,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.vector_sums.argtypes = []
     library.openmp_threads.restype = c_int
     library.openmp_threads.argtypes = []
+    library.thread_pool = library.openmp_threads() > 0  # built with OpenMP: its threads are torch's (run_rows)
     library.depth_attention_multi.restype = None
     library.depth_attention_multi.argtypes = [
         pointer, int64, int64, int64, pointer, int64, pointer, pointer, ctypes.c_double, pointer, pointer, c_int
@@ -175,8 +177,9 @@ def cpu_library(dtype: torch.dtype) -> ctypes.CDLL:
     return _library(_REAL_TYPES[dtype])
 
 
-def _n_threads(n_elements: int) -> int:
-    return max(1, min(torch.get_num_threads(), MAX_THREADS, n_elements // MIN_ELEMENTS_PER_THREAD))
+def _n_threads(n_elements: int, library: ctypes.CDLL) -> int:
+    minimum = MIN_ELEMENTS_PER_THREAD if library.thread_pool else PTHREAD_MIN_ELEMENTS_PER_THREAD
+    return max(1, min(torch.get_num_threads(), MAX_THREADS, n_elements // minimum))
 
 
 def _address(tensor: Optional[torch.Tensor]) -> Optional[int]:
@@ -211,10 +214,11 @@ def _run_forward(sources: list[torch.Tensor], folded_query: torch.Tensor, bias: 
     if norm_weight is not None:
         y, norm_rstd = new_output(first.shape, first.dtype, first.device), new_output((n_tokens,), first.dtype,
                                                                                        first.device)
-    cpu_library(first.dtype).depth_attention_forward(
+    library = cpu_library(first.dtype)
+    library.depth_attention_forward(
         _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(), _address(bias), eps,
         _address(norm_weight), norm_eps, h.data_ptr(), rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(),
-        _address(y), _address(norm_rstd), _n_threads(n_sources * n_tokens * d_model),
+        _address(y), _address(norm_rstd), _n_threads(n_sources * n_tokens * d_model, library),
     )
     return h, stats, y, norm_rstd
 
@@ -322,7 +326,8 @@ def _gradient_buffers(sources: list[torch.Tensor], shared: Optional[list[Optiona
         else:
             grad_sources.append(new_output(first.shape, first.dtype, first.device))
     flags = None if shared is None else (ctypes.c_uint8 * len(sources))(*accumulate)
-    return grad_sources, flags, n_tokens, d_model, _n_threads(len(sources) * n_tokens * d_model)
+    return grad_sources, flags, n_tokens, d_model, _n_threads(len(sources) * n_tokens * d_model,
+                                                              cpu_library(first.dtype))
 
 
 def _returned(grad_sources: list[torch.Tensor], shared: Optional[list[Optional[SharedGradient]]]) -> list:
@@ -524,7 +529,7 @@ def depth_attention_multi_cpu(
     mix = new_output((n_queries, n_tokens, d_model), compute, first.device)
     lse = new_output((n_queries, n_tokens), compute, first.device)
     library, pointers = cpu_library(compute), _pointer_array(flat)
-    threads = _n_threads(len(flat) * n_tokens * d_model)
+    threads = _n_threads(len(flat) * n_tokens * d_model, library)
     for start in range(0, n_queries, MAX_QUERIES):
         part = slice(start, start + MAX_QUERIES)
         library.depth_attention_multi(
@@ -679,9 +684,11 @@ def causal_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     batch, pos, heads, d_head = q.shape
     out = new_output(q.shape, q.dtype, q.device)
-    threads = min(torch.get_num_threads(), MAX_THREADS, max(1, q.numel() * 3 // MIN_ELEMENTS_PER_THREAD))
-    status = cpu_library(q.dtype).causal_attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), batch, pos,
-                                                           heads, d_head, float(scale), out.data_ptr(), threads)
+    if out.numel() == 0:
+        return out
+    library = cpu_library(q.dtype)
+    status = library.causal_attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), batch, pos, heads, d_head,
+                                              float(scale), out.data_ptr(), _n_threads(3 * q.numel(), library))
     if status != 0:
         raise MemoryError(f"causal_attention_cpu could not allocate its key blocks ({d_head + 1} x {pos} values "
                           "per thread)")
