@@ -1,5 +1,5 @@
-"""The CPU speed-ups of the rotary/RMSNorm C kernels, Full AttnRes's two-phase forward, and the commands' process
-costs, each measured side by side (issues 13 and 15; docs/kernels.md §2, §7, §11).
+"""The CPU speed-ups of the rotary/RMSNorm C kernels, Full AttnRes's two-phase forward, the kernel's thread pool, and
+the commands' process costs, each measured side by side (issues 13 and 15; docs/kernels.md §2, §6, §7, §11).
 
 * ops: `components.apply_rotary` vs `cpu_fused.rotary_cpu`, `F.rms_norm` vs `cpu_fused.rms_norm_cpu`, and a depth
   mix with its consumer's pre-norm as two C calls vs one fused call, forward and forward + backward, interleaved
@@ -10,6 +10,8 @@ costs, each measured side by side (issues 13 and 15; docs/kernels.md §2, §7, �
   source and flags built with `-DNO_VECTOR_SUMS` (its portable `omp simd` loops), and against the fallback build
   without `-march=native`: depth mixes forward, forward + backward and with four queries, and a forward pass of
   the prune model, interleaved;
+* threads: two-thread training steps of Full and Block S=4 with the library as built (its row split on torch's
+  OpenMP pool) and with the pthread build (without -fopenmp), each × the standard step, interleaved;
 * process costs: a model replica for the worker threads (`interventions.model_replica`), and the exit of a process
   that imported the analysis commands, with and without `gc.freeze()` (fresh processes, alternating).
 
@@ -170,15 +172,18 @@ def two_phase_rows(shapes, repeats: int) -> list[str]:
     return rows
 
 
-def float_library(arch_flags: list[str]) -> object:
-    """The float kernel library built with `arch_flags` in place of the shipped ones, in a cache of its own."""
-    flags, cache = cpu_fused.ARCH_FLAGS, os.environ.get(cpu_fused.CACHE_ENV_VAR)
+def float_library(arch_flags: list[str], thread_flags: Optional[list[str]] = None) -> object:
+    """The float kernel library built with `arch_flags` (and `thread_flags`, default the shipped ones) in place of
+    the shipped ones, in a cache of its own."""
+    flags, threads, cache = cpu_fused.ARCH_FLAGS, cpu_fused.THREAD_FLAGS, os.environ.get(cpu_fused.CACHE_ENV_VAR)
     with tempfile.TemporaryDirectory() as folder:
         os.environ[cpu_fused.CACHE_ENV_VAR], cpu_fused.ARCH_FLAGS = folder, (arch_flags,)
+        if thread_flags is not None:
+            cpu_fused.THREAD_FLAGS = (thread_flags,)
         try:
             return cpu_fused._build_library("float")  # loaded: the file may go
         finally:
-            cpu_fused.ARCH_FLAGS = flags
+            cpu_fused.ARCH_FLAGS, cpu_fused.THREAD_FLAGS = flags, threads
             if cache is None:
                 del os.environ[cpu_fused.CACHE_ENV_VAR]
             else:
@@ -230,6 +235,38 @@ def vector_sum_rows(repeats: int, tiny: bool) -> list[str]:
         timing = compare(lambda: model(tokens))
     rows.append(f"| forward, Full {label} | | | | | | | | | {timing.ms('loops'):.1f} | {timing.ms('vector'):.1f} | "
                 f"{timing.ratio('vector', 'loops'):.3f} | {timing.ratio('fallback', 'loops'):.2f} |")
+    return rows
+
+
+def thread_pool_rows(repeats: int, tiny: bool) -> list[str]:
+    """Two-thread training steps of Full and Block S=4 AttnRes, × the standard step, with the shipped library (its
+    row split on torch's OpenMP pool, from 2^15 elements per thread) and with the pthread build (a thread started
+    per call, from 2^20 elements per thread), interleaved."""
+    from analyses.bench_cpu_step import SHAPES, Stepper, variants
+
+    libraries = {"OpenMP pool": cpu_fused.cpu_library(torch.float32),
+                 "pthreads": float_library(list(cpu_fused.ARCH_FLAGS[0]), [])}
+    shapes = {"tiny": dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2)} if tiny else SHAPES
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    rows = []
+    try:
+        for shape_name, shape in shapes.items():
+            steppers = {name: Stepper(shape, variants("cpu")[name], eager=False) for name in ("standard", "full",
+                                                                                            "block4")}
+            functions = {"standard": steppers["standard"].step}
+            for build, library in libraries.items():
+                for name in ("full", "block4"):
+                    def step(stepper=steppers[name], library=library) -> None:
+                        with kernels_from(library):
+                            stepper.step()
+                    functions[f"{name} {build}"] = step
+            timing = interleaved(functions, repeats)
+            for name in ("full", "block4"):
+                rows.append(f"| {shape_name} | {name} | {timing.ratio(f'{name} pthreads', 'standard'):.3f} | "
+                            f"{timing.ratio(f'{name} OpenMP pool', 'standard'):.3f} |")
+    finally:
+        torch.set_num_threads(previous)
     return rows
 
 
@@ -288,6 +325,16 @@ def main(argv: Optional[Sequence[str]] = None, keep_memory: bool = False) -> lis
         "vector fwd+bwd (ms) | × | fallback × | loops 4 queries (ms) | vector 4 queries (ms) | × | fallback × |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *vector_sum_rows(args.repeats, args.tiny),
+    ]
+    lines += [
+        "",
+        "Threads (docs/kernels.md §6): training steps at two torch threads (bench_cpu_step's shapes, fused AdamW), "
+        "× the standard step of the same round, with the kernel's row split on torch's OpenMP pool (as shipped) and "
+        "with the pthread build (no -fopenmp: a thread started per call, so split only from 2^20 elements per thread).",
+        "",
+        "| shape | variant | pthreads × standard | OpenMP pool × standard |",
+        "|---|---|---|---|",
+        *thread_pool_rows(args.repeats, args.tiny),
     ]
     shapes = TINY_SHAPES if args.tiny else MODEL_SHAPES[2:3]
     model = HookedTransformer(ModelConfig(d_vocab=64, residual="attnres", **shapes[0][1]))

@@ -20,10 +20,13 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from analyses.bench_cpu_step import SHAPES
 from analyses.common import command_line, emit_report, machine_info, within_rounds
 from attnres_lens import HookedTransformer, ModelConfig, components
+from attnres_lens.kernels.backends import attention_runs_cpu_kernel
+from attnres_lens.kernels.cpu_fused import causal_attention_cpu
 
 VARIANTS = {
     "standard": dict(residual="standard"),
@@ -47,7 +50,8 @@ PRUNE_SHAPE = dict(n_layers=12, d_model=64, n_heads=4, d_mlp=128, n_ctx=65, batc
 
 @contextlib.contextmanager
 def attention_kernel(enabled: bool) -> Iterator[None]:
-    """The token attention on its C kernel (as shipped) or, with `enabled` false, on PyTorch's SDPA."""
+    """The token attention as shipped (its C kernel where the policy picks it) or, with `enabled` false, on PyTorch's
+    SDPA everywhere."""
     shipped = components.attention_runs_cpu_kernel
     if not enabled:
         components.attention_runs_cpu_kernel = lambda *args: False
@@ -76,6 +80,38 @@ def attention_rows(shapes: dict[str, dict], repeats: int) -> list[str]:
             kernel, sdpa = times[True][2:], times[False][2:]
             rows.append(f"| {shape_name} | {name} | {1e3 * statistics.median(sdpa):.1f} | "
                         f"{1e3 * statistics.median(kernel):.1f} | {within_rounds(kernel, sdpa):.3f} |")
+    return rows
+
+
+# (batch, pos, heads, d_head) of the op alone: prune's stacked pass, the small and medium training shapes, and
+# longer heads, on both sides of backends.MAX_CPU_ATTENTION_KEYS (pos x d_head)
+ATTENTION_OP_SHAPES = [(64, 65, 4, 16), (12, 64, 4, 32), (8, 128, 8, 32), (2, 256, 4, 64), (1, 512, 4, 64),
+                       (1, 1024, 4, 64), (1, 512, 8, 128)]
+
+
+def attention_op_rows(shapes: list[tuple[int, int, int, int]], repeats: int) -> list[str]:
+    """The causal attention op alone (no gradient): `cpu_fused.causal_attention_cpu` against PyTorch's SDPA on the
+    same tensors, interleaved, whatever `attention_runs_cpu_kernel` would choose."""
+    rows = []
+    for shape in shapes:
+        generator = torch.Generator().manual_seed(sum(shape))
+        q, k, v = (torch.randn(*shape, generator=generator) for _ in range(3))
+        scale = shape[-1] ** -0.5
+        functions = {
+            "kernel": lambda: causal_attention_cpu(q, k, v, scale),
+            "sdpa": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           is_causal=True, scale=scale),
+        }
+        times: dict[str, list[float]] = {name: [] for name in functions}
+        for _ in range(repeats + 2):  # two warm-up rounds
+            for name, function in functions.items():
+                start = time.perf_counter()
+                function()
+                times[name].append(time.perf_counter() - start)
+        kernel, sdpa = times["kernel"][2:], times["sdpa"][2:]
+        runs = "C kernel" if attention_runs_cpu_kernel("cpu", q, k, v) else "SDPA"
+        rows.append(f"| {' x '.join(map(str, shape))} | {shape[1] * shape[3]} | {1e3 * statistics.median(sdpa):.2f} | "
+                    f"{1e3 * statistics.median(kernel):.2f} | {within_rounds(kernel, sdpa):.3f} | {runs} |")
     return rows
 
 
@@ -132,13 +168,22 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         "",
         "## The token attention's C kernel against PyTorch's SDPA",
         "",
-        "The same forward passes (no gradient, no hooks), interleaved, with the C kernel and with PyTorch's "
-        "`scaled_dot_product_attention`; `prune` is the 12-layer depth-full model over `prune --samples 32`'s batch. "
-        "× SDPA is the median over rounds of the ratio within the round.",
+        "The same forward passes (no gradient, no hooks), interleaved, as shipped (the C kernel where "
+        "`attention_runs_cpu_kernel` picks it: short heads, see below) and with PyTorch's "
+        "`scaled_dot_product_attention` everywhere; `prune` is the 12-layer depth-full model over `prune "
+        "--samples 32`'s batch. × SDPA is the median over rounds of the ratio within the round.",
         "",
-        "| shape | variant | SDPA (ms) | C kernel (ms) | × SDPA |",
+        "| shape | variant | SDPA (ms) | as shipped (ms) | × SDPA |",
         "|---|---|---|---|---|",
         *attention_rows({**{name: SHAPES[name] for name in args.shapes}, "prune": PRUNE_SHAPE}, args.repeats),
+        "",
+        "The op alone, one torch thread, on random tensors [batch, pos, heads, d_head]; `runs` is what "
+        "`backends.attention_runs_cpu_kernel` picks for that shape (the C kernel only while a head's keys, pos × "
+        "d_head, fit in `MAX_CPU_ATTENTION_KEYS` values).",
+        "",
+        "| shape | pos × d_head | SDPA (ms) | C kernel (ms) | × SDPA | runs |",
+        "|---|---|---|---|---|---|",
+        *attention_op_rows(ATTENTION_OP_SHAPES, args.repeats),
     ]
     lines.insert(2, f"Took {time.perf_counter() - started:.0f} s.")
     emit_report("\n".join(lines) + "\n", args.out)

@@ -47,16 +47,21 @@ def test_inference_benchmark_reports_every_variant(monkeypatch):
     tiny = dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2)
     monkeypatch.setitem(module.SHAPES, "small", tiny)
     monkeypatch.setattr(module, "PRUNE_SHAPE", tiny)
+    monkeypatch.setattr(module, "ATTENTION_OP_SHAPES", [(2, 8, 2, 4), (1, 600, 1, 32)])
     shipped = module.components.attention_runs_cpu_kernel
     lines = module.main(["--shapes", "small", "--repeats", "2"])
     rows = [line.split("|") for line in lines if line.startswith("| small")]
     assert [row[2].strip() for row in rows][:len(module.VARIANTS)] == list(module.VARIANTS)
     assert rows[0][4].strip() == "1.000"
-    attention = [line.split("|")[1:3] for line in lines[lines.index("## The token attention's C kernel against "
-                                                                    "PyTorch's SDPA"):] if line.startswith("| ")]
-    assert [[cell.strip() for cell in row] for row in attention[1:]] == [
-        ["small", "standard"], ["small", "full"], ["prune", "standard"], ["prune", "full"]]
+    after = lines[lines.index("## The token attention's C kernel against PyTorch's SDPA"):]
+    attention = [[cell.strip() for cell in line.split("|")[1:3]] for line in after
+                 if line.startswith("| small") or line.startswith("| prune")]
+    assert attention == [["small", "standard"], ["small", "full"], ["prune", "standard"], ["prune", "full"]]
     assert module.components.attention_runs_cpu_kernel is shipped
+    ops = [[cell.strip() for cell in line.split("|")[1:7]] for line in lines if line.startswith("| 2 x 8 x 2 x 4")
+           or line.startswith("| 1 x 600 x 1 x 32")]
+    assert [(op[0], op[1], op[5]) for op in ops] == [("2 x 8 x 2 x 4", "32", "C kernel"),
+                                                     ("1 x 600 x 1 x 32", "19200", "SDPA")]
 
 
 def test_cpu_kernels_benchmark_on_tiny_shapes():
@@ -70,6 +75,8 @@ def test_cpu_kernels_benchmark_on_tiny_shapes():
     assert any(line.startswith("| 2 layers") for line in lines)
     assert any(line.startswith("| 5 x [2, 8, 16] |") for line in lines)  # the vector sums against portable loops
     assert any(line.startswith("| forward, Full 2 layers") for line in lines)
+    threads = [line.split("|")[1:3] for line in lines if line.startswith("| tiny |")]
+    assert [[cell.strip() for cell in row] for row in threads] == [["tiny", "full"], ["tiny", "block4"]]
     assert any(line.startswith("Process costs:") and "gc.freeze" in line for line in lines)
     assert (cpu_fused.ARCH_FLAGS, cpu_fused.cpu_library, os.environ.get(cpu_fused.CACHE_ENV_VAR)) == shipped
 

@@ -106,10 +106,11 @@ def elementwise_runs_cpu_kernel(backend: str, *tensors: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling() and resolve_backend(backend, first.device) == "cpu")
 
 
-# The C attention keeps a head's keys, [d_head, pos], in L1/L2 while every query reads them: faster than PyTorch's
-# SDPA up to 16K values (64 KB of fp32; 1.0x at 512 x 64), 1.8-2.7x slower from 64K (1024 x 64, 512 x 128, one and
-# two threads, 2026-12-02, AMD EPYC; docs/kernels.md §2)
-MAX_CPU_ATTENTION_KEYS = 1 << 14
+# The C attention keeps a head's keys, [d_head, pos], in L1 while every query reads them: faster than PyTorch's SDPA
+# for short heads (the op 0.73-0.85x at 65 x 16 and 0.81-0.83x at 64 x 32, a forward pass of prune's model 0.84-0.93x),
+# as fast or slower from 4K values (0.97-1.08x at 128 x 32 to 512 x 64) and 2.1-2.3x slower at 64K (two runs of
+# analyses/bench_inference.py, 2026-12-02, AMD EPYC; docs/kernels.md §2)
+MAX_CPU_ATTENTION_KEYS = 1 << 11
 
 
 def attention_runs_cpu_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

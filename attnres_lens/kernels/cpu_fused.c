@@ -817,10 +817,10 @@ void rms_norm_backward(const real *x, const real *w, const real *rstd, const rea
  *   s_j = q_t . (scale k_j),   z_t = sum_j e^{s_j - m} v_j / sum_j e^{s_j - m},   m = max_j s_j
  * Each (b, h) copies its keys, scaled and transposed, into a [Dh, P'] block (P' = P rounded up to KEY_CHUNK) that
  * stays in L1/L2 while every query reads it: a query's scores are then Dh broadcast FMAs per KEY_CHUNK keys, with
- * independent accumulators, where PyTorch's flash kernel for the CPU works in blocks sized for long heads (1.4-1.5x
- * this kernel's time at d_head 16 and 65 tokens, docs/kernels.md §2). Keys past t in the last chunk get -inf,
- * weight 0 (the float build's exp, exp_nonpositive, gives 0 there). (b, h) pairs are split over threads; returns
- * 0, or -1 when a thread's block could not be allocated (the output is then incomplete). */
+ * independent accumulators, where PyTorch's flash kernel for the CPU works in blocks sized for long heads (it takes
+ * 1.2-1.4x this kernel's time at d_head 16 and 65 tokens; longer heads go to it, docs/kernels.md §2). Keys past t in
+ * the last chunk get -inf, weight 0 (the float build's exp, exp_nonpositive, gives 0 there). (b, h) pairs are
+ * split over threads; returns 0, or -1 when a thread's block could not be allocated (the output is incomplete). */
 #define KEY_CHUNK 16
 
 INLINE void attention_scores(const real *qt, const real *kt, int64_t Tp, int64_t Dh, int64_t np, real *s) {
