@@ -33,9 +33,9 @@ CACHE_ENV_VAR = "ATTNRES_LENS_KERNEL_CACHE"
 MAX_THREADS = 64  # the C file's MAX_THREADS
 MAX_QUERIES = 8  # the C file's MAX_QUERIES: larger query sets are split
 # The kernel splits its rows over torch's OpenMP pool (docs/kernels.md §6), whose threads are awake between torch's
-# ops: a second thread paid from ~50K source elements (forward + backward of one mix, 2 threads against 1,
-# 2026-12-02, AMD EPYC: 49K elements 0.93x, 164K 0.90x, 0.5-3.4M 0.73-0.76x). The build without OpenMP starts a
-# pthread per call (50-100 us), which paid only from ~1M (2026-12-01: S=9 x 768 x 128 0.97x, 13 x 1024 x 256 1.17x).
+# ops: in a one-off trial a second thread paid from ~50K source elements (forward + backward of one mix, 2026-12-02,
+# AMD EPYC); the two-thread training steps of analyses/reports/bench_cpu_kernels.md compare the two builds. The
+# build without OpenMP starts a pthread per call (50-100 us), which paid only from ~1M (2026-12-01 trials).
 MIN_ELEMENTS_PER_THREAD = 1 << 15
 PTHREAD_MIN_ELEMENTS_PER_THREAD = 1 << 20
 _REAL_TYPES = {torch.float32: "float", torch.float64: "double"}
