@@ -29,7 +29,7 @@ from transformer_lens.hook_points import HookPoint
 from attnres_lens.components import RMSNorm, is_hooked, module_hooked
 from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
 from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel, stream_two_phase_backend
-from attnres_lens.kernels.cpu_fused import depth_attention_normed_cpu, share_gradient
+from attnres_lens.kernels.cpu_fused import depth_attention_multi_cpu, depth_attention_normed_cpu, share_gradient
 from attnres_lens.kernels.reference import depth_logits, mix_sources
 from attnres_lens.streams import ResidualStream
 
@@ -121,6 +121,7 @@ class DepthStream(ResidualStream):
         # later consumers of a training step skip the question
         self._one_pass_only = False
         self._shared: list[tuple[torch.Tensor, torch.Tensor]] = []  # (block, its share_gradient view), see _one_pass
+        self._copies: Optional[tuple[list[torch.Tensor], int]] = None  # see `stacked_from`
 
     @property
     def state(self) -> Optional[torch.Tensor]:
@@ -156,6 +157,21 @@ class DepthStream(ResidualStream):
     def batch_changed(self) -> None:
         self._phase1 = None  # the window's phase-1 statistics were computed for the old batch
         self._shared = []  # views of the old batch's blocks
+        self._copies = None
+
+    def stacked_from(self, states: list["DepthStream"]) -> None:
+        """Note that this stream is `states` stacked along the batch (exact interventions run branches so): the
+        leading completed blocks that every state holds as the same tensor are one block repeated, and a window's
+        phase 1 mixes those once, at one copy's batch, for every copy (docs/kernels.md §7)."""
+        # with S = 1 the partial sum is the last output, which the next read closes into a block unchanged
+        sources = [state.blocks + ([state.partial] if state.partial is not None and self.block_size == 1 else [])
+                   for state in states]
+        shared = 0
+        for column in zip(*sources):
+            if any(block is not column[0] for block in column):
+                break
+            shared += 1
+        self._copies = (sources[0][:shared], len(states)) if shared and len(states) > 1 else None
 
     def sources(self) -> list[torch.Tensor]:
         """The sources the next consumer reads (after `read` has closed a completed block)."""
@@ -219,8 +235,30 @@ class DepthStream(ResidualStream):
             return None
         queries = torch.stack([member.query for member in members])
         gains = torch.stack([member.key_norm.w for member in members])
-        stats = block_phase1(shared, queries, gains, module.key_norm.eps, backend=backend)
+        stats = None
+        if backend == "cpu" and self._copies is not None and self.window is None:
+            stats = self._phase1_over_copies(shared, queries, gains, module.key_norm.eps)
+        if stats is None:
+            stats = block_phase1(shared, queries, gains, module.key_norm.eps, backend=backend)
         return _Phase1(consumer, last, len(shared), stats)
+
+    def _phase1_over_copies(self, shared: list[torch.Tensor], queries: torch.Tensor, gains: torch.Tensor,
+                            eps: float) -> Optional[BlockStats]:
+        """Phase 1 over `shared` (stacked copies of a batch, `stacked_from`) with the blocks the copies share
+        mixed once at one copy's batch, that part then the prior of every copy's mix of the other blocks; None
+        where too few blocks are shared to pay for the extra call."""
+        originals, n_copies = self._copies
+        if len(originals) < MIN_SHARED_SOURCES:
+            return None
+        originals = [block.to(shared[0].dtype) for block in originals]  # as _common_dtype made `shared`
+        once = block_phase1(originals, queries, gains, eps, backend="cpu")
+        if len(shared) == len(originals):
+            mix = once.mix.repeat(1, n_copies, *[1] * (once.mix.dim() - 2))
+            lse = once.lse.repeat(1, n_copies, *[1] * (once.lse.dim() - 2))
+        else:
+            folded = queries.to(once.mix.dtype) * gains.to(once.mix.dtype)  # as block_phase1 folds them
+            mix, lse = depth_attention_multi_cpu(shared[len(originals):], folded, eps, prior=(once.mix, once.lse))
+        return once._replace(mix=mix, lse=lse)
 
 
 def _any_requires_grad(sources: list[torch.Tensor], modules: list["DepthAttention"]) -> bool:

@@ -166,6 +166,40 @@ def test_shared_evaluation_equals_one_pass_per_intervention(residual, block_size
     assert not any(point.fwd_hooks for point in model.hook_dict.values())
 
 
+def test_stacked_copies_mix_the_blocks_they_share_once(monkeypatch):
+    """Branches stacked from one state hold the same leading sources: a Full AttnRes window's phase 1 mixes those
+    once, at one copy's batch, as the prior of every copy (`DepthStream.stacked_from`). Source knockouts at late
+    consumers (the window also reads sources written after the branches part) and hooks on a late sublayer's
+    output (the window's first consumer reads only shared sources) equal one full pass each."""
+    model = HookedTransformer(small_config("attnres", 1, n_layers=6, d_model=16)).eval()  # 12 sublayers
+    randomize_depth_parameters(model)
+    batch = copy_batch(3)
+    noise = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(5))
+    late_output = model.sublayer_output_hook(11)
+    interventions = [source_mask_hooks(model, consumer, [source]) for consumer in (9, 10) for source in (0, 4, 8)]
+    interventions += [[(late_output, replace_hook(noise))], [(late_output, lambda tensor, hook: tensor * 2)]]
+    shared_windows: list[tuple[int, int, int]] = []  # (sources read, of them shared, copies) per window
+    inner = attnres.DepthStream._phase1_over_copies
+
+    def spied(self, shared, queries, gains, eps):
+        stats = inner(self, shared, queries, gains, eps)
+        if stats is not None:
+            shared_windows.append((len(shared), len(self._copies[0]), self._copies[1]))
+        return stats
+
+    monkeypatch.setattr(attnres.DepthStream, "_phase1_over_copies", spied)
+    got = evaluate_many(model, batch, interventions, max_sequences=3 * len(interventions))
+    for single, together in zip(one_pass_each(model, batch, interventions), got):
+        assert together.loss == pytest.approx(single.loss, abs=1e-6)
+        assert together.accuracy == single.accuracy
+    # knockouts at 9: consumer 10's window reads 11 sources, 10 of them shared; knockouts at 10: consumer 11's
+    # reads 12, 11 shared; the two output hooks at 11: its window reads only the 12 shared sources
+    assert sorted(shared_windows) == [(11, 10, 3), (12, 11, 3), (12, 12, 2)]
+    shared_windows.clear()
+    evaluate_many(model, batch, interventions, max_sequences=3)  # one copy a pass: nothing to share
+    assert shared_windows == []
+
+
 def test_a_sublayer_whose_output_is_replaced_is_not_computed_for_that_copy(monkeypatch):
     """Removals and ablations replace a sublayer's output whatever it was (`replaces_activation`), so a stacked
     pass computes that sublayer for the other copies only; an unmarked hook of the same effect, any hook inside

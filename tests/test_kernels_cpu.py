@@ -467,6 +467,35 @@ def test_several_queries_at_once_match_float64(many_threads, n_sources, token_sh
     assert_close(lse, expected_lse, dtype)
 
 
+@pytest.mark.parametrize("copies, batch_shape, d_model", [(1, (3, 5), 8), (3, (2, 5), 8), (4, (1, 17), 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_prior_for_one_copy_of_a_stacked_batch_serves_every_copy(many_threads, copies, batch_shape, d_model, dtype):
+    """Sources that stack `copies` copies of a batch along their first dim take one copy's prior: the same as
+    that prior stacked as often, against the float64 oracle."""
+    batch, *rest = batch_shape
+    sources, query, gain = make_inputs(6, (copies * batch, *rest), d_model, dtype)
+    generator = torch.Generator().manual_seed(11)
+    folded = torch.stack([query * gain, gain + 0.1 * torch.randn(d_model, generator=generator)]).to(dtype)
+    prior = (torch.randn(2, batch, *rest, d_model, generator=generator).to(dtype),
+             (2 * torch.randn(2, batch, *rest, generator=generator)).to(dtype))
+    mix, lse = cpu_fused.depth_attention_multi_cpu(sources, folded, 1e-6, prior=prior)
+    stacked = (prior[0].repeat(1, copies, *[1] * len(rest), 1), prior[1].repeat(1, copies, *[1] * len(rest)))
+    expected_mix, expected_lse = _several_queries_oracle(sources, folded, 1e-6, stacked)
+    assert_close(mix, expected_mix, dtype)
+    assert_close(lse, expected_lse, dtype)
+
+
+def test_a_prior_that_covers_no_whole_copy_is_refused():
+    sources, query, gain = make_inputs(3, (6, 5), 8)
+    folded = (query * gain)[None]
+    for batch in (4, 12):  # 4 does not divide 6; 12 is more than the sources hold
+        with pytest.raises(ValueError, match="prior must be .*divisor"):
+            cpu_fused.depth_attention_multi_cpu(sources, folded, 1e-6,
+                                                prior=(torch.zeros(1, batch, 5, 8), torch.zeros(1, batch, 5)))
+    with pytest.raises(ValueError, match="prior must be"):  # lse of another shape
+        cpu_fused.depth_attention_multi_cpu(sources, folded, 1e-6, prior=(torch.zeros(1, 3, 5, 8), torch.zeros(1, 3)))
+
+
 def test_several_queries_refuse_a_gradient():
     sources, query, gain = make_inputs(3, (5,), 8)
     sources[1].requires_grad_()

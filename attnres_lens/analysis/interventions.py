@@ -147,9 +147,16 @@ def _give_back_replica(model: nn.Module, replica: nn.Module, fingerprint: tuple,
         kept[1].append(replica)
 
 
+# Stacks hold up to this many elements per activation (d_model x tokens; 4 MB in fp32) unless `max_sequences` says:
+# a prune of the 12-layer d_model-64 Full model (32 sequences of 65 tokens, 2 workers) took 11.1 s in stacks of 64
+# sequences, 9.7-9.9 s in stacks of 128-256 and no less in larger ones (2026-12-02, Intel Xeon; docs/analysis.md
+# §11); a budget in elements keeps the stacks of wide or long models from growing with them.
+STACK_ELEMENTS = 1 << 20
+
+
 @torch.no_grad()
 def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequence[Sequence[Hook]],
-                  max_sequences: int = 64, progress: bool = False, desc: str = "interventions",
+                  max_sequences: Optional[int] = None, progress: bool = False, desc: str = "interventions",
                   cache: Optional[StateCache] = None, score: Callable[[torch.Tensor, Batch], Any] = score_logits,
                   workers: int = 1, remember: Optional[Iterable[int]] = None) -> list[Any]:
     """`evaluate` for each intervention (a list of hooks), sharing every computation the interventions share.
@@ -157,8 +164,9 @@ def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequenc
     The forward pass runs in stages (embedding, each sublayer, the final readout; `hook_stages`). Interventions
     whose hooks agree up to a stage (the same hook functions at the same hook points, compared by identity) share
     one computation of it; where they part, each branch gets its own copy of the state, and branches that do not
-    part again run stacked along the batch, up to `max_sequences` sequences per pass, each intervention's hooks
-    seeing only its own copy. So knocking a source out of consumer c recomputes only sublayers c … J, and
+    part again run stacked along the batch, up to `max_sequences` sequences per pass (default: as many copies of
+    the batch as keep one activation of the stack within `STACK_ELEMENTS`), each intervention's hooks seeing only
+    its own copy. So knocking a source out of consumer c recomputes only sublayers c … J, and
     removal sets that agree on the first sublayers share them; with a `StateCache`, a call also resumes from the
     states of the previous call (`remember`: the indices of the interventions whose states it keeps, default all;
     a kept state holds copies of its own rows, not views that would pin the stacks it was computed in). Results
@@ -173,8 +181,14 @@ def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequenc
     if not interventions:
         return []
     for name, value in (("max_sequences", max_sequences), ("workers", workers)):
+        if value is None and name == "max_sequences":
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise ValueError(f"{name} must be a positive integer{' or None' * (name == 'max_sequences')}, "
+                             f"got {value!r}")
+    if max_sequences is None:
+        n_batch, tokens = batch.tokens.shape[0], batch.tokens.numel()
+        max_sequences = n_batch * max(1, STACK_ELEMENTS // (tokens * model.cfg.d_model))
     if workers > 1 and (problem := _parallel_problem(model)) is not None:
         raise ValueError(f"workers={workers} needs worker threads, but {problem}; use workers=1 "
                          "(analysis_workers(model) chooses)")
@@ -674,6 +688,8 @@ def concat_states(states: list[Any]) -> Any:
             setattr(stacked, key, [torch.cat(list(column)) if isinstance(column[0], torch.Tensor) else column[0]
                                    for column in columns])
     stacked.batch_changed()
+    if hasattr(stacked, "stacked_from"):  # a stream that can mix what its copies share once
+        stacked.stacked_from(states)
     return stacked
 
 

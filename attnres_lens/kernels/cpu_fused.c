@@ -575,19 +575,21 @@ void depth_attention_backward(const real *const *sources, int64_t n_sources, int
  *   mix_q = (e_p m_q + sum_s e_s v_s) / E,   lse_q = M + log E
  * which equals one softmax over the prior's sources and these together. Phase 1 of two-phase AttnRes is a call
  * without prior; phase 2 (the sources phase 1 could not see) a call with Q = 1 and phase 1's part as the prior.
- * Layouts: queries [Q, D]; prior_mix and mix [Q, N, D]; prior_lse and lse [Q, N] (lse may be NULL). */
+ * Layouts: queries [Q, D]; mix [Q, N, D]; lse [Q, N] (may be NULL); prior_mix [Q, P, D] and prior_lse [Q, P] for
+ * P prior tokens, a divisor of N: token n takes prior row n mod P, so sources that stack N / P copies of a batch
+ * along their leading dim take one copy's prior (sources the copies share, mixed once: docs/kernels.md §7). */
 #define MAX_QUERIES 8 /* cpu_fused.py splits larger query sets */
 
 typedef struct {
     const real *const *sources;
-    int64_t n_sources, n_tokens, d_model, n_queries;
+    int64_t n_sources, n_tokens, d_model, n_queries, prior_tokens;
     const real *queries, *prior_mix, *prior_lse;
     real eps;
     real *mix, *lse;
 } multi_args;
 
 static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
-    const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model, Q = a->n_queries;
+    const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model, Q = a->n_queries, P = a->prior_tokens;
     const real *const *src = a->sources;
     real rstd[S * TILE], w[Q * S * TILE], prior_weight[Q * TILE], dot[GROUP];
     for (int64_t t0 = begin; t0 < end; t0 += TILE) {
@@ -626,9 +628,9 @@ static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
         }
         for (int64_t q = 0; q < Q; ++q) {
             real *z = w + q * S * TILE, *e_prior = prior_weight + q * TILE;
-            const real *prior_lse = a->prior_lse ? a->prior_lse + q * N + t0 : NULL;
+            const real *prior_lse = a->prior_lse ? a->prior_lse + q * P : NULL;
             real max_logit[TILE], total[TILE];
-            for (int64_t t = 0; t < T; ++t) max_logit[t] = prior_lse ? prior_lse[t] : -INFINITY;
+            for (int64_t t = 0; t < T; ++t) max_logit[t] = prior_lse ? prior_lse[(t0 + t) % P] : -INFINITY;
             for (int64_t s = 0; s < S; ++s) {
 #pragma omp simd
                 for (int64_t t = 0; t < T; ++t) {
@@ -637,7 +639,7 @@ static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
                 }
             }
             for (int64_t t = 0; t < T; ++t) {
-                e_prior[t] = prior_lse ? exp_nonpositive(prior_lse[t] - max_logit[t]) : 0;
+                e_prior[t] = prior_lse ? exp_nonpositive(prior_lse[(t0 + t) % P] - max_logit[t]) : 0;
                 total[t] = e_prior[t];
             }
             for (int64_t s = 0; s < S; ++s) {
@@ -663,7 +665,7 @@ static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
             for (int64_t q = 0; q < Q; ++q) {
                 const real *alpha = w + q * S * TILE;
                 real *h = a->mix + q * N * D + row;
-                const real *prior = a->prior_mix ? a->prior_mix + q * N * D + row : NULL;
+                const real *prior = a->prior_mix ? a->prior_mix + (q * P + (t0 + t) % P) * D : NULL;
                 const real wp = prior_weight[q * TILE + t];
                 if (prior) {
 #pragma omp simd
@@ -685,10 +687,11 @@ static void *multi_worker(void *arg) {
 
 void depth_attention_multi(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
                            const real *queries, int64_t n_queries, const real *prior_mix, const real *prior_lse,
-                           double eps, real *mix, real *lse, int n_threads) {
-    if (n_queries < 1 || n_queries > MAX_QUERIES) return; /* cpu_fused.py never asks: it splits query sets */
+                           int64_t prior_tokens, double eps, real *mix, real *lse, int n_threads) {
+    /* cpu_fused.py never asks for these: it splits query sets and checks that P divides N */
+    if (n_queries < 1 || n_queries > MAX_QUERIES || prior_tokens < 1 || n_tokens % prior_tokens != 0) return;
     const multi_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
-                          .n_queries = n_queries, .queries = queries, .prior_mix = prior_mix,
+                          .n_queries = n_queries, .prior_tokens = prior_tokens, .queries = queries, .prior_mix = prior_mix,
                           .prior_lse = prior_lse, .eps = (real)eps, .mix = mix, .lse = lse};
     run_rows(multi_worker, &a, n_tokens, n_threads);
 }

@@ -152,7 +152,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.thread_pool = library.openmp_threads() > 0  # built with OpenMP: its threads are torch's (run_rows)
     library.depth_attention_multi.restype = None
     library.depth_attention_multi.argtypes = [
-        pointer, int64, int64, int64, pointer, int64, pointer, pointer, ctypes.c_double, pointer, pointer, c_int
+        pointer, int64, int64, int64, pointer, int64, pointer, pointer, int64, ctypes.c_double, pointer, pointer, c_int
     ]
     library.rotary_forward.restype = None
     library.rotary_forward.argtypes = [pointer, pointer, pointer, int64, int64, int64, int64, int64, ctypes.c_double,
@@ -507,7 +507,11 @@ def depth_attention_multi_cpu(
     """Q depth attentions over the same ``sources`` (each ``[..., D]``) in one read of them, without a backward
     (docs/kernels.md §7): ``folded_queries`` ``[Q, D]`` (``u_q = w_q * g_q``); ``prior`` an optional part per query
     over other sources, ``(mix [Q, ..., D], lse [Q, ...])``, folded into each softmax. Returns ``(mix [Q, ..., D],
-    lse [Q, ...])`` in fp32 (fp64 for fp64 sources): phase 1 of two-phase AttnRes, or with a prior its phase 2."""
+    lse [Q, ...])`` in fp32 (fp64 for fp64 sources): phase 1 of two-phase AttnRes, or with a prior its phase 2.
+
+    The prior may also cover one copy of a batch the sources stack k times along their first dim (``mix [Q, B,
+    ..., D]`` for sources ``[k * B, ..., D]``): each copy then takes that one prior, which was mixed once from
+    sources all copies share (exact interventions)."""
     first = sources[0]
     if first.device.type != "cpu":
         raise ValueError(f"the cpu backend needs CPU tensors, got tensors on {first.device}; use backend='auto'")
@@ -523,9 +527,19 @@ def depth_attention_multi_cpu(
     flat = _contiguous(sources, compute)
     n_tokens, n_queries = first.numel() // d_model, folded_queries.shape[0]
     queries = folded_queries.to(compute).contiguous()
+    prior_tokens = n_tokens
     if prior is not None:
-        prior = prior[0].to(compute).reshape(n_queries, n_tokens, d_model).contiguous(), \
-            prior[1].to(compute).reshape(n_queries, n_tokens).contiguous()
+        prior_mix, prior_lse = prior
+        copies = first.shape[0] // prior_mix.shape[1] if prior_mix.dim() == first.dim() + 1 and prior_mix.shape[1] else 0
+        if (prior_mix.shape[0] != n_queries or copies * prior_mix.shape[1] != first.shape[0]
+                or prior_mix.shape[2:] != first.shape[1:] or prior_lse.shape != prior_mix.shape[:-1]):
+            raise ValueError(f"prior must be (mix [{n_queries}, B, {', '.join(map(str, first.shape[1:]))}], lse "
+                             f"[{n_queries}, B, {', '.join(map(str, lead[1:]))}]) with B the sources' first dim "
+                             f"{first.shape[0]} or a divisor of it, got {tuple(prior_mix.shape)} and "
+                             f"{tuple(prior_lse.shape)}")
+        prior_tokens = n_tokens // copies if copies else n_tokens  # no tokens: nothing is read
+        prior = prior_mix.to(compute).reshape(n_queries, prior_tokens, d_model).contiguous(), \
+            prior_lse.to(compute).reshape(n_queries, prior_tokens).contiguous()
     mix = new_output((n_queries, n_tokens, d_model), compute, first.device)
     lse = new_output((n_queries, n_tokens), compute, first.device)
     library, pointers = cpu_library(compute), _pointer_array(flat)
@@ -535,7 +549,7 @@ def depth_attention_multi_cpu(
         library.depth_attention_multi(
             pointers, len(flat), n_tokens, d_model, queries[part].data_ptr(), queries[part].shape[0],
             None if prior is None else prior[0][part].data_ptr(), None if prior is None else prior[1][part].data_ptr(),
-            eps, mix[part].data_ptr(), lse[part].data_ptr(), threads,
+            prior_tokens, eps, mix[part].data_ptr(), lse[part].data_ptr(), threads,
         )
     return mix.view(n_queries, *lead, d_model), lse.view(n_queries, *lead)
 
