@@ -11,7 +11,8 @@ the commands' process costs, each measured side by side (issues 13 and 15; docs/
   without `-march=native`: depth mixes forward, forward + backward and with four queries, and a forward pass of
   the prune model, interleaved;
 * threads: two-thread training steps of Full and Block S=4 with the library as built (its row split on torch's
-  OpenMP pool) and with the pthread build (without -fopenmp), each × the standard step, interleaved;
+  OpenMP pool) and with the pthread build (without -fopenmp), each × the standard step, interleaved; and of every
+  variant with the KV shift, rotary and RMSNorm kernels split over the pool and on one thread;
 * process costs: a model replica for the worker threads (`interventions.model_replica`), and the exit of a process
   that imported the analysis commands, with and without `gc.freeze()` (fresh processes, alternating).
 
@@ -270,6 +271,44 @@ def thread_pool_rows(repeats: int, tiny: bool) -> list[str]:
     return rows
 
 
+def elementwise_thread_rows(repeats: int, tiny: bool) -> list[str]:
+    """Two-thread training steps with the KV shift, rotary and RMSNorm kernels' rows split over torch's OpenMP pool
+    (as shipped) and on one thread (`cpu_fused._elementwise_threads` answering 1), interleaved: each variant's
+    step both ways, and × the standard step of the same setting."""
+    from analyses.bench_cpu_step import SHAPES, Stepper, variants
+
+    shapes = {"tiny": dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2)} if tiny else SHAPES
+    names = ("standard", "standard+kv_shift", "full", "block4")
+    shipped = cpu_fused._elementwise_threads
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    rows = []
+    try:
+        for shape_name, shape in shapes.items():
+            steppers = {name: Stepper(shape, variants("cpu")[name], eager=False) for name in names}
+            functions = {}
+            for split in ("split", "one"):
+                for name in names:
+                    def step(stepper=steppers[name], split=split) -> None:
+                        cpu_fused._elementwise_threads = shipped if split == "split" else (lambda n, library: 1)
+                        try:
+                            stepper.step()
+                        finally:
+                            cpu_fused._elementwise_threads = shipped
+                    functions[f"{name} {split}"] = step
+            timing = interleaved(functions, repeats)
+            for name in names:
+                versus = ("" if name == "standard" else
+                          f"{timing.ratio(f'{name} one', 'standard one'):.3f} | "
+                          f"{timing.ratio(f'{name} split', 'standard split'):.3f}")
+                rows.append(f"| {shape_name} | {name} | {timing.ms(f'{name} one'):.1f} | "
+                            f"{timing.ms(f'{name} split'):.1f} | {timing.ratio(f'{name} split', f'{name} one'):.3f} | "
+                            f"{versus or ' | '} |")
+    finally:
+        torch.set_num_threads(previous)
+    return rows
+
+
 def exit_seconds(mode: str) -> float:
     """Seconds from the probe's last line to its process's end."""
     out = subprocess.run([sys.executable, "-c", _EXIT_PROBE, mode], capture_output=True, text=True, check=True)
@@ -335,6 +374,14 @@ def main(argv: Optional[Sequence[str]] = None, keep_memory: bool = False) -> lis
         "| shape | variant | pthreads × standard | OpenMP pool × standard |",
         "|---|---|---|---|",
         *thread_pool_rows(args.repeats, args.tiny),
+        "",
+        "The KV shift, rotary and RMSNorm kernels (docs/kernels.md §6) at two torch threads: their rows split over "
+        "the OpenMP pool from 2^15 elements per thread (as shipped) against one thread, in training steps of each "
+        "variant (bench_cpu_step's shapes), interleaved.",
+        "",
+        "| shape | variant | one thread (ms) | split (ms) | split / one | one: × standard | split: × standard |",
+        "|---|---|---|---|---|---|---|",
+        *elementwise_thread_rows(args.repeats, args.tiny),
     ]
     shapes = TINY_SHAPES if args.tiny else MODEL_SHAPES[2:3]
     model = HookedTransformer(ModelConfig(d_vocab=64, residual="attnres", **shapes[0][1]))

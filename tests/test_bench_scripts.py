@@ -75,8 +75,10 @@ def test_cpu_kernels_benchmark_on_tiny_shapes():
     assert any(line.startswith("| 2 layers") for line in lines)
     assert any(line.startswith("| 5 x [2, 8, 16] |") for line in lines)  # the vector sums against portable loops
     assert any(line.startswith("| forward, Full 2 layers") for line in lines)
-    threads = [line.split("|")[1:3] for line in lines if line.startswith("| tiny |")]
-    assert [[cell.strip() for cell in row] for row in threads] == [["tiny", "full"], ["tiny", "block4"]]
+    threads = [[cell.strip() for cell in line.split("|")[1:3]] for line in lines if line.startswith("| tiny |")]
+    assert threads == [["tiny", "full"], ["tiny", "block4"],  # the pthread build against the OpenMP pool
+                       *(["tiny", name] for name in ("standard", "standard+kv_shift", "full", "block4"))]  # elementwise
+    assert cpu_fused._elementwise_threads.__name__ == "_elementwise_threads"  # the shipped rule, restored
     assert any(line.startswith("Process costs:") and "gc.freeze" in line for line in lines)
     assert (cpu_fused.ARCH_FLAGS, cpu_fused.cpu_library, os.environ.get(cpu_fused.CACHE_ENV_VAR)) == shipped
 

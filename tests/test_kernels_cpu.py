@@ -253,6 +253,42 @@ def test_kv_shift_kernel_matches_its_definition_and_gradients(shape, dtype):
         torch.testing.assert_close(got.double(), want.detach(), **tolerance)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 1, 2), (2, 5, 3, 8), (3, 17, 2, 16)])  # 1 row: fewer rows than threads
+def test_elementwise_kernels_split_rows_over_threads(many_threads, shape):
+    """KV shift, rotary and RMSNorm at 4 threads (the OpenMP build; the pthread build keeps one): every output
+    and input gradient bitwise as at one thread (rows are independent), the parameters' gradients (sums over rows,
+    per thread and then in thread order) equal to float rounding, and the KV shift's against its float64 definition."""
+    from attnres_lens.components import rotary_tables
+
+    generator = torch.Generator().manual_seed(sum(shape))
+    k, v, grad_k, grad_v = (torch.randn(*shape, generator=generator) for _ in range(4))
+    coefficients = torch.randn(shape[2], 4, generator=generator)
+    cos, sin = rotary_tables(shape[1], shape[-1], 10000.0)
+    rows, gain = torch.randn(7, shape[-1], generator=generator), torch.randn(shape[-1], generator=generator)
+
+    def run() -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (k, v, coefficients, rows, gain)]
+        shifted_k, shifted_v = cpu_fused.kv_shift_cpu(*leaves[:3])
+        rotated = cpu_fused.rotary_cpu(leaves[0], cos, sin)
+        normed = cpu_fused.rms_norm_cpu(leaves[3], leaves[4], 1e-5)
+        outputs = [shifted_k, shifted_v, rotated, normed]
+        torch.autograd.backward(outputs, [grad_k, grad_v, grad_v, torch.ones_like(normed)])
+        return [*(output.detach() for output in outputs), *(leaf.grad for leaf in leaves)]
+
+    threaded = run()
+    torch.set_num_threads(1)
+    single = run()
+    for index, (got, want) in enumerate(zip(threaded, single)):
+        if index in (6, 8):  # the KV pairs' and the gain's gradients: sums over rows
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, want), index
+    c64 = coefficients.double().requires_grad_()
+    ((_shift_oracle(k.double(), c64[:, :2]) * grad_k.double()).sum()
+     + (_shift_oracle(v.double(), c64[:, 2:]) * grad_v.double()).sum()).backward()
+    torch.testing.assert_close(threaded[6].double(), c64.grad, rtol=2e-5, atol=2e-5)
+
+
 def test_kv_shift_kernel_passes_gradcheck_and_agrees_with_the_torch_twin():
     from attnres_lens.components import TokenShiftMix
 

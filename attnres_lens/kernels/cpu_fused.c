@@ -696,6 +696,19 @@ void depth_attention_multi(const real *const *sources, int64_t n_sources, int64_
     run_rows(multi_worker, &a, n_tokens, n_threads);
 }
 
+/* The elementwise kernels below (KV shift, rotary, RMSNorm) split their rows over n_threads of torch's OpenMP pool
+ * in the OpenMP build (docs/kernels.md §6), each thread a contiguous range of rows as `schedule(static)` deals them;
+ * the pthread build runs them on the calling thread (a thread started per call costs more than these passes). A
+ * sum over rows (a parameter's gradient) is summed per thread, in double, and the threads' sums are added in
+ * thread order: deterministic for a given thread count, and on one thread the same sums as a plain loop. */
+#ifdef _OPENMP
+#define THREAD_INDEX omp_get_thread_num()
+#define THREAD_COUNT omp_get_num_threads()
+#else
+#define THREAD_INDEX 0
+#define THREAD_COUNT 1
+#endif
+
 /* KV token shift, x [B, P, H, Dh] contiguous; per head h the pair (c1, c2) = coefficients[h * stride + {0, 1}]
  * (a layer's [H, 4] parameter holds K's pair and V's side by side, so both read it in place):
  *   y_t = c1 x_t + c2 x_{t-1}   (x_{-1} = 0)
@@ -703,38 +716,44 @@ void depth_attention_multi(const real *const *sources, int64_t n_sources, int64_
  * stride):
  *   dx_t = c1 dy_t + c2 dy_{t+1}   (dy_P = 0),   dc1 = sum dy_t . x_t,   dc2 = sum dy_t . x_{t-1}
  * One pass over x each way (and dy in the backward), where PyTorch ops take one pass per product and sum. Each
- * row's dots run in the element type, their sum over rows in double. One thread: at a training step's K or V (a
- * few hundred KB) a thread start would cost more than it saves; the larger stacked batches of exact
- * interventions run on one thread too. */
+ * row's dots run in the element type, their sum over rows in double. */
 void token_shift_forward(const real *x, const real *coefficients, int64_t stride, int64_t B, int64_t P, int64_t H,
-                         int64_t Dh, real *y) {
+                         int64_t Dh, real *y, int n_threads) {
     const int64_t row = H * Dh;
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t t = 0; t < P; ++t) {
-            const int64_t offset = (b * P + t) * row;
-            for (int64_t h = 0; h < H; ++h) {
-                const real c1 = coefficients[h * stride], c2 = coefficients[h * stride + 1];
-                const real *now = x + offset + h * Dh, *before = t > 0 ? now - row : now;
-                real *out = y + offset + h * Dh;
-                if (t == 0) {
+#pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1)
+    for (int64_t r = 0; r < B * P; ++r) {
+        const int64_t t = r % P, offset = r * row;
+        for (int64_t h = 0; h < H; ++h) {
+            const real c1 = coefficients[h * stride], c2 = coefficients[h * stride + 1];
+            const real *now = x + offset + h * Dh, *before = t > 0 ? now - row : now;
+            real *out = y + offset + h * Dh;
+            if (t == 0) {
 #pragma omp simd
-                    for (int64_t d = 0; d < Dh; ++d) out[d] = c1 * now[d];
-                } else {
+                for (int64_t d = 0; d < Dh; ++d) out[d] = c1 * now[d];
+            } else {
 #pragma omp simd
-                    for (int64_t d = 0; d < Dh; ++d) out[d] = c1 * now[d] + c2 * before[d];
-                }
+                for (int64_t d = 0; d < Dh; ++d) out[d] = c1 * now[d] + c2 * before[d];
             }
         }
+    }
 }
 
 void token_shift_backward(const real *x, const real *coefficients, int64_t stride, const real *grad_y, int64_t B,
-                          int64_t P, int64_t H, int64_t Dh, real *grad_x, real *grad_coefficients) {
+                          int64_t P, int64_t H, int64_t Dh, real *grad_x, real *grad_coefficients, int n_threads) {
     const int64_t row = H * Dh;
-    double sums[2 * H];
-    for (int64_t i = 0; i < 2 * H; ++i) sums[i] = 0;
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t t = 0; t < P; ++t) {
-            const int64_t offset = (b * P + t) * row;
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+    double sums[MAX_THREADS * 2 * H]; /* per thread: (dc1, dc2) of every head */
+    int used = 1;
+#pragma omp parallel num_threads(n_threads) if (n_threads > 1)
+    {
+        double *mine = sums + THREAD_INDEX * 2 * H;
+        for (int64_t i = 0; i < 2 * H; ++i) mine[i] = 0;
+#pragma omp single
+        used = THREAD_COUNT;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < B * P; ++r) {
+            const int64_t t = r % P, offset = r * row;
             for (int64_t h = 0; h < H; ++h) {
                 const real c1 = coefficients[h * stride], c2 = coefficients[h * stride + 1];
                 const real *dy = grad_y + offset + h * Dh, *dy_next = t + 1 < P ? dy + row : dy;
@@ -758,13 +777,17 @@ void token_shift_backward(const real *x, const real *coefficients, int64_t strid
 #pragma omp simd reduction(+ : previous)
                     for (int64_t d = 0; d < Dh; ++d) previous += dy[d] * before[d];
                 }
-                sums[2 * h] += current;
-                sums[2 * h + 1] += previous;
+                mine[2 * h] += current;
+                mine[2 * h + 1] += previous;
             }
         }
+    }
     for (int64_t h = 0; h < H; ++h) {
-        grad_coefficients[h * stride] = (real)sums[2 * h];
-        grad_coefficients[h * stride + 1] = (real)sums[2 * h + 1];
+        double current = 0, previous = 0;
+        for (int thread = 0; thread < used; ++thread)
+            current += sums[thread * 2 * H + 2 * h], previous += sums[thread * 2 * H + 2 * h + 1];
+        grad_coefficients[h * stride] = (real)current;
+        grad_coefficients[h * stride + 1] = (real)previous;
     }
 }
 
@@ -776,23 +799,24 @@ void token_shift_backward(const real *x, const real *coefficients, int64_t strid
  * angle: the same loop with `sign` = -1 on the output gradient. One pass over x, where the PyTorch form makes
  * three (x * cos, roll, addcmul). */
 void rotary_forward(const real *x, const real *cos_table, const real *sin_table, int64_t table_stride, int64_t B,
-                    int64_t P, int64_t H, int64_t Dh, double sign, real *y) {
+                    int64_t P, int64_t H, int64_t Dh, double sign, real *y, int n_threads) {
     const int64_t half = Dh / 2;
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t t = 0; t < P; ++t) {
-            const real *c = cos_table + t * table_stride, *s = sin_table + t * table_stride;
-            for (int64_t h = 0; h < H; ++h) {
-                const int64_t offset = ((b * P + t) * H + h) * Dh;
-                const real *x1 = x + offset, *x2 = x1 + half;
-                real *y1 = y + offset, *y2 = y1 + half;
+#pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1)
+    for (int64_t r = 0; r < B * P; ++r) {
+        const int64_t t = r % P;
+        const real *c = cos_table + t * table_stride, *s = sin_table + t * table_stride;
+        for (int64_t h = 0; h < H; ++h) {
+            const int64_t offset = (r * H + h) * Dh;
+            const real *x1 = x + offset, *x2 = x1 + half;
+            real *y1 = y + offset, *y2 = y1 + half;
 #pragma omp simd
-                for (int64_t d = 0; d < half; ++d) {
-                    const real sd = (real)sign * s[d];
-                    y1[d] = x1[d] * c[d] - x2[d] * sd;
-                    y2[d] = x2[d] * c[d] + x1[d] * sd;
-                }
+            for (int64_t d = 0; d < half; ++d) {
+                const real sd = (real)sign * s[d];
+                y1[d] = x1[d] * c[d] - x2[d] * sd;
+                y2[d] = x2[d] * c[d] + x1[d] * sd;
             }
         }
+    }
 }
 
 /* RMSNorm (docs/model.md §6; readable twin: components.RMSNorm's hooked path) of N rows of D, gain w:
@@ -800,17 +824,37 @@ void rotary_forward(const real *x, const real *cos_table, const real *sin_table,
  * Backward for the output gradient g (per row; dw sums over rows, in double):
  *   dx = r (g w) - x r^3 / D * sum_d (g w x),   dw = sum_rows g x r
  * One pass over x forward (r kept for the backward), one over x and g back, where PyTorch's CPU rms_norm takes
- * six (pow, mean, add, rsqrt, two products). */
-void rms_norm_forward(const real *x, const real *w, int64_t N, int64_t D, double eps, real *y, real *rstd) {
+ * six (pow, mean, add, rsqrt, two products). The backward's per-thread sums of dw are [threads, D] in double on
+ * the heap (D may be large). Returns 0, or -1 where that buffer could not be allocated (nothing written). */
+void rms_norm_forward(const real *x, const real *w, int64_t N, int64_t D, double eps, real *y, real *rstd,
+                      int n_threads) {
+#pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1)
     for (int64_t n = 0; n < N; ++n) rstd[n] = norm_row(x + n * D, w, D, (real)eps, y + n * D);
 }
 
-void rms_norm_backward(const real *x, const real *w, const real *rstd, const real *grad_y, int64_t N, int64_t D,
-                       real *grad_x, real *grad_w) {
-    double sums[D];
-    for (int64_t d = 0; d < D; ++d) sums[d] = 0;
-    for (int64_t n = 0; n < N; ++n) norm_row_backward(x + n * D, w, rstd[n], grad_y + n * D, NULL, D, grad_x + n * D, sums);
-    for (int64_t d = 0; d < D; ++d) grad_w[d] = (real)sums[d];
+int rms_norm_backward(const real *x, const real *w, const real *rstd, const real *grad_y, int64_t N, int64_t D,
+                      real *grad_x, real *grad_w, int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+    double *sums = calloc((size_t)n_threads * (size_t)D, sizeof(double));
+    if (sums == NULL) return -1;
+    int used = 1;
+#pragma omp parallel num_threads(n_threads) if (n_threads > 1)
+    {
+        double *mine = sums + THREAD_INDEX * D;
+#pragma omp single
+        used = THREAD_COUNT;
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; ++n)
+            norm_row_backward(x + n * D, w, rstd[n], grad_y + n * D, NULL, D, grad_x + n * D, mine);
+    }
+    for (int64_t d = 0; d < D; ++d) {
+        double total = 0;
+        for (int thread = 0; thread < used; ++thread) total += sums[thread * D + d];
+        grad_w[d] = (real)total;
+    }
+    free(sums);
+    return 0;
 }
 
 

@@ -156,19 +156,19 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     ]
     library.rotary_forward.restype = None
     library.rotary_forward.argtypes = [pointer, pointer, pointer, int64, int64, int64, int64, int64, ctypes.c_double,
-                                       pointer]
+                                       pointer, c_int]
     library.causal_attention_forward.restype = c_int
     library.causal_attention_forward.argtypes = [pointer, pointer, pointer, int64, int64, int64, int64,
                                                  ctypes.c_double, pointer, c_int]
     library.rms_norm_forward.restype = None
-    library.rms_norm_forward.argtypes = [pointer, pointer, int64, int64, ctypes.c_double, pointer, pointer]
-    library.rms_norm_backward.restype = None
-    library.rms_norm_backward.argtypes = [pointer, pointer, pointer, pointer, int64, int64, pointer, pointer]
+    library.rms_norm_forward.argtypes = [pointer, pointer, int64, int64, ctypes.c_double, pointer, pointer, c_int]
+    library.rms_norm_backward.restype = c_int
+    library.rms_norm_backward.argtypes = [pointer, pointer, pointer, pointer, int64, int64, pointer, pointer, c_int]
     library.token_shift_forward.restype = None
-    library.token_shift_forward.argtypes = [pointer, pointer, int64, int64, int64, int64, int64, pointer]
+    library.token_shift_forward.argtypes = [pointer, pointer, int64, int64, int64, int64, int64, pointer, c_int]
     library.token_shift_backward.restype = None
     library.token_shift_backward.argtypes = [pointer, pointer, int64, pointer, int64, int64, int64, int64, pointer,
-                                             pointer]
+                                             pointer, c_int]
     return library
 
 
@@ -180,6 +180,12 @@ def cpu_library(dtype: torch.dtype) -> ctypes.CDLL:
 def _n_threads(n_elements: int, library: ctypes.CDLL) -> int:
     minimum = MIN_ELEMENTS_PER_THREAD if library.thread_pool else PTHREAD_MIN_ELEMENTS_PER_THREAD
     return max(1, min(torch.get_num_threads(), MAX_THREADS, n_elements // minimum))
+
+
+def _elementwise_threads(n_elements: int, library: ctypes.CDLL) -> int:
+    """Threads for the KV shift, rotary and RMSNorm kernels: as the depth mix's in the OpenMP build; the pthread
+    build runs them on the calling thread."""
+    return _n_threads(n_elements, library) if library.thread_pool else 1
 
 
 def _address(tensor: Optional[torch.Tensor]) -> Optional[int]:
@@ -563,10 +569,11 @@ class _EagerKVShift(torch.autograd.Function):
         k, v = k.contiguous(), v.contiguous()
         pairs = coefficients.to(k.dtype).contiguous()
         library = cpu_library(k.dtype)
+        threads = _elementwise_threads(k.numel(), library)
         shifted = []
         for x, column in ((k, 0), (v, 2)):
             y = new_output(x.shape, x.dtype, x.device)
-            library.token_shift_forward(x.data_ptr(), pairs[:, column:].data_ptr(), 4, *x.shape, y.data_ptr())
+            library.token_shift_forward(x.data_ptr(), pairs[:, column:].data_ptr(), 4, *x.shape, y.data_ptr(), threads)
             shifted.append(y)
         ctx.save_for_backward(k, v, pairs)
         ctx.coefficient_dtype = coefficients.dtype
@@ -577,13 +584,14 @@ class _EagerKVShift(torch.autograd.Function):
     def backward(ctx, grad_k: torch.Tensor, grad_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         k, v, pairs = ctx.saved_tensors
         library = cpu_library(k.dtype)
+        threads = _elementwise_threads(k.numel(), library)
         grad_pairs = new_output(pairs.shape, pairs.dtype, pairs.device)
         grads = []
         for x, grad_y, column in ((k, grad_k, 0), (v, grad_v, 2)):
             grad_y = grad_y.contiguous()
             grad_x = new_output(x.shape, x.dtype, x.device)
             library.token_shift_backward(x.data_ptr(), pairs[:, column:].data_ptr(), 4, grad_y.data_ptr(), *x.shape,
-                                         grad_x.data_ptr(), grad_pairs[:, column:].data_ptr())
+                                         grad_x.data_ptr(), grad_pairs[:, column:].data_ptr(), threads)
             grads.append(grad_x)
         return grads[0], grads[1], grad_pairs.to(ctx.coefficient_dtype)
 
@@ -622,8 +630,9 @@ class _EagerRotary(torch.autograd.Function):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
     y = new_output(x.shape, x.dtype, x.device)
-    cpu_library(x.dtype).rotary_forward(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0), *x.shape, sign,
-                                        y.data_ptr())
+    library = cpu_library(x.dtype)
+    library.rotary_forward(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0), *x.shape, sign, y.data_ptr(),
+                           _elementwise_threads(x.numel(), library))
     return y
 
 
@@ -651,8 +660,9 @@ class _EagerRMSNorm(torch.autograd.Function):
         rows = x.numel() // x.shape[-1]
         y = new_output(x.shape, x.dtype, x.device)
         rstd = new_output((rows,), x.dtype, x.device)
-        cpu_library(x.dtype).rms_norm_forward(x.data_ptr(), w.data_ptr(), rows, x.shape[-1], eps, y.data_ptr(),
-                                              rstd.data_ptr())
+        library = cpu_library(x.dtype)
+        library.rms_norm_forward(x.data_ptr(), w.data_ptr(), rows, x.shape[-1], eps, y.data_ptr(), rstd.data_ptr(),
+                                 _elementwise_threads(x.numel(), library))
         ctx.save_for_backward(x, w, rstd)
         return y
 
@@ -663,8 +673,12 @@ class _EagerRMSNorm(torch.autograd.Function):
         grad = grad.contiguous()
         grad_x = new_output(x.shape, x.dtype, x.device)
         grad_w = new_output(w.shape, x.dtype, x.device)
-        cpu_library(x.dtype).rms_norm_backward(x.data_ptr(), w.data_ptr(), rstd.data_ptr(), grad.data_ptr(),
-                                               rstd.numel(), x.shape[-1], grad_x.data_ptr(), grad_w.data_ptr())
+        library = cpu_library(x.dtype)
+        failed = library.rms_norm_backward(x.data_ptr(), w.data_ptr(), rstd.data_ptr(), grad.data_ptr(), rstd.numel(),
+                                           x.shape[-1], grad_x.data_ptr(), grad_w.data_ptr(),
+                                           _elementwise_threads(x.numel(), library))
+        if failed:
+            raise MemoryError(f"the C RMSNorm backward could not allocate its per-thread sums of {x.shape[-1]} values")
         return grad_x, grad_w, None
 
 
