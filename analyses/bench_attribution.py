@@ -129,15 +129,20 @@ def timed(function: Callable) -> tuple[object, float, float]:
     return result, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def max_difference(a: dict[str, pd.DataFrame], b: dict[str, pd.DataFrame]) -> float:
-    worst = 0.0
+def max_difference(a: dict[str, pd.DataFrame], b: dict[str, pd.DataFrame]) -> tuple[float, int]:
+    """(largest |difference| of any measured number, count of rank entries that differ): ranks (columns named
+    *rank*) are derived from the measured numbers, and two effects within float rounding of each other may swap."""
+    worst, swapped = 0.0, 0
     for name, frame in a.items():
         other = b[name]
         assert list(frame.columns) == list(other.columns) and len(frame) == len(other), name
         for column in frame.select_dtypes("number").columns:
             difference = (frame[column].astype(float) - other[column].astype(float)).abs()
+            if "rank" in column:
+                swapped += int((difference > 0).sum())
+                continue
             worst = max(worst, float(difference.max(skipna=True) if difference.notna().any() else 0.0))
-    return worst
+    return worst, swapped
 
 
 def clean_pass_time(model, tokens: torch.Tensor, repeats: int = 10) -> float:
@@ -238,28 +243,32 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         "Each row is one `prune_tables` call (sensitivity, angular distances, cumulative curves, causal routing) "
         f"at one torch thread, except the rows with {cores} workers (one per core: the stacked branches run on "
         "that many threads, each on its own copy of the modules); work counts sequence × sublayer evaluations, "
-        "in units of one full forward pass over the batch.",
+        "in units of one full forward pass over the batch. `max |Δ|`: the largest difference of any number the tables "
+        "measure from the shared engine's; ranks derived from them (routing disagreements) are counted apart, since "
+        "two effects within float rounding of each other may swap places.",
         "",
         "| engine | interventions | work (full-pass equivalents) | wall (s) | CPU (s) | × shared (wall) | "
-        "max \\|Δ\\| vs shared |",
-        "|---|---|---|---|---|---|---|",
+        "max \\|Δ\\| vs shared | rank entries that differ |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, entry in measured.items():
         lines.append(f"| {label} | {entry['interventions']} | {entry['passes']:.0f} | {entry['wall']:.1f} | "
-                     f"{entry['cpu']:.1f} | {entry['wall'] / shared['wall']:.2f} | {differences[label]:.1e} |")
+                     f"{entry['cpu']:.1f} | {entry['wall'] / shared['wall']:.2f} | {differences[label][0]:.1e} | "
+                     f"{differences[label][1]} |")
     lines += [
         "",
         f"`attnres-lens prune RUN --samples {args.samples}` end to end (process start, imports, model load, every "
         f"table, the HTML report), alternating: as shipped (one thread per core) "
         f"{' / '.join(f'{t:.1f}' for t in cli_walls['as shipped'])} s, with `--threads 1` "
         f"{' / '.join(f'{t:.1f}' for t in cli_walls['--threads 1'])} s: **{cli_wall:.1f} s** at best. "
-        "Its floor at one thread: importing the package takes "
+        "What it is made of: importing the package takes "
         f"{import_wall:.1f} s (torch and TransformerLens), and one clean forward pass over the batch "
         f"{pass_wall * 1e3:.0f} ms (median of 10, no hooks), so the {shared['passes']:.0f} full-pass equivalents "
-        f"of exact work cost at least {shared['passes'] * pass_wall:.1f} s: "
-        f"{import_wall + shared['passes'] * pass_wall:.1f} s before loading, reporting or any intervention's "
-        f"own overhead; spread perfectly over {cores} cores, "
-        f"{import_wall + shared['passes'] * pass_wall / cores:.1f} s.",
+        f"of exact work at a clean pass's rate come to {shared['passes'] * pass_wall:.1f} s "
+        f"({import_wall + shared['passes'] * pass_wall:.1f} s with the imports; spread perfectly over {cores} "
+        f"cores, {import_wall + shared['passes'] * pass_wall / cores:.1f} s); the engine's stacked passes run "
+        f"larger batches than a clean pass (stacks of up to {interventions.STACK_ELEMENTS:,} elements an "
+        "activation) but also hooks, stacking and their own depth mixes.",
         "",
         "First-order edge attribution (one forward and one backward pass, every edge at once) against the exact "
         f"knockouts it estimates: {edge_wall:.2f} s vs {exact_wall:.1f} s ({len(exact)} edges); Spearman "
