@@ -248,6 +248,9 @@ class DepthStream(ResidualStream):
         mixed once at one copy's batch, that part then the prior of every copy's mix of the other blocks; None
         where too few blocks are shared to pay for the extra call."""
         originals, n_copies = self._copies
+        # the final readout reads the last partial sum without closing it into a block, so `shared` (the blocks)
+        # may end before the shared sources do
+        originals = originals[: len(shared)]
         if len(originals) < MIN_SHARED_SOURCES:
             return None
         originals = [block.to(shared[0].dtype) for block in originals]  # as _common_dtype made `shared`

@@ -77,7 +77,14 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            # the holder names itself just after taking the lock: a refusal in that instant waits briefly for it
+            holder = ""
+            for _ in range(20):
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                if holder:
+                    break
+                time.sleep(0.01)
+            holder = holder or "another process"
             os.close(fd)
             raise RunDirBusy(f"{self.path.parent} is being written by {holder}; a run directory has one writer at "
                              "a time: wait for it to finish, or stop it and resume") from None

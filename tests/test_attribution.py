@@ -195,6 +195,15 @@ def test_stacked_copies_mix_the_blocks_they_share_once(monkeypatch):
     # knockouts at 9: consumer 10's window reads 11 sources, 10 of them shared; knockouts at 10: consumer 11's
     # reads 12, 11 shared; the two output hooks at 11: its window reads only the 12 shared sources
     assert sorted(shared_windows) == [(11, 10, 3), (12, 11, 3), (12, 12, 2)]
+    # branches that part at the final readout: the readout reads the blocks without closing the last partial sum,
+    # which the copies share too (stacked before it was closed), so phase 1 covers one source fewer than shared
+    final_only = [[("ln_final.hook_normalized", lambda tensor, hook: tensor * 2)],
+                  [("ln_final.hook_normalized", lambda tensor, hook: tensor * 0.5)]]
+    shared_windows.clear()
+    got = evaluate_many(model, batch, final_only, max_sequences=6)
+    for single, together in zip(one_pass_each(model, batch, final_only), got):
+        assert together.loss == pytest.approx(single.loss, abs=1e-6)
+    assert shared_windows == [(12, 13, 2)]  # 13 sources shared, the readout's window reads 12 blocks of them
     shared_windows.clear()
     evaluate_many(model, batch, interventions, max_sequences=3)  # one copy a pass: nothing to share
     assert shared_windows == []

@@ -186,9 +186,10 @@ def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequenc
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer{' or None' * (name == 'max_sequences')}, "
                              f"got {value!r}")
-    if max_sequences is None:
-        n_batch, tokens = batch.tokens.shape[0], batch.tokens.numel()
-        max_sequences = n_batch * max(1, STACK_ELEMENTS // (tokens * model.cfg.d_model))
+    if max_sequences is None:  # a hyper-connection stream's state holds its n streams of d_model per token
+        cfg = model.cfg
+        width = cfg.d_model * (cfg.hyper_streams if cfg.residual == "hyper" else 1)
+        max_sequences = batch.tokens.shape[0] * max(1, STACK_ELEMENTS // (batch.tokens.numel() * width))
     if workers > 1 and (problem := _parallel_problem(model)) is not None:
         raise ValueError(f"workers={workers} needs worker threads, but {problem}; use workers=1 "
                          "(analysis_workers(model) chooses)")

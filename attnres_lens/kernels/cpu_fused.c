@@ -743,7 +743,7 @@ void token_shift_backward(const real *x, const real *coefficients, int64_t strid
     const int64_t row = H * Dh;
     if (n_threads < 1) n_threads = 1;
     if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
-    double sums[MAX_THREADS * 2 * H]; /* per thread: (dc1, dc2) of every head */
+    double sums[n_threads * 2 * H]; /* per thread: (dc1, dc2) of every head */
     int used = 1;
 #pragma omp parallel num_threads(n_threads) if (n_threads > 1)
     {
