@@ -199,3 +199,18 @@ def test_page_fault_benchmark_reports_each_variant_and_setting(monkeypatch):
     rows = [line.split("|") for line in lines if line.startswith("| ") and "variant" not in line]
     assert [row[1].strip() for row in rows] == list(module.VARIANTS)
     assert all(float(row[4]) > 0 and float(row[5]) > 0 for row in rows)  # step times
+
+
+def test_stack_size_benchmark_on_a_tiny_model():
+    from attnres_lens.analysis import interventions
+    from attnres_lens.attnres import DepthStream
+
+    shipped = (interventions.evaluate_many.__wrapped__.__defaults__, DepthStream.stacked_from)
+    lines = load("bench_stack_size").main(["--steps", "2", "--samples", "2", "--set", "model.n_layers=5",
+                                           "--sizes", "2", "4", "--rounds", "1"])
+    rows = [line.split("|")[1].strip() for line in lines if line.startswith("| ") and "stack" not in line]
+    assert rows[:2] == ["2 sequences", "4 sequences"] and rows[2].startswith("default (")
+    assert rows[3:] == ["shared sources mixed once", "every copy mixes all"]
+    difference = next(line for line in lines if line.startswith("Largest difference"))
+    assert float(difference.rstrip(".").split()[-1]) < 1e-5  # the shared mix changes nothing but the time
+    assert (interventions.evaluate_many.__wrapped__.__defaults__, DepthStream.stacked_from) == shipped  # restored
