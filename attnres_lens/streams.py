@@ -49,6 +49,10 @@ class ResidualStream:
         """After this copy's tensors were sliced or stacked along the batch (interventions do): drop whatever was
         derived from the old batch; nothing by default."""
 
+    def stacked_from(self, states: list["ResidualStream"]) -> None:
+        """After `batch_changed`, when this stream is `states` stacked along the batch: what a stream may learn
+        from the copies' shared tensors (Full AttnRes mixes its shared sources once); nothing by default."""
+
 
 class SumStream(ResidualStream):
     """The standard PreNorm residual: sublayer j reads `e + Σ_{i<j} f_i`, and so does the final norm.

@@ -180,22 +180,25 @@ def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequenc
     they must not depend on each other's side effects (`analysis_workers` gives the analyses' default)."""
     if not interventions:
         return []
+    if max_sequences is None:
+        max_sequences = _default_stack(model, batch)
     for name, value in (("max_sequences", max_sequences), ("workers", workers)):
-        if value is None and name == "max_sequences":
-            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer{' or None' * (name == 'max_sequences')}, "
-                             f"got {value!r}")
-    if max_sequences is None:  # a hyper-connection stream's state holds its n streams of d_model per token
-        cfg = model.cfg
-        width = cfg.d_model * (cfg.hyper_streams if cfg.residual == "hyper" else 1)
-        max_sequences = batch.tokens.shape[0] * max(1, STACK_ELEMENTS // (batch.tokens.numel() * width))
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if workers > 1 and (problem := _parallel_problem(model)) is not None:
         raise ValueError(f"workers={workers} needs worker threads, but {problem}; use workers=1 "
                          "(analysis_workers(model) chooses)")
     with tqdm(total=len(interventions), desc=desc, disable=not progress, leave=False) as bar:
         return _SharedEvaluation(model, batch, interventions, max_sequences, bar, cache, score, workers,
                                  remember).run()
+
+
+def _default_stack(model: HookedTransformer, batch: Batch) -> int:
+    """Sequences a stack holds by default: whole copies of the batch within `STACK_ELEMENTS` per activation (a
+    hyper-connection stream's state holds its n streams of d_model per token), at least one."""
+    cfg = model.cfg
+    width = cfg.d_model * (cfg.hyper_streams if cfg.residual == "hyper" else 1)
+    return batch.tokens.shape[0] * max(1, STACK_ELEMENTS // (batch.tokens.numel() * width))
 
 
 MAX_ANALYSIS_WORKERS = 4  # each worker holds a stack of activations; beyond this, workers split torch's threads
@@ -689,8 +692,7 @@ def concat_states(states: list[Any]) -> Any:
             setattr(stacked, key, [torch.cat(list(column)) if isinstance(column[0], torch.Tensor) else column[0]
                                    for column in columns])
     stacked.batch_changed()
-    if hasattr(stacked, "stacked_from"):  # a stream that can mix what its copies share once
-        stacked.stacked_from(states)
+    stacked.stacked_from(states)
     return stacked
 
 
