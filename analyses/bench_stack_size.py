@@ -8,7 +8,10 @@ On one briefly trained depth-full model (as `bench_attribution` trains it) and t
   activation), interleaved rounds;
 * `causal_routing` at one thread in the shipped stacks with the copies' shared sources mixed once (as shipped) and
   with every copy mixing all its sources (`DepthStream.stacked_from` left unused), interleaved; the results must
-  agree.
+  agree;
+* the tables' fixed cost: `prune_tables` at one thread on the batch and on 2 held-out sequences, stacked as
+  many copies at a time, so the same interventions run in the same passes and only the arithmetic shrinks: what
+  is left at 2 sequences is Python, dispatch and allocation, which worker threads cannot overlap (the GIL).
 
     python -m analyses.bench_stack_size --out analyses/reports/bench_stack_size.md
 """
@@ -114,6 +117,12 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         routing_runs = {"shared sources mixed once": lambda: routing.causal_routing(model, batch)}
         routing_runs["every copy mixes all"] = without_shared_sources(routing_runs["shared sources mixed once"])
         routing_times, tables = interleaved(routing_runs, args.rounds + 1)
+
+        small = run.config.build_task().eval_batch(2)
+        fixed_runs = {f"the batch ({args.samples} sequences)": with_stacks(default_copies * args.samples,
+                                                               lambda: prune_tables(model, batch)),
+                      "2 sequences": with_stacks(default_copies * 2, lambda: prune_tables(model, small))}
+        fixed_times, _ = interleaved(fixed_runs, args.rounds)
     difference = float((tables["shared sources mixed once"]["delta_loss"]
                         - tables["every copy mixes all"]["delta_loss"]).abs().max())
 
@@ -150,7 +159,12 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     for label, times in routing_times.items():
         lines.append(f"| {label} | {' / '.join(f'{t:.2f}' for t in times)} | {statistics.median(times):.2f} | "
                      f"{within_rounds(times, base):.3f} |")
-    lines += ["", f"Largest difference of a knockout's Δloss between the two: {difference:.1e}."]
+    lines += ["", f"Largest difference of a knockout's Δloss between the two: {difference:.1e}.", "",
+              f"`prune_tables` at one thread in stacks of {default_copies} copies of the batch: the fixed cost, "
+              "what remains when the batch shrinks to 2 sequences.", "",
+              "| batch | seconds (each round) | median (s) |", "|---|---|---|"]
+    for label, times in fixed_times.items():
+        lines.append(f"| {label} | {' / '.join(f'{t:.2f}' for t in times)} | {statistics.median(times):.2f} |")
     emit_report("\n".join(lines) + "\n", args.out)
     return lines
 
