@@ -216,6 +216,31 @@ INLINE real exp_nonpositive(real x) {
     return (float)x < -87.33654475f ? 0.0f : p * scale; /* below ln(2^-126) e^x is not a normal float */
 }
 
+#if VECTOR_SUMS
+/* exp_nonpositive on eight lanes: the same operations in the same order, so the same bits */
+INLINE __m256 exp_nonpositive8(__m256 x) {
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    const __m256 shifted = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
+    const __m256 n = _mm256_sub_ps(shifted, magic);
+    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-1.428606765330187e-06f),
+                                     _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f), x));
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_sub_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(0x4B400000)),
+                         _mm256_set1_epi32(127)), 23);
+    /* not (x < ln 2^-126): NaN keeps its NaN, as the scalar form's comparison does */
+    const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654475f), _CMP_NLT_UQ);
+    return _mm256_and_ps(normal, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+#endif
+
 /* Software prefetch of one token row of every source, PREFETCH_ROWS tokens ahead: a mix reads S streams at once,
  * more than the hardware prefetchers follow, and at depth the sources come from memory (docs/kernels.md §6). */
 #define PREFETCH_ROWS 4
@@ -873,20 +898,33 @@ int rms_norm_backward(const real *x, const real *w, const real *rstd, const real
 INLINE void attention_scores(const real *qt, const real *kt, int64_t Tp, int64_t Dh, int64_t np, real *s) {
 #if VECTOR_SUMS
     int64_t j0 = 0;
-    for (; j0 + 32 <= np; j0 += 32) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t d = 0; d < Dh; ++d) {
-            const __m256 qd = _mm256_set1_ps(qt[d]);
+    for (; j0 + 32 <= np; j0 += 32) { /* two d per step: eight chains, so the FMAs' latency overlaps */
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        int64_t d = 0;
+        for (; d + 2 <= Dh; d += 2) {
+            const __m256 q0 = _mm256_set1_ps(qt[d]), q1 = _mm256_set1_ps(qt[d + 1]);
             const real *kd = kt + d * Tp + j0;
-            a0 = _mm256_fmadd_ps(qd, _mm256_load_ps(kd), a0);
-            a1 = _mm256_fmadd_ps(qd, _mm256_load_ps(kd + 8), a1);
-            a2 = _mm256_fmadd_ps(qd, _mm256_load_ps(kd + 16), a2);
-            a3 = _mm256_fmadd_ps(qd, _mm256_load_ps(kd + 24), a3);
+            a0 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd), a0);
+            a1 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd + 8), a1);
+            a2 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd + 16), a2);
+            a3 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd + 24), a3);
+            b0 = _mm256_fmadd_ps(q1, _mm256_load_ps(kd + Tp), b0);
+            b1 = _mm256_fmadd_ps(q1, _mm256_load_ps(kd + Tp + 8), b1);
+            b2 = _mm256_fmadd_ps(q1, _mm256_load_ps(kd + Tp + 16), b2);
+            b3 = _mm256_fmadd_ps(q1, _mm256_load_ps(kd + Tp + 24), b3);
         }
-        _mm256_store_ps(s + j0, a0);
-        _mm256_store_ps(s + j0 + 8, a1);
-        _mm256_store_ps(s + j0 + 16, a2);
-        _mm256_store_ps(s + j0 + 24, a3);
+        for (; d < Dh; ++d) {
+            const __m256 q0 = _mm256_set1_ps(qt[d]);
+            const real *kd = kt + d * Tp + j0;
+            a0 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd), a0);
+            a1 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd + 8), a1);
+            a2 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd + 16), a2);
+            a3 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd + 24), a3);
+        }
+        _mm256_store_ps(s + j0, _mm256_add_ps(a0, b0));
+        _mm256_store_ps(s + j0 + 8, _mm256_add_ps(a1, b1));
+        _mm256_store_ps(s + j0 + 16, _mm256_add_ps(a2, b2));
+        _mm256_store_ps(s + j0 + 24, _mm256_add_ps(a3, b3));
     }
     if (j0 < np) { /* one chunk of 16 left */
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
@@ -961,20 +999,48 @@ INLINE void attention_values(const real *p, const real *v, int64_t row, int64_t 
     }
 }
 
-/* softmax over the scores s of keys j < n (s holds np >= n; those past n are set to -inf) and the mix of values */
+/* softmax over the scores s of keys j < n (s holds np >= n, a multiple of KEY_CHUNK, 32-byte aligned) and the mix of
+ * values; the keys past n are masked in registers. The float build with AVX2 keeps the running max and sum in
+ * registers: the compiler's lowering of these `omp simd` reductions spills the accumulator and reloads it across
+ * the scalar remainder, a store the processor cannot forward (a stall per row: a fifth of this kernel's time in
+ * perf, docs/kernels.md §2). */
 INLINE void attention_softmax_values(real *s, const real *v, int64_t row, int64_t n, int64_t np, int64_t Dh,
                                      real *out) {
-    for (int64_t j = n; j < np; ++j) s[j] = -INFINITY;
-    real m = s[0];
+#if VECTOR_SUMS
+    const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), minus_inf = _mm256_set1_ps(-INFINITY);
+    const __m256 last = _mm256_set1_ps((float)(n - 1)); /* lanes j <= n - 1 are keys (exact: n < 2^24) */
+    __m256 mv = minus_inf;
+    for (int64_t j = 0; j < np; j += 8) {
+        const __m256 key = _mm256_cmp_ps(_mm256_add_ps(lanes, _mm256_set1_ps((float)j)), last, _CMP_LE_OQ);
+        mv = _mm256_max_ps(mv, _mm256_blendv_ps(minus_inf, _mm256_load_ps(s + j), key));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(m4));
+    __m256 lv = _mm256_setzero_ps();
+    for (int64_t j = 0; j < np; j += 8) {
+        const __m256 key = _mm256_cmp_ps(_mm256_add_ps(lanes, _mm256_set1_ps((float)j)), last, _CMP_LE_OQ);
+        const __m256 e = _mm256_and_ps(key, exp_nonpositive8(_mm256_sub_ps(_mm256_load_ps(s + j), m)));
+        _mm256_store_ps(s + j, e);
+        lv = _mm256_add_ps(lv, e);
+    }
+    const real l = _mm_cvtss_f32(lane_sums4(lv, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()));
+#else
+    real m = -INFINITY;
 #pragma omp simd reduction(max : m)
-    for (int64_t j = 1; j < np; ++j) m = s[j] > m ? s[j] : m;
+    for (int64_t j = 0; j < np; ++j) {
+        const real x = j < n ? s[j] : -INFINITY;
+        m = x > m ? x : m;
+    }
     real l = 0;
 #pragma omp simd reduction(+ : l)
     for (int64_t j = 0; j < np; ++j) {
-        const real e = exp_nonpositive(s[j] - m);
+        const real e = j < n ? exp_nonpositive(s[j] - m) : 0;
         s[j] = e;
         l += e;
     }
+#endif
     attention_values(s, v, row, n, Dh, 1 / l, out);
 }
 
