@@ -1,12 +1,16 @@
 """`attnres-lens prune` end to end, this checkout against an earlier commit, alternating (issue 13).
 
-Trains the 12-layer Full model briefly (as `bench_attribution` does), checks the earlier commit out into a git
-worktree, and runs the `prune` command of each tree in turn on the same run, `--repeats` times each after one
-warm-up run each (the C kernels of each tree build then). The earlier tree's package is imported ahead of this
-checkout's editable install by a two-line wrapper, so both use the same environment and only the code differs.
-On a shared machine only such alternating runs compare two versions: the same command swings ±30% within an hour.
+Checks the earlier commit out into a git worktree, trains the 12-layer Full model briefly with that tree's `train`
+command (so the run is in a format both trees read: this checkout reads older runs, not the reverse), and runs
+the `prune` command of each tree in turn on the same run, `--repeats` times each after one warm-up run each (the
+C kernels of each tree build then). The earlier tree's package is imported ahead of this checkout's editable
+install by a two-line wrapper, so both use the same environment and only the code differs. On a shared machine
+only such alternating runs compare two versions: the same command swings ±30% within an hour.
 
     python -m analyses.bench_prune_baseline --baseline a21094f --out analyses/reports/bench_prune_baseline.md
+
+`--baseline 5fcf51a` is the last commit before exact interventions shared work (one masked forward pass per
+knockout), the engine the 103 s of the issue timed.
 """
 
 from __future__ import annotations
@@ -22,9 +26,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from analyses.common import command_line, emit_report, machine_info
-from attnres_lens.config import apply_overrides
-from attnres_lens.presets import get_preset
-from attnres_lens.training import train
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 
@@ -62,17 +63,21 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
                               capture_output=True, text=True, check=True).stdout.strip()
     head = subprocess.run(["git", "-C", str(REPOSITORY), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True, check=True).stdout.strip()
+    edited = subprocess.run(["git", "-C", str(REPOSITORY), "status", "--porcelain", "--untracked-files=no"],
+                            capture_output=True, text=True, check=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        config = apply_overrides(get_preset(args.preset), [
-            f"train.steps={args.steps}", f"train.eval_every={args.steps}", f"train.record_every={args.steps}",
-            f"train.checkpoint_every={args.steps}", "train.threads=1", *args.overrides])
-        train(config, tmp / "run", progress=False)
         baseline_tree = tmp / "baseline"
         subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "add", "--detach", str(baseline_tree), revision],
                        check=True, capture_output=True)
         try:
-            trees = {f"baseline {revision}": baseline_tree, f"this checkout ({head})": REPOSITORY}
+            settings = [f"train.{key}={args.steps}" for key in ("eval_every", "record_every", "checkpoint_every")]
+            subprocess.run([sys.executable, "-c", _WRAPPER, str(baseline_tree), "train", "--preset", args.preset,
+                            "--out", str(tmp / "run"), "--steps", str(args.steps), "--no-progress",
+                            *[argument for setting in [*settings, *args.overrides] for argument in ("--set", setting)]],
+                           check=True, stdout=subprocess.DEVNULL)
+            this = f"this checkout ({head}{' + uncommitted changes' if edited else ''})"
+            trees = {f"baseline {revision}": baseline_tree, this: REPOSITORY}
             walls: dict[str, list[float]] = {label: [] for label in trees}
             for round_ in range(args.repeats + 1):  # round 0 warms up (kernel builds, file caches)
                 for label, tree in trees.items():
@@ -88,17 +93,18 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         "# `prune` end to end: this checkout against an earlier commit",
         "",
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, by "
-        f"`{command_line()}`. Preset `{args.preset}` trained {args.steps} steps; `attnres-lens prune RUN --samples "
-        f"{args.samples}` as shipped (one thread per core), the two trees alternating, {args.repeats} runs each "
-        "after a warm-up run each.",
+        f"`{command_line()}`. Preset `{args.preset}` trained {args.steps} steps by the baseline's `train`; "
+        f"`attnres-lens prune RUN --samples {args.samples}` as each tree ships it, the two trees alternating, "
+        f"{args.repeats} runs each after a warm-up run each.",
         "",
         "| tree | runs (s) | median (s) |",
         "|---|---|---|",
         *(f"| {label} | {' / '.join(f'{t:.1f}' for t in values)} | {statistics.median(values):.1f} |"
           for label, values in walls.items()),
         "",
-        f"This checkout / baseline, pair by pair: {' / '.join(f'{r:.2f}' for r in ratios)} "
-        f"(median {statistics.median(ratios):.2f}).",
+        f"This checkout / baseline, pair by pair: {' / '.join(f'{r:.3f}' for r in ratios)} "
+        f"(median {statistics.median(ratios):.3f}; the baseline takes {1 / statistics.median(ratios):.2f}x this "
+        "checkout's time).",
     ]
     emit_report("\n".join(lines), args.out)
     return lines
