@@ -29,7 +29,8 @@ from transformer_lens.hook_points import HookPoint
 from attnres_lens.components import RMSNorm, is_hooked, module_hooked
 from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
 from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel, stream_two_phase_backend
-from attnres_lens.kernels.cpu_fused import depth_attention_multi_cpu, depth_attention_normed_cpu, share_gradient
+from attnres_lens.kernels.cpu_fused import (depth_attention_copies_cpu, depth_attention_multi_cpu,
+                                            depth_attention_normed_cpu, share_gradient)
 from attnres_lens.kernels.reference import depth_logits, mix_sources
 from attnres_lens.streams import ResidualStream
 
@@ -69,6 +70,15 @@ def source_layout(consumer: int, n_sublayers: int, block_size: int, window: Opti
 def windowed(sources: list, window: Optional[int]) -> list:
     """The embedding (always first) plus the last `window` other sources; all of them when `window` is None."""
     return sources if window is None else sources[:1] + sources[1:][-window:]
+
+
+class _Copies(NamedTuple):
+    """A stream stacked from `n_copies` states that share their leading sources (`DepthStream.stacked_from`): one
+    copy's tensors (`originals`) and the stacked ones that repeat them (`stacked`), position for position."""
+
+    originals: list[torch.Tensor]
+    stacked: list[torch.Tensor]
+    n_copies: int
 
 
 class _Phase1(NamedTuple):
@@ -121,7 +131,7 @@ class DepthStream(ResidualStream):
         # later consumers of a training step skip the question
         self._one_pass_only = False
         self._shared: list[tuple[torch.Tensor, torch.Tensor]] = []  # (block, its share_gradient view), see _one_pass
-        self._copies: Optional[tuple[list[torch.Tensor], int]] = None  # see `stacked_from`
+        self._copies: Optional[_Copies] = None  # see `stacked_from`
 
     @property
     def state(self) -> Optional[torch.Tensor]:
@@ -161,17 +171,21 @@ class DepthStream(ResidualStream):
 
     def stacked_from(self, states: list["DepthStream"]) -> None:
         """Note that this stream is `states` stacked along the batch (exact interventions run branches so): the
-        leading completed blocks that every state holds as the same tensor are one block repeated, and a window's
-        phase 1 mixes those once, at one copy's batch, for every copy (docs/kernels.md §7)."""
-        # with S = 1 the partial sum is the last output, which the next read closes into a block unchanged
-        sources = [state.blocks + ([state.partial] if state.partial is not None and self.block_size == 1 else [])
-                   for state in states]
+        leading completed blocks that every state holds as the same tensor are one block repeated, so a window's
+        phase 1 mixes those once, at one copy's batch, for every copy, and a consumer with a logit-bias hook reads
+        them once for all its copies (docs/kernels.md §7)."""
+        def leading(state: "DepthStream") -> list[torch.Tensor]:
+            # with S = 1 the partial sum is the last output, which the next read closes into a block unchanged
+            return state.blocks + ([state.partial] if state.partial is not None and self.block_size == 1 else [])
+
+        sources = [leading(state) for state in states]
         shared = 0
         for column in zip(*sources):
             if any(block is not column[0] for block in column):
                 break
             shared += 1
-        self._copies = (sources[0][:shared], len(states)) if shared and len(states) > 1 else None
+        self._copies = (_Copies(sources[0][:shared], leading(self)[:shared], len(states))
+                        if shared and len(states) > 1 else None)
 
     def sources(self) -> list[torch.Tensor]:
         """The sources the next consumer reads (after `read` has closed a completed block)."""
@@ -194,8 +208,29 @@ class DepthStream(ResidualStream):
         return h if norm is None else (h, norm(h))
 
     def _one_pass(self, module: "DepthAttention", norm: Optional[RMSNorm]):
+        if self._copies is not None and (h := self._mix_over_copies(module)) is not None:
+            return h if norm is None else (h, norm(h))
         sources = self._gradient_shared_sources() if self._shares_gradients(module) else self.sources()
         return module(sources) if norm is None else module.mix_and_norm(sources, norm)
+
+    def _mix_over_copies(self, module: "DepthAttention") -> Optional[torch.Tensor]:
+        """A consumer's mix of stacked copies (`stacked_from`) whose leading sources every copy shares, each copy
+        with its own logit bias (a knockout), reading the shared sources once for all copies
+        (`cpu_fused.depth_attention_copies_cpu`); None where the one-pass mix must run: a gradient, a hook that
+        watches the mix (`observed`) or the module, a window, another backend, or a shared source since replaced."""
+        if (torch.is_grad_enabled() or self.window is not None or not module.fusable or module.observed()
+                or module_hooked(module)):
+            return None
+        sources = self.sources()
+        originals, stacked, n_copies = self._copies
+        n_shared = min(len(originals), len(sources))  # the final readout may read fewer (a partial not closed)
+        if (any(source is not copy for source, copy in zip(sources, stacked))
+                or not elementwise_runs_cpu_kernel(module.backend, *sources)
+                or any(source.dtype != sources[0].dtype for source in sources)):
+            return None
+        bias = module.logit_bias(sources)
+        return depth_attention_copies_cpu(originals[:n_shared], sources[n_shared:], n_copies, module.query,
+                                          module.key_norm.w, module.key_norm.eps, bias)
 
     def _shares_gradients(self, module: "DepthAttention") -> bool:
         """Whether this consumer's C backward adds its source gradients into buffers the completed blocks share
@@ -247,7 +282,9 @@ class DepthStream(ResidualStream):
         """Phase 1 over `shared` (stacked copies of a batch, `stacked_from`) with the blocks the copies share
         mixed once at one copy's batch, that part then the prior of every copy's mix of the other blocks; None
         where too few blocks are shared to pay for the extra call."""
-        originals, n_copies = self._copies
+        originals, stacked, n_copies = self._copies
+        if any(source is not copy for source, copy in zip(shared, stacked)):
+            return None  # a shared source was replaced since the copies were stacked
         # the final readout reads the last partial sum without closing it into a block, so `shared` (the blocks)
         # may end before the shared sources do
         originals = originals[: len(shared)]

@@ -184,7 +184,7 @@ def test_stacked_copies_mix_the_blocks_they_share_once(monkeypatch):
     def spied(self, shared, queries, gains, eps):
         stats = inner(self, shared, queries, gains, eps)
         if stats is not None:
-            shared_windows.append((len(shared), len(self._copies[0]), self._copies[1]))
+            shared_windows.append((len(shared), len(self._copies.originals), self._copies.n_copies))
         return stats
 
     monkeypatch.setattr(attnres.DepthStream, "_phase1_over_copies", spied)
@@ -207,6 +207,74 @@ def test_stacked_copies_mix_the_blocks_they_share_once(monkeypatch):
     shared_windows.clear()
     evaluate_many(model, batch, interventions, max_sequences=3)  # one copy a pass: nothing to share
     assert shared_windows == []
+
+
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_knockouts_of_stacked_copies_read_the_shared_sources_once(monkeypatch, block_size):
+    """A consumer with a knockout (a logit-bias hook) in a stack of copies that share their leading sources mixes
+    them once for every copy (`DepthStream._mix_over_copies`): source knockouts at one consumer (every source
+    shared) and removals of a middle sublayer with its mean ablation (sources shared up to it, then each copy's
+    own) equal one full pass each; a shared source replaced after stacking, a hook that watches the weights, or a
+    gradient send the mix down the one-pass path."""
+    model = HookedTransformer(small_config("attnres", block_size, n_layers=4, d_model=16)).eval()
+    randomize_depth_parameters(model)
+    batch = copy_batch(3)
+    mixed: list[tuple[int, int, int]] = []  # (shared, stacked, copies) per mix over copies
+    inner = attnres.depth_attention_copies_cpu
+
+    def spied(shared, stacked, n_copies, *rest):
+        mixed.append((len(shared), len(stacked), n_copies))
+        return inner(shared, stacked, n_copies, *rest)
+
+    monkeypatch.setattr(attnres, "depth_attention_copies_cpu", spied)
+    consumer = 5
+    n_sources = len(model.sources(consumer))
+    interventions = [source_mask_hooks(model, consumer, [source]) for source in range(n_sources)]
+    interventions += [removal_hooks(model, [3]), [(model.sublayer_output_hook(3), replace_hook(torch.zeros(16)))]]
+    got = evaluate_many(model, batch, interventions, max_sequences=3 * len(interventions))
+    for single, together in zip(one_pass_each(model, batch, interventions), got):
+        assert together.loss == pytest.approx(single.loss, abs=1e-6)
+        assert together.answer_loss == pytest.approx(single.answer_loss, abs=1e-6)
+        assert together.accuracy == single.accuracy
+    # the knockouts at consumer 5 share all its sources, except with S = 2 the current block's partial sum (sublayer
+    # 4's output, in a block unfinished when the copies were stacked: the next write replaces it); the removal stack
+    # (2 copies from sublayer 3) shares what was complete before 3 at every later consumer with a knockout
+    shared_at_5 = n_sources if block_size == 1 else n_sources - 1
+    assert (shared_at_5, n_sources - shared_at_5, n_sources) in mixed
+    assert any(copies == 2 and stacked > 0 for _, stacked, copies in mixed)
+    # one copy per pass: nothing shared, the one-pass mix
+    mixed.clear()
+    evaluate_many(model, batch, interventions, max_sequences=3)
+    assert mixed == []
+
+
+def test_a_shared_source_replaced_after_stacking_is_mixed_as_it_now_is():
+    """The copies' shared sources are known by identity: a stream whose shared block was replaced after stacking
+    mixes what it now holds (the one-pass path), as does a consumer whose weights a hook watches."""
+    from attnres_lens.analysis.interventions import concat_states
+
+    generator = torch.Generator().manual_seed(3)
+    blocks = [torch.randn(2, 5, 8, generator=generator) for _ in range(3)]
+    states = []
+    for _ in range(3):
+        state = attnres.DepthStream(blocks[0], block_size=2)
+        state.blocks = list(blocks)
+        state.partial = torch.randn(2, 5, 8, generator=generator)  # each copy's own
+        states.append(state)
+    stacked = concat_states(states)
+    module = attnres.DepthAttention(8, 1e-6)
+    with torch.no_grad():
+        module.query.copy_(torch.randn(8, generator=generator))
+    module.hook_logit_bias.add_hook(lambda bias, hook: bias.index_fill(-1, torch.tensor([1]), float("-inf")))
+    assert concat_states(states)._mix_over_copies(module) is None  # with a gradient: never (no backward)
+    with torch.no_grad():
+        shared_mix = stacked._mix_over_copies(module)
+        assert shared_mix is not None
+        torch.testing.assert_close(shared_mix, module(stacked.sources()), rtol=1e-6, atol=1e-6)
+        stacked.blocks[1] = stacked.blocks[1] * 2  # replaced: no longer the copies' shared block
+        assert stacked._mix_over_copies(module) is None
+        module.hook_weights.add_hook(lambda weights, hook: weights)
+        assert concat_states(states)._mix_over_copies(module) is None
 
 
 def test_a_sublayer_whose_output_is_replaced_is_not_computed_for_that_copy(monkeypatch):

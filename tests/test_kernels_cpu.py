@@ -532,6 +532,71 @@ def test_a_prior_that_covers_no_whole_copy_is_refused():
         cpu_fused.depth_attention_multi_cpu(sources, folded, 1e-6, prior=(torch.zeros(1, 3, 5, 8), torch.zeros(1, 3)))
 
 
+# (copies, batch, pos, d_model, shared sources, stacked sources): tokens per copy on both sides of a TILE of 16 and
+# of a span of 64, widths past the last vector, no stacked source (knockouts where the copies part), one copy
+COPY_CASES = [(3, 2, 8, 64, 4, 2), (2, 1, 33, 24, 1, 0), (4, 3, 5, 70, 2, 3), (1, 2, 16, 8, 3, 1),
+              (5, 2, 40, 16, 6, 1)]
+
+
+def _copies_inputs(case, dtype):
+    n_copies, batch, pos, d_model, n_shared, n_stacked = case
+    generator = torch.Generator().manual_seed(sum(case))
+    shared = [torch.randn(batch, pos, d_model, generator=generator).mul(1 + i).to(dtype) for i in range(n_shared)]
+    stacked = [torch.randn(n_copies * batch, pos, d_model, generator=generator).to(dtype) for _ in range(n_stacked)]
+    query = torch.randn(d_model, generator=generator).to(dtype)
+    gain = torch.rand(d_model, generator=generator).add(0.5).to(dtype)
+    n_sources = n_shared + n_stacked
+    bias = torch.randn(n_copies * batch, pos, n_sources, generator=generator).to(dtype)
+    if n_sources > 1:  # each copy knocks its own source out of some tokens' softmax (never the last one)
+        knocked = torch.rand(n_copies * batch, pos, generator=generator) < 0.4
+        column = torch.arange(n_copies).repeat_interleave(batch)[:, None].expand(-1, pos) % (n_sources - 1)
+        bias.scatter_(-1, column[..., None], torch.where(knocked, float("-inf"), 0.0).to(dtype)[..., None])
+    return shared, stacked, query, gain, bias
+
+
+@pytest.mark.parametrize("case", COPY_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_stacked_copies_with_their_own_bias_read_shared_sources_once(many_threads, case, dtype):
+    """`depth_attention_copies_cpu` equals the float64 mix of the shared sources repeated for every copy (as the
+    stacked batch holds them) followed by the stacked ones, each copy with its own -inf knockouts; outputs are
+    NaN-poisoned, so every row of every copy is written; at 4 threads and at 1 the same bits; where a copy's tokens
+    fill whole tiles, the same bits as the one-pass C mix of the stacked batch."""
+    n_copies = case[0]
+    shared, stacked, query, gain, bias = _copies_inputs(case, dtype)
+    with torch.no_grad():
+        got = cpu_fused.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6, bias)
+        repeated = [source.repeat(n_copies, 1, 1) for source in shared] + stacked
+        want = depth_attention([source.double() for source in repeated], query.double(), gain.double(), 1e-6,
+                               backend="reference", logit_bias=bias.double())
+        assert got.dtype == dtype and got.shape == repeated[0].shape
+        assert_close(got, want, dtype)
+        torch.set_num_threads(1)
+        assert torch.equal(got, cpu_fused.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6,
+                                                                     bias))
+        if shared[0][..., 0].numel() % 16 == 0:
+            assert torch.equal(got, depth_attention(repeated, query, gain, 1e-6, backend="cpu", logit_bias=bias))
+        unbiased = cpu_fused.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6)
+        assert_close(unbiased, depth_attention([source.double() for source in repeated], query.double(),
+                                               gain.double(), 1e-6, backend="reference"), dtype)
+
+
+def test_stacked_copies_refuse_what_they_cannot_mix():
+    shared, stacked, query, gain, bias = _copies_inputs((3, 2, 8, 16, 2, 1), torch.float32)
+    run = cpu_fused.depth_attention_copies_cpu
+    with pytest.raises(ValueError, match="at least one shared source"):
+        run([], stacked, 3, query, gain, 1e-6)
+    with pytest.raises(ValueError, match="n_copies must be a positive integer, got 0"):
+        run(shared, stacked, 0, query, gain, 1e-6)
+    with pytest.raises(ValueError, match=r"stacked ones \[8, 8, 16\] \(4 copies\)"):
+        run(shared, stacked, 4, query, gain, 1e-6)  # the stacked sources hold 3 copies
+    with pytest.raises(ValueError, match=r"bias must be \[6, 8, 3\]"):
+        run(shared, stacked, 3, query, gain, 1e-6, bias[..., :2])
+    with pytest.raises(ValueError, match="fp32/fp64 CPU tensors, got torch.bfloat16"):
+        run([shared[0].bfloat16(), shared[1]], stacked, 3, query, gain, 1e-6)
+    with pytest.raises(ValueError, match="no backward.*no_grad"):
+        run(shared, stacked, 3, query.clone().requires_grad_(), gain, 1e-6)
+
+
 def test_several_queries_refuse_a_gradient():
     sources, query, gain = make_inputs(3, (5,), 8)
     sources[1].requires_grad_()

@@ -37,6 +37,7 @@ typedef struct {
     int64_t n_sources, n_tokens, d_model;
     const real *folded_query;   /* [D], u = w * g */
     const real *bias;           /* [S, N] added to the logits inside the softmax only, or NULL */
+    int64_t bias_stride;        /* elements from one source's bias row to the next (N, or more for stacked copies) */
     real eps;
     /* forward outputs / backward inputs */
     real *h;                    /* [N, D] */
@@ -347,7 +348,7 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
         /* statistics, across the tile's tokens */
         for (int64_t t = 0; t < T; ++t) max_logit[t] = -INFINITY, total[t] = 0;
         for (int64_t s = 0; s < S; ++s) {
-            const real *bias = a->bias ? a->bias + s * N + t0 : NULL;
+            const real *bias = a->bias ? a->bias + s * a->bias_stride + t0 : NULL;
             real *rstd = a->rstd + s * N + t0, *logits = a->logits + s * N + t0, *z = w + s * TILE;
 #pragma omp simd
             for (int64_t t = 0; t < T; ++t) {
@@ -572,10 +573,64 @@ void depth_attention_forward(const real *const *sources, int64_t n_sources, int6
                              double norm_eps, real *h, real *rstd, real *logits, real *weights, real *y,
                              real *norm_rstd, int n_threads) {
     const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
-                          .folded_query = folded_query, .bias = bias, .eps = (real)eps, .h = h, .rstd = rstd,
-                          .logits = logits, .weights = weights, .norm_weight = norm_weight,
+                          .folded_query = folded_query, .bias = bias, .bias_stride = n_tokens, .eps = (real)eps,
+                          .h = h, .rstd = rstd, .logits = logits, .weights = weights, .norm_weight = norm_weight,
                           .norm_eps = (real)norm_eps, .y = y, .norm_rstd = norm_rstd};
     run_rows(forward_worker, &a, n_tokens, n_threads);
+}
+
+/* Copies of one batch stacked along the tokens (exact interventions: one copy per intervention), each with its own
+ * logit bias, mixed without a gradient and without reading what they share once per copy (docs/kernels.md §7).
+ * sources[0 .. n_shared) hold one copy's n_tokens rows, which every copy reads; the others hold all n_copies *
+ * n_tokens rows, copy k's from row k * n_tokens. bias is [S, n_copies * n_tokens] or NULL, h [n_copies * n_tokens,
+ * D]; stats ([3, S, n_tokens]) is scratch that every copy overwrites. Each thread mixes spans of COPY_SPAN tokens,
+ * every copy's rows of a span in turn, so the span's shared rows (COPY_SPAN x n_shared x D values, in L2) come from
+ * memory once where the stacked one-pass mix reads each copy's duplicate. Spans start at multiples of TILE, so a
+ * copy's row is tiled as in the stacked mix when n_tokens is a multiple of TILE. Returns -1 when the per-copy
+ * source tables cannot be allocated (nothing is written). */
+#define COPY_SPAN (4 * TILE)
+
+typedef struct {
+    const depth_args *copies;
+    int64_t n_copies;
+} copies_args;
+
+static void *copies_worker(void *arg) {
+    const row_range *range = arg;
+    const copies_args *c = range->args;
+    for (int64_t begin = range->row_begin; begin < range->row_end; begin += COPY_SPAN) {
+        const int64_t end = begin + COPY_SPAN < range->row_end ? begin + COPY_SPAN : range->row_end;
+        for (int64_t k = 0; k < c->n_copies; ++k) forward_rows(&c->copies[k], begin, end);
+    }
+    return NULL;
+}
+
+int depth_attention_copies_forward(const real *const *sources, int64_t n_sources, int64_t n_shared, int64_t n_copies,
+                                   int64_t n_tokens, int64_t d_model, const real *folded_query, const real *bias,
+                                   double eps, real *h, real *stats, int n_threads) {
+    depth_args *copies = malloc((size_t)n_copies * sizeof *copies);
+    const real **tables = malloc((size_t)(n_copies * n_sources) * sizeof *tables);
+    if (copies == NULL || tables == NULL) {
+        free(copies);
+        free(tables);
+        return -1;
+    }
+    const int64_t stacked = n_copies * n_tokens;
+    for (int64_t k = 0; k < n_copies; ++k) {
+        const real **table = tables + k * n_sources;
+        for (int64_t s = 0; s < n_sources; ++s)
+            table[s] = s < n_shared ? sources[s] : sources[s] + k * n_tokens * d_model;
+        copies[k] = (depth_args){.sources = table, .n_sources = n_sources, .n_tokens = n_tokens,
+                                 .d_model = d_model, .folded_query = folded_query,
+                                 .bias = bias ? bias + k * n_tokens : NULL, .bias_stride = stacked, .eps = (real)eps,
+                                 .h = h + k * n_tokens * d_model, .rstd = stats, .logits = stats + n_sources * n_tokens,
+                                 .weights = stats + 2 * n_sources * n_tokens};
+    }
+    const copies_args c = {copies, n_copies};
+    run_rows(copies_worker, &c, n_tokens, n_threads);
+    free(copies);
+    free(tables);
+    return 0;
 }
 
 void depth_attention_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,

@@ -154,6 +154,10 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.depth_attention_multi.argtypes = [
         pointer, int64, int64, int64, pointer, int64, pointer, pointer, int64, ctypes.c_double, pointer, pointer, c_int
     ]
+    library.depth_attention_copies_forward.restype = c_int
+    library.depth_attention_copies_forward.argtypes = [
+        pointer, int64, int64, int64, int64, int64, pointer, pointer, ctypes.c_double, pointer, pointer, c_int
+    ]
     library.rotary_forward.restype = None
     library.rotary_forward.argtypes = [pointer, pointer, pointer, int64, int64, int64, int64, int64, ctypes.c_double,
                                        pointer, c_int]
@@ -558,6 +562,59 @@ def depth_attention_multi_cpu(
             prior_tokens, eps, mix[part].data_ptr(), lse[part].data_ptr(), threads,
         )
     return mix.view(n_queries, *lead, d_model), lse.view(n_queries, *lead)
+
+
+def depth_attention_copies_cpu(shared: list[torch.Tensor], stacked: list[torch.Tensor], n_copies: int,
+                               query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
+                               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The depth attention of `n_copies` copies of one batch stacked along the first dim, each copy with its own
+    logit bias, without a backward (exact interventions; docs/kernels.md §7): the sources are ``shared`` (one
+    copy's batch ``[B, ..., D]`` each, read by every copy) followed by ``stacked`` (``[n_copies * B, ..., D]``, copy
+    i's rows at ``i * B``; may be empty); ``bias`` ``[n_copies * B, ..., S]`` as `hook_logit_bias` gives it, or
+    None. Returns ``h`` ``[n_copies * B, ..., D]``: what `depth_attention` returns for the shared sources repeated
+    n_copies times, without reading them n_copies times."""
+    if not shared:
+        raise ValueError("depth_attention_copies_cpu needs at least one shared source")
+    if isinstance(n_copies, bool) or not isinstance(n_copies, int) or n_copies < 1:
+        raise ValueError(f"n_copies must be a positive integer, got {n_copies!r}")
+    copy = shared[0]
+    sources = [*shared, *stacked]
+    for tensor in (*sources, query, key_norm_weight, *(() if bias is None else (bias,))):
+        if tensor.device.type != "cpu" or tensor.dtype not in _REAL_TYPES:
+            raise ValueError(f"depth_attention_copies_cpu needs fp32/fp64 CPU tensors, got {tensor.dtype} on "
+                             f"{tensor.device}")
+        if tensor.requires_grad and torch.is_grad_enabled():
+            raise ValueError("depth_attention_copies_cpu has no backward; run it under torch.no_grad(), or mix "
+                             "with depth_attention for a gradient")
+    if copy.dim() < 2:
+        raise ValueError(f"sources must be [B, ..., D], got a shared source of shape {tuple(copy.shape)}")
+    stacked_shape = (n_copies * copy.shape[0], *copy.shape[1:])
+    if any(x.shape != copy.shape for x in shared) or any(x.shape != stacked_shape for x in stacked):
+        raise ValueError(f"shared sources must each be one copy {list(copy.shape)} and stacked ones "
+                         f"{list(stacked_shape)} ({n_copies} copies), got {[list(x.shape) for x in shared]} and "
+                         f"{[list(x.shape) for x in stacked]}")
+    d_model, n_sources = copy.shape[-1], len(sources)
+    if bias is not None and bias.shape != (*stacked_shape[:-1], n_sources):
+        raise ValueError(f"bias must be [{', '.join(map(str, stacked_shape[:-1]))}, {n_sources}] (the stacked "
+                         f"batch's leading dims, then one entry per source), got {list(bias.shape)}")
+    compute = compute_dtype(copy.dtype)
+    flat = _contiguous(sources, compute)
+    n_tokens = copy.numel() // d_model
+    folded = (query.to(compute) * key_norm_weight.to(compute)).contiguous()
+    source_major = None if bias is None else bias.reshape(-1, n_sources).t().to(compute).contiguous()
+    h = new_output(stacked_shape, compute, copy.device)
+    stats = new_output((3, n_sources, n_tokens), compute, copy.device)
+    if h.numel() == 0:
+        return h
+    library = cpu_library(compute)
+    status = library.depth_attention_copies_forward(
+        _pointer_array(flat), n_sources, len(shared), n_copies, n_tokens, d_model, folded.data_ptr(),
+        _address(source_major), eps, h.data_ptr(), stats.data_ptr(),
+        _n_threads(n_sources * n_copies * n_tokens * d_model, library))
+    if status != 0:
+        raise MemoryError(f"depth_attention_copies_cpu could not allocate its source tables ({n_copies} x "
+                          f"{n_sources} pointers)")
+    return h
 
 
 class _EagerKVShift(torch.autograd.Function):
