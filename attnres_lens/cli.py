@@ -169,7 +169,9 @@ def _analysis(args: argparse.Namespace) -> int:
             tables = analyze_run(args.run, args.checkpoint, args.samples, progress=not args.no_progress, out=args.out)
             print(f"wrote {', '.join(tables)} to {args.out or Path(args.run) / 'analysis'}/")
         else:
-            result = prune_run(args.run, args.out, args.metric, args.samples, args.checkpoint, progress=not args.no_progress)
+            # a command line runs no threads of its own, so the routing table may run in a forked process
+            result = prune_run(args.run, args.out, args.metric, args.samples, args.checkpoint,
+                               progress=not args.no_progress, fork_routing=True)
             for row in result.summary["removable"]:
                 print(f"{row['strategy']:>22}: {row['n_removable']} sublayers removable within +5% loss")
             print(f"report: {result.report_path}")

@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import re
+import sys
 
 import pandas as pd
 import pytest
@@ -25,6 +26,7 @@ from attnres_lens.analysis import (
 )
 from attnres_lens.analysis.interventions import evaluate, evaluate_many
 from attnres_lens.analysis.pruning import removal_orders, residual_states
+import attnres_lens.analysis.run as run_module
 from attnres_lens.analysis.run import prune_tables
 from attnres_lens.cli import main as cli_main
 from attnres_lens.presets import get_preset
@@ -332,6 +334,83 @@ def test_prune_tables_shares_its_clean_passes(monkeypatch):
     pd.testing.assert_frame_equal(tables["pruning_sensitivity"], pruning_sensitivity(model, batch))
     pd.testing.assert_frame_equal(tables["angular_distance"], angular_distance_matrix(model, batch.tokens))
     pd.testing.assert_frame_equal(tables["routing"], causal_routing(model, batch))
+
+
+@pytest.fixture
+def two_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork_routing forks (Linux)")
+def test_the_routing_table_computed_in_a_forked_process_is_the_same(two_threads, monkeypatch):
+    """`fork_routing` computes causal routing in a forked child with half the threads while this process computes
+    the other tables with the rest: every table equals the one-process run's, the thread count is restored, and
+    the child did the routing (this process ran no knockout of a single source)."""
+    from attnres_lens.analysis import routing
+
+    model = HookedTransformer(small_config("attnres", 2)).eval()
+    randomize_depth_parameters(model)
+    batch = copy_batch()
+    plain = prune_tables(model, batch)
+    calls = []
+    inner = routing.causal_routing
+    monkeypatch.setattr(run_module, "causal_routing", lambda *args, **kwargs: calls.append(1) or inner(*args, **kwargs))
+    forked = prune_tables(model, batch, fork_routing=True)
+    assert calls == [] and torch.get_num_threads() == 2  # the call happened in the child, whose list this is not
+    assert forked.keys() == plain.keys()
+    for name in plain:
+        pd.testing.assert_frame_equal(forked[name], plain[name])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork_routing forks (Linux)")
+def test_a_forked_table_that_fails_or_dies_raises_here(two_threads, monkeypatch):
+    """The child's exception comes back as a RuntimeError carrying its traceback; a child that dies before sending
+    anything as a RuntimeError with its exit code; either way the thread count is restored."""
+    import os
+
+    model = HookedTransformer(small_config("attnres", 1)).eval()
+    batch = copy_batch()
+
+    def failing(*args, **kwargs):
+        raise ZeroDivisionError("routing broke in the child")
+
+    monkeypatch.setattr(run_module, "causal_routing", failing)
+    with pytest.raises(RuntimeError, match="(?s)forked analysis process failed.*ZeroDivisionError: routing broke"):
+        prune_tables(model, batch, fork_routing=True)
+    assert torch.get_num_threads() == 2
+    monkeypatch.setattr(run_module, "causal_routing", lambda *args, **kwargs: os._exit(7))
+    with pytest.raises(RuntimeError, match="exited with code 7 before sending its result"):
+        prune_tables(model, batch, fork_routing=True)
+    assert torch.get_num_threads() == 2
+    # one thread: nothing to split, so no child (the failing routing runs here and raises as itself)
+    monkeypatch.setattr(run_module, "causal_routing", failing)
+    torch.set_num_threads(1)
+    with pytest.raises(ZeroDivisionError):
+        prune_tables(model, batch, fork_routing=True)
+
+
+def test_a_forked_job_is_cancelled_when_this_process_fails(two_threads, monkeypatch):
+    """A table of this process that fails while the child computes routing ends the child (no orphan)."""
+    from attnres_lens.analysis import interventions
+
+    started = []
+    original = interventions.ForkedJob
+
+    class Recorded(original):
+        def __init__(self, compute, threads):
+            super().__init__(lambda: __import__("time").sleep(60), threads)
+            started.append(self)
+
+    monkeypatch.setattr(run_module, "ForkedJob", Recorded)
+    monkeypatch.setattr(run_module, "pruning_sensitivity", lambda *args: (_ for _ in ()).throw(KeyError("boom")))
+    model = HookedTransformer(small_config("attnres", 1)).eval()
+    with pytest.raises(KeyError, match="boom"):
+        prune_tables(model, copy_batch(), fork_routing=True)
+    assert len(started) == 1 and not started[0]._process.is_alive()
+    assert torch.get_num_threads() == 2
 
 
 def test_a_session_keeps_clean_results_apart_from_hooked_runs_and_other_targets():

@@ -24,8 +24,11 @@ import contextvars
 import copy
 import functools
 import itertools
+import multiprocessing
 import queue
+import sys
 import threading
+import traceback
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
@@ -221,6 +224,60 @@ def _parallel_problem(model: nn.Module) -> Optional[str]:
     if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
         return "autocast is on (worker threads would not inherit it)"
     return None
+
+
+def fork_available(model: nn.Module) -> bool:
+    """Whether `ForkedJob` can run an analysis of `model` beside this process: Linux (fork), a CPU model, no
+    autocast (`_parallel_problem`)."""
+    return (sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+            and _parallel_problem(model) is None)
+
+
+class ForkedJob:
+    """`compute()` in a forked child process on `threads` torch threads, started at once; `result()` waits for its
+    pickled result. Worker threads share one interpreter, and on the CPU the stacked passes of `prune`'s tables ran
+    1.2 s of their ~6.5 s serialised on it (two workers took 12.8 CPU-s for what one did in 10.9; two processes side
+    by side 11.0 each, docs/analysis.md §11); a second process is not. The child copies only the calling thread, so
+    this is for processes that run no threads of their own meanwhile (a command line, not a server or a notebook
+    kernel): `prune_tables(fork_routing=True)`. The child writes nothing to the terminal; its failure is raised
+    here as a RuntimeError with its traceback, and `cancel` ends it."""
+
+    def __init__(self, compute: Callable[[], Any], threads: int):
+        context = multiprocessing.get_context("fork")
+        self._receive, send = context.Pipe(duplex=False)
+        self._process = context.Process(target=_run_forked, args=(send, compute, threads), daemon=True)
+        self._process.start()
+        send.close()  # the child holds the sending end: a child that dies unheard ends recv with EOFError
+
+    def result(self) -> Any:
+        try:
+            succeeded, value = self._receive.recv()
+        except EOFError:
+            self._process.join()
+            raise RuntimeError(f"the forked analysis process exited with code {self._process.exitcode} before "
+                               "sending its result") from None
+        finally:
+            self._receive.close()
+        self._process.join()
+        if not succeeded:
+            raise RuntimeError(f"the forked analysis process failed:\n{value}")
+        return value
+
+    def cancel(self) -> None:
+        if self._process.is_alive():
+            self._process.terminate()
+        self._process.join()
+        self._receive.close()
+
+
+def _run_forked(send: Any, compute: Callable[[], Any], threads: int) -> None:
+    try:
+        torch.set_num_threads(threads)
+        outcome = (True, compute())
+    except BaseException:  # noqa: BLE001 - sent to the parent, which raises it
+        outcome = (False, traceback.format_exc())
+    send.send(outcome)
+    send.close()
 
 
 EMBEDDING_STAGE = -1

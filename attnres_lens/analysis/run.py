@@ -28,7 +28,7 @@ from attnres_lens.analysis.induction import (
     per_position_loss,
     repeated_batch,
 )
-from attnres_lens.analysis.interventions import analysis_session
+from attnres_lens.analysis.interventions import ForkedJob, analysis_session, fork_available
 from attnres_lens.analysis.pruning import (
     angular_distance_matrix,
     check_metric,
@@ -184,39 +184,61 @@ class AnalysisResult:
 
 
 def prune_tables(model: HookedTransformer, batch: Batch, metric: str = "loss", progress: bool = False,
-                 on_stage: Optional[Callable[[float, str], Any]] = None) -> dict[str, pd.DataFrame]:
+                 on_stage: Optional[Callable[[float, str], Any]] = None,
+                 fork_routing: bool = False) -> dict[str, pd.DataFrame]:
     """Every pruning table for a model on a task batch (routing tables only for AttnRes models).
 
-    `on_stage(fraction_done, description)` is called before each stage (a UI's progress bar).
+    `on_stage(fraction_done, description)` is called before each stage (a UI's progress bar). `fork_routing`: on
+    Linux with two or more torch threads, compute the causal-routing table in a forked child process with half of
+    them while this process computes the others with the rest (`interventions.ForkedJob`: for command-line
+    processes; the same numbers as in one process).
     """
     check_metric(metric)
     with analysis_session():  # the tables share one clean evaluation, one residual-state capture, the replicas
-        return _prune_tables(model, batch, metric, on_stage or (lambda fraction, description: None), progress)
+        return _prune_tables(model, batch, metric, on_stage or (lambda fraction, description: None), progress,
+                             fork_routing)
 
 
 def _prune_tables(model: HookedTransformer, batch: Batch, metric: str, report: Callable[[float, str], Any],
-                  progress: bool) -> dict[str, pd.DataFrame]:
+                  progress: bool, fork_routing: bool) -> dict[str, pd.DataFrame]:
     stages = 4 if model.cfg.residual == "attnres" else 3
     batch = batch.to(model.embed.W_E.device)
+    threads = torch.get_num_threads()
+    routing: Optional[ForkedJob] = None
+    if fork_routing and model.cfg.residual == "attnres" and threads >= 2 and fork_available(model):
+        routing = ForkedJob(lambda: causal_routing(model, batch), threads // 2)
+        torch.set_num_threads(threads - threads // 2)
+    try:
+        tables = _pruning_tables(model, batch, metric, report, progress, stages)
+        if model.cfg.residual == "attnres":
+            report(3 / stages, "causal depth routing (masking each source of each consumer)…")
+            tables["routing"] = routing.result() if routing is not None else causal_routing(model, batch, progress)
+            tables["routing_disagreements"] = routing_disagreements(tables["routing"])
+    except BaseException:
+        if routing is not None:
+            routing.cancel()
+        raise
+    finally:
+        torch.set_num_threads(threads)
+    report(1.0, "done")
+    return tables
+
+
+def _pruning_tables(model: HookedTransformer, batch: Batch, metric: str, report: Callable[[float, str], Any],
+                    progress: bool, stages: int) -> dict[str, pd.DataFrame]:
     report(0 / stages, "ablating each sublayer (remove, mean, resample)…")
     sensitivity = pruning_sensitivity(model, batch, progress)
     report(1 / stages, "angular distances between representations…")
     distances = angular_distance_matrix(model, batch.tokens)
     report(2 / stages, "cumulative removal curves…")
     curves = cumulative_pruning(model, batch, sensitivity, distances, metric, progress=progress)
-    tables = {
+    return {
         "pruning_sensitivity": sensitivity,
         "angular_distance": distances,
         "pruning_curves": curves,
         "metric_correlations": metric_correlations(sensitivity),
         "removable": removable_within(curves, REMOVAL_TOLERANCE),
     }
-    if model.cfg.residual == "attnres":
-        report(3 / stages, "causal depth routing (masking each source of each consumer)…")
-        tables["routing"] = causal_routing(model, batch, progress)
-        tables["routing_disagreements"] = routing_disagreements(tables["routing"])
-    report(1.0, "done")
-    return tables
 
 
 def prune_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) -> dict[str, Any]:
@@ -232,15 +254,17 @@ def prune_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) -> di
 
 
 def prune_run(path: PathLike, out: Optional[PathLike] = None, metric: str = "loss", samples: int = 8,
-              checkpoint: Union[str, int] = "latest", progress: bool = True) -> AnalysisResult:
-    """Layer-pruning sensitivity of a run: tables and `prune_report.html` under `out` (default RUN/analysis)."""
+              checkpoint: Union[str, int] = "latest", progress: bool = True,
+              fork_routing: bool = False) -> AnalysisResult:
+    """Layer-pruning sensitivity of a run: tables and `prune_report.html` under `out` (default RUN/analysis).
+    `fork_routing`: as `prune_tables` (the `attnres-lens prune` command sets it)."""
     check_metric(metric)
     _check_samples(samples, 2)  # resample ablation swaps activations between sequences
     _check_out(out)
     run, task = open_run(path, checkpoint)
     batch = task.eval_batch(samples)
     _check_fits(run.model, batch)
-    tables = prune_tables(run.model, batch, metric, progress)
+    tables = prune_tables(run.model, batch, metric, progress, fork_routing=fork_routing)
     summary = prune_summary(tables, {**_run_header(run, samples), "metric": metric})
     out_dir = output_dir(run, out)
     write_tables(tables, out_dir)
