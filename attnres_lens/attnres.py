@@ -208,16 +208,17 @@ class DepthStream(ResidualStream):
         return h if norm is None else (h, norm(h))
 
     def _one_pass(self, module: "DepthAttention", norm: Optional[RMSNorm]):
-        if self._copies is not None and (h := self._mix_over_copies(module)) is not None:
-            return h if norm is None else (h, norm(h))
+        if self._copies is not None and (mixed := self._mix_over_copies(module, norm)) is not None:
+            return mixed
         sources = self._gradient_shared_sources() if self._shares_gradients(module) else self.sources()
         return module(sources) if norm is None else module.mix_and_norm(sources, norm)
 
-    def _mix_over_copies(self, module: "DepthAttention") -> Optional[torch.Tensor]:
+    def _mix_over_copies(self, module: "DepthAttention", norm: Optional[RMSNorm]):
         """A consumer's mix of stacked copies (`stacked_from`) whose leading sources every copy shares, each copy
         with its own logit bias (a knockout), reading the shared sources once for all copies
-        (`cpu_fused.depth_attention_copies_cpu`); None where the one-pass mix must run: a gradient, a hook that
-        watches the mix (`observed`) or the module, a window, another backend, or a shared source since replaced."""
+        (`cpu_fused.depth_attention_copies_cpu`), as `_one_pass` returns it (with `norm`, `(h, norm(h))`, the norm
+        fused unless something watches it); None where the one-pass mix must run: a gradient, a hook that watches
+        the mix (`observed`) or the module, a window, another backend, or a shared source since replaced."""
         if (torch.is_grad_enabled() or self.window is not None or not module.fusable or module.observed()
                 or module_hooked(module)):
             return None
@@ -229,8 +230,13 @@ class DepthStream(ResidualStream):
                 or any(source.dtype != sources[0].dtype for source in sources)):
             return None
         bias = module.logit_bias(sources)
-        return depth_attention_copies_cpu(originals[:n_shared], sources[n_shared:], n_copies, module.query,
-                                          module.key_norm.w, module.key_norm.eps, bias)
+        fused = norm is not None and not norm.watched() and norm.w.dtype == sources[0].dtype
+        mixed = depth_attention_copies_cpu(originals[:n_shared], sources[n_shared:], n_copies, module.query,
+                                           module.key_norm.w, module.key_norm.eps, bias,
+                                           norm=(norm.w, norm.eps) if fused else None)
+        if norm is None or fused:
+            return mixed
+        return mixed, norm(mixed)
 
     def _shares_gradients(self, module: "DepthAttention") -> bool:
         """Whether this consumer's C backward adds its source gradients into buffers the completed blocks share

@@ -222,9 +222,9 @@ def test_knockouts_of_stacked_copies_read_the_shared_sources_once(monkeypatch, b
     mixed: list[tuple[int, int, int]] = []  # (shared, stacked, copies) per mix over copies
     inner = attnres.depth_attention_copies_cpu
 
-    def spied(shared, stacked, n_copies, *rest):
+    def spied(shared, stacked, n_copies, *rest, **options):
         mixed.append((len(shared), len(stacked), n_copies))
-        return inner(shared, stacked, n_copies, *rest)
+        return inner(shared, stacked, n_copies, *rest, **options)
 
     monkeypatch.setattr(attnres, "depth_attention_copies_cpu", spied)
     consumer = 5
@@ -248,10 +248,28 @@ def test_knockouts_of_stacked_copies_read_the_shared_sources_once(monkeypatch, b
     assert mixed == []
 
 
+def test_stacked_knockouts_take_a_half_precision_bias_as_one_pass_does():
+    """A logit-bias hook may return another floating dtype (the one-pass mix converts it): stacked copies mixed
+    over their shared sources take it too, and equal one full pass each."""
+    model = HookedTransformer(small_config("attnres", 1, n_layers=4, d_model=16)).eval()
+    randomize_depth_parameters(model)
+    batch = copy_batch(3)
+    name = model.depth_attention_modules()[5].hook_logit_bias.name
+
+    def knock(source):
+        return lambda bias, hook: bias.index_fill(-1, torch.tensor([source]), float("-inf")).to(torch.bfloat16)
+
+    interventions = [[(name, knock(source))] for source in range(6)]
+    got = evaluate_many(model, batch, interventions, max_sequences=3 * len(interventions))
+    for single, together in zip(one_pass_each(model, batch, interventions), got):
+        assert together.loss == pytest.approx(single.loss, abs=1e-6)
+
+
 def test_a_shared_source_replaced_after_stacking_is_mixed_as_it_now_is():
     """The copies' shared sources are known by identity: a stream whose shared block was replaced after stacking
     mixes what it now holds (the one-pass path), as does a consumer whose weights a hook watches."""
     from attnres_lens.analysis.interventions import concat_states
+    from attnres_lens.components import RMSNorm
 
     generator = torch.Generator().manual_seed(3)
     blocks = [torch.randn(2, 5, 8, generator=generator) for _ in range(3)]
@@ -266,15 +284,27 @@ def test_a_shared_source_replaced_after_stacking_is_mixed_as_it_now_is():
     with torch.no_grad():
         module.query.copy_(torch.randn(8, generator=generator))
     module.hook_logit_bias.add_hook(lambda bias, hook: bias.index_fill(-1, torch.tensor([1]), float("-inf")))
-    assert concat_states(states)._mix_over_copies(module) is None  # with a gradient: never (no backward)
+    assert concat_states(states)._mix_over_copies(module, None) is None  # with a gradient: never (no backward)
     with torch.no_grad():
-        shared_mix = stacked._mix_over_copies(module)
+        shared_mix = stacked._mix_over_copies(module, None)
         assert shared_mix is not None
         torch.testing.assert_close(shared_mix, module(stacked.sources()), rtol=1e-6, atol=1e-6)
+        # with the consumer's pre-norm: fused, or, where a hook watches it, run as itself (the hook sees h's norm)
+        norm = RMSNorm(8, 1e-5)
+        with torch.no_grad():
+            norm.w.copy_(torch.linspace(0.5, 1.5, 8))
+        h, y = stacked._mix_over_copies(module, norm)
+        torch.testing.assert_close(h, shared_mix, rtol=0, atol=0)
+        torch.testing.assert_close(y, norm(shared_mix), rtol=1e-6, atol=1e-6)
+        seen = []
+        norm.hook_normalized.add_hook(lambda normalized, hook: seen.append(normalized.shape))
+        h, y = stacked._mix_over_copies(module, norm)
+        assert seen == [shared_mix.shape]
+        torch.testing.assert_close(y, norm(shared_mix), rtol=0, atol=0)
         stacked.blocks[1] = stacked.blocks[1] * 2  # replaced: no longer the copies' shared block
-        assert stacked._mix_over_copies(module) is None
+        assert stacked._mix_over_copies(module, None) is None
         module.hook_weights.add_hook(lambda weights, hook: weights)
-        assert concat_states(states)._mix_over_copies(module) is None
+        assert concat_states(states)._mix_over_copies(module, None) is None
 
 
 def test_a_sublayer_whose_output_is_replaced_is_not_computed_for_that_copy(monkeypatch):

@@ -578,6 +578,14 @@ def test_stacked_copies_with_their_own_bias_read_shared_sources_once(many_thread
         unbiased = cpu_fused.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6)
         assert_close(unbiased, depth_attention([source.double() for source in repeated], query.double(),
                                                gain.double(), 1e-6, backend="reference"), dtype)
+        # the consumer's pre-norm fused: RMSNorm(h) * w of the float64 mix; a half-precision bias converted
+        weight = torch.linspace(0.5, 1.5, query.shape[0]).to(dtype)
+        h, y = cpu_fused.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6,
+                                                    bias.to(torch.bfloat16), norm=(weight, 1e-5))
+        want = depth_attention([source.double() for source in repeated], query.double(), gain.double(), 1e-6,
+                               backend="reference", logit_bias=bias.to(torch.bfloat16).double())
+        assert_close(h, want, dtype)
+        assert_close(y, want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double(), dtype)
 
 
 def test_stacked_copies_refuse_what_they_cannot_mix():
@@ -589,12 +597,18 @@ def test_stacked_copies_refuse_what_they_cannot_mix():
         run(shared, stacked, 0, query, gain, 1e-6)
     with pytest.raises(ValueError, match=r"stacked ones \[8, 8, 16\] \(4 copies\)"):
         run(shared, stacked, 4, query, gain, 1e-6)  # the stacked sources hold 3 copies
-    with pytest.raises(ValueError, match=r"bias must be \[6, 8, 3\]"):
+    with pytest.raises(ValueError, match=r"logit_bias must have shape \[6, 8, 3\]"):
         run(shared, stacked, 3, query, gain, 1e-6, bias[..., :2])
-    with pytest.raises(ValueError, match="fp32/fp64 CPU tensors, got torch.bfloat16"):
+    with pytest.raises(ValueError, match="fp32/fp64 CPU sources, got torch.bfloat16"):
         run([shared[0].bfloat16(), shared[1]], stacked, 3, query, gain, 1e-6)
     with pytest.raises(ValueError, match="no backward.*no_grad"):
         run(shared, stacked, 3, query.clone().requires_grad_(), gain, 1e-6)
+    with pytest.raises(ValueError, match=r"query must have shape \[16\]"):  # the C kernel would read past it
+        run(shared, stacked, 3, query[:3], gain, 1e-6)
+    with pytest.raises(ValueError, match=r"norm weight must have shape \[16\]"):
+        run(shared, stacked, 3, query, gain, 1e-6, norm=(gain[None], 1e-5))
+    with pytest.raises(ValueError, match="logit_bias must be floating point"):
+        run(shared, stacked, 3, query, gain, 1e-6, torch.zeros(6, 8, 3, dtype=torch.long))
 
 
 def test_several_queries_refuse_a_gradient():

@@ -583,7 +583,8 @@ void depth_attention_forward(const real *const *sources, int64_t n_sources, int6
  * logit bias, mixed without a gradient and without reading what they share once per copy (docs/kernels.md §7).
  * sources[0 .. n_shared) hold one copy's n_tokens rows, which every copy reads; the others hold all n_copies *
  * n_tokens rows, copy k's from row k * n_tokens. bias is [S, n_copies * n_tokens] or NULL, h [n_copies * n_tokens,
- * D]; stats ([3, S, n_tokens]) is scratch that every copy overwrites. Each thread mixes spans of COPY_SPAN tokens,
+ * D]; with norm_weight, y = RMSNorm(h) * norm_weight (the consumer's pre-norm, fused as in the one-pass mix) and its
+ * rstd ([n_copies * n_tokens]); stats ([3, S, n_tokens]) is scratch that every copy overwrites. Each thread mixes spans of COPY_SPAN tokens,
  * every copy's rows of a span in turn, so the span's shared rows (COPY_SPAN x n_shared x D values, in L2) come from
  * memory once where the stacked one-pass mix reads each copy's duplicate. Spans start at multiples of TILE, so a
  * copy's row is tiled as in the stacked mix when n_tokens is a multiple of TILE. Returns -1 when the per-copy
@@ -607,7 +608,8 @@ static void *copies_worker(void *arg) {
 
 int depth_attention_copies_forward(const real *const *sources, int64_t n_sources, int64_t n_shared, int64_t n_copies,
                                    int64_t n_tokens, int64_t d_model, const real *folded_query, const real *bias,
-                                   double eps, real *h, real *stats, int n_threads) {
+                                   double eps, const real *norm_weight, double norm_eps, real *h, real *y,
+                                   real *norm_rstd, real *stats, int n_threads) {
     depth_args *copies = malloc((size_t)n_copies * sizeof *copies);
     const real **tables = malloc((size_t)(n_copies * n_sources) * sizeof *tables);
     if (copies == NULL || tables == NULL) {
@@ -624,7 +626,9 @@ int depth_attention_copies_forward(const real *const *sources, int64_t n_sources
                                  .d_model = d_model, .folded_query = folded_query,
                                  .bias = bias ? bias + k * n_tokens : NULL, .bias_stride = stacked, .eps = (real)eps,
                                  .h = h + k * n_tokens * d_model, .rstd = stats, .logits = stats + n_sources * n_tokens,
-                                 .weights = stats + 2 * n_sources * n_tokens};
+                                 .weights = stats + 2 * n_sources * n_tokens, .norm_weight = norm_weight,
+                                 .norm_eps = (real)norm_eps, .y = norm_weight ? y + k * n_tokens * d_model : NULL,
+                                 .norm_rstd = norm_weight ? norm_rstd + k * n_tokens : NULL};
     }
     const copies_args c = {copies, n_copies};
     run_rows(copies_worker, &c, n_tokens, n_threads);

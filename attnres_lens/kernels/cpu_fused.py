@@ -21,12 +21,12 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from attnres_lens.kernels._common import compute_dtype, new_output
+from attnres_lens.kernels._common import check_logit_bias, check_vector, compute_dtype, new_output
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 CACHE_ENV_VAR = "ATTNRES_LENS_KERNEL_CACHE"
@@ -156,7 +156,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     ]
     library.depth_attention_copies_forward.restype = c_int
     library.depth_attention_copies_forward.argtypes = [
-        pointer, int64, int64, int64, int64, int64, pointer, pointer, ctypes.c_double, pointer, pointer, c_int
+        pointer, int64, int64, int64, int64, int64, pointer, pointer, ctypes.c_double, pointer, ctypes.c_double,
+        pointer, pointer, pointer, pointer, c_int
     ]
     library.rotary_forward.restype = None
     library.rotary_forward.argtypes = [pointer, pointer, pointer, int64, int64, int64, int64, int64, ctypes.c_double,
@@ -566,55 +567,66 @@ def depth_attention_multi_cpu(
 
 def depth_attention_copies_cpu(shared: list[torch.Tensor], stacked: list[torch.Tensor], n_copies: int,
                                query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
-                               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               bias: Optional[torch.Tensor] = None,
+                               norm: Optional[tuple[torch.Tensor, float]] = None
+                               ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The depth attention of `n_copies` copies of one batch stacked along the first dim, each copy with its own
     logit bias, without a backward (exact interventions; docs/kernels.md §7): the sources are ``shared`` (one
     copy's batch ``[B, ..., D]`` each, read by every copy) followed by ``stacked`` (``[n_copies * B, ..., D]``, copy
-    i's rows at ``i * B``; may be empty); ``bias`` ``[n_copies * B, ..., S]`` as `hook_logit_bias` gives it, or
-    None. Returns ``h`` ``[n_copies * B, ..., D]``: what `depth_attention` returns for the shared sources repeated
-    n_copies times, without reading them n_copies times."""
+    i's rows at ``i * B``; may be empty), fp32 or fp64; ``bias`` ``[n_copies * B, ..., S]`` as `hook_logit_bias`
+    gives it, or None. Returns ``h`` ``[n_copies * B, ..., D]``: what `depth_attention` returns for the shared
+    sources repeated n_copies times, without reading them n_copies times; with ``norm = (weight [D], eps)`` the
+    consumer's pre-norm fused too, ``(h, RMSNorm(h) * weight)``."""
     if not shared:
         raise ValueError("depth_attention_copies_cpu needs at least one shared source")
     if isinstance(n_copies, bool) or not isinstance(n_copies, int) or n_copies < 1:
         raise ValueError(f"n_copies must be a positive integer, got {n_copies!r}")
     copy = shared[0]
     sources = [*shared, *stacked]
-    for tensor in (*sources, query, key_norm_weight, *(() if bias is None else (bias,))):
+    for tensor in sources:
         if tensor.device.type != "cpu" or tensor.dtype not in _REAL_TYPES:
-            raise ValueError(f"depth_attention_copies_cpu needs fp32/fp64 CPU tensors, got {tensor.dtype} on "
+            raise ValueError(f"depth_attention_copies_cpu needs fp32/fp64 CPU sources, got {tensor.dtype} on "
                              f"{tensor.device}")
-        if tensor.requires_grad and torch.is_grad_enabled():
-            raise ValueError("depth_attention_copies_cpu has no backward; run it under torch.no_grad(), or mix "
-                             "with depth_attention for a gradient")
     if copy.dim() < 2:
         raise ValueError(f"sources must be [B, ..., D], got a shared source of shape {tuple(copy.shape)}")
+    d_model, n_sources = copy.shape[-1], len(sources)
+    vectors = [("query", query), ("key_norm_weight", key_norm_weight), *([("norm weight", norm[0])] if norm else [])]
+    for name, vector in vectors:
+        check_vector(name, vector, d_model, copy.device)
+    parameters = [query, key_norm_weight, *(() if bias is None else (bias,)), *(norm[:1] if norm else ())]
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in [*sources, *parameters]):
+        raise ValueError("depth_attention_copies_cpu has no backward; run it under torch.no_grad(), or mix "
+                         "with depth_attention for a gradient")
     stacked_shape = (n_copies * copy.shape[0], *copy.shape[1:])
     if any(x.shape != copy.shape for x in shared) or any(x.shape != stacked_shape for x in stacked):
         raise ValueError(f"shared sources must each be one copy {list(copy.shape)} and stacked ones "
                          f"{list(stacked_shape)} ({n_copies} copies), got {[list(x.shape) for x in shared]} and "
                          f"{[list(x.shape) for x in stacked]}")
-    d_model, n_sources = copy.shape[-1], len(sources)
-    if bias is not None and bias.shape != (*stacked_shape[:-1], n_sources):
-        raise ValueError(f"bias must be [{', '.join(map(str, stacked_shape[:-1]))}, {n_sources}] (the stacked "
-                         f"batch's leading dims, then one entry per source), got {list(bias.shape)}")
+    if bias is not None:
+        check_logit_bias(bias, torch.Size(stacked_shape[:-1]), n_sources, copy.device)
     compute = compute_dtype(copy.dtype)
     flat = _contiguous(sources, compute)
     n_tokens = copy.numel() // d_model
     folded = (query.to(compute) * key_norm_weight.to(compute)).contiguous()
     source_major = None if bias is None else bias.reshape(-1, n_sources).t().to(compute).contiguous()
     h = new_output(stacked_shape, compute, copy.device)
+    y = norm_rstd = norm_weight = None
+    if norm is not None:
+        norm_weight = norm[0].to(compute).contiguous()
+        y = new_output(stacked_shape, compute, copy.device)
+        norm_rstd = new_output((n_copies * n_tokens,), compute, copy.device)
     stats = new_output((3, n_sources, n_tokens), compute, copy.device)
-    if h.numel() == 0:
-        return h
-    library = cpu_library(compute)
-    status = library.depth_attention_copies_forward(
-        _pointer_array(flat), n_sources, len(shared), n_copies, n_tokens, d_model, folded.data_ptr(),
-        _address(source_major), eps, h.data_ptr(), stats.data_ptr(),
-        _n_threads(n_sources * n_copies * n_tokens * d_model, library))
-    if status != 0:
-        raise MemoryError(f"depth_attention_copies_cpu could not allocate its source tables ({n_copies} x "
-                          f"{n_sources} pointers)")
-    return h
+    if h.numel():
+        library = cpu_library(compute)
+        status = library.depth_attention_copies_forward(
+            _pointer_array(flat), n_sources, len(shared), n_copies, n_tokens, d_model, folded.data_ptr(),
+            _address(source_major), eps, _address(norm_weight), float(norm[1]) if norm else 0.0, h.data_ptr(),
+            _address(y), _address(norm_rstd), stats.data_ptr(),
+            _n_threads(n_sources * n_copies * n_tokens * d_model, library))
+        if status != 0:
+            raise MemoryError(f"depth_attention_copies_cpu could not allocate its source tables ({n_copies} x "
+                              f"{n_sources} pointers)")
+    return h if norm is None else (h, y)
 
 
 class _EagerKVShift(torch.autograd.Function):
