@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -191,18 +192,25 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
 
         cores = os.cpu_count() or 1
         parallel = f"shared prefixes, {cores} workers"
-        paths = [("shared prefixes", None, 1), (parallel, None, cores), ("stacked full passes", stacked_full_passes, 1)]
+        forked = f"shared prefixes, {cores} threads, routing in a forked process (as `prune` runs)"
+        paths = [("shared prefixes", None, 1, False), (parallel, None, cores, False),
+                 ("stacked full passes", stacked_full_passes, 1, False)]
         if not args.skip_one_pass:
-            paths.append(("one pass per intervention", one_pass_per_intervention, 1))
+            paths.append(("one pass per intervention", one_pass_per_intervention, 1, False))
+        paths += [(f"{parallel} (again)", None, cores, False), (forked, None, cores, True)]
         measured = {}
-        for label, evaluate_many, threads in paths + [(f"{parallel} (again)", None, cores)]:
+        for label, evaluate_many, threads, fork in paths:
             torch.set_num_threads(threads)  # the analyses run one worker per torch thread
+            children = resource.getrusage(resource.RUSAGE_CHILDREN)
             with engine(evaluate_many) as count, counting_sublayers(model) as work:
-                tables, wall, cpu = timed(lambda: prune_tables(model, batch))
+                tables, wall, cpu = timed(lambda: prune_tables(model, batch, fork_routing=fork))
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu += (after.ru_utime + after.ru_stime) - (children.ru_utime + children.ru_stime)  # a forked table's
             passes = work[0] / (model.cfg.n_sublayers * batch.tokens.shape[0])  # in full passes over the batch
-            measured[label] = dict(tables=tables, wall=wall, cpu=cpu, interventions=count[0], passes=passes)
-            print(f"{label}: {wall:.1f} s wall, {cpu:.1f} s CPU, {count[0]} interventions, {passes:.0f} full-pass "
-                  "equivalents", file=sys.stderr)
+            # a forked child's interventions and work are not counted here
+            measured[label] = dict(tables=tables, wall=wall, cpu=cpu, interventions=None if fork else count[0],
+                                   passes=None if fork else passes)
+            print(f"{label}: {wall:.1f} s wall, {cpu:.1f} s CPU", file=sys.stderr)
         torch.set_num_threads(1)
         reference = measured["shared prefixes"]["tables"]
         differences = {label: max_difference(reference, entry["tables"]) for label, entry in measured.items()}
@@ -242,7 +250,10 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         f"({train_wall:.0f} s); {args.samples} held-out sequences of length {batch.tokens.shape[1]} of its task. "
         "Each row is one `prune_tables` call (sensitivity, angular distances, cumulative curves, causal routing) "
         f"at one torch thread, except the rows with {cores} workers (one per core: the stacked branches run on "
-        "that many threads, each on its own copy of the modules); work counts sequence × sublayer evaluations, "
+        "that many threads, each on its own copy of the modules) and the forked row (`fork_routing=True`: the "
+        "causal-routing table in a forked child with half the threads, the other tables here with the rest; its "
+        "CPU includes the child's, whose interventions and work this process does not see); work counts "
+        "sequence × sublayer evaluations, "
         "in units of one full forward pass over the batch. `max |Δ|`: the largest difference of any number the tables "
         "measure from the shared engine's; ranks derived from them (routing disagreements) are counted apart, since "
         "two effects within float rounding of each other may swap places.",
@@ -252,7 +263,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for label, entry in measured.items():
-        lines.append(f"| {label} | {entry['interventions']} | {entry['passes']:.0f} | {entry['wall']:.1f} | "
+        counted = entry["interventions"] is not None
+        lines.append(f"| {label} | {entry['interventions'] if counted else '–'} | "
+                     f"{format(entry['passes'], '.0f') if counted else '–'} | {entry['wall']:.1f} | "
                      f"{entry['cpu']:.1f} | {entry['wall'] / shared['wall']:.2f} | {differences[label][0]:.1e} | "
                      f"{differences[label][1]} |")
     lines += [

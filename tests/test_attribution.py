@@ -1067,4 +1067,6 @@ def test_the_benchmark_script_runs_end_to_end_on_a_tiny_model():
     assert float(rows["stacked full passes"][-3].strip()) < 1e-5  # the engines agree
     assert int(rows["stacked full passes"][-2].strip()) >= 0  # rank entries that differ, counted apart
     assert int(rows["shared prefixes"][3]) < int(rows["stacked full passes"][3])  # less work
+    forked = next(row for label, row in rows.items() if "forked process" in label)
+    assert float(forked[-3].strip()) == 0 and forked[2].strip() == "–"  # the same tables; the child's work unseen
     assert any("full-pass equivalents of exact work at a clean pass's rate" in line for line in lines)
