@@ -235,9 +235,8 @@ def fork_available(model: nn.Module) -> bool:
 
 class ForkedJob:
     """`compute()` in a forked child process on `threads` torch threads, started at once; `result()` waits for its
-    pickled result. Worker threads share one interpreter, and on the CPU the stacked passes of `prune`'s tables ran
-    1.2 s of their ~6.5 s serialised on it (two workers took 12.8 CPU-s for what one did in 10.9; two processes side
-    by side 11.0 each, docs/analysis.md §11); a second process is not. The child copies only the calling thread, so
+    pickled result. Worker threads share one interpreter, which cost `prune`'s tables about 1.2 s of their ~6.5
+    on two workers (docs/analysis.md §11); a second process does not share it. The child copies only the calling thread, so
     this is for processes that run no threads of their own meanwhile (a command line, not a server or a notebook
     kernel): `prune_tables(fork_routing=True)`. The child writes nothing to the terminal; its failure is raised
     here as a RuntimeError with its traceback, and `cancel` ends it."""
