@@ -251,7 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         "Each row is one `prune_tables` call (sensitivity, angular distances, cumulative curves, causal routing) "
         f"at one torch thread, except the rows with {cores} workers (one per core: the stacked branches run on "
         "that many threads, each on its own copy of the modules) and the forked row (`fork_routing=True`: the "
-        "causal-routing table in a forked child with half the threads, the other tables here with the rest; its "
+        "causal-routing table in a forked child on one thread, the other tables here on the other; its "
         "CPU includes the child's, whose interventions and work this process does not see); work counts "
         "sequence × sublayer evaluations, "
         "in units of one full forward pass over the batch. `max |Δ|`: the largest difference of any number the tables "

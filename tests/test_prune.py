@@ -392,6 +392,7 @@ def test_a_forked_table_that_fails_or_dies_raises_here(two_threads, monkeypatch)
         prune_tables(model, batch, fork_routing=True)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork_routing forks (Linux)")
 def test_a_forked_job_is_cancelled_when_this_process_fails(two_threads, monkeypatch):
     """A table of this process that fails while the child computes routing ends the child (no orphan)."""
     from attnres_lens.analysis import interventions
@@ -400,8 +401,8 @@ def test_a_forked_job_is_cancelled_when_this_process_fails(two_threads, monkeypa
     original = interventions.ForkedJob
 
     class Recorded(original):
-        def __init__(self, compute, threads):
-            super().__init__(lambda: __import__("time").sleep(60), threads)
+        def __init__(self, compute):
+            super().__init__(lambda: __import__("time").sleep(60))
             started.append(self)
 
     monkeypatch.setattr(run_module, "ForkedJob", Recorded)
@@ -411,6 +412,43 @@ def test_a_forked_job_is_cancelled_when_this_process_fails(two_threads, monkeypa
         prune_tables(model, copy_batch(), fork_routing=True)
     assert len(started) == 1 and not started[0]._process.is_alive()
     assert torch.get_num_threads() == 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ForkedJob forks (Linux)")
+def test_a_forked_job_runs_after_this_process_used_several_threads_and_reports_what_it_cannot_send():
+    """The child runs one thread: GNU OpenMP's pool does not survive a fork, and a child opening a parallel region
+    of two or more threads after this process used its pool waited forever. A result that cannot be pickled comes
+    back as the child's traceback; the child closes its copy of the pipe's reading end."""
+    from attnres_lens.analysis.interventions import ForkedJob
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        x = torch.randn(1500, 1500)
+        (x + 1).sum()  # this process's pool runs with 4 threads
+        threads, total = ForkedJob(lambda: (torch.get_num_threads(), float((x * 2).sum()))).result()
+        assert threads == 1 and total == pytest.approx(float((x * 2).sum()), rel=1e-5)  # summed in another order
+        with pytest.raises(RuntimeError, match="(?s)forked analysis process failed.*pickle"):
+            ForkedJob(lambda: __import__("threading").Lock()).result()
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_fork_routing_forks_only_at_two_threads(monkeypatch):
+    """At one thread there is nothing to split, and at three or more the one-thread child would leave this process
+    waiting: the tables run here, on worker threads."""
+    started = []
+    monkeypatch.setattr(run_module, "ForkedJob", lambda compute: started.append(compute))
+    model = HookedTransformer(small_config("attnres", 1)).eval()
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            tables = prune_tables(model, copy_batch(), fork_routing=True)
+            assert "routing" in tables and torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(previous)
+    assert started == []
 
 
 def test_a_session_keeps_clean_results_apart_from_hooked_runs_and_other_targets():

@@ -234,17 +234,19 @@ def fork_available(model: nn.Module) -> bool:
 
 
 class ForkedJob:
-    """`compute()` in a forked child process on `threads` torch threads, started at once; `result()` waits for its
+    """`compute()` in a forked child process on one torch thread, started at once; `result()` waits for its
     pickled result. Worker threads share one interpreter, which cost `prune`'s tables about 1.2 s of their ~6.5
-    on two workers (docs/analysis.md §11); a second process does not share it. The child copies only the calling thread, so
-    this is for processes that run no threads of their own meanwhile (a command line, not a server or a notebook
-    kernel): `prune_tables(fork_routing=True)`. The child writes nothing to the terminal; its failure is raised
-    here as a RuntimeError with its traceback, and `cancel` ends it."""
+    on two workers (docs/analysis.md §11); a second process does not share it. One thread, because GNU OpenMP's
+    thread pool does not survive a fork: a child that opens a parallel region of two or more threads waits forever
+    for the parent's pool. The child copies only the calling thread, so this is for processes that run no threads
+    of their own meanwhile (a command line, not a server or a notebook kernel): `prune_tables(fork_routing=True)`.
+    The child writes nothing to the terminal; its failure (an unpicklable result included) is raised here as a
+    RuntimeError with its traceback, and `cancel` ends it."""
 
-    def __init__(self, compute: Callable[[], Any], threads: int):
+    def __init__(self, compute: Callable[[], Any]):
         context = multiprocessing.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
-        self._process = context.Process(target=_run_forked, args=(send, compute, threads), daemon=True)
+        self._process = context.Process(target=_run_forked, args=(self._receive, send, compute), daemon=True)
         self._process.start()
         send.close()  # the child holds the sending end: a child that dies unheard ends recv with EOFError
 
@@ -269,14 +271,15 @@ class ForkedJob:
         self._receive.close()
 
 
-def _run_forked(send: Any, compute: Callable[[], Any], threads: int) -> None:
+def _run_forked(receive: Any, send: Any, compute: Callable[[], Any]) -> None:
+    receive.close()  # else a child whose parent was killed could block on a full pipe it holds open itself
     try:
-        torch.set_num_threads(threads)
-        outcome = (True, compute())
+        torch.set_num_threads(1)
+        send.send((True, compute()))  # pickles before it writes: an unpicklable result raises here
     except BaseException:  # noqa: BLE001 - sent to the parent, which raises it
-        outcome = (False, traceback.format_exc())
-    send.send(outcome)
-    send.close()
+        send.send((False, traceback.format_exc()))
+    finally:
+        send.close()
 
 
 EMBEDDING_STAGE = -1

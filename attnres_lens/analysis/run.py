@@ -189,9 +189,10 @@ def prune_tables(model: HookedTransformer, batch: Batch, metric: str = "loss", p
     """Every pruning table for a model on a task batch (routing tables only for AttnRes models).
 
     `on_stage(fraction_done, description)` is called before each stage (a UI's progress bar). `fork_routing`: on
-    Linux with two or more torch threads, compute the causal-routing table in a forked child process with half of
-    them while this process computes the others with the rest (`interventions.ForkedJob`: for command-line
-    processes; the same numbers as in one process).
+    Linux at two torch threads, compute the causal-routing table in a forked child process on one of them while
+    this process computes the others on the other (`interventions.ForkedJob`: for command-line processes; the same
+    numbers as in one process). The child runs one thread, so at more threads the split would leave this process
+    idle while the child works on: there the tables run on worker threads as without it.
     """
     check_metric(metric)
     with analysis_session():  # the tables share one clean evaluation, one residual-state capture, the replicas
@@ -205,9 +206,9 @@ def _prune_tables(model: HookedTransformer, batch: Batch, metric: str, report: C
     batch = batch.to(model.embed.W_E.device)
     threads = torch.get_num_threads()
     routing: Optional[ForkedJob] = None
-    if fork_routing and model.cfg.residual == "attnres" and threads >= 2 and fork_available(model):
-        routing = ForkedJob(lambda: causal_routing(model, batch), threads // 2)
-        torch.set_num_threads(threads - threads // 2)
+    if fork_routing and model.cfg.residual == "attnres" and threads == 2 and fork_available(model):
+        routing = ForkedJob(lambda: causal_routing(model, batch))
+        torch.set_num_threads(1)
     try:
         tables = _pruning_tables(model, batch, metric, report, progress, stages)
         if model.cfg.residual == "attnres":
