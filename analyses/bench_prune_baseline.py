@@ -63,8 +63,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
                               capture_output=True, text=True, check=True).stdout.strip()
     head = subprocess.run(["git", "-C", str(REPOSITORY), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    edited = subprocess.run(["git", "-C", str(REPOSITORY), "status", "--porcelain", "--untracked-files=no", "--", "*.py", "*.c"],
-                            capture_output=True, text=True, check=True).stdout.strip()
+    edited = subprocess.run(["git", "-C", str(REPOSITORY), "status", "--porcelain", "--untracked-files=no", "--",
+                             "*.py", "*.c"], capture_output=True, text=True, check=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         baseline_tree = tmp / "baseline"

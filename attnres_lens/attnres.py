@@ -223,20 +223,25 @@ class DepthStream(ResidualStream):
                 or module_hooked(module)):
             return None
         sources = self.sources()
-        originals, stacked, n_copies = self._copies
+        originals, _, n_copies = self._copies
         n_shared = min(len(originals), len(sources))  # the final readout may read fewer (a partial not closed)
-        if (any(source is not copy for source, copy in zip(sources, stacked))
+        if (not self._copies_intact(sources)
                 or not elementwise_runs_cpu_kernel(module.backend, *sources)
                 or any(source.dtype != sources[0].dtype for source in sources)):
             return None
         bias = module.logit_bias(sources)
-        fused = norm is not None and not norm.watched() and norm.w.dtype == sources[0].dtype
+        fused = norm is not None and norm.fuses_into(sources[0].dtype)
         mixed = depth_attention_copies_cpu(originals[:n_shared], sources[n_shared:], n_copies, module.query,
                                            module.key_norm.w, module.key_norm.eps, bias,
                                            norm=(norm.w, norm.eps) if fused else None)
         if norm is None or fused:
             return mixed
         return mixed, norm(mixed)
+
+    def _copies_intact(self, sources: list[torch.Tensor]) -> bool:
+        """Whether `sources` (the stream's, from the first) still hold the stacked tensors `stacked_from` saw where
+        the copies share a source: none was replaced since, so each still repeats its original."""
+        return all(source is stacked for source, stacked in zip(sources, self._copies.stacked))
 
     def _shares_gradients(self, module: "DepthAttention") -> bool:
         """Whether this consumer's C backward adds its source gradients into buffers the completed blocks share
@@ -287,10 +292,10 @@ class DepthStream(ResidualStream):
                             eps: float) -> Optional[BlockStats]:
         """Phase 1 over `shared` (stacked copies of a batch, `stacked_from`) with the blocks the copies share
         mixed once at one copy's batch, that part then the prior of every copy's mix of the other blocks; None
-        where too few blocks are shared to pay for the extra call."""
-        originals, stacked, n_copies = self._copies
-        if any(source is not copy for source, copy in zip(shared, stacked)):
-            return None  # a shared source was replaced since the copies were stacked
+        where too few blocks are shared to pay for the extra call, or a shared block was replaced since stacking."""
+        if not self._copies_intact(shared):
+            return None
+        originals, _, n_copies = self._copies
         # the final readout reads the last partial sum without closing it into a block, so `shared` (the blocks)
         # may end before the shared sources do
         originals = originals[: len(shared)]
@@ -398,9 +403,9 @@ class DepthAttention(nn.Module):
         where the mix would run the C kernel and nothing watches it or the norm (docs/kernels.md §4)."""
         sources = _common_dtype(sources)
         first = sources[0]
-        if (self.fusable and not self.hooked() and not module_hooked(self) and not norm.watched()
+        if (self.fusable and not self.hooked() and not module_hooked(self) and norm.fuses_into(first.dtype)
                 and elementwise_runs_cpu_kernel(self.backend, *sources)
-                and self.query.dtype == self.key_norm.w.dtype == norm.w.dtype == first.dtype):
+                and self.query.dtype == self.key_norm.w.dtype == first.dtype):
             return depth_attention_normed_cpu(sources, self.query, self.key_norm.w, self.key_norm.eps, norm.w,
                                               norm.eps)
         h = self(sources)

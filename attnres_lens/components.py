@@ -68,6 +68,11 @@ class RMSNorm(nn.Module):
         its own kernel."""
         return self.observed() or module_hooked(self)
 
+    def fuses_into(self, dtype: torch.dtype) -> bool:
+        """Whether a C depth mix of `dtype` may compute this norm inside its kernel: nothing watches the norm and its
+        gain has the mix's dtype (docs/kernels.md §4)."""
+        return not self.watched() and self.w.dtype == dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.observed():
             # nothing watches the scale: one C pass each way on the cpu backend (2x faster than PyTorch's at
