@@ -11,8 +11,10 @@ the commands' process costs, each measured side by side (issues 13 and 15; docs/
   without `-march=native`: depth mixes forward, forward + backward and with four queries, and a forward pass of
   the prune model, interleaved;
 * threads: two-thread training steps of Full and Block S=4 with the library as built (its row split on torch's
-  OpenMP pool) and with the pthread build (without -fopenmp), each × the standard step, interleaved; and of every
-  variant with the KV shift, rotary and RMSNorm kernels split over the pool and on one thread;
+  OpenMP pool) and with the pthread build (without -fopenmp), each × the standard step, interleaved; of every
+  variant with the KV shift, rotary and RMSNorm kernels split over the pool and on one thread; and ops and steps
+  with each thread's parameter-gradient sums in pages of its own (as built) against the build that adds them into
+  one shared block (-DSHARED_THREAD_SUMS);
 * process costs: a model replica for the worker threads (`interventions.model_replica`), and the exit of a process
   that imported the analysis commands, with and without `gc.freeze()` (fresh processes, alternating).
 
@@ -309,6 +311,75 @@ def elementwise_thread_rows(repeats: int, tiny: bool) -> list[str]:
     return rows
 
 
+def thread_sum_rows(repeats: int, tiny: bool) -> tuple[list[str], list[str]]:
+    """At two torch threads, the library as built (each thread adds its parameter-gradient sums in pages of its
+    own) against the same source and flags with -DSHARED_THREAD_SUMS (every thread adds into its row of one shared
+    [threads, D] block, as before): (op rows, step rows). Ops, forward + backward: a depth mix with its fused
+    pre-norm at the small training shape, RMSNorm and the KV shift; steps: every variant at bench_cpu_step's shapes,
+    each build × its own standard step, interleaved."""
+    from analyses.bench_cpu_step import SHAPES, Stepper, variants
+
+    libraries = {"in place": float_library([*cpu_fused.ARCH_FLAGS[0], "-DSHARED_THREAD_SUMS"]),
+                 "own pages": cpu_fused.cpu_library(torch.float32)}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+
+    def on(name: str, function: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            with kernels_from(libraries[name]):
+                function()
+        return run
+
+    def compare(function: Callable[[], object]) -> Timings:
+        return interleaved({name: on(name, function) for name in libraries}, repeats)
+
+    op_lines, step_lines = [], []
+    try:
+        batch, pos, width = (2, 8, 16) if tiny else (12, 64, 128)
+        generator = torch.Generator().manual_seed(3)
+        for n_sources in (3, 9):
+            sources = [torch.randn(batch, pos, width, generator=generator, requires_grad=True)
+                       for _ in range(n_sources)]
+            query, gain, norm_weight = (torch.randn(width, generator=generator, requires_grad=True) for _ in range(3))
+            timing = compare(lambda: depth_attention_normed_cpu(sources, query, gain, 1e-6, norm_weight,
+                                                                1e-5)[1].sum().backward())
+            op_lines.append(f"| depth mix + pre-norm, {n_sources} x [{batch}, {pos}, {width}] | "
+                            f"{timing.ms('in place'):.3f} | {timing.ms('own pages'):.3f} | "
+                            f"{timing.ratio('own pages', 'in place'):.3f} |")
+        rows = torch.randn(batch, pos, width, generator=generator)
+        norm_gain = torch.rand(width, generator=generator) + 0.5
+        timing = compare(forward_backward(lambda t: rms_norm_cpu(t, norm_gain, 1e-5), rows))
+        op_lines.append(f"| RMSNorm [{batch}, {pos}, {width}] | {timing.ms('in place'):.3f} | "
+                        f"{timing.ms('own pages'):.3f} | {timing.ratio('own pages', 'in place'):.3f} |")
+        heads = 4
+        k, v = (torch.randn(batch, pos, heads, width // heads, generator=generator) for _ in range(2))
+        coefficients = torch.randn(heads, 4, generator=generator, requires_grad=True)
+
+        def kv_shift() -> None:
+            shifted_k, shifted_v = cpu_fused.kv_shift_cpu(k.requires_grad_(), v.requires_grad_(), coefficients)
+            (shifted_k.sum() + shifted_v.sum()).backward()
+        timing = compare(kv_shift)
+        op_lines.append(f"| KV shift [{batch}, {pos}, {heads}, {width // heads}] | {timing.ms('in place'):.3f} | "
+                        f"{timing.ms('own pages'):.3f} | {timing.ratio('own pages', 'in place'):.3f} |")
+
+        shapes = {"tiny": dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2)} if tiny else SHAPES
+        names = list(variants("cpu"))
+        for shape_name, shape in shapes.items():
+            steppers = {name: Stepper(shape, variants("cpu")[name], eager=False) for name in names}
+            timing = interleaved({f"{name} {build}": on(build, steppers[name].step)
+                                  for build in libraries for name in names}, repeats)
+            for name in names:
+                versus = ("|" if name == "standard" else
+                          f"{timing.ratio(f'{name} in place', 'standard in place'):.3f} | "
+                          f"{timing.ratio(f'{name} own pages', 'standard own pages'):.3f}")
+                step_lines.append(f"| {shape_name} | {name} | {timing.ms(f'{name} in place'):.1f} | "
+                                  f"{timing.ms(f'{name} own pages'):.1f} | "
+                                  f"{timing.ratio(f'{name} own pages', f'{name} in place'):.3f} | {versus} |")
+    finally:
+        torch.set_num_threads(previous)
+    return op_lines, step_lines
+
+
 def exit_seconds(mode: str) -> float:
     """Seconds from the probe's last line to its process's end."""
     out = subprocess.run([sys.executable, "-c", _EXIT_PROBE, mode], capture_output=True, text=True, check=True)
@@ -382,6 +453,25 @@ def main(argv: Optional[Sequence[str]] = None, keep_memory: bool = False) -> lis
         "| shape | variant | one thread (ms) | split (ms) | split / one | one: × standard | split: × standard |",
         "|---|---|---|---|---|---|---|",
         *elementwise_thread_rows(args.repeats, args.tiny),
+    ]
+    sum_ops, sum_steps = thread_sum_rows(args.repeats, args.tiny)
+    lines += [
+        "",
+        "Per-thread sums (docs/kernels.md §11) at two torch threads: the library as built, each thread adding its "
+        "parameter-gradient sums (the depth mix's query and fused gain, RMSNorm's gain, the KV shift's pairs) in "
+        "pages of its own, against the same source and flags with -DSHARED_THREAD_SUMS, every thread adding into its "
+        "row of one shared [threads, D] block; forward + backward, interleaved.",
+        "",
+        "| op | in place (ms) | own pages (ms) | own / in place |",
+        "|---|---|---|---|",
+        *sum_ops,
+        "",
+        "The same two builds in training steps of every variant (bench_cpu_step's shapes, two threads).",
+        "",
+        "| shape | variant | in place (ms) | own pages (ms) | own / in place | in place: × standard | "
+        "own pages: × standard |",
+        "|---|---|---|---|---|---|---|",
+        *sum_steps,
     ]
     shapes = TINY_SHAPES if args.tiny else MODEL_SHAPES[2:3]
     model = HookedTransformer(ModelConfig(d_vocab=64, residual="attnres", **shapes[0][1]))

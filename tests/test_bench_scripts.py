@@ -70,14 +70,18 @@ def test_cpu_kernels_benchmark_on_tiny_shapes():
     shipped = (cpu_fused.ARCH_FLAGS, cpu_fused.cpu_library, os.environ.get(cpu_fused.CACHE_ENV_VAR))
     lines = load("bench_cpu_kernels").main(["--tiny", "--repeats", "1", "--processes", "1"])
     ops = [line.split("|")[1].strip() for line in lines if line.startswith("| RMSNorm") or line.startswith("| rotary")]
-    assert ops == ["RMSNorm [2, 8, 16]", "rotary [2, 8, 2, 4]"]
+    assert ops == ["RMSNorm [2, 8, 16]", "rotary [2, 8, 2, 4]", "RMSNorm [2, 8, 16]"]  # the last: per-thread sums
     assert any(line.startswith("| 3 x [2, 8, 16] |") for line in lines)  # the fused pre-norm
     assert any(line.startswith("| 2 layers") for line in lines)
     assert any(line.startswith("| 5 x [2, 8, 16] |") for line in lines)  # the vector sums against portable loops
     assert any(line.startswith("| forward, Full 2 layers") for line in lines)
     threads = [[cell.strip() for cell in line.split("|")[1:3]] for line in lines if line.startswith("| tiny |")]
     assert threads == [["tiny", "full"], ["tiny", "block4"],  # the pthread build against the OpenMP pool
-                       *(["tiny", name] for name in ("standard", "standard+kv_shift", "full", "block4"))]  # elementwise
+                       *(["tiny", name] for name in ("standard", "standard+kv_shift", "full", "block4")),  # elementwise
+                       *(["tiny", name] for name in ("standard", "standard+kv_shift", "full", "block2", "block4"))]
+    sums = [line.split("|")[1].strip() for line in lines if line.startswith(("| depth mix + pre-norm", "| KV shift"))]
+    assert sums == ["depth mix + pre-norm, 3 x [2, 8, 16]", "depth mix + pre-norm, 9 x [2, 8, 16]",
+                    "KV shift [2, 8, 4, 4]"]
     assert cpu_fused._elementwise_threads.__name__ == "_elementwise_threads"  # the shipped rule, restored
     assert any(line.startswith("Process costs:") and "gc.freeze" in line for line in lines)
     assert (cpu_fused.ARCH_FLAGS, cpu_fused.cpu_library, os.environ.get(cpu_fused.CACHE_ENV_VAR)) == shipped

@@ -789,6 +789,43 @@ def test_the_fused_pre_norm_writes_every_output(many_threads):
     assert all(torch.isfinite(grad).all() for grad in grads)
 
 
+def test_sums_added_in_place_equal_each_threads_own_sums(many_threads, tmp_path, monkeypatch):
+    """Each thread adds its parameter-gradient sums in pages of its own and copies them out once; where those pages
+    cannot be had it adds in place, in the caller's [threads, D] block (the build with -DSHARED_THREAD_SUMS takes
+    that path every time). Both give the same sums bit for bit: the depth mix's query and fused gain gradients
+    (both backward loops), RMSNorm's gain and the KV shift's coefficients, split over threads."""
+    shipped = cpu_fused.cpu_library(torch.float32)
+    if not shipped.thread_pool:
+        pytest.skip("this C compiler builds the kernel without OpenMP: one thread, no per-thread sums to place")
+    monkeypatch.setenv(cpu_fused.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(cpu_fused, "ARCH_FLAGS", ([*cpu_fused.ARCH_FLAGS[0], "-DSHARED_THREAD_SUMS"],))
+    in_place = cpu_fused._build_library("float")
+    generator = torch.Generator().manual_seed(21)
+    k, v, grad_kv = (torch.randn(3, 17, 2, 16, generator=generator) for _ in range(3))
+    coefficients = torch.randn(2, 4, generator=generator)
+    rows, gain = torch.randn(53, 40, generator=generator), torch.randn(40, generator=generator)
+    cases = [[torch.randn(45, 40, generator=generator) for _ in range(n_sources)] for n_sources in (3, 33)]
+    parameters = [torch.randn(40, generator=generator) for _ in range(3)]
+
+    def gradients() -> list[torch.Tensor]:
+        found = []
+        for sources in cases:
+            leaves = [t.clone().requires_grad_() for t in (*sources, *parameters)]
+            h, y = cpu_fused.depth_attention_normed_cpu(leaves[:-3], leaves[-3], leaves[-2], 1e-6, leaves[-1], 1e-5)
+            (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+            found += [leaf.grad for leaf in leaves]
+        leaves = [t.clone().requires_grad_() for t in (k, v, coefficients, rows, gain)]
+        shifted_k, shifted_v = cpu_fused.kv_shift_cpu(*leaves[:3])
+        normed = cpu_fused.rms_norm_cpu(leaves[3], leaves[4], 1e-5)
+        torch.autograd.backward([shifted_k, shifted_v, normed], [grad_kv, grad_kv, torch.ones_like(normed)])
+        return found + [leaf.grad for leaf in leaves]
+
+    expected = gradients()
+    monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype: in_place)
+    for got, want in zip(gradients(), expected, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_the_fused_pre_norm_refuses_what_it_cannot_run():
     sources = [torch.randn(2, 8) for _ in range(2)]
     with pytest.raises(ValueError, match=r"norm_weight must be \[8\] torch.float32"):

@@ -505,14 +505,51 @@ static void *forward_worker(void *arg) {
     return NULL;
 }
 
+/* A thread's running sums over its rows (a parameter's gradient), zeroed, in memory of its own: whole pages from the
+ * heap, which the thread adds into row after row and copies into its row of the caller's [threads, n] block once at
+ * the end (`release_thread_sums`). Added into that block in place, the rows of two threads lie side by side, and
+ * the second thread's half of a depth-mix backward took 1.7x as long as the first's when both ran (each alone took
+ * the same), so the call at two threads took 0.7x its one-thread time, not 0.5x (docs/kernels.md §11). NULL if the
+ * pages cannot be had, and always with -DSHARED_THREAD_SUMS (analyses/bench_cpu_kernels.py's baseline, and the
+ * tests' check of this path): the caller then adds into its row in place (slower, the same sums). */
+static void *own_thread_sums(size_t bytes) {
+#ifdef SHARED_THREAD_SUMS
+    (void)bytes;
+    return NULL;
+#else
+    const size_t page = 4096;
+    void *sums = aligned_alloc(page, (bytes + page - 1) / page * page);
+    if (sums != NULL) memset(sums, 0, bytes);
+    return sums;
+#endif
+}
+
+/* Where a thread adds its sums: its own pages, or `row` (zeroed here) when they cannot be had. */
+static void *thread_sums(void *row, size_t bytes) {
+    void *own = own_thread_sums(bytes);
+    if (own != NULL) return own;
+    memset(row, 0, bytes);
+    return row;
+}
+
+/* Copies a thread's sums into its row of the caller's block and frees its pages (nothing when it added in place). */
+static void release_thread_sums(void *sums, void *row, size_t bytes) {
+    if (sums == row) return;
+    memcpy(row, sums, bytes);
+    free(sums);
+}
+
 static void *backward_worker(void *arg) {
     const row_range *range = arg;
     const depth_args *a = (const depth_args *)range->args;
-    real *grad_u = a->grad_query_partial + range->thread * a->d_model;
-    memset(grad_u, 0, (size_t)a->d_model * sizeof(real));
-    double *grad_norm = a->norm_weight ? a->grad_norm_partial + range->thread * a->d_model : NULL;
-    if (grad_norm) memset(grad_norm, 0, (size_t)a->d_model * sizeof(double));
+    const size_t query_bytes = (size_t)a->d_model * sizeof(real), norm_bytes = (size_t)a->d_model * sizeof(double);
+    real *query_row = a->grad_query_partial + range->thread * a->d_model;
+    double *norm_row = a->norm_weight ? a->grad_norm_partial + range->thread * a->d_model : NULL;
+    real *grad_u = thread_sums(query_row, query_bytes);
+    double *grad_norm = norm_row ? thread_sums(norm_row, norm_bytes) : NULL;
     backward_rows(a, range->row_begin, range->row_end, grad_u, grad_norm);
+    release_thread_sums(grad_u, query_row, query_bytes);
+    if (norm_row) release_thread_sums(grad_norm, norm_row, norm_bytes);
     return NULL;
 }
 
@@ -831,8 +868,7 @@ void token_shift_backward(const real *x, const real *coefficients, int64_t strid
     int used = 1;
 #pragma omp parallel num_threads(n_threads) if (n_threads > 1)
     {
-        double *mine = sums + THREAD_INDEX * 2 * H;
-        for (int64_t i = 0; i < 2 * H; ++i) mine[i] = 0;
+        double *slot = sums + THREAD_INDEX * 2 * H, *mine = thread_sums(slot, (size_t)(2 * H) * sizeof(double));
 #pragma omp single
         used = THREAD_COUNT;
 #pragma omp for schedule(static)
@@ -865,6 +901,7 @@ void token_shift_backward(const real *x, const real *coefficients, int64_t strid
                 mine[2 * h + 1] += previous;
             }
         }
+        release_thread_sums(mine, slot, (size_t)(2 * H) * sizeof(double));
     }
     for (int64_t h = 0; h < H; ++h) {
         double current = 0, previous = 0;
@@ -925,12 +962,13 @@ int rms_norm_backward(const real *x, const real *w, const real *rstd, const real
     int used = 1;
 #pragma omp parallel num_threads(n_threads) if (n_threads > 1)
     {
-        double *mine = sums + THREAD_INDEX * D;
+        double *slot = sums + THREAD_INDEX * D, *mine = thread_sums(slot, (size_t)D * sizeof(double));
 #pragma omp single
         used = THREAD_COUNT;
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; ++n)
             norm_row_backward(x + n * D, w, rstd[n], grad_y + n * D, NULL, D, grad_x + n * D, mine);
+        release_thread_sums(mine, slot, (size_t)D * sizeof(double));
     }
     for (int64_t d = 0; d < D; ++d) {
         double total = 0;
