@@ -26,11 +26,11 @@ import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from attnres_lens.components import RMSNorm, is_hooked, module_hooked
+from attnres_lens.components import RMSNorm, any_hooked, is_hooked, module_hooked
 from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
 from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel, stream_two_phase_backend
 from attnres_lens.kernels.cpu_fused import (depth_attention_copies_cpu, depth_attention_multi_cpu,
-                                            depth_attention_normed_cpu, share_gradient)
+                                            fused_mix_and_norm, share_gradient)
 from attnres_lens.kernels.reference import depth_logits, mix_sources
 from attnres_lens.streams import ResidualStream
 
@@ -373,14 +373,15 @@ class DepthAttention(nn.Module):
 
     # hook points whose hooks send the mix down the readable path (interventions stack copies by them)
     path_hooks = ("hook_logits", "hook_weights")
+    hook_points = (*path_hooks, "hook_logit_bias")
 
     def observed(self) -> bool:
         """Whether a hook watches the logits or weights (then this depth attention runs the readable path)."""
-        return any(is_hooked(getattr(self, name)) for name in self.path_hooks)
+        return any_hooked(self, self.path_hooks)
 
     def hooked(self) -> bool:
         """Whether any hook is on this depth attention (then Block AttnRes mixes it on its own, not two-phase)."""
-        return self.observed() or is_hooked(self.hook_logit_bias)
+        return any_hooked(self, self.hook_points)
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         sources = _common_dtype(sources)
@@ -402,12 +403,13 @@ class DepthAttention(nn.Module):
         """`(h, norm(h))` for this mix h of `sources` (a consumer and its pre-norm): one C kernel call each way
         where the mix would run the C kernel and nothing watches it or the norm (docs/kernels.md §4)."""
         sources = _common_dtype(sources)
-        first = sources[0]
-        if (self.fusable and not self.hooked() and not module_hooked(self) and norm.fuses_into(first.dtype)
-                and elementwise_runs_cpu_kernel(self.backend, *sources)
-                and self.query.dtype == self.key_norm.w.dtype == first.dtype):
-            return depth_attention_normed_cpu(sources, self.query, self.key_norm.w, self.key_norm.eps, norm.w,
-                                              norm.eps)
+        dtype = sources[0].dtype
+        if self.fusable and not self.hooked() and not module_hooked(self) and norm.fuses_into(dtype):
+            query, key_norm, norm_weight = self.query, self.key_norm, norm.w
+            gain = key_norm.w
+            if (query.dtype == gain.dtype == dtype  # norm.fuses_into checked norm_weight's
+                    and elementwise_runs_cpu_kernel(self.backend, *sources)):
+                return fused_mix_and_norm(sources, query, gain, key_norm.eps, norm_weight, norm.eps)
         h = self(sources)
         return h, norm(h)
 

@@ -703,7 +703,7 @@ _MODEL_KERNELS = {
     "rotary_cpu": (dict(n_ctx=12), 2 * 2, ["blocks.0.attn.W_Q", "blocks.1.attn.W_K"]),  # q and k of each layer
     # the final norm; each sublayer's pre-norm runs inside its depth mix (next entry)
     "rms_norm_cpu": (dict(n_ctx=12), 1, ["ln_final.w", "blocks.1.mlp.W_in"]),
-    "depth_attention_normed_cpu": (dict(n_ctx=12), 2 * 2, ["blocks.0.ln1.w", "blocks.1.ln2.w", "blocks.0.attn_res.query",
+    "fused_mix_and_norm": (dict(n_ctx=12), 2 * 2, ["blocks.0.ln1.w", "blocks.1.ln2.w", "blocks.0.attn_res.query",
                                                            "blocks.1.mlp_res.key_norm.w", "blocks.0.attn.W_Q"]),
 }
 
@@ -717,7 +717,7 @@ def test_a_model_runs_each_elementwise_kernel_only_on_the_cpu_backend(kernel, mo
     options, expected_calls, compared = _MODEL_KERNELS[kernel]
     calls = []
     real = getattr(cpu_fused, kernel)
-    caller = "attnres" if kernel == "depth_attention_normed_cpu" else "components"
+    caller = "attnres" if kernel == "fused_mix_and_norm" else "components"
     monkeypatch.setattr(f"attnres_lens.{caller}.{kernel}", lambda *args: calls.append(1) or real(*args))
     tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
     results = {}
@@ -845,8 +845,8 @@ def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
     from attnres_lens import HookedTransformer, ModelConfig
 
     calls = []
-    real = cpu_fused.depth_attention_normed_cpu
-    monkeypatch.setattr("attnres_lens.attnres.depth_attention_normed_cpu", lambda *a: calls.append(1) or real(*a))
+    real = cpu_fused.fused_mix_and_norm
+    monkeypatch.setattr("attnres_lens.attnres.fused_mix_and_norm", lambda *a: calls.append(1) or real(*a))
     models = {}
     for backend in ("cpu", "reference"):
         models[backend] = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=2, d_vocab=32, n_ctx=8,

@@ -96,14 +96,21 @@ def stream_two_phase_backend(block_size: int, backend: str, device: torch.device
     return chosen
 
 
+_KERNEL_DTYPES = (torch.float32, torch.float64)
+
+
 def elementwise_runs_cpu_kernel(backend: str, *tensors: torch.Tensor) -> bool:
     """Whether a layer's KV shift (of K and V together), rotary embedding or RMSNorm runs its C kernel on
     ``tensors``, for a model whose depth-attention backend is ``backend``: they must agree in shape, dtype and
     device (a hook may have changed one)."""
     first = tensors[0]
-    same = all(x.dtype == first.dtype and x.shape == first.shape and x.device == first.device for x in tensors)
-    return (same and first.device.type == "cpu" and first.dtype in (torch.float32, torch.float64)
-            and not torch.compiler.is_compiling() and resolve_backend(backend, first.device) == "cpu")
+    dtype, shape, device = first.dtype, first.shape, first.device
+    if dtype not in _KERNEL_DTYPES or device.type != "cpu":
+        return False
+    for x in tensors[1:]:  # a loop, not all(...): each sublayer asks this several times per forward
+        if x.dtype != dtype or x.shape != shape or x.device != device:
+            return False
+    return not torch.compiler.is_compiling() and resolve_backend(backend, device) == "cpu"
 
 
 # The C attention keeps a head's keys, [d_head, pos], in L1 while every query reads them: faster than PyTorch's SDPA

@@ -8,8 +8,8 @@
  * once. The torch path needs ~10 passes over every source for the same work.
  *
  * Layouts: sources and their gradients are S pointers to [N, D] rows; per-token statistics (rstd, logits,
- * weights) and the optional logit bias are [S, N]; the folded-query gradient is summed per thread into a [threads, D]
- * buffer that the caller reduces in a fixed order (deterministic for a given thread count, no atomics).
+ * weights) and the optional logit bias are [S, N]; the folded-query gradient is summed per thread, and the threads'
+ * sums added in thread order after the split (deterministic for a given thread count, no atomics).
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -46,7 +46,7 @@ typedef struct {
     const real *grad_h;         /* [N, D]; NULL with a fused pre-norm whose input gets no other gradient */
     real *const *grad_sources;  /* S pointers, each to [N, D] */
     const uint8_t *accumulate;  /* [S]: 1 adds source s's gradient into grad_sources[s], 0 writes it; NULL: all 0 */
-    real *grad_query_partial;   /* [threads, D] */
+    real *grad_query_partial;   /* [threads, D], du summed per thread */
     /* the consumer's pre-norm y = RMSNorm(h) * norm_weight, fused (norm_weight NULL: not fused) */
     const real *norm_weight;    /* [D] */
     real norm_eps;
@@ -601,18 +601,19 @@ int openmp_threads(void) {
 #endif
 }
 
-/* With the consumer's pre-norm fused (docs/kernels.md §4; norm_weight not NULL) the forward also writes
+/* One mix: h [N, D] and stats, a [3, S, N] block of rstd, unbiased logits and weights (the backward's inputs). With
+ * the consumer's pre-norm fused (docs/kernels.md §4; norm_weight not NULL) the forward also writes
  * y = RMSNorm(h) * norm_weight and its rstd while each h row is in L1, and the backward turns dy (plus dh, when h
  * has other uses; else grad_h is NULL) into dh row by row before the mix's backward, with the gain's gradient
- * summed per thread, in double, into grad_norm_partial. Without it those pointers are NULL. */
+ * summed per thread, in double. Without it those pointers are NULL. */
 void depth_attention_forward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
                              const real *folded_query, const real *bias, double eps, const real *norm_weight,
-                             double norm_eps, real *h, real *rstd, real *logits, real *weights, real *y,
-                             real *norm_rstd, int n_threads) {
+                             double norm_eps, real *h, real *stats, real *y, real *norm_rstd, int n_threads) {
+    const int64_t cells = n_sources * n_tokens;
     const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
                           .folded_query = folded_query, .bias = bias, .bias_stride = n_tokens, .eps = (real)eps,
-                          .h = h, .rstd = rstd, .logits = logits, .weights = weights, .norm_weight = norm_weight,
-                          .norm_eps = (real)norm_eps, .y = y, .norm_rstd = norm_rstd};
+                          .h = h, .rstd = stats, .logits = stats + cells, .weights = stats + 2 * cells,
+                          .norm_weight = norm_weight, .norm_eps = (real)norm_eps, .y = y, .norm_rstd = norm_rstd};
     run_rows(forward_worker, &a, n_tokens, n_threads);
 }
 
@@ -674,18 +675,52 @@ int depth_attention_copies_forward(const real *const *sources, int64_t n_sources
     return 0;
 }
 
-void depth_attention_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
-                              const real *folded_query, const real *rstd, const real *logits, const real *weights,
-                              const real *h, const real *norm_weight, const real *norm_rstd, const real *grad_y,
-                              const real *grad_h, real *const *grad_sources, const uint8_t *accumulate,
-                              real *grad_query_partial, double *grad_norm_partial, int n_threads) {
+/* The backward of one mix. stats is the forward's [3, S, N] block (rstd, unbiased logits, weights). The parameters'
+ * gradients come reduced: each thread's sums of du (and of the fused pre-norm's gain, in double) are added in
+ * thread order after the split, into grad_query as dw = du * g and grad_gain as dg = du * w for u = w * g when query
+ * and gain are given (the eager autograd node, which folds the query itself), else into grad_query as du (the
+ * custom op, whose product autograd differentiates); grad_norm_weight gets the gain's gradient with a fused
+ * pre-norm. Returns 0, or -1 when the threads' [threads, D] blocks of sums cannot be allocated (nothing written). */
+int depth_attention_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
+                             const real *folded_query, const real *query, const real *gain, const real *stats,
+                             const real *h, const real *norm_weight, const real *norm_rstd, const real *grad_y,
+                             const real *grad_h, real *const *grad_sources, const uint8_t *accumulate,
+                             real *grad_query, real *grad_gain, real *grad_norm_weight, int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+    const int64_t D = d_model, cells = n_sources * n_tokens;
+    real *query_sums = malloc((size_t)(n_threads * D) * sizeof(real));
+    double *norm_sums = norm_weight ? malloc((size_t)(n_threads * D) * sizeof(double)) : NULL;
+    if (query_sums == NULL || (norm_weight && norm_sums == NULL)) {
+        free(query_sums);
+        free(norm_sums);
+        return -1;
+    }
     const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
-                          .folded_query = folded_query, .rstd = (real *)rstd, .logits = (real *)logits,
-                          .weights = (real *)weights, .h = (real *)h, .grad_h = grad_h,
-                          .grad_sources = grad_sources, .accumulate = accumulate,
-                          .grad_query_partial = grad_query_partial, .norm_weight = norm_weight,
-                          .norm_rstd = (real *)norm_rstd, .grad_y = grad_y, .grad_norm_partial = grad_norm_partial};
+                          .folded_query = folded_query, .rstd = (real *)stats, .logits = (real *)stats + cells,
+                          .weights = (real *)stats + 2 * cells, .h = (real *)h, .grad_h = grad_h,
+                          .grad_sources = grad_sources, .accumulate = accumulate, .grad_query_partial = query_sums,
+                          .norm_weight = norm_weight, .norm_rstd = (real *)norm_rstd, .grad_y = grad_y,
+                          .grad_norm_partial = norm_sums};
     run_rows(backward_worker, &a, n_tokens, n_threads);
+    for (int64_t d = 0; d < D; ++d) {
+        real du = 0;
+        for (int t = 0; t < n_threads; ++t) du += query_sums[t * D + d];
+        if (query) {
+            grad_query[d] = du * gain[d];
+            grad_gain[d] = du * query[d];
+        } else {
+            grad_query[d] = du;
+        }
+        if (norm_weight) {
+            double total = 0;
+            for (int t = 0; t < n_threads; ++t) total += norm_sums[t * D + d];
+            grad_norm_weight[d] = (real)total;
+        }
+    }
+    free(query_sums);
+    free(norm_sums);
+    return 0;
 }
 
 /* Without a backward (no_grad: inference, exact interventions), several consumers read the same sources: Q folded

@@ -138,11 +138,11 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.depth_attention_forward.restype = None
     library.depth_attention_forward.argtypes = [
         pointer, int64, int64, int64, pointer, pointer, ctypes.c_double, pointer, ctypes.c_double, pointer, pointer,
-        pointer, pointer, pointer, pointer, c_int
+        pointer, pointer, c_int
     ]
-    library.depth_attention_backward.restype = None
+    library.depth_attention_backward.restype = c_int
     library.depth_attention_backward.argtypes = [
-        pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
+        pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
         pointer, pointer, pointer, pointer, pointer, c_int
     ]
     library.vector_sums.restype = c_int
@@ -216,20 +216,18 @@ def _run_forward(sources: list[torch.Tensor], folded_query: torch.Tensor, bias: 
     """``(h [..., D], stats [3, S, N], y, norm_rstd [N])``; ``y = RMSNorm(h) * norm_weight`` and its rstd with the
     consumer's pre-norm fused (``norm_weight`` given, contiguous), else None."""
     first = sources[0]
-    d_model = first.shape[-1]
-    n_tokens, n_sources = first.numel() // d_model, len(sources)
-    h = new_output(first.shape, first.dtype, first.device)
-    stats = new_output((3, n_sources, n_tokens), first.dtype, first.device)
-    rstd, logits, weights = stats.unbind(0)
+    shape, dtype, device = first.shape, first.dtype, first.device
+    n_tokens, n_sources = first.numel() // shape[-1], len(sources)
+    h = new_output(shape, dtype, device)
+    stats = new_output((3, n_sources, n_tokens), dtype, device)
     y = norm_rstd = None
     if norm_weight is not None:
-        y, norm_rstd = new_output(first.shape, first.dtype, first.device), new_output((n_tokens,), first.dtype,
-                                                                                       first.device)
-    library = cpu_library(first.dtype)
+        y, norm_rstd = new_output(shape, dtype, device), new_output((n_tokens,), dtype, device)
+    library = cpu_library(dtype)
     library.depth_attention_forward(
-        _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(), _address(bias), eps,
-        _address(norm_weight), norm_eps, h.data_ptr(), rstd.data_ptr(), logits.data_ptr(), weights.data_ptr(),
-        _address(y), _address(norm_rstd), _n_threads(n_sources * n_tokens * d_model, library),
+        _pointer_array(sources), n_sources, n_tokens, shape[-1], folded_query.data_ptr(), _address(bias), eps,
+        _address(norm_weight), norm_eps, h.data_ptr(), stats.data_ptr(), _address(y), _address(norm_rstd),
+        _n_threads(n_sources * n_tokens * shape[-1], library),
     )
     return h, stats, y, norm_rstd
 
@@ -321,24 +319,23 @@ def _buffers_to_sum_into(ctx, *grads: Optional[torch.Tensor]) -> Optional[list[O
 
 
 def _gradient_buffers(sources: list[torch.Tensor], shared: Optional[list[Optional[SharedGradient]]] = None
-                      ) -> tuple[list[torch.Tensor], Optional[ctypes.Array], int, int, int]:
-    """A backward's outputs for the sources (a source with a `SharedGradient` gets its buffer), the C kernel's
-    per-source add-or-write flags (None: write all), and ``(n_tokens, d_model, threads)``. One tensor per source,
-    not one [S, N, D] block: activation-sized allocations are recycled by the C allocator step after step, while
-    a block of a new size is often mapped afresh and page-faulted in."""
+                      ) -> tuple[list[torch.Tensor], Optional[ctypes.Array]]:
+    """A backward's outputs for the sources (a source with a `SharedGradient` gets its buffer) and the C kernel's
+    per-source add-or-write flags (None: write all). One tensor per source, not one [S, N, D] block:
+    activation-sized allocations are recycled by the C allocator step after step, while a block of a new size is
+    often mapped afresh and page-faulted in."""
     first = sources[0]
-    d_model = first.shape[-1]
-    n_tokens = first.numel() // d_model
+    shape, dtype, device = first.shape, first.dtype, first.device
+    if shared is None:
+        return [new_output(shape, dtype, device) for _ in sources], None
     grad_sources, accumulate = [], [0] * len(sources)
     for s, source in enumerate(sources):
-        if shared is not None and shared[s] is not None:
+        if shared[s] is not None:
             buffer, accumulate[s] = shared[s].target(source)
             grad_sources.append(buffer)
         else:
-            grad_sources.append(new_output(first.shape, first.dtype, first.device))
-    flags = None if shared is None else (ctypes.c_uint8 * len(sources))(*accumulate)
-    return grad_sources, flags, n_tokens, d_model, _n_threads(len(sources) * n_tokens * d_model,
-                                                              cpu_library(first.dtype))
+            grad_sources.append(new_output(shape, dtype, device))
+    return grad_sources, (ctypes.c_uint8 * len(sources))(*accumulate)
 
 
 def _returned(grad_sources: list[torch.Tensor], shared: Optional[list[Optional[SharedGradient]]]) -> list:
@@ -352,31 +349,42 @@ def _backward_kernel(sources: list[torch.Tensor], folded_query: torch.Tensor, st
                      grad_h: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``(grad of each source, grad of u)`` for the forward op's saved statistics and ``grad_h`` (contiguous): the
     custom op's signature, which has no shared buffers (a compiled model's stream does not share)."""
-    grad_sources, grad_folded, _ = _run_backward(sources, folded_query, stats, grad_h, None)
+    grad_sources, grad_folded, _, _ = _run_backward(sources, folded_query, stats, grad_h, None)
     return grad_sources, grad_folded
 
 
 def _run_backward(sources: list[torch.Tensor], folded_query: torch.Tensor, stats: torch.Tensor,
                   grad_h: Optional[torch.Tensor], shared: Optional[list[Optional[SharedGradient]]],
-                  norm: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[list, torch.Tensor, Optional[torch.Tensor]]:
-    """``(grads returned for the sources, grad of u, grad of the norm's weight)``; ``norm`` the fused pre-norm's
+                  norm: Optional[tuple[torch.Tensor, ...]] = None,
+                  query_and_gain: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                  ) -> tuple[list, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(grads returned for the sources, grad of the query, grad of the gain, grad of the norm's weight)``:
+    with ``query_and_gain`` (the factors of ``u = w * g``) the C kernel returns ``dw = du * g`` and ``dg = du * w``,
+    without them ``du`` in the query's place and None for the gain. ``norm`` the fused pre-norm's
     ``(h, norm_weight, norm_rstd, grad_y)`` (``grad_h`` may then be None), else None (no weight gradient)."""
-    first, n_sources = sources[0], len(sources)
-    grad_sources, accumulate, n_tokens, d_model, n_threads = _gradient_buffers(sources, shared)
-    rstd, logits, weights = stats.unbind(0)
-    grad_folded_partial = new_output((n_threads, d_model), first.dtype, first.device)
-    h = norm_weight = norm_rstd = grad_y = grad_norm_partial = None
+    first = sources[0]
+    d_model, dtype, device = first.shape[-1], first.dtype, first.device
+    n_sources, n_tokens = len(sources), first.numel() // d_model
+    grad_sources, accumulate = _gradient_buffers(sources, shared)
+    grad_query = new_output((d_model,), dtype, device)
+    query = gain = grad_gain = h = norm_weight = norm_rstd = grad_y = grad_norm_weight = None
+    if query_and_gain is not None:
+        query, gain = (factor.contiguous() for factor in query_and_gain)
+        grad_gain = new_output((d_model,), dtype, device)
     if norm is not None:
         h, norm_weight, norm_rstd, grad_y = norm
-        grad_norm_partial = new_output((n_threads, d_model), torch.float64, first.device)  # summed in double
-    cpu_library(first.dtype).depth_attention_backward(
-        _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(), rstd.data_ptr(),
-        logits.data_ptr(), weights.data_ptr(), _address(h), _address(norm_weight), _address(norm_rstd),
-        _address(grad_y), _address(grad_h), _pointer_array(grad_sources), accumulate, grad_folded_partial.data_ptr(),
-        _address(grad_norm_partial), n_threads,
+        grad_norm_weight = new_output((d_model,), dtype, device)
+    library = cpu_library(dtype)
+    failed = library.depth_attention_backward(
+        _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(), _address(query),
+        _address(gain), stats.data_ptr(), _address(h), _address(norm_weight), _address(norm_rstd), _address(grad_y),
+        _address(grad_h), _pointer_array(grad_sources), accumulate, grad_query.data_ptr(), _address(grad_gain),
+        _address(grad_norm_weight), _n_threads(n_sources * n_tokens * d_model, library),
     )
-    grad_norm_weight = None if grad_norm_partial is None else grad_norm_partial.sum(dim=0).to(first.dtype)
-    return _returned(grad_sources, shared), grad_folded_partial.sum(dim=0), grad_norm_weight
+    if failed:
+        raise MemoryError(f"the C depth-attention backward could not allocate its per-thread sums of {d_model} "
+                          "values")
+    return _returned(grad_sources, shared), grad_query, grad_gain, grad_norm_weight
 
 
 _backward_op = torch.library.custom_op("attnres_lens::depth_attention_cpu_backward", _backward_kernel,
@@ -425,9 +433,9 @@ class _EagerDepthAttention(torch.autograd.Function):
     @once_differentiable  # the C backward builds no graph: a second derivative raises instead of coming out wrong
     def backward(ctx, grad_h: torch.Tensor, _grad_logits: torch.Tensor, _grad_weights: torch.Tensor):
         query, gain, folded_query, stats, *sources = ctx.saved_tensors
-        grad_sources, grad_folded, _ = _run_backward(sources, folded_query, stats, grad_h.contiguous(),
-                                                     _buffers_to_sum_into(ctx, grad_h))
-        return grad_folded * gain, grad_folded * query, None, None, *grad_sources
+        grad_sources, grad_query, grad_gain, _ = _run_backward(sources, folded_query, stats, grad_h.contiguous(),
+                                                               _buffers_to_sum_into(ctx, grad_h), None, (query, gain))
+        return grad_query, grad_gain, None, None, *grad_sources
 
 
 def _contiguous(sources: list[torch.Tensor], compute: torch.dtype) -> list[torch.Tensor]:
@@ -487,10 +495,10 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
         if grad_y is None and grad_h is None:
             return (None,) * (5 + len(sources))
         norm = None if grad_y is None else (h, norm_weight, norm_rstd, grad_y.contiguous())  # None: only h was used
-        grad_sources, grad_folded, grad_norm_weight = _run_backward(
+        grad_sources, grad_query, grad_gain, grad_norm_weight = _run_backward(
             sources, folded_query, stats, None if grad_h is None else grad_h.contiguous(),
-            _buffers_to_sum_into(ctx, grad_h, grad_y), norm)
-        return grad_folded * gain, grad_folded * query, grad_norm_weight, None, None, *grad_sources
+            _buffers_to_sum_into(ctx, grad_h, grad_y), norm, (query, gain))
+        return grad_query, grad_gain, grad_norm_weight, None, None, *grad_sources
 
 
 def depth_attention_normed_cpu(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor,
@@ -507,8 +515,16 @@ def depth_attention_normed_cpu(sources: list[torch.Tensor], query: torch.Tensor,
         if tensor.dtype != first.dtype or tensor.shape != first.shape[-1:]:
             raise ValueError(f"{name} must be [{first.shape[-1]}] {first.dtype} like the sources, got "
                              f"{list(tensor.shape)} {tensor.dtype}")
+    return fused_mix_and_norm(sources, query, key_norm_weight, eps, norm_weight, norm_eps)
+
+
+def fused_mix_and_norm(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
+                       norm_weight: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`depth_attention_normed_cpu` without its checks, for a caller that made them: `DepthAttention.mix_and_norm`,
+    whose own checks per call (sources of one shape and dtype on the CPU, outside torch.compile, parameters of the
+    sources' dtype) cover them; checking twice cost ~10 of the ~30 us a small sublayer's mix takes."""
     return _EagerNormedDepthAttention.apply(query, key_norm_weight, norm_weight.contiguous(), float(eps),
-                                            float(norm_eps), *_contiguous(sources, first.dtype))
+                                            float(norm_eps), *_contiguous(sources, sources[0].dtype))
 
 
 def depth_attention_multi_cpu(
