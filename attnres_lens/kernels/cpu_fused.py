@@ -21,10 +21,10 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch.autograd.function import once_differentiable as _guard_second_derivative
 
 from attnres_lens.kernels._common import check_logit_bias, check_vector, compute_dtype, new_output
 
@@ -191,6 +191,19 @@ def _elementwise_threads(n_elements: int, library: ctypes.CDLL) -> int:
     """Threads for the KV shift, rotary and RMSNorm kernels: as the depth mix's in the OpenMP build; the pthread
     build runs them on the calling thread."""
     return _n_threads(n_elements, library) if library.thread_pool else 1
+
+
+def once_differentiable(backward: Callable) -> Callable:
+    """torch's `once_differentiable` for the C kernels' backwards, without its cost where it does nothing: in a
+    plain backward (no create_graph) grad mode is already off, where its no-grad context and output checks only
+    return the outputs (~5 us a node, ~35 nodes in a small model's step); with create_graph it runs as torch's,
+    so a second derivative through the C backward raises instead of coming out wrong."""
+    guarded = _guard_second_derivative(backward)
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        return guarded(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)
+    return run
 
 
 def _address(tensor: Optional[torch.Tensor]) -> Optional[int]:
@@ -656,9 +669,10 @@ class _EagerKVShift(torch.autograd.Function):
         library = cpu_library(k.dtype)
         threads = _elementwise_threads(k.numel(), library)
         shifted = []
-        for x, column in ((k, 0), (v, 2)):
-            y = new_output(x.shape, x.dtype, x.device)
-            library.token_shift_forward(x.data_ptr(), pairs[:, column:].data_ptr(), 4, *x.shape, y.data_ptr(), threads)
+        for x, column in ((k, 0), (v, 2)):  # K's pair in columns 0-1, V's in 2-3: addressed, not sliced (a view per
+            y = new_output(x.shape, x.dtype, x.device)  # call costs more than a small layer's shift)
+            library.token_shift_forward(x.data_ptr(), pairs.data_ptr() + column * pairs.element_size(), 4, *x.shape,
+                                        y.data_ptr(), threads)
             shifted.append(y)
         ctx.save_for_backward(k, v, pairs)
         ctx.coefficient_dtype = coefficients.dtype
@@ -675,8 +689,9 @@ class _EagerKVShift(torch.autograd.Function):
         for x, grad_y, column in ((k, grad_k, 0), (v, grad_v, 2)):
             grad_y = grad_y.contiguous()
             grad_x = new_output(x.shape, x.dtype, x.device)
-            library.token_shift_backward(x.data_ptr(), pairs[:, column:].data_ptr(), 4, grad_y.data_ptr(), *x.shape,
-                                         grad_x.data_ptr(), grad_pairs[:, column:].data_ptr(), threads)
+            offset = column * pairs.element_size()
+            library.token_shift_backward(x.data_ptr(), pairs.data_ptr() + offset, 4, grad_y.data_ptr(), *x.shape,
+                                         grad_x.data_ptr(), grad_pairs.data_ptr() + offset, threads)
             grads.append(grad_x)
         return grads[0], grads[1], grad_pairs.to(ctx.coefficient_dtype)
 
