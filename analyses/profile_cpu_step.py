@@ -1,7 +1,7 @@
 """Where a CPU training step's time goes: the fixed cost of every variant, then standard vs Block (S = 4) vs Full
 AttnRes under the torch profiler.
 
-The small shape of `bench_cpu_step.py` (4 layers, d_model 128, n_ctx 64, batch 12), one torch thread, the fused C
+The small shape of `bench_cpu_step.py` (4 layers, d_model 128, n_ctx 64, batch 12), the fused C
 `cpu` depth-attention backend (what `auto` picks on a CPU), fused AdamW (what `train` runs).
 
 * **Fixed cost.** Each variant is also stepped at 8 tokens (batch 1, n_ctx 8, same layers and widths), where the
@@ -9,8 +9,18 @@ The small shape of `bench_cpu_step.py` (4 layers, d_model 128, n_ctx 64, batch 1
   bookkeeping, which no faster kernel removes. Both shapes are stepped interleaved in one process (medians), and
   each step is split into forward, backward and optimizer. A last row steps the standard model with PyTorch's
   per-tensor AdamW loop (its CPU default) instead of the fused optimizer `train` uses.
-* **Profile.** The profiler adds per-op overhead, so its absolute times are inflated; read the shares and the
-  depth-attention rows.
+* **The C kernels inside the step, and the floor.** Every call of the C library (`kernels/cpu_fused.c`) in a
+  few training steps of each variant is timed and the bytes it must move counted from its arguments (sources,
+  inputs and outputs once each), beside torch's copy bandwidth measured in the same process: a kernel at or above
+  copy bandwidth moves its bytes as fast as this machine moves any. Each variant's excess over the standard step
+  then splits into the fixed cost (the 8-token excess), the time its C kernels take beyond the standard model's
+  (which runs C kernels too: RMSNorm and rotary) and the rest (other ops slowed by the extra bytes, and noise);
+  fixed + kernels is what the step costs before anything else slows, the floor of this design (one eager
+  autograd node per sublayer, each mix reading its sources once).
+* **Profile** (one thread). The profiler adds per-op overhead, so its absolute times are inflated; read the shares
+  and the depth-attention rows.
+
+Each part runs at every torch thread count asked (default 1 and 2).
 
     python -m analyses.profile_cpu_step --out analyses/reports/profile_cpu_step.md
 """
@@ -19,24 +29,35 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import statistics
+import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from analyses.bench_cpu_step import SHAPES, Stepper, variants
-from analyses.bench_depth_scaling import is_depth_op
+from analyses.bench_cpu_step import SHAPES, TARGETS, Stepper, variants
+from analyses.bench_depth_scaling import copy_bandwidth, is_depth_op
 from analyses.common import command_line, emit_report, machine_info, within_rounds
 from attnres_lens import cpu_settings, param_groups
+from attnres_lens.kernels import cpu_fused
 
 PROFILED = ("standard", "block4", "full")
 LOOPED_ADAMW = "standard, per-tensor AdamW"  # what `train` ran on the CPU before it used the fused optimizer
 
 
-def fixed_costs(repeats: int) -> list[str]:
-    """The table of step times at the small shape and at 8 tokens, every variant, interleaved."""
+class Excess(NamedTuple):
+    """A variant's small-shape step against the standard one's (ratio, ms beyond it) and its 8-token excess (ms)."""
+    ratio: float
+    small_ms: float
+    fixed_ms: float
+
+
+def fixed_costs(repeats: int) -> tuple[list[str], dict[str, Excess], float]:
+    """The table of step times at the small shape and at 8 tokens, every variant, interleaved; each variant's
+    `Excess`; the standard small step (ms)."""
     shapes = {"small": SHAPES["small"], "8 tokens": dict(SHAPES["small"], batch=1, n_ctx=8)}
     steppers = {(variant, shape): Stepper(dims, overrides, eager=False)
                 for variant, overrides in variants("cpu").items() for shape, dims in shapes.items()}
@@ -62,15 +83,120 @@ def fixed_costs(repeats: int) -> list[str]:
     lines = ["| variant | small step (ms) | × standard | + standard (ms) | 8-token step (ms) | + standard (ms) | "
              "8 tokens: forward / backward / optimizer (ms) | fixed share of the overhead |",
              "|---|---|---|---|---|---|---|---|"]
+    excess = {}
     for variant in [*variants("cpu"), LOOPED_ADAMW]:
         small, tiny = samples[(variant, "small")], samples[(variant, "8 tokens")]
         ratio, extra_small = versus_standard((variant, "small"))
         _, extra_tiny = versus_standard((variant, "8 tokens"))
+        excess[variant] = Excess(ratio, extra_small, extra_tiny)
         share = f"{extra_tiny / extra_small:.0%}" if extra_small > 0.5 else "(no overhead)"
         phases = " / ".join(f"{median_ms(column):.1f}" for column in list(zip(*tiny))[1:])
         lines.append(f"| {variant} | {median_ms(row[0] for row in small):.1f} | {ratio:.3f} | {extra_small:+.1f} | "
                      f"{median_ms(row[0] for row in tiny):.1f} | {extra_tiny:+.1f} | {phases} | {share} |")
-    return lines
+    return lines, excess, median_ms(row[0] for row in samples[("standard", "small")])
+
+
+# Bytes each C kernel must move per call, from its arguments (the ctypes argument order of `cpu_fused._bind`):
+# sources, inputs and outputs once each, per-token statistics included; [D] parameters and tables left out.
+def _kernel_bytes(name: str, args: tuple, element: int) -> int:
+    if name == "depth_attention_forward":
+        n_sources, n_tokens, d_model, norm = args[1], args[2], args[3], args[7] is not None
+        rows = n_sources + 1 + norm  # every source read; h (and y) written
+        return element * (rows * n_tokens * d_model + (3 * n_sources + norm) * n_tokens)
+    if name == "depth_attention_backward":
+        n_sources, n_tokens, d_model = args[1], args[2], args[3]
+        norm, grad_h, accumulate = args[9] is not None, args[12] is not None, args[14]
+        added = sum(accumulate[s] for s in range(n_sources)) if accumulate is not None else 0
+        # every source read and its gradient written (read first where added into a shared buffer, docs/kernels.md
+        # §5); h and dy with a fused pre-norm; dh where h had other uses
+        rows = 2 * n_sources + added + 2 * norm + grad_h
+        return element * (rows * n_tokens * d_model + (3 * n_sources + norm) * n_tokens)
+    if name == "rms_norm_forward":
+        return element * (2 * args[2] * args[3] + args[2])
+    if name == "rms_norm_backward":
+        return element * (3 * args[4] * args[5] + args[4])
+    if name == "token_shift_forward":
+        return element * 2 * math.prod(args[3:7])
+    if name == "rotary_forward":
+        return element * 2 * math.prod(args[4:8])
+    if name == "token_shift_backward":
+        return element * 3 * math.prod(args[4:8])
+    raise ValueError(f"no byte count for the C kernel {name!r}: add one to _kernel_bytes")
+
+
+class _CountingLibrary:
+    """The float C library with each kernel call timed and its bytes counted (`totals`: name -> [calls, s, bytes])."""
+
+    def __init__(self, library):
+        self._library, self.totals = library, {}
+
+    def __getattr__(self, name: str):
+        function = getattr(self._library, name)
+        if not name.endswith(("_forward", "_backward")):
+            return function  # flags and queries (thread_pool, openmp_threads, vector_sums)
+
+        def timed(*args):
+            start = time.perf_counter()
+            result = function(*args)
+            total = self.totals.setdefault(name, [0, 0.0, 0])
+            total[0] += 1
+            total[1] += time.perf_counter() - start
+            total[2] += _kernel_bytes(name, args, torch.float32.itemsize)
+            return result
+        return timed
+
+
+def kernel_traffic(steps: int) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """Per variant, each C kernel's (calls, seconds, bytes) per step at the small shape, call by call over `steps`
+    training steps after 3 warm-up steps (fp32 models: the float library)."""
+    traffic = {}
+    shipped = cpu_fused.cpu_library
+    try:
+        for variant, overrides in variants("cpu").items():
+            library = _CountingLibrary(shipped(torch.float32))
+            cpu_fused.cpu_library = lambda dtype, library=library: library
+            stepper = Stepper(SHAPES["small"], overrides, eager=False)
+            for _ in range(3):
+                stepper.step()
+            library.totals.clear()
+            for _ in range(steps):
+                stepper.step()
+            traffic[variant] = {name: tuple(value / steps for value in total)
+                                for name, total in sorted(library.totals.items())}
+    finally:
+        cpu_fused.cpu_library = shipped
+    return traffic
+
+
+def floor_sections(excess: dict[str, Excess], standard_ms: float, steps: int) -> list[str]:
+    """The C kernels' time, bytes and bandwidth inside the step, and each variant's excess split into fixed cost,
+    kernels and the rest, at the current torch thread count."""
+    bandwidth = copy_bandwidth()
+    traffic = kernel_traffic(steps)
+    kernel_lines = ["| variant | C kernel | calls per step | ms per step | MB per step | GB/s | × copy bandwidth |",
+                    "|---|---|---|---|---|---|---|"]
+    for variant, kernels in traffic.items():
+        for name, (calls, seconds, nbytes) in kernels.items():
+            rate = nbytes / seconds / 1e9
+            kernel_lines.append(f"| {variant} | {name} | {calls:.0f} | {1e3 * seconds:.3f} | {nbytes / 1e6:.2f} | "
+                                f"{rate:.1f} | {rate / bandwidth:.2f} |")
+    kernel_ms = {variant: 1e3 * sum(seconds for _, seconds, _ in kernels.values())
+                 for variant, kernels in traffic.items()}
+    floor_lines = ["| variant | × standard | + standard (ms) | fixed: 8-token excess (ms) | C kernels beyond the "
+                   "standard's (ms) | the rest (ms) | fixed + kernels, × standard | target |",
+                   "|---|---|---|---|---|---|---|---|"]
+    for variant in traffic:
+        if variant == "standard":
+            continue
+        measured, kernels = excess[variant], kernel_ms[variant] - kernel_ms["standard"]
+        floor = 1 + (measured.fixed_ms + kernels) / standard_ms
+        target = TARGETS.get(variant)
+        verdict = "" if target is None else f"≤ {target:.2f}: floor {'below' if floor <= target else 'ABOVE'}"
+        floor_lines.append(f"| {variant} | {measured.ratio:.3f} | {measured.small_ms:+.2f} | {measured.fixed_ms:+.2f} | "
+                           f"{kernels:+.2f} | {measured.small_ms - measured.fixed_ms - kernels:+.2f} | {floor:.3f} | "
+                           f"{verdict} |")
+    return [f"Copy bandwidth (torch `copy_` of 256 MB, read + write, at this thread count): **{bandwidth:.1f} GB/s**.",
+            "", *kernel_lines, "", *floor_lines]
 
 
 def profile_section(name: str, steps: int) -> list[str]:
@@ -93,26 +219,46 @@ def profile_section(name: str, steps: int) -> list[str]:
 def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30, help="interleaved steps per variant and shape")
-    parser.add_argument("--steps", type=int, default=20, help="profiled steps per variant")
+    parser.add_argument("--steps", type=int, default=20, help="profiled and kernel-timed steps per variant")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    previous = torch.get_num_threads()
     lines = [
         "# Where a CPU training step's time goes", "",
-        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, one torch "
-        f"thread, by `{command_line()}`.", "",
-        "## Fixed cost per step", "",
-        f"{args.repeats} interleaved rounds: each variant stepped at the small shape and at 8 tokens (batch 1, "
-        "n_ctx 8, same layers and widths), where the arithmetic is negligible: the 8-token step is the cost of "
-        "Python, dispatch, allocation and autograd bookkeeping per step. Step times are medians; × standard and "
-        "+ standard the medians over rounds of the ratio and difference to the standard step of the same round. "
-        "The last column is the 8-token excess as a share of the small-shape excess: the part of each variant's "
-        "overhead that does not shrink with faster kernels or fewer bytes.", "",
-        *fixed_costs(args.repeats), "",
-        "## Profile at the small shape", "",
+        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, by "
+        f"`{command_line()}`.", "",
     ]
-    for name in PROFILED:
-        lines += profile_section(name, args.steps)
+    try:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            fixed_lines, excess, standard_ms = fixed_costs(args.repeats)
+            lines += [
+                f"## {threads} torch thread{'s' if threads > 1 else ''}", "",
+                "### Fixed cost per step", "",
+                f"{args.repeats} interleaved rounds: each variant stepped at the small shape and at 8 tokens (batch 1, "
+                "n_ctx 8, same layers and widths), where the arithmetic is negligible: the 8-token step is the cost "
+                "of Python, dispatch, allocation and autograd bookkeeping per step. Step times are medians; "
+                "× standard and + standard the medians over rounds of the ratio and difference to the standard step "
+                "of the same round. The last column is the 8-token excess as a share of the small-shape excess: the "
+                "part of each variant's overhead that does not shrink with faster kernels or fewer bytes.", "",
+                *fixed_lines, "",
+                "### The C kernels inside the step, and the floor", "",
+                f"Every C kernel call of {args.steps} small-shape training steps per variant, timed one by one, with "
+                "the bytes it must move (sources, inputs and outputs once each). Then each variant's excess over the "
+                "standard step (from the table above): the fixed cost, its C kernels' time beyond the standard "
+                "model's (RMSNorm, rotary), and the rest; `fixed + kernels` is the step before anything else slows, "
+                "with kernels at about copy bandwidth or above: the floor of this design, one eager autograd node per "
+                "sublayer and each mix reading its sources once.", "",
+                *floor_sections(excess, standard_ms, args.steps), "",
+            ]
+        torch.set_num_threads(args.threads[0])
+        lines += [f"## Profile at the small shape, {args.threads[0]} torch thread{'s' if args.threads[0] > 1 else ''}",
+                  ""]
+        for name in PROFILED:
+            lines += profile_section(name, args.steps)
+    finally:
+        torch.set_num_threads(previous)
     emit_report("\n".join(lines), args.out)
     return lines
 

@@ -109,16 +109,46 @@ def test_prune_baseline_benchmark_alternates_two_trees(tmp_path):
 def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     module = load("profile_cpu_step")
     monkeypatch.setitem(module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=16, batch=2))
-    lines = module.main(["--repeats", "1", "--steps", "1"])
-    rows = [line.split("|") for line in lines if line.startswith("| ") and "variant" not in line
-            and not line.startswith("| aten") and "ms" not in line.split("|")[1]]
-    table = {row[1].strip(): row for row in rows if row[1].strip() in module.variants("cpu")}
-    assert list(table) == list(module.variants("cpu"))
-    assert any(row[1].strip() == module.LOOPED_ADAMW for row in rows)
-    assert table["standard"][3].strip() == "1.000" and table["standard"][4].strip() == "+0.0"
-    phases = [float(x) for x in table["full"][7].split("/")]
+    lines = module.main(["--repeats", "1", "--steps", "1", "--threads", "1", "2"])
+    assert [line for line in lines if line.startswith("## ")] == ["## 1 torch thread", "## 2 torch threads",
+                                                                 "## Profile at the small shape, 1 torch thread"]
+    one_thread = lines[lines.index("## 1 torch thread"):lines.index("## 2 torch threads")]
+
+    def table(header: str) -> list[list[str]]:
+        start = next(i for i, line in enumerate(one_thread) if line.startswith(header))
+        rows = []
+        for line in one_thread[start + 2:]:
+            if not line.startswith("| "):
+                break
+            rows.append([cell.strip() for cell in line.split("|")[1:-1]])
+        return rows
+
+    fixed = {row[0]: row for row in table("| variant | small step")}
+    assert list(fixed) == [*module.variants("cpu"), module.LOOPED_ADAMW]
+    assert fixed["standard"][2] == "1.000" and fixed["standard"][3] == "+0.0"
+    phases = [float(x) for x in fixed["full"][6].split("/")]
     assert len(phases) == 3 and all(x > 0 for x in phases)
-    assert [line for line in lines if line.startswith("### ")][0].startswith("### standard:")
+    kernels = table("| variant | C kernel")
+    # each variant's own kernels: the depth mix (AttnRes), the KV shift, the rotary embedding and the norms
+    assert {row[1] for row in kernels if row[0] == "full"} >= {"depth_attention_forward", "depth_attention_backward"}
+    assert {row[1] for row in kernels if row[0] == "standard+kv_shift"} >= {"token_shift_forward",
+                                                                            "token_shift_backward"}
+    assert {row[1] for row in kernels if row[0] == "standard"} == {"rms_norm_forward", "rms_norm_backward",
+                                                                   "rotary_forward"}
+    assert all(float(row[3]) > 0 and float(row[5]) > 0 for row in kernels)  # ms and GB/s
+    floors = {row[0]: row for row in table("| variant | × standard")}
+    assert list(floors) == [name for name in module.variants("cpu") if name != "standard"]
+    for row in floors.values():  # the excess splits into fixed + kernels + rest, and the floor is 1 + (fixed + kernels)
+        assert float(row[2]) == pytest.approx(float(row[3]) + float(row[4]) + float(row[5]), abs=0.02)
+    assert floors["block4"][7].startswith("≤ 1.05: floor ")
+    assert cpu_fused_library_restored()
+    assert [line for line in lines if line.startswith("### standard:")]
+
+
+def cpu_fused_library_restored() -> bool:
+    from attnres_lens.kernels import cpu_fused
+
+    return cpu_fused.cpu_library.__name__ == "cpu_library"
 
 
 def test_step_benchmark_takes_each_ratio_within_its_round(monkeypatch):
@@ -140,8 +170,8 @@ def test_step_benchmark_takes_each_ratio_within_its_round(monkeypatch):
     monkeypatch.setattr(module.Stepper, "step", fake_step)
     rows = module.bench("small", 1, 5, ["cpu"])
     assert [row["variant"] for row in rows] == ["standard", "standard+kv_shift", "full [cpu]", "block2 [cpu]",
-                                                "block4 [cpu]"]
-    assert [round(row["ratio"], 6) for row in rows] == [1.0, 1.1, 1.1, 1.1, 1.1]
+                                                "block4 [cpu]", module.SECOND_STANDARD]
+    assert [round(row["ratio"], 6) for row in rows] == [1.0, 1.1, 1.1, 1.1, 1.1, 1.0]
 
 
 def test_within_rounds_compares_each_round_to_its_own_baseline():
