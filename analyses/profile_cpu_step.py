@@ -6,9 +6,10 @@ The small shape of `bench_cpu_step.py` (4 layers, d_model 128, n_ctx 64, batch 1
 
 * **Fixed cost.** Each variant is also stepped at 8 tokens (batch 1, n_ctx 8, same layers and widths), where the
   arithmetic is negligible: that step is the per-step cost of Python, dispatch, allocation and autograd
-  bookkeeping, which no faster kernel removes. Both shapes are stepped interleaved in one process (medians), and
-  each step is split into forward, backward and optimizer. A last row steps the standard model with PyTorch's
-  per-tensor AdamW loop (its CPU default) instead of the fused optimizer `train` uses.
+  bookkeeping, which no faster kernel removes. Both shapes are stepped interleaved in one process (medians; five
+  8-token steps a round, their median), and each step is split into forward, backward and optimizer. A last row
+  steps the standard model with PyTorch's per-tensor AdamW loop (its CPU default) instead of the fused optimizer
+  `train` uses.
 * **The C kernels inside the step, and the floor.** Every call of the C library (`kernels/cpu_fused.c`) in a
   few training steps of each variant is timed and the bytes it must move counted from its arguments (sources,
   inputs and outputs once each), beside torch's copy bandwidth measured in the same process: a kernel at or above
@@ -45,6 +46,7 @@ from attnres_lens import cpu_settings, param_groups
 from attnres_lens.kernels import cpu_fused
 
 PROFILED = ("standard", "block4", "full")
+TINY_STEPS = 5  # 8-token steps per variant and round
 LOOPED_ADAMW = "standard, per-tensor AdamW"  # what `train` ran on the CPU before it used the fused optimizer
 
 
@@ -70,7 +72,10 @@ def fixed_costs(repeats: int) -> tuple[list[str], dict[str, Excess], float]:
     samples = {key: [] for key in steppers}
     for _ in range(repeats):
         for key, stepper in steppers.items():
-            samples[key].append((stepper.step(), *stepper.phases))
+            # an 8-token step is short enough that one per round leaves its excess noisy (+-0.3 ms between runs):
+            # the median of several (each with its phases) per round
+            steps = [(stepper.step(), *stepper.phases) for _ in range(TINY_STEPS if key[1] == "8 tokens" else 1)]
+            samples[key].append(tuple(statistics.median(column) for column in zip(*steps)))
 
     def median_ms(values) -> float:
         return 1000 * statistics.median(values)
@@ -238,7 +243,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
                 "### Fixed cost per step", "",
                 f"{args.repeats} interleaved rounds: each variant stepped at the small shape and at 8 tokens (batch 1, "
                 "n_ctx 8, same layers and widths), where the arithmetic is negligible: the 8-token step is the cost "
-                "of Python, dispatch, allocation and autograd bookkeeping per step. Step times are medians; "
+                "of Python, dispatch, allocation and autograd bookkeeping per step (the median of "
+                f"{TINY_STEPS} per round). Step times are medians; "
                 "× standard and + standard the medians over rounds of the ratio and difference to the standard step "
                 "of the same round. The last column is the 8-token excess as a share of the small-shape excess: the "
                 "part of each variant's overhead that does not shrink with faster kernels or fewer bytes.", "",
