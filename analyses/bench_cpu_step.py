@@ -78,7 +78,9 @@ class Stepper:
         return end - start
 
 
-def bench(shape_name: str, threads: int, repeats: int, paths: list[str]) -> list[dict]:
+def bench_times(shape: dict, threads: int, repeats: int, paths: list[str]) -> dict[str, list[float]]:
+    """Seconds of each variant's steps (and the second standard model's) at `shape` (as in SHAPES), one per round,
+    in `repeats` rounds of shuffled order after 3 warm-up steps each."""
     torch.set_num_threads(threads)
     steppers = {}
     for path in paths:
@@ -87,8 +89,8 @@ def bench(shape_name: str, threads: int, repeats: int, paths: list[str]) -> list
             if name.startswith("standard") and path != paths[0]:
                 continue  # standard models have no depth attention: built once
             label = name if name.startswith("standard") else f"{name} [{path}]"
-            steppers[label] = Stepper(SHAPES[shape_name], overrides, eager=path == "eager")
-    steppers[SECOND_STANDARD] = Stepper(SHAPES[shape_name], variants(paths[0])["standard"], eager=False)
+            steppers[label] = Stepper(shape, overrides, eager=path == "eager")
+    steppers[SECOND_STANDARD] = Stepper(shape, variants(paths[0])["standard"], eager=False)
     for stepper in steppers.values():  # warm-up: allocator, first-call dispatch
         for _ in range(3):
             stepper.step()
@@ -98,6 +100,11 @@ def bench(shape_name: str, threads: int, repeats: int, paths: list[str]) -> list
         shuffle(order)  # no variant always steps after the same one
         for label in order:
             times[label].append(steppers[label].step())
+    return times
+
+
+def bench(shape_name: str, threads: int, repeats: int, paths: list[str]) -> list[dict]:
+    times = bench_times(SHAPES[shape_name], threads, repeats, paths)
     rows = []
     for label, samples in times.items():
         ratio = within_rounds(samples, times["standard"])

@@ -197,8 +197,9 @@ def floor_sections(excess: dict[str, Excess], standard_ms: float, steps: int) ->
         floor = 1 + (measured.fixed_ms + kernels) / standard_ms
         target = TARGETS.get(variant)
         verdict = "" if target is None else f"≤ {target:.2f}: floor {'below' if floor <= target else 'ABOVE'}"
-        floor_lines.append(f"| {variant} | {measured.ratio:.3f} | {measured.small_ms:+.2f} | {measured.fixed_ms:+.2f} | "
-                           f"{kernels:+.2f} | {measured.small_ms - measured.fixed_ms - kernels:+.2f} | {floor:.3f} | "
+        floor_lines.append(f"| {variant} | {measured.ratio:.3f} | {measured.small_ms:+.2f} | "
+                           f"{measured.fixed_ms:+.2f} | {kernels:+.2f} | "
+                           f"{measured.small_ms - measured.fixed_ms - kernels:+.2f} | {floor:.3f} | "
                            f"{verdict} |")
     return [f"Copy bandwidth (torch `copy_` of 256 MB, read + write, at this thread count): **{bandwidth:.1f} GB/s**.",
             "", *kernel_lines, "", *floor_lines]

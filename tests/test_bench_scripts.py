@@ -106,6 +106,29 @@ def test_prune_baseline_benchmark_alternates_two_trees(tmp_path):
     assert worktrees() == before  # the baseline's worktree is removed
 
 
+def test_step_baseline_benchmark_alternates_two_trees(tmp_path):
+    """Against HEAD itself on a one-layer model: each tree's process steps every variant, each gets a ratio per
+    process from both trees, and the worktree is removed afterwards."""
+    import subprocess
+
+    repository = ANALYSES.parent
+
+    def worktrees() -> str:
+        return subprocess.run(["git", "-C", str(repository), "worktree", "list"], capture_output=True, text=True).stdout
+
+    before = worktrees()
+    module = load("bench_step_baseline")
+    lines = module.main(["--baseline", "HEAD", "--tiny", "--threads", "1", "--processes", "2", "--rounds", "2",
+                         "--out", str(tmp_path / "r.md")])
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if line.startswith("| 1 |")]
+    assert [row[1] for row in rows] == ["standard+kv_shift", "full [cpu]", "block2 [cpu]", "block4 [cpu]",
+                                        "standard (second instance)"]
+    for row in rows:
+        assert len(row[2].split(" / ")) == 2 and len(row[4].split(" / ")) == 2  # one ratio per process, each tree
+        assert all(float(ratio) > 0 for ratio in (*row[2].split(" / "), *row[4].split(" / ")))
+    assert (tmp_path / "r.md").exists() and worktrees() == before
+
+
 def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     module = load("profile_cpu_step")
     monkeypatch.setitem(module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=16, batch=2))
