@@ -204,18 +204,25 @@ def kernels_from(library: object) -> Iterator[None]:
         cpu_fused.cpu_library = shipped
 
 
+def with_library(library: object, function: Callable[[], object]) -> Callable[[], None]:
+    """`function` with every C call of `cpu_fused` going to `library`."""
+    def run() -> None:
+        with kernels_from(library):
+            function()
+    return run
+
+
+def compare_libraries(libraries: dict[str, object], function: Callable[[], object], repeats: int) -> Timings:
+    """`function` with each of `libraries` in turn, interleaved."""
+    return interleaved({name: with_library(library, function) for name, library in libraries.items()}, repeats)
+
+
 def vector_sum_rows(repeats: int, tiny: bool) -> list[str]:
     libraries = {"fallback": float_library([]), "loops": float_library([*cpu_fused.ARCH_FLAGS[0], "-DNO_VECTOR_SUMS"]),
                  "vector": cpu_fused.cpu_library(torch.float32)}
 
-    def on(name: str, function: Callable[[], object]) -> Callable[[], None]:
-        def run() -> None:
-            with kernels_from(libraries[name]):
-                function()
-        return run
-
     def compare(function: Callable[[], object]) -> Timings:
-        return interleaved({name: on(name, function) for name in libraries}, repeats)
+        return compare_libraries(libraries, function, repeats)
 
     rows = []
     cases = ((5, 2, 8, 16),) if tiny else ((9, 12, 64, 128), (25, 64, 65, 64), (49, 8, 128, 128))
@@ -241,6 +248,20 @@ def vector_sum_rows(repeats: int, tiny: bool) -> list[str]:
     return rows
 
 
+def paired_step_rows(timing: Timings, shape_name: str, names: list[str], before: str, after: str) -> list[str]:
+    """Table rows of training steps under two settings (`timing` keys "{variant} {setting}"): `| shape | variant |
+    before (ms) | after (ms) | after / before | before: × standard | after: × standard |`."""
+    rows = []
+    for name in names:
+        versus = (" | " if name == "standard" else
+                  f"{timing.ratio(f'{name} {before}', f'standard {before}'):.3f} | "
+                  f"{timing.ratio(f'{name} {after}', f'standard {after}'):.3f}")
+        rows.append(f"| {shape_name} | {name} | {timing.ms(f'{name} {before}'):.1f} | "
+                    f"{timing.ms(f'{name} {after}'):.1f} | {timing.ratio(f'{name} {after}', f'{name} {before}'):.3f} | "
+                    f"{versus} |")
+    return rows
+
+
 def thread_pool_rows(repeats: int, tiny: bool) -> list[str]:
     """Two-thread training steps of Full and Block S=4 AttnRes, × the standard step, with the shipped library (its
     row split on torch's OpenMP pool, from 2^15 elements per thread) and with the pthread build (a thread started
@@ -260,10 +281,7 @@ def thread_pool_rows(repeats: int, tiny: bool) -> list[str]:
             functions = {"standard": steppers["standard"].step}
             for build, library in libraries.items():
                 for name in ("full", "block4"):
-                    def step(stepper=steppers[name], library=library) -> None:
-                        with kernels_from(library):
-                            stepper.step()
-                    functions[f"{name} {build}"] = step
+                    functions[f"{name} {build}"] = with_library(library, steppers[name].step)
             timing = interleaved(functions, repeats)
             for name in ("full", "block4"):
                 rows.append(f"| {shape_name} | {name} | {timing.ratio(f'{name} pthreads', 'standard'):.3f} | "
@@ -298,14 +316,7 @@ def elementwise_thread_rows(repeats: int, tiny: bool) -> list[str]:
                         finally:
                             cpu_fused._elementwise_threads = shipped
                     functions[f"{name} {split}"] = step
-            timing = interleaved(functions, repeats)
-            for name in names:
-                versus = ("" if name == "standard" else
-                          f"{timing.ratio(f'{name} one', 'standard one'):.3f} | "
-                          f"{timing.ratio(f'{name} split', 'standard split'):.3f}")
-                rows.append(f"| {shape_name} | {name} | {timing.ms(f'{name} one'):.1f} | "
-                            f"{timing.ms(f'{name} split'):.1f} | {timing.ratio(f'{name} split', f'{name} one'):.3f} | "
-                            f"{versus or ' | '} |")
+            rows += paired_step_rows(interleaved(functions, repeats), shape_name, names, "one", "split")
     finally:
         torch.set_num_threads(previous)
     return rows
@@ -324,14 +335,8 @@ def thread_sum_rows(repeats: int, tiny: bool) -> tuple[list[str], list[str]]:
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
 
-    def on(name: str, function: Callable[[], object]) -> Callable[[], None]:
-        def run() -> None:
-            with kernels_from(libraries[name]):
-                function()
-        return run
-
     def compare(function: Callable[[], object]) -> Timings:
-        return interleaved({name: on(name, function) for name in libraries}, repeats)
+        return compare_libraries(libraries, function, repeats)
 
     op_lines, step_lines = [], []
     try:
@@ -366,15 +371,9 @@ def thread_sum_rows(repeats: int, tiny: bool) -> tuple[list[str], list[str]]:
         names = list(variants("cpu"))
         for shape_name, shape in shapes.items():
             steppers = {name: Stepper(shape, variants("cpu")[name], eager=False) for name in names}
-            timing = interleaved({f"{name} {build}": on(build, steppers[name].step)
-                                  for build in libraries for name in names}, repeats)
-            for name in names:
-                versus = ("|" if name == "standard" else
-                          f"{timing.ratio(f'{name} in place', 'standard in place'):.3f} | "
-                          f"{timing.ratio(f'{name} own pages', 'standard own pages'):.3f}")
-                step_lines.append(f"| {shape_name} | {name} | {timing.ms(f'{name} in place'):.1f} | "
-                                  f"{timing.ms(f'{name} own pages'):.1f} | "
-                                  f"{timing.ratio(f'{name} own pages', f'{name} in place'):.3f} | {versus} |")
+            timing = interleaved({f"{name} {build}": with_library(library, steppers[name].step)
+                                  for build, library in libraries.items() for name in names}, repeats)
+            step_lines += paired_step_rows(timing, shape_name, names, "in place", "own pages")
     finally:
         torch.set_num_threads(previous)
     return op_lines, step_lines
