@@ -406,8 +406,10 @@ class DepthAttention(nn.Module):
         dtype = sources[0].dtype
         if self.fusable and not self.hooked() and not module_hooked(self) and norm.fuses_into(dtype):
             query, key_norm, norm_weight = self.query, self.key_norm, norm.w
-            gain = key_norm.w
-            if (query.dtype == gain.dtype == dtype  # norm.fuses_into checked norm_weight's
+            gain, width = key_norm.w, sources[0].shape[-1:]
+            # norm.fuses_into checked norm_weight's dtype; a hook that changed the width takes the checked path,
+            # whose error names the mismatch
+            if (query.dtype == gain.dtype == dtype and query.shape == gain.shape == norm_weight.shape == width
                     and elementwise_runs_cpu_kernel(self.backend, *sources)):
                 return fused_mix_and_norm(sources, query, gain, key_norm.eps, norm_weight, norm.eps)
         h = self(sources)

@@ -826,6 +826,20 @@ def test_sums_added_in_place_equal_each_threads_own_sums(many_threads, tmp_path,
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_hook_that_changes_the_width_is_refused_by_the_mix(backend):
+    """A hook that widens the stream leaves the mix's query, key-norm gain and pre-norm gain at the old width: the
+    fused path (which skips the public function's argument checks) must not run on it, and every backend refuses
+    it at the mix with an error naming the mismatch, instead of reading past the parameters."""
+    from attnres_lens import HookedTransformer, ModelConfig
+
+    model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_vocab=32, n_ctx=8, residual="attnres",
+                                          depth_attention_backend=backend, seed=0))
+    tokens = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"query must have shape \[32\]"):
+        model.run_with_hooks(tokens, fwd_hooks=[("hook_embed", lambda x, hook: torch.cat([x, x], -1))])
+
+
 def test_the_fused_pre_norm_refuses_what_it_cannot_run():
     sources = [torch.randn(2, 8) for _ in range(2)]
     with pytest.raises(ValueError, match=r"norm_weight must be \[8\] torch.float32"):

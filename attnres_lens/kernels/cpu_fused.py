@@ -535,7 +535,7 @@ def fused_mix_and_norm(sources: list[torch.Tensor], query: torch.Tensor, key_nor
                        norm_weight: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`depth_attention_normed_cpu` without its checks, for a caller that made them: `DepthAttention.mix_and_norm`,
     whose own checks per call (sources of one shape and dtype on the CPU, outside torch.compile, parameters of the
-    sources' dtype) cover them; checking twice cost ~10 of the ~30 us a small sublayer's mix takes."""
+    sources' dtype and width) cover them; checking twice cost ~10 of the ~30 us a small sublayer's mix takes."""
     return _EagerNormedDepthAttention.apply(query, key_norm_weight, norm_weight.contiguous(), float(eps),
                                             float(norm_eps), *_contiguous(sources, sources[0].dtype))
 
