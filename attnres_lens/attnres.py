@@ -146,7 +146,9 @@ class DepthStream(ResidualStream):
         return self._mix(mixer, self.n_written)
 
     def read_normed(self, mixer: "DepthAttention", hook_in: HookPoint, norm: RMSNorm
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """As `ResidualStream.read_normed`; x is None where the C kernel mixed and normed in one call: nothing
+        reads it (this stream's `write` ignores the sublayer's input, and a hook on it takes the path below)."""
         if module_hooked(hook_in):  # a hook may see or edit x: the norm must read what it returns
             return super().read_normed(mixer, hook_in, norm)
         self._close_block()
@@ -211,7 +213,8 @@ class DepthStream(ResidualStream):
         if self._copies is not None and (mixed := self._mix_over_copies(module, norm)) is not None:
             return mixed
         sources = self._gradient_shared_sources() if self._shares_gradients(module) else self.sources()
-        return module(sources) if norm is None else module.mix_and_norm(sources, norm)
+        # with the norm, the sublayer reads norm(h) alone (`write` ignores its input): the kernel need not keep h
+        return module(sources) if norm is None else module.mix_and_norm(sources, norm, keep_h=False)
 
     def _mix_over_copies(self, module: "DepthAttention", norm: Optional[RMSNorm]):
         """A consumer's mix of stacked copies (`stacked_from`) whose leading sources every copy shares, each copy
@@ -399,9 +402,11 @@ class DepthAttention(nn.Module):
         grouped = [v.unflatten(-1, (self.heads, -1)) for v in sources]  # [..., heads, d_model / heads]
         return mix_sources(weights, grouped).flatten(-2)
 
-    def mix_and_norm(self, sources: list[torch.Tensor], norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def mix_and_norm(self, sources: list[torch.Tensor], norm: RMSNorm, keep_h: bool = True
+                     ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """`(h, norm(h))` for this mix h of `sources` (a consumer and its pre-norm): one C kernel call each way
-        where the mix would run the C kernel and nothing watches it or the norm (docs/kernels.md §4)."""
+        where the mix would run the C kernel and nothing watches it or the norm (docs/kernels.md §4). Without
+        `keep_h` that kernel leaves h out, `(None, norm(h))`: h is neither written nor read back."""
         sources = _common_dtype(sources)
         dtype = sources[0].dtype
         if self.fusable and not self.hooked() and not module_hooked(self) and norm.fuses_into(dtype):
@@ -411,7 +416,7 @@ class DepthAttention(nn.Module):
             # whose error names the mismatch
             if (query.dtype == gain.dtype == dtype and query.shape == gain.shape == norm_weight.shape == width
                     and elementwise_runs_cpu_kernel(self.backend, *sources)):
-                return fused_mix_and_norm(sources, query, gain, key_norm.eps, norm_weight, norm.eps)
+                return fused_mix_and_norm(sources, query, gain, key_norm.eps, norm_weight, norm.eps, keep_h)
         h = self(sources)
         return h, norm(h)
 

@@ -30,9 +30,9 @@ class ResidualStream:
         raise NotImplementedError
 
     def read_normed(self, mixer: Optional[nn.Module], hook_in: nn.Module, norm: nn.Module
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """The next sublayer's input through its hook point and its pre-norm, `(x, norm(x))` (a stream may compute
-        both in one kernel where nothing watches x)."""
+        both in one kernel where nothing watches x, and leave x None where its `write` does not read it)."""
         x = hook_in(self.read(mixer))
         return x, norm(x)
 

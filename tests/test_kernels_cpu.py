@@ -718,7 +718,8 @@ def test_a_model_runs_each_elementwise_kernel_only_on_the_cpu_backend(kernel, mo
     calls = []
     real = getattr(cpu_fused, kernel)
     caller = "attnres" if kernel == "fused_mix_and_norm" else "components"
-    monkeypatch.setattr(f"attnres_lens.{caller}.{kernel}", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr(f"attnres_lens.{caller}.{kernel}",
+                        lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
     tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
     results = {}
     for backend in ("cpu", "reference"):
@@ -787,6 +788,37 @@ def test_the_fused_pre_norm_writes_every_output(many_threads):
     assert torch.isfinite(h).all() and torch.isfinite(y).all()
     grads = torch.autograd.grad(y.square().sum() + h.sum(), [*sources, query, gain, norm_weight])
     assert all(torch.isfinite(grad).all() for grad in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n_sources", [3, 33])  # 33: the tiled backward
+def test_a_fused_mix_that_leaves_h_out_gives_the_same_y_and_gradients(many_threads, dtype, n_sources):
+    """Without keep_h the fused mix writes no h and its backward mixes each row again (the same mix_row, the same
+    weights): y and every gradient equal the kept-h call's bit for bit, split over threads, and the fp64 call
+    passes gradcheck."""
+    generator = torch.Generator().manual_seed(n_sources)
+    sources = [torch.randn(2, 19, 24, dtype=dtype, generator=generator) for _ in range(n_sources)]
+    parameters = [torch.randn(24, dtype=dtype, generator=generator) for _ in range(3)]
+    grad_y = torch.randn(2, 19, 24, dtype=dtype, generator=generator)
+
+    def run(keep_h: bool):
+        leaves = [t.clone().requires_grad_() for t in (*sources, *parameters)]
+        h, y = cpu_fused.fused_mix_and_norm(leaves[:-3], leaves[-3], leaves[-2], 1e-6, leaves[-1], 1e-5, keep_h)
+        y.backward(grad_y)
+        return h, y.detach(), [leaf.grad for leaf in leaves]
+
+    h_kept, y_kept, grads_kept = run(True)
+    h_left, y_left, grads_left = run(False)
+    assert h_kept is not None and h_left is None
+    assert torch.equal(y_left, y_kept)
+    for left, kept in zip(grads_left, grads_kept, strict=True):
+        assert torch.equal(left, kept)
+    if dtype == torch.float64 and n_sources == 3:
+        leaves = tuple(t.clone().requires_grad_() for t in (*sources, *parameters))
+        assert torch.autograd.gradcheck(
+            lambda *t: cpu_fused.fused_mix_and_norm(list(t[:-3]), t[-3], t[-2], 1e-6, t[-1], 1e-5, False)[1], leaves)
+    with pytest.raises(ValueError, match="only a mix with its pre-norm fused can leave h out"):
+        cpu_fused._run_forward(sources, parameters[0], None, 1e-6, keep_h=False)
 
 
 def test_sums_added_in_place_equal_each_threads_own_sums(many_threads, tmp_path, monkeypatch):
@@ -860,7 +892,7 @@ def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
 
     calls = []
     real = cpu_fused.fused_mix_and_norm
-    monkeypatch.setattr("attnres_lens.attnres.fused_mix_and_norm", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr("attnres_lens.attnres.fused_mix_and_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
     models = {}
     for backend in ("cpu", "reference"):
         models[backend] = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=2, d_vocab=32, n_ctx=8,

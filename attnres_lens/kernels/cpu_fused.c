@@ -330,6 +330,7 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
     const real *u = a->folded_query;
     const real *const *src = a->sources;
     real square_sums[S * TILE], dots[S * TILE], w[S * TILE], max_logit[TILE], total[TILE];
+    real h_row[a->h ? 1 : D]; /* h not kept (a->h NULL, only with the pre-norm fused): each row mixed here */
     for (int64_t t0 = begin; t0 < end; t0 += TILE) {
         const int64_t T = end - t0 < TILE ? end - t0 : TILE;
         /* pass 1: rstd and logit sums of every source, one read of each row for both (row by row: read source
@@ -375,12 +376,23 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
         /* pass 2: h = sum_s alpha_s v_s, the rows still in L1/L2, and the fused pre-norm of h while it is */
         for (int64_t t = 0; t < T; ++t) {
             const int64_t row = (t0 + t) * D;
-            real *h = a->h + row;
+            real *h = a->h ? a->h + row : h_row;
             for (int64_t d = 0; d < D; ++d) h[d] = 0;
             mix_row(h, src, S, row, D, w + t);
             if (a->norm_weight) a->norm_rstd[t0 + t] = norm_row(h, a->norm_weight, D, a->norm_eps, a->y + row);
         }
     }
+}
+
+/* Token n's row of h = sum_s alpha_s v_s, mixed again for the fused pre-norm's backward where the forward did not
+ * keep h (docs/kernels.md §4): the same mix_row as the forward's, with the same weights, so the same values bit for
+ * bit; the backward reads these source rows next anyway. alpha is scratch of S * TILE values. */
+INLINE const real *mixed_row(const depth_args *a, int64_t n, int64_t D, real *h, real *alpha) {
+    if (a->h) return a->h + n * D;
+    for (int64_t s = 0; s < a->n_sources; ++s) alpha[s * TILE] = a->weights[s * a->n_tokens + n];
+    for (int64_t d = 0; d < D; ++d) h[d] = 0;
+    mix_row(h, a->sources, a->n_sources, n * D, D, alpha);
+    return h;
 }
 
 /* Per token (r_s = rstd, l_s = unbiased logit, delta = dh . h = sum_s alpha_s (dh . v_s)):
@@ -396,12 +408,12 @@ INLINE void backward_by_token(const depth_args *a, int64_t begin, int64_t end, r
                               const int64_t D) {
     const int64_t S = a->n_sources, N = a->n_tokens;
     const real *u = a->folded_query;
-    real dots[S], fused_dh[a->norm_weight ? D : 1];
+    real dots[S], fused_dh[a->norm_weight ? D : 1], h_row[a->h ? 1 : D], alpha[a->h ? 1 : S * TILE];
     for (int64_t n = begin; n < end; ++n) {
         const real *dh = a->grad_h ? a->grad_h + n * D : NULL;
         if (a->norm_weight) {
-            norm_row_backward(a->h + n * D, a->norm_weight, a->norm_rstd[n], a->grad_y + n * D, dh, D, fused_dh,
-                              grad_norm);
+            norm_row_backward(mixed_row(a, n, D, h_row, alpha), a->norm_weight, a->norm_rstd[n], a->grad_y + n * D,
+                              dh, D, fused_dh, grad_norm);
             dh = fused_dh;
         }
         real delta = 0;
@@ -439,14 +451,15 @@ INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
                              const int64_t D) {
     const int64_t S = a->n_sources, N = a->n_tokens;
     const real *u = a->folded_query;
-    real dots[S * TILE], delta[TILE], fused_dh[a->norm_weight ? TILE * D : 1];
+    real dots[S * TILE], delta[TILE], fused_dh[a->norm_weight ? TILE * D : 1], h_row[a->h ? 1 : D],
+        alpha[a->h ? 1 : S * TILE];
     for (int64_t t0 = begin; t0 < end; t0 += TILE) {
         const int64_t T = end - t0 < TILE ? end - t0 : TILE;
         const real *dh = a->grad_h ? a->grad_h + t0 * D : NULL;
         if (a->norm_weight) {
             for (int64_t n = 0; n < T; ++n)
-                norm_row_backward(a->h + (t0 + n) * D, a->norm_weight, a->norm_rstd[t0 + n], a->grad_y + (t0 + n) * D,
-                                  dh ? dh + n * D : NULL, D, fused_dh + n * D, grad_norm);
+                norm_row_backward(mixed_row(a, t0 + n, D, h_row, alpha), a->norm_weight, a->norm_rstd[t0 + n],
+                                  a->grad_y + (t0 + n) * D, dh ? dh + n * D : NULL, D, fused_dh + n * D, grad_norm);
             dh = fused_dh;
         }
         for (int64_t n = 0; n < T; ++n) delta[n] = 0;
@@ -605,7 +618,9 @@ int openmp_threads(void) {
  * the consumer's pre-norm fused (docs/kernels.md §4; norm_weight not NULL) the forward also writes
  * y = RMSNorm(h) * norm_weight and its rstd while each h row is in L1, and the backward turns dy (plus dh, when h
  * has other uses; else grad_h is NULL) into dh row by row before the mix's backward, with the gain's gradient
- * summed per thread, in double. Without it those pointers are NULL. */
+ * summed per thread, in double. Without it those pointers are NULL. With it, h may be NULL where nothing reads h
+ * (a model's sublayer reads y only): each row is then mixed on the stack, and the backward (h NULL there too) mixes
+ * it again from the sources it reads anyway, so h is neither written nor read back. */
 void depth_attention_forward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
                              const real *folded_query, const real *bias, double eps, const real *norm_weight,
                              double norm_eps, real *h, real *stats, real *y, real *norm_rstd, int n_threads) {

@@ -224,14 +224,17 @@ def _pointer_array(tensors) -> ctypes.Array:
 # contiguous [..., D] tensors of one dtype (fp32 or fp64), read as [N, D] rows; the statistics (rstd, logits,
 # weights) come as one [3, S, N] block.
 def _run_forward(sources: list[torch.Tensor], folded_query: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-                 norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 0.0
-                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                 norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 0.0, keep_h: bool = True
+                 ) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``(h [..., D], stats [3, S, N], y, norm_rstd [N])``; ``y = RMSNorm(h) * norm_weight`` and its rstd with the
-    consumer's pre-norm fused (``norm_weight`` given, contiguous), else None."""
+    consumer's pre-norm fused (``norm_weight`` given, contiguous), else None. With the pre-norm fused and not
+    ``keep_h``, h is not written (None): the backward mixes its rows again."""
     first = sources[0]
     shape, dtype, device = first.shape, first.dtype, first.device
     n_tokens, n_sources = first.numel() // shape[-1], len(sources)
-    h = new_output(shape, dtype, device)
+    if not keep_h and norm_weight is None:
+        raise ValueError("only a mix with its pre-norm fused can leave h out: its output would be y alone")
+    h = new_output(shape, dtype, device) if keep_h else None
     stats = new_output((3, n_sources, n_tokens), dtype, device)
     y = norm_rstd = None
     if norm_weight is not None:
@@ -239,7 +242,7 @@ def _run_forward(sources: list[torch.Tensor], folded_query: torch.Tensor, bias: 
     library = cpu_library(dtype)
     library.depth_attention_forward(
         _pointer_array(sources), n_sources, n_tokens, shape[-1], folded_query.data_ptr(), _address(bias), eps,
-        _address(norm_weight), norm_eps, h.data_ptr(), stats.data_ptr(), _address(y), _address(norm_rstd),
+        _address(norm_weight), norm_eps, _address(h), stats.data_ptr(), _address(y), _address(norm_rstd),
         _n_threads(n_sources * n_tokens * shape[-1], library),
     )
     return h, stats, y, norm_rstd
@@ -488,14 +491,15 @@ def depth_attention_cpu(
 
 class _EagerNormedDepthAttention(torch.autograd.Function):
     """`_EagerDepthAttention` with the consumer's pre-norm fused: ``(h, y)`` with ``y = RMSNorm(h) * norm_weight``
-    (docs/kernels.md §4). ``h`` may have other uses (its gradient is then added to the norm's); weights and logits
-    are not reported. All inputs in the sources' dtype."""
+    (docs/kernels.md §4). ``h`` may have other uses (its gradient is then added to the norm's); without
+    ``keep_h`` it is neither written nor saved (None: the backward mixes its rows again from the sources it reads
+    anyway). Weights and logits are not reported. All inputs in the sources' dtype."""
 
     @staticmethod
-    def forward(ctx, query: torch.Tensor, gain: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_eps: float,
-                *sources: torch.Tensor):
+    def forward(ctx, keep_h: bool, query: torch.Tensor, gain: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                norm_eps: float, *sources: torch.Tensor):
         folded_query = (query * gain).contiguous()
-        h, stats, y, norm_rstd = _run_forward(list(sources), folded_query, None, eps, norm_weight, norm_eps)
+        h, stats, y, norm_rstd = _run_forward(list(sources), folded_query, None, eps, norm_weight, norm_eps, keep_h)
         ctx.save_for_backward(query, gain, folded_query, norm_weight, stats, norm_rstd, h, *sources)
         ctx.shared = _shared_gradients(sources)
         ctx.set_materialize_grads(False)  # h usually has no other use: no zero gradient to add
@@ -506,12 +510,12 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
     def backward(ctx, grad_h: Optional[torch.Tensor], grad_y: Optional[torch.Tensor]):
         query, gain, folded_query, norm_weight, stats, norm_rstd, h, *sources = ctx.saved_tensors
         if grad_y is None and grad_h is None:
-            return (None,) * (5 + len(sources))
+            return (None,) * (6 + len(sources))
         norm = None if grad_y is None else (h, norm_weight, norm_rstd, grad_y.contiguous())  # None: only h was used
         grad_sources, grad_query, grad_gain, grad_norm_weight = _run_backward(
             sources, folded_query, stats, None if grad_h is None else grad_h.contiguous(),
             _buffers_to_sum_into(ctx, grad_h, grad_y), norm, (query, gain))
-        return grad_query, grad_gain, grad_norm_weight, None, None, *grad_sources
+        return None, grad_query, grad_gain, grad_norm_weight, None, None, *grad_sources
 
 
 def depth_attention_normed_cpu(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor,
@@ -532,11 +536,13 @@ def depth_attention_normed_cpu(sources: list[torch.Tensor], query: torch.Tensor,
 
 
 def fused_mix_and_norm(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
-                       norm_weight: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       norm_weight: torch.Tensor, norm_eps: float, keep_h: bool = True
+                       ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """`depth_attention_normed_cpu` without its checks, for a caller that made them: `DepthAttention.mix_and_norm`,
     whose own checks per call (sources of one shape and dtype on the CPU, outside torch.compile, parameters of the
-    sources' dtype and width) cover them; checking twice cost ~10 of the ~30 us a small sublayer's mix takes."""
-    return _EagerNormedDepthAttention.apply(query, key_norm_weight, norm_weight.contiguous(), float(eps),
+    sources' dtype and width) cover them; checking twice cost ~10 of the ~30 us a small sublayer's mix takes.
+    Without ``keep_h``, ``(None, y)``: h is neither written nor read back (a model's sublayer reads y alone)."""
+    return _EagerNormedDepthAttention.apply(keep_h, query, key_norm_weight, norm_weight.contiguous(), float(eps),
                                             float(norm_eps), *_contiguous(sources, sources[0].dtype))
 
 
