@@ -105,16 +105,18 @@ def fixed_costs(repeats: int) -> tuple[list[str], dict[str, Excess], float]:
 # sources, inputs and outputs once each, per-token statistics included; [D] parameters and tables left out.
 def _kernel_bytes(name: str, args: tuple, element: int) -> int:
     if name == "depth_attention_forward":
-        n_sources, n_tokens, d_model, norm = args[1], args[2], args[3], args[7] is not None
-        rows = n_sources + 1 + norm  # every source read; h (and y) written
+        n_sources, n_tokens, d_model = args[1], args[2], args[3]
+        norm, h = args[7] is not None, args[9] is not None
+        rows = n_sources + h + norm  # every source read; h (where kept) and y written
         return element * (rows * n_tokens * d_model + (3 * n_sources + norm) * n_tokens)
     if name == "depth_attention_backward":
         n_sources, n_tokens, d_model = args[1], args[2], args[3]
-        norm, grad_h, accumulate = args[9] is not None, args[12] is not None, args[14]
+        h, norm, grad_h, accumulate = args[8] is not None, args[9] is not None, args[12] is not None, args[14]
         added = sum(accumulate[s] for s in range(n_sources)) if accumulate is not None else 0
         # every source read and its gradient written (read first where added into a shared buffer, docs/kernels.md
-        # §5); h and dy with a fused pre-norm; dh where h had other uses
-        rows = 2 * n_sources + added + 2 * norm + grad_h
+        # §5); dy with a fused pre-norm, and h where the forward kept it (else mixed again from the sources); dh
+        # where h had other uses
+        rows = 2 * n_sources + added + h + norm + grad_h
         return element * (rows * n_tokens * d_model + (3 * n_sources + norm) * n_tokens)
     if name == "rms_norm_forward":
         return element * (2 * args[2] * args[3] + args[2])
