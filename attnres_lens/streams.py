@@ -4,7 +4,8 @@ A forward pass drives a stream with three calls, in sublayer order:
 
 * `read(mixer)`: the input `h_j` of the next sublayer (`mixer` is its depth attention, None for the standard sum),
   which the block asks for as `read_normed(mixer, hook_in, norm)`: `(hook_in(h_j), norm(...))`;
-* `write(output, input)`: record the sublayer's output `f_j` (with the input it was given, possibly hook-edited);
+* `write(output, input)`: record the sublayer's output `f_j` (with the input it was given, possibly hook-edited,
+  or None where the stream's `read_normed` left it out);
 * `readout(mixer)`: the input of the final norm once every sublayer has written.
 
 `end_layer(mixer)` closes a layer (DenseFormer averages over depth there). `state` is the post-layer state that

@@ -330,7 +330,7 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
     const real *u = a->folded_query;
     const real *const *src = a->sources;
     real square_sums[S * TILE], dots[S * TILE], w[S * TILE], max_logit[TILE], total[TILE];
-    real h_row[a->h ? 1 : D]; /* h not kept (a->h NULL, only with the pre-norm fused): each row mixed here */
+    real h_row[a->h ? 1 : D]; /* h not kept (NULL, which the caller passes only with the pre-norm fused): rows here */
     for (int64_t t0 = begin; t0 < end; t0 += TILE) {
         const int64_t T = end - t0 < TILE ? end - t0 : TILE;
         /* pass 1: rstd and logit sums of every source, one read of each row for both (row by row: read source
@@ -408,7 +408,8 @@ INLINE void backward_by_token(const depth_args *a, int64_t begin, int64_t end, r
                               const int64_t D) {
     const int64_t S = a->n_sources, N = a->n_tokens;
     const real *u = a->folded_query;
-    real dots[S], fused_dh[a->norm_weight ? D : 1], h_row[a->h ? 1 : D], alpha[a->h ? 1 : S * TILE];
+    const int remix = a->norm_weight && !a->h; /* the fused pre-norm's backward without a kept h: mixed_row */
+    real dots[S], fused_dh[a->norm_weight ? D : 1], h_row[remix ? D : 1], alpha[remix ? S * TILE : 1];
     for (int64_t n = begin; n < end; ++n) {
         const real *dh = a->grad_h ? a->grad_h + n * D : NULL;
         if (a->norm_weight) {
@@ -451,8 +452,9 @@ INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
                              const int64_t D) {
     const int64_t S = a->n_sources, N = a->n_tokens;
     const real *u = a->folded_query;
-    real dots[S * TILE], delta[TILE], fused_dh[a->norm_weight ? TILE * D : 1], h_row[a->h ? 1 : D],
-        alpha[a->h ? 1 : S * TILE];
+    const int remix = a->norm_weight && !a->h; /* the fused pre-norm's backward without a kept h: mixed_row */
+    real dots[S * TILE], delta[TILE], fused_dh[a->norm_weight ? TILE * D : 1], h_row[remix ? D : 1],
+        alpha[remix ? S * TILE : 1];
     for (int64_t t0 = begin; t0 < end; t0 += TILE) {
         const int64_t T = end - t0 < TILE ? end - t0 : TILE;
         const real *dh = a->grad_h ? a->grad_h + t0 * D : NULL;
