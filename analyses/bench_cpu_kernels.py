@@ -14,7 +14,8 @@ the commands' process costs, each measured side by side (issues 13 and 15; docs/
   OpenMP pool) and with the pthread build (without -fopenmp), each × the standard step, interleaved; of every
   variant with the KV shift, rotary and RMSNorm kernels split over the pool and on one thread; and ops and steps
   with each thread's parameter-gradient sums in pages of its own (as built) against the build that adds them into
-  one shared block (-DSHARED_THREAD_SUMS);
+  one shared block (-DSHARED_THREAD_SUMS); and steps with the sublayer's fused mix keeping h against leaving it
+  out;
 * process costs: a model replica for the worker threads (`interventions.model_replica`), and the exit of a process
   that imported the analysis commands, with and without `gc.freeze()` (fresh processes, alternating).
 
@@ -379,6 +380,48 @@ def thread_sum_rows(repeats: int, tiny: bool) -> tuple[list[str], list[str]]:
     return op_lines, step_lines
 
 
+@contextlib.contextmanager
+def mix_keeps_h() -> Iterator[None]:
+    """A model's fused mix writes and keeps h, as before 2026-12-02 (it leaves h out as shipped: docs/kernels.md §4)."""
+    shipped = attnres.fused_mix_and_norm
+    # DepthAttention.mix_and_norm passes the six arguments and keep_h positionally
+    attnres.fused_mix_and_norm = lambda *args: shipped(*args[:6], True)
+    try:
+        yield
+    finally:
+        attnres.fused_mix_and_norm = shipped
+
+
+def kept_h_rows(repeats: int, tiny: bool) -> list[str]:
+    """Training steps of every variant with the sublayer's fused mix keeping h (written, saved, read back) and
+    leaving it out (as shipped), interleaved: bench_cpu_step's small shape at one and two threads, and a 24-layer
+    model (d_model 128, n_ctx 128, batch 8) at one thread with a quarter of the rounds."""
+    from analyses.bench_cpu_step import SHAPES, Stepper, variants
+
+    deep = dict(n_layers=24, d_model=128, n_heads=4, n_ctx=128, batch=8)
+    settings = ([("tiny", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2), 1, repeats)] if tiny else
+                [("small", SHAPES["small"], 1, repeats), ("small", SHAPES["small"], 2, repeats),
+                 ("24 layers", deep, 1, max(3, repeats // 4))])
+    names = ["standard", "full", "block2", "block4"]
+    previous = torch.get_num_threads()
+    rows = []
+    try:
+        for shape_name, shape, threads, rounds in settings:
+            torch.set_num_threads(threads)
+            steppers = {name: Stepper(shape, variants("cpu")[name], eager=False) for name in names}
+            functions = {}
+            for name in names:
+                def kept(stepper=steppers[name]) -> None:
+                    with mix_keeps_h():
+                        stepper.step()
+                functions[f"{name} kept"], functions[f"{name} left out"] = kept, steppers[name].step
+            rows += paired_step_rows(interleaved(functions, rounds), f"{shape_name}, {threads} thread(s)", names,
+                                     "kept", "left out")
+    finally:
+        torch.set_num_threads(previous)
+    return rows
+
+
 def exit_seconds(mode: str) -> float:
     """Seconds from the probe's last line to its process's end."""
     out = subprocess.run([sys.executable, "-c", _EXIT_PROBE, mode], capture_output=True, text=True, check=True)
@@ -471,6 +514,16 @@ def main(argv: Optional[Sequence[str]] = None, keep_memory: bool = False) -> lis
         "own pages: × standard |",
         "|---|---|---|---|---|---|---|",
         *sum_steps,
+    ]
+    lines += [
+        "",
+        "A sublayer's fused mix keeping its input h (written, saved for the backward, read back) against leaving "
+        "it out as shipped (docs/kernels.md §4: the backward mixes each row again from the sources it reads "
+        "anyway), in training steps of every variant, interleaved.",
+        "",
+        "| shape | variant | h kept (ms) | h left out (ms) | left out / kept | kept: × standard | left out: × standard |",
+        "|---|---|---|---|---|---|---|",
+        *kept_h_rows(args.repeats, args.tiny),
     ]
     shapes = TINY_SHAPES if args.tiny else MODEL_SHAPES[2:3]
     model = HookedTransformer(ModelConfig(d_vocab=64, residual="attnres", **shapes[0][1]))

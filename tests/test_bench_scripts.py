@@ -79,6 +79,10 @@ def test_cpu_kernels_benchmark_on_tiny_shapes():
     assert threads == [["tiny", "full"], ["tiny", "block4"],  # the pthread build against the OpenMP pool
                        *(["tiny", name] for name in ("standard", "standard+kv_shift", "full", "block4")),  # elementwise
                        *(["tiny", name] for name in ("standard", "standard+kv_shift", "full", "block2", "block4"))]
+    kept = [[cell.strip() for cell in line.split("|")[1:3]] for line in lines if line.startswith("| tiny, 1 thread(s) |")]
+    assert kept == [["tiny, 1 thread(s)", name] for name in ("standard", "full", "block2", "block4")]  # h kept or not
+    from attnres_lens import attnres
+    assert attnres.fused_mix_and_norm is cpu_fused.fused_mix_and_norm  # the shipped mix, restored
     sums = [line.split("|")[1].strip() for line in lines if line.startswith(("| depth mix + pre-norm", "| KV shift"))]
     assert sums == ["depth mix + pre-norm, 3 x [2, 8, 16]", "depth mix + pre-norm, 9 x [2, 8, 16]",
                     "KV shift [2, 8, 4, 4]"]

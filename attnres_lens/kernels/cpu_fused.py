@@ -196,8 +196,8 @@ def _elementwise_threads(n_elements: int, library: ctypes.CDLL) -> int:
 def once_differentiable(backward: Callable) -> Callable:
     """torch's `once_differentiable` for the C kernels' backwards, without its cost where it does nothing: in a
     plain backward (no create_graph) grad mode is already off, where its no-grad context and output checks only
-    return the outputs (~5 us a node, ~35 nodes in a small model's step); with create_graph it runs as torch's,
-    so a second derivative through the C backward raises instead of coming out wrong."""
+    return the outputs (~5 us a node in a trial, 2026-12-02; ~35 nodes in a small model's step); with create_graph
+    it runs as torch's, so a second derivative through the C backward raises instead of coming out wrong."""
     guarded = _guard_second_derivative(backward)
 
     @functools.wraps(backward)
@@ -540,8 +540,9 @@ def fused_mix_and_norm(sources: list[torch.Tensor], query: torch.Tensor, key_nor
                        ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """`depth_attention_normed_cpu` without its checks, for a caller that made them: `DepthAttention.mix_and_norm`,
     whose own checks per call (sources of one shape and dtype on the CPU, outside torch.compile, parameters of the
-    sources' dtype and width) cover them; checking twice cost ~10 of the ~30 us a small sublayer's mix takes.
-    Without ``keep_h``, ``(None, y)``: h is neither written nor read back (a model's sublayer reads y alone)."""
+    sources' dtype and width) cover them; checking twice cost ~10 of the ~30 us a small sublayer's mix takes (a
+    trial, 2026-12-02). Without ``keep_h``, ``(None, y)``: h is neither written nor read back (a model's sublayer
+    reads y alone)."""
     return _EagerNormedDepthAttention.apply(keep_h, query, key_norm_weight, norm_weight.contiguous(), float(eps),
                                             float(norm_eps), *_contiguous(sources, sources[0].dtype))
 
