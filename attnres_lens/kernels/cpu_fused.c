@@ -244,7 +244,9 @@ INLINE __m256 exp_nonpositive8(__m256 x) {
 
 /* Software prefetch of one token row of every source, PREFETCH_ROWS tokens ahead: a mix reads S streams at once,
  * more than the hardware prefetchers follow, and at depth the sources come from memory (docs/kernels.md §6). */
+#ifndef PREFETCH_ROWS /* analyses/bench_cold_mix.py builds it with others */
 #define PREFETCH_ROWS 4
+#endif
 INLINE void prefetch_rows(const real *const *src, int64_t S, int64_t offset, int64_t D) {
     const int64_t line = 64 / (int64_t)sizeof(real);
     for (int64_t s = 0; s < S; ++s)
@@ -492,7 +494,9 @@ INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
 
 /* Up to this many sources the by-token loop is faster (its 2S streams still prefetch well); beyond it the tiled
  * one: measured 2.1x faster at 49 sources, 1.1-1.4x slower at 9-25 (d_model 64-128). */
+#ifndef TILED_BACKWARD_MIN_SOURCES /* analyses/bench_cold_mix.py builds it with others */
 #define TILED_BACKWARD_MIN_SOURCES 33
+#endif
 
 INLINE void backward_rows_d(const depth_args *a, int64_t begin, int64_t end, real *grad_u, double *grad_norm,
                             const int64_t D) {

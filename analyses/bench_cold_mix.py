@@ -1,0 +1,195 @@
+"""The depth mix with cold caches: why a training step's mixes can run below copy bandwidth, and two builds that
+read the sources differently (issue 15; docs/kernels.md §6).
+
+In a training step the sources of a mix were written a sublayer or more ago, and the matmuls since have evicted
+them: the mix reads them from memory, where a timing loop of the op alone finds them in cache. This script times
+the fused mix with its consumer's pre-norm (`cpu_fused._run_forward` / `_run_backward`, as a model's sublayer
+calls them) at the small training shape's rows, both ways:
+
+* **warm**: called again at once, its sources in cache;
+* **cold**: after a read of 64 MB (more than the last-level cache of the machines measured), as in a step.
+
+Each with the shipped library and two builds of the same source: the tiled backward from one source on
+(`-DTILED_BACKWARD_MIN_SOURCES=1`; shipped, tiles only from 33 sources) and no software prefetch
+(`-DPREFETCH_ROWS` past any row count). Bytes are `profile_cpu_step`'s count for the call (each source, input and
+output once); the same-bytes reference is torch summing the sources stacked along a new first dimension into one
+output, as cold. Then training steps of every AttnRes variant at bench_cpu_step's small shape with the shipped
+library and the tiled-backward build, each × the standard step under the same build, interleaved. At 1 and 2 torch
+threads; freed memory kept for reuse, as `train` runs.
+
+    python -m analyses.bench_cold_mix --out analyses/reports/bench_cold_mix.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from analyses.bench_cpu_kernels import Timings, float_library, interleaved, kernels_from, paired_step_rows, with_library
+from analyses.bench_cpu_step import SHAPES, Stepper, variants
+from analyses.bench_depth_scaling import copy_bandwidth
+from analyses.common import command_line, emit_report, machine_info
+from analyses.profile_cpu_step import _CountingLibrary
+from attnres_lens import cpu_settings
+from attnres_lens.kernels import cpu_fused
+
+SWEEP_MEGABYTES = 64
+STEP_VARIANTS = ("standard", "full", "block2", "block4")
+
+
+def builds() -> dict[str, object]:
+    """The shipped float library and the two variant builds, by name."""
+    arch = list(cpu_fused.ARCH_FLAGS[0])
+    return {"shipped": cpu_fused.cpu_library(torch.float32),
+            "tiled backward": float_library([*arch, "-DTILED_BACKWARD_MIN_SOURCES=1"]),
+            "no prefetch": float_library([*arch, f"-DPREFETCH_ROWS={1 << 30}"])}
+
+
+def sweep(megabytes: int) -> Callable[[], None]:
+    """A read of `megabytes` (a sum): afterwards the caches hold that buffer, not what was read before."""
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    return lambda: buffer.sum()
+
+
+def cold_timings(functions: dict[str, Callable[[], object]], repeats: int, before: Optional[Callable[[], None]]
+                 ) -> Timings:
+    """Seconds of each function per round, interleaved, each call after `before` (untimed) when given."""
+    times = Timings({name: [] for name in functions})
+    for round_ in range(repeats + 1):
+        for name, function in functions.items():
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            function()
+            if round_:  # the first round warms up
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def call_bytes(library: object, call: Callable[[], object]) -> int:
+    """The bytes `profile_cpu_step` counts for the C calls of `call`."""
+    counting = _CountingLibrary(library)
+    with kernels_from(counting):
+        call()
+    return sum(total[2] for total in counting.totals.values())
+
+
+def mix_rows(batch: int, pos: int, width: int, source_counts: Sequence[int], repeats: int, threads: int,
+             libraries: dict[str, object], before_cold: Callable[[], None]) -> list[str]:
+    """`| threads | sources | caches | build | fwd (us) | GB/s | bwd (us) | GB/s |` rows, the torch reference last in
+    each cache state."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for n_sources in source_counts:
+        sources = [torch.randn(batch, pos, width, generator=generator) for _ in range(n_sources)]
+        query, gain, norm_weight = (torch.rand(width, generator=generator) + 0.5 for _ in range(3))
+        folded = query * gain
+        grad_y = torch.randn(batch, pos, width, generator=generator)
+        _h, stats, _y, norm_rstd = cpu_fused._run_forward(sources, folded, None, 1e-6, norm_weight, 1e-5, False)
+
+        def forward() -> object:
+            return cpu_fused._run_forward(sources, folded, None, 1e-6, norm_weight, 1e-5, False)
+
+        def backward() -> object:
+            return cpu_fused._run_backward(sources, folded, stats, None, None, (None, norm_weight, norm_rstd, grad_y),
+                                           (query, gain))
+
+        stacked, summed = torch.stack(sources), torch.empty_like(sources[0])
+        shipped = libraries["shipped"]
+        forward_bytes, backward_bytes = call_bytes(shipped, forward), call_bytes(shipped, backward)
+        reference_bytes = (stacked.numel() + summed.numel()) * stacked.element_size()
+        functions = {}
+        for name, library in libraries.items():
+            functions[f"{name} fwd"] = with_library(library, forward)
+            functions[f"{name} bwd"] = with_library(library, backward)
+        functions["reference"] = lambda: torch.sum(stacked, 0, out=summed)
+        for caches, before in (("warm", None), ("cold", before_cold)):
+            timing = cold_timings(functions, repeats, before)
+            for name in libraries:
+                forward_s, backward_s = timing.ms(f"{name} fwd") / 1e3, timing.ms(f"{name} bwd") / 1e3
+                rows.append(f"| {threads} | {n_sources} | {caches} | {name} | {1e6 * forward_s:.0f} | "
+                            f"{forward_bytes / forward_s / 1e9:.1f} | {1e6 * backward_s:.0f} | "
+                            f"{backward_bytes / backward_s / 1e9:.1f} |")
+            reference_s = timing.ms("reference") / 1e3
+            rows.append(f"| {threads} | {n_sources} | {caches} | torch sum of the stacked sources (same bytes as "
+                        f"the forward) | {1e6 * reference_s:.0f} | {reference_bytes / reference_s / 1e9:.1f} | | |")
+    return rows
+
+
+def step_rows(shape: dict, shape_name: str, repeats: int, threads: int, libraries: dict[str, object]) -> list[str]:
+    """`paired_step_rows` of training steps with the shipped library and the tiled-backward build."""
+    steppers = {name: Stepper(shape, variants("cpu")[name], eager=False) for name in STEP_VARIANTS}
+    functions = {f"{name} {build}": with_library(libraries[build], stepper.step)
+                 for name, stepper in steppers.items() for build in ("shipped", "tiled backward")}
+    for function in functions.values():
+        function(), function()
+    timing = interleaved(functions, repeats)
+    return [row.replace(f"| {shape_name} |", f"| {shape_name} | {threads} |", 1)
+            for row in paired_step_rows(timing, shape_name, list(STEP_VARIANTS), "shipped", "tiled backward")]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a test of the script)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if any(threads < 1 for threads in args.threads):
+        parser.error(f"--threads must be positive, got {args.threads}")
+    started = time.perf_counter()
+    if args.out is not None:  # process-wide, so a test calling main() leaves it alone
+        cpu_settings.keep_freed_memory()
+    batch, pos, width, source_counts = (2, 8, 16, (2, 5)) if args.tiny else (12, 64, 128, (3, 5, 9))
+    shape_name = "tiny" if args.tiny else "small"
+    shape = dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2) if args.tiny else SHAPES["small"]
+    libraries = builds()
+    before_cold = sweep(1 if args.tiny else SWEEP_MEGABYTES)
+    previous = torch.get_num_threads()
+    mixes, steps, bandwidths = [], [], []
+    try:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            bandwidths.append(f"{threads} thread{'s' if threads > 1 else ''}: "
+                              f"{copy_bandwidth(8 if args.tiny else 256):.1f} GB/s")
+            mixes += mix_rows(batch, pos, width, source_counts, args.repeats, threads, libraries, before_cold)
+            steps += step_rows(shape, shape_name, args.repeats, threads, libraries)
+    finally:
+        torch.set_num_threads(previous)
+    lines = [
+        "# The depth mix with cold caches",
+        "",
+        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, in "
+        f"{time.perf_counter() - started:.0f} s, by `{command_line()}`; {args.repeats} interleaved rounds, medians.",
+        "",
+        f"The fused mix with its pre-norm at [{batch}, {pos}, {width}] per source, forward and backward (the h-less "
+        f"form a model's sublayer runs), warm (called again at once) and cold (after a {SWEEP_MEGABYTES} MB read), "
+        "with the shipped library, the tiled backward from one source on, and no software prefetch; GB/s from "
+        "`profile_cpu_step`'s byte count of each call. Torch copy bandwidth (256 MB, read + write): "
+        f"{', '.join(bandwidths)}.",
+        "",
+        "| threads | sources | caches | build | fwd (µs) | fwd GB/s | bwd (µs) | bwd GB/s |",
+        "|---|---|---|---|---|---|---|---|",
+        *mixes,
+        "",
+        f"Training steps at bench_cpu_step's {shape_name} shape with the shipped library and the tiled-backward "
+        "build; × standard: the standard step under the same build, the median over rounds of the ratio within the "
+        "round.",
+        "",
+        "| shape | threads | variant | shipped (ms) | tiled backward (ms) | tiled / shipped | shipped: × standard | "
+        "tiled: × standard |",
+        "|---|---|---|---|---|---|---|---|",
+        *steps,
+    ]
+    emit_report("\n".join(lines), args.out)
+    return lines
+
+
+if __name__ == "__main__":
+    main()
