@@ -31,11 +31,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from analyses.bench_cpu_kernels import Timings, float_library, interleaved, kernels_from, paired_step_rows, with_library
+from analyses.bench_cpu_kernels import Timings, float_library, interleaved, paired_step_rows, with_library
 from analyses.bench_cpu_step import SHAPES, Stepper, variants
-from analyses.bench_depth_scaling import copy_bandwidth
 from analyses.common import command_line, emit_report, machine_info
-from analyses.profile_cpu_step import _CountingLibrary
+from analyses.kernel_traffic import CountingLibrary, copy_bandwidth, kernels_from
 from attnres_lens import cpu_settings
 from attnres_lens.kernels import cpu_fused
 
@@ -73,8 +72,8 @@ def cold_timings(functions: dict[str, Callable[[], object]], repeats: int, befor
 
 
 def call_bytes(library: object, call: Callable[[], object]) -> int:
-    """The bytes `profile_cpu_step` counts for the C calls of `call`."""
-    counting = _CountingLibrary(library)
+    """The bytes `kernel_traffic.kernel_bytes` counts for the C calls of `call` (on `library`)."""
+    counting = CountingLibrary(library)
     with kernels_from(counting):
         call()
     return sum(total[2] for total in counting.totals.values())

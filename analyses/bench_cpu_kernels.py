@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from analyses.common import command_line, emit_report, machine_info, within_rounds
+from analyses.kernel_traffic import kernels_from
 from attnres_lens import HookedTransformer, ModelConfig, attnres
 from attnres_lens.analysis.interventions import model_replica
 from attnres_lens.components import apply_rotary, rotary_tables
@@ -192,17 +193,6 @@ def float_library(arch_flags: list[str], thread_flags: Optional[list[str]] = Non
                 del os.environ[cpu_fused.CACHE_ENV_VAR]
             else:
                 os.environ[cpu_fused.CACHE_ENV_VAR] = cache
-
-
-@contextlib.contextmanager
-def kernels_from(library: object) -> Iterator[None]:
-    """Every C call of `cpu_fused` goes to `library`."""
-    shipped = cpu_fused.cpu_library
-    cpu_fused.cpu_library = lambda dtype: library
-    try:
-        yield
-    finally:
-        cpu_fused.cpu_library = shipped
 
 
 def with_library(library: object, function: Callable[[], object]) -> Callable[[], None]:

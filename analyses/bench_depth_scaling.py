@@ -7,9 +7,9 @@ Full and Block (S = 4) models step interleaved, medians over repeats. Per step i
 * activation memory: the bytes of every distinct tensor storage autograd saves for the backward (parameters
   excluded), a machine-independent measure. It must grow linearly in depth for every variant: Full AttnRes
   reads J²/2 sources per forward, but each source is one tensor saved once, never a stacked copy of them;
-* the depth mix's bandwidth: bytes the fused forward and backward ops must move (forward: every source it reads,
-  plus h; backward: every source and its gradient, plus dh) over their profiled time, next to `copy_` of a
-  256 MB buffer (read + write) on the same core.
+* the depth mix's bandwidth: the bytes its C forward and backward calls must move, as `kernel_traffic.kernel_bytes`
+  counts them (forward: every source it reads, plus y or h; backward: every source and its gradient, plus dy or
+  dh), over those calls' time, next to `copy_` of a 256 MB buffer (read + write) on the same core.
 
     python -m analyses.bench_depth_scaling --out analyses/reports/bench_depth_scaling.md
 """
@@ -17,7 +17,6 @@ Full and Block (S = 4) models step interleaved, medians over repeats. Per step i
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import statistics
 import sys
@@ -26,20 +25,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from analyses import bench_cpu_step
 from analyses.common import command_line, emit_report, machine_info, within_rounds
+from analyses.kernel_traffic import DEPTH_MIX_KERNELS, copy_bandwidth, counted_calls
 from attnres_lens import HookedTransformer
 
 VARIANTS = {"standard": dict(residual="standard"), "full": dict(residual="attnres", attnres_block_size=1),
             "block4": dict(residual="attnres", attnres_block_size=4)}
-
-
-def is_depth_op(key: str) -> bool:
-    """Profiler events of the fused C depth kernel: its eager autograd.Functions (forward and backward, with the
-    sublayer's pre-norm fused or not) or, when compiled, its custom ops (kernels/cpu_fused.py)."""
-    return key.startswith(("_EagerDepthAttention", "_EagerNormedDepthAttention", "attnres_lens::depth_attention_cpu"))
 
 
 class Stepper(bench_cpu_step.Stepper):
@@ -52,26 +45,15 @@ class Stepper(bench_cpu_step.Stepper):
     def saved_activation_bytes(self) -> int:
         return saved_activation_bytes(self.model, self.tokens)
 
-    def depth_mix_bytes(self) -> int:
-        """Bytes the fused depth ops must move per step (docs/kernels.md §8): forward reads each consumer's
-        sources and writes h; backward reads the sources and dh and writes each source's gradient, and where
-        another consumer of the source wrote it already, reads it to add into it (§5)."""
-        cfg = self.model.cfg
-        row_bytes = self.tokens.numel() * cfg.d_model * 4
-        layouts = [self.model.sources(c) for c in range(cfg.n_sublayers + 1)]
-        readers = collections.Counter(tuple(source) for layout in layouts for source in layout)
-        added = sum(count - 1 for count in readers.values())
-        return row_bytes * (sum((n + 1) + (2 * n + 1) for n in map(len, layouts)) + added)
-
-    def depth_mix_seconds(self, steps: int = 3) -> float:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                self.step()
-        seconds = sum(e.self_cpu_time_total for e in prof.key_averages() if is_depth_op(e.key)) / steps / 1e6
-        if seconds <= 0:
-            raise RuntimeError("no depth-kernel events in the profile: has the kernel's autograd wrapper been renamed? "
-                               "update is_depth_op")
-        return seconds
+    def depth_mix_traffic(self, steps: int = 3) -> tuple[float, int]:
+        """Seconds and bytes per step of the C depth mix's calls (`kernel_traffic.kernel_bytes`: forward reads each
+        consumer's sources and writes y, or h where it is kept; backward reads the sources and dy or dh and writes
+        each source's gradient, reading it first where another consumer of the source wrote it already, §5)."""
+        counting = counted_calls(lambda: [self.step() for _ in range(steps)])
+        calls, seconds, nbytes = counting.summed(DEPTH_MIX_KERNELS)
+        if not calls:
+            raise RuntimeError("no C depth-mix call in the step: the model did not run the cpu backend's kernel")
+        return seconds / steps, nbytes // steps
 
 
 def saved_activation_bytes(model: HookedTransformer, tokens: torch.Tensor) -> int:
@@ -88,17 +70,6 @@ def saved_activation_bytes(model: HookedTransformer, tokens: torch.Tensor) -> in
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(tokens, return_type="loss")  # the graph is freed unused when the loss goes out of scope
     return sum(storages.values())
-
-
-def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    source = torch.ones(megabytes * 2**20 // 4)
-    target = torch.empty_like(source)
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        target.copy_(source)
-        times.append(time.perf_counter() - start)
-    return 2 * source.numel() * 4 / statistics.median(times[1:]) / 1e9
 
 
 def measure(depths: list[int], n_ctx: int, d_model: int, batch: int, repeats: int, bandwidth: float) -> list[dict]:
@@ -118,11 +89,10 @@ def measure(depths: list[int], n_ctx: int, d_model: int, batch: int, repeats: in
                        ratio=within_rounds(times[name], times["standard"]),
                        saved_mb=stepper.saved_activation_bytes() / 2**20)
             if name != "standard":
-                seconds = stepper.depth_mix_seconds()
-                row.update(mix_ms=1e3 * seconds, mix_gbs=stepper.depth_mix_bytes() / seconds / 1e9,
-                           mix_bytes=stepper.depth_mix_bytes())
-            if name != "standard":  # the standard step plus the mix's bytes at copy bandwidth: no kernel beats it
-                row["floor"] = 1 + row["mix_bytes"] / (bandwidth * 1e9) / base
+                seconds, nbytes = stepper.depth_mix_traffic()
+                # the floor: the standard step plus the mix's bytes at copy bandwidth, which no kernel beats
+                row.update(mix_ms=1e3 * seconds, mix_gbs=nbytes / seconds / 1e9,
+                           floor=1 + nbytes / (bandwidth * 1e9) / base)
             rows.append(row)
         print(f"done: {sublayers} sublayers, n_ctx {n_ctx}", file=sys.stderr)
     return rows

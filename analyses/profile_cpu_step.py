@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import statistics
-import time
 from pathlib import Path
 from typing import NamedTuple, Optional, Sequence
 
@@ -40,10 +38,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from analyses.bench_cpu_step import SHAPES, TARGETS, Stepper, variants
-from analyses.bench_depth_scaling import copy_bandwidth, is_depth_op
 from analyses.common import command_line, emit_report, machine_info, within_rounds
+from analyses.kernel_traffic import copy_bandwidth, counted_calls
 from attnres_lens import cpu_settings, param_groups
-from attnres_lens.kernels import cpu_fused
 
 PROFILED = ("standard", "block4", "full")
 TINY_STEPS = 5  # 8-token steps per variant and round
@@ -101,77 +98,17 @@ def fixed_costs(repeats: int) -> tuple[list[str], dict[str, Excess], float]:
     return lines, excess, median_ms(row[0] for row in samples[("standard", "small")])
 
 
-# Bytes each C kernel must move per call, from its arguments (the ctypes argument order of `cpu_fused._bind`):
-# sources, inputs and outputs once each, per-token statistics included; [D] parameters and tables left out.
-def _kernel_bytes(name: str, args: tuple, element: int) -> int:
-    if name == "depth_attention_forward":
-        n_sources, n_tokens, d_model = args[1], args[2], args[3]
-        norm, h = args[7] is not None, args[9] is not None
-        rows = n_sources + h + norm  # every source read; h (where kept) and y written
-        return element * (rows * n_tokens * d_model + (3 * n_sources + norm) * n_tokens)
-    if name == "depth_attention_backward":
-        n_sources, n_tokens, d_model = args[1], args[2], args[3]
-        h, norm, grad_h, accumulate = args[8] is not None, args[9] is not None, args[12] is not None, args[14]
-        added = sum(accumulate[s] for s in range(n_sources)) if accumulate is not None else 0
-        # every source read and its gradient written (read first where added into a shared buffer, docs/kernels.md
-        # §5); dy with a fused pre-norm, and h where the forward kept it (else mixed again from the sources); dh
-        # where h had other uses
-        rows = 2 * n_sources + added + h + norm + grad_h
-        return element * (rows * n_tokens * d_model + (3 * n_sources + norm) * n_tokens)
-    if name == "rms_norm_forward":
-        return element * (2 * args[2] * args[3] + args[2])
-    if name == "rms_norm_backward":
-        return element * (3 * args[4] * args[5] + args[4])
-    if name == "token_shift_forward":
-        return element * 2 * math.prod(args[3:7])
-    if name == "rotary_forward":
-        return element * 2 * math.prod(args[4:8])
-    if name == "token_shift_backward":
-        return element * 3 * math.prod(args[4:8])
-    raise ValueError(f"no byte count for the C kernel {name!r}: add one to _kernel_bytes")
-
-
-class _CountingLibrary:
-    """The float C library with each kernel call timed and its bytes counted (`totals`: name -> [calls, s, bytes])."""
-
-    def __init__(self, library):
-        self._library, self.totals = library, {}
-
-    def __getattr__(self, name: str):
-        function = getattr(self._library, name)
-        if not name.endswith(("_forward", "_backward")):
-            return function  # flags and queries (thread_pool, openmp_threads, vector_sums)
-
-        def timed(*args):
-            start = time.perf_counter()
-            result = function(*args)
-            total = self.totals.setdefault(name, [0, 0.0, 0])
-            total[0] += 1
-            total[1] += time.perf_counter() - start
-            total[2] += _kernel_bytes(name, args, torch.float32.itemsize)
-            return result
-        return timed
-
-
 def kernel_traffic(steps: int) -> dict[str, dict[str, tuple[float, float, float]]]:
     """Per variant, each C kernel's (calls, seconds, bytes) per step at the small shape, call by call over `steps`
     training steps after 3 warm-up steps (fp32 models: the float library)."""
     traffic = {}
-    shipped = cpu_fused.cpu_library
-    try:
-        for variant, overrides in variants("cpu").items():
-            library = _CountingLibrary(shipped(torch.float32))
-            cpu_fused.cpu_library = lambda dtype, library=library: library
-            stepper = Stepper(SHAPES["small"], overrides, eager=False)
-            for _ in range(3):
-                stepper.step()
-            library.totals.clear()
-            for _ in range(steps):
-                stepper.step()
-            traffic[variant] = {name: tuple(value / steps for value in total)
-                                for name, total in sorted(library.totals.items())}
-    finally:
-        cpu_fused.cpu_library = shipped
+    for variant, overrides in variants("cpu").items():
+        stepper = Stepper(SHAPES["small"], overrides, eager=False)
+        for _ in range(3):
+            stepper.step()
+        counting = counted_calls(lambda: [stepper.step() for _ in range(steps)])
+        traffic[variant] = {name: tuple(value / steps for value in total)
+                            for name, total in sorted(counting.totals.items())}
     return traffic
 
 
@@ -205,6 +142,12 @@ def floor_sections(excess: dict[str, Excess], standard_ms: float, steps: int) ->
                            f"{verdict} |")
     return [f"Copy bandwidth (torch `copy_` of 256 MB, read + write, at this thread count): **{bandwidth:.1f} GB/s**.",
             "", *kernel_lines, "", *floor_lines]
+
+
+def is_depth_op(key: str) -> bool:
+    """Profiler events of the fused C depth kernel: its eager autograd.Functions (forward and backward, with the
+    sublayer's pre-norm fused or not) or, when compiled, its custom ops (kernels/cpu_fused.py)."""
+    return key.startswith(("_EagerDepthAttention", "_EagerNormedDepthAttention", "attnres_lens::depth_attention_cpu"))
 
 
 def profile_section(name: str, steps: int) -> list[str]:

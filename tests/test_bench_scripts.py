@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import os
 from pathlib import Path
 
 import pytest
+import torch
 
 ANALYSES = Path(__file__).resolve().parent.parent / "analyses"
 
@@ -40,6 +42,41 @@ def test_depth_scaling_benchmark_on_tiny_models():
     growth = next(line for line in lines if line.startswith("Saved activations"))
     full = float(growth.split("full ")[1].split("×")[0])
     assert 1.0 < full < 2.0  # twice the depth, less than twice the saved bytes (embedding and readout are fixed)
+
+
+@pytest.mark.parametrize("block_size, batch", [(1, 8), (2, 8), (2, 1)])
+def test_kernel_traffic_counts_the_depth_mix_bytes_its_source_layouts_imply(block_size, batch):
+    """A training step's C depth-mix calls, counted by `kernel_traffic.kernel_bytes` from their arguments, move
+    the bytes the model's source layouts say (docs/kernels.md §8): per consumer, forward n sources read and one row
+    written (y, or h at the final readout) with 3n statistics per token (+1 with the fused norm's rstd); backward
+    the sources read, their gradients written, dy or dh read, the statistics again; and one more read for every
+    reader of a completed block beyond its first, where the gradients are summed in shared buffers (at 64K
+    elements a source, batch 8, and not below it, batch 1)."""
+    from attnres_lens import HookedTransformer, ModelConfig
+    from attnres_lens.attnres import MIN_SHARED_GRADIENT_ELEMENTS
+
+    traffic = load("kernel_traffic")
+    cfg = ModelConfig(n_layers=2, d_model=128, n_heads=4, n_ctx=64, d_vocab=32, residual="attnres",
+                      attnres_block_size=block_size, seed=0)
+    model = HookedTransformer(cfg)
+    tokens = torch.randint(0, cfg.d_vocab, (batch, cfg.n_ctx), generator=torch.Generator().manual_seed(0))
+    counting = traffic.counted_calls(lambda: model(tokens, return_type="loss").backward())
+    calls, seconds, counted = counting.summed(traffic.DEPTH_MIX_KERNELS)
+
+    n_tokens, final = tokens.numel(), cfg.n_sublayers
+    layouts = [model.sources(consumer) for consumer in range(final + 1)]
+    rows = stats = 0
+    for consumer, layout in enumerate(layouts):
+        n, fused_norm = len(layout), consumer < final  # the final norm is not fused into the readout's mix
+        rows += (n + 1) + (2 * n + 1)
+        stats += 2 * (3 * n + fused_norm)
+    shares = n_tokens * cfg.d_model >= MIN_SHARED_GRADIENT_ELEMENTS
+    readers = collections.Counter(tuple(source) for layout in layouts for source in layout)
+    added = sum(count - 1 for count in readers.values()) if shares else 0
+    assert calls == 2 * (final + 1) and seconds > 0
+    assert counted == 4 * ((rows + added) * n_tokens * cfg.d_model + stats * n_tokens)
+    assert (added > 0) == (batch == 8)
+    assert cpu_fused_library_restored()
 
 
 def test_inference_benchmark_reports_every_variant(monkeypatch):
