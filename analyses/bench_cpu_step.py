@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
 
@@ -114,7 +115,7 @@ def bench(shape_name: str, threads: int, repeats: int, paths: list[str]) -> list
     return rows
 
 
-def main() -> None:
+def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -122,7 +123,7 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", default=["cpu", "torch", "reference", "eager"],
                         choices=["cpu", "torch", "reference", "eager"])
     parser.add_argument("--out", type=Path, help="write the markdown table here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     start = time.perf_counter()
     rows = []
@@ -149,8 +150,8 @@ def main() -> None:
     for row in rows:
         target = "" if row["target"] is None else f"≤ {row['target']:.2f} {'met' if row['ratio'] <= row['target'] else 'MISSED'}"
         lines.append(f"| {row['shape']} | {row['threads']} | {row['variant']} | {row['ms']:.1f} | {row['ratio']:.3f} | {target} |")
-    text = "\n".join(lines) + "\n"
-    emit_report(text, args.out)
+    emit_report("\n".join(lines) + "\n", args.out)
+    return lines
 
 
 if __name__ == "__main__":

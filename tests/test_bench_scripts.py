@@ -238,6 +238,44 @@ def test_step_benchmark_takes_each_ratio_within_its_round(monkeypatch):
     assert [round(row["ratio"], 6) for row in rows] == [1.0, 1.1, 1.1, 1.1, 1.1, 1.0]
 
 
+def test_ratio_spread_sets_runs_side_by_side_with_their_range_and_targets(monkeypatch, tmp_path):
+    """Two `bench_cpu_step` reports made by its own `main` (fake step times: every variant 1.04x the standard step
+    in the first run, 1.08x in the second) come out cell by cell with their range and how many meet the target;
+    a committed report reads as REVISION:PATH, and what is not a report is refused by name."""
+    step_module, spread = load("bench_cpu_step"), load("ratio_spread")
+    monkeypatch.setitem(step_module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2))
+    factor = {"value": 1.04}
+
+    def fake_step(self) -> float:
+        standard = self.model.cfg.residual == "standard" and self.model.cfg.attention == "standard"
+        return 0.01 if standard else 0.01 * factor["value"]
+
+    monkeypatch.setattr(step_module.Stepper, "step", fake_step)
+    reports = []
+    for value in (1.04, 1.08):
+        factor["value"] = value
+        reports.append(tmp_path / f"run{value}.md")
+        step_module.main(["--shapes", "small", "--threads", "1", "--repeats", "3", "--paths", "cpu",
+                          "--out", str(reports[-1])])
+    lines = spread.main([str(path) for path in reports])
+    rows = {cells[2]: cells for line in lines if line.startswith("| small")
+            for cells in [[cell.strip() for cell in line.split("|")[1:-1]]]}
+    assert rows["full [cpu]"] == ["small", "1", "full [cpu]", "1.040", "1.080", "1.040–1.080", "≤ 1.10", "2 of 2"]
+    assert rows["block2 [cpu]"][5:] == ["1.040–1.080", "≤ 1.05", "1 of 2"]
+    assert rows["standard+kv_shift"][5:] == ["1.040–1.080", "≤ 1.03", "0 of 2"]
+    assert rows["standard"][3:7] == ["1.000", "1.000", "1.000–1.000", ""]
+    assert sum(line.startswith("* run ") for line in lines) == 2
+
+    committed = spread.parse_report("HEAD:analyses/reports/bench_cpu_step.md",
+                                    spread.report_text("HEAD:analyses/reports/bench_cpu_step.md"))
+    assert ("small", 1, "full [cpu]") in committed.ratios and committed.machine
+    (tmp_path / "notes.md").write_text("# not a report\n")
+    with pytest.raises(ValueError, match="notes.md.*not a bench_cpu_step report"):
+        spread.main([str(tmp_path / "notes.md")])
+    with pytest.raises(FileNotFoundError, match="missing.md"):
+        spread.main([str(tmp_path / "missing.md")])
+
+
 def test_within_rounds_compares_each_round_to_its_own_baseline():
     from analyses.common import within_rounds
 
