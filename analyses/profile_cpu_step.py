@@ -18,6 +18,10 @@ The small shape of `bench_cpu_step.py` (4 layers, d_model 128, n_ctx 64, batch 1
   (which runs C kernels too: RMSNorm and rotary) and the rest (other ops slowed by the extra bytes, and noise);
   fixed + kernels is what the step costs before anything else slows, the floor of this design (one eager
   autograd node per sublayer, each mix reading its sources once).
+* **One mix, layer by layer** (the first thread count). Where a consumer's fixed cost goes: one Block (S = 4)
+  consumer of three sources at 8 tokens through each layer of its fused path (the stream's `mix_and_norm`, the
+  autograd.Function, the Python around the C call, the C call), forward and backward, beside the standard
+  sublayer's pre-norm it replaces; times the consumers of a step, that is the 8-token excess above.
 * **Profile** (one thread). The profiler adds per-op overhead, so its absolute times are inflated; read the shares
   and the depth-attention rows.
 
@@ -31,8 +35,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
+import time
 from pathlib import Path
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -40,10 +45,12 @@ from torch.profiler import ProfilerActivity, profile
 from analyses.bench_cpu_step import SHAPES, TARGETS, Stepper, variants
 from analyses.common import command_line, emit_report, machine_info, within_rounds
 from analyses.kernel_traffic import copy_bandwidth, counted_calls
-from attnres_lens import cpu_settings, param_groups
+from attnres_lens import HookedTransformer, ModelConfig, cpu_settings, param_groups
+from attnres_lens.kernels import cpu_fused
 
 PROFILED = ("standard", "block4", "full")
 TINY_STEPS = 5  # 8-token steps per variant and round
+LAYER_CALLS = 200  # calls per timed batch in `mix_layers` (a call is ~10-100 us: a batch is a few ms)
 LOOPED_ADAMW = "standard, per-tensor AdamW"  # what `train` ran on the CPU before it used the fused optimizer
 
 
@@ -144,6 +151,128 @@ def floor_sections(excess: dict[str, Excess], standard_ms: float, steps: int) ->
             "", *kernel_lines, "", *floor_lines]
 
 
+class _TimedCalls:
+    """Callables timed interleaved: each round times a batch of `LAYER_CALLS` calls of each; `us(name)` is the
+    median over rounds of the time per call."""
+
+    def __init__(self, calls: dict[str, Callable[[], object]]):
+        self.calls, self.samples = calls, {name: [] for name in calls}
+
+    def run(self, rounds: int) -> "_TimedCalls":
+        for call in self.calls.values():  # warm-up: first-call dispatch, allocator
+            for _ in range(LAYER_CALLS // 4):
+                call()
+        for _ in range(rounds):
+            for name, call in self.calls.items():
+                start = time.perf_counter()
+                for _ in range(LAYER_CALLS):
+                    call()
+                self.samples[name].append((time.perf_counter() - start) / LAYER_CALLS)
+        return self
+
+    def us(self, name: str) -> float:
+        return 1e6 * statistics.median(self.samples[name])
+
+
+def c_call_us(call: Callable[[], object]) -> dict[str, float]:
+    """Microseconds per call of each C kernel that `call` runs (ctypes' argument conversion included), over
+    `LAYER_CALLS` calls of it."""
+    counting = counted_calls(lambda: [call() for _ in range(LAYER_CALLS)])
+    return {name: 1e6 * seconds / calls for name, (calls, seconds, _) in counting.totals.items()}
+
+
+def mix_layers(rounds: int) -> list[str]:
+    """One Block (S = 4) consumer's mix of three sources at 8 tokens and the small shape's width (three: the most
+    any consumer of the small Block S = 4 model reads, 2.3 on average) through each layer of its fused path, forward and
+    backward, beside the standard model's pre-norm that the fused mix replaces (the standard sublayer's residual
+    add has its AttnRes counterpart, the partial sum's, and is left out of both). Inputs are leaves that need a
+    gradient; each backward is seeded with a fixed gradient of the output, after the leaves' and parameters'
+    gradients are reset to None (as `zero_grad(set_to_none=True)` leaves them in a step)."""
+    dims = dict(SHAPES["small"], n_ctx=8)
+    dims.pop("batch")
+    generator = torch.Generator().manual_seed(0)
+
+    def leaf() -> torch.Tensor:
+        return torch.randn(1, dims["n_ctx"], dims["d_model"], generator=generator).requires_grad_()
+
+    standard = HookedTransformer(ModelConfig(d_vocab=256, seed=0, **dims, **variants("cpu")["standard"]))
+    block = HookedTransformer(ModelConfig(d_vocab=256, seed=0, **dims, **variants("cpu")["block4"]))
+    pre_norm, mixer, mix_norm = standard.blocks[0].ln1, block.blocks[0].attn_res, block.blocks[0].ln1
+    x, sources, grad_out = leaf(), [leaf() for _ in range(3)], leaf().detach()
+    query, gain, norm_weight = mixer.query, mixer.key_norm.w, mix_norm.w
+    eps, norm_eps = mixer.key_norm.eps, mix_norm.eps
+
+    def mix() -> torch.Tensor:
+        return mixer.mix_and_norm(sources, mix_norm, keep_h=False)[1]
+
+    def backward(output: torch.Tensor, leaves: list[torch.Tensor]) -> None:
+        for tensor in leaves:
+            tensor.grad = None
+        output.backward(grad_out)
+
+    norm_leaves, mix_leaves = [x, pre_norm.w], [*sources, query, gain, norm_weight]
+
+    with torch.no_grad():  # the kernel's own inputs and saved statistics, as the autograd.Function passes them
+        plain = [source.detach() for source in sources]
+        folded = (query * gain).contiguous()
+        h, stats, y, norm_rstd = cpu_fused._run_forward(plain, folded, None, eps, norm_weight, norm_eps, False)
+        saved_norm = (h, norm_weight.detach(), norm_rstd, grad_out)
+        factors = (query.detach(), gain.detach())
+
+    def run_forward():
+        with torch.no_grad():
+            return cpu_fused._run_forward(plain, folded, None, eps, norm_weight, norm_eps, False)
+
+    def run_backward():
+        with torch.no_grad():
+            return cpu_fused._run_backward(plain, folded, stats, None, None, saved_norm, factors)
+
+    timed = _TimedCalls({
+        "norm": lambda: pre_norm(x),
+        "norm+backward": lambda: backward(pre_norm(x), norm_leaves),
+        "mix": mix,
+        "mix+backward": lambda: backward(mix(), mix_leaves),
+        "function": lambda: cpu_fused.fused_mix_and_norm(sources, query, gain, eps, norm_weight, norm_eps, False),
+        "run_forward": run_forward,
+        "run_backward": run_backward,
+    }).run(rounds)
+    kernel = {**c_call_us(lambda: backward(pre_norm(x), norm_leaves)),
+              **c_call_us(lambda: backward(mix(), mix_leaves))}
+    if set(kernel) != {"rms_norm_forward", "rms_norm_backward", "depth_attention_forward", "depth_attention_backward"}:
+        raise RuntimeError(f"the pre-norm and the mix ran the C kernels {sorted(kernel)}, not one norm and one fused "
+                           "mix each way: the paths measured here have changed")
+    norm_fw, mix_fw = timed.us("norm"), timed.us("mix")
+    norm_bw, mix_bw = timed.us("norm+backward") - norm_fw, timed.us("mix+backward") - mix_fw
+    rows = [
+        ("forward: checks in `DepthAttention.mix_and_norm` (hooks, dtypes, backend)", None,
+         mix_fw - timed.us("function")),
+        ("forward: the autograd.Function (apply, saved tensors, shared-gradient lookup)", None,
+         timed.us("function") - timed.us("run_forward")),
+        ("forward: Python around the C call (output allocation, pointer arrays)", None,
+         timed.us("run_forward") - kernel["depth_attention_forward"]),
+        ("forward: the C call (ctypes' argument conversion included)", kernel["rms_norm_forward"],
+         kernel["depth_attention_forward"]),
+        ("forward, all", norm_fw, mix_fw),
+        ("backward: autograd (the engine's node, saved tensors, parameter and input gradients)", None,
+         mix_bw - timed.us("run_backward")),
+        ("backward: Python around the C call (gradient buffers, pointer arrays)", None,
+         timed.us("run_backward") - kernel["depth_attention_backward"]),
+        ("backward: the C call", kernel["rms_norm_backward"], kernel["depth_attention_backward"]),
+        ("backward, all", norm_bw, mix_bw),
+        ("forward + backward", norm_fw + norm_bw, mix_fw + mix_bw),
+    ]
+    lines = ["| layer | standard pre-norm (us) | Block consumer, 3 sources (us) |", "|---|---|---|"]
+    for label, norm_us, mix_us in rows:
+        norm_cell = "" if norm_us is None else f"{norm_us:.1f}"
+        lines.append(f"| {label} | {norm_cell} | {mix_us:.1f} |")
+    excess = mix_fw + mix_bw - norm_fw - norm_bw
+    consumers = 2 * SHAPES["small"]["n_layers"] + 1
+    return [*lines, "", f"Excess of one consumer over the pre-norm it replaces, forward + backward: **{excess:.1f} us**;"
+            f" × {consumers} consumers (every sublayer's and the final readout's) ≈ {consumers * excess / 1000:.2f} "
+            "ms per step, to hold against block4's 8-token excess in the fixed-cost table at this thread count "
+            "(which also holds the optimizer's update of the depth parameters)."]
+
+
 def is_depth_op(key: str) -> bool:
     """Profiler events of the fused C depth kernel: its eager autograd.Functions (forward and backward, with the
     sublayer's pre-norm fused or not) or, when compiled, its custom ops (kernels/cpu_fused.py)."""
@@ -205,6 +334,12 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
                 *floor_sections(excess, standard_ms, args.steps), "",
             ]
         torch.set_num_threads(args.threads[0])
+        lines += [f"## One mix at 8 tokens, layer by layer, {args.threads[0]} torch thread"
+                  f"{'s' if args.threads[0] > 1 else ''}", "",
+                  f"Medians over {args.repeats} interleaved rounds of {LAYER_CALLS} calls each (us per call); a layer's "
+                  "time is the difference between two entry points of the path, the C call's is timed call by call. "
+                  "The C calls at 8 tokens are the kernels' fixed cost, not their arithmetic.", "",
+                  *mix_layers(args.repeats), ""]
         lines += [f"## Profile at the small shape, {args.threads[0]} torch thread{'s' if args.threads[0] > 1 else ''}",
                   ""]
         for name in PROFILED:

@@ -174,8 +174,9 @@ def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     module = load("profile_cpu_step")
     monkeypatch.setitem(module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=16, batch=2))
     lines = module.main(["--repeats", "1", "--steps", "1", "--threads", "1", "2"])
-    assert [line for line in lines if line.startswith("## ")] == ["## 1 torch thread", "## 2 torch threads",
-                                                                 "## Profile at the small shape, 1 torch thread"]
+    assert [line for line in lines if line.startswith("## ")] == [
+        "## 1 torch thread", "## 2 torch threads", "## One mix at 8 tokens, layer by layer, 1 torch thread",
+        "## Profile at the small shape, 1 torch thread"]
     one_thread = lines[lines.index("## 1 torch thread"):lines.index("## 2 torch threads")]
 
     def table(header: str) -> list[list[str]]:
@@ -207,6 +208,22 @@ def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     assert floors["block4"][7].startswith("≤ 1.05: floor ")
     assert cpu_fused_library_restored()
     assert [line for line in lines if line.startswith("### standard:")]
+    # the layers of one mix: each pass's layers add up to the pass, and the C calls are timed on their own
+    start = lines.index("| layer | standard pre-norm (us) | Block consumer, 3 sources (us) |")
+    layers = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("| "):
+            break
+        label, norm_us, mix_us = [cell.strip() for cell in line.split("|")[1:-1]]
+        layers[label] = (float(norm_us) if norm_us else None, float(mix_us))
+    for direction, parts in (("forward", 4), ("backward", 3)):
+        own = [mix for label, (_, mix) in layers.items() if label.startswith(f"{direction}: ")]
+        assert len(own) == parts
+        assert sum(own) == pytest.approx(layers[f"{direction}, all"][1], abs=0.1 * parts)
+    assert all(layers[label][0] > 0 and layers[label][1] > 0
+               for label in layers if label.endswith(("the C call", "(ctypes' argument conversion included)")))
+    both = layers["forward + backward"]
+    assert both[0] == pytest.approx(layers["forward, all"][0] + layers["backward, all"][0], abs=0.2)
 
 
 def cpu_fused_library_restored() -> bool:
