@@ -166,6 +166,11 @@ class DepthStream(ResidualStream):
     def readout(self, mixer: "DepthAttention") -> torch.Tensor:
         return self._mix(mixer, self.n_written)
 
+    def readout_normed(self, mixer: "DepthAttention", norm: RMSNorm) -> torch.Tensor:
+        """As `ResidualStream.readout_normed`: the final readout is a consumer like a sublayer, its norm fused into
+        the mix on the same terms as a sublayer's pre-norm (no hook on the mix, the norm or its hook points)."""
+        return self._mix(mixer, self.n_written, norm)[1]
+
     def batch_changed(self) -> None:
         self._phase1 = None  # the window's phase-1 statistics were computed for the old batch
         self._shared = []  # views of the old batch's blocks

@@ -200,8 +200,7 @@ class HookedTransformer(HookedRootModule):
         stream = self._stream(embedding)
         for block in self.blocks:
             block(stream)
-        final = stream.readout(self.final_mixer())
-        logits = self.unembed(self.ln_final(final))
+        logits = self.unembed(stream.readout_normed(self.final_mixer(), self.ln_final))
 
         if return_type is None:
             return None

@@ -6,7 +6,8 @@ A forward pass drives a stream with three calls, in sublayer order:
   which the block asks for as `read_normed(mixer, hook_in, norm)`: `(hook_in(h_j), norm(...))`;
 * `write(output, input)`: record the sublayer's output `f_j` (with the input it was given, possibly hook-edited,
   or None where the stream's `read_normed` left it out);
-* `readout(mixer)`: the input of the final norm once every sublayer has written.
+* `readout(mixer)`: the input of the final norm once every sublayer has written, which the model asks for as
+  `readout_normed(mixer, norm)`: the final norm's output.
 
 `end_layer(mixer)` closes a layer (DenseFormer averages over depth there). `state` is the post-layer state that
 `blocks.{l}.hook_resid_post` (standard), `hook_block_partial` (AttnRes), `hook_dwa_out` (DenseFormer) or `hook_streams`
@@ -42,6 +43,11 @@ class ResidualStream:
 
     def readout(self, mixer: Optional[nn.Module]) -> torch.Tensor:
         raise NotImplementedError
+
+    def readout_normed(self, mixer: Optional[nn.Module], norm: nn.Module) -> torch.Tensor:
+        """`norm(readout(mixer))`, the final norm's output (a stream may compute the readout and its norm in one
+        kernel where nothing watches either)."""
+        return norm(self.readout(mixer))
 
     def end_layer(self, mixer: Optional[nn.Module]) -> None:
         """After a layer's sublayers (DenseFormer's depth-weighted average happens here); nothing by default."""

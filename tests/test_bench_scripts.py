@@ -48,7 +48,8 @@ def test_depth_scaling_benchmark_on_tiny_models():
 def test_kernel_traffic_counts_the_depth_mix_bytes_its_source_layouts_imply(block_size, batch):
     """A training step's C depth-mix calls, counted by `kernel_traffic.kernel_bytes` from their arguments, move
     the bytes the model's source layouts say (docs/kernels.md §8): per consumer, forward n sources read and one row
-    written (y, or h at the final readout) with 3n statistics per token (+1 with the fused norm's rstd); backward
+    written (y: every consumer's norm is fused, the final readout's too) with 3n + 1 statistics per token (the
+    fused norm's rstd); backward
     the sources read, their gradients written, dy or dh read, the statistics again; and one more read for every
     reader of a completed block beyond its first, where the gradients are summed in shared buffers (at 64K
     elements a source, batch 8, and not below it, batch 1)."""
@@ -67,15 +68,16 @@ def test_kernel_traffic_counts_the_depth_mix_bytes_its_source_layouts_imply(bloc
     layouts = [model.sources(consumer) for consumer in range(final + 1)]
     rows = stats = 0
     for consumer, layout in enumerate(layouts):
-        n, fused_norm = len(layout), consumer < final  # the final norm is not fused into the readout's mix
+        n = len(layout)
         rows += (n + 1) + (2 * n + 1)
-        stats += 2 * (3 * n + fused_norm)
+        stats += 2 * (3 * n + 1)
     shares = n_tokens * cfg.d_model >= MIN_SHARED_GRADIENT_ELEMENTS
     readers = collections.Counter(tuple(source) for layout in layouts for source in layout)
     added = sum(count - 1 for count in readers.values()) if shares else 0
     assert calls == 2 * (final + 1) and seconds > 0
     assert counted == 4 * ((rows + added) * n_tokens * cfg.d_model + stats * n_tokens)
     assert (added > 0) == (batch == 8)
+    assert not {"rms_norm_forward", "rms_norm_backward"} & set(counting.totals)  # no norm runs on its own
     assert cpu_fused_library_restored()
 
 

@@ -701,10 +701,13 @@ def test_two_phase_on_the_cpu_folds_low_precision_queries_in_fp32():
 _MODEL_KERNELS = {
     "kv_shift_cpu": (dict(attention="kv_shift", n_ctx=9), 2, ["blocks.0.attn.kv_shift", "blocks.1.attn.W_K"]),
     "rotary_cpu": (dict(n_ctx=12), 2 * 2, ["blocks.0.attn.W_Q", "blocks.1.attn.W_K"]),  # q and k of each layer
-    # the final norm; each sublayer's pre-norm runs inside its depth mix (next entry)
-    "rms_norm_cpu": (dict(n_ctx=12), 1, ["ln_final.w", "blocks.1.mlp.W_in"]),
-    "fused_mix_and_norm": (dict(n_ctx=12), 2 * 2, ["blocks.0.ln1.w", "blocks.1.ln2.w", "blocks.0.attn_res.query",
-                                                           "blocks.1.mlp_res.key_norm.w", "blocks.0.attn.W_Q"]),
+    # the standard model's norms: an AttnRes model's run inside its depth mixes (next entry)
+    "rms_norm_cpu": (dict(n_ctx=12, residual="standard"), 2 * 2 + 1, ["ln_final.w", "blocks.0.ln1.w",
+                                                                     "blocks.1.mlp.W_in"]),
+    # each sublayer's mix with its pre-norm, and the final readout's with the final norm
+    "fused_mix_and_norm": (dict(n_ctx=12), 2 * 2 + 1, ["blocks.0.ln1.w", "blocks.1.ln2.w", "ln_final.w",
+                                                       "blocks.0.attn_res.query", "blocks.1.mlp_res.key_norm.w",
+                                                       "final_res.query", "blocks.0.attn.W_Q"]),
 }
 
 
@@ -723,8 +726,8 @@ def test_a_model_runs_each_elementwise_kernel_only_on_the_cpu_backend(kernel, mo
     tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
     results = {}
     for backend in ("cpu", "reference"):
-        cfg = ModelConfig(d_model=16, n_heads=2, n_layers=2, d_vocab=32, residual="attnres",
-                          depth_attention_backend=backend, dtype=torch.float64, seed=1, **options)
+        cfg = ModelConfig(**{**dict(d_model=16, n_heads=2, n_layers=2, d_vocab=32, residual="attnres",
+                                    depth_attention_backend=backend, dtype=torch.float64, seed=1), **options})
         model = HookedTransformer(cfg)
         randomize_depth_parameters(model)  # non-uniform depth weights
         with torch.no_grad():  # and gains other than 1
@@ -883,12 +886,14 @@ def test_the_fused_pre_norm_refuses_what_it_cannot_run():
 
 
 @pytest.mark.parametrize("watch", ["blocks.0.hook_resid_pre", "blocks.0.ln1.hook_normalized", "module blocks.0.ln1",
-                                   "module blocks.0.attn_res", "module blocks.0.hook_resid_pre", "global"])
+                                   "module blocks.0.attn_res", "module blocks.0.hook_resid_pre", "global",
+                                   "ln_final.hook_normalized", "module ln_final", "module final_res"])
 def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
     """A hook on a sublayer's input or on its norm (TransformerLens hooks, PyTorch hooks on the norm, the depth
     attention or the input's hook point, or a global module hook) sends that sublayer down the unfused path, so
     the hook sees and edits what it did: the output equals a reference-backend model's (never fused) with the
-    same hook; with a TransformerLens or module hook the other sublayers stay fused."""
+    same hook; with a TransformerLens or module hook the other sublayers stay fused. The final readout and the
+    final norm likewise."""
     from attnres_lens import HookedTransformer, ModelConfig
 
     calls = []
@@ -901,7 +906,7 @@ def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
         randomize_depth_parameters(models[backend])
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
     clean = models["cpu"](tokens)
-    assert len(calls) == 4
+    assert len(calls) == 5  # four sublayers and the final readout
 
     def edited(model: HookedTransformer) -> torch.Tensor:
         shift = lambda tensor, hook=None: tensor + 0.5  # noqa: E731
@@ -920,7 +925,7 @@ def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
 
     calls.clear()
     got = edited(models["cpu"])
-    assert len(calls) == (0 if watch == "global" else 3)  # blocks.0's attention sublayer ran unfused
+    assert len(calls) == (0 if watch == "global" else 4)  # the watched consumer ran unfused
     torch.testing.assert_close(got, edited(models["reference"]), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, clean, atol=1e-3)
 

@@ -52,6 +52,31 @@ def test_hooked_and_unhooked_forward_agree():
     assert "blocks.1.attn_res.hook_weights" in cache.cache_dict
 
 
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_the_final_readout_fuses_its_norm_unless_something_watches_it(block_size):
+    """On the C kernel the final readout's mix computes the final norm in the same call, like a sublayer's pre-norm:
+    no norm runs on its own in a training step. A PyTorch pre-hook on `ln_final` (how attribution captures the
+    readout's input) keeps them apart and sees the input whose norm gives the same logits."""
+    from analyses.kernel_traffic import counted_calls
+
+    model = HookedTransformer(small_config("attnres", block_size, depth_attention_backend="cpu"))
+    randomize_depth_parameters(model)
+    tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(5))
+    counting = counted_calls(lambda: model(tokens, return_type="loss").backward())
+    assert counting.totals["depth_attention_forward"][0] == model.cfg.n_sublayers + 1
+    assert not {"rms_norm_forward", "rms_norm_backward"} & set(counting.totals)
+    fused = model(tokens)
+    seen = []
+    handle = model.ln_final.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    try:
+        watched = model(tokens)
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and seen[0].shape == (2, 9, model.cfg.d_model)
+    torch.testing.assert_close(watched, fused, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.unembed(model.ln_final(seen[0])), fused, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("hooked", [False, True])
 def test_attnres_trains_under_bf16_autocast(hooked):
     # As on CUDA with bf16 autocast: the embedding stays fp32 while sublayer outputs come out bf16.

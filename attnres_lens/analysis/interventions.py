@@ -371,7 +371,7 @@ class StagedForward:
     def final(self, stream: ResidualStream) -> torch.Tensor:
         model = self.model
         mixer = model.final_mixer() if hasattr(model, "final_mixer") else getattr(model, "final_res", None)
-        return model.unembed(model.ln_final(stream.readout(mixer)))
+        return model.unembed(stream.readout_normed(mixer, model.ln_final))
 
     def run(self, state: Union[torch.Tensor, ResidualStream], stage: int, skipped: Sequence[int] = (),
             n_copies: int = 1) -> Union[ResidualStream, torch.Tensor]:
