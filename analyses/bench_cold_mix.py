@@ -88,15 +88,14 @@ def mix_rows(batch: int, pos: int, width: int, source_counts: Sequence[int], rep
     for n_sources in source_counts:
         sources = [torch.randn(batch, pos, width, generator=generator) for _ in range(n_sources)]
         query, gain, norm_weight = (torch.rand(width, generator=generator) + 0.5 for _ in range(3))
-        folded = query * gain
         grad_y = torch.randn(batch, pos, width, generator=generator)
-        _h, stats, _y, norm_rstd = cpu_fused._run_forward(sources, folded, None, 1e-6, norm_weight, 1e-5, False)
+        _h, stats, _y, norm_rstd = cpu_fused._run_forward(sources, query, None, 1e-6, norm_weight, 1e-5, False, gain)
 
         def forward() -> object:
-            return cpu_fused._run_forward(sources, folded, None, 1e-6, norm_weight, 1e-5, False)
+            return cpu_fused._run_forward(sources, query, None, 1e-6, norm_weight, 1e-5, False, gain)
 
         def backward() -> object:
-            return cpu_fused._run_backward(sources, folded, stats, None, None, (None, norm_weight, norm_rstd, grad_y),
+            return cpu_fused._run_backward(sources, None, stats, None, None, (None, norm_weight, norm_rstd, grad_y),
                                            (query, gain))
 
         stacked, summed = torch.stack(sources), torch.empty_like(sources[0])

@@ -26,7 +26,7 @@ def kernel_bytes(name: str, args: tuple, element: int) -> int:
     and tables left out."""
     if name == "depth_attention_forward":
         n_sources, n_tokens, d_model = args[1], args[2], args[3]
-        norm, h = args[7] is not None, args[9] is not None
+        norm, h = args[8] is not None, args[10] is not None
         rows = n_sources + h + norm  # every source read; h (where kept) and y written
         return element * (rows * n_tokens * d_model + (3 * n_sources + norm) * n_tokens)
     if name == "depth_attention_backward":

@@ -214,18 +214,18 @@ def mix_layers(rounds: int) -> list[str]:
 
     with torch.no_grad():  # the kernel's own inputs and saved statistics, as the autograd.Function passes them
         plain = [source.detach() for source in sources]
-        folded = (query * gain).contiguous()
-        h, stats, y, norm_rstd = cpu_fused._run_forward(plain, folded, None, eps, norm_weight, norm_eps, False)
-        saved_norm = (h, norm_weight.detach(), norm_rstd, grad_out)
         factors = (query.detach(), gain.detach())
+        h, stats, y, norm_rstd = cpu_fused._run_forward(plain, factors[0], None, eps, norm_weight, norm_eps, False,
+                                                        factors[1])
+        saved_norm = (h, norm_weight.detach(), norm_rstd, grad_out)
 
     def run_forward():
         with torch.no_grad():
-            return cpu_fused._run_forward(plain, folded, None, eps, norm_weight, norm_eps, False)
+            return cpu_fused._run_forward(plain, factors[0], None, eps, norm_weight, norm_eps, False, factors[1])
 
     def run_backward():
         with torch.no_grad():
-            return cpu_fused._run_backward(plain, folded, stats, None, None, saved_norm, factors)
+            return cpu_fused._run_backward(plain, None, stats, None, None, saved_norm, factors)
 
     timed = _TimedCalls({
         "norm": lambda: pre_norm(x),

@@ -217,8 +217,13 @@ class DepthStream(ResidualStream):
     def _one_pass(self, module: "DepthAttention", norm: Optional[RMSNorm]):
         if self._copies is not None and (mixed := self._mix_over_copies(module, norm)) is not None:
             return mixed
-        sources = self._gradient_shared_sources() if self._shares_gradients(module) else self.sources()
+        sources = self.sources()
+        fused = None if norm is None else module.fused_with_norm(sources, norm)
+        if self._shares_gradients(module, fused is not None):
+            sources = self._gradient_shared_sources()
         # with the norm, the sublayer reads norm(h) alone (`write` ignores its input): the kernel need not keep h
+        if fused is not None:
+            return fused_mix_and_norm(sources, *fused, False)
         return module(sources) if norm is None else module.mix_and_norm(sources, norm, keep_h=False)
 
     def _mix_over_copies(self, module: "DepthAttention", norm: Optional[RMSNorm]):
@@ -251,16 +256,17 @@ class DepthStream(ResidualStream):
         the copies share a source: none was replaced since, so each still repeats its original."""
         return all(source is stacked for source, stacked in zip(sources, self._copies.stacked))
 
-    def _shares_gradients(self, module: "DepthAttention") -> bool:
+    def _shares_gradients(self, module: "DepthAttention", fused: bool = False) -> bool:
         """Whether this consumer's C backward adds its source gradients into buffers the completed blocks share
         (`kernels.cpu_fused.SharedGradient`; docs/kernels.md §5): with a gradient, on the C kernel, for sources
         of `MIN_SHARED_GRADIENT_ELEMENTS` or more, when nothing hooked on the mix could see the blocks' shared
-        views (a module hook sees its inputs)."""
+        views (a module hook sees its inputs). `fused`: the consumer's `fused_with_norm` allowed its fused call,
+        which answers the rest."""
         # elementwise_runs_cpu_kernel: the C kernel's rule for these tensors (false under torch.compile, whose
         # custom ops take no shared buffers)
-        return (torch.is_grad_enabled() and self.blocks[0].numel() >= MIN_SHARED_GRADIENT_ELEMENTS and module.fusable
-                and not module.hooked() and not module_hooked(module)
-                and elementwise_runs_cpu_kernel(module.backend, self.blocks[0]))
+        return (torch.is_grad_enabled() and self.blocks[0].numel() >= MIN_SHARED_GRADIENT_ELEMENTS
+                and (fused or (module.fusable and not module.hooked() and not module_hooked(module)
+                               and elementwise_runs_cpu_kernel(module.backend, self.blocks[0]))))
 
     def _gradient_shared_sources(self) -> list[torch.Tensor]:
         """`sources()` with every completed block seen through its `share_gradient` view (made once per block)."""
@@ -372,12 +378,10 @@ class DepthAttention(nn.Module):
         self.hook_logits = HookPoint()  # [batch, pos, n_sources] ([batch, pos, heads, n_sources] with heads > 1)
         self.hook_weights = HookPoint()  # same shape as hook_logits
         self.hook_logit_bias = HookPoint()  # [batch, pos, n_sources]; fires only when hooked
-
-    @property
-    def fusable(self) -> bool:
-        """Whether the fused kernels compute this mix (the paper's default method only)."""
-        return (self.score == "softmax" and self.mixing == "attention" and self.query_kind == "static"
-                and self.heads == 1 and hasattr(self, "key_norm"))
+        # whether the fused kernels compute this mix (the paper's default method only): fixed by the options, and
+        # an attribute rather than a property since every consumer asks it on every forward
+        self.fusable = (score == "softmax" and mixing == "attention" and query == "static" and heads == 1
+                        and key_norm)
 
     # hook points whose hooks send the mix down the readable path (interventions stack copies by them)
     path_hooks = ("hook_logits", "hook_weights")
@@ -410,20 +414,35 @@ class DepthAttention(nn.Module):
     def mix_and_norm(self, sources: list[torch.Tensor], norm: RMSNorm, keep_h: bool = True
                      ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """`(h, norm(h))` for this mix h of `sources` (a consumer and its pre-norm): one C kernel call each way
-        where the mix would run the C kernel and nothing watches it or the norm (docs/kernels.md §4). Without
-        `keep_h` that kernel leaves h out, `(None, norm(h))`: h is neither written nor read back."""
+        where `fused_with_norm` allows it (docs/kernels.md §4). Without `keep_h` that kernel leaves h out,
+        `(None, norm(h))`: h is neither written nor read back."""
         sources = _common_dtype(sources)
-        dtype = sources[0].dtype
-        if self.fusable and not self.hooked() and not module_hooked(self) and norm.fuses_into(dtype):
-            query, key_norm, norm_weight = self.query, self.key_norm, norm.w
-            gain, width = key_norm.w, sources[0].shape[-1:]
-            # norm.fuses_into checked norm_weight's dtype; a hook that changed the width takes the checked path,
-            # whose error names the mismatch
-            if (query.dtype == gain.dtype == dtype and query.shape == gain.shape == norm_weight.shape == width
-                    and elementwise_runs_cpu_kernel(self.backend, *sources)):
-                return fused_mix_and_norm(sources, query, gain, key_norm.eps, norm_weight, norm.eps, keep_h)
+        fused = self.fused_with_norm(sources, norm)
+        if fused is not None:
+            return fused_mix_and_norm(sources, *fused, keep_h)
         h = self(sources)
         return h, norm(h)
+
+    def fused_with_norm(self, sources: list[torch.Tensor], norm: RMSNorm
+                        ) -> Optional[tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, float]]:
+        """`fused_mix_and_norm`'s arguments after the sources, `(query, key-norm gain, eps, norm gain, norm eps)`,
+        where this mix of `sources` and `norm` may run as one C kernel call: the mix would run the C kernel
+        (sources of one shape and dtype, fp32 or fp64, on the CPU, outside torch.compile), its parameters and the
+        norm's have the sources' dtype and width, and nothing watches the mix or the norm (hook points, PyTorch
+        hooks on either, global module hooks); else None. A hook that changed the width takes the checked path,
+        whose error names the mismatch. Each consumer asks this on every forward, so the parameters are read from
+        the modules' dicts (nn.Module's attribute fallback costs ~1 us a name inside a step)."""
+        if not self.fusable or module_hooked(self) or any_hooked(self, self.hook_points) or norm.watched():
+            return None
+        key_norm = self._modules["key_norm"]
+        query, gain, norm_weight = self._parameters["query"], key_norm._parameters["w"], norm._parameters["w"]
+        first = sources[0]
+        dtype, width = first.dtype, first.shape[-1:]
+        if (query.dtype == gain.dtype == norm_weight.dtype == dtype
+                and query.shape == gain.shape == norm_weight.shape == width
+                and elementwise_runs_cpu_kernel(self.backend, *sources)):
+            return query, gain, key_norm.eps, norm_weight, norm.eps
+        return None
 
     def logit_bias(self, sources: list[torch.Tensor]) -> Optional[torch.Tensor]:
         """`hook_logit_bias`'s output [..., n_sources] when it is hooked (it then fires on zeros), else None."""

@@ -38,7 +38,11 @@ def any_hooked(module: nn.Module, names: tuple[str, ...]) -> bool:
     attribute fallback costs ~0.4 us a name (a trial, 2026-12-02), and each sublayer asks this several times per
     forward."""
     points = module._modules
-    return any(is_hooked(points[name]) for name in names)
+    for name in names:  # a loop, not any(generator): asked for every consumer of every step
+        point = points[name]
+        if point.fwd_hooks or point.bwd_hooks:  # is_hooked, inlined
+            return True
+    return False
 
 
 def module_hooked(module: nn.Module) -> bool:

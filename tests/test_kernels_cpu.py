@@ -825,6 +825,29 @@ def test_a_fused_mix_that_leaves_h_out_gives_the_same_y_and_gradients(many_threa
         cpu_fused._run_forward(sources, parameters[0], None, 1e-6, keep_h=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("width", [24, 128])  # 128: a backward compiled for that width
+def test_the_kernel_folds_the_query_as_torch_does(dtype, width):
+    """Given the pseudo-query and the gain, the C kernel takes their product itself, forward and backward (the
+    eager nodes pass both): every output equals the call given torch's product ``u = w * g`` bit for bit."""
+    generator = torch.Generator().manual_seed(width)
+    sources = [torch.randn(3, 7, width, dtype=dtype, generator=generator) for _ in range(4)]
+    query, gain, norm_weight = (torch.randn(width, dtype=dtype, generator=generator) for _ in range(3))
+    grad_y = torch.randn(3, 7, width, dtype=dtype, generator=generator)
+    folded = (query * gain).contiguous()
+    given = cpu_fused._run_forward(sources, folded, None, 1e-6, norm_weight, 1e-5, True)
+    taken = cpu_fused._run_forward(sources, query, None, 1e-6, norm_weight, 1e-5, True, gain)
+    for a, b in zip(given, taken, strict=True):
+        assert torch.equal(a, b)
+    _h, stats, _y, norm_rstd = taken
+    norm = (None, norm_weight, norm_rstd, grad_y)
+    given = cpu_fused._run_backward(sources, folded, stats, None, None, norm, (query, gain))
+    taken = cpu_fused._run_backward(sources, None, stats, None, None, norm, (query, gain))
+    for a, b in zip([*given[0], *given[1:]], [*taken[0], *taken[1:]], strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(taken[1], taken[2])  # dw = du * g and dg = du * w, not one product twice
+
+
 def test_sums_added_in_place_equal_each_threads_own_sums(many_threads, tmp_path, monkeypatch):
     """Each thread adds its parameter-gradient sums in pages of its own and copies them out once; where those pages
     cannot be had it adds in place, in the caller's [threads, D] block (the build with -DSHARED_THREAD_SUMS takes

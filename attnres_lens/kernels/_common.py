@@ -24,6 +24,14 @@ def new_output(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
+def new_output_like(tensor: torch.Tensor) -> torch.Tensor:
+    """`new_output` of `tensor`'s shape, dtype and device, contiguous: half the cost of `torch.empty` with its
+    arguments spelt out (~1 against ~2 us), and the C kernels allocate several such outputs per call."""
+    if POISON_OUTPUTS:
+        return torch.full_like(tensor, float("nan"), memory_format=torch.contiguous_format)
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Arithmetic runs in fp32, or in fp64 when the inputs are fp64 (gradcheck)."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -108,7 +108,7 @@ def elementwise_runs_cpu_kernel(backend: str, *tensors: torch.Tensor) -> bool:
     if dtype not in _KERNEL_DTYPES or device.type != "cpu":
         return False
     for x in tensors[1:]:  # a loop, not all(...): each sublayer asks this several times per forward
-        if x.dtype != dtype or x.shape != shape or x.device != device:
+        if x.dtype != dtype or x.shape != shape or not x.is_cpu:  # is_cpu: no device object built per tensor
             return False
     return not torch.compiler.is_compiling() and resolve_backend(backend, device) == "cpu"
 

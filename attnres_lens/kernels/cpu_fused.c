@@ -626,13 +626,20 @@ int openmp_threads(void) {
  * has other uses; else grad_h is NULL) into dh row by row before the mix's backward, with the gain's gradient
  * summed per thread, in double. Without it those pointers are NULL. With it, h may be NULL where nothing reads h
  * (a model's sublayer reads y only): each row is then mixed on the stack, and the backward (h NULL there too) mixes
- * it again from the sources it reads anyway, so h is neither written nor read back. */
+ * it again from the sources it reads anyway, so h is neither written nor read back. With gain given, query is the
+ * pseudo-query w and the kernel takes u = w * g itself (the eager autograd node: no tensor op of its own); without,
+ * query is u already (the custom op, whose product autograd differentiates). */
 void depth_attention_forward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
-                             const real *folded_query, const real *bias, double eps, const real *norm_weight,
-                             double norm_eps, real *h, real *stats, real *y, real *norm_rstd, int n_threads) {
+                             const real *query, const real *gain, const real *bias, double eps,
+                             const real *norm_weight, double norm_eps, real *h, real *stats, real *y, real *norm_rstd,
+                             int n_threads) {
     const int64_t cells = n_sources * n_tokens;
+    real folded[gain ? d_model : 1];
+    if (gain)
+        for (int64_t d = 0; d < d_model; ++d) folded[d] = query[d] * gain[d]; /* torch's product, bit for bit */
     const depth_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
-                          .folded_query = folded_query, .bias = bias, .bias_stride = n_tokens, .eps = (real)eps,
+                          .folded_query = gain ? folded : query, .bias = bias, .bias_stride = n_tokens,
+                          .eps = (real)eps,
                           .h = h, .rstd = stats, .logits = stats + cells, .weights = stats + 2 * cells,
                           .norm_weight = norm_weight, .norm_eps = (real)norm_eps, .y = y, .norm_rstd = norm_rstd};
     run_rows(forward_worker, &a, n_tokens, n_threads);
@@ -701,7 +708,8 @@ int depth_attention_copies_forward(const real *const *sources, int64_t n_sources
  * thread order after the split, into grad_query as dw = du * g and grad_gain as dg = du * w for u = w * g when query
  * and gain are given (the eager autograd node, which folds the query itself), else into grad_query as du (the
  * custom op, whose product autograd differentiates); grad_norm_weight gets the gain's gradient with a fused
- * pre-norm. Returns 0, or -1 when the threads' [threads, D] blocks of sums cannot be allocated (nothing written). */
+ * pre-norm. folded_query may be NULL where query and gain are given: u is then their product, as the forward took
+ * it. Returns 0, or -1 when the threads' [threads, D] blocks of sums cannot be allocated (nothing written). */
 int depth_attention_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
                              const real *folded_query, const real *query, const real *gain, const real *stats,
                              const real *h, const real *norm_weight, const real *norm_rstd, const real *grad_y,
@@ -710,6 +718,11 @@ int depth_attention_backward(const real *const *sources, int64_t n_sources, int6
     if (n_threads < 1) n_threads = 1;
     if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
     const int64_t D = d_model, cells = n_sources * n_tokens;
+    real folded[folded_query ? 1 : D];
+    if (!folded_query) {
+        for (int64_t d = 0; d < D; ++d) folded[d] = query[d] * gain[d];
+        folded_query = folded;
+    }
     real *query_sums = malloc((size_t)(n_threads * D) * sizeof(real));
     double *norm_sums = norm_weight ? malloc((size_t)(n_threads * D) * sizeof(double)) : NULL;
     if (query_sums == NULL || (norm_weight && norm_sums == NULL)) {

@@ -26,7 +26,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch.autograd.function import once_differentiable as _guard_second_derivative
 
-from attnres_lens.kernels._common import check_logit_bias, check_vector, compute_dtype, new_output
+from attnres_lens.kernels._common import check_logit_bias, check_vector, compute_dtype, new_output, new_output_like
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 CACHE_ENV_VAR = "ATTNRES_LENS_KERNEL_CACHE"
@@ -137,8 +137,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     pointer, int64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.depth_attention_forward.restype = None
     library.depth_attention_forward.argtypes = [
-        pointer, int64, int64, int64, pointer, pointer, ctypes.c_double, pointer, ctypes.c_double, pointer, pointer,
-        pointer, pointer, c_int
+        pointer, int64, int64, int64, pointer, pointer, pointer, ctypes.c_double, pointer, ctypes.c_double, pointer,
+        pointer, pointer, pointer, c_int
     ]
     library.depth_attention_backward.restype = c_int
     library.depth_attention_backward.argtypes = [
@@ -219,30 +219,33 @@ def _pointer_array(tensors) -> ctypes.Array:
 # model that calls them traces into one graph (fullgraph) instead of breaking at the ctypes call: each op has a
 # fake (shape-only) version for tracing, and the forward op's autograd rule calls the backward op. In eager mode
 # an autograd.Function calls the same two functions: its dispatch costs ~80 us less per call than a custom op's
-# at small shapes, which is 2-3% of a small model's step with one call per sublayer; it also folds the query in
-# itself (an autograd product and its backward cost ~15% of a small mix, forward and backward). Sources arrive as
-# contiguous [..., D] tensors of one dtype (fp32 or fp64), read as [N, D] rows; the statistics (rstd, logits,
-# weights) come as one [3, S, N] block.
-def _run_forward(sources: list[torch.Tensor], folded_query: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-                 norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 0.0, keep_h: bool = True
+# at small shapes, which is 2-3% of a small model's step with one call per sublayer; it also leaves the query's
+# product with the gain to the C kernel, forward and backward (an autograd product and its backward cost ~15% of a
+# small mix; a product in the node, ~3 us and a saved tensor). Sources arrive as contiguous [..., D] tensors of one
+# dtype (fp32 or fp64), read as [N, D] rows; the statistics (rstd, logits, weights) come as one [3, S, N] block.
+def _run_forward(sources: list[torch.Tensor], query: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                 norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 0.0, keep_h: bool = True,
+                 gain: Optional[torch.Tensor] = None
                  ) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``(h [..., D], stats [3, S, N], y, norm_rstd [N])``; ``y = RMSNorm(h) * norm_weight`` and its rstd with the
     consumer's pre-norm fused (``norm_weight`` given, contiguous), else None. With the pre-norm fused and not
-    ``keep_h``, h is not written (None): the backward mixes its rows again."""
+    ``keep_h``, h is not written (None): the backward mixes its rows again. ``query`` is the folded ``u = w * g``,
+    or with ``gain`` the pseudo-query ``w``, whose product with the gain the kernel takes (contiguous, the sources'
+    dtype)."""
     first = sources[0]
     shape, dtype, device = first.shape, first.dtype, first.device
     n_tokens, n_sources = first.numel() // shape[-1], len(sources)
     if not keep_h and norm_weight is None:
         raise ValueError("only a mix with its pre-norm fused can leave h out: its output would be y alone")
-    h = new_output(shape, dtype, device) if keep_h else None
+    h = new_output_like(first) if keep_h else None
     stats = new_output((3, n_sources, n_tokens), dtype, device)
     y = norm_rstd = None
     if norm_weight is not None:
-        y, norm_rstd = new_output(shape, dtype, device), new_output((n_tokens,), dtype, device)
+        y, norm_rstd = new_output_like(first), new_output((n_tokens,), dtype, device)
     library = cpu_library(dtype)
     library.depth_attention_forward(
-        _pointer_array(sources), n_sources, n_tokens, shape[-1], folded_query.data_ptr(), _address(bias), eps,
-        _address(norm_weight), norm_eps, _address(h), stats.data_ptr(), _address(y), _address(norm_rstd),
+        _pointer_array(sources), n_sources, n_tokens, shape[-1], query.data_ptr(), _address(gain), _address(bias),
+        eps, _address(norm_weight), norm_eps, _address(h), stats.data_ptr(), _address(y), _address(norm_rstd),
         _n_threads(n_sources * n_tokens * shape[-1], library),
     )
     return h, stats, y, norm_rstd
@@ -286,7 +289,7 @@ class SharedGradient:
         buffer = self.buffers.get(task)
         if buffer is not None:
             return buffer, True
-        self.buffers[task] = buffer = new_output(like.shape, like.dtype, like.device)
+        self.buffers[task] = buffer = new_output_like(like)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self.buffers.pop(task, None))
         return buffer, False
 
@@ -341,16 +344,15 @@ def _gradient_buffers(sources: list[torch.Tensor], shared: Optional[list[Optiona
     activation-sized allocations are recycled by the C allocator step after step, while a block of a new size is
     often mapped afresh and page-faulted in."""
     first = sources[0]
-    shape, dtype, device = first.shape, first.dtype, first.device
     if shared is None:
-        return [new_output(shape, dtype, device) for _ in sources], None
+        return [new_output_like(first) for _ in sources], None
     grad_sources, accumulate = [], [0] * len(sources)
     for s, source in enumerate(sources):
         if shared[s] is not None:
             buffer, accumulate[s] = shared[s].target(source)
             grad_sources.append(buffer)
         else:
-            grad_sources.append(new_output(shape, dtype, device))
+            grad_sources.append(new_output_like(first))
     return grad_sources, (ctypes.c_uint8 * len(sources))(*accumulate)
 
 
@@ -369,30 +371,32 @@ def _backward_kernel(sources: list[torch.Tensor], folded_query: torch.Tensor, st
     return grad_sources, grad_folded
 
 
-def _run_backward(sources: list[torch.Tensor], folded_query: torch.Tensor, stats: torch.Tensor,
+def _run_backward(sources: list[torch.Tensor], folded_query: Optional[torch.Tensor], stats: torch.Tensor,
                   grad_h: Optional[torch.Tensor], shared: Optional[list[Optional[SharedGradient]]],
                   norm: Optional[tuple[torch.Tensor, ...]] = None,
                   query_and_gain: Optional[tuple[torch.Tensor, torch.Tensor]] = None
                   ) -> tuple[list, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``(grads returned for the sources, grad of the query, grad of the gain, grad of the norm's weight)``:
     with ``query_and_gain`` (the factors of ``u = w * g``) the C kernel returns ``dw = du * g`` and ``dg = du * w``,
-    without them ``du`` in the query's place and None for the gain. ``norm`` the fused pre-norm's
+    without them ``du`` in the query's place and None for the gain; ``folded_query`` may be None where they are
+    given (the kernel takes their product, as the forward did). ``norm`` the fused pre-norm's
     ``(h, norm_weight, norm_rstd, grad_y)`` (``grad_h`` may then be None), else None (no weight gradient)."""
     first = sources[0]
-    d_model, dtype, device = first.shape[-1], first.dtype, first.device
+    d_model, dtype = first.shape[-1], first.dtype
     n_sources, n_tokens = len(sources), first.numel() // d_model
     grad_sources, accumulate = _gradient_buffers(sources, shared)
-    grad_query = new_output((d_model,), dtype, device)
     query = gain = grad_gain = h = norm_weight = norm_rstd = grad_y = grad_norm_weight = None
     if query_and_gain is not None:
-        query, gain = (factor.contiguous() for factor in query_and_gain)
-        grad_gain = new_output((d_model,), dtype, device)
+        query, gain = query_and_gain[0].contiguous(), query_and_gain[1].contiguous()
+        grad_gain = new_output_like(gain)
+    # the [D] gradients like the [D] inputs (the sources' dtype)
+    grad_query = new_output_like(query if folded_query is None else folded_query)
     if norm is not None:
         h, norm_weight, norm_rstd, grad_y = norm
-        grad_norm_weight = new_output((d_model,), dtype, device)
+        grad_norm_weight = new_output_like(norm_weight)
     library = cpu_library(dtype)
     failed = library.depth_attention_backward(
-        _pointer_array(sources), n_sources, n_tokens, d_model, folded_query.data_ptr(), _address(query),
+        _pointer_array(sources), n_sources, n_tokens, d_model, _address(folded_query), _address(query),
         _address(gain), stats.data_ptr(), _address(h), _address(norm_weight), _address(norm_rstd), _address(grad_y),
         _address(grad_h), _pointer_array(grad_sources), accumulate, grad_query.data_ptr(), _address(grad_gain),
         _address(grad_norm_weight), _n_threads(n_sources * n_tokens * d_model, library),
@@ -430,16 +434,16 @@ _forward_op.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 class _EagerDepthAttention(torch.autograd.Function):
-    """The eager twin of `_forward_op` with its autograd rule, the query folded in here (``u = w * g``, so
-    ``dw = du * g`` and ``dg = du * w``): ``(h, logits, weights)``, the last two reported only
+    """The eager twin of `_forward_op` with its autograd rule, the query folded in by the C kernel (``u = w * g``,
+    so ``dw = du * g`` and ``dg = du * w``): ``(h, logits, weights)``, the last two reported only
     (non-differentiable). ``query`` and ``gain`` come in the compute dtype (fp32, or fp64 for fp64 sources)."""
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, gain: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
                 *sources: torch.Tensor):
-        folded_query = (query * gain).contiguous()
-        h, stats = _forward_kernel(list(sources), folded_query, bias, eps)
-        ctx.save_for_backward(query, gain, folded_query, stats, *sources)
+        query, gain = query.contiguous(), gain.contiguous()
+        h, stats, _, _ = _run_forward(list(sources), query, bias, eps, gain=gain)
+        ctx.save_for_backward(query, gain, stats, *sources)
         ctx.shared = _shared_gradients(sources)
         _rstd, logits, weights = stats.unbind(0)
         ctx.mark_non_differentiable(logits, weights)
@@ -448,8 +452,8 @@ class _EagerDepthAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the C backward builds no graph: a second derivative raises instead of coming out wrong
     def backward(ctx, grad_h: torch.Tensor, _grad_logits: torch.Tensor, _grad_weights: torch.Tensor):
-        query, gain, folded_query, stats, *sources = ctx.saved_tensors
-        grad_sources, grad_query, grad_gain, _ = _run_backward(sources, folded_query, stats, grad_h.contiguous(),
+        query, gain, stats, *sources = ctx.saved_tensors
+        grad_sources, grad_query, grad_gain, _ = _run_backward(sources, None, stats, grad_h.contiguous(),
                                                                _buffers_to_sum_into(ctx, grad_h), None, (query, gain))
         return grad_query, grad_gain, None, None, *grad_sources
 
@@ -498,9 +502,9 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, keep_h: bool, query: torch.Tensor, gain: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                 norm_eps: float, *sources: torch.Tensor):
-        folded_query = (query * gain).contiguous()
-        h, stats, y, norm_rstd = _run_forward(list(sources), folded_query, None, eps, norm_weight, norm_eps, keep_h)
-        ctx.save_for_backward(query, gain, folded_query, norm_weight, stats, norm_rstd, h, *sources)
+        query, gain = query.contiguous(), gain.contiguous()
+        h, stats, y, norm_rstd = _run_forward(list(sources), query, None, eps, norm_weight, norm_eps, keep_h, gain)
+        ctx.save_for_backward(query, gain, norm_weight, stats, norm_rstd, h, *sources)
         ctx.shared = _shared_gradients(sources)
         ctx.set_materialize_grads(False)  # h usually has no other use: no zero gradient to add
         return h, y
@@ -508,12 +512,12 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_h: Optional[torch.Tensor], grad_y: Optional[torch.Tensor]):
-        query, gain, folded_query, norm_weight, stats, norm_rstd, h, *sources = ctx.saved_tensors
+        query, gain, norm_weight, stats, norm_rstd, h, *sources = ctx.saved_tensors
         if grad_y is None and grad_h is None:
             return (None,) * (6 + len(sources))
         norm = None if grad_y is None else (h, norm_weight, norm_rstd, grad_y.contiguous())  # None: only h was used
         grad_sources, grad_query, grad_gain, grad_norm_weight = _run_backward(
-            sources, folded_query, stats, None if grad_h is None else grad_h.contiguous(),
+            sources, None, stats, None if grad_h is None else grad_h.contiguous(),
             _buffers_to_sum_into(ctx, grad_h, grad_y), norm, (query, gain))
         return None, grad_query, grad_gain, grad_norm_weight, None, None, *grad_sources
 
@@ -677,7 +681,7 @@ class _EagerKVShift(torch.autograd.Function):
         threads = _elementwise_threads(k.numel(), library)
         shifted = []
         for x, column in ((k, 0), (v, 2)):  # K's pair in columns 0-1, V's in 2-3: addressed, not sliced (a view per
-            y = new_output(x.shape, x.dtype, x.device)  # call costs more than a small layer's shift)
+            y = new_output_like(x)  # call costs more than a small layer's shift)
             library.token_shift_forward(x.data_ptr(), pairs.data_ptr() + column * pairs.element_size(), 4, *x.shape,
                                         y.data_ptr(), threads)
             shifted.append(y)
@@ -695,7 +699,7 @@ class _EagerKVShift(torch.autograd.Function):
         grads = []
         for x, grad_y, column in ((k, grad_k, 0), (v, grad_v, 2)):
             grad_y = grad_y.contiguous()
-            grad_x = new_output(x.shape, x.dtype, x.device)
+            grad_x = new_output_like(x)
             offset = column * pairs.element_size()
             library.token_shift_backward(x.data_ptr(), pairs.data_ptr() + offset, 4, grad_y.data_ptr(), *x.shape,
                                          grad_x.data_ptr(), grad_pairs.data_ptr() + offset, threads)
@@ -736,7 +740,7 @@ class _EagerRotary(torch.autograd.Function):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    y = new_output(x.shape, x.dtype, x.device)
+    y = new_output_like(x)
     library = cpu_library(x.dtype)
     library.rotary_forward(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0), *x.shape, sign, y.data_ptr(),
                            _elementwise_threads(x.numel(), library))
@@ -765,7 +769,7 @@ class _EagerRMSNorm(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         x, w = x.contiguous(), w.contiguous()
         rows = x.numel() // x.shape[-1]
-        y = new_output(x.shape, x.dtype, x.device)
+        y = new_output_like(x)
         rstd = new_output((rows,), x.dtype, x.device)
         library = cpu_library(x.dtype)
         library.rms_norm_forward(x.data_ptr(), w.data_ptr(), rows, x.shape[-1], eps, y.data_ptr(), rstd.data_ptr(),
@@ -778,7 +782,7 @@ class _EagerRMSNorm(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, w, rstd = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = new_output(x.shape, x.dtype, x.device)
+        grad_x = new_output_like(x)
         grad_w = new_output(w.shape, x.dtype, x.device)
         library = cpu_library(x.dtype)
         failed = library.rms_norm_backward(x.data_ptr(), w.data_ptr(), rstd.data_ptr(), grad.data_ptr(), rstd.numel(),
