@@ -374,7 +374,7 @@ def thread_sum_rows(repeats: int, tiny: bool) -> tuple[list[str], list[str]]:
 def mix_keeps_h() -> Iterator[None]:
     """A model's fused mix writes and keeps h, as before 2026-12-02 (it leaves h out as shipped: docs/kernels.md §4)."""
     shipped = attnres.fused_mix_and_norm
-    # the depth stream and DepthAttention.mix_and_norm pass the six arguments and keep_h positionally
+    # the depth stream and mix_and_norm pass the six arguments and keep_h positionally
     attnres.fused_mix_and_norm = lambda *args: shipped(*args[:6], True)
     try:
         yield

@@ -19,9 +19,10 @@ The small shape of `bench_cpu_step.py` (4 layers, d_model 128, n_ctx 64, batch 1
   fixed + kernels is what the step costs before anything else slows, the floor of this design (one eager
   autograd node per sublayer, each mix reading its sources once).
 * **One mix, layer by layer** (the first thread count). Where a consumer's fixed cost goes: one Block (S = 4)
-  consumer of three sources at 8 tokens through each layer of its fused path (the stream's `mix_and_norm`, the
-  autograd.Function, the Python around the C call, the C call), forward and backward, beside the standard
-  sublayer's pre-norm it replaces; times the consumers of a step, that is the 8-token excess above.
+  consumer of three sources at 8 tokens through each layer of its fused path (`DepthAttention.mix_and_norm`'s
+  checks, the autograd.Function, the Python around the C call, the C call), forward and backward, beside the
+  standard sublayer's pre-norm it replaces; times the consumers of a step, that is the 8-token excess above (the
+  timing loop runs warm, where a step's Python objects are cold: a step pays more per layer than this table).
 * **Profile** (one thread). The profiler adds per-op overhead, so its absolute times are inflated; read the shares
   and the depth-attention rows.
 
@@ -244,7 +245,7 @@ def mix_layers(rounds: int) -> list[str]:
     norm_fw, mix_fw = timed.us("norm"), timed.us("mix")
     norm_bw, mix_bw = timed.us("norm+backward") - norm_fw, timed.us("mix+backward") - mix_fw
     rows = [
-        ("forward: checks in `DepthAttention.mix_and_norm` (hooks, dtypes, backend)", None,
+        ("forward: checks (`DepthAttention.fused_with_norm`: hooks, dtypes, widths, backend)", None,
          mix_fw - timed.us("function")),
         ("forward: the autograd.Function (apply, saved tensors, shared-gradient lookup)", None,
          timed.us("function") - timed.us("run_forward")),
