@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from attnres_lens.components import RMSNorm, any_hooked, is_hooked, module_hooked
+from attnres_lens.components import RMSNorm, any_hooked, is_hooked, module_hooked, parameter
 from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
 from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel, stream_two_phase_backend
 from attnres_lens.kernels.cpu_fused import (depth_attention_copies_cpu, depth_attention_multi_cpu,
@@ -243,7 +243,7 @@ class DepthStream(ResidualStream):
                 or any(source.dtype != sources[0].dtype for source in sources)):
             return None
         bias = module.logit_bias(sources)
-        fused = norm is not None and norm.fuses_into(sources[0].dtype)
+        fused = isinstance(norm, RMSNorm) and norm.fuses_into(sources[0].dtype)
         mixed = depth_attention_copies_cpu(originals[:n_shared], sources[n_shared:], n_copies, module.query,
                                            module.key_norm.w, module.key_norm.eps, bias,
                                            norm=(norm.w, norm.eps) if fused else None)
@@ -378,10 +378,13 @@ class DepthAttention(nn.Module):
         self.hook_logits = HookPoint()  # [batch, pos, n_sources] ([batch, pos, heads, n_sources] with heads > 1)
         self.hook_weights = HookPoint()  # same shape as hook_logits
         self.hook_logit_bias = HookPoint()  # [batch, pos, n_sources]; fires only when hooked
-        # whether the fused kernels compute this mix (the paper's default method only): fixed by the options, and
-        # an attribute rather than a property since every consumer asks it on every forward
-        self.fusable = (score == "softmax" and mixing == "attention" and query == "static" and heads == 1
-                        and key_norm)
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the fused kernels compute this mix (the paper's default method only). Asked by every consumer
+        on every forward: the key norm is looked up in `_modules`, not through nn.Module's attribute fallback."""
+        return (self.score == "softmax" and self.mixing == "attention" and self.query_kind == "static"
+                and self.heads == 1 and "key_norm" in self._modules)
 
     # hook points whose hooks send the mix down the readable path (interventions stack copies by them)
     path_hooks = ("hook_logits", "hook_weights")
@@ -430,12 +433,14 @@ class DepthAttention(nn.Module):
         (sources of one shape and dtype, fp32 or fp64, on the CPU, outside torch.compile), its parameters and the
         norm's have the sources' dtype and width, and nothing watches the mix or the norm (hook points, PyTorch
         hooks on either, global module hooks); else None. A hook that changed the width takes the checked path,
-        whose error names the mismatch. Each consumer asks this on every forward, so the parameters are read from
-        the modules' dicts (nn.Module's attribute fallback costs ~1 us a name inside a step)."""
-        if not self.fusable or module_hooked(self) or any_hooked(self, self.hook_points) or norm.watched():
+        whose error names the mismatch. A norm other than an `RMSNorm` (a user's replacement) runs on its own. Each
+        consumer asks this on every forward, so the parameters are read from the modules' dicts where they are
+        plain parameters (`components.parameter`)."""
+        if (not isinstance(norm, RMSNorm) or not self.fusable or module_hooked(self)
+                or any_hooked(self, self.hook_points) or norm.watched()):
             return None
         key_norm = self._modules["key_norm"]
-        query, gain, norm_weight = self._parameters["query"], key_norm._parameters["w"], norm._parameters["w"]
+        query, gain, norm_weight = parameter(self, "query"), parameter(key_norm, "w"), parameter(norm, "w")
         first = sources[0]
         dtype, width = first.dtype, first.shape[-1:]
         if (query.dtype == gain.dtype == norm_weight.dtype == dtype

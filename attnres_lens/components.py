@@ -45,6 +45,14 @@ def any_hooked(module: nn.Module, names: tuple[str, ...]) -> bool:
     return False
 
 
+def parameter(module: nn.Module, name: str) -> torch.Tensor:
+    """`getattr(module, name)` for a parameter, read from `module._parameters` where it is a plain one: nn.Module's
+    attribute fallback costs ~1 us a name inside a training step, and each depth-mix consumer reads three per
+    forward. A parametrized parameter (`torch.nn.utils.parametrize`) is not there, and is computed as usual."""
+    value = module._parameters.get(name)
+    return value if value is not None else getattr(module, name)
+
+
 def module_hooked(module: nn.Module) -> bool:
     """Whether a PyTorch hook would see a call of `module`: one of its own (TransformerLens's hooks on a hook point
     are such hooks) or a global module hook. A fused path that skips the call must not run then."""

@@ -77,6 +77,70 @@ def test_the_final_readout_fuses_its_norm_unless_something_watches_it(block_size
     torch.testing.assert_close(model.unembed(model.ln_final(seen[0])), fused, rtol=1e-5, atol=1e-6)
 
 
+def test_parametrized_depth_and_norm_parameters_keep_the_fused_path_right():
+    """A parametrized pseudo-query or norm gain (`torch.nn.utils.parametrize`) is not among a module's plain
+    parameters, which the fused path reads directly: the model still runs, equals a model with the parametrized
+    values written in by hand, and its gradients reach the parametrization's original."""
+    from torch.nn.utils import parametrize
+
+    class Twice(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * x
+
+    model = HookedTransformer(small_config("attnres", 2, depth_attention_backend="cpu"))
+    randomize_depth_parameters(model)
+    by_hand = HookedTransformer(model.cfg)
+    by_hand.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for module in (by_hand.final_res, by_hand.blocks[0].attn_res):
+            module.query.mul_(2)
+        by_hand.blocks[0].ln1.w.mul_(2)
+    for module, name in ((model.final_res, "query"), (model.blocks[0].attn_res, "query"), (model.blocks[0].ln1, "w")):
+        parametrize.register_parametrization(module, name, Twice())
+    tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(4))
+    loss, expected = model(tokens, return_type="loss"), by_hand(tokens, return_type="loss")
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    expected.backward()
+    original = model.final_res.parametrizations.query.original
+    torch.testing.assert_close(original.grad, 2 * by_hand.final_res.query.grad, rtol=1e-4, atol=1e-6)
+    original = model.blocks[0].ln1.parametrizations.w.original
+    torch.testing.assert_close(original.grad, 2 * by_hand.blocks[0].ln1.w.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("replacement", ["identity", "layer norm"])
+def test_a_final_norm_replaced_by_another_module_runs_on_its_own(replacement):
+    """The final readout fuses `ln_final` only where it is the model's RMSNorm: a module put in its place runs on
+    the readout's mix as any module would, on every backend alike (the reference one never fuses)."""
+    logits = {}
+    for backend in ("cpu", "reference"):
+        model = HookedTransformer(small_config("attnres", 1, depth_attention_backend=backend))
+        randomize_depth_parameters(model)
+        model.ln_final = torch.nn.Identity() if replacement == "identity" else torch.nn.LayerNorm(model.cfg.d_model)
+        tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(6))
+        logits[backend] = model(tokens)
+        with torch.no_grad():
+            logits[f"{backend} no grad"] = model(tokens)
+    for backend in ("cpu", "cpu no grad", "reference no grad"):
+        torch.testing.assert_close(logits[backend], logits["reference"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_depth_attention_changed_after_construction_takes_the_path_its_options_say():
+    """Whether a mix is fused follows its options as they are, not as they were built: a model whose depth
+    attentions were switched to sigmoid scores after construction equals one built with sigmoid scores (the
+    fused kernels compute softmax only, and would silently ignore the switch)."""
+    tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(8))
+    switched = HookedTransformer(small_config("attnres", 2, depth_attention_backend="cpu"))
+    randomize_depth_parameters(switched)
+    built = HookedTransformer(small_config("attnres", 2, depth_attention_backend="cpu", attnres_score="sigmoid"))
+    built.load_state_dict(switched.state_dict())
+    softmax = switched(tokens)
+    for module in switched.depth_attention_modules().values():
+        module.score = "sigmoid"
+    torch.testing.assert_close(switched(tokens), built(tokens), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(softmax, built(tokens), atol=1e-3)
+
+
 @pytest.mark.parametrize("hooked", [False, True])
 def test_attnres_trains_under_bf16_autocast(hooked):
     # As on CUDA with bf16 autocast: the embedding stays fp32 while sublayer outputs come out bf16.

@@ -706,7 +706,7 @@ int depth_attention_copies_forward(const real *const *sources, int64_t n_sources
 /* The backward of one mix. stats is the forward's [3, S, N] block (rstd, unbiased logits, weights). The parameters'
  * gradients come reduced: each thread's sums of du (and of the fused pre-norm's gain, in double) are added in
  * thread order after the split, into grad_query as dw = du * g and grad_gain as dg = du * w for u = w * g when query
- * and gain are given (the eager autograd node, which folds the query itself), else into grad_query as du (the
+ * and gain are given (the eager autograd node, whose query the kernel folds), else into grad_query as du (the
  * custom op, whose product autograd differentiates); grad_norm_weight gets the gain's gradient with a fused
  * pre-norm. folded_query may be NULL where query and gain are given: u is then their product, as the forward took
  * it. Returns 0, or -1 when the threads' [threads, D] blocks of sums cannot be allocated (nothing written). */

@@ -542,11 +542,11 @@ def depth_attention_normed_cpu(sources: list[torch.Tensor], query: torch.Tensor,
 def fused_mix_and_norm(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
                        norm_weight: torch.Tensor, norm_eps: float, keep_h: bool = True
                        ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-    """`depth_attention_normed_cpu` without its checks, for a caller that made them: `DepthAttention.mix_and_norm`,
-    whose own checks per call (sources of one shape and dtype on the CPU, outside torch.compile, parameters of the
-    sources' dtype and width) cover them; checking twice cost ~10 of the ~30 us a small sublayer's mix takes (a
-    trial, 2026-12-02). Without ``keep_h``, ``(None, y)``: h is neither written nor read back (a model's sublayer
-    reads y alone)."""
+    """`depth_attention_normed_cpu` without its checks, for a caller that made them: `DepthAttention.fused_with_norm`
+    (sources of one shape and dtype on the CPU, outside torch.compile, parameters of the sources' dtype and width),
+    which the depth stream and `DepthAttention.mix_and_norm` ask before calling this; checking twice cost ~10 of
+    the ~30 us a small sublayer's mix takes (a trial, 2026-12-02). Without ``keep_h``, ``(None, y)``: h is neither
+    written nor read back (a model's sublayer reads y alone)."""
     return _EagerNormedDepthAttention.apply(keep_h, query, key_norm_weight, norm_weight.contiguous(), float(eps),
                                             float(norm_eps), *_contiguous(sources, sources[0].dtype))
 
