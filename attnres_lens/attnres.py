@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from attnres_lens.components import RMSNorm, any_hooked, is_hooked, module_hooked, parameter
+from attnres_lens.components import RMSNorm, any_hooked, is_hooked, module_hooked, norm_fuses_into, parameter
 from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
 from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel, stream_two_phase_backend
 from attnres_lens.kernels.cpu_fused import (depth_attention_copies_cpu, depth_attention_multi_cpu,
@@ -166,7 +166,7 @@ class DepthStream(ResidualStream):
     def readout(self, mixer: "DepthAttention") -> torch.Tensor:
         return self._mix(mixer, self.n_written)
 
-    def readout_normed(self, mixer: "DepthAttention", norm: RMSNorm) -> torch.Tensor:
+    def readout_normed(self, mixer: "DepthAttention", norm: nn.Module) -> torch.Tensor:
         """As `ResidualStream.readout_normed`: the final readout is a consumer like a sublayer, its norm fused into
         the mix on the same terms as a sublayer's pre-norm (no hook on the mix, the norm or its hook points)."""
         return self._mix(mixer, self.n_written, norm)[1]
@@ -243,7 +243,7 @@ class DepthStream(ResidualStream):
                 or any(source.dtype != sources[0].dtype for source in sources)):
             return None
         bias = module.logit_bias(sources)
-        fused = isinstance(norm, RMSNorm) and norm.fuses_into(sources[0].dtype)
+        fused = norm_fuses_into(norm, sources[0].dtype)
         mixed = depth_attention_copies_cpu(originals[:n_shared], sources[n_shared:], n_copies, module.query,
                                            module.key_norm.w, module.key_norm.eps, bias,
                                            norm=(norm.w, norm.eps) if fused else None)
@@ -426,25 +426,23 @@ class DepthAttention(nn.Module):
         h = self(sources)
         return h, norm(h)
 
-    def fused_with_norm(self, sources: list[torch.Tensor], norm: RMSNorm
+    def fused_with_norm(self, sources: list[torch.Tensor], norm: nn.Module
                         ) -> Optional[tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, float]]:
         """`fused_mix_and_norm`'s arguments after the sources, `(query, key-norm gain, eps, norm gain, norm eps)`,
         where this mix of `sources` and `norm` may run as one C kernel call: the mix would run the C kernel
         (sources of one shape and dtype, fp32 or fp64, on the CPU, outside torch.compile), its parameters and the
         norm's have the sources' dtype and width, and nothing watches the mix or the norm (hook points, PyTorch
-        hooks on either, global module hooks); else None. A hook that changed the width takes the checked path,
-        whose error names the mismatch. A norm other than an `RMSNorm` (a user's replacement) runs on its own. Each
-        consumer asks this on every forward, so the parameters are read from the modules' dicts where they are
-        plain parameters (`components.parameter`)."""
-        if (not isinstance(norm, RMSNorm) or not self.fusable or module_hooked(self)
-                or any_hooked(self, self.hook_points) or norm.watched()):
+        hooks on either, global module hooks; `components.norm_fuses_into`); else None. A hook that changed the
+        width takes the checked path, whose error names the mismatch. Each consumer asks this on every forward, so
+        the parameters are read from the modules' dicts where they are plain parameters (`components.parameter`)."""
+        first = sources[0]
+        dtype, width = first.dtype, first.shape[-1:]
+        if (not self.fusable or module_hooked(self) or any_hooked(self, self.hook_points)
+                or not norm_fuses_into(norm, dtype)):
             return None
         key_norm = self._modules["key_norm"]
         query, gain, norm_weight = parameter(self, "query"), parameter(key_norm, "w"), parameter(norm, "w")
-        first = sources[0]
-        dtype, width = first.dtype, first.shape[-1:]
-        if (query.dtype == gain.dtype == norm_weight.dtype == dtype
-                and query.shape == gain.shape == norm_weight.shape == width
+        if (query.dtype == gain.dtype == dtype and query.shape == gain.shape == norm_weight.shape == width
                 and elementwise_runs_cpu_kernel(self.backend, *sources)):
             return query, gain, key_norm.eps, norm_weight, norm.eps
         return None

@@ -88,11 +88,6 @@ class RMSNorm(nn.Module):
         its own kernel."""
         return self.observed() or module_hooked(self)
 
-    def fuses_into(self, dtype: torch.dtype) -> bool:
-        """Whether a C depth mix of `dtype` may compute this norm inside its kernel: nothing watches the norm and its
-        gain has the mix's dtype (docs/kernels.md §4)."""
-        return not self.watched() and self.w.dtype == dtype
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.observed():
             # nothing watches the scale: one C pass each way on the cpu backend (2x faster than PyTorch's at
@@ -102,6 +97,13 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, x.shape[-1:], self.w, self.eps)
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.hook_normalized(x / scale * self.w)
+
+
+def norm_fuses_into(norm: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether a C depth mix of `dtype` may compute `norm` inside its kernel: it is the model's `RMSNorm` (a module
+    a user put in its place runs on its own), nothing watches it, and its gain has the mix's dtype (docs/kernels.md
+    §4)."""
+    return isinstance(norm, RMSNorm) and not norm.watched() and parameter(norm, "w").dtype == dtype
 
 
 class Embed(nn.Module):

@@ -377,7 +377,7 @@ def _run_backward(sources: list[torch.Tensor], folded_query: Optional[torch.Tens
                   query_and_gain: Optional[tuple[torch.Tensor, torch.Tensor]] = None
                   ) -> tuple[list, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``(grads returned for the sources, grad of the query, grad of the gain, grad of the norm's weight)``:
-    with ``query_and_gain`` (the factors of ``u = w * g``) the C kernel returns ``dw = du * g`` and ``dg = du * w``,
+    with ``query_and_gain`` (the factors of ``u = w * g``, contiguous) the C kernel returns ``dw = du * g`` and ``dg = du * w``,
     without them ``du`` in the query's place and None for the gain; ``folded_query`` may be None where they are
     given (the kernel takes their product, as the forward did). ``norm`` the fused pre-norm's
     ``(h, norm_weight, norm_rstd, grad_y)`` (``grad_h`` may then be None), else None (no weight gradient)."""
@@ -387,7 +387,7 @@ def _run_backward(sources: list[torch.Tensor], folded_query: Optional[torch.Tens
     grad_sources, accumulate = _gradient_buffers(sources, shared)
     query = gain = grad_gain = h = norm_weight = norm_rstd = grad_y = grad_norm_weight = None
     if query_and_gain is not None:
-        query, gain = query_and_gain[0].contiguous(), query_and_gain[1].contiguous()
+        query, gain = query_and_gain  # contiguous: the eager nodes saved them so
         grad_gain = new_output_like(gain)
     # the [D] gradients like the [D] inputs (the sources' dtype)
     grad_query = new_output_like(query if folded_query is None else folded_query)
