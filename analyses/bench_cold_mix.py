@@ -1,21 +1,24 @@
-"""The depth mix with cold caches: why a training step's mixes can run below copy bandwidth, and two builds that
-read the sources differently (issue 15; docs/kernels.md §6).
+"""The depth mix with cold caches: why a training step's mixes can run below copy bandwidth, and builds that read
+the sources differently (issue 15; docs/kernels.md §6, §11).
 
 In a training step the sources of a mix were written a sublayer or more ago, and the matmuls since have evicted
 them: the mix reads them from memory, where a timing loop of the op alone finds them in cache. This script times
 the fused mix with its consumer's pre-norm (`cpu_fused._run_forward` / `_run_backward`, as a model's sublayer
-calls them) at the small training shape's rows, both ways:
+calls them) at the small training shape's rows (3, 5, 9 sources) and at the depth benchmark's (24 and 48 sources
+of [8, 128, 128], where Full's deep consumers read), both ways:
 
 * **warm**: called again at once, its sources in cache;
 * **cold**: after a read of 64 MB (more than the last-level cache of the machines measured), as in a step.
 
-Each with the shipped library and two builds of the same source: the tiled backward from one source on
-(`-DTILED_BACKWARD_MIN_SOURCES=1`; shipped, tiles only from 33 sources) and no software prefetch
-(`-DPREFETCH_ROWS` past any row count). Bytes are `profile_cpu_step`'s count for the call (each source, input and
-output once); the same-bytes reference is torch summing the sources stacked along a new first dimension into one
-output, as cold. Then training steps of every AttnRes variant at bench_cpu_step's small shape with the shipped
-library and the tiled-backward build, each × the standard step under the same build, interleaved. At 1 and 2 torch
-threads; freed memory kept for reuse, as `train` runs.
+Each with the shipped library, a build of the same source with the tiled backward from one source on
+(`-DTILED_BACKWARD_MIN_SOURCES=1`; shipped, tiles only from 33 sources), and the C source of another commit
+(`--baseline`, default a953bcf: its forward read the sources token row by token row, with software prefetch),
+built with the same flags (the kernel's C interface must be the same as this checkout's). Bytes are
+`profile_cpu_step`'s count for the call (each source, input and output once); the same-bytes reference is torch
+summing the sources stacked along a new first dimension into one output, as cold. Then training steps of every
+AttnRes variant at bench_cpu_step's small shape with the shipped library and the tiled-backward build, each × the
+standard step under the same build, interleaved. At 1 and 2 torch threads; freed memory kept for reuse, as `train`
+runs.
 
     python -m analyses.bench_cold_mix --out analyses/reports/bench_cold_mix.md
 """
@@ -25,12 +28,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from analyses.baseline_tree import REPOSITORY, short_revision
 from analyses.bench_cpu_kernels import Timings, float_library, interleaved, paired_step_rows, with_library
 from analyses.bench_cpu_step import SHAPES, Stepper, variants
 from analyses.common import command_line, emit_report, machine_info
@@ -42,12 +48,25 @@ SWEEP_MEGABYTES = 64
 STEP_VARIANTS = ("standard", "full", "block2", "block4")
 
 
-def builds() -> dict[str, object]:
-    """The shipped float library and the two variant builds, by name."""
+def builds(baseline: str) -> dict[str, object]:
+    """The shipped float library, the tiled-backward build and the build of `baseline`'s C source, by name."""
     arch = list(cpu_fused.ARCH_FLAGS[0])
-    return {"shipped": cpu_fused.cpu_library(torch.float32),
-            "tiled backward": float_library([*arch, "-DTILED_BACKWARD_MIN_SOURCES=1"]),
-            "no prefetch": float_library([*arch, f"-DPREFETCH_ROWS={1 << 30}"])}
+    relative = cpu_fused.SOURCE.relative_to(REPOSITORY).as_posix()
+    text = subprocess.run(["git", "-C", str(REPOSITORY), "show", f"{baseline}:{relative}"], capture_output=True,
+                          text=True)
+    if text.returncode != 0:
+        raise SystemExit(f"--baseline {baseline!r}: git cannot show its {relative} ({text.stderr.strip()}); "
+                         "give a commit of this repository that has the file")
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "cpu_fused.c"
+        source.write_text(text.stdout)
+        return {"shipped": cpu_fused.cpu_library(torch.float32),
+                "tiled backward": float_library([*arch, "-DTILED_BACKWARD_MIN_SOURCES=1"]),
+                baseline_name(baseline): float_library(arch, source=source)}
+
+
+def baseline_name(baseline: str) -> str:
+    return f"C source of {short_revision(baseline)}"
 
 
 def sweep(megabytes: int) -> Callable[[], None]:
@@ -79,13 +98,13 @@ def call_bytes(library: object, call: Callable[[], object]) -> int:
     return sum(total[2] for total in counting.totals.values())
 
 
-def mix_rows(batch: int, pos: int, width: int, source_counts: Sequence[int], repeats: int, threads: int,
-             libraries: dict[str, object], before_cold: Callable[[], None]) -> list[str]:
-    """`| threads | sources | caches | build | fwd (us) | GB/s | bwd (us) | GB/s |` rows, the torch reference last in
-    each cache state."""
+def mix_rows(cases: Sequence[tuple[int, int, int, int]], repeats: int, threads: int, libraries: dict[str, object],
+             before_cold: Callable[[], None]) -> list[str]:
+    """`| threads | sources | tokens | caches | build | fwd (us) | GB/s | bwd (us) | GB/s |` rows for each
+    (batch, pos, width, sources) case, the torch reference last in each cache state."""
     generator = torch.Generator().manual_seed(0)
     rows = []
-    for n_sources in source_counts:
+    for batch, pos, width, n_sources in cases:
         sources = [torch.randn(batch, pos, width, generator=generator) for _ in range(n_sources)]
         query, gain, norm_weight = (torch.rand(width, generator=generator) + 0.5 for _ in range(3))
         grad_y = torch.randn(batch, pos, width, generator=generator)
@@ -111,11 +130,11 @@ def mix_rows(batch: int, pos: int, width: int, source_counts: Sequence[int], rep
             timing = cold_timings(functions, repeats, before)
             for name in libraries:
                 forward_s, backward_s = timing.ms(f"{name} fwd") / 1e3, timing.ms(f"{name} bwd") / 1e3
-                rows.append(f"| {threads} | {n_sources} | {caches} | {name} | {1e6 * forward_s:.0f} | "
+                rows.append(f"| {threads} | {n_sources} | {batch * pos} | {caches} | {name} | {1e6 * forward_s:.0f} | "
                             f"{forward_bytes / forward_s / 1e9:.1f} | {1e6 * backward_s:.0f} | "
                             f"{backward_bytes / backward_s / 1e9:.1f} |")
             reference_s = timing.ms("reference") / 1e3
-            rows.append(f"| {threads} | {n_sources} | {caches} | torch sum of the stacked sources (same bytes as "
+            rows.append(f"| {threads} | {n_sources} | {batch * pos} | {caches} | torch sum of the stacked sources (same bytes as "
                         f"the forward) | {1e6 * reference_s:.0f} | {reference_bytes / reference_s / 1e9:.1f} | | |")
     return rows
 
@@ -137,6 +156,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a test of the script)")
+    parser.add_argument("--baseline", default="a953bcf", help="the commit whose C source to build beside the shipped "
+                        "one (default: a953bcf, whose forward read token row by token row)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if any(threads < 1 for threads in args.threads):
@@ -144,10 +165,11 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     started = time.perf_counter()
     if args.out is not None:  # process-wide, so a test calling main() leaves it alone
         cpu_settings.keep_freed_memory()
-    batch, pos, width, source_counts = (2, 8, 16, (2, 5)) if args.tiny else (12, 64, 128, (3, 5, 9))
+    cases = ([(2, 8, 16, n) for n in (2, 5)] if args.tiny else
+             [(12, 64, 128, n) for n in (3, 5, 9)] + [(8, 128, 128, n) for n in (24, 48)])
     shape_name = "tiny" if args.tiny else "small"
     shape = dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2) if args.tiny else SHAPES["small"]
-    libraries = builds()
+    libraries = builds(args.baseline)
     before_cold = sweep(1 if args.tiny else SWEEP_MEGABYTES)
     previous = torch.get_num_threads()
     mixes, steps, bandwidths = [], [], []
@@ -156,7 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
             torch.set_num_threads(threads)
             bandwidths.append(f"{threads} thread{'s' if threads > 1 else ''}: "
                               f"{copy_bandwidth(8 if args.tiny else 256):.1f} GB/s")
-            mixes += mix_rows(batch, pos, width, source_counts, args.repeats, threads, libraries, before_cold)
+            mixes += mix_rows(cases, args.repeats, threads, libraries, before_cold)
             steps += step_rows(shape, shape_name, args.repeats, threads, libraries)
     finally:
         torch.set_num_threads(previous)
@@ -166,14 +188,14 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, in "
         f"{time.perf_counter() - started:.0f} s, by `{command_line()}`; {args.repeats} interleaved rounds, medians.",
         "",
-        f"The fused mix with its pre-norm at [{batch}, {pos}, {width}] per source, forward and backward (the h-less "
-        f"form a model's sublayer runs), warm (called again at once) and cold (after a {SWEEP_MEGABYTES} MB read), "
-        "with the shipped library, the tiled backward from one source on, and no software prefetch; GB/s from "
-        "`profile_cpu_step`'s byte count of each call. Torch copy bandwidth (256 MB, read + write): "
-        f"{', '.join(bandwidths)}.",
+        f"The fused mix with its pre-norm, d_model {cases[0][2]}, forward and backward (the h-less form a model's "
+        f"sublayer runs), warm (called again at once) and cold (after a {SWEEP_MEGABYTES} MB read), with the "
+        f"shipped library, the tiled backward from one source on, and the {baseline_name(args.baseline)} built "
+        "with the same flags; GB/s from `profile_cpu_step`'s byte count of each call. Torch copy bandwidth (256 MB, "
+        f"read + write): {', '.join(bandwidths)}.",
         "",
-        "| threads | sources | caches | build | fwd (µs) | fwd GB/s | bwd (µs) | bwd GB/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| threads | sources | tokens | caches | build | fwd (µs) | fwd GB/s | bwd (µs) | bwd GB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
         *mixes,
         "",
         f"Training steps at bench_cpu_step's {shape_name} shape with the shipped library and the tiled-backward "

@@ -177,18 +177,22 @@ def two_phase_rows(shapes, repeats: int) -> list[str]:
     return rows
 
 
-def float_library(arch_flags: list[str], thread_flags: Optional[list[str]] = None) -> object:
+def float_library(arch_flags: list[str], thread_flags: Optional[list[str]] = None,
+                  source: Optional[Path] = None) -> object:
     """The float kernel library built with `arch_flags` (and `thread_flags`, default the shipped ones) in place of
-    the shipped ones, in a cache of its own."""
+    the shipped ones, from `source` (default the shipped C file), in a cache of its own."""
     flags, threads, cache = cpu_fused.ARCH_FLAGS, cpu_fused.THREAD_FLAGS, os.environ.get(cpu_fused.CACHE_ENV_VAR)
+    shipped_source = cpu_fused.SOURCE
     with tempfile.TemporaryDirectory() as folder:
         os.environ[cpu_fused.CACHE_ENV_VAR], cpu_fused.ARCH_FLAGS = folder, (arch_flags,)
         if thread_flags is not None:
             cpu_fused.THREAD_FLAGS = (thread_flags,)
+        if source is not None:
+            cpu_fused.SOURCE = source
         try:
             return cpu_fused._build_library("float")  # loaded: the file may go
         finally:
-            cpu_fused.ARCH_FLAGS, cpu_fused.THREAD_FLAGS = flags, threads
+            cpu_fused.ARCH_FLAGS, cpu_fused.THREAD_FLAGS, cpu_fused.SOURCE = flags, threads, shipped_source
             if cache is None:
                 del os.environ[cpu_fused.CACHE_ENV_VAR]
             else:

@@ -61,14 +61,15 @@ typedef struct {
     int thread;
 } row_range;
 
-/* Forward: per token row, sources are reduced GROUP at a time: one row's sums are a chain of dependent FMAs
- * (D / vector width of them, each waiting on the last), so at d_model 64 a row-at-a-time loop was latency-bound;
- * four sources give four independent chains. Its softmax statistics are computed for TILE tokens at once (see
- * forward_rows). Backward: token rows in tiles of TILE, each source read as one contiguous TILE x D block (a
- * stream the prefetcher follows) while the tile's dh rows stay in L1; row-at-a-time it hopped between 2S streams
- * per token and at 49 sources ran 3x slower. Reading the forward's sources that way measured 1.2-1.5x slower
- * (docs/kernels.md §6), so only the backward reads by blocks, and only for many sources (see backward_rows).
- * Results are the same sums, only interleaved. */
+/* Forward: sources are reduced GROUP at a time: one row's sums are a chain of dependent FMAs (D / vector width of
+ * them, each waiting on the last), so at d_model 64 a row-at-a-time loop was latency-bound; four sources give four
+ * independent chains. A tile of TILE tokens is read source group by source group (four contiguous TILE x D
+ * streams), and its softmax statistics are computed for its tokens at once (see forward_rows). Backward: token
+ * rows in tiles of TILE, each source read as one contiguous TILE x D block (a stream the prefetcher follows) while
+ * the tile's dh rows stay in L1; row-at-a-time it hopped between 2S streams per token and at 49 sources ran 3x
+ * slower, but one source at a time measured 1.1-1.4x slower at 9-25 sources, so the backward reads by blocks only
+ * for many sources (see backward_rows). One source at a time was slower for the forward's reads too (docs/kernels.md
+ * §6): a single stream does not keep enough reads in flight. Results are the same sums, only interleaved. */
 #define TILE 16
 #define GROUP 4
 #define INLINE static inline __attribute__((always_inline))
@@ -323,10 +324,13 @@ INLINE void norm_row_backward(const real *x, const real *w, real r, const real *
     }
 }
 
-/* Forward, in tiles of TILE tokens: pass 1 reads each token row of every source once for its two sums (GROUP
- * sources at a time); the per-token statistics (rstd, logits, softmax) are then computed for the whole tile,
- * vectorised across its tokens (one token at a time they were scalar sqrt, division and exp per source, more
- * than the reads cost); pass 2 mixes the rows, still in L1/L2. */
+/* Forward, in tiles of TILE tokens: pass 1 reads the tile's rows of every source once for its two sums, GROUP
+ * sources side by side (four independent FMA chains, four streams of TILE x D contiguous values; a short last
+ * group repeats its last source and drops the repeats' sums: the lines are in L1 already); the per-token
+ * statistics (rstd, logits, softmax) are then computed for the whole tile, vectorised across its tokens (one token
+ * at a time they were scalar sqrt, division and exp per source, more than the reads cost); pass 2 mixes the rows,
+ * still in L1/L2. Pass 1 used to run token by token (row t of every source, then row t + 1), S streams advancing
+ * D values at a time: sources from memory read at about half the rate (docs/kernels.md §11). */
 static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
     const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model;
     const real *u = a->folded_query;
@@ -335,18 +339,16 @@ static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
     real h_row[a->h ? 1 : D]; /* h not kept (NULL, which the caller passes only with the pre-norm fused): rows here */
     for (int64_t t0 = begin; t0 < end; t0 += TILE) {
         const int64_t T = end - t0 < TILE ? end - t0 : TILE;
-        /* pass 1: rstd and logit sums of every source, one read of each row for both (row by row: read source
-         * by source, as TILE x D blocks, it measured 1.2-1.5x slower) */
-        for (int64_t t = 0; t < T; ++t) {
-            const int64_t row = (t0 + t) * D;
-            real q[GROUP], p[GROUP];
-            if (t0 + t + PREFETCH_ROWS < end) prefetch_rows(src, S, row + PREFETCH_ROWS * D, D);
-            int64_t s = 0;
-            for (; s + GROUP <= S; s += GROUP) {
-                group_sums(src[s] + row, src[s + 1] + row, src[s + 2] + row, src[s + 3] + row, u, D, q, p);
-                for (int g = 0; g < GROUP; ++g) square_sums[(s + g) * TILE + t] = q[g], dots[(s + g) * TILE + t] = p[g];
+        /* pass 1: rstd and logit sums of every source, one read of each row for both */
+        for (int64_t s = 0; s < S; s += GROUP) {
+            const real *v[GROUP];
+            for (int g = 0; g < GROUP; ++g) v[g] = src[s + g < S ? s + g : S - 1] + t0 * D;
+            for (int64_t t = 0; t < T; ++t) {
+                real q[GROUP], p[GROUP];
+                group_sums(v[0] + t * D, v[1] + t * D, v[2] + t * D, v[3] + t * D, u, D, q, p);
+                for (int g = 0; g < GROUP && s + g < S; ++g)
+                    square_sums[(s + g) * TILE + t] = q[g], dots[(s + g) * TILE + t] = p[g];
             }
-            for (; s < S; ++s) row_sums(src[s] + row, u, D, square_sums + s * TILE + t, dots + s * TILE + t);
         }
         /* statistics, across the tile's tokens */
         for (int64_t t = 0; t < T; ++t) max_logit[t] = -INFINITY, total[t] = 0;
