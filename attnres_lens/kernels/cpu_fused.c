@@ -67,8 +67,8 @@ typedef struct {
  * streams), and its softmax statistics are computed for its tokens at once (see forward_rows). Backward: token
  * rows in tiles of TILE, each source read as one contiguous TILE x D block (a stream the prefetcher follows) while
  * the tile's dh rows stay in L1; row-at-a-time it hopped between 2S streams per token and at 49 sources ran 3x
- * slower, but one source at a time measured 1.1-1.4x slower at 9-25 sources, so the backward reads by blocks only
- * for many sources (see backward_rows). One source at a time was slower for the forward's reads too (docs/kernels.md
+ * slower, but with few sources row-at-a-time is faster, so the backward reads by blocks only from 9 sources on
+ * (see backward_rows). One source at a time was slower for the forward's reads too (docs/kernels.md
  * §6): a single stream does not keep enough reads in flight. Results are the same sums, only interleaved. */
 #define TILE 16
 #define GROUP 4
@@ -276,9 +276,10 @@ INLINE void mix_row(real *h, const real *const *src, int64_t S, int64_t row, int
             acc = _mm256_fmadd_ps(_mm256_set1_ps(alpha[s * TILE]), _mm256_loadu_ps(src[s] + row + d), acc);
         _mm256_storeu_ps(h + d, acc);
     }
-    for (; d < D; ++d) {
+    for (; d < D; ++d) { /* fma spelt out: left to contraction, GCC fused a * v + x in some inlined copies of this
+                          * loop and not in others, and a remixed h then differed from the forward's in these columns */
         real x = h[d];
-        for (int64_t s = 0; s < S; ++s) x += alpha[s * TILE] * src[s][row + d];
+        for (int64_t s = 0; s < S; ++s) x = fma(alpha[s * TILE], src[s][row + d], x);
         h[d] = x;
     }
 #else
@@ -399,6 +400,21 @@ INLINE const real *mixed_row(const depth_args *a, int64_t n, int64_t D, real *h,
     return h;
 }
 
+/* Rows t0..t0+T of h for the tiled backward, mixed source group by source group (four streams of contiguous rows,
+ * as the forward reads them, where row by row the S streams advance one row at a time) into an h tile that stays
+ * in L1. Each call of mix_row adds one group (or one of the last sources) in mix_row's own grouping and order, so
+ * these are the forward's sums bit for bit. alpha is [S, TILE]: the tile's weights. */
+INLINE void mixed_tile(const depth_args *a, int64_t t0, int64_t T, int64_t D, real *h, real *alpha) {
+    const int64_t S = a->n_sources;
+    for (int64_t s = 0; s < S; ++s)
+        for (int64_t t = 0; t < T; ++t) alpha[s * TILE + t] = a->weights[s * a->n_tokens + t0 + t];
+    for (int64_t i = 0; i < T * D; ++i) h[i] = 0;
+    for (int64_t s = 0, group; s < S; s += group) {
+        group = S - s >= GROUP ? GROUP : 1;
+        for (int64_t t = 0; t < T; ++t) mix_row(h + t * D, a->sources + s, group, (t0 + t) * D, D, alpha + s * TILE + t);
+    }
+}
+
 /* Per token (r_s = rstd, l_s = unbiased logit, delta = dh . h = sum_s alpha_s (dh . v_s)):
  *   dlogit_s = alpha_s (dh . v_s - delta)
  *   dv_s     = alpha_s dh + dlogit_s r_s u - dlogit_s l_s r_s^2 / D v_s
@@ -456,16 +472,18 @@ INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
                              const int64_t D) {
     const int64_t S = a->n_sources, N = a->n_tokens;
     const real *u = a->folded_query;
-    const int remix = a->norm_weight && !a->h; /* the fused pre-norm's backward without a kept h: mixed_row */
-    real dots[S * TILE], delta[TILE], fused_dh[a->norm_weight ? TILE * D : 1], h_row[remix ? D : 1],
+    const int remix = a->norm_weight && !a->h; /* the fused pre-norm's backward without a kept h: mixed_tile */
+    real dots[S * TILE], delta[TILE], fused_dh[a->norm_weight ? TILE * D : 1], h_tile[remix ? TILE * D : 1],
         alpha[remix ? S * TILE : 1];
     for (int64_t t0 = begin; t0 < end; t0 += TILE) {
         const int64_t T = end - t0 < TILE ? end - t0 : TILE;
         const real *dh = a->grad_h ? a->grad_h + t0 * D : NULL;
         if (a->norm_weight) {
+            const real *h = a->h ? a->h + t0 * D : h_tile;
+            if (remix) mixed_tile(a, t0, T, D, h_tile, alpha);
             for (int64_t n = 0; n < T; ++n)
-                norm_row_backward(mixed_row(a, t0 + n, D, h_row, alpha), a->norm_weight, a->norm_rstd[t0 + n],
-                                  a->grad_y + (t0 + n) * D, dh ? dh + n * D : NULL, D, fused_dh + n * D, grad_norm);
+                norm_row_backward(h + n * D, a->norm_weight, a->norm_rstd[t0 + n], a->grad_y + (t0 + n) * D,
+                                  dh ? dh + n * D : NULL, D, fused_dh + n * D, grad_norm);
             dh = fused_dh;
         }
         for (int64_t n = 0; n < T; ++n) delta[n] = 0;
@@ -494,10 +512,13 @@ INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
     }
 }
 
-/* Up to this many sources the by-token loop is faster (its 2S streams still prefetch well); beyond it the tiled
- * one: measured 2.1x faster at 49 sources, 1.1-1.4x slower at 9-25 (d_model 64-128). */
+/* Below this many sources the by-token loop is faster (its 2S streams still prefetch well); from it on the tiled
+ * one, whose remix of h (mixed_tile) reads by source groups: measured 1.1-1.3x faster at 9-25 sources and 1.1x at 47
+ * (d_model 64-256, 1024 tokens, sources in cache or from memory), 1.1-1.2x slower at 3-7 sources from memory
+ * (AMD EPYC, 2026-12-04: timings of _run_backward, and bench_cold_mix.md). With h remixed token by token the
+ * switch was at 33. */
 #ifndef TILED_BACKWARD_MIN_SOURCES /* analyses/bench_cold_mix.py builds it with others */
-#define TILED_BACKWARD_MIN_SOURCES 33
+#define TILED_BACKWARD_MIN_SOURCES 9
 #endif
 
 INLINE void backward_rows_d(const depth_args *a, int64_t begin, int64_t end, real *grad_u, double *grad_norm,
