@@ -3,9 +3,9 @@
  * (docs/model.md §6; twin: components.apply_rotary) and RMSNorm (twin: components.RMSNorm), at the end of the file.
  *
  * Compiled on first use by cpu_fused.py, once per element type, with -DREAL=float or -DREAL=double.
- * Each token row is finished before the next one starts: a row of every source (S * D values) stays in L1/L2,
- * so each source is read from memory once in the forward and once in the backward, and each gradient is written
- * once. The torch path needs ~10 passes over every source for the same work.
+ * Each tile of token rows (one row, or TILE of them) is finished before the next one starts: its rows of every
+ * source stay in L1/L2, so each source is read from memory once in the forward and once in the backward, and each
+ * gradient is written once. The torch path needs ~10 passes over every source for the same work.
  *
  * Layouts: sources and their gradients are S pointers to [N, D] rows; per-token statistics (rstd, logits,
  * weights) and the optional logit bias are [S, N]; the folded-query gradient is summed per thread, and the threads'
