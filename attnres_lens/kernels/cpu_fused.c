@@ -491,24 +491,24 @@ INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
             tile_dots(a->sources[s] + t0 * D, dh, D, T, dots + s * TILE);
             for (int64_t n = 0; n < T; ++n) delta[n] += a->weights[s * N + t0 + n] * dots[s * TILE + n];
         }
-        for (int64_t s = 0; s < S; ++s) {
-            const real *v = a->sources[s] + t0 * D;
-            real *grad = a->grad_sources[s] + t0 * D;
-            const int keep = a->accumulate && a->accumulate[s];
-            for (int64_t n = 0; n < T; ++n) {
-                const int64_t i = s * N + t0 + n;
-                const real w = a->weights[i], r = a->rstd[i];
-                const real key_coef = w * (dots[s * TILE + n] - delta[n]) * r;
-                const real value_coef = key_coef * a->logits[i] * r / (real)D;
-                const real *vn = v + n * D, *dhn = dh + n * D;
-                real *gn = grad + n * D;
+        /* the gradients, GROUP sources side by side: each token row of four sources, then the next row (four
+         * streams of gradient rows read and written; one source's tile after another measured 1.1x slower) */
+        for (int64_t s0 = 0; s0 < S; s0 += GROUP)
+            for (int64_t n = 0; n < T; ++n)
+                for (int64_t s = s0; s < S && s < s0 + GROUP; ++s) {
+                    const int64_t i = s * N + t0 + n;
+                    const real w = a->weights[i], r = a->rstd[i];
+                    const real key_coef = w * (dots[s * TILE + n] - delta[n]) * r;
+                    const real value_coef = key_coef * a->logits[i] * r / (real)D;
+                    const real *vn = a->sources[s] + (t0 + n) * D, *dhn = dh + n * D;
+                    real *gn = a->grad_sources[s] + (t0 + n) * D;
+                    const int keep = a->accumulate && a->accumulate[s];
 #pragma omp simd
-                for (int64_t d = 0; d < D; ++d) {
-                    gn[d] = (keep ? gn[d] : 0) + w * dhn[d] + key_coef * u[d] - value_coef * vn[d];
-                    grad_u[d] += key_coef * vn[d];
+                    for (int64_t d = 0; d < D; ++d) {
+                        gn[d] = (keep ? gn[d] : 0) + w * dhn[d] + key_coef * u[d] - value_coef * vn[d];
+                        grad_u[d] += key_coef * vn[d];
+                    }
                 }
-            }
-        }
     }
 }
 
