@@ -11,7 +11,7 @@ of [8, 128, 128], where Full's deep consumers read), both ways:
 * **cold**: after a read of 64 MB (more than the last-level cache of the machines measured), as in a step.
 
 Each with the shipped library, a build of the same source with the tiled backward from one source on
-(`-DTILED_BACKWARD_MIN_SOURCES=1`; shipped, tiles only from 33 sources), and the C source of another commit
+(`-DTILED_BACKWARD_MIN_SOURCES=1`; shipped, tiles from 9 sources), and the C source of another commit
 (`--baseline`, default a953bcf: its forward read the sources token row by token row, with software prefetch),
 built with the same flags (the kernel's C interface must be the same as this checkout's). Bytes are
 `profile_cpu_step`'s count for the call (each source, input and output once); the same-bytes reference is torch
