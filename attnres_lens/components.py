@@ -155,7 +155,8 @@ class Attention(nn.Module):
     """Causal multi-head attention, standard or KV-shifting (docs/model.md §5), with RoPE and GQA.
 
     KV shift: per key/value head, `K̂_t = α1·K_t + α2·K_{t−1}` and `V̂_t = β1·V_t + β2·V_{t−1}`
-    (zeros before t = 0), stored as `kv_shift[head] = (α1, α2, β1, β2)`; RoPE is applied to K̂.
+    (zeros before t = 0), stored as `kv_shift[head] = (α1, α2, β1, β2)`; RoPE is applied to K̂ (by the shift's
+    own C pass on the cpu backend, unless a hook watches `hook_k_shifted`).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -197,20 +198,18 @@ class Attention(nn.Module):
         q = self.hook_q(_project_heads(x, self.W_Q))
         k = self.hook_k(_project_heads(x, self.W_K))
         v = self.hook_v(_project_heads(x, self.W_V))
+        rotary = self.cfg.positional_embedding_type == "rotary"
+        k_rotated = False  # K's rotary embedding applied already, in the KV shift's pass
         if self.cfg.attention == "kv_shift":
             if elementwise_runs_cpu_kernel(self.cfg.depth_attention_backend, k, v):  # both in one fused op
-                k, v = kv_shift_cpu(k, v, self.kv_shift)
+                # with K's rotary too where no hook reads K̂ before it is rotated (the hook point is then the identity)
+                k_rotated = rotary and not is_hooked(self.hook_k_shifted)
+                k, v = kv_shift_cpu(k, v, self.kv_shift, (self.rotary_cos, self.rotary_sin) if k_rotated else None)
             else:
                 k, v = TokenShiftMix.apply(k, self.kv_shift[:, :2]), TokenShiftMix.apply(v, self.kv_shift[:, 2:])
-            k, v = self.hook_k_shifted(k), self.hook_v_shifted(v)
-        if self.cfg.positional_embedding_type == "rotary":
-            backend = self.cfg.depth_attention_backend
-            if elementwise_runs_cpu_kernel(backend, q) and elementwise_runs_cpu_kernel(backend, k):  # one C pass each
-                q, k = rotary_cpu(q, self.rotary_cos, self.rotary_sin), rotary_cpu(k, self.rotary_cos, self.rotary_sin)
-            else:
-                cos, sin = self.rotary_cos[:n_pos, None, :], self.rotary_sin[:n_pos, None, :]
-                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            q, k = self.hook_rot_q(q), self.hook_rot_k(k)
+            k, v = (k if k_rotated else self.hook_k_shifted(k)), self.hook_v_shifted(v)
+        if rotary:
+            q, k = self.hook_rot_q(self._rotate(q)), self.hook_rot_k(k if k_rotated else self._rotate(k))
         group = self.cfg.n_heads // self.cfg.n_key_value_heads
         if group > 1:
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
@@ -229,6 +228,13 @@ class Attention(nn.Module):
                                                is_causal=True, scale=1 / math.sqrt(self.cfg.d_head)).transpose(1, 2)
         z = self.hook_z(z)
         return z.flatten(-2) @ self.W_O.flatten(0, 1)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """RoPE of q or k [batch, pos, heads, d_head]: one C pass where the cpu backend runs, else the torch form."""
+        if elementwise_runs_cpu_kernel(self.cfg.depth_attention_backend, x):
+            return rotary_cpu(x, self.rotary_cos, self.rotary_sin)
+        n_pos = x.shape[1]
+        return apply_rotary(x, self.rotary_cos[:n_pos, None, :], self.rotary_sin[:n_pos, None, :])
 
     # hook points whose hooks make the attention compute its scores explicitly (interventions stack copies by them)
     path_hooks = ("hook_attn_scores", "hook_pattern")

@@ -253,11 +253,65 @@ def test_kv_shift_kernel_matches_its_definition_and_gradients(shape, dtype):
         torch.testing.assert_close(got.double(), want.detach(), **tolerance)
 
 
+def _rotary_oracle(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in float64 from its definition: each pair (x_d, x_{d+half}) turned by position t's angle."""
+    half, n_pos = x.shape[-1] // 2, x.shape[1]
+    c, s = cos[:n_pos, None, :half].double(), sin[:n_pos, None, :half].double()
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat([first * c - second * s, second * c + first * s], dim=-1)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 2), (2, 5, 3, 8), (3, 17, 2, 16), (1, 33, 5, 10)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kv_shift_kernel_rotates_k_in_the_same_pass(shape, dtype):
+    """With rotary tables, K comes out shifted and then rotated (V only shifted), outputs and the gradients of k, v
+    and the coefficients as the float64 composition of the two definitions; the tables hold more positions than
+    the input (strided rows)."""
+    from attnres_lens.components import rotary_tables
+
+    generator = torch.Generator().manual_seed(sum(shape) + 1)
+    k, v, grad_k, grad_v = (torch.randn(*shape, generator=generator).to(dtype) for _ in range(4))
+    k.requires_grad_(), v.requires_grad_()
+    coefficients = torch.randn(shape[2], 4, generator=generator).to(dtype).requires_grad_()
+    cos, sin = rotary_tables(shape[1] + 7, shape[-1], 10000.0)
+    rotated_k, shifted_v = cpu_fused.kv_shift_cpu(k, v, coefficients, (cos, sin))  # outputs NaN-poisoned
+    ((rotated_k * grad_k).sum() + (shifted_v * grad_v).sum()).backward()
+    k64, v64, c64 = (t.detach().double().requires_grad_() for t in (k, v, coefficients))
+    expected_k = _rotary_oracle(_shift_oracle(k64, c64[:, :2]), cos, sin)
+    expected_v = _shift_oracle(v64, c64[:, 2:])
+    ((expected_k * grad_k.double()).sum() + (expected_v * grad_v.double()).sum()).backward()
+    tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    pairs = ((rotated_k, expected_k), (shifted_v, expected_v), (k.grad, k64.grad), (v.grad, v64.grad),
+             (coefficients.grad, c64.grad))
+    for got, want in pairs:
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want.detach(), **tolerance)
+
+
+def test_kv_shift_with_rotary_passes_gradcheck_and_equals_the_two_kernels_in_turn():
+    from attnres_lens.components import rotary_tables
+
+    generator = torch.Generator().manual_seed(6)
+    k, v = (torch.randn(2, 6, 3, 4, dtype=torch.float64, generator=generator, requires_grad=True) for _ in range(2))
+    coefficients = torch.randn(3, 4, dtype=torch.float64, generator=generator, requires_grad=True)
+    cos, sin = rotary_tables(8, 4, 10000.0)
+    assert torch.autograd.gradcheck(lambda *x: cpu_fused.kv_shift_cpu(*x, (cos, sin)), (k, v, coefficients))
+    shifted_k, shifted_v = cpu_fused.kv_shift_cpu(k, v, coefficients)
+    fused_k, fused_v = cpu_fused.kv_shift_cpu(k, v, coefficients, (cos, sin))
+    torch.testing.assert_close(fused_k, cpu_fused.rotary_cpu(shifted_k, cos, sin), rtol=1e-14, atol=1e-14)
+    assert torch.equal(fused_v, shifted_v)
+    with pytest.raises(ValueError, match="kv_shift_cpu's rotary embedding needs an even last dim"):
+        cpu_fused.kv_shift_cpu(k[..., :3], v[..., :3], coefficients, (cos[:, :3], sin[:, :3]))
+    with pytest.raises(ValueError, match=r"n_ctx >= 6, 4\] tables, got \(5, 4\)"):
+        cpu_fused.kv_shift_cpu(k, v, coefficients, (cos[:5], sin[:5]))
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 1, 2), (2, 5, 3, 8), (3, 17, 2, 16)])  # 1 row: fewer rows than threads
 def test_elementwise_kernels_split_rows_over_threads(many_threads, shape):
-    """KV shift, rotary and RMSNorm at 4 threads (the OpenMP build; the pthread build keeps one): every output
-    and input gradient bitwise as at one thread (rows are independent), the parameters' gradients (sums over rows,
-    per thread and then in thread order) equal to float rounding, and the KV shift's against its float64 definition."""
+    """KV shift (without and with K's rotary), rotary and RMSNorm at 4 threads (the OpenMP build; the pthread build
+    keeps one): every output and input gradient bitwise as at one thread (rows are independent), the parameters'
+    gradients (sums over rows, per thread and then in thread order) equal to float rounding, and the KV shift's
+    against its float64 definition."""
     from attnres_lens.components import rotary_tables
 
     generator = torch.Generator().manual_seed(sum(shape))
@@ -271,22 +325,24 @@ def test_elementwise_kernels_split_rows_over_threads(many_threads, shape):
         shifted_k, shifted_v = cpu_fused.kv_shift_cpu(*leaves[:3])
         rotated = cpu_fused.rotary_cpu(leaves[0], cos, sin)
         normed = cpu_fused.rms_norm_cpu(leaves[3], leaves[4], 1e-5)
-        outputs = [shifted_k, shifted_v, rotated, normed]
-        torch.autograd.backward(outputs, [grad_k, grad_v, grad_v, torch.ones_like(normed)])
+        shifted_rotated_k, _ = cpu_fused.kv_shift_cpu(*leaves[:3], (cos, sin))
+        outputs = [shifted_k, shifted_v, rotated, normed, shifted_rotated_k]
+        torch.autograd.backward(outputs, [grad_k, grad_v, grad_v, torch.ones_like(normed), grad_v])
         return [*(output.detach() for output in outputs), *(leaf.grad for leaf in leaves)]
 
     threaded = run()
     torch.set_num_threads(1)
     single = run()
     for index, (got, want) in enumerate(zip(threaded, single)):
-        if index in (6, 8):  # the KV pairs' and the gain's gradients: sums over rows
+        if index in (7, 9):  # the KV pairs' and the gain's gradients: sums over rows
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(got, want), index
     c64 = coefficients.double().requires_grad_()
     ((_shift_oracle(k.double(), c64[:, :2]) * grad_k.double()).sum()
-     + (_shift_oracle(v.double(), c64[:, 2:]) * grad_v.double()).sum()).backward()
-    torch.testing.assert_close(threaded[6].double(), c64.grad, rtol=2e-5, atol=2e-5)
+     + (_shift_oracle(v.double(), c64[:, 2:]) * grad_v.double()).sum()
+     + (_rotary_oracle(_shift_oracle(k.double(), c64[:, :2]), cos, sin) * grad_v.double()).sum()).backward()
+    torch.testing.assert_close(threaded[7].double(), c64.grad, rtol=2e-5, atol=2e-5)
 
 
 def test_kv_shift_kernel_passes_gradcheck_and_agrees_with_the_torch_twin():
@@ -743,6 +799,43 @@ def test_a_model_runs_each_elementwise_kernel_only_on_the_cpu_backend(kernel, mo
     assert len(calls) == expected_calls  # none on the reference backend
     for got, want in zip(results["cpu"], results["reference"]):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_kv_shift_model_rotates_k_in_the_shift_unless_a_hook_reads_the_shifted_k(monkeypatch):
+    """With RoPE, a KV-shift layer on the cpu backend rotates K inside the shift's C pass (rotary_cpu then runs for
+    Q alone); a hook on hook_k_shifted brings back the separate passes, so that it sees K̂ unrotated; both give the
+    same loss and gradients (GQA: 2 query heads per key head), and the cache's K̂ and rotated K are the float64
+    definitions applied to its K."""
+    from attnres_lens import HookedTransformer, ModelConfig
+
+    calls = []
+    monkeypatch.setattr("attnres_lens.components.rotary_cpu",
+                        lambda *args: calls.append(1) or cpu_fused.rotary_cpu(*args))
+    cfg = ModelConfig(d_model=16, n_heads=4, n_key_value_heads=2, n_layers=2, d_vocab=32, n_ctx=9,
+                      attention="kv_shift", depth_attention_backend="cpu", dtype=torch.float64, seed=2)
+    model = HookedTransformer(cfg)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.kv_shift.normal_(generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    results = []
+    for hooks in ([], [(f"blocks.{layer}.attn.hook_k_shifted", lambda x, hook: x) for layer in range(2)]):
+        model.zero_grad()
+        calls.clear()
+        loss = model.run_with_hooks(tokens, return_type="loss", fwd_hooks=hooks)
+        loss.backward()
+        assert len(calls) == (4 if hooks else 2)  # q and k of each layer, or q alone
+        results.append([loss.detach(), *(parameter.grad.clone() for parameter in model.parameters())])
+    for fused, separate in zip(*results):
+        torch.testing.assert_close(fused, separate, rtol=1e-12, atol=1e-14)
+    _, cache = model.run_with_cache(tokens)
+    for layer, block in enumerate(model.blocks):
+        name = f"blocks.{layer}.attn."
+        shift = block.attn.kv_shift.detach()
+        shifted = _shift_oracle(cache[name + "hook_k"], shift[:, :2])
+        torch.testing.assert_close(cache[name + "hook_k_shifted"], shifted, rtol=1e-12, atol=1e-14)
+        rotated = _rotary_oracle(shifted, block.attn.rotary_cos, block.attn.rotary_sin)
+        torch.testing.assert_close(cache[name + "hook_rot_k"], rotated, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -929,9 +929,24 @@ void depth_attention_multi(const real *const *sources, int64_t n_sources, int64_
  * stride):
  *   dx_t = c1 dy_t + c2 dy_{t+1}   (dy_P = 0),   dc1 = sum dy_t . x_t,   dc2 = sum dy_t . x_{t-1}
  * One pass over x each way (and dy in the backward), where PyTorch ops take one pass per product and sum. Each
- * row's dots run in the element type, their sum over rows in double. */
+ * row's dots run in the element type, their sum over rows in double.
+ * With rotary tables (cos_table not NULL; the layout of rotary_forward below), K's rotary embedding is applied in
+ * the same pass: y_t = R_t (c1 x_t + c2 x_{t-1}), each row rotated in L1 after it is mixed, and the backward first
+ * rotates dy_t and dy_{t+1} back (R_t^T, the rotation by minus the angle) and then runs the shift's backward on
+ * them. A separate rotary call reads and writes K once more each way (docs/kernels.md §2). */
+/* One head's row of rotary_forward (below): y = the rotation of x's pairs by sign x the angles; y may be x */
+INLINE void rotate_row(const real *x, real *y, const real *c, const real *s, int64_t half, real sign) {
+#pragma omp simd
+    for (int64_t d = 0; d < half; ++d) {
+        const real x1 = x[d], x2 = x[d + half], sd = sign * s[d];
+        y[d] = x1 * c[d] - x2 * sd;
+        y[d + half] = x2 * c[d] + x1 * sd;
+    }
+}
+
 void token_shift_forward(const real *x, const real *coefficients, int64_t stride, int64_t B, int64_t P, int64_t H,
-                         int64_t Dh, real *y, int n_threads) {
+                         int64_t Dh, const real *cos_table, const real *sin_table, int64_t table_stride, real *y,
+                         int n_threads) {
     const int64_t row = H * Dh;
 #pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1)
     for (int64_t r = 0; r < B * P; ++r) {
@@ -947,12 +962,22 @@ void token_shift_forward(const real *x, const real *coefficients, int64_t stride
 #pragma omp simd
                 for (int64_t d = 0; d < Dh; ++d) out[d] = c1 * now[d] + c2 * before[d];
             }
+            if (cos_table) rotate_row(out, out, cos_table + t * table_stride, sin_table + t * table_stride, Dh / 2, 1);
         }
     }
 }
 
+/* dy_t (position t of row r's head h) rotated back into `into` where the forward rotated, else dy_t in place */
+INLINE const real *unrotated(const real *dy, int64_t t, int64_t Dh, const real *cos_table, const real *sin_table,
+                             int64_t table_stride, real *into) {
+    if (!cos_table) return dy;
+    rotate_row(dy, into, cos_table + t * table_stride, sin_table + t * table_stride, Dh / 2, -1);
+    return into;
+}
+
 void token_shift_backward(const real *x, const real *coefficients, int64_t stride, const real *grad_y, int64_t B,
-                          int64_t P, int64_t H, int64_t Dh, real *grad_x, real *grad_coefficients, int n_threads) {
+                          int64_t P, int64_t H, int64_t Dh, const real *cos_table, const real *sin_table,
+                          int64_t table_stride, real *grad_x, real *grad_coefficients, int n_threads) {
     const int64_t row = H * Dh;
     if (n_threads < 1) n_threads = 1;
     if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
@@ -961,6 +986,7 @@ void token_shift_backward(const real *x, const real *coefficients, int64_t strid
 #pragma omp parallel num_threads(n_threads) if (n_threads > 1)
     {
         double *slot = sums + THREAD_INDEX * 2 * H, *mine = thread_sums(slot, (size_t)(2 * H) * sizeof(double));
+        real now_rows[cos_table ? Dh : 1], next_rows[cos_table ? Dh : 1]; /* dy_t, dy_{t+1} rotated back */
 #pragma omp single
         used = THREAD_COUNT;
 #pragma omp for schedule(static)
@@ -968,7 +994,11 @@ void token_shift_backward(const real *x, const real *coefficients, int64_t strid
             const int64_t t = r % P, offset = r * row;
             for (int64_t h = 0; h < H; ++h) {
                 const real c1 = coefficients[h * stride], c2 = coefficients[h * stride + 1];
-                const real *dy = grad_y + offset + h * Dh, *dy_next = t + 1 < P ? dy + row : dy;
+                const real *dy = unrotated(grad_y + offset + h * Dh, t, Dh, cos_table, sin_table, table_stride,
+                                           now_rows);
+                const real *dy_next = t + 1 < P ? unrotated(grad_y + offset + row + h * Dh, t + 1, Dh, cos_table,
+                                                            sin_table, table_stride, next_rows)
+                                                : dy;
                 const real *now = x + offset + h * Dh, *before = t > 0 ? now - row : now;
                 real *dx = grad_x + offset + h * Dh;
                 real current = 0, previous = 0;
@@ -1009,7 +1039,7 @@ void token_shift_backward(const real *x, const real *coefficients, int64_t strid
  * stride `table_stride`; the first half of a row is read, rotary_tables repeats it in the second):
  *   y_d = x_d c_d - x_{d+half} s_d,   y_{d+half} = x_{d+half} c_d + x_d s_d        (d < half)
  * The map is a rotation of each pair (x_d, x_{d+half}) by the angle, so its backward is the rotation by minus the
- * angle: the same loop with `sign` = -1 on the output gradient. One pass over x, where the PyTorch form makes
+ * angle: the same rotate_row with `sign` = -1 on the output gradient. One pass over x, where the PyTorch form makes
  * three (x * cos, roll, addcmul). */
 void rotary_forward(const real *x, const real *cos_table, const real *sin_table, int64_t table_stride, int64_t B,
                     int64_t P, int64_t H, int64_t Dh, double sign, real *y, int n_threads) {
@@ -1020,14 +1050,7 @@ void rotary_forward(const real *x, const real *cos_table, const real *sin_table,
         const real *c = cos_table + t * table_stride, *s = sin_table + t * table_stride;
         for (int64_t h = 0; h < H; ++h) {
             const int64_t offset = (r * H + h) * Dh;
-            const real *x1 = x + offset, *x2 = x1 + half;
-            real *y1 = y + offset, *y2 = y1 + half;
-#pragma omp simd
-            for (int64_t d = 0; d < half; ++d) {
-                const real sd = (real)sign * s[d];
-                y1[d] = x1[d] * c[d] - x2[d] * sd;
-                y2[d] = x2[d] * c[d] + x1[d] * sd;
-            }
+            rotate_row(x + offset, y + offset, c, s, half, (real)sign);
         }
     }
 }

@@ -170,10 +170,11 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.rms_norm_backward.restype = c_int
     library.rms_norm_backward.argtypes = [pointer, pointer, pointer, pointer, int64, int64, pointer, pointer, c_int]
     library.token_shift_forward.restype = None
-    library.token_shift_forward.argtypes = [pointer, pointer, int64, int64, int64, int64, int64, pointer, c_int]
+    library.token_shift_forward.argtypes = [pointer, pointer, int64, int64, int64, int64, int64, pointer, pointer,
+                                            int64, pointer, c_int]
     library.token_shift_backward.restype = None
     library.token_shift_backward.argtypes = [pointer, pointer, int64, pointer, int64, int64, int64, int64, pointer,
-                                             pointer, c_int]
+                                             pointer, int64, pointer, pointer, c_int]
     return library
 
 
@@ -671,46 +672,57 @@ def depth_attention_copies_cpu(shared: list[torch.Tensor], stacked: list[torch.T
 
 class _EagerKVShift(torch.autograd.Function):
     """`components.TokenShiftMix` (the KV shift, its formulas there) of a layer's K and V in one autograd node,
-    one C pass over each tensor each way; k, v [B, P, H, Dh], coefficients [H, 4] = (K's pair, V's pair)."""
+    one C pass over each tensor each way; k, v [B, P, H, Dh], coefficients [H, 4] = (K's pair, V's pair). With
+    rotary tables (cos, sin: x's dtype, contiguous; else None) the shifted K comes out rotated, in the same pass."""
 
     @staticmethod
-    def forward(ctx, k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor, cos: Optional[torch.Tensor],
+                sin: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = k.contiguous(), v.contiguous()
         pairs = coefficients.to(k.dtype).contiguous()
         library = cpu_library(k.dtype)
         threads = _elementwise_threads(k.numel(), library)
         shifted = []
-        for x, column in ((k, 0), (v, 2)):  # K's pair in columns 0-1, V's in 2-3: addressed, not sliced (a view per
-            y = new_output_like(x)  # call costs more than a small layer's shift)
-            library.token_shift_forward(x.data_ptr(), pairs.data_ptr() + column * pairs.element_size(), 4, *x.shape,
-                                        y.data_ptr(), threads)
+        for x, column, tables in ((k, 0, _rotary_arguments(cos, sin)), (v, 2, _rotary_arguments(None, None))):
+            y = new_output_like(x)  # K's pair in columns 0-1, V's in 2-3: addressed, not sliced (a view per call
+            library.token_shift_forward(  # costs more than a small layer's shift)
+                x.data_ptr(), pairs.data_ptr() + column * pairs.element_size(), 4, *x.shape, *tables, y.data_ptr(),
+                threads)
             shifted.append(y)
-        ctx.save_for_backward(k, v, pairs)
+        ctx.save_for_backward(k, v, pairs, cos, sin)
         ctx.coefficient_dtype = coefficients.dtype
         return shifted[0], shifted[1]
 
     @staticmethod
     @once_differentiable  # the C backward builds no graph: a second derivative raises instead of coming out zero
-    def backward(ctx, grad_k: torch.Tensor, grad_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        k, v, pairs = ctx.saved_tensors
+    def backward(ctx, grad_k: torch.Tensor, grad_v: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        k, v, pairs, cos, sin = ctx.saved_tensors
         library = cpu_library(k.dtype)
         threads = _elementwise_threads(k.numel(), library)
         grad_pairs = new_output(pairs.shape, pairs.dtype, pairs.device)
         grads = []
-        for x, grad_y, column in ((k, grad_k, 0), (v, grad_v, 2)):
+        for x, grad_y, column, tables in ((k, grad_k, 0, _rotary_arguments(cos, sin)),
+                                          (v, grad_v, 2, _rotary_arguments(None, None))):
             grad_y = grad_y.contiguous()
             grad_x = new_output_like(x)
             offset = column * pairs.element_size()
             library.token_shift_backward(x.data_ptr(), pairs.data_ptr() + offset, 4, grad_y.data_ptr(), *x.shape,
-                                         grad_x.data_ptr(), grad_pairs.data_ptr() + offset, threads)
+                                         *tables, grad_x.data_ptr(), grad_pairs.data_ptr() + offset, threads)
             grads.append(grad_x)
-        return grads[0], grads[1], grad_pairs.to(ctx.coefficient_dtype)
+        return grads[0], grads[1], grad_pairs.to(ctx.coefficient_dtype), None, None
 
 
-def kv_shift_cpu(k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotary_arguments(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> tuple:
+    """The C kernels' (cos_table, sin_table, table_stride) for rotary tables, or no rotation for None."""
+    return (None, None, 0) if cos is None else (cos.data_ptr(), sin.data_ptr(), cos.stride(0))
+
+
+def kv_shift_cpu(k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor,
+                 rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's KV shift: `c1 ⊙ x_t + c2 ⊙ x_{t−1}` per head (x_{−1} = 0) for x = k with the pair
     `coefficients[:, :2]` and x = v with `coefficients[:, 2:]`; fp32/fp64 CPU tensors [batch, pos, heads, d_head],
-    differentiable in all three."""
+    differentiable in all three. With ``rotary = (cos, sin)`` (`rotary_cpu`'s tables) the shifted K is returned
+    rotated, `rotary_cpu(shifted_k, cos, sin)` in the same pass over K."""
     for name, x in (("k", k), ("v", v)):
         if x.device.type != "cpu" or x.dtype not in _REAL_TYPES or x.dim() != 4:
             raise ValueError(f"kv_shift_cpu needs 4-D fp32/fp64 CPU tensors, got {name} {x.dim()}-D {x.dtype} on "
@@ -720,7 +732,8 @@ def kv_shift_cpu(k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor) -
     if coefficients.shape != (k.shape[2], 4) or coefficients.device.type != "cpu":
         raise ValueError(f"coefficients must be a CPU tensor [heads, 4] = [{k.shape[2]}, 4], got "
                          f"{list(coefficients.shape)} on {coefficients.device}")
-    return _EagerKVShift.apply(k, v, coefficients)
+    cos, sin = (None, None) if rotary is None else _rotary_tables_for(k, *rotary, caller="kv_shift_cpu")
+    return _EagerKVShift.apply(k, v, coefficients, cos, sin)
 
 
 class _EagerRotary(torch.autograd.Function):
@@ -747,18 +760,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     return y
 
 
-def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of ``x`` ``[B, P, H, Dh]`` (fp32/fp64, CPU) with ``rotary_tables``' ``cos`` and ``sin``
-    (``[n_ctx, Dh]``, n_ctx >= P; cast to x's dtype), differentiable in ``x``; equals `components.apply_rotary`."""
-    if x.dim() != 4 or x.device.type != "cpu" or x.dtype not in _REAL_TYPES or x.shape[-1] % 2:
-        raise ValueError(f"rotary_cpu needs a 4-D fp32/fp64 CPU tensor with an even last dim, got {x.dim()}-D "
-                         f"{x.dtype} on {x.device} of shape {tuple(x.shape)}")
+def _rotary_tables_for(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caller: str
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_tables`' cos and sin checked against x [B, P, H, Dh] (Dh even, at least P rows of Dh, no gradient)
+    and cast to x's dtype, contiguous: the tables the C rotation reads."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"{caller}'s rotary embedding needs an even last dim, got x of shape {tuple(x.shape)}")
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] < x.shape[1] or cos.shape[1] != x.shape[-1]:
         raise ValueError(f"cos and sin must be [n_ctx >= {x.shape[1]}, {x.shape[-1]}] tables, got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
     if cos.requires_grad or sin.requires_grad:
-        raise ValueError("rotary_cpu differentiates x only; the cos/sin tables must not require grad")
-    cos, sin = (table.to(x.dtype).contiguous() for table in (cos, sin))
+        raise ValueError(f"{caller} differentiates x only; the cos/sin tables must not require grad")
+    return tuple(table.to(x.dtype).contiguous() for table in (cos, sin))
+
+
+def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x`` ``[B, P, H, Dh]`` (fp32/fp64, CPU) with ``rotary_tables``' ``cos`` and ``sin``
+    (``[n_ctx, Dh]``, n_ctx >= P; cast to x's dtype), differentiable in ``x``; equals `components.apply_rotary`."""
+    if x.dim() != 4 or x.device.type != "cpu" or x.dtype not in _REAL_TYPES:
+        raise ValueError(f"rotary_cpu needs a 4-D fp32/fp64 CPU tensor, got {x.dim()}-D {x.dtype} on {x.device} of "
+                         f"shape {tuple(x.shape)}")
+    cos, sin = _rotary_tables_for(x, cos, sin, caller="rotary_cpu")
     return _EagerRotary.apply(x, cos, sin)
 
 
