@@ -10,13 +10,14 @@ of [8, 128, 128], where Full's deep consumers read), both ways:
 * **warm**: called again at once, its sources in cache;
 * **cold**: after a read of 64 MB (more than the last-level cache of the machines measured), as in a step.
 
-Each with the shipped library, a build of the same source with the tiled backward from one source on
-(`-DTILED_BACKWARD_MIN_SOURCES=1`; shipped, tiles from 9 sources), and the C source of another commit
-(`--baseline`, default a953bcf: its forward read the sources token row by token row, with software prefetch),
-built with the same flags (the kernel's C interface must be the same as this checkout's). Bytes are
+Each with the shipped library (it reads by source groups in the forward from 8 sources on and in the backward's
+tiles from 9, token row by token row below), a build of the same source that reads by groups at every source count
+(`-DGROUPED_FORWARD_MIN_SOURCES=1 -DTILED_BACKWARD_MIN_SOURCES=1`), and the C source of another commit
+(`--baseline`, default a953bcf: its forward read the sources token row by token row at every count, with software
+prefetch), built with the same flags (its depth kernels' C interface must be the same as this checkout's). Bytes are
 `profile_cpu_step`'s count for the call (each source, input and output once); the same-bytes reference is torch
 summing the sources stacked along a new first dimension into one output, as cold. Then training steps of every
-AttnRes variant at bench_cpu_step's small shape with the shipped library and the tiled-backward build, each × the
+AttnRes variant at bench_cpu_step's small shape with the shipped library and the grouped-reads build, each × the
 standard step under the same build, interleaved. At 1 and 2 torch threads; freed memory kept for reuse, as `train`
 runs.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import random
 import statistics
 import subprocess
 import tempfile
@@ -46,10 +48,11 @@ from attnres_lens.kernels import cpu_fused
 
 SWEEP_MEGABYTES = 64
 STEP_VARIANTS = ("standard", "full", "block2", "block4")
+GROUPED = "grouped reads"  # the build that reads by source groups at every source count
 
 
 def builds(baseline: str) -> dict[str, object]:
-    """The shipped float library, the tiled-backward build and the build of `baseline`'s C source, by name."""
+    """The shipped float library, the grouped-reads build and the build of `baseline`'s C source, by name."""
     arch = list(cpu_fused.ARCH_FLAGS[0])
     relative = cpu_fused.SOURCE.relative_to(REPOSITORY).as_posix()
     text = subprocess.run(["git", "-C", str(REPOSITORY), "show", f"{baseline}:{relative}"], capture_output=True,
@@ -61,7 +64,7 @@ def builds(baseline: str) -> dict[str, object]:
         source = Path(folder) / "cpu_fused.c"
         source.write_text(text.stdout)
         return {"shipped": cpu_fused.cpu_library(torch.float32),
-                "tiled backward": float_library([*arch, "-DTILED_BACKWARD_MIN_SOURCES=1"]),
+                GROUPED: float_library([*arch, "-DGROUPED_FORWARD_MIN_SOURCES=1", "-DTILED_BACKWARD_MIN_SOURCES=1"]),
                 baseline_name(baseline): float_library(arch, source=source)}
 
 
@@ -77,10 +80,16 @@ def sweep(megabytes: int) -> Callable[[], None]:
 
 def cold_timings(functions: dict[str, Callable[[], object]], repeats: int, before: Optional[Callable[[], None]]
                  ) -> Timings:
-    """Seconds of each function per round, interleaved, each call after `before` (untimed) when given."""
+    """Seconds of each function per round, interleaved, each call after `before` (untimed) when given, each round
+    in its own shuffled order (seeded): in one fixed order, warm, the function called after the torch reference
+    found the sources less warm than the rest, which followed a call that read them (the first build measured
+    1.05-1.1x slower there than the same C source built again, 2026-12-05)."""
     times = Timings({name: [] for name in functions})
+    order, shuffle = list(functions), random.Random(0).shuffle
     for round_ in range(repeats + 1):
-        for name, function in functions.items():
+        shuffle(order)
+        for name in order:
+            function = functions[name]
             if before is not None:
                 before()
             start = time.perf_counter()
@@ -140,15 +149,15 @@ def mix_rows(cases: Sequence[tuple[int, int, int, int]], repeats: int, threads: 
 
 
 def step_rows(shape: dict, shape_name: str, repeats: int, threads: int, libraries: dict[str, object]) -> list[str]:
-    """`paired_step_rows` of training steps with the shipped library and the tiled-backward build."""
+    """`paired_step_rows` of training steps with the shipped library and the grouped-reads build."""
     steppers = {name: Stepper(shape, variants("cpu")[name], eager=False) for name in STEP_VARIANTS}
     functions = {f"{name} {build}": with_library(libraries[build], stepper.step)
-                 for name, stepper in steppers.items() for build in ("shipped", "tiled backward")}
+                 for name, stepper in steppers.items() for build in ("shipped", GROUPED)}
     for function in functions.values():
         function(), function()
     timing = interleaved(functions, repeats)
     return [row.replace(f"| {shape_name} |", f"| {shape_name} | {threads} |", 1)
-            for row in paired_step_rows(timing, shape_name, list(STEP_VARIANTS), "shipped", "tiled backward")]
+            for row in paired_step_rows(timing, shape_name, list(STEP_VARIANTS), "shipped", GROUPED)]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[str]:
@@ -190,7 +199,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         "",
         f"The fused mix with its pre-norm, d_model {cases[0][2]}, forward and backward (the h-less form a model's "
         f"sublayer runs), warm (called again at once) and cold (after a {SWEEP_MEGABYTES} MB read), with the "
-        f"shipped library, the tiled backward from one source on, and the {baseline_name(args.baseline)} built "
+        f"shipped library, the {GROUPED} build (by source groups at every source count), and the "
+        f"{baseline_name(args.baseline)} built "
         "with the same flags; GB/s from `profile_cpu_step`'s byte count of each call. Torch copy bandwidth (256 MB, "
         f"read + write): {', '.join(bandwidths)}.",
         "",
@@ -198,12 +208,12 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
         *mixes,
         "",
-        f"Training steps at bench_cpu_step's {shape_name} shape with the shipped library and the tiled-backward "
+        f"Training steps at bench_cpu_step's {shape_name} shape with the shipped library and the {GROUPED} "
         "build; × standard: the standard step under the same build, the median over rounds of the ratio within the "
         "round.",
         "",
-        "| shape | threads | variant | shipped (ms) | tiled backward (ms) | tiled / shipped | shipped: × standard | "
-        "tiled: × standard |",
+        f"| shape | threads | variant | shipped (ms) | {GROUPED} (ms) | {GROUPED} / shipped | shipped: × standard | "
+        f"{GROUPED}: × standard |",
         "|---|---|---|---|---|---|---|---|",
         *steps,
     ]

@@ -381,14 +381,14 @@ def test_cold_mix_benchmark_times_every_build_warm_and_cold():
     lines = module.main(["--tiny", "--repeats", "1", "--threads", "1", "--baseline", "HEAD"])
     mixes = [[cell.strip() for cell in line.split("|")[1:6]] for line in lines if line.startswith("| 1 | ")]
     baseline = module.baseline_name("HEAD")
-    builds = ["shipped", "tiled backward", baseline, "torch sum of the stacked sources (same bytes as the forward)"]
+    builds = ["shipped", "grouped reads", baseline, "torch sum of the stacked sources (same bytes as the forward)"]
     assert mixes == [["1", sources, "16", caches, build] for sources in ("2", "5") for caches in ("warm", "cold")
                      for build in builds]
     steps = [[cell.strip() for cell in line.split("|")[1:4]] for line in lines if line.startswith("| tiny |")]
     assert steps == [["tiny", "1", name] for name in ("standard", "full", "block2", "block4")]
     assert (cpu_fused.ARCH_FLAGS, cpu_fused.SOURCE, cpu_fused.cpu_library,
             os.environ.get(cpu_fused.CACHE_ENV_VAR)) == shipped
-    # the builds compute the same mix: the tiled backward from 5 sources, the baseline commit's own loops
+    # the builds compute the same mix: grouped reads at 5 sources, the baseline commit's own loops
     generator = torch.Generator().manual_seed(1)
     sources = [torch.randn(2, 24, 16, generator=generator, dtype=torch.float32, requires_grad=True) for _ in range(5)]
     query, gain, norm_weight = (torch.rand(16, generator=generator).add(0.5).requires_grad_() for _ in range(3))
@@ -397,7 +397,7 @@ def test_cold_mix_benchmark_times_every_build_warm_and_cold():
         with module.kernels_from(library):
             _, y = cpu_fused.depth_attention_normed_cpu(sources, query, gain, 1e-6, norm_weight, 1e-5)
             results[name] = (y, *torch.autograd.grad((y * y).sum(), [*sources, query, gain, norm_weight]))
-    for name in ("tiled backward", baseline):
+    for name in ("grouped reads", baseline):
         for got, expected in zip(results[name], results["shipped"]):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

@@ -108,6 +108,28 @@ def test_the_pthread_build_splits_rows_as_the_openmp_build(many_threads, tmp_pat
     assert torch.equal(cpu_fused.causal_attention_cpu(q, k, v, 0.25), results["attention"])
 
 
+def test_the_forward_reads_a_tile_in_either_order_to_the_same_bits(tmp_path, monkeypatch):
+    """Below GROUPED_FORWARD_MIN_SOURCES the forward reads a tile token row by token row, from it on source group
+    by source group (cpu_fused.c): a build that reads by groups at every source count gives the shipped build's
+    outputs and gradients bit for bit where the shipped one reads by rows (the same group_sums, only in another
+    order), and both the float64 oracle's."""
+    shipped = cpu_fused.cpu_library(torch.float32)
+    monkeypatch.setenv(cpu_fused.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(cpu_fused, "ARCH_FLAGS", ([*cpu_fused.ARCH_FLAGS[0], "-DGROUPED_FORWARD_MIN_SOURCES=1"],))
+    grouped = cpu_fused._build_library("float")
+    for n_sources in (1, 3, 6):  # all below the shipped threshold; 6: a group of four and a short one
+        sources, query, gain = make_inputs(n_sources, (37,), 40, seed=n_sources)  # a short last tile, odd width
+        results = []
+        for library in (shipped, grouped):
+            monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype, library=library: library)
+            results.append(forward_backward(sources, query, gain))
+        expected_h, expected_weights, _ = oracle(sources, query, gain)
+        assert_close(results[0][0], expected_h, torch.float32)
+        assert_close(results[0][1], expected_weights, torch.float32)
+        for got, want in zip([*results[0][:2], *results[0][2]], [*results[1][:2], *results[1][2]]):
+            assert torch.equal(got, want), n_sources
+
+
 def test_non_contiguous_sources_and_leading_dims():
     sources, query, gain = make_inputs(3, (4, 6), 10, seed=13)
     transposed = [source.transpose(0, 1) for source in sources]  # [6, 4, 10] views, not contiguous

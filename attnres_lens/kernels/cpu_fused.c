@@ -64,7 +64,8 @@ typedef struct {
 /* Forward: sources are reduced GROUP at a time: one row's sums are a chain of dependent FMAs (D / vector width of
  * them, each waiting on the last), so at d_model 64 a row-at-a-time loop was latency-bound; four sources give four
  * independent chains. A tile of TILE tokens is read source group by source group (four contiguous TILE x D
- * streams), and its softmax statistics are computed for its tokens at once (see forward_rows). Backward: token
+ * streams) or, with few sources, token row by token row (tile_sums), and its softmax statistics are computed for
+ * its tokens at once (see forward_rows). Backward: token
  * rows in tiles of TILE, each source read as one contiguous TILE x D block (a stream the prefetcher follows) while
  * the tile's dh rows stay in L1; row-at-a-time it hopped between 2S streams per token and at 49 sources ran 3x
  * slower, but with few sources row-at-a-time is faster, so the backward reads by blocks only from 9 sources on
@@ -325,30 +326,50 @@ INLINE void norm_row_backward(const real *x, const real *w, real r, const real *
     }
 }
 
+/* Which order the forward's pass 1 reads a tile in. From this many sources on, source group by source group (four
+ * streams of TILE x D contiguous values at a time); below it, token row by token row (row t of every source, then
+ * row t + 1: S streams at once) with software prefetch. With sources from memory, by groups measured 1.1-1.8x
+ * faster at 9 and 48 sources on an AMD EPYC (2026-12-04) and row by row 1.1-1.2x faster at 3-9 sources on an
+ * Intel Xeon (2026-12-05), with 3-5 sources as fast or faster row by row on both (bench_cold_mix.md, docs/kernels.md
+ * §11). */
+#ifndef GROUPED_FORWARD_MIN_SOURCES /* analyses/bench_cold_mix.py builds it with others */
+#define GROUPED_FORWARD_MIN_SOURCES 8
+#endif
+
+/* Pass 1's sums of token t0 + t for the sources s..s+GROUP-1 into [S, TILE] tables; a short last group repeats its
+ * last source and drops the repeats' sums (the lines are in L1 already), so every source's sums come from
+ * group_sums in either reading order */
+INLINE void tile_sums(const depth_args *a, int64_t s, int64_t t0, int64_t t, real *square_sums, real *dots) {
+    const int64_t S = a->n_sources, D = a->d_model, row = (t0 + t) * D;
+    const real *const *src = a->sources;
+    real q[GROUP], p[GROUP];
+    group_sums(src[s] + row, src[s + 1 < S ? s + 1 : S - 1] + row, src[s + 2 < S ? s + 2 : S - 1] + row,
+               src[s + 3 < S ? s + 3 : S - 1] + row, a->folded_query, D, q, p);
+    for (int g = 0; g < GROUP && s + g < S; ++g)
+        square_sums[(s + g) * TILE + t] = q[g], dots[(s + g) * TILE + t] = p[g];
+}
+
 /* Forward, in tiles of TILE tokens: pass 1 reads the tile's rows of every source once for its two sums, GROUP
- * sources side by side (four independent FMA chains, four streams of TILE x D contiguous values; a short last
- * group repeats its last source and drops the repeats' sums: the lines are in L1 already); the per-token
- * statistics (rstd, logits, softmax) are then computed for the whole tile, vectorised across its tokens (one token
- * at a time they were scalar sqrt, division and exp per source, more than the reads cost); pass 2 mixes the rows,
- * still in L1/L2. Pass 1 used to run token by token (row t of every source, then row t + 1), S streams advancing
- * D values at a time: sources from memory read at about half the rate (docs/kernels.md §11). */
+ * sources side by side (four independent FMA chains), source group by source group or token row by token row
+ * (tile_sums, GROUPED_FORWARD_MIN_SOURCES); the per-token statistics (rstd, logits, softmax) are then computed
+ * for the whole tile, vectorised across its tokens (one token at a time they were scalar sqrt, division and exp
+ * per source, more than the reads cost); pass 2 mixes the rows, still in L1/L2. */
 static void forward_rows(const depth_args *a, int64_t begin, int64_t end) {
     const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model;
-    const real *u = a->folded_query;
     const real *const *src = a->sources;
     real square_sums[S * TILE], dots[S * TILE], w[S * TILE], max_logit[TILE], total[TILE];
     real h_row[a->h ? 1 : D]; /* h not kept (NULL, which the caller passes only with the pre-norm fused): rows here */
     for (int64_t t0 = begin; t0 < end; t0 += TILE) {
         const int64_t T = end - t0 < TILE ? end - t0 : TILE;
-        /* pass 1: rstd and logit sums of every source, one read of each row for both */
-        for (int64_t s = 0; s < S; s += GROUP) {
-            const real *v[GROUP];
-            for (int g = 0; g < GROUP; ++g) v[g] = src[s + g < S ? s + g : S - 1] + t0 * D;
+        /* pass 1: rstd and logit sums of every source, one read of each row for both; the same sums in either
+         * reading order (see GROUPED_FORWARD_MIN_SOURCES) */
+        if (S >= GROUPED_FORWARD_MIN_SOURCES) {
+            for (int64_t s = 0; s < S; s += GROUP)
+                for (int64_t t = 0; t < T; ++t) tile_sums(a, s, t0, t, square_sums, dots);
+        } else {
             for (int64_t t = 0; t < T; ++t) {
-                real q[GROUP], p[GROUP];
-                group_sums(v[0] + t * D, v[1] + t * D, v[2] + t * D, v[3] + t * D, u, D, q, p);
-                for (int g = 0; g < GROUP && s + g < S; ++g)
-                    square_sums[(s + g) * TILE + t] = q[g], dots[(s + g) * TILE + t] = p[g];
+                if (t0 + t + PREFETCH_ROWS < end) prefetch_rows(src, S, (t0 + t + PREFETCH_ROWS) * D, D);
+                for (int64_t s = 0; s < S; s += GROUP) tile_sums(a, s, t0, t, square_sums, dots);
             }
         }
         /* statistics, across the tile's tokens */
