@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import random
 import statistics
 import subprocess
 import tempfile
@@ -39,7 +38,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from analyses.baseline_tree import REPOSITORY, short_revision
-from analyses.bench_cpu_kernels import Timings, float_library, interleaved, paired_step_rows, with_library
+from analyses.bench_cpu_kernels import float_library, interleaved, paired_step_rows, with_library
 from analyses.bench_cpu_step import SHAPES, Stepper, variants
 from analyses.common import command_line, emit_report, machine_info
 from analyses.kernel_traffic import CountingLibrary, copy_bandwidth, kernels_from
@@ -76,27 +75,6 @@ def sweep(megabytes: int) -> Callable[[], None]:
     """A read of `megabytes` (a sum): afterwards the caches hold that buffer, not what was read before."""
     buffer = torch.ones(megabytes * 2**20 // 4)
     return lambda: buffer.sum()
-
-
-def cold_timings(functions: dict[str, Callable[[], object]], repeats: int, before: Optional[Callable[[], None]]
-                 ) -> Timings:
-    """Seconds of each function per round, interleaved, each call after `before` (untimed) when given, each round
-    in its own shuffled order (seeded): in one fixed order, warm, the function called after the torch reference
-    found the sources less warm than the rest, which followed a call that read them (the first build measured
-    1.05-1.1x slower there than the same C source built again, 2026-12-05)."""
-    times = Timings({name: [] for name in functions})
-    order, shuffle = list(functions), random.Random(0).shuffle
-    for round_ in range(repeats + 1):
-        shuffle(order)
-        for name in order:
-            function = functions[name]
-            if before is not None:
-                before()
-            start = time.perf_counter()
-            function()
-            if round_:  # the first round warms up
-                times[name].append(time.perf_counter() - start)
-    return times
 
 
 def call_bytes(library: object, call: Callable[[], object]) -> int:
@@ -136,7 +114,7 @@ def mix_rows(cases: Sequence[tuple[int, int, int, int]], repeats: int, threads: 
             functions[f"{name} bwd"] = with_library(library, backward)
         functions["reference"] = lambda: torch.sum(stacked, 0, out=summed)
         for caches, before in (("warm", None), ("cold", before_cold)):
-            timing = cold_timings(functions, repeats, before)
+            timing = interleaved(functions, repeats, before)
             for name in libraries:
                 forward_s, backward_s = timing.ms(f"{name} fwd") / 1e3, timing.ms(f"{name} bwd") / 1e3
                 rows.append(f"| {threads} | {n_sources} | {batch * pos} | {caches} | {name} | {1e6 * forward_s:.0f} | "

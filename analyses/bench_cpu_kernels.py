@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import datetime
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -80,11 +81,20 @@ class Timings(dict):
         return within_rounds(self[name], self[base])
 
 
-def interleaved(functions: dict[str, Callable[[], object]], repeats: int) -> Timings:
-    """Each function called in turn `repeats` times after one warm-up round."""
+def interleaved(functions: dict[str, Callable[[], object]], repeats: int,
+                before: Optional[Callable[[], None]] = None) -> Timings:
+    """Each function called once a round, `repeats` rounds after one warm-up round, each round in its own shuffled
+    order (seeded), each call after `before` (untimed) when given. In one fixed order a function always followed the
+    same one: timing the same C source built twice, the build called after another workload's call measured
+    1.05-1.1x slower than the one called after a call that read the same inputs (bench_cold_mix, 2026-12-05)."""
     times = Timings({name: [] for name in functions})
+    order, shuffle = list(functions), random.Random(0).shuffle
     for round_ in range(repeats + 1):
-        for name, function in functions.items():
+        shuffle(order)
+        for name in order:
+            function = functions[name]
+            if before is not None:
+                before()
             start = time.perf_counter()
             function()
             if round_:

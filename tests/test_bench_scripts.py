@@ -406,3 +406,22 @@ def test_cold_mix_benchmark_names_a_baseline_git_cannot_show():
     module = load("bench_cold_mix")
     with pytest.raises(SystemExit, match="--baseline 'no-such-commit'"):
         module.builds("no-such-commit")
+
+
+def test_kv_rotary_benchmark_steps_both_paths_and_restores_the_hook_check(monkeypatch):
+    """The shipped KV model rotates K inside the shift (rotary_cpu for Q alone), the compared one runs rotary_cpu
+    for Q and K: over 3 warm-up steps and 1 round, 2 layers, (2 + 1 + 2) calls per layer and round of the three
+    models; the layer's hook check is the shipped one afterwards."""
+    from attnres_lens import components
+    from attnres_lens.kernels import cpu_fused
+
+    module = load("bench_kv_rotary")
+    calls = []
+    monkeypatch.setattr(components, "rotary_cpu", lambda *args: calls.append(1) or cpu_fused.rotary_cpu(*args))
+    shipped = components.is_hooked
+    lines = module.main(["--shapes", "tiny", "--repeats", "1", "--threads", "1"])
+    assert components.is_hooked is shipped
+    assert len(calls) == 4 * 2 * (2 + 1 + 2)
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if line.startswith("| tiny |")]
+    assert len(rows) == 1 and rows[0][:2] == ["tiny", "1"]
+    assert all(float(cell) > 0 for cell in rows[0][2:])
