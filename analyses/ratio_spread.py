@@ -25,11 +25,14 @@ HEADER = re.compile(r"^Measured (\d{4}-\d{2}-\d{2} \d{2}:\d{2}) UTC on ([^,]+),"
 
 
 class Run(NamedTuple):
-    """One report: where it came from, when and on which processor, and its ratio per (shape, threads, variant)."""
+    """One report: where it came from, when and on which processor, its ratio per (shape, threads, variant) and
+    whether the report judged it to meet its target (its own verdict, from the unrounded ratio: a ratio printed as
+    1.050 may have missed 1.05)."""
     source: str
     measured: str
     machine: str
     ratios: dict[tuple[str, int, str], float]
+    verdicts: dict[tuple[str, int, str], bool]
 
 
 def report_text(source: str) -> str:
@@ -51,19 +54,22 @@ def parse_report(source: str, text: str) -> Run:
     header = next((match for line in lines if (match := HEADER.match(line))), None)
     if header is None:
         raise ValueError(f"{source}: no 'Measured YYYY-MM-DD HH:MM UTC on MACHINE,' line: not a bench_cpu_step report")
-    ratios = {}
+    ratios, verdicts = {}, {}
     for line in lines:
         cells = [cell.strip() for cell in line.split("|")[1:-1]]
         if len(cells) == 6 and cells[1].isdigit():
-            ratios[(cells[0], int(cells[1]), cells[2])] = float(cells[4])
+            key = (cells[0], int(cells[1]), cells[2])
+            ratios[key] = float(cells[4])
+            if cells[5].endswith(("met", "MISSED")):
+                verdicts[key] = cells[5].endswith("met")
     if not ratios:
         raise ValueError(f"{source}: no rows of '| shape | threads | variant | step (ms) | × standard | target |'")
-    return Run(source, header.group(1), header.group(2).strip(), ratios)
+    return Run(source, header.group(1), header.group(2).strip(), ratios, verdicts)
 
 
 def spread_table(runs: Sequence[Run]) -> list[str]:
     """One row per cell that any run measured: each run's ratio (blank where it has none), min–max, the target and
-    how many of the runs that measured the cell meet it."""
+    how many of the runs that measured the cell meet it (by each report's own verdict)."""
     cells = list(dict.fromkeys(cell for run in runs for cell in run.ratios))
     lines = ["| shape | threads | variant | " + " | ".join(f"run {i + 1}" for i in range(len(runs)))
              + " | min–max | target | met in |",
@@ -72,7 +78,8 @@ def spread_table(runs: Sequence[Run]) -> list[str]:
         values = [run.ratios.get(cell) for run in runs]
         measured = [value for value in values if value is not None]
         target = TARGETS.get(cell[2].split(" [")[0])
-        met = "" if target is None else f"{sum(value <= target for value in measured)} of {len(measured)}"
+        met_runs = [run.verdicts.get(cell, run.ratios[cell] <= (target or 0)) for run in runs if cell in run.ratios]
+        met = "" if target is None else f"{sum(met_runs)} of {len(measured)}"
         lines.append(f"| {cell[0]} | {cell[1]} | {cell[2]} | "
                      + " | ".join("" if value is None else f"{value:.3f}" for value in values)
                      + f" | {min(measured):.3f}–{max(measured):.3f} | {'' if target is None else f'≤ {target:.2f}'}"

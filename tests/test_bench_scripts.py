@@ -258,9 +258,10 @@ def test_step_benchmark_takes_each_ratio_within_its_round(monkeypatch):
 
 
 def test_ratio_spread_sets_runs_side_by_side_with_their_range_and_targets(monkeypatch, tmp_path):
-    """Two `bench_cpu_step` reports made by its own `main` (fake step times: every variant 1.04x the standard step
-    in the first run, 1.08x in the second) come out cell by cell with their range and how many meet the target;
-    a committed report reads as REVISION:PATH, and what is not a report is refused by name."""
+    """Three `bench_cpu_step` reports made by its own `main` (fake step times: every variant 1.04x the standard step
+    in the first run, 1.08x in the second, 1.0503x in the third) come out cell by cell with their range and how many
+    meet the target, by each report's own verdict (1.0503 prints as 1.050 and misses 1.05); a committed report
+    reads as REVISION:PATH, and what is not a report is refused by name."""
     step_module, spread = load("bench_cpu_step"), load("ratio_spread")
     monkeypatch.setitem(step_module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2))
     factor = {"value": 1.04}
@@ -271,7 +272,7 @@ def test_ratio_spread_sets_runs_side_by_side_with_their_range_and_targets(monkey
 
     monkeypatch.setattr(step_module.Stepper, "step", fake_step)
     reports = []
-    for value in (1.04, 1.08):
+    for value in (1.04, 1.08, 1.0503):
         factor["value"] = value
         reports.append(tmp_path / f"run{value}.md")
         step_module.main(["--shapes", "small", "--threads", "1", "--repeats", "3", "--paths", "cpu",
@@ -279,11 +280,12 @@ def test_ratio_spread_sets_runs_side_by_side_with_their_range_and_targets(monkey
     lines = spread.main([str(path) for path in reports])
     rows = {cells[2]: cells for line in lines if line.startswith("| small")
             for cells in [[cell.strip() for cell in line.split("|")[1:-1]]]}
-    assert rows["full [cpu]"] == ["small", "1", "full [cpu]", "1.040", "1.080", "1.040–1.080", "≤ 1.10", "2 of 2"]
-    assert rows["block2 [cpu]"][5:] == ["1.040–1.080", "≤ 1.05", "1 of 2"]
-    assert rows["standard+kv_shift"][5:] == ["1.040–1.080", "≤ 1.03", "0 of 2"]
-    assert rows["standard"][3:7] == ["1.000", "1.000", "1.000–1.000", ""]
-    assert sum(line.startswith("* run ") for line in lines) == 2
+    assert rows["full [cpu]"] == ["small", "1", "full [cpu]", "1.040", "1.080", "1.050", "1.040–1.080", "≤ 1.10",
+                                  "3 of 3"]
+    assert rows["block2 [cpu]"][6:] == ["1.040–1.080", "≤ 1.05", "1 of 3"]
+    assert rows["standard+kv_shift"][6:] == ["1.040–1.080", "≤ 1.03", "0 of 3"]
+    assert rows["standard"][3:8] == ["1.000", "1.000", "1.000", "1.000–1.000", ""]
+    assert sum(line.startswith("* run ") for line in lines) == 3
 
     committed = spread.parse_report("HEAD:analyses/reports/bench_cpu_step.md",
                                     spread.report_text("HEAD:analyses/reports/bench_cpu_step.md"))
