@@ -78,8 +78,10 @@ def spread_table(runs: Sequence[Run]) -> list[str]:
         values = [run.ratios.get(cell) for run in runs]
         measured = [value for value in values if value is not None]
         target = TARGETS.get(cell[2].split(" [")[0])
-        met_runs = [run.verdicts.get(cell, run.ratios[cell] <= (target or 0)) for run in runs if cell in run.ratios]
-        met = "" if target is None else f"{sum(met_runs)} of {len(measured)}"
+        met = ""
+        if target is not None:  # each report's own verdict where it gave one
+            verdicts = [run.verdicts.get(cell, run.ratios[cell] <= target) for run in runs if cell in run.ratios]
+            met = f"{sum(verdicts)} of {len(measured)}"
         lines.append(f"| {cell[0]} | {cell[1]} | {cell[2]} | "
                      + " | ".join("" if value is None else f"{value:.3f}" for value in values)
                      + f" | {min(measured):.3f}–{max(measured):.3f} | {'' if target is None else f'≤ {target:.2f}'}"

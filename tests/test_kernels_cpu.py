@@ -258,14 +258,23 @@ def _shift_oracle(x: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 5, 3, 7), (3, 17, 2, 16), (1, 33, 5, 9)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_kv_shift_kernel_matches_its_definition_and_gradients(shape, dtype):
-    generator = torch.Generator().manual_seed(sum(shape))
+    _check_kv_shift(shape, dtype, rotary=None, seed=sum(shape))
+
+
+def _check_kv_shift(shape, dtype, rotary, seed: int) -> None:
+    """`kv_shift_cpu` (with `rotary` tables or None) against the float64 definitions: the shifted K (rotated where
+    tables are given) and V, and the gradients of k, v and the coefficients; outputs NaN-poisoned: all must be
+    written."""
+    generator = torch.Generator().manual_seed(seed)
     k, v, grad_k, grad_v = (torch.randn(*shape, generator=generator).to(dtype) for _ in range(4))
     k.requires_grad_(), v.requires_grad_()
     coefficients = torch.randn(shape[2], 4, generator=generator).to(dtype).requires_grad_()
-    shifted_k, shifted_v = cpu_fused.kv_shift_cpu(k, v, coefficients)  # outputs NaN-poisoned: all must be written
+    shifted_k, shifted_v = cpu_fused.kv_shift_cpu(k, v, coefficients, rotary)
     ((shifted_k * grad_k).sum() + (shifted_v * grad_v).sum()).backward()
     k64, v64, c64 = (t.detach().double().requires_grad_() for t in (k, v, coefficients))
     expected_k, expected_v = _shift_oracle(k64, c64[:, :2]), _shift_oracle(v64, c64[:, 2:])
+    if rotary is not None:
+        expected_k = _rotary_oracle(expected_k, *rotary)
     ((expected_k * grad_k.double()).sum() + (expected_v * grad_v.double()).sum()).backward()
     tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
     pairs = ((shifted_k, expected_k), (shifted_v, expected_v), (k.grad, k64.grad), (v.grad, v64.grad),
@@ -291,23 +300,7 @@ def test_kv_shift_kernel_rotates_k_in_the_same_pass(shape, dtype):
     the input (strided rows)."""
     from attnres_lens.components import rotary_tables
 
-    generator = torch.Generator().manual_seed(sum(shape) + 1)
-    k, v, grad_k, grad_v = (torch.randn(*shape, generator=generator).to(dtype) for _ in range(4))
-    k.requires_grad_(), v.requires_grad_()
-    coefficients = torch.randn(shape[2], 4, generator=generator).to(dtype).requires_grad_()
-    cos, sin = rotary_tables(shape[1] + 7, shape[-1], 10000.0)
-    rotated_k, shifted_v = cpu_fused.kv_shift_cpu(k, v, coefficients, (cos, sin))  # outputs NaN-poisoned
-    ((rotated_k * grad_k).sum() + (shifted_v * grad_v).sum()).backward()
-    k64, v64, c64 = (t.detach().double().requires_grad_() for t in (k, v, coefficients))
-    expected_k = _rotary_oracle(_shift_oracle(k64, c64[:, :2]), cos, sin)
-    expected_v = _shift_oracle(v64, c64[:, 2:])
-    ((expected_k * grad_k.double()).sum() + (expected_v * grad_v.double()).sum()).backward()
-    tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
-    pairs = ((rotated_k, expected_k), (shifted_v, expected_v), (k.grad, k64.grad), (v.grad, v64.grad),
-             (coefficients.grad, c64.grad))
-    for got, want in pairs:
-        assert got.dtype == dtype
-        torch.testing.assert_close(got.double(), want.detach(), **tolerance)
+    _check_kv_shift(shape, dtype, rotary_tables(shape[1] + 7, shape[-1], 10000.0), seed=sum(shape) + 1)
 
 
 def test_kv_shift_with_rotary_passes_gradcheck_and_equals_the_two_kernels_in_turn():

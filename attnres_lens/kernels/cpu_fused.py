@@ -683,7 +683,7 @@ class _EagerKVShift(torch.autograd.Function):
         library = cpu_library(k.dtype)
         threads = _elementwise_threads(k.numel(), library)
         shifted = []
-        for x, column, tables in ((k, 0, _rotary_arguments(cos, sin)), (v, 2, _rotary_arguments(None, None))):
+        for x, column, tables in ((k, 0, _rotary_arguments(cos, sin)), (v, 2, _NO_ROTATION)):
             y = new_output_like(x)  # K's pair in columns 0-1, V's in 2-3: addressed, not sliced (a view per call
             library.token_shift_forward(  # costs more than a small layer's shift)
                 x.data_ptr(), pairs.data_ptr() + column * pairs.element_size(), 4, *x.shape, *tables, y.data_ptr(),
@@ -702,7 +702,7 @@ class _EagerKVShift(torch.autograd.Function):
         grad_pairs = new_output(pairs.shape, pairs.dtype, pairs.device)
         grads = []
         for x, grad_y, column, tables in ((k, grad_k, 0, _rotary_arguments(cos, sin)),
-                                          (v, grad_v, 2, _rotary_arguments(None, None))):
+                                          (v, grad_v, 2, _NO_ROTATION)):
             grad_y = grad_y.contiguous()
             grad_x = new_output_like(x)
             offset = column * pairs.element_size()
@@ -712,9 +712,12 @@ class _EagerKVShift(torch.autograd.Function):
         return grads[0], grads[1], grad_pairs.to(ctx.coefficient_dtype), None, None
 
 
+_NO_ROTATION = (None, None, 0)  # the C shift kernels' (cos_table, sin_table, table_stride) for no rotary
+
+
 def _rotary_arguments(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> tuple:
     """The C kernels' (cos_table, sin_table, table_stride) for rotary tables, or no rotation for None."""
-    return (None, None, 0) if cos is None else (cos.data_ptr(), sin.data_ptr(), cos.stride(0))
+    return _NO_ROTATION if cos is None else (cos.data_ptr(), sin.data_ptr(), cos.stride(0))
 
 
 def kv_shift_cpu(k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor,
