@@ -1,10 +1,13 @@
-"""Two-phase Block AttnRes vs one fused depth attention per sublayer, on the CPU (issue 3).
+"""Two-phase AttnRes vs one fused depth attention per sublayer, on the CPU, with a gradient (issues 3 and 15).
 
 One block of S sublayers reading `n_blocks` completed blocks plus its partial sum, forward + backward.
 `per-sublayer`: `depth_attention` per sublayer, with the `torch` backend (hand-written backward) and with the fused
 C `cpu` backend (what CPU models run);
-`two-phase`: `block_phase1` once for the block's S queries, then `merge_partial` per sublayer (autograd).
-Interleaved repeats in one process, median.
+`two-phase`: `block_phase1` once for the block's S queries, then `merge_partial` per sublayer (the C two-phase
+kernel's forward and backward).
+Then whole training steps of Full AttnRes models: every consumer in one fused pass (the shipped policy) against
+two-phase windows of `attnres.LOOKAHEAD` consumers (the policy swapped for the comparison), each against a standard
+model. Interleaved repeats in one process, medians.
 
     python -m analyses.bench_two_phase_cpu --out analyses/reports/bench_two_phase_cpu.md
 """
@@ -19,8 +22,13 @@ from pathlib import Path
 
 import torch
 
+from analyses.bench_cpu_step import Stepper
 from analyses.common import command_line, emit_report, machine_info
+from attnres_lens import attnres
 from attnres_lens.kernels import block_phase1, depth_attention, merge_partial
+
+# (layers, d_model, n_ctx, batch): bench_cpu_step's small shape, and bench_depth_scaling's 48 sublayers
+MODEL_SHAPES = [(4, 128, 64, 12), (24, 128, 128, 8)]
 
 
 def make_block(n_tokens: int, d_model: int, n_blocks: int, block_size: int):
@@ -50,6 +58,39 @@ def two_phase(blocks, outputs, queries, gains) -> None:
     total.backward()
 
 
+def training_steps(repeats: int) -> list[str]:
+    """Rows of the model table: each shape's standard step, Full AttnRes in one pass per consumer and in two-phase
+    windows, interleaved round by round."""
+    shipped = attnres.stream_two_phase_backend
+
+    def windows_with_gradient(block_size, backend, device, needs_grad):
+        return shipped(block_size, backend, device, False)
+
+    rows = []
+    for layers, d_model, n_ctx, batch in MODEL_SHAPES:
+        shape = dict(n_layers=layers, d_model=d_model, n_heads=4, n_ctx=n_ctx, batch=batch)
+        steppers = {"standard": (Stepper(shape, dict(residual="standard"), eager=False), shipped),
+                    "one pass": (Stepper(shape, dict(residual="attnres", attnres_block_size=1), eager=False), shipped),
+                    "two-phase": (Stepper(shape, dict(residual="attnres", attnres_block_size=1), eager=False),
+                                  windows_with_gradient)}
+        times = {name: [] for name in steppers}
+        try:
+            for round_ in range(repeats + 1):  # the first round warms up
+                for name, (stepper, policy) in steppers.items():
+                    attnres.stream_two_phase_backend = policy
+                    seconds = stepper.step()
+                    if round_:
+                        times[name].append(seconds)
+        finally:
+            attnres.stream_two_phase_backend = shipped
+        ratios = {name: statistics.median(t / s for t, s in zip(times[name], times["standard"]))
+                  for name in ("one pass", "two-phase")}
+        standard, one_pass, two = (1000 * statistics.median(times[name]) for name in steppers)
+        rows.append(f"| {2 * layers} | {d_model} | {n_ctx} | {batch} | {standard:.1f} | {one_pass:.1f} | {two:.1f} | "
+                    f"{ratios['one pass']:.3f} | {ratios['two-phase']:.3f} |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
@@ -75,6 +116,7 @@ def main() -> None:
         torch_ms, cpu_ms, two_ms = (1000 * statistics.median(times[name]) for name in functions)
         rows.append(f"| {n_tokens} | {d_model} | {n_blocks} | {block_size} | {torch_ms:.2f} | {cpu_ms:.2f} | "
                     f"{two_ms:.2f} | {two_ms / torch_ms:.2f} | {two_ms / cpu_ms:.2f} |")
+    model_rows = training_steps(args.repeats)
     text = "\n".join([
         "# Two-phase Block AttnRes on the CPU",
         "",
@@ -85,6 +127,18 @@ def main() -> None:
         "| two-phase / torch | two-phase / cpu |",
         "|---|---|---|---|---|---|---|---|---|",
         *rows,
+        "",
+        "## Training steps of Full AttnRes",
+        "",
+        f"Forward + backward + AdamW of whole models, {args.repeats} interleaved rounds; × standard is the median of "
+        "each round's ratio. `one pass`: every consumer's fused mix (what the model runs with a gradient); "
+        f"`two-phase`: windows of {attnres.LOOKAHEAD} consumers from {attnres.MIN_SHARED_SOURCES} shared sources on, "
+        "phase 1 and the merges on the C two-phase kernel with its backward, the pre-norm a separate kernel.",
+        "",
+        "| sublayers | d_model | n_ctx | batch | standard (ms) | one pass (ms) | two-phase (ms) | one pass × standard "
+        "| two-phase × standard |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *model_rows,
         "",
     ])
     emit_report(text, args.out)

@@ -17,7 +17,8 @@ import torch
 
 from attnres_lens.kernels import cpu_fused
 
-DEPTH_MIX_KERNELS = ("depth_attention_forward", "depth_attention_backward")
+DEPTH_MIX_KERNELS = ("depth_attention_forward", "depth_attention_backward", "depth_attention_multi",
+                     "depth_attention_multi_backward")
 
 
 def kernel_bytes(name: str, args: tuple, element: int) -> int:
@@ -38,6 +39,21 @@ def kernel_bytes(name: str, args: tuple, element: int) -> int:
         # where h had other uses
         rows = 2 * n_sources + added + h + norm + grad_h
         return element * (rows * n_tokens * d_model + (3 * n_sources + norm) * n_tokens)
+    if name == "depth_attention_multi":
+        n_sources, n_tokens, d_model, n_queries, prior, prior_tokens = args[1], args[2], args[3], args[5], args[6], args[8]
+        # every source read, each query's mix and log-sum-exp written, its prior's read
+        return element * ((n_sources + n_queries) * n_tokens * d_model + n_queries * n_tokens
+                          + (n_queries * prior_tokens * (d_model + 1) if prior is not None else 0))
+    if name == "depth_attention_multi_backward":
+        n_sources, n_tokens, d_model, n_queries, prior = args[1], args[2], args[3], args[5], args[6] is not None
+        grad_mix, grad_lse, accumulate = args[11], args[12], args[14]
+        with_dh = sum(grad_mix[q] is not None for q in range(n_queries))
+        with_dlse = sum(grad_lse[q] is not None for q in range(n_queries))
+        added = sum(accumulate[s] for s in range(n_sources)) if accumulate is not None else 0
+        # every source read and its gradient written (read first where added); each dh and the mix it is dotted
+        # with; the prior read and its gradient written; the log-sum-exps read, dlse read, dl written
+        rows = 2 * n_sources + added + 2 * with_dh + 2 * n_queries * prior
+        return element * (rows * n_tokens * d_model + (n_queries * (1 + 2 * prior) + with_dlse) * n_tokens)
     if name == "rms_norm_forward":
         return element * (2 * args[2] * args[3] + args[2])
     if name == "rms_norm_backward":
@@ -60,7 +76,7 @@ class CountingLibrary:
 
     def __getattr__(self, name: str):
         function = getattr(self._library, name)
-        if not name.endswith(("_forward", "_backward")):
+        if not name.endswith(("_forward", "_backward", "_multi")):
             return function  # flags and queries (thread_pool, openmp_threads, vector_sums)
 
         def timed(*args):

@@ -96,6 +96,7 @@ class _Phase1(NamedTuple):
 # saved (measured in forward passes of 4-24-layer models, docs/kernels.md §7)
 LOOKAHEAD = 4
 MIN_SHARED_SOURCES = 8
+MIN_SHARED_SOURCES_WITH_GRAD = 16
 # Training on the C kernel: completed blocks' gradients are summed in place (DepthStream._one_pass) from this many
 # elements per source; below it the sums' nodes and buffers cost more than autograd's additions they save
 # (4-layer Full / Block S=4 steps, on - off: +0.6 / +0.6 ms at 1K elements, +0.5 / +0.2 at 8K, -0.1 / +0.7 at 32K,
@@ -202,15 +203,15 @@ class DepthStream(ResidualStream):
         """The consumer's input h, or with `norm` (its pre-norm) `(h, norm(h))`."""
         if self.consumers is None or self._one_pass_only or module.hooked():
             return self._one_pass(module, norm)
-        sources = _common_dtype(self.sources())
+        # in training on the C kernel, the blocks' gradients are summed in place as in a one-pass mix
+        sources = _common_dtype(self._gradient_shared_sources() if self._shares_gradients(module)
+                                else self.sources())
         phase1 = self._phase1
         if phase1 is None or not phase1.first <= consumer <= phase1.last:
             phase1 = self._phase1 = self._start_window(consumer, sources)
-        unseen = sources[phase1.n_sources:] if phase1 is not None else []
-        if phase1 is None or (phase1.stats.backend == "cpu" and torch.is_grad_enabled()
-                              and _any_requires_grad(unseen, [module])):
-            return self._one_pass(module, norm)  # the C merge has no backward (a window opened without a gradient)
-        unseen = [source.to(phase1.stats.out_dtype) for source in unseen]
+        if phase1 is None:
+            return self._one_pass(module, norm)
+        unseen = [source.to(phase1.stats.out_dtype) for source in sources[phase1.n_sources:]]
         h = merge_partial(phase1.stats, consumer - phase1.first, unseen)
         return h if norm is None else (h, norm(h))
 
@@ -291,7 +292,8 @@ class DepthStream(ResidualStream):
         needs_grad = torch.is_grad_enabled() and _any_requires_grad(shared, members)
         backend = stream_two_phase_backend(self.block_size, module.backend, shared[0].device, needs_grad)
         self._one_pass_only = backend is None
-        if backend is None or (backend == "cpu" and len(shared) < MIN_SHARED_SOURCES):
+        if backend is None or (backend == "cpu" and len(shared) < (MIN_SHARED_SOURCES_WITH_GRAD if needs_grad
+                                                                   else MIN_SHARED_SOURCES)):
             return None
         queries = torch.stack([member.query for member in members])
         gains = torch.stack([member.key_norm.w for member in members])

@@ -682,13 +682,77 @@ def test_stacked_copies_refuse_what_they_cannot_mix():
         run(shared, stacked, 3, query, gain, 1e-6, torch.zeros(6, 8, 3, dtype=torch.long))
 
 
-def test_several_queries_refuse_a_gradient():
-    sources, query, gain = make_inputs(3, (5,), 8)
+@pytest.mark.parametrize("n_sources, token_shape, d_model", SHAPES)
+@pytest.mark.parametrize("n_queries", [1, 4, 9])  # 4: the unrolled gradient rows' widest; 9: two kernel calls
+@pytest.mark.parametrize("with_prior", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_several_queries_backward_matches_float64(many_threads, n_sources, token_shape, d_model, n_queries,
+                                                  with_prior, dtype):
+    """The two-phase kernel's C backward: the gradients of the sources, the folded queries and the prior against
+    float64 autograd through the oracle, with one query's mix and another's log-sum-exp unused (no gradient to
+    give: their terms must vanish, not read garbage). Outputs and gradient buffers start NaN-poisoned."""
+    sources, query, gain = make_inputs(n_sources, token_shape, d_model, dtype)
+    generator = torch.Generator().manual_seed(7)
+    folded = (query * gain + 0.5 * torch.randn(n_queries, d_model, generator=generator) / d_model ** 0.5).to(dtype)
+    prior = None
+    if with_prior:
+        prior = (torch.randn(n_queries, *token_shape, d_model, generator=generator).to(dtype),
+                 (2 * torch.randn(n_queries, *token_shape, generator=generator)).to(dtype))
+    mix_weights = torch.randn(n_queries, *token_shape, d_model, generator=generator, dtype=torch.float64)
+    lse_weights = torch.randn(n_queries, *token_shape, generator=generator, dtype=torch.float64)
+    unused_mix, unused_lse = (n_queries // 2, n_queries - 1) if n_queries > 1 else (None, None)
+
+    def loss(mix, lse):
+        return sum((mix[q].double() * mix_weights[q]).sum() for q in range(n_queries) if q != unused_mix) \
+            + sum((lse[q].double() * lse_weights[q]).sum() for q in range(n_queries) if q != unused_lse)
+
+    leaves = [t.detach().clone().requires_grad_() for t in (*sources, folded, *(prior or ()))]
+    n_prior = len(prior or ())
+    mix, lse = cpu_fused.depth_attention_multi_cpu(leaves[:n_sources], leaves[n_sources],
+                                                   1e-6, prior=tuple(leaves[n_sources + 1:]) or None)
+    assert isinstance(mix, tuple) and len(mix) == n_queries and mix[0].shape == (*token_shape, d_model)
+    got = torch.autograd.grad(loss(mix, lse), leaves, allow_unused=True)
+    oracle_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    expected_prior = tuple(oracle_leaves[n_sources + 1:]) if n_prior else None
+    want = torch.autograd.grad(loss(*_several_queries_oracle(oracle_leaves[:n_sources], oracle_leaves[n_sources],
+                                                             1e-6, expected_prior)), oracle_leaves)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a is not None, f"leaf {i} got no gradient"
+        assert_close(a, b, dtype, scale=10)
+
+
+def test_several_queries_sum_a_shared_source_gradient_in_place(many_threads):
+    """Sources seen through `share_gradient`: the two-phase backward adds into the one-pass consumers' buffers
+    (the first part written, the others added), and the leaves' gradients equal those of plain sources."""
+    sources, query, gain = make_inputs(6, (37,), 24, torch.float64)
+    folded = torch.stack([query * gain, gain, -query]).double()
+
+    def loss(views, pool):
+        mix, lse = cpu_fused.depth_attention_multi_cpu(views, folded, 1e-6)
+        merged, _ = cpu_fused.depth_attention_multi_cpu(views[4:], folded[1:2], 1e-6, prior=(mix[1][None], lse[1][None]))
+        one_pass = depth_attention(views, query, gain, backend="cpu")
+        return (mix[0] * pool[0]).sum() + (merged[0] * pool[1]).sum() + (lse[2] * pool[2]).sum() + \
+            (one_pass * pool[3]).sum()
+
+    generator = torch.Generator().manual_seed(3)
+    pool = [torch.randn(37, 24, generator=generator, dtype=torch.float64) for _ in range(2)] + \
+        [torch.randn(37, generator=generator, dtype=torch.float64),
+         torch.randn(37, 24, generator=generator, dtype=torch.float64)]
+    leaves = [s.requires_grad_() for s in sources]
+    got = torch.autograd.grad(loss([cpu_fused.share_gradient(leaf) for leaf in leaves], pool), leaves)
+    want = torch.autograd.grad(loss(leaves, pool), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_several_queries_refuse_a_gradient_through_a_prior_for_one_copy():
+    sources, query, gain = make_inputs(3, (6, 5), 8)
+    prior = (torch.zeros(1, 3, 5, 8), torch.zeros(1, 3, 5))  # one copy of 3 rows for sources of 6
     sources[1].requires_grad_()
-    with pytest.raises(ValueError, match="no backward.*no_grad"):
-        cpu_fused.depth_attention_multi_cpu(sources, (query * gain)[None], 1e-6)
+    with pytest.raises(ValueError, match="one copy of stacked sources .*no backward"):
+        cpu_fused.depth_attention_multi_cpu(sources, (query * gain)[None], 1e-6, prior=prior)
     with torch.no_grad():
-        cpu_fused.depth_attention_multi_cpu(sources, (query * gain)[None], 1e-6)
+        cpu_fused.depth_attention_multi_cpu(sources, (query * gain)[None], 1e-6, prior=prior)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 2), (2, 5, 3, 8), (3, 17, 2, 16), (1, 33, 5, 10)])

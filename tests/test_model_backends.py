@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from analyses.bench_depth_scaling import saved_activation_bytes
-from attnres_lens import HookedTransformer
+from attnres_lens import HookedTransformer, attnres
 from attnres_lens.attnres import DepthAttention, DepthStream
 from attnres_lens.kernels import triton_available
 from tests.helpers import randomize_depth_parameters, small_config
@@ -302,11 +302,37 @@ def test_without_a_gradient_full_attnres_mixes_two_phase_on_the_cpu_and_agrees_w
     # windows from MIN_SHARED_SOURCES = 8 sources: consumers 7-10 (phase 1 and 3 merges) and 11-12
     assert calls[0] == 4 + 2
     torch.testing.assert_close(logits, expected, rtol=1e-10, atol=1e-10)
-    # with a gradient every consumer mixes in one fused pass (the two-phase C kernel has no backward)
+    # with a gradient windows open from MIN_SHARED_SOURCES_WITH_GRAD shared sources: none in 13 consumers
     calls[0] = 0
     loss = model(tokens, return_type="loss")
     loss.backward()
     assert calls[0] == 0 and model.final_res.query.grad is not None
+
+
+@pytest.mark.parametrize("shared_gradients", [False, True])
+def test_full_attnres_trained_through_two_phase_windows_on_the_cpu_equals_the_readable_path(monkeypatch,
+                                                                                          shared_gradients):
+    """Windows opened with a gradient from 8 shared sources (as without one), the C two-phase backward trains
+    Full AttnRes to the readable path's loss and gradients in float64, with the completed blocks' gradients summed
+    in shared buffers or by autograd."""
+    base = HookedTransformer(small_config("attnres", 1, n_layers=6, dtype=torch.float64))
+    randomize_depth_parameters(base)
+    tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(5))
+    expected_loss = base(tokens, return_type="loss")
+    expected_loss.backward()
+    model = HookedTransformer(dataclasses.replace(base.cfg, depth_attention_backend="cpu"))
+    model.load_state_dict(base.state_dict())
+    monkeypatch.setattr(attnres, "MIN_SHARED_SOURCES_WITH_GRAD", 8)
+    if shared_gradients:
+        monkeypatch.setattr(attnres, "MIN_SHARED_GRADIENT_ELEMENTS", 0)
+    calls = _count_two_phase_calls(monkeypatch)
+    loss = model(tokens, return_type="loss")
+    loss.backward()
+    assert calls[0] == 4 + 2  # as without a gradient: the windows at consumers 7-10 and 11-12
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-12, atol=1e-12)
+    expected = dict(base.named_parameters())
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, expected[name].grad, rtol=1e-9, atol=1e-11, msg=name)
 
 
 def test_block_attnres_mixes_one_pass_per_consumer_on_the_cpu(monkeypatch):

@@ -7,8 +7,8 @@ Every decision of that kind is made here (docs/kernels.md §2):
   it builds, and ``torch`` otherwise; a call with a logit bias (a knockout) that would run Triton runs ``torch``
   under ``"auto"``, since the Triton kernel takes no bias;
 * ``two_phase_backend``: two-phase AttnRes runs its fused Triton kernels where the single-pass op would run
-  Triton, its C kernel (no backward) where the single-pass op would run the C kernel and no gradient is needed,
-  and its readable PyTorch version everywhere else;
+  Triton, its C kernel (forward and backward) where the single-pass op would run the C kernel and no per-source
+  logits are asked for, and its readable PyTorch version everywhere else;
 * ``model_runs_two_phase`` / ``stream_two_phase_backend``: Block AttnRes mixes two-phase under Triton; on the CPU
   without a gradient, Full AttnRes does (one read of the shared sources per window of consumers); Block AttnRes
   on the CPU, and any mix with a gradient there, one fused pass per sublayer, which measured as fast or faster
@@ -66,13 +66,14 @@ def resolve_backend(backend: str, device: torch.device, logit_bias: bool = False
     return "torch"
 
 
-def two_phase_backend(backend: str, device: torch.device, needs_grad: bool) -> str:
+def two_phase_backend(backend: str, device: torch.device, needs_logits: bool = False) -> str:
     """``"triton"`` where the single-pass op would run Triton; ``"cpu"`` where it would run the C kernel and
-    ``needs_grad`` is false (its two-phase kernel has no backward); else ``"torch"`` (the readable version)."""
+    ``needs_logits`` is false (its two-phase kernel reports no per-source logits); else ``"torch"`` (the
+    readable version)."""
     chosen = resolve_backend(backend, device)
     if chosen == "triton":
         return "triton"
-    if chosen == "cpu" and not needs_grad and not torch.compiler.is_compiling():
+    if chosen == "cpu" and not needs_logits and not torch.compiler.is_compiling():
         return "cpu"
     return "torch"
 
@@ -89,9 +90,12 @@ def stream_two_phase_backend(block_size: int, backend: str, device: torch.device
     for Block AttnRes (forward and backward); the C kernel for Full AttnRes where no gradient is needed (a
     window's shared sources are read once for all its consumers: about half the bytes at depth; docs/kernels.md
     §7). On the CPU, Block AttnRes (a few block sources, in cache) and any mix with a gradient run one fused pass
-    per consumer, which measured as fast or faster there (analyses/reports/bench_two_phase_cpu.md)."""
-    chosen = two_phase_backend(backend, device, needs_grad)
-    if chosen == "torch" or (chosen == "triton" and block_size == 1) or (chosen == "cpu" and block_size > 1):
+    per consumer, which measured as fast or faster there: the C two-phase backward moves half the bytes but is
+    bound by its arithmetic, and a training step of Full AttnRes with it measured slower at 48 sublayers
+    (analyses/reports/bench_two_phase_cpu.md)."""
+    chosen = two_phase_backend(backend, device)
+    if (chosen == "torch" or (chosen == "triton" and block_size == 1)
+            or (chosen == "cpu" and block_size > 1)):
         return None
     return chosen
 

@@ -814,6 +814,74 @@ int depth_attention_backward(const real *const *sources, int64_t n_sources, int6
  * along their leading dim take one copy's prior (sources the copies share, mixed once: docs/kernels.md §7). */
 #define MAX_QUERIES 8 /* cpu_fused.py splits larger query sets */
 
+/* v_i . x and v_i . y for four rows v0..v3: eight independent FMA chains, x and y loaded once for the four rows */
+INLINE void group_dot_pairs(const real *v0, const real *v1, const real *v2, const real *v3, const real *x,
+                            const real *y, int64_t D, real *dot_x, real *dot_y) {
+#if VECTOR_SUMS
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+        const __m256 p = _mm256_loadu_ps(x + d), q = _mm256_loadu_ps(y + d), w0 = _mm256_loadu_ps(v0 + d),
+                     w1 = _mm256_loadu_ps(v1 + d), w2 = _mm256_loadu_ps(v2 + d), w3 = _mm256_loadu_ps(v3 + d);
+        a0 = _mm256_fmadd_ps(w0, p, a0), a1 = _mm256_fmadd_ps(w1, p, a1);
+        a2 = _mm256_fmadd_ps(w2, p, a2), a3 = _mm256_fmadd_ps(w3, p, a3);
+        b0 = _mm256_fmadd_ps(w0, q, b0), b1 = _mm256_fmadd_ps(w1, q, b1);
+        b2 = _mm256_fmadd_ps(w2, q, b2), b3 = _mm256_fmadd_ps(w3, q, b3);
+    }
+    _mm_storeu_ps(dot_x, lane_sums4(a0, a1, a2, a3));
+    _mm_storeu_ps(dot_y, lane_sums4(b0, b1, b2, b3));
+    for (; d < D; ++d) {
+        dot_x[0] += v0[d] * x[d], dot_x[1] += v1[d] * x[d], dot_x[2] += v2[d] * x[d], dot_x[3] += v3[d] * x[d];
+        dot_y[0] += v0[d] * y[d], dot_y[1] += v1[d] * y[d], dot_y[2] += v2[d] * y[d], dot_y[3] += v3[d] * y[d];
+    }
+#else
+    real a0 = 0, a1 = 0, a2 = 0, a3 = 0, b0 = 0, b1 = 0, b2 = 0, b3 = 0;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
+    for (int64_t d = 0; d < D; ++d) {
+        a0 += v0[d] * x[d], a1 += v1[d] * x[d], a2 += v2[d] * x[d], a3 += v3[d] * x[d];
+        b0 += v0[d] * y[d], b1 += v1[d] * y[d], b2 += v2[d] * y[d], b3 += v3[d] * y[d];
+    }
+    dot_x[0] = a0, dot_x[1] = a1, dot_x[2] = a2, dot_x[3] = a3;
+    dot_y[0] = b0, dot_y[1] = b1, dot_y[2] = b2, dot_y[3] = b3;
+#endif
+}
+
+/* One token row n of every source: each row's square sum and its dots with every u_q and (grad_mix not NULL) dh_q,
+ * four source rows at a time (group_sums, group_dot_pairs), into square, z and g at token t of their [S, TILE] and
+ * [Q, S, TILE] tables (g may be NULL without grad_mix; a query without dh gets zeros in g); a short last group
+ * repeats its last source and drops the repeats' dots. */
+INLINE void row_dots(const real *const *src, int64_t S, int64_t D, int64_t n, int64_t t, const real *queries,
+                     int64_t Q, const real *const *grad_mix, real *square, real *z, real *g) {
+    const real *with[2 * MAX_QUERIES]; /* after u_0: dh_0, u_1, dh_1, ... (queries without dh left out) */
+    real *into[2 * MAX_QUERIES];      /* each one's table, at token t of source 0 */
+    int k = 0;
+    for (int64_t q = 0; q < Q; ++q) {
+        if (q > 0) with[k] = queries + q * D, into[k++] = z + q * S * TILE + t;
+        if (grad_mix && grad_mix[q]) with[k] = grad_mix[q] + n * D, into[k++] = g + q * S * TILE + t;
+    }
+    for (int64_t s = 0; s < S; s += GROUP) {
+        const real *v[GROUP];
+        for (int i = 0; i < GROUP; ++i) v[i] = src[s + i < S ? s + i : S - 1] + n * D;
+        real first[GROUP], second[GROUP], sums[GROUP];
+        const int used = S - s < GROUP ? (int)(S - s) : GROUP;
+        group_sums(v[0], v[1], v[2], v[3], queries, D, sums, first);
+        for (int i = 0; i < used; ++i) square[(s + i) * TILE + t] = sums[i], z[(s + i) * TILE + t] = first[i];
+        for (int j = 0; j < k; j += 2) {
+            const real *y = j + 1 < k ? with[j + 1] : with[j];
+            group_dot_pairs(v[0], v[1], v[2], v[3], with[j], y, D, first, second);
+            for (int i = 0; i < used; ++i) {
+                into[j][(s + i) * TILE] = first[i];
+                if (j + 1 < k) into[j + 1][(s + i) * TILE] = second[i];
+            }
+        }
+    }
+    if (grad_mix)
+        for (int64_t q = 0; q < Q; ++q)
+            if (!grad_mix[q])
+                for (int64_t s = 0; s < S; ++s) g[(q * S + s) * TILE + t] = 0;
+}
+
+
 typedef struct {
     const real *const *sources;
     int64_t n_sources, n_tokens, d_model, n_queries, prior_tokens;
@@ -825,35 +893,13 @@ typedef struct {
 static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
     const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model, Q = a->n_queries, P = a->prior_tokens;
     const real *const *src = a->sources;
-    real rstd[S * TILE], w[Q * S * TILE], prior_weight[Q * TILE], dot[GROUP];
+    real rstd[S * TILE], w[Q * S * TILE], prior_weight[Q * TILE];
     for (int64_t t0 = begin; t0 < end; t0 += TILE) {
         const int64_t T = end - t0 < TILE ? end - t0 : TILE;
-        /* pass 1: every row's square sum (with the first query's dot) and the other queries' dots */
+        /* pass 1: every row's square sum and its dots with every query, four source rows at a time (row_dots) */
         for (int64_t t = 0; t < T; ++t) {
-            const int64_t row = (t0 + t) * D;
-            if (t0 + t + PREFETCH_ROWS < end) prefetch_rows(src, S, row + PREFETCH_ROWS * D, D);
-            for (int64_t q = 0; q < Q; ++q) {
-                const real *u = a->queries + q * D;
-                real *z = w + q * S * TILE;
-                int64_t s = 0;
-                for (; s + GROUP <= S; s += GROUP) {
-                    const real *v0 = src[s] + row, *v1 = src[s + 1] + row, *v2 = src[s + 2] + row, *v3 = src[s + 3] + row;
-                    if (q == 0) {
-                        real square[GROUP];
-                        group_sums(v0, v1, v2, v3, u, D, square, dot);
-                        for (int g = 0; g < GROUP; ++g) rstd[(s + g) * TILE + t] = square[g];
-                    } else {
-                        four_dots(v0, v1, v2, v3, u, u, u, u, D, dot);
-                    }
-                    for (int g = 0; g < GROUP; ++g) z[(s + g) * TILE + t] = dot[g];
-                }
-                for (; s < S; ++s) {
-                    real square;
-                    row_sums(src[s] + row, u, D, &square, dot);
-                    if (q == 0) rstd[s * TILE + t] = square;
-                    z[s * TILE + t] = dot[0];
-                }
-            }
+            if (t0 + t + PREFETCH_ROWS < end) prefetch_rows(src, S, (t0 + t + PREFETCH_ROWS) * D, D);
+            row_dots(src, S, D, t0 + t, t, a->queries, Q, NULL, rstd, w, NULL);
         }
         /* statistics, across the tile's tokens: rstd once per source, then each query's softmax */
         for (int64_t s = 0; s < S; ++s) {
@@ -928,6 +974,255 @@ void depth_attention_multi(const real *const *sources, int64_t n_sources, int64_
                           .n_queries = n_queries, .prior_tokens = prior_tokens, .queries = queries, .prior_mix = prior_mix,
                           .prior_lse = prior_lse, .eps = (real)eps, .mix = mix, .lse = lse};
     run_rows(multi_worker, &a, n_tokens, n_threads);
+}
+
+/* The backward of depth_attention_multi with P = N (training's two-phase Full AttnRes: phase 1 with Q queries and
+ * no prior, phase 2 with Q = 1 and phase 1's part as its prior; docs/kernels.md §7). Per token and query q, with
+ * r_s the rstd of source v_s, z_qs = r_s (u_q . v_s), the forward's outputs (mix h_q, lse_q), the weights
+ * a_qs = exp(z_qs - lse_q) and a_qp = exp(l_q - lse_q) of the prior (m_q, l_q), and the output gradients dh_q and
+ * dlse_q (either may be absent: zero):
+ *   c_q    = dh_q . h_q - dlse_q
+ *   dz_qs  = a_qs (dh_q . v_s - c_q)
+ *   dv_s   = sum_q (a_qs dh_q + dz_qs r_s u_q) - (r_s^2 / D) (sum_q dz_qs z_qs) v_s
+ *   du_q  += sum_s dz_qs r_s v_s
+ *   dm_q   = a_qp dh_q,   dl_q = a_qp (dh_q . m_q - c_q)
+ * In tiles of TILE tokens: pass 1 reads each source's TILE rows (a contiguous block) for their square sums and
+ * dots with every u_q and dh_q, GROUP at a time; pass 2 reads them again, from L1/L2, for the gradients. So each
+ * source is read from memory once for all Q consumers, where Q one-pass backwards read it Q times. dv_s is written,
+ * or added where accumulate[s] (a source whose consumers sum their gradients in one buffer, docs/kernels.md §5). */
+typedef struct {
+    const real *const *sources;
+    int64_t n_sources, n_tokens, d_model, n_queries;
+    const real *queries, *prior_mix, *prior_lse, *mix, *lse; /* [Q, D], [Q, N, D], [Q, N], [Q, N, D], [Q, N] */
+    real eps;
+    const real *const *grad_mix, *const *grad_lse;             /* Q pointers each ([N, D], [N]); entries may be NULL */
+    real *const *grad_sources;
+    const uint8_t *accumulate;
+    real *grad_query_partial;                                  /* [threads, Q, D] */
+    real *grad_prior_mix, *grad_prior_lse;                     /* [Q, N, D], [Q, N]; NULL without a prior */
+} multi_grad_args;
+
+/* dv for one source row and Q <= 4 queries in one pass over d (Q a constant where inlined, so the query loop
+ * unrolls): dv = kept - coef v + sum_q (weight_q dh_q + key_coef_q u_q), and du_q += key_coef_q v. A query
+ * without dh has weight 0 and any readable row as dh. */
+INLINE void gradient_row(real *restrict grad, const real *restrict v, int keep, real coef, const int Q,
+                         const real *weight, const real *key_coef, const real *const *dh, const real *restrict u,
+                         real *restrict grad_u, int64_t D) {
+    const real w0 = weight[0], w1 = Q > 1 ? weight[1] : 0, w2 = Q > 2 ? weight[2] : 0, w3 = Q > 3 ? weight[3] : 0;
+    const real k0 = key_coef[0], k1 = Q > 1 ? key_coef[1] : 0, k2 = Q > 2 ? key_coef[2] : 0,
+               k3 = Q > 3 ? key_coef[3] : 0;
+    const real *restrict h0 = dh[0], *restrict h1 = Q > 1 ? dh[1] : v, *restrict h2 = Q > 2 ? dh[2] : v,
+               *restrict h3 = Q > 3 ? dh[3] : v;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) {
+        const real x = v[d];
+        real total = (keep ? grad[d] : 0) - coef * x + w0 * h0[d] + k0 * u[d];
+        grad_u[d] += k0 * x;
+        if (Q > 1) total += w1 * h1[d] + k1 * u[D + d], grad_u[D + d] += k1 * x;
+        if (Q > 2) total += w2 * h2[d] + k2 * u[2 * D + d], grad_u[2 * D + d] += k2 * x;
+        if (Q > 3) total += w3 * h3[d] + k3 * u[3 * D + d], grad_u[3 * D + d] += k3 * x;
+        grad[d] = total;
+    }
+}
+
+/* gradient_row for four source rows of one token at once: each query's dh, u and du rows are loaded once for the
+ * four (one row at a time, the loads and stores of those rows outnumbered the FMAs). weight and key_coef are
+ * [4 queries][4 sources]. */
+INLINE void gradient_rows4(real *const *grad, const real *const *v, const int *keep, const real *coef, const int Q,
+                           const real *weight, const real *key_coef, const real *const *dh, const real *restrict u,
+                           real *restrict grad_u, int64_t D) {
+    real *restrict g0 = grad[0], *restrict g1 = grad[1], *restrict g2 = grad[2], *restrict g3 = grad[3];
+    const real *restrict v0 = v[0], *restrict v1 = v[1], *restrict v2 = v[2], *restrict v3 = v[3];
+    const real *restrict h0 = dh[0], *restrict h1 = Q > 1 ? dh[1] : v0, *restrict h2 = Q > 2 ? dh[2] : v0,
+               *restrict h3 = Q > 3 ? dh[3] : v0;
+    const int keep0 = keep[0], keep1 = keep[1], keep2 = keep[2], keep3 = keep[3];
+    const real c0 = coef[0], c1 = coef[1], c2 = coef[2], c3 = coef[3];
+#define QUERY_TERMS(q, h)                                                                                      \
+    if (Q > q) {                                                                                               \
+        const real hd = h[d], ud = u[q * D + d];                                                               \
+        t0 += weight[4 * q] * hd + key_coef[4 * q] * ud, t1 += weight[4 * q + 1] * hd + key_coef[4 * q + 1] * ud; \
+        t2 += weight[4 * q + 2] * hd + key_coef[4 * q + 2] * ud;                                               \
+        t3 += weight[4 * q + 3] * hd + key_coef[4 * q + 3] * ud;                                               \
+        grad_u[q * D + d] += key_coef[4 * q] * x0 + key_coef[4 * q + 1] * x1 + key_coef[4 * q + 2] * x2          \
+                             + key_coef[4 * q + 3] * x3;                                                       \
+    }
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) {
+        const real x0 = v0[d], x1 = v1[d], x2 = v2[d], x3 = v3[d];
+        real t0 = (keep0 ? g0[d] : 0) - c0 * x0, t1 = (keep1 ? g1[d] : 0) - c1 * x1,
+             t2 = (keep2 ? g2[d] : 0) - c2 * x2, t3 = (keep3 ? g3[d] : 0) - c3 * x3;
+        QUERY_TERMS(0, h0)
+        QUERY_TERMS(1, h1)
+        QUERY_TERMS(2, h2)
+        QUERY_TERMS(3, h3)
+        g0[d] = t0, g1[d] = t1, g2[d] = t2, g3[d] = t3;
+    }
+#undef QUERY_TERMS
+}
+
+/* Pass 2 for one token row of every source, Q <= 4 (a constant where inlined): four sources at a time, then the
+ * rest one by one. z holds the weights a_qs, g the key coefficients dz_qs r_s ([Q, S, TILE], token t). */
+INLINE void gradient_rows_q(const multi_grad_args *a, int64_t n, int64_t t, const real *z, const real *g,
+                            const real *value_coef, real *grad_u, const int Q) {
+    const int64_t S = a->n_sources, D = a->d_model;
+    const real *dh[4];
+    for (int64_t q = 0; q < Q; ++q) dh[q] = a->grad_mix[q] ? a->grad_mix[q] + n * D : a->sources[0] + n * D;
+    int64_t s = 0;
+    for (; s + GROUP <= S; s += GROUP) {
+        real weight[16], key_coef[16], coef[GROUP], *grad[GROUP];
+        const real *v[GROUP];
+        int keep[GROUP];
+        for (int i = 0; i < GROUP; ++i) {
+            v[i] = a->sources[s + i] + n * D, grad[i] = a->grad_sources[s + i] + n * D;
+            keep[i] = a->accumulate && a->accumulate[s + i], coef[i] = value_coef[(s + i) * TILE + t];
+            for (int64_t q = 0; q < Q; ++q) {
+                const int64_t k = (q * S + s + i) * TILE + t;
+                weight[4 * q + i] = a->grad_mix[q] ? z[k] : 0, key_coef[4 * q + i] = g[k];
+            }
+        }
+        gradient_rows4(grad, v, keep, coef, Q, weight, key_coef, dh, a->queries, grad_u, D);
+    }
+    for (; s < S; ++s) {
+        real weight[4], key_coef[4];
+        for (int64_t q = 0; q < Q; ++q) {
+            const int64_t k = (q * S + s) * TILE + t;
+            weight[q] = a->grad_mix[q] ? z[k] : 0, key_coef[q] = g[k];
+        }
+        gradient_row(a->grad_sources[s] + n * D, a->sources[s] + n * D, a->accumulate && a->accumulate[s],
+                     value_coef[s * TILE + t], Q, weight, key_coef, dh, a->queries, grad_u, D);
+    }
+}
+
+static void multi_backward_rows(const multi_grad_args *a, int64_t begin, int64_t end, real *grad_u) {
+    const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model, Q = a->n_queries;
+    /* per (q, s, token): z (u_q . v_s, then the weight a_qs) and g (dh_q . v_s, then dz_qs r_s) */
+    real rstd[S * TILE], z[Q * S * TILE], g[Q * S * TILE], c[Q * TILE], value_coef[S * TILE];
+    for (int64_t t0 = begin; t0 < end; t0 += TILE) {
+        const int64_t T = end - t0 < TILE ? end - t0 : TILE;
+        for (int64_t q = 0; q < Q; ++q)
+            for (int64_t t = 0; t < T; ++t) {
+                const int64_t n = t0 + t;
+                const real *dh = a->grad_mix[q] ? a->grad_mix[q] + n * D : NULL, *h = a->mix + (q * N + n) * D;
+                real dot = 0;
+                if (dh) {
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < D; ++d) dot += dh[d] * h[d];
+                }
+                c[q * TILE + t] = dot - (a->grad_lse[q] ? a->grad_lse[q][n] : 0);
+            }
+        /* pass 1: the tile's rows, token by token (S streams at once, as the forward's row order) */
+        for (int64_t t = 0; t < T; ++t)
+            row_dots(a->sources, S, D, t0 + t, t, a->queries, Q, a->grad_mix, rstd, z, g);
+        /* statistics, across the tile's tokens */
+        for (int64_t s = 0; s < S; ++s) {
+            real *r = rstd + s * TILE, *coef = value_coef + s * TILE;
+#pragma omp simd
+            for (int64_t t = 0; t < T; ++t) r[t] = (real)1 / sqrt(r[t] / (real)D + a->eps), coef[t] = 0;
+            for (int64_t q = 0; q < Q; ++q) {
+                real *zq = z + (q * S + s) * TILE, *gq = g + (q * S + s) * TILE;
+                const real *lse = a->lse + q * N + t0, *cq = c + q * TILE;
+#pragma omp simd
+                for (int64_t t = 0; t < T; ++t) {
+                    const real logit = zq[t] * r[t], weight = exp_nonpositive(logit - lse[t]);
+                    const real dlogit = weight * (gq[t] - cq[t]);
+                    coef[t] += dlogit * logit;
+                    zq[t] = weight;
+                    gq[t] = dlogit * r[t];
+                }
+            }
+#pragma omp simd
+            for (int64_t t = 0; t < T; ++t) coef[t] *= r[t] * r[t] / (real)D;
+        }
+        if (a->prior_mix) /* the prior's gradients */
+            for (int64_t q = 0; q < Q; ++q)
+                for (int64_t t = 0; t < T; ++t) {
+                    const int64_t n = t0 + t, row = (q * N + n) * D;
+                    const real *dh = a->grad_mix[q] ? a->grad_mix[q] + n * D : NULL, *m = a->prior_mix + row;
+                    const real weight = exp_nonpositive(a->prior_lse[q * N + n] - a->lse[q * N + n]);
+                    real *dm = a->grad_prior_mix + row, dot = 0;
+                    if (dh) {
+#pragma omp simd reduction(+ : dot)
+                        for (int64_t d = 0; d < D; ++d) dot += dh[d] * m[d];
+                    }
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) dm[d] = dh ? weight * dh[d] : 0;
+                    a->grad_prior_lse[q * N + n] = weight * (dot - c[q * TILE + t]);
+                }
+        /* pass 2: the sources' gradients and du, token by token, the rows still in L1/L2 */
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t n = t0 + t;
+            switch (Q) {
+            case 1: gradient_rows_q(a, n, t, z, g, value_coef, grad_u, 1); continue;
+            case 2: gradient_rows_q(a, n, t, z, g, value_coef, grad_u, 2); continue;
+            case 3: gradient_rows_q(a, n, t, z, g, value_coef, grad_u, 3); continue;
+            case 4: gradient_rows_q(a, n, t, z, g, value_coef, grad_u, 4); continue;
+            }
+            for (int64_t s = 0; s < S; ++s) { /* 5..MAX_QUERIES queries: one query at a time */
+                const int keep = a->accumulate && a->accumulate[s];
+                const real *v = a->sources[s] + n * D, coef = value_coef[s * TILE + t];
+                real *grad = a->grad_sources[s] + n * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) grad[d] = (keep ? grad[d] : 0) - coef * v[d];
+                for (int64_t q = 0; q < Q; ++q) {
+                    const int64_t i = (q * S + s) * TILE + t;
+                    const real weight = z[i], key_coef = g[i], *u = a->queries + q * D;
+                    const real *dh = a->grad_mix[q] ? a->grad_mix[q] + n * D : NULL;
+                    real *du = grad_u + q * D;
+                    if (dh) {
+#pragma omp simd
+                        for (int64_t d = 0; d < D; ++d) grad[d] += weight * dh[d] + key_coef * u[d];
+                    } else {
+#pragma omp simd
+                        for (int64_t d = 0; d < D; ++d) grad[d] += key_coef * u[d];
+                    }
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) du[d] += key_coef * v[d];
+                }
+            }
+        }
+    }
+}
+
+static void *multi_backward_worker(void *arg) {
+    const row_range *range = arg;
+    const multi_grad_args *a = (const multi_grad_args *)range->args;
+    const size_t bytes = (size_t)(a->n_queries * a->d_model) * sizeof(real);
+    real *row = a->grad_query_partial + range->thread * a->n_queries * a->d_model;
+    real *grad_u = thread_sums(row, bytes);
+    multi_backward_rows(a, range->row_begin, range->row_end, grad_u);
+    release_thread_sums(grad_u, row, bytes);
+    return NULL;
+}
+
+/* grad_queries [Q, D] gets du_q (the threads' sums added in thread order); grad_prior_mix and grad_prior_lse are
+ * written where prior_mix is given. Returns 0, -1 when the threads' sums cannot be allocated (nothing written), -2
+ * for a query count outside 1..MAX_QUERIES (cpu_fused.py splits larger sets). */
+int depth_attention_multi_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
+                                   const real *queries, int64_t n_queries, const real *prior_mix,
+                                   const real *prior_lse, double eps, const real *mix, const real *lse,
+                                   const real *const *grad_mix, const real *const *grad_lse,
+                                   real *const *grad_sources, const uint8_t *accumulate, real *grad_queries,
+                                   real *grad_prior_mix, real *grad_prior_lse, int n_threads) {
+    if (n_queries < 1 || n_queries > MAX_QUERIES) return -2;
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+    const int64_t width = n_queries * d_model;
+    real *sums = malloc((size_t)(n_threads * width) * sizeof(real));
+    if (sums == NULL) return -1;
+    const multi_grad_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens,
+                               .d_model = d_model, .n_queries = n_queries, .queries = queries,
+                               .prior_mix = prior_mix, .prior_lse = prior_lse, .mix = mix, .lse = lse,
+                               .eps = (real)eps, .grad_mix = grad_mix, .grad_lse = grad_lse,
+                               .grad_sources = grad_sources, .accumulate = accumulate, .grad_query_partial = sums,
+                               .grad_prior_mix = grad_prior_mix, .grad_prior_lse = grad_prior_lse};
+    run_rows(multi_backward_worker, &a, n_tokens, n_threads);
+    for (int64_t i = 0; i < width; ++i) {
+        real total = 0;
+        for (int t = 0; t < n_threads; ++t) total += sums[t * width + i];
+        grad_queries[i] = total;
+    }
+    free(sums);
+    return 0;
 }
 
 /* The elementwise kernels below (KV shift, rotary, RMSNorm) split their rows over n_threads of torch's OpenMP pool

@@ -133,48 +133,45 @@ def _build_library(real_type: str) -> ctypes.CDLL:
     )
 
 
+def _signatures() -> dict[str, tuple]:
+    """Each C function's (return type, argument types), in the C file's order of arguments."""
+    pointer, int64, c_int, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+    return {
+        "depth_attention_forward": (None, [pointer, int64, int64, int64, pointer, pointer, pointer, real, pointer, real,
+                                           pointer, pointer, pointer, pointer, c_int]),
+        "depth_attention_backward": (c_int, [pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer,
+                                             pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
+                                             pointer, c_int]),
+        "vector_sums": (c_int, []),
+        "openmp_threads": (c_int, []),
+        "depth_attention_multi": (None, [pointer, int64, int64, int64, pointer, int64, pointer, pointer, int64, real,
+                                         pointer, pointer, c_int]),
+        "depth_attention_multi_backward": (c_int, [pointer, int64, int64, int64, pointer, int64, pointer, pointer,
+                                                   real, pointer, pointer, pointer, pointer, pointer, pointer,
+                                                   pointer, pointer, pointer, c_int]),
+        "depth_attention_copies_forward": (c_int, [pointer, int64, int64, int64, int64, int64, pointer, pointer, real,
+                                                   pointer, real, pointer, pointer, pointer, pointer, c_int]),
+        "rotary_forward": (None, [pointer, pointer, pointer, int64, int64, int64, int64, int64, real, pointer,
+                                  c_int]),
+        "causal_attention_forward": (c_int, [pointer, pointer, pointer, int64, int64, int64, int64, real, pointer,
+                                             c_int]),
+        "rms_norm_forward": (None, [pointer, pointer, int64, int64, real, pointer, pointer, c_int]),
+        "rms_norm_backward": (c_int, [pointer, pointer, pointer, pointer, int64, int64, pointer, pointer, c_int]),
+        "token_shift_forward": (None, [pointer, pointer, int64, int64, int64, int64, int64, pointer, pointer, int64,
+                                       pointer, c_int]),
+        "token_shift_backward": (None, [pointer, pointer, int64, pointer, int64, int64, int64, int64, pointer,
+                                        pointer, int64, pointer, pointer, c_int]),
+    }
+
+
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
-    pointer, int64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.depth_attention_forward.restype = None
-    library.depth_attention_forward.argtypes = [
-        pointer, int64, int64, int64, pointer, pointer, pointer, ctypes.c_double, pointer, ctypes.c_double, pointer,
-        pointer, pointer, pointer, c_int
-    ]
-    library.depth_attention_backward.restype = c_int
-    library.depth_attention_backward.argtypes = [
-        pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
-        pointer, pointer, pointer, pointer, pointer, c_int
-    ]
-    library.vector_sums.restype = c_int
-    library.vector_sums.argtypes = []
-    library.openmp_threads.restype = c_int
-    library.openmp_threads.argtypes = []
+    """Sets each function's types. A library built from an older C source (an analysis's baseline build) may lack
+    the newer functions: those stay unbound, and a call to one raises AttributeError."""
+    for name, (result, arguments) in _signatures().items():
+        if hasattr(library, name):
+            function = getattr(library, name)
+            function.restype, function.argtypes = result, arguments
     library.thread_pool = library.openmp_threads() > 0  # built with OpenMP: its threads are torch's (run_rows)
-    library.depth_attention_multi.restype = None
-    library.depth_attention_multi.argtypes = [
-        pointer, int64, int64, int64, pointer, int64, pointer, pointer, int64, ctypes.c_double, pointer, pointer, c_int
-    ]
-    library.depth_attention_copies_forward.restype = c_int
-    library.depth_attention_copies_forward.argtypes = [
-        pointer, int64, int64, int64, int64, int64, pointer, pointer, ctypes.c_double, pointer, ctypes.c_double,
-        pointer, pointer, pointer, pointer, c_int
-    ]
-    library.rotary_forward.restype = None
-    library.rotary_forward.argtypes = [pointer, pointer, pointer, int64, int64, int64, int64, int64, ctypes.c_double,
-                                       pointer, c_int]
-    library.causal_attention_forward.restype = c_int
-    library.causal_attention_forward.argtypes = [pointer, pointer, pointer, int64, int64, int64, int64,
-                                                 ctypes.c_double, pointer, c_int]
-    library.rms_norm_forward.restype = None
-    library.rms_norm_forward.argtypes = [pointer, pointer, int64, int64, ctypes.c_double, pointer, pointer, c_int]
-    library.rms_norm_backward.restype = c_int
-    library.rms_norm_backward.argtypes = [pointer, pointer, pointer, pointer, int64, int64, pointer, pointer, c_int]
-    library.token_shift_forward.restype = None
-    library.token_shift_forward.argtypes = [pointer, pointer, int64, int64, int64, int64, int64, pointer, pointer,
-                                            int64, pointer, c_int]
-    library.token_shift_backward.restype = None
-    library.token_shift_backward.argtypes = [pointer, pointer, int64, pointer, int64, int64, int64, int64, pointer,
-                                             pointer, int64, pointer, pointer, c_int]
     return library
 
 
@@ -214,6 +211,11 @@ def _address(tensor: Optional[torch.Tensor]) -> Optional[int]:
 
 def _pointer_array(tensors) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*(tensor.data_ptr() for tensor in tensors))
+
+
+def _optional_pointer_array(tensors) -> ctypes.Array:
+    """`_pointer_array` with NULL for each None."""
+    return (ctypes.c_void_p * len(tensors))(*(_address(tensor) for tensor in tensors))
 
 
 # Two kernel calls, each used two ways. Under torch.compile they are PyTorch custom ops (torch.library), so a
@@ -552,25 +554,95 @@ def fused_mix_and_norm(sources: list[torch.Tensor], query: torch.Tensor, key_nor
                                             float(norm_eps), *_contiguous(sources, sources[0].dtype))
 
 
+def _run_multi(sources: list[torch.Tensor], queries: torch.Tensor, eps: float,
+               prior: Optional[tuple[torch.Tensor, torch.Tensor]], prior_tokens: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C call of `depth_attention_multi_cpu` on flat operands: sources ``[N, D]`` (contiguous, the compute
+    dtype), queries ``[Q, D]``, prior ``([Q, P, D], [Q, P])`` or None; ``(mix [Q, N, D], lse [Q, N])``."""
+    first = sources[0]
+    n_tokens, d_model, n_queries = first.numel() // first.shape[-1], first.shape[-1], queries.shape[0]
+    mix = new_output((n_queries, n_tokens, d_model), first.dtype, first.device)
+    lse = new_output((n_queries, n_tokens), first.dtype, first.device)
+    library, pointers = cpu_library(first.dtype), _pointer_array(sources)
+    threads = _n_threads(len(sources) * n_tokens * d_model, library)
+    for start in range(0, n_queries, MAX_QUERIES):
+        part = slice(start, start + MAX_QUERIES)
+        library.depth_attention_multi(
+            pointers, len(sources), n_tokens, d_model, queries[part].data_ptr(), queries[part].shape[0],
+            None if prior is None else prior[0][part].data_ptr(), None if prior is None else prior[1][part].data_ptr(),
+            prior_tokens, eps, mix[part].data_ptr(), lse[part].data_ptr(), threads,
+        )
+    return mix, lse
+
+
+class _EagerMultiDepthAttention(torch.autograd.Function):
+    """`depth_attention_multi_cpu` with its backward (C, `depth_attention_multi_backward`), for Q <= MAX_QUERIES
+    queries and a prior over the sources' own tokens: ``(mix_0, ..., mix_{Q-1}, lse_0, ..., lse_{Q-1})``, each
+    query's part its own output, so a consumer's gradient reaches its part alone (indexing one [Q, N, D] output
+    would send back a [Q, N, D] block of zeros per consumer). All operands flat and contiguous in the compute
+    dtype: queries ``[Q, D]``, prior ``[Q, N, D]`` and ``[Q, N]`` or None, sources ``[N, D]``."""
+
+    @staticmethod
+    def forward(ctx, eps: float, queries: torch.Tensor, prior_mix: Optional[torch.Tensor],
+                prior_lse: Optional[torch.Tensor], *sources: torch.Tensor):
+        prior = None if prior_mix is None else (prior_mix, prior_lse)
+        mix, lse = _run_multi(list(sources), queries, eps, prior, sources[0].numel() // sources[0].shape[-1])
+        ctx.eps = eps
+        ctx.save_for_backward(queries, prior_mix, prior_lse, mix, lse, *sources)
+        ctx.shared = _shared_gradients(sources)
+        ctx.set_materialize_grads(False)  # a consumer reads its own part: no zeros for the others'
+        return (*mix.unbind(0), *lse.unbind(0))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        queries, prior_mix, prior_lse, mix, lse, *sources = ctx.saved_tensors
+        n_queries, first = queries.shape[0], sources[0]
+        if all(grad is None for grad in grads):
+            return (None,) * (4 + len(sources))
+        grads = [None if grad is None else grad.contiguous() for grad in grads]
+        shared = _buffers_to_sum_into(ctx, *grads)
+        grad_sources, accumulate = _gradient_buffers(sources, shared)
+        grad_queries = new_output_like(queries)
+        grad_prior_mix = None if prior_mix is None else new_output_like(prior_mix)
+        grad_prior_lse = None if prior_lse is None else new_output_like(prior_lse)
+        d_model = first.shape[-1]
+        n_tokens = first.numel() // d_model
+        library = cpu_library(first.dtype)
+        status = library.depth_attention_multi_backward(
+            _pointer_array(sources), len(sources), n_tokens, d_model, queries.data_ptr(), n_queries,
+            _address(prior_mix), _address(prior_lse), ctx.eps, mix.data_ptr(), lse.data_ptr(),
+            _optional_pointer_array(grads[:n_queries]), _optional_pointer_array(grads[n_queries:]),
+            _pointer_array(grad_sources), accumulate, grad_queries.data_ptr(), _address(grad_prior_mix),
+            _address(grad_prior_lse), _n_threads(len(sources) * n_tokens * d_model, library))
+        if status != 0:
+            raise MemoryError(f"the C two-phase backward could not allocate its per-thread sums of {n_queries} x "
+                              f"{d_model} values")
+        return None, grad_queries, grad_prior_mix, grad_prior_lse, *_returned(grad_sources, shared)
+
+
 def depth_attention_multi_cpu(
     sources: list[torch.Tensor], folded_queries: torch.Tensor, eps: float,
     prior: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q depth attentions over the same ``sources`` (each ``[..., D]``) in one read of them, without a backward
-    (docs/kernels.md §7): ``folded_queries`` ``[Q, D]`` (``u_q = w_q * g_q``); ``prior`` an optional part per query
-    over other sources, ``(mix [Q, ..., D], lse [Q, ...])``, folded into each softmax. Returns ``(mix [Q, ..., D],
-    lse [Q, ...])`` in fp32 (fp64 for fp64 sources): phase 1 of two-phase AttnRes, or with a prior its phase 2.
+) -> tuple[Union[torch.Tensor, tuple[torch.Tensor, ...]], Union[torch.Tensor, tuple[torch.Tensor, ...]]]:
+    """Q depth attentions over the same ``sources`` (each ``[..., D]``) in one read of them (docs/kernels.md §7):
+    ``folded_queries`` ``[Q, D]`` (``u_q = w_q * g_q``); ``prior`` an optional part per query over other sources,
+    ``(mix [Q, ..., D], lse [Q, ...])``, folded into each softmax. Returns ``(mix [Q, ..., D], lse [Q, ...])`` in
+    fp32 (fp64 for fp64 sources): phase 1 of two-phase AttnRes, or with a prior its phase 2.
 
-    The prior may also cover one copy of a batch the sources stack k times along their first dim (``mix [Q, B,
-    ..., D]`` for sources ``[k * B, ..., D]``): each copy then takes that one prior, which was mixed once from
-    sources all copies share (exact interventions)."""
+    With a gradient (grad mode on and a source, a query or the prior needing one) the mix has a C backward, and
+    ``mix`` and ``lse`` come as tuples of Q tensors ``[..., D]`` and ``[...]``, one per query: each consumer's
+    gradient then reaches its own part alone. A source seen through `share_gradient` gets its gradient summed
+    in its shared buffer, as the one-pass mix does.
+
+    Without a gradient the prior may also cover one copy of a batch the sources stack k times along their first
+    dim (``mix [Q, B, ..., D]`` for sources ``[k * B, ..., D]``): each copy then takes that one prior, which was
+    mixed once from sources all copies share (exact interventions)."""
     first = sources[0]
     if first.device.type != "cpu":
         raise ValueError(f"the cpu backend needs CPU tensors, got tensors on {first.device}; use backend='auto'")
     tensors = [*sources, folded_queries, *(prior or ())]
-    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors):
-        raise ValueError("the cpu two-phase kernel has no backward; run it under torch.no_grad(), or mix with "
-                         "depth_attention for a gradient")
+    needs_grad = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
     lead, d_model = first.shape[:-1], first.shape[-1]
     if folded_queries.dim() != 2 or folded_queries.shape[1] != d_model:
         raise ValueError(f"folded_queries must be [n_queries, {d_model}] (the sources' last dim), got "
@@ -590,20 +662,23 @@ def depth_attention_multi_cpu(
                              f"{first.shape[0]} or a divisor of it, got {tuple(prior_mix.shape)} and "
                              f"{tuple(prior_lse.shape)}")
         prior_tokens = n_tokens // copies if copies else n_tokens  # no tokens: nothing is read
+        if needs_grad and prior_tokens != n_tokens:
+            raise ValueError(f"a prior over one copy of stacked sources ({prior_mix.shape[1]} of {first.shape[0]} "
+                             "rows) has no backward; run it under torch.no_grad(), or give the prior for every row")
         prior = prior_mix.to(compute).reshape(n_queries, prior_tokens, d_model).contiguous(), \
             prior_lse.to(compute).reshape(n_queries, prior_tokens).contiguous()
-    mix = new_output((n_queries, n_tokens, d_model), compute, first.device)
-    lse = new_output((n_queries, n_tokens), compute, first.device)
-    library, pointers = cpu_library(compute), _pointer_array(flat)
-    threads = _n_threads(len(flat) * n_tokens * d_model, library)
+    if not needs_grad:
+        mix, lse = _run_multi(flat, queries, eps, prior, prior_tokens)
+        return mix.view(n_queries, *lead, d_model), lse.view(n_queries, *lead)
+    mixes, lses = [], []
     for start in range(0, n_queries, MAX_QUERIES):
         part = slice(start, start + MAX_QUERIES)
-        library.depth_attention_multi(
-            pointers, len(flat), n_tokens, d_model, queries[part].data_ptr(), queries[part].shape[0],
-            None if prior is None else prior[0][part].data_ptr(), None if prior is None else prior[1][part].data_ptr(),
-            prior_tokens, eps, mix[part].data_ptr(), lse[part].data_ptr(), threads,
-        )
-    return mix.view(n_queries, *lead, d_model), lse.view(n_queries, *lead)
+        part_prior = (None, None) if prior is None else (prior[0][part], prior[1][part])
+        outputs = _EagerMultiDepthAttention.apply(float(eps), queries[part], *part_prior, *flat)
+        half = len(outputs) // 2
+        mixes += [mix.view(*lead, d_model) for mix in outputs[:half]]
+        lses += [lse.view(lead) for lse in outputs[half:]]
+    return tuple(mixes), tuple(lses)
 
 
 def depth_attention_copies_cpu(shared: list[torch.Tensor], stacked: list[torch.Tensor], n_copies: int,

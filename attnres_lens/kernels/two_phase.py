@@ -1,5 +1,5 @@
 """Two-phase AttnRes (paper Alg. 1, docs/kernels.md §7): readable PyTorch here, fused Triton in
-``triton_two_phase.py``, fused C without a backward in ``cpu_fused.c`` (``depth_attention_multi``).
+``triton_two_phase.py``, fused C in ``cpu_fused.c`` (``depth_attention_multi`` and its backward).
 
 Pseudo-queries do not depend on the input, so every sublayer of a block can score the completed-block sources
 ``[b_0, ..., b_{n-1}]`` together as soon as the block starts (phase 1): each source is read once for all queries,
@@ -33,8 +33,10 @@ class BlockStats(NamedTuple):
     Leading dims: ``n_q`` (one per pseudo-query of the block), then the sources' token dims ``...``.
     """
 
-    mix: torch.Tensor  # [n_q, ..., D] softmax mix of the completed sources (fp32; fp64 for fp64)
-    lse: torch.Tensor  # [n_q, ...] log-sum-exp of the completed sources' logits (fp32; fp64 for fp64)
+    # [n_q, ..., D] softmax mix of the completed sources (fp32; fp64 for fp64); from the C kernel with a
+    # gradient, a tuple of n_q [..., D] tensors (each consumer's gradient reaches its own part)
+    mix: torch.Tensor | tuple[torch.Tensor, ...]
+    lse: torch.Tensor | tuple[torch.Tensor, ...]  # [n_q, ...] log-sum-exp of those logits, likewise
     queries: torch.Tensor  # [n_q, D]
     key_norm_weights: torch.Tensor  # [n_q, D]
     logits: Optional[torch.Tensor]  # [n_q, ..., n_completed] when phase 1 was asked for them
@@ -60,7 +62,7 @@ def block_phase1(
         eps: RMSNorm epsilon of the keys.
         return_logits: keep the per-source logits (for hooks that report depth weights).
         backend: as for ``depth_attention``; ``"triton"`` (or ``"auto"`` on CUDA) runs the fused kernels, and
-            ``"cpu"`` (or ``"auto"`` on the CPU) the fused C kernel when no gradient and no logits are needed; any
+            ``"cpu"`` (or ``"auto"`` on the CPU) the fused C kernel when no logits are asked for; any
             other choice this module's PyTorch.
     """
     source_list = check_sources(sources)
@@ -71,8 +73,7 @@ def block_phase1(
         raise ValueError(
             f"key_norm_weights must match queries' shape {tuple(queries.shape)}, got {tuple(key_norm_weights.shape)}"
         )
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*source_list, queries, key_norm_weights))
-    chosen = two_phase_backend(backend, source_list[0].device, needs_grad or return_logits)
+    chosen = two_phase_backend(backend, source_list[0].device, return_logits)
     if chosen == "cpu":
         from attnres_lens.kernels.cpu_fused import depth_attention_multi_cpu
 
@@ -116,9 +117,8 @@ def merge_partial(
     starts the block (then ``h`` is the phase-1 mix); for Full AttnRes, the list of sources written since phase 1
     (empty for the consumer phase 1 started at). Returns ``h`` in the sources' dtype, followed by the depth
     weights and/or logits over ``[completed..., partial...]`` (``[..., n_sources]``) when asked; those need
-    phase-1 logits. Phase 2 runs where phase 1 ran: after the C kernel's phase 1 (no gradient) a partial that
-    needs a gradient is refused with a ValueError.
-    """
+    phase-1 logits. Phase 2 runs where phase 1 ran. After the C kernel's phase 1 with a gradient, ``stats.mix``
+    and ``stats.lse`` hold one tensor per query (`cpu_fused.depth_attention_multi_cpu`)."""
     n_queries = stats.queries.shape[0]
     if not 0 <= index < n_queries:
         raise ValueError(f"index must be in 0..{n_queries - 1}, got {index}")
