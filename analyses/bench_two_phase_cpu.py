@@ -5,9 +5,9 @@ One block of S sublayers reading `n_blocks` completed blocks plus its partial su
 C `cpu` backend (what CPU models run);
 `two-phase`: `block_phase1` once for the block's S queries, then `merge_partial` per sublayer (the C two-phase
 kernel's forward and backward).
-Then whole training steps of Full AttnRes models: every consumer in one fused pass (the shipped policy) against
-two-phase windows of `attnres.LOOKAHEAD` consumers (the policy swapped for the comparison), each against a standard
-model. Interleaved repeats in one process, medians.
+Then whole training steps of Full AttnRes models: every consumer in one fused pass against two-phase windows of
+`attnres.LOOKAHEAD` consumers opened from 8 shared sources and from 16 (the shipped threshold), each against a
+standard model. Interleaved repeats in one process, medians.
 
     python -m analyses.bench_two_phase_cpu --out analyses/reports/bench_two_phase_cpu.md
 """
@@ -27,8 +27,8 @@ from analyses.common import command_line, emit_report, machine_info
 from attnres_lens import attnres
 from attnres_lens.kernels import block_phase1, depth_attention, merge_partial
 
-# (layers, d_model, n_ctx, batch): bench_cpu_step's small shape, and bench_depth_scaling's 48 sublayers
-MODEL_SHAPES = [(4, 128, 64, 12), (24, 128, 128, 8)]
+# (layers, d_model, n_ctx, batch): bench_cpu_step's small shape, and bench_depth_scaling's 24 and 48 sublayers
+MODEL_SHAPES = [(4, 128, 64, 12), (12, 128, 128, 8), (24, 128, 128, 8)]
 
 
 def make_block(n_tokens: int, d_model: int, n_blocks: int, block_size: int):
@@ -59,35 +59,35 @@ def two_phase(blocks, outputs, queries, gains) -> None:
 
 
 def training_steps(repeats: int) -> list[str]:
-    """Rows of the model table: each shape's standard step, Full AttnRes in one pass per consumer and in two-phase
-    windows, interleaved round by round."""
-    shipped = attnres.stream_two_phase_backend
-
-    def windows_with_gradient(block_size, backend, device, needs_grad):
-        return shipped(block_size, backend, device, False)
-
+    """Rows of the model table: each shape's standard step and Full AttnRes's, with windows opened with a gradient
+    from no count of shared sources (one pass per consumer), from `attnres.MIN_SHARED_SOURCES` (as without a
+    gradient) and from `attnres.MIN_SHARED_SOURCES_WITH_GRAD` (the shipped policy): one model per variant, its
+    threshold set round by round, interleaved."""
+    shipped = attnres.MIN_SHARED_SOURCES_WITH_GRAD
+    thresholds = {"one pass": None, "windows from 8": attnres.MIN_SHARED_SOURCES, "shipped": shipped}
     rows = []
     for layers, d_model, n_ctx, batch in MODEL_SHAPES:
         shape = dict(n_layers=layers, d_model=d_model, n_heads=4, n_ctx=n_ctx, batch=batch)
-        steppers = {"standard": (Stepper(shape, dict(residual="standard"), eager=False), shipped),
-                    "one pass": (Stepper(shape, dict(residual="attnres", attnres_block_size=1), eager=False), shipped),
-                    "two-phase": (Stepper(shape, dict(residual="attnres", attnres_block_size=1), eager=False),
-                                  windows_with_gradient)}
-        times = {name: [] for name in steppers}
+        steppers = {"standard": Stepper(shape, dict(residual="standard"), eager=False)}
+        full = Stepper(shape, dict(residual="attnres", attnres_block_size=1), eager=False)
+        times = {name: [] for name in [*steppers, *thresholds]}
         try:
             for round_ in range(repeats + 1):  # the first round warms up
-                for name, (stepper, policy) in steppers.items():
-                    attnres.stream_two_phase_backend = policy
-                    seconds = stepper.step()
+                for name in times:
+                    if name in thresholds:
+                        threshold = thresholds[name]
+                        attnres.MIN_SHARED_SOURCES_WITH_GRAD = 1 << 30 if threshold is None else threshold
+                    seconds = (steppers[name] if name == "standard" else full).step()
                     if round_:
                         times[name].append(seconds)
         finally:
-            attnres.stream_two_phase_backend = shipped
-        ratios = {name: statistics.median(t / s for t, s in zip(times[name], times["standard"]))
-                  for name in ("one pass", "two-phase")}
-        standard, one_pass, two = (1000 * statistics.median(times[name]) for name in steppers)
-        rows.append(f"| {2 * layers} | {d_model} | {n_ctx} | {batch} | {standard:.1f} | {one_pass:.1f} | {two:.1f} | "
-                    f"{ratios['one pass']:.3f} | {ratios['two-phase']:.3f} |")
+            attnres.MIN_SHARED_SOURCES_WITH_GRAD = shipped
+        cells = []
+        for name in thresholds:
+            ratio = statistics.median(t / s for t, s in zip(times[name], times["standard"]))
+            cells.append(f"{1000 * statistics.median(times[name]):.1f} ({ratio:.3f}×)")
+        rows.append(f"| {2 * layers} | {d_model} | {n_ctx} | {batch} | {1000 * statistics.median(times['standard']):.1f} "
+                    f"| {' | '.join(cells)} |")
     return rows
 
 
@@ -130,14 +130,17 @@ def main() -> None:
         "",
         "## Training steps of Full AttnRes",
         "",
-        f"Forward + backward + AdamW of whole models, {args.repeats} interleaved rounds; × standard is the median of "
-        "each round's ratio. `one pass`: every consumer's fused mix (what the model runs with a gradient); "
-        f"`two-phase`: windows of {attnres.LOOKAHEAD} consumers from {attnres.MIN_SHARED_SOURCES} shared sources on, "
-        "phase 1 and the merges on the C two-phase kernel with its backward, the pre-norm a separate kernel.",
+        f"Forward + backward + AdamW of whole models, {args.repeats} interleaved rounds: step medians, and in "
+        "brackets the median of each round's ratio to the standard step. One Full AttnRes model, its stream's "
+        "threshold for windows with a gradient set round by round: `one pass`, none (every consumer's fused mix "
+        f"and pre-norm); `windows from {attnres.MIN_SHARED_SOURCES}`, as without a gradient; `shipped`, from "
+        f"{attnres.MIN_SHARED_SOURCES_WITH_GRAD} shared sources (`attnres.MIN_SHARED_SOURCES_WITH_GRAD`). A window: "
+        f"{attnres.LOOKAHEAD} consumers, phase 1 and the merges on the C two-phase kernel with its backward, each "
+        "merge's pre-norm a separate kernel.",
         "",
-        "| sublayers | d_model | n_ctx | batch | standard (ms) | one pass (ms) | two-phase (ms) | one pass × standard "
-        "| two-phase × standard |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| sublayers | d_model | n_ctx | batch | standard (ms) | one pass (ms) | windows from "
+        f"{attnres.MIN_SHARED_SOURCES} (ms) | shipped (ms) |",
+        "|---|---|---|---|---|---|---|---|",
         *model_rows,
         "",
     ])

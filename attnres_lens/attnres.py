@@ -96,6 +96,10 @@ class _Phase1(NamedTuple):
 # saved (measured in forward passes of 4-24-layer models, docs/kernels.md §7)
 LOOKAHEAD = 4
 MIN_SHARED_SOURCES = 8
+# With a gradient (training), windows from this many: the C two-phase backward moves half the bytes of one-pass
+# backwards but does the same arithmetic, and each merge adds a call and a separate pre-norm. Training steps with
+# windows from 8 measured slower than one pass at 8 sublayers, even at 24, faster at 48; from 16, 1.22x against
+# 1.29x the standard step at 48 (analyses/reports/bench_two_phase_cpu.md, docs/kernels.md §7)
 MIN_SHARED_SOURCES_WITH_GRAD = 16
 # Training on the C kernel: completed blocks' gradients are summed in place (DepthStream._one_pass) from this many
 # elements per source; below it the sums' nodes and buffers cost more than autograd's additions they save
@@ -201,7 +205,8 @@ class DepthStream(ResidualStream):
 
     def _mix(self, module: "DepthAttention", consumer: int, norm: Optional[RMSNorm] = None):
         """The consumer's input h, or with `norm` (its pre-norm) `(h, norm(h))`."""
-        if self.consumers is None or self._one_pass_only or module.hooked():
+        if (self.consumers is None or self._one_pass_only or module.hooked()
+                or (self.block_size == 1 and len(self.blocks) < MIN_SHARED_SOURCES)):  # too few for a Full window
             return self._one_pass(module, norm)
         # in training on the C kernel, the blocks' gradients are summed in place as in a one-pass mix
         sources = _common_dtype(self._gradient_shared_sources() if self._shares_gradients(module)

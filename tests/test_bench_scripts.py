@@ -427,3 +427,24 @@ def test_kv_rotary_benchmark_steps_both_paths_and_restores_the_hook_check(monkey
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if line.startswith("| tiny |")]
     assert len(rows) == 1 and rows[0][:2] == ["tiny", "1"]
     assert all(float(cell) > 0 for cell in rows[0][2:])
+
+
+def test_two_phase_benchmark_sets_each_threshold_and_restores_the_shipped_one(monkeypatch):
+    """The model table steps one Full model with windows from no count, from 8 and from the shipped count of
+    shared sources; with the shipped count set low here, the tiny model's two-phase rounds run the C two-phase
+    kernel, and the shipped count is back afterwards."""
+    from attnres_lens import attnres
+    from attnres_lens.kernels import cpu_fused
+
+    module = load("bench_two_phase_cpu")
+    monkeypatch.setattr(module, "MODEL_SHAPES", [(5, 16, 8, 2)])  # 11 consumers: windows from 8 sources
+    monkeypatch.setattr(attnres, "MIN_SHARED_SOURCES_WITH_GRAD", 9)
+    seen = []
+    multi = cpu_fused._EagerMultiDepthAttention.apply
+    monkeypatch.setattr(cpu_fused._EagerMultiDepthAttention, "apply",
+                        lambda *args: seen.append(attnres.MIN_SHARED_SOURCES_WITH_GRAD) or multi(*args))
+    rows = module.training_steps(2)
+    assert len(rows) == 1 and rows[0].startswith("| 10 | 16 | 8 | 2 |") and rows[0].count("×)") == 3
+    # windows at consumers 7-10 (from 8 sources) or 8-10 (from 9): never with the one-pass threshold
+    assert seen and set(seen) == {8, 9}
+    assert attnres.MIN_SHARED_SOURCES_WITH_GRAD == 9
