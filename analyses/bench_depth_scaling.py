@@ -29,7 +29,7 @@ import torch
 from analyses import bench_cpu_step
 from analyses.common import command_line, emit_report, machine_info, within_rounds
 from analyses.kernel_traffic import DEPTH_MIX_KERNELS, copy_bandwidth, counted_calls
-from attnres_lens import HookedTransformer
+from attnres_lens import HookedTransformer, attnres
 
 VARIANTS = {"standard": dict(residual="standard"), "full": dict(residual="attnres", attnres_block_size=1),
             "block4": dict(residual="attnres", attnres_block_size=4)}
@@ -145,10 +145,11 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         f"bandwidth (`copy_` of 256 MB, read + write): **{bandwidth:.1f} GB/s**.",
         "",
         "## Depth", "", *table(rows), "",
-        "`bandwidth floor`: the standard step plus the bytes the depth mix must move at the measured copy "
-        "bandwidth (the sums of each shared source's gradient included), the least any implementation of this "
-        "one-pass-per-consumer mix could cost (a formulation that reads each source once for several consumers, "
-        "like two-phase Block AttnRes, moves fewer bytes).",
+        "`bandwidth floor`: the standard step plus the bytes the depth mix as it ran must move, at the measured "
+        "copy bandwidth (the sums of each shared source's gradient included): what its reads and writes alone "
+        "would cost. Full AttnRes mixes one pass per consumer below "
+        f"{attnres.MIN_SHARED_SOURCES_WITH_GRAD} shared sources and in two-phase windows from there (each source "
+        "read once for several consumers: fewer bytes, the same arithmetic; docs/kernels.md §7).",
         "",
         f"Saved activations from the shallowest to the deepest model: {'; '.join(growth)} (linear growth: no "
         "stacked copies of the sources are kept).",
