@@ -46,13 +46,13 @@ def kernel_bytes(name: str, args: tuple, element: int) -> int:
                           + (n_queries * prior_tokens * (d_model + 1) if prior is not None else 0))
     if name == "depth_attention_multi_backward":
         n_sources, n_tokens, d_model, n_queries, prior = args[1], args[2], args[3], args[5], args[6] is not None
-        grad_mix, grad_lse, accumulate = args[11], args[12], args[14]
+        grad_mix, grad_lse, accumulate = args[10], args[11], args[13]
         with_dh = sum(grad_mix[q] is not None for q in range(n_queries))
         with_dlse = sum(grad_lse[q] is not None for q in range(n_queries))
         added = sum(accumulate[s] for s in range(n_sources)) if accumulate is not None else 0
-        # every source read and its gradient written (read first where added); each dh and the mix it is dotted
-        # with; the prior read and its gradient written; the log-sum-exps read, dlse read, dl written
-        rows = 2 * n_sources + added + 2 * with_dh + 2 * n_queries * prior
+        # every source read and its gradient written (read first where added); each dh; the prior read and its
+        # gradient written; the log-sum-exps read, dlse read, dl written
+        rows = 2 * n_sources + added + with_dh + 2 * n_queries * prior
         return element * (rows * n_tokens * d_model + (n_queries * (1 + 2 * prior) + with_dlse) * n_tokens)
     if name == "rms_norm_forward":
         return element * (2 * args[2] * args[3] + args[2])

@@ -98,8 +98,8 @@ LOOKAHEAD = 4
 MIN_SHARED_SOURCES = 8
 # With a gradient (training), windows from this many: the C two-phase backward moves half the bytes of one-pass
 # backwards but does the same arithmetic, and each merge adds a call and a separate pre-norm. Training steps with
-# windows from 8 measured slower than one pass at 8 sublayers, even at 24, faster at 48; from 16, 1.22x against
-# 1.29x the standard step at 48 (analyses/reports/bench_two_phase_cpu.md, docs/kernels.md §7)
+# windows from 8 measured slower than one pass at 8 sublayers, even at 24, faster at 48; from 16, 1.248x against
+# 1.330x the standard step at 48 (analyses/reports/bench_two_phase_cpu.md, docs/kernels.md §7)
 MIN_SHARED_SOURCES_WITH_GRAD = 16
 # Training on the C kernel: completed blocks' gradients are summed in place (DepthStream._one_pass) from this many
 # elements per source; below it the sums' nodes and buffers cost more than autograd's additions they save
@@ -155,6 +155,12 @@ class DepthStream(ResidualStream):
         """As `ResidualStream.read_normed`; x is None where the C kernel mixed and normed in one call: nothing
         reads it (this stream's `write` ignores the sublayer's input, and a hook on it takes the path below)."""
         if module_hooked(hook_in):  # a hook may see or edit x: the norm must read what it returns
+            if self.block_size == 1 and torch.is_grad_enabled():
+                # a window's phase-1 part is saved by its later merges: edited in place by the hook, their backward
+                # would fail, so in training this consumer mixes on its own
+                self._close_block()
+                x = hook_in(self._one_pass(mixer, None))
+                return x, norm(x)
             return super().read_normed(mixer, hook_in, norm)
         self._close_block()
         return self._mix(mixer, self.n_written, norm)
@@ -295,7 +301,7 @@ class DepthStream(ResidualStream):
         members = self.consumers[consumer : last + 1]
         module = members[0]
         needs_grad = torch.is_grad_enabled() and _any_requires_grad(shared, members)
-        backend = stream_two_phase_backend(self.block_size, module.backend, shared[0].device, needs_grad)
+        backend = stream_two_phase_backend(self.block_size, module.backend, shared[0].device)
         self._one_pass_only = backend is None
         if backend is None or (backend == "cpu" and len(shared) < (MIN_SHARED_SOURCES_WITH_GRAD if needs_grad
                                                                    else MIN_SHARED_SOURCES)):
@@ -303,7 +309,7 @@ class DepthStream(ResidualStream):
         queries = torch.stack([member.query for member in members])
         gains = torch.stack([member.key_norm.w for member in members])
         stats = None
-        if backend == "cpu" and self._copies is not None and self.window is None:
+        if backend == "cpu" and self._copies is not None and self.window is None and not needs_grad:
             stats = self._phase1_over_copies(shared, queries, gains, module.key_norm.eps)
         if stats is None:
             stats = block_phase1(shared, queries, gains, module.key_norm.eps, backend=backend)

@@ -745,6 +745,24 @@ def test_several_queries_sum_a_shared_source_gradient_in_place(many_threads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_several_queries_with_a_gradient_give_tensors_a_consumer_may_edit_in_place():
+    """Each query's mix is a tensor of its own (not a view of a shared block) and the backward does not read it:
+    an in-place edit of one, as a TransformerLens hook does to a sublayer's input, leaves the gradients right."""
+    sources, query, gain = make_inputs(4, (9,), 16, torch.float64)
+    leaves = [t.requires_grad_() for t in sources]
+    folded = torch.stack([query * gain, gain]).double()
+    mix, _ = cpu_fused.depth_attention_multi_cpu(leaves, folded, 1e-6)
+    mix[1][:, 0] = 0.0
+    got = torch.autograd.grad((mix[0] * 2 + mix[1]).sum(), leaves)
+    oracle_leaves = [t.detach().requires_grad_() for t in leaves]
+    expected_mix, _ = _several_queries_oracle(oracle_leaves, folded, 1e-6)
+    edited = expected_mix[1].clone()
+    edited[:, 0] = 0.0
+    want = torch.autograd.grad((expected_mix[0] * 2 + edited).sum(), oracle_leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_several_queries_refuse_a_gradient_through_a_prior_for_one_copy():
     sources, query, gain = make_inputs(3, (6, 5), 8)
     prior = (torch.zeros(1, 3, 5, 8), torch.zeros(1, 3, 5))  # one copy of 3 rows for sources of 6

@@ -10,7 +10,8 @@ import torch
 from analyses.bench_depth_scaling import saved_activation_bytes
 from attnres_lens import HookedTransformer, attnres
 from attnres_lens.attnres import DepthAttention, DepthStream
-from attnres_lens.kernels import triton_available
+from attnres_lens.analysis.interventions import concat_states
+from attnres_lens.kernels import depth_attention, triton_available
 from tests.helpers import randomize_depth_parameters, small_config
 
 BACKENDS = ["reference", "torch", "cpu", pytest.param("triton", marks=pytest.mark.triton)]
@@ -309,16 +310,25 @@ def test_without_a_gradient_full_attnres_mixes_two_phase_on_the_cpu_and_agrees_w
     assert calls[0] == 0 and model.final_res.query.grad is not None
 
 
-@pytest.mark.parametrize("shared_gradients", [False, True])
+@pytest.mark.parametrize("shared_gradients, edited", [(False, None), (True, None), (True, 7), (True, 9)])
 def test_full_attnres_trained_through_two_phase_windows_on_the_cpu_equals_the_readable_path(monkeypatch,
-                                                                                          shared_gradients):
+                                                                                          shared_gradients, edited):
     """Windows opened with a gradient from 8 shared sources (as without one), the C two-phase backward trains
-    Full AttnRes to the readable path's loss and gradients in float64, with the completed blocks' gradients summed
-    in shared buffers or by autograd."""
-    base = HookedTransformer(small_config("attnres", 1, n_layers=6, dtype=torch.float64))
+    Full AttnRes to the `reference` backend's loss and gradients in float64, with the completed blocks' gradients
+    summed in shared buffers or by autograd, and with a hook editing a sublayer's input in place (`edited`: the
+    window's first consumer, whose input is phase 1's part that later merges keep, or a merging one)."""
+    base = HookedTransformer(small_config("attnres", 1, n_layers=6, dtype=torch.float64,
+                                          depth_attention_backend="reference"))
     randomize_depth_parameters(base)
     tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(5))
-    expected_loss = base(tokens, return_type="loss")
+
+    def edit(x, hook):
+        x[:, 0] = 0.0
+        return x
+
+    hooks = [] if edited is None else [(base.sublayer_input_hook(edited), edit)]
+    with base.hooks(fwd_hooks=hooks):
+        expected_loss = base(tokens, return_type="loss")
     expected_loss.backward()
     model = HookedTransformer(dataclasses.replace(base.cfg, depth_attention_backend="cpu"))
     model.load_state_dict(base.state_dict())
@@ -326,13 +336,44 @@ def test_full_attnres_trained_through_two_phase_windows_on_the_cpu_equals_the_re
     if shared_gradients:
         monkeypatch.setattr(attnres, "MIN_SHARED_GRADIENT_ELEMENTS", 0)
     calls = _count_two_phase_calls(monkeypatch)
-    loss = model(tokens, return_type="loss")
+    with model.hooks(fwd_hooks=hooks):
+        loss = model(tokens, return_type="loss")
     loss.backward()
-    assert calls[0] == 4 + 2  # as without a gradient: the windows at consumers 7-10 and 11-12
+    # as without a gradient, windows at consumers 7-10 and 11-12 (the readout merges its partial sum); a hooked
+    # input mixes on its own, so with consumer 7 hooked the windows are 8-11 and 12
+    assert calls[0] == {None: 4 + 2, 7: 4 + 2, 9: 3 + 2}[edited]
     torch.testing.assert_close(loss, expected_loss, rtol=1e-12, atol=1e-12)
     expected = dict(base.named_parameters())
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(parameter.grad, expected[name].grad, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_a_stacked_stream_mixes_its_windows_with_a_gradient_without_the_no_grad_copies_path():
+    """Two streams holding the same 17 blocks, stacked (as exact interventions stack branches): with a gradient the
+    window's phase 1 reads the stacked sources (the copies' shared-prior path has no backward) and equals the
+    readable mix."""
+    model = HookedTransformer(small_config("attnres", 1, n_layers=10, dtype=torch.float64,
+                                           depth_attention_backend="cpu"))
+    randomize_depth_parameters(model)
+    consumers = [module for _, module in sorted(model.depth_attention_modules().items())]
+    generator = torch.Generator().manual_seed(2)
+    embedding = torch.randn(2, 5, 32, generator=generator, dtype=torch.float64)
+    outputs = [torch.randn(2, 5, 32, generator=generator, dtype=torch.float64) for _ in range(17)]
+    streams = []
+    for _ in range(2):
+        stream = DepthStream(embedding, 1, consumers)
+        for consumer, output in zip(consumers, outputs):
+            stream.read(consumer)
+            stream.write(output)
+        streams.append(stream)
+    stacked = concat_states(streams)
+    assert stacked._copies is not None
+    with torch.enable_grad():
+        h = stacked.read(consumers[17])
+    expected = depth_attention([torch.cat([s, s]) for s in [embedding, *outputs]], consumers[17].query,
+                               consumers[17].key_norm.w, consumers[17].key_norm.eps, backend="reference")
+    assert h.requires_grad
+    torch.testing.assert_close(h, expected, rtol=1e-10, atol=1e-12)
 
 
 def test_block_attnres_mixes_one_pass_per_consumer_on_the_cpu(monkeypatch):

@@ -10,9 +10,9 @@ Every decision of that kind is made here (docs/kernels.md §2):
   Triton, its C kernel (forward and backward) where the single-pass op would run the C kernel and no per-source
   logits are asked for, and its readable PyTorch version everywhere else;
 * ``model_runs_two_phase`` / ``stream_two_phase_backend``: Block AttnRes mixes two-phase under Triton; on the CPU
-  without a gradient, Full AttnRes does (one read of the shared sources per window of consumers); Block AttnRes
-  on the CPU, and any mix with a gradient there, one fused pass per sublayer, which measured as fast or faster
-  (analyses/reports/bench_two_phase_cpu.md);
+  Full AttnRes does (one read of the shared sources per window of consumers; the stream opens a window from 8
+  shared sources without a gradient and from 16 with one, `attnres.MIN_SHARED_SOURCES*`); Block AttnRes on the
+  CPU one fused pass per sublayer (its few block sources sit in cache);
 * ``elementwise_runs_cpu_kernel``: the KV shift, the rotary embedding and RMSNorm run their C kernels wherever the model's
   depth-attention backend resolves to ``cpu``, for fp32/fp64 tensors outside torch.compile (which fuses the
   PyTorch versions itself);
@@ -82,17 +82,16 @@ def model_runs_two_phase(block_size: int, backend: str, device: torch.device) ->
     """Whether a model with AttnRes block size ``block_size`` may mix two-phase on ``device`` (its stream then
     decides per window with ``stream_two_phase_backend``): Block AttnRes under Triton, Full AttnRes on the C
     kernel."""
-    return stream_two_phase_backend(block_size, backend, device, needs_grad=False) is not None
+    return stream_two_phase_backend(block_size, backend, device) is not None
 
 
-def stream_two_phase_backend(block_size: int, backend: str, device: torch.device, needs_grad: bool) -> Optional[str]:
-    """The backend of an AttnRes stream's next two-phase window, or None to mix each consumer in one pass: Triton
-    for Block AttnRes (forward and backward); the C kernel for Full AttnRes where no gradient is needed (a
-    window's shared sources are read once for all its consumers: about half the bytes at depth; docs/kernels.md
-    §7). On the CPU, Block AttnRes (a few block sources, in cache) and any mix with a gradient run one fused pass
-    per consumer, which measured as fast or faster there: the C two-phase backward moves half the bytes but is
-    bound by its arithmetic, and a training step of Full AttnRes with it measured slower at 48 sublayers
-    (analyses/reports/bench_two_phase_cpu.md)."""
+def stream_two_phase_backend(block_size: int, backend: str, device: torch.device) -> Optional[str]:
+    """The backend of an AttnRes stream's two-phase windows, or None to mix each consumer in one pass: Triton for
+    Block AttnRes (forward and backward); the C kernel (forward and backward) for Full AttnRes, whose window's
+    shared sources are read once for all its consumers (about half the bytes at depth; the stream decides from
+    how many shared sources, docs/kernels.md §7). Block AttnRes on the CPU mixes one fused pass per consumer: its
+    few block sources sit in cache, and in inference windows of its blocks measured 0.99-1.12x one pass
+    (docs/kernels.md §7)."""
     chosen = two_phase_backend(backend, device)
     if (chosen == "torch" or (chosen == "triton" and block_size == 1)
             or (chosen == "cpu" and block_size > 1)):

@@ -809,7 +809,7 @@ int depth_attention_backward(const real *const *sources, int64_t n_sources, int6
  *   mix_q = (e_p m_q + sum_s e_s v_s) / E,   lse_q = M + log E
  * which equals one softmax over the prior's sources and these together. Phase 1 of two-phase AttnRes is a call
  * without prior; phase 2 (the sources phase 1 could not see) a call with Q = 1 and phase 1's part as the prior.
- * Layouts: queries [Q, D]; mix [Q, N, D]; lse [Q, N] (may be NULL); prior_mix [Q, P, D] and prior_lse [Q, P] for
+ * Layouts: queries [Q, D]; mix and lse Q pointers each, to [N, D] and [N]; prior_mix [Q, P, D] and prior_lse [Q, P] for
  * P prior tokens, a divisor of N: token n takes prior row n mod P, so sources that stack N / P copies of a batch
  * along their leading dim take one copy's prior (sources the copies share, mixed once: docs/kernels.md §7). */
 #define MAX_QUERIES 8 /* cpu_fused.py splits larger query sets */
@@ -887,7 +887,7 @@ typedef struct {
     int64_t n_sources, n_tokens, d_model, n_queries, prior_tokens;
     const real *queries, *prior_mix, *prior_lse;
     real eps;
-    real *mix, *lse;
+    real *const *mix, *const *lse; /* Q pointers each, to [N, D] and [N] */
 } multi_args;
 
 static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
@@ -930,7 +930,7 @@ static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
                 }
             }
             for (int64_t t = 0; t < T; ++t) {
-                if (a->lse) a->lse[q * N + t0 + t] = max_logit[t] + log(total[t]);
+                a->lse[q][t0 + t] = max_logit[t] + log(total[t]);
                 total[t] = (real)1 / total[t];
                 e_prior[t] *= total[t];
             }
@@ -944,7 +944,7 @@ static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
             const int64_t row = (t0 + t) * D;
             for (int64_t q = 0; q < Q; ++q) {
                 const real *alpha = w + q * S * TILE;
-                real *h = a->mix + q * N * D + row;
+                real *h = a->mix[q] + row;
                 const real *prior = a->prior_mix ? a->prior_mix + (q * P + (t0 + t) % P) * D : NULL;
                 const real wp = prior_weight[q * TILE + t];
                 if (prior) {
@@ -967,7 +967,7 @@ static void *multi_worker(void *arg) {
 
 void depth_attention_multi(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
                            const real *queries, int64_t n_queries, const real *prior_mix, const real *prior_lse,
-                           int64_t prior_tokens, double eps, real *mix, real *lse, int n_threads) {
+                           int64_t prior_tokens, double eps, real *const *mix, real *const *lse, int n_threads) {
     /* cpu_fused.py never asks for these: it splits query sets and checks that P divides N */
     if (n_queries < 1 || n_queries > MAX_QUERIES || prior_tokens < 1 || n_tokens % prior_tokens != 0) return;
     const multi_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
@@ -978,10 +978,10 @@ void depth_attention_multi(const real *const *sources, int64_t n_sources, int64_
 
 /* The backward of depth_attention_multi with P = N (training's two-phase Full AttnRes: phase 1 with Q queries and
  * no prior, phase 2 with Q = 1 and phase 1's part as its prior; docs/kernels.md §7). Per token and query q, with
- * r_s the rstd of source v_s, z_qs = r_s (u_q . v_s), the forward's outputs (mix h_q, lse_q), the weights
- * a_qs = exp(z_qs - lse_q) and a_qp = exp(l_q - lse_q) of the prior (m_q, l_q), and the output gradients dh_q and
- * dlse_q (either may be absent: zero):
- *   c_q    = dh_q . h_q - dlse_q
+ * r_s the rstd of source v_s, z_qs = r_s (u_q . v_s), the forward's lse_q, the weights a_qs = exp(z_qs - lse_q)
+ * and a_qp = exp(l_q - lse_q) of the prior (m_q, l_q), and the output gradients dh_q and dlse_q (either may be
+ * absent: zero):
+ *   c_q    = dh_q . h_q - dlse_q = sum_s a_qs (dh_q . v_s) + a_qp (dh_q . m_q) - dlse_q
  *   dz_qs  = a_qs (dh_q . v_s - c_q)
  *   dv_s   = sum_q (a_qs dh_q + dz_qs r_s u_q) - (r_s^2 / D) (sum_q dz_qs z_qs) v_s
  *   du_q  += sum_s dz_qs r_s v_s
@@ -993,7 +993,8 @@ void depth_attention_multi(const real *const *sources, int64_t n_sources, int64_
 typedef struct {
     const real *const *sources;
     int64_t n_sources, n_tokens, d_model, n_queries;
-    const real *queries, *prior_mix, *prior_lse, *mix, *lse; /* [Q, D], [Q, N, D], [Q, N], [Q, N, D], [Q, N] */
+    const real *queries, *prior_mix, *prior_lse;              /* [Q, D], [Q, N, D], [Q, N] */
+    const real *const *lse;                                    /* Q pointers to the forward's [N] outputs */
     real eps;
     const real *const *grad_mix, *const *grad_lse;             /* Q pointers each ([N, D], [N]); entries may be NULL */
     real *const *grad_sources;
@@ -1095,35 +1096,57 @@ INLINE void gradient_rows_q(const multi_grad_args *a, int64_t n, int64_t t, cons
 
 static void multi_backward_rows(const multi_grad_args *a, int64_t begin, int64_t end, real *grad_u) {
     const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model, Q = a->n_queries;
-    /* per (q, s, token): z (u_q . v_s, then the weight a_qs) and g (dh_q . v_s, then dz_qs r_s) */
-    real rstd[S * TILE], z[Q * S * TILE], g[Q * S * TILE], c[Q * TILE], value_coef[S * TILE];
+    /* per (q, s, token): z (u_q . v_s, the logit, then the weight a_qs) and g (dh_q . v_s, then dz_qs r_s); per
+     * (q, token): c_q, and the prior's weight and dh_q . m_q */
+    real rstd[S * TILE], z[Q * S * TILE], g[Q * S * TILE], value_coef[S * TILE];
+    real c[Q * TILE], prior_weight[Q * TILE], prior_dot[Q * TILE];
     for (int64_t t0 = begin; t0 < end; t0 += TILE) {
         const int64_t T = end - t0 < TILE ? end - t0 : TILE;
-        for (int64_t q = 0; q < Q; ++q)
-            for (int64_t t = 0; t < T; ++t) {
-                const int64_t n = t0 + t;
-                const real *dh = a->grad_mix[q] ? a->grad_mix[q] + n * D : NULL, *h = a->mix + (q * N + n) * D;
-                real dot = 0;
-                if (dh) {
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; ++d) dot += dh[d] * h[d];
-                }
-                c[q * TILE + t] = dot - (a->grad_lse[q] ? a->grad_lse[q][n] : 0);
-            }
         /* pass 1: the tile's rows, token by token (S streams at once, as the forward's row order) */
         for (int64_t t = 0; t < T; ++t)
             row_dots(a->sources, S, D, t0 + t, t, a->queries, Q, a->grad_mix, rstd, z, g);
-        /* statistics, across the tile's tokens */
+        for (int64_t q = 0; q < Q; ++q)
+            for (int64_t t = 0; t < T; ++t) {
+                const int64_t n = t0 + t;
+                const real *dh = a->grad_mix[q] ? a->grad_mix[q] + n * D : NULL;
+                real dot = 0, weight = 0;
+                if (a->prior_mix) {
+                    const real *m = a->prior_mix + (q * N + n) * D;
+                    weight = exp_nonpositive(a->prior_lse[q * N + n] - a->lse[q][n]);
+                    if (dh) {
+#pragma omp simd reduction(+ : dot)
+                        for (int64_t d = 0; d < D; ++d) dot += dh[d] * m[d];
+                    }
+                }
+                prior_weight[q * TILE + t] = weight, prior_dot[q * TILE + t] = dot;
+                /* c_q = dh_q . h_q - dlse_q, with dh_q . h_q the weighted sum of the parts' dots: h_q itself is
+                 * not kept (a consumer may edit its input in place) */
+                c[q * TILE + t] = weight * dot - (a->grad_lse[q] ? a->grad_lse[q][n] : 0);
+            }
+        /* statistics, across the tile's tokens: the logits and c, then each weight and its dz */
         for (int64_t s = 0; s < S; ++s) {
-            real *r = rstd + s * TILE, *coef = value_coef + s * TILE;
+            real *r = rstd + s * TILE;
 #pragma omp simd
-            for (int64_t t = 0; t < T; ++t) r[t] = (real)1 / sqrt(r[t] / (real)D + a->eps), coef[t] = 0;
+            for (int64_t t = 0; t < T; ++t) r[t] = (real)1 / sqrt(r[t] / (real)D + a->eps);
             for (int64_t q = 0; q < Q; ++q) {
-                real *zq = z + (q * S + s) * TILE, *gq = g + (q * S + s) * TILE;
-                const real *lse = a->lse + q * N + t0, *cq = c + q * TILE;
+                real *zq = z + (q * S + s) * TILE, *cq = c + q * TILE;
+                const real *gq = g + (q * S + s) * TILE, *lse = a->lse[q] + t0;
 #pragma omp simd
                 for (int64_t t = 0; t < T; ++t) {
-                    const real logit = zq[t] * r[t], weight = exp_nonpositive(logit - lse[t]);
+                    zq[t] *= r[t];
+                    cq[t] += exp_nonpositive(zq[t] - lse[t]) * gq[t];
+                }
+            }
+        }
+        for (int64_t s = 0; s < S; ++s) {
+            real *r = rstd + s * TILE, *coef = value_coef + s * TILE;
+            for (int64_t t = 0; t < T; ++t) coef[t] = 0;
+            for (int64_t q = 0; q < Q; ++q) {
+                real *zq = z + (q * S + s) * TILE, *gq = g + (q * S + s) * TILE;
+                const real *lse = a->lse[q] + t0, *cq = c + q * TILE;
+#pragma omp simd
+                for (int64_t t = 0; t < T; ++t) {
+                    const real logit = zq[t], weight = exp_nonpositive(logit - lse[t]);
                     const real dlogit = weight * (gq[t] - cq[t]);
                     coef[t] += dlogit * logit;
                     zq[t] = weight;
@@ -1136,17 +1159,12 @@ static void multi_backward_rows(const multi_grad_args *a, int64_t begin, int64_t
         if (a->prior_mix) /* the prior's gradients */
             for (int64_t q = 0; q < Q; ++q)
                 for (int64_t t = 0; t < T; ++t) {
-                    const int64_t n = t0 + t, row = (q * N + n) * D;
-                    const real *dh = a->grad_mix[q] ? a->grad_mix[q] + n * D : NULL, *m = a->prior_mix + row;
-                    const real weight = exp_nonpositive(a->prior_lse[q * N + n] - a->lse[q * N + n]);
-                    real *dm = a->grad_prior_mix + row, dot = 0;
-                    if (dh) {
-#pragma omp simd reduction(+ : dot)
-                        for (int64_t d = 0; d < D; ++d) dot += dh[d] * m[d];
-                    }
+                    const int64_t n = t0 + t, row = (q * N + n) * D, i = q * TILE + t;
+                    const real *dh = a->grad_mix[q] ? a->grad_mix[q] + n * D : NULL, weight = prior_weight[i];
+                    real *dm = a->grad_prior_mix + row;
 #pragma omp simd
                     for (int64_t d = 0; d < D; ++d) dm[d] = dh ? weight * dh[d] : 0;
-                    a->grad_prior_lse[q * N + n] = weight * (dot - c[q * TILE + t]);
+                    a->grad_prior_lse[q * N + n] = weight * (prior_dot[i] - c[i]);
                 }
         /* pass 2: the sources' gradients and du, token by token, the rows still in L1/L2 */
         for (int64_t t = 0; t < T; ++t) {
@@ -1199,7 +1217,7 @@ static void *multi_backward_worker(void *arg) {
  * for a query count outside 1..MAX_QUERIES (cpu_fused.py splits larger sets). */
 int depth_attention_multi_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
                                    const real *queries, int64_t n_queries, const real *prior_mix,
-                                   const real *prior_lse, double eps, const real *mix, const real *lse,
+                                   const real *prior_lse, double eps, const real *const *lse,
                                    const real *const *grad_mix, const real *const *grad_lse,
                                    real *const *grad_sources, const uint8_t *accumulate, real *grad_queries,
                                    real *grad_prior_mix, real *grad_prior_lse, int n_threads) {
@@ -1211,7 +1229,7 @@ int depth_attention_multi_backward(const real *const *sources, int64_t n_sources
     if (sums == NULL) return -1;
     const multi_grad_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens,
                                .d_model = d_model, .n_queries = n_queries, .queries = queries,
-                               .prior_mix = prior_mix, .prior_lse = prior_lse, .mix = mix, .lse = lse,
+                               .prior_mix = prior_mix, .prior_lse = prior_lse, .lse = lse,
                                .eps = (real)eps, .grad_mix = grad_mix, .grad_lse = grad_lse,
                                .grad_sources = grad_sources, .accumulate = accumulate, .grad_query_partial = sums,
                                .grad_prior_mix = grad_prior_mix, .grad_prior_lse = grad_prior_lse};

@@ -148,7 +148,7 @@ def _signatures() -> dict[str, tuple]:
                                          pointer, pointer, c_int]),
         "depth_attention_multi_backward": (c_int, [pointer, int64, int64, int64, pointer, int64, pointer, pointer,
                                                    real, pointer, pointer, pointer, pointer, pointer, pointer,
-                                                   pointer, pointer, pointer, c_int]),
+                                                   pointer, pointer, c_int]),
         "depth_attention_copies_forward": (c_int, [pointer, int64, int64, int64, int64, int64, pointer, pointer, real,
                                                    pointer, real, pointer, pointer, pointer, pointer, c_int]),
         "rotary_forward": (None, [pointer, pointer, pointer, int64, int64, int64, int64, int64, real, pointer,
@@ -555,14 +555,13 @@ def fused_mix_and_norm(sources: list[torch.Tensor], query: torch.Tensor, key_nor
 
 
 def _run_multi(sources: list[torch.Tensor], queries: torch.Tensor, eps: float,
-               prior: Optional[tuple[torch.Tensor, torch.Tensor]], prior_tokens: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               prior: Optional[tuple[torch.Tensor, torch.Tensor]], prior_tokens: int, mix: list[torch.Tensor],
+               lse: list[torch.Tensor]) -> None:
     """The C call of `depth_attention_multi_cpu` on flat operands: sources ``[N, D]`` (contiguous, the compute
-    dtype), queries ``[Q, D]``, prior ``([Q, P, D], [Q, P])`` or None; ``(mix [Q, N, D], lse [Q, N])``."""
+    dtype), queries ``[Q, D]``, prior ``([Q, P, D], [Q, P])`` or None; writes each query's ``mix`` ``[N, D]`` and
+    ``lse`` ``[N]`` (contiguous tensors of the compute dtype: rows of one block, or tensors of their own)."""
     first = sources[0]
     n_tokens, d_model, n_queries = first.numel() // first.shape[-1], first.shape[-1], queries.shape[0]
-    mix = new_output((n_queries, n_tokens, d_model), first.dtype, first.device)
-    lse = new_output((n_queries, n_tokens), first.dtype, first.device)
     library, pointers = cpu_library(first.dtype), _pointer_array(sources)
     threads = _n_threads(len(sources) * n_tokens * d_model, library)
     for start in range(0, n_queries, MAX_QUERIES):
@@ -570,34 +569,40 @@ def _run_multi(sources: list[torch.Tensor], queries: torch.Tensor, eps: float,
         library.depth_attention_multi(
             pointers, len(sources), n_tokens, d_model, queries[part].data_ptr(), queries[part].shape[0],
             None if prior is None else prior[0][part].data_ptr(), None if prior is None else prior[1][part].data_ptr(),
-            prior_tokens, eps, mix[part].data_ptr(), lse[part].data_ptr(), threads,
+            prior_tokens, eps, _pointer_array(mix[part]), _pointer_array(lse[part]), threads,
         )
-    return mix, lse
 
 
 class _EagerMultiDepthAttention(torch.autograd.Function):
     """`depth_attention_multi_cpu` with its backward (C, `depth_attention_multi_backward`), for Q <= MAX_QUERIES
     queries and a prior over the sources' own tokens: ``(mix_0, ..., mix_{Q-1}, lse_0, ..., lse_{Q-1})``, each
-    query's part its own output, so a consumer's gradient reaches its part alone (indexing one [Q, N, D] output
-    would send back a [Q, N, D] block of zeros per consumer). All operands flat and contiguous in the compute
+    query's part a tensor of its own, so a consumer's gradient reaches its part alone (indexing one [Q, N, D] output
+    would send back a [Q, N, D] block of zeros per consumer), and a consumer may edit its input in place: the mixes
+    are not views, and the backward does not read them. All operands flat and contiguous in the compute
     dtype: queries ``[Q, D]``, prior ``[Q, N, D]`` and ``[Q, N]`` or None, sources ``[N, D]``."""
 
     @staticmethod
     def forward(ctx, eps: float, queries: torch.Tensor, prior_mix: Optional[torch.Tensor],
                 prior_lse: Optional[torch.Tensor], *sources: torch.Tensor):
         prior = None if prior_mix is None else (prior_mix, prior_lse)
-        mix, lse = _run_multi(list(sources), queries, eps, prior, sources[0].numel() // sources[0].shape[-1])
+        first, n_queries = sources[0], queries.shape[0]
+        n_tokens = first.numel() // first.shape[-1]
+        mix = [new_output((n_tokens, first.shape[-1]), first.dtype, first.device) for _ in range(n_queries)]
+        lse = [new_output((n_tokens,), first.dtype, first.device) for _ in range(n_queries)]
+        _run_multi(list(sources), queries, eps, prior, n_tokens, mix, lse)
         ctx.eps = eps
-        ctx.save_for_backward(queries, prior_mix, prior_lse, mix, lse, *sources)
+        ctx.save_for_backward(queries, prior_mix, prior_lse, *lse, *sources)
         ctx.shared = _shared_gradients(sources)
         ctx.set_materialize_grads(False)  # a consumer reads its own part: no zeros for the others'
-        return (*mix.unbind(0), *lse.unbind(0))
+        return (*mix, *lse)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads: Optional[torch.Tensor]):
-        queries, prior_mix, prior_lse, mix, lse, *sources = ctx.saved_tensors
-        n_queries, first = queries.shape[0], sources[0]
+        queries, prior_mix, prior_lse, *saved = ctx.saved_tensors
+        n_queries = queries.shape[0]
+        lse, sources = saved[:n_queries], saved[n_queries:]
+        first = sources[0]
         if all(grad is None for grad in grads):
             return (None,) * (4 + len(sources))
         grads = [None if grad is None else grad.contiguous() for grad in grads]
@@ -611,7 +616,7 @@ class _EagerMultiDepthAttention(torch.autograd.Function):
         library = cpu_library(first.dtype)
         status = library.depth_attention_multi_backward(
             _pointer_array(sources), len(sources), n_tokens, d_model, queries.data_ptr(), n_queries,
-            _address(prior_mix), _address(prior_lse), ctx.eps, mix.data_ptr(), lse.data_ptr(),
+            _address(prior_mix), _address(prior_lse), ctx.eps, _pointer_array(lse),
             _optional_pointer_array(grads[:n_queries]), _optional_pointer_array(grads[n_queries:]),
             _pointer_array(grad_sources), accumulate, grad_queries.data_ptr(), _address(grad_prior_mix),
             _address(grad_prior_lse), _n_threads(len(sources) * n_tokens * d_model, library))
@@ -668,7 +673,9 @@ def depth_attention_multi_cpu(
         prior = prior_mix.to(compute).reshape(n_queries, prior_tokens, d_model).contiguous(), \
             prior_lse.to(compute).reshape(n_queries, prior_tokens).contiguous()
     if not needs_grad:
-        mix, lse = _run_multi(flat, queries, eps, prior, prior_tokens)
+        mix = new_output((n_queries, n_tokens, d_model), compute, first.device)
+        lse = new_output((n_queries, n_tokens), compute, first.device)
+        _run_multi(flat, queries, eps, prior, prior_tokens, list(mix.unbind(0)), list(lse.unbind(0)))
         return mix.view(n_queries, *lead, d_model), lse.view(n_queries, *lead)
     mixes, lses = [], []
     for start in range(0, n_queries, MAX_QUERIES):
