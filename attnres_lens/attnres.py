@@ -98,8 +98,8 @@ LOOKAHEAD = 4
 MIN_SHARED_SOURCES = 8
 # With a gradient (training), windows from this many: the C two-phase backward moves half the bytes of one-pass
 # backwards but does the same arithmetic, and each merge adds a call and a separate pre-norm. Training steps with
-# windows from 8 measured slower than one pass at 8 sublayers, even at 24, faster at 48; from 16, 1.248x against
-# 1.330x the standard step at 48 (analyses/reports/bench_two_phase_cpu.md, docs/kernels.md §7)
+# windows from 8 measured slower than one pass at 8 sublayers, even at 24, faster at 48; from 16, 1.257x against
+# 1.331x the standard step at 48 (analyses/reports/bench_two_phase_cpu.md, docs/kernels.md §7)
 MIN_SHARED_SOURCES_WITH_GRAD = 16
 # Training on the C kernel: completed blocks' gradients are summed in place (DepthStream._one_pass) from this many
 # elements per source; below it the sums' nodes and buffers cost more than autograd's additions they save
