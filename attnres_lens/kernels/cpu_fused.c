@@ -110,42 +110,51 @@ INLINE __m128 lane_sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 /* Whether this build runs the vector sums (tests tell the builds apart by it). */
 int vector_sums(void) { return VECTOR_SUMS; }
 
-INLINE void group_sums(const real *v0, const real *v1, const real *v2, const real *v3, const real *u, int64_t D,
-                       real *square_sum, real *dot) {
+/* v_i . a_i and v_i . b_i for four rows v0..v3: eight independent FMA chains. Inlined, a vector passed for several
+ * rows is loaded once (the same address): group_sums dots each row with itself and one query, group_dot_pairs
+ * four rows with two shared vectors. */
+INLINE void eight_dots(const real *v0, const real *v1, const real *v2, const real *v3, const real *a0,
+                       const real *a1, const real *a2, const real *a3, const real *b0, const real *b1,
+                       const real *b2, const real *b3, int64_t D, real *dot_a, real *dot_b) {
 #if VECTOR_SUMS
-    __m256 q0 = _mm256_setzero_ps(), q1 = q0, q2 = q0, q3 = q0, p0 = q0, p1 = q0, p2 = q0, p3 = q0;
+    __m256 p0 = _mm256_setzero_ps(), p1 = p0, p2 = p0, p3 = p0, q0 = p0, q1 = p0, q2 = p0, q3 = p0;
     int64_t d = 0;
     for (; d + 8 <= D; d += 8) {
-        const __m256 w = _mm256_loadu_ps(u + d), x0 = _mm256_loadu_ps(v0 + d), x1 = _mm256_loadu_ps(v1 + d),
-                     x2 = _mm256_loadu_ps(v2 + d), x3 = _mm256_loadu_ps(v3 + d);
-        q0 = _mm256_fmadd_ps(x0, x0, q0), q1 = _mm256_fmadd_ps(x1, x1, q1);
-        q2 = _mm256_fmadd_ps(x2, x2, q2), q3 = _mm256_fmadd_ps(x3, x3, q3);
-        p0 = _mm256_fmadd_ps(x0, w, p0), p1 = _mm256_fmadd_ps(x1, w, p1);
-        p2 = _mm256_fmadd_ps(x2, w, p2), p3 = _mm256_fmadd_ps(x3, w, p3);
+        const __m256 x0 = _mm256_loadu_ps(v0 + d), x1 = _mm256_loadu_ps(v1 + d), x2 = _mm256_loadu_ps(v2 + d),
+                     x3 = _mm256_loadu_ps(v3 + d);
+        p0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(a0 + d), p0), p1 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(a1 + d), p1);
+        p2 = _mm256_fmadd_ps(x2, _mm256_loadu_ps(a2 + d), p2), p3 = _mm256_fmadd_ps(x3, _mm256_loadu_ps(a3 + d), p3);
+        q0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(b0 + d), q0), q1 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(b1 + d), q1);
+        q2 = _mm256_fmadd_ps(x2, _mm256_loadu_ps(b2 + d), q2), q3 = _mm256_fmadd_ps(x3, _mm256_loadu_ps(b3 + d), q3);
     }
-    _mm_storeu_ps(square_sum, lane_sums4(q0, q1, q2, q3));
-    _mm_storeu_ps(dot, lane_sums4(p0, p1, p2, p3));
+    _mm_storeu_ps(dot_a, lane_sums4(p0, p1, p2, p3));
+    _mm_storeu_ps(dot_b, lane_sums4(q0, q1, q2, q3));
     for (; d < D; ++d) {
-        square_sum[0] += v0[d] * v0[d], square_sum[1] += v1[d] * v1[d];
-        square_sum[2] += v2[d] * v2[d], square_sum[3] += v3[d] * v3[d];
-        dot[0] += v0[d] * u[d], dot[1] += v1[d] * u[d], dot[2] += v2[d] * u[d], dot[3] += v3[d] * u[d];
+        dot_a[0] += v0[d] * a0[d], dot_a[1] += v1[d] * a1[d], dot_a[2] += v2[d] * a2[d], dot_a[3] += v3[d] * a3[d];
+        dot_b[0] += v0[d] * b0[d], dot_b[1] += v1[d] * b1[d], dot_b[2] += v2[d] * b2[d], dot_b[3] += v3[d] * b3[d];
     }
 #else
-    real q0 = 0, q1 = 0, q2 = 0, q3 = 0, p0 = 0, p1 = 0, p2 = 0, p3 = 0;
-#pragma omp simd reduction(+ : q0, q1, q2, q3, p0, p1, p2, p3)
+    real p0 = 0, p1 = 0, p2 = 0, p3 = 0, q0 = 0, q1 = 0, q2 = 0, q3 = 0;
+#pragma omp simd reduction(+ : p0, p1, p2, p3, q0, q1, q2, q3)
     for (int64_t d = 0; d < D; ++d) {
-        q0 += v0[d] * v0[d];
-        q1 += v1[d] * v1[d];
-        q2 += v2[d] * v2[d];
-        q3 += v3[d] * v3[d];
-        p0 += v0[d] * u[d];
-        p1 += v1[d] * u[d];
-        p2 += v2[d] * u[d];
-        p3 += v3[d] * u[d];
+        p0 += v0[d] * a0[d], p1 += v1[d] * a1[d], p2 += v2[d] * a2[d], p3 += v3[d] * a3[d];
+        q0 += v0[d] * b0[d], q1 += v1[d] * b1[d], q2 += v2[d] * b2[d], q3 += v3[d] * b3[d];
     }
-    square_sum[0] = q0, square_sum[1] = q1, square_sum[2] = q2, square_sum[3] = q3;
-    dot[0] = p0, dot[1] = p1, dot[2] = p2, dot[3] = p3;
+    dot_a[0] = p0, dot_a[1] = p1, dot_a[2] = p2, dot_a[3] = p3;
+    dot_b[0] = q0, dot_b[1] = q1, dot_b[2] = q2, dot_b[3] = q3;
 #endif
+}
+
+/* each row's square sum and its dot with u */
+INLINE void group_sums(const real *v0, const real *v1, const real *v2, const real *v3, const real *u, int64_t D,
+                       real *square_sum, real *dot) {
+    eight_dots(v0, v1, v2, v3, v0, v1, v2, v3, u, u, u, u, D, square_sum, dot);
+}
+
+/* each row's dots with x and with y */
+INLINE void group_dot_pairs(const real *v0, const real *v1, const real *v2, const real *v3, const real *x,
+                            const real *y, int64_t D, real *dot_x, real *dot_y) {
+    eight_dots(v0, v1, v2, v3, x, x, x, x, y, y, y, y, D, dot_x, dot_y);
 }
 
 /* four dots v_i . g_i at once (four independent FMA chains) */
@@ -814,38 +823,6 @@ int depth_attention_backward(const real *const *sources, int64_t n_sources, int6
  * along their leading dim take one copy's prior (sources the copies share, mixed once: docs/kernels.md §7). */
 #define MAX_QUERIES 8 /* cpu_fused.py splits larger query sets */
 
-/* v_i . x and v_i . y for four rows v0..v3: eight independent FMA chains, x and y loaded once for the four rows */
-INLINE void group_dot_pairs(const real *v0, const real *v1, const real *v2, const real *v3, const real *x,
-                            const real *y, int64_t D, real *dot_x, real *dot_y) {
-#if VECTOR_SUMS
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8) {
-        const __m256 p = _mm256_loadu_ps(x + d), q = _mm256_loadu_ps(y + d), w0 = _mm256_loadu_ps(v0 + d),
-                     w1 = _mm256_loadu_ps(v1 + d), w2 = _mm256_loadu_ps(v2 + d), w3 = _mm256_loadu_ps(v3 + d);
-        a0 = _mm256_fmadd_ps(w0, p, a0), a1 = _mm256_fmadd_ps(w1, p, a1);
-        a2 = _mm256_fmadd_ps(w2, p, a2), a3 = _mm256_fmadd_ps(w3, p, a3);
-        b0 = _mm256_fmadd_ps(w0, q, b0), b1 = _mm256_fmadd_ps(w1, q, b1);
-        b2 = _mm256_fmadd_ps(w2, q, b2), b3 = _mm256_fmadd_ps(w3, q, b3);
-    }
-    _mm_storeu_ps(dot_x, lane_sums4(a0, a1, a2, a3));
-    _mm_storeu_ps(dot_y, lane_sums4(b0, b1, b2, b3));
-    for (; d < D; ++d) {
-        dot_x[0] += v0[d] * x[d], dot_x[1] += v1[d] * x[d], dot_x[2] += v2[d] * x[d], dot_x[3] += v3[d] * x[d];
-        dot_y[0] += v0[d] * y[d], dot_y[1] += v1[d] * y[d], dot_y[2] += v2[d] * y[d], dot_y[3] += v3[d] * y[d];
-    }
-#else
-    real a0 = 0, a1 = 0, a2 = 0, a3 = 0, b0 = 0, b1 = 0, b2 = 0, b3 = 0;
-#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
-    for (int64_t d = 0; d < D; ++d) {
-        a0 += v0[d] * x[d], a1 += v1[d] * x[d], a2 += v2[d] * x[d], a3 += v3[d] * x[d];
-        b0 += v0[d] * y[d], b1 += v1[d] * y[d], b2 += v2[d] * y[d], b3 += v3[d] * y[d];
-    }
-    dot_x[0] = a0, dot_x[1] = a1, dot_x[2] = a2, dot_x[3] = a3;
-    dot_y[0] = b0, dot_y[1] = b1, dot_y[2] = b2, dot_y[3] = b3;
-#endif
-}
-
 /* One token row n of every source: each row's square sum and its dots with every u_q and (grad_mix not NULL) dh_q,
  * four source rows at a time (group_sums, group_dot_pairs), into square, z and g at token t of their [S, TILE] and
  * [Q, S, TILE] tables (g may be NULL without grad_mix; a query without dh gets zeros in g); a short last group
@@ -891,7 +868,7 @@ typedef struct {
 } multi_args;
 
 static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
-    const int64_t S = a->n_sources, N = a->n_tokens, D = a->d_model, Q = a->n_queries, P = a->prior_tokens;
+    const int64_t S = a->n_sources, D = a->d_model, Q = a->n_queries, P = a->prior_tokens;
     const real *const *src = a->sources;
     real rstd[S * TILE], w[Q * S * TILE], prior_weight[Q * TILE];
     for (int64_t t0 = begin; t0 < end; t0 += TILE) {
@@ -1061,13 +1038,17 @@ INLINE void gradient_rows4(real *const *grad, const real *const *v, const int *k
 #undef QUERY_TERMS
 }
 
-/* Pass 2 for one token row of every source, Q <= 4 (a constant where inlined): four sources at a time, then the
- * rest one by one. z holds the weights a_qs, g the key coefficients dz_qs r_s ([Q, S, TILE], token t). */
+/* Pass 2 for one token row of every source and the queries q0 .. q0 + Q - 1, Q <= 4 (a constant where inlined):
+ * four sources at a time, then the rest one by one. z holds the weights a_qs, g the key coefficients dz_qs r_s
+ * ([Q, S, TILE], token t). The first chunk of queries writes each gradient (or adds, for a shared buffer) with the
+ * value term; later chunks add their queries' terms. */
 INLINE void gradient_rows_q(const multi_grad_args *a, int64_t n, int64_t t, const real *z, const real *g,
-                            const real *value_coef, real *grad_u, const int Q) {
+                            const real *value_coef, real *grad_u, const int64_t q0, const int Q) {
     const int64_t S = a->n_sources, D = a->d_model;
-    const real *dh[4];
-    for (int64_t q = 0; q < Q; ++q) dh[q] = a->grad_mix[q] ? a->grad_mix[q] + n * D : a->sources[0] + n * D;
+    const int first = q0 == 0;
+    const real *dh[4], *u = a->queries + q0 * D;
+    for (int64_t q = 0; q < Q; ++q)
+        dh[q] = a->grad_mix[q0 + q] ? a->grad_mix[q0 + q] + n * D : a->sources[0] + n * D;
     int64_t s = 0;
     for (; s + GROUP <= S; s += GROUP) {
         real weight[16], key_coef[16], coef[GROUP], *grad[GROUP];
@@ -1075,22 +1056,24 @@ INLINE void gradient_rows_q(const multi_grad_args *a, int64_t n, int64_t t, cons
         int keep[GROUP];
         for (int i = 0; i < GROUP; ++i) {
             v[i] = a->sources[s + i] + n * D, grad[i] = a->grad_sources[s + i] + n * D;
-            keep[i] = a->accumulate && a->accumulate[s + i], coef[i] = value_coef[(s + i) * TILE + t];
+            keep[i] = !first || (a->accumulate && a->accumulate[s + i]);
+            coef[i] = first ? value_coef[(s + i) * TILE + t] : 0;
             for (int64_t q = 0; q < Q; ++q) {
-                const int64_t k = (q * S + s + i) * TILE + t;
-                weight[4 * q + i] = a->grad_mix[q] ? z[k] : 0, key_coef[4 * q + i] = g[k];
+                const int64_t k = ((q0 + q) * S + s + i) * TILE + t;
+                weight[4 * q + i] = a->grad_mix[q0 + q] ? z[k] : 0, key_coef[4 * q + i] = g[k];
             }
         }
-        gradient_rows4(grad, v, keep, coef, Q, weight, key_coef, dh, a->queries, grad_u, D);
+        gradient_rows4(grad, v, keep, coef, Q, weight, key_coef, dh, u, grad_u + q0 * D, D);
     }
     for (; s < S; ++s) {
         real weight[4], key_coef[4];
         for (int64_t q = 0; q < Q; ++q) {
-            const int64_t k = (q * S + s) * TILE + t;
-            weight[q] = a->grad_mix[q] ? z[k] : 0, key_coef[q] = g[k];
+            const int64_t k = ((q0 + q) * S + s) * TILE + t;
+            weight[q] = a->grad_mix[q0 + q] ? z[k] : 0, key_coef[q] = g[k];
         }
-        gradient_row(a->grad_sources[s] + n * D, a->sources[s] + n * D, a->accumulate && a->accumulate[s],
-                     value_coef[s * TILE + t], Q, weight, key_coef, dh, a->queries, grad_u, D);
+        gradient_row(a->grad_sources[s] + n * D, a->sources[s] + n * D,
+                     !first || (a->accumulate && a->accumulate[s]), first ? value_coef[s * TILE + t] : 0, Q, weight,
+                     key_coef, dh, u, grad_u + q0 * D, D);
     }
 }
 
@@ -1166,38 +1149,17 @@ static void multi_backward_rows(const multi_grad_args *a, int64_t begin, int64_t
                     for (int64_t d = 0; d < D; ++d) dm[d] = dh ? weight * dh[d] : 0;
                     a->grad_prior_lse[q * N + n] = weight * (prior_dot[i] - c[i]);
                 }
-        /* pass 2: the sources' gradients and du, token by token, the rows still in L1/L2 */
-        for (int64_t t = 0; t < T; ++t) {
-            const int64_t n = t0 + t;
-            switch (Q) {
-            case 1: gradient_rows_q(a, n, t, z, g, value_coef, grad_u, 1); continue;
-            case 2: gradient_rows_q(a, n, t, z, g, value_coef, grad_u, 2); continue;
-            case 3: gradient_rows_q(a, n, t, z, g, value_coef, grad_u, 3); continue;
-            case 4: gradient_rows_q(a, n, t, z, g, value_coef, grad_u, 4); continue;
-            }
-            for (int64_t s = 0; s < S; ++s) { /* 5..MAX_QUERIES queries: one query at a time */
-                const int keep = a->accumulate && a->accumulate[s];
-                const real *v = a->sources[s] + n * D, coef = value_coef[s * TILE + t];
-                real *grad = a->grad_sources[s] + n * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) grad[d] = (keep ? grad[d] : 0) - coef * v[d];
-                for (int64_t q = 0; q < Q; ++q) {
-                    const int64_t i = (q * S + s) * TILE + t;
-                    const real weight = z[i], key_coef = g[i], *u = a->queries + q * D;
-                    const real *dh = a->grad_mix[q] ? a->grad_mix[q] + n * D : NULL;
-                    real *du = grad_u + q * D;
-                    if (dh) {
-#pragma omp simd
-                        for (int64_t d = 0; d < D; ++d) grad[d] += weight * dh[d] + key_coef * u[d];
-                    } else {
-#pragma omp simd
-                        for (int64_t d = 0; d < D; ++d) grad[d] += key_coef * u[d];
-                    }
-#pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) du[d] += key_coef * v[d];
+        /* pass 2: the sources' gradients and du, token by token, the rows still in L1/L2; up to four queries a
+         * sweep (5..MAX_QUERIES take two) */
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t q0 = 0; q0 < Q; q0 += 4) {
+                switch (Q - q0 < 4 ? Q - q0 : 4) {
+                case 1: gradient_rows_q(a, t0 + t, t, z, g, value_coef, grad_u, q0, 1); break;
+                case 2: gradient_rows_q(a, t0 + t, t, z, g, value_coef, grad_u, q0, 2); break;
+                case 3: gradient_rows_q(a, t0 + t, t, z, g, value_coef, grad_u, q0, 3); break;
+                default: gradient_rows_q(a, t0 + t, t, z, g, value_coef, grad_u, q0, 4);
                 }
             }
-        }
     }
 }
 
