@@ -81,6 +81,40 @@ def test_kernel_traffic_counts_the_depth_mix_bytes_its_source_layouts_imply(bloc
     assert cpu_fused_library_restored()
 
 
+@pytest.mark.parametrize("with_prior", [False, True])
+def test_kernel_traffic_counts_the_two_phase_bytes_its_arguments_imply(with_prior):
+    """The two-phase kernel's calls, counted by `kernel_traffic.kernel_bytes`: forward, the S sources read, each
+    query's mix and lse written, the prior read; backward, the sources read and their gradients written, each
+    query's dh read (one query's left out here: its mix unused), the prior read and its gradient written, the
+    lse read, dlse read where given, dl written."""
+    from attnres_lens.kernels import cpu_fused
+
+    traffic = load("kernel_traffic")
+    n_sources, n_queries, n_tokens, d_model = 5, 3, 12, 16
+    generator = torch.Generator().manual_seed(0)
+    sources = [torch.randn(n_tokens, d_model, generator=generator).requires_grad_() for _ in range(n_sources)]
+    queries = torch.randn(n_queries, d_model, generator=generator).requires_grad_()
+    prior = None
+    if with_prior:
+        prior = (torch.randn(n_queries, n_tokens, d_model, generator=generator).requires_grad_(),
+                 torch.randn(n_queries, n_tokens, generator=generator).requires_grad_())
+
+    def step():
+        mix, lse = cpu_fused.depth_attention_multi_cpu(sources, queries, 1e-6, prior=prior)
+        (mix[0].sum() + mix[2].sum() + lse[1].sum()).backward()
+
+    counting = traffic.counted_calls(step)
+    (forward_calls, _, forward), (backward_calls, _, backward) = (
+        counting.totals[name] for name in ("depth_attention_multi", "depth_attention_multi_backward"))
+    assert forward_calls == backward_calls == 1
+    rows, per_token = n_sources + n_queries + n_queries * with_prior, n_queries + n_queries * with_prior
+    assert forward == 4 * (rows * n_tokens * d_model + per_token * n_tokens)
+    rows = 2 * n_sources + 2 + 2 * n_queries * with_prior  # two queries' dh
+    per_token = n_queries * (1 + 2 * with_prior) + 1  # one query's dlse
+    assert backward == 4 * (rows * n_tokens * d_model + per_token * n_tokens)
+    assert cpu_fused_library_restored()
+
+
 def test_inference_benchmark_reports_every_variant(monkeypatch):
     module = load("bench_inference")
     tiny = dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2)
