@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 
+from attnres_lens import components
 from attnres_lens.kernels import _common, backends, cpu_fused, depth_attention
 from tests.helpers import randomize_depth_parameters
 from tests.kernel_cases import SHAPES, assert_close, make_inputs, oracle
@@ -1358,3 +1359,39 @@ def test_concurrent_and_reentrant_backwards_keep_their_own_sums():
     gain = torch.ones(64, dtype=torch.float64, requires_grad=True)
     torch.autograd.grad(depth_attention(views, query, gain, 1e-6, backend="cpu").sum(), [gain])
     assert all(not item.buffers for item in shared)
+
+
+def test_without_grad_mode_every_eager_kernel_gives_the_same_bits_and_builds_no_node(monkeypatch):
+    """Under no_grad (inference, exact interventions) `cpu_fused._apply` runs a kernel's forward without its
+    autograd.Function: the outputs equal the grad-mode call's bit for bit, with parameters that require a gradient,
+    and no Function is applied (no node, no saved tensors)."""
+    generator = torch.Generator().manual_seed(5)
+    sources = [torch.randn(2, 7, 16, generator=generator) for _ in range(3)]
+    query, gain, norm_weight = (torch.randn(16, generator=generator).requires_grad_() for _ in range(3))
+    k, v = (torch.randn(2, 7, 3, 8, generator=generator) for _ in range(2))
+    coefficients = torch.randn(3, 4, generator=generator).requires_grad_()
+    cos, sin = components.rotary_tables(7, 8, 10000.0)
+    calls = {
+        "depth_attention_cpu": lambda: cpu_fused.depth_attention_cpu(sources, query, gain, 1e-6),
+        "fused_mix_and_norm": lambda: cpu_fused.fused_mix_and_norm(sources, query, gain, 1e-6, norm_weight, 1e-5),
+        "kv_shift_cpu": lambda: cpu_fused.kv_shift_cpu(k, v, coefficients, (cos, sin)),
+        "rotary_cpu": lambda: cpu_fused.rotary_cpu(k, cos, sin),
+        "rms_norm_cpu": lambda: cpu_fused.rms_norm_cpu(sources[0], norm_weight, 1e-5),
+    }
+    with_grad = {name: call() for name, call in calls.items()}
+    applied = []
+    shipped = torch.autograd.Function.apply.__func__
+
+    def counted_apply(cls, *args, **kwargs):
+        applied.append(cls.__name__)
+        return shipped(cls, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd.Function, "apply", classmethod(counted_apply))
+    for name, call in calls.items():
+        with torch.no_grad():
+            outputs = call()
+        expected = with_grad[name]
+        for got, want in zip(*((o,) if torch.is_tensor(o) else o for o in (outputs, expected)), strict=True):
+            assert not got.requires_grad and got.grad_fn is None
+            assert torch.equal(got, want.detach()), name
+    assert applied == []

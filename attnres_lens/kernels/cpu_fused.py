@@ -191,6 +191,29 @@ def _elementwise_threads(n_elements: int, library: ctypes.CDLL) -> int:
     return _n_threads(n_elements, library) if library.thread_pool else 1
 
 
+class _NoGraph:
+    """The `ctx` an eager Function's forward gets when `_apply` runs it without autograd: what it saves or marks
+    for a backward is dropped (its attributes are set and forgotten)."""
+
+    def save_for_backward(self, *tensors: Optional[torch.Tensor]) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+
+def _apply(function: type[torch.autograd.Function], *args):
+    """`function.apply(*args)`, or without grad mode (inference, exact interventions) its forward alone: no
+    autograd node and no saved tensors, ~20 of a small consumer's ~150 us in a forward pass (a trial,
+    2026-12-05); the outputs are the same tensors either way."""
+    if torch.is_grad_enabled():
+        return function.apply(*args)
+    return function.forward(_NoGraph(), *args)
+
+
 def once_differentiable(backward: Callable) -> Callable:
     """torch's `once_differentiable` for the C kernels' backwards, without its cost where it does nothing: in a
     plain backward (no create_graph) grad mode is already off, where its no-grad context and output checks only
@@ -492,7 +515,7 @@ def depth_attention_cpu(
         # reported, not consumed: detached, so nothing can backpropagate through them and silently get zero
         logits, weights = stats[1].detach(), stats[2].detach()
     else:
-        h, logits, weights = _EagerDepthAttention.apply(query, gain, bias, float(eps), *flat)
+        h, logits, weights = _apply(_EagerDepthAttention, query, gain, bias, float(eps), *flat)
     return (h if h.dtype == first.dtype else h.to(first.dtype)), weights, logits
 
 
@@ -550,8 +573,8 @@ def fused_mix_and_norm(sources: list[torch.Tensor], query: torch.Tensor, key_nor
     which the depth stream and `DepthAttention.mix_and_norm` ask before calling this; checking twice cost ~10 of
     the ~30 us a small sublayer's mix takes (a trial, 2026-12-02). Without ``keep_h``, ``(None, y)``: h is neither
     written nor read back (a model's sublayer reads y alone)."""
-    return _EagerNormedDepthAttention.apply(keep_h, query, key_norm_weight, norm_weight.contiguous(), float(eps),
-                                            float(norm_eps), *_contiguous(sources, sources[0].dtype))
+    return _apply(_EagerNormedDepthAttention, keep_h, query, key_norm_weight, norm_weight.contiguous(), float(eps),
+                  float(norm_eps), *_contiguous(sources, sources[0].dtype))
 
 
 def _run_multi(sources: list[torch.Tensor], queries: torch.Tensor, eps: float,
@@ -818,7 +841,7 @@ def kv_shift_cpu(k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor,
         raise ValueError(f"coefficients must be a CPU tensor [heads, 4] = [{k.shape[2]}, 4], got "
                          f"{list(coefficients.shape)} on {coefficients.device}")
     cos, sin = (None, None) if rotary is None else _rotary_tables_for(k, *rotary, caller="kv_shift_cpu")
-    return _EagerKVShift.apply(k, v, coefficients, cos, sin)
+    return _apply(_EagerKVShift, k, v, coefficients, cos, sin)
 
 
 class _EagerRotary(torch.autograd.Function):
@@ -866,7 +889,7 @@ def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         raise ValueError(f"rotary_cpu needs a 4-D fp32/fp64 CPU tensor, got {x.dim()}-D {x.dtype} on {x.device} of "
                          f"shape {tuple(x.shape)}")
     cos, sin = _rotary_tables_for(x, cos, sin, caller="rotary_cpu")
-    return _EagerRotary.apply(x, cos, sin)
+    return _apply(_EagerRotary, x, cos, sin)
 
 
 class _EagerRMSNorm(torch.autograd.Function):
@@ -909,7 +932,7 @@ def rms_norm_cpu(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if w.shape != x.shape[-1:] or w.device != x.device or w.dtype != x.dtype:
         raise ValueError(f"the gain must be [{x.shape[-1]}] {x.dtype} on {x.device}, got {tuple(w.shape)} {w.dtype} "
                          f"on {w.device}")
-    return _EagerRMSNorm.apply(x, w, float(eps))
+    return _apply(_EagerRMSNorm, x, w, float(eps))
 
 
 def causal_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
