@@ -1,10 +1,14 @@
 """Forward-only (inference) latency on the CPU relative to the standard model, without hooks and with a no-op hook
 on every depth-weight point (what recording α costs: those consumers take the readable path) (issue 15).
 
-One process, one torch thread, models built up front and run interleaved under `torch.no_grad()`, medians over
-repeats; the same shapes as `bench_cpu_step`. A second table times the same forward passes with the token
-attention's C kernel (what runs without a gradient) against PyTorch's `scaled_dot_product_attention` (what runs
-with one), interleaved, also at the shape of `prune`'s 12-layer model (docs/kernels.md §2).
+One process, one torch thread, freed memory kept for reuse as the commands run (`cpu_settings`), models built up
+front and run interleaved under `torch.no_grad()`, medians over repeats; the shapes of `bench_cpu_step` and a wide
+one (d_model 1024), where the depth mix, O(sources · d_model) a token, weighs less against the O(d_model²) matmuls.
+Each shape's forward excess over the standard model is then split, from every C kernel call of a few forward
+passes timed and its bytes counted (`kernel_traffic`), into the C kernels' time beyond the standard model's and
+the rest (Python, dispatch and caches around the calls). A second table times the same forward passes with the
+token attention's C kernel (what runs without a gradient) against PyTorch's `scaled_dot_product_attention` (what
+runs with one), interleaved, also at the shape of `prune`'s 12-layer model (docs/kernels.md §2).
 
     python -m analyses.bench_inference --out analyses/reports/bench_inference.md
 """
@@ -24,7 +28,8 @@ import torch.nn.functional as F
 
 from analyses.bench_cpu_step import SHAPES
 from analyses.common import command_line, emit_report, machine_info, within_rounds
-from attnres_lens import HookedTransformer, ModelConfig, components
+from analyses.kernel_traffic import DEPTH_MIX_KERNELS, copy_bandwidth, counted_calls
+from attnres_lens import HookedTransformer, ModelConfig, components, cpu_settings
 from attnres_lens.kernels.backends import attention_runs_cpu_kernel
 from attnres_lens.kernels.cpu_fused import causal_attention_cpu
 
@@ -42,6 +47,32 @@ def record_weights(model: HookedTransformer) -> None:
     for name, point in model.hook_dict.items():
         if name.endswith("hook_weights"):
             point.add_hook(lambda weights, hook: None)
+
+
+# bench_cpu_step's training shapes, and a wide one nearer the widths the AttnRes paper's < 2% is measured at
+INFERENCE_SHAPES = {**SHAPES, "wide": dict(n_layers=4, d_model=1024, n_heads=16, n_ctx=128, batch=2)}
+TRAFFIC_PASSES = 5  # forward passes whose C kernel calls are timed one by one, per variant
+
+
+def excess_rows(shape_name: str, models: dict[str, HookedTransformer], tokens: torch.Tensor,
+                ratios: dict[str, float], standard_ms: float) -> list[str]:
+    """Each variant's forward excess over the standard model's (`ratios`, of `standard_ms`) split into its C kernels'
+    time beyond the standard's and the rest, with the depth mix's time, bytes and bandwidth per forward pass."""
+    kernel_ms, rows = {}, []
+    for name, model in models.items():
+        with torch.no_grad():
+            counting = counted_calls(lambda: [model(tokens) for _ in range(TRAFFIC_PASSES)])
+        kernel_ms[name] = 1e3 * sum(seconds for _, seconds, _ in counting.totals.values()) / TRAFFIC_PASSES
+        _, mix_seconds, mix_bytes = counting.summed(DEPTH_MIX_KERNELS)
+        if name == "standard":
+            continue
+        excess = (ratios[name] - 1) * standard_ms
+        kernels = kernel_ms[name] - kernel_ms["standard"]
+        mix = (f"{1e3 * mix_seconds / TRAFFIC_PASSES:.2f} | {mix_bytes / TRAFFIC_PASSES / 1e6:.3g} | "
+               f"{mix_bytes / mix_seconds / 1e9:.1f}") if mix_seconds else "– | – | –"
+        rows.append(f"| {shape_name} | {name} | {ratios[name]:.3f} | {excess:+.2f} | {mix} | {kernels:+.2f} | "
+                    f"{excess - kernels:+.2f} | {1 + kernels / standard_ms:.3f} |")
+    return rows
 
 
 # the 12-layer depth-full preset's model and `prune --samples 32`'s batch (sequences of 65 tokens)
@@ -117,25 +148,29 @@ def attention_op_rows(shapes: list[tuple[int, int, int, int]], repeats: int) -> 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(INFERENCE_SHAPES), choices=list(INFERENCE_SHAPES))
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    kept = cpu_settings.keep_freed_memory()  # as the commands run
+    allocator = "freed memory kept for reuse" if kept else "the C library's default allocator"
     started = time.perf_counter()
     lines = [
         "# Inference latency (forward only) relative to the standard model (CPU)",
         "",
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, one torch "
-        f"thread, by `{command_line()}`; {args.repeats} interleaved rounds of forward passes under no_grad: times are "
+        f"thread, {allocator}, by "
+        f"`{command_line()}`; {args.repeats} interleaved rounds of forward passes under no_grad: times are "
         "medians, × standard the median over rounds of the ratio within the round. "
         "`hooked`: a no-op hook on every `hook_weights` point (the readable depth path, as when recording α).",
         "",
         "| shape | variant | forward (ms) | × standard | hooked (ms) | hooked × standard |",
         "|---|---|---|---|---|---|",
     ]
+    excess_lines = []
     for shape_name in args.shapes:
-        shape = dict(SHAPES[shape_name])
+        shape = dict(INFERENCE_SHAPES[shape_name])
         batch = shape.pop("batch")
         tokens = torch.randint(0, 256, (batch, shape["n_ctx"]), generator=torch.Generator().manual_seed(0))
         models = {}
@@ -158,6 +193,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
                         times[(name, kind)].append(time.perf_counter() - start)
         medians = {key: statistics.median(values) for key, values in times.items()}
         base = times[("standard", 0)]
+        excess_lines += excess_rows(shape_name, {name: pair[0] for name, pair in models.items()}, tokens,
+                                    {name: within_rounds(times[(name, 0)], base) for name in models},
+                                    1e3 * medians[("standard", 0)])
         for name in models:
             plain, hooked = medians[(name, 0)], medians[(name, 1)]
             hooked_cells = ("–", "–") if name.startswith("standard") else (
@@ -165,6 +203,20 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
             lines.append(f"| {shape_name} | {name} | {1e3 * plain:.1f} | {within_rounds(times[(name, 0)], base):.3f} | "
                          f"{hooked_cells[0]} | {hooked_cells[1]} |")
     lines += [
+        "",
+        "## Where the excess goes",
+        "",
+        f"Every C kernel call of {TRAFFIC_PASSES} forward passes per variant (no hooks), timed one by one with the "
+        "bytes it must move (`kernel_traffic`); copy bandwidth (torch `copy_` of 256 MB, read + write, one thread): "
+        f"**{copy_bandwidth():.1f} GB/s**. Excess: the variant's forward time beyond the standard's (from × standard "
+        "above); C kernels: its C calls' time beyond the standard model's (RMSNorm, rotary, token attention); the "
+        "rest is what runs around them (Python, dispatch, allocation, and sublayers slowed by caches the mix "
+        "flushed). `kernels alone` is the ratio the C kernels' extra time would leave on its own.",
+        "",
+        "| shape | variant | × standard | excess (ms) | depth mix (ms) | depth mix (MB) | depth mix (GB/s) | "
+        "C kernels (ms) | the rest (ms) | kernels alone, × standard |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *excess_lines,
         "",
         "## The token attention's C kernel against PyTorch's SDPA",
         "",
@@ -175,7 +227,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         "",
         "| shape | variant | SDPA (ms) | as shipped (ms) | × SDPA |",
         "|---|---|---|---|---|",
-        *attention_rows({**{name: SHAPES[name] for name in args.shapes}, "prune": PRUNE_SHAPE}, args.repeats),
+        # the wide shape's heads (128 x 64) run SDPA either way
+        *attention_rows({**{name: SHAPES[name] for name in args.shapes if name in SHAPES}, "prune": PRUNE_SHAPE},
+                        args.repeats),
         "",
         "The op alone, one torch thread, on random tensors [batch, pos, heads, d_head]; `runs` is what "
         "`backends.attention_runs_cpu_kernel` picks for that shape (the C kernel only while a head's keys, pos × "

@@ -64,6 +64,8 @@ def kernel_bytes(name: str, args: tuple, element: int) -> int:
         return element * 2 * math.prod(args[4:8])
     if name == "token_shift_backward":
         return element * 3 * math.prod(args[4:8])
+    if name == "causal_attention_forward":  # q, k and v read, the output written
+        return element * 4 * math.prod(args[3:7])
     raise ValueError(f"no byte count for the C kernel {name!r}: add one to kernel_bytes")
 
 

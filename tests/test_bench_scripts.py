@@ -119,6 +119,7 @@ def test_inference_benchmark_reports_every_variant(monkeypatch):
     module = load("bench_inference")
     tiny = dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2)
     monkeypatch.setitem(module.SHAPES, "small", tiny)
+    monkeypatch.setitem(module.INFERENCE_SHAPES, "small", tiny)
     monkeypatch.setattr(module, "PRUNE_SHAPE", tiny)
     monkeypatch.setattr(module, "ATTENTION_OP_SHAPES", [(2, 8, 2, 4), (1, 600, 1, 32)])
     shipped = module.components.attention_runs_cpu_kernel
@@ -126,6 +127,16 @@ def test_inference_benchmark_reports_every_variant(monkeypatch):
     rows = [line.split("|") for line in lines if line.startswith("| small")]
     assert [row[2].strip() for row in rows][:len(module.VARIANTS)] == list(module.VARIANTS)
     assert rows[0][4].strip() == "1.000"
+    excess = lines[lines.index("## Where the excess goes"):lines.index("## The token attention's C kernel against "
+                                                                         "PyTorch's SDPA")]
+    excess = {row[2]: row for row in ([cell.strip() for cell in line.split("|")] for line in excess
+                                      if line.startswith("| small"))}
+    assert list(excess) == [name for name in module.VARIANTS if name != "standard"]
+    assert excess["standard+kv_shift"][5:8] == ["–", "–", "–"]  # no depth mix
+    for name in ("full", "block2", "block4"):  # every consumer's mix counted: 2 sublayers and the readout
+        assert float(excess[name][6]) > 0
+    # Full reads 1, 2 and 3 sources of [2, 8, 16] fp32 and writes y: more than a Block consumer's mix can
+    assert float(excess["full"][6]) >= float(excess["block4"][6])
     after = lines[lines.index("## The token attention's C kernel against PyTorch's SDPA"):]
     attention = [[cell.strip() for cell in line.split("|")[1:3]] for line in after
                  if line.startswith("| small") or line.startswith("| prune")]
