@@ -51,26 +51,34 @@ def record_weights(model: HookedTransformer) -> None:
 
 # bench_cpu_step's training shapes, and a wide one nearer the widths the AttnRes paper's < 2% is measured at
 INFERENCE_SHAPES = {**SHAPES, "wide": dict(n_layers=4, d_model=1024, n_heads=16, n_ctx=128, batch=2)}
-TRAFFIC_PASSES = 5  # forward passes whose C kernel calls are timed one by one, per variant
+TRAFFIC_ROUNDS = 10  # interleaved rounds of one forward pass per variant with every C kernel call timed
 
 
 def excess_rows(shape_name: str, models: dict[str, HookedTransformer], tokens: torch.Tensor,
                 ratios: dict[str, float], standard_ms: float) -> list[str]:
     """Each variant's forward excess over the standard model's (`ratios`, of `standard_ms`) split into its C kernels'
-    time beyond the standard's and the rest, with the depth mix's time, bytes and bandwidth per forward pass."""
-    kernel_ms, rows = {}, []
-    for name, model in models.items():
-        with torch.no_grad():
-            counting = counted_calls(lambda: [model(tokens) for _ in range(TRAFFIC_PASSES)])
-        kernel_ms[name] = 1e3 * sum(seconds for _, seconds, _ in counting.totals.values()) / TRAFFIC_PASSES
-        _, mix_seconds, mix_bytes = counting.summed(DEPTH_MIX_KERNELS)
+    time beyond the standard's (the median over interleaved rounds of the difference within the round) and the
+    rest, with the depth mix's time (median), bytes and bandwidth per forward pass."""
+    kernel_ms = {name: [] for name in models}
+    mix_ms = {name: [] for name in models}
+    mix_bytes = {}
+    with torch.no_grad():
+        for _ in range(TRAFFIC_ROUNDS):
+            for name, model in models.items():
+                counting = counted_calls(lambda: model(tokens))
+                kernel_ms[name].append(1e3 * sum(seconds for _, seconds, _ in counting.totals.values()))
+                _, seconds, mix_bytes[name] = counting.summed(DEPTH_MIX_KERNELS)
+                mix_ms[name].append(1e3 * seconds)
+    rows = []
+    for name in models:
         if name == "standard":
             continue
         excess = (ratios[name] - 1) * standard_ms
-        kernels = kernel_ms[name] - kernel_ms["standard"]
-        mix = (f"{1e3 * mix_seconds / TRAFFIC_PASSES:.2f} | {mix_bytes / TRAFFIC_PASSES / 1e6:.3g} | "
-               f"{mix_bytes / mix_seconds / 1e9:.1f}") if mix_seconds else "– | – | –"
-        rows.append(f"| {shape_name} | {name} | {ratios[name]:.3f} | {excess:+.2f} | {mix} | {kernels:+.2f} | "
+        kernels = within_rounds(kernel_ms[name], kernel_ms["standard"], "difference")
+        mix = statistics.median(mix_ms[name])
+        mix_cells = (f"{mix:.2f} | {mix_bytes[name] / 1e6:.3g} | {mix_bytes[name] / mix / 1e6:.1f}" if mix_bytes[name]
+                     else "– | – | –")
+        rows.append(f"| {shape_name} | {name} | {ratios[name]:.3f} | {excess:+.2f} | {mix_cells} | {kernels:+.2f} | "
                     f"{excess - kernels:+.2f} | {1 + kernels / standard_ms:.3f} |")
     return rows
 
@@ -206,12 +214,13 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         "",
         "## Where the excess goes",
         "",
-        f"Every C kernel call of {TRAFFIC_PASSES} forward passes per variant (no hooks), timed one by one with the "
-        "bytes it must move (`kernel_traffic`); copy bandwidth (torch `copy_` of 256 MB, read + write, one thread): "
-        f"**{copy_bandwidth():.1f} GB/s**. Excess: the variant's forward time beyond the standard's (from × standard "
-        "above); C kernels: its C calls' time beyond the standard model's (RMSNorm, rotary, token attention); the "
-        "rest is what runs around them (Python, dispatch, allocation, and sublayers slowed by caches the mix "
-        "flushed). `kernels alone` is the ratio the C kernels' extra time would leave on its own.",
+        f"Every C kernel call of one forward pass per variant (no hooks) in each of {TRAFFIC_ROUNDS} interleaved "
+        "rounds, timed one by one with the bytes it must move (`kernel_traffic`); copy bandwidth (torch `copy_` of "
+        f"256 MB, read + write, one thread): **{copy_bandwidth():.1f} GB/s**. Excess: the variant's forward time "
+        "beyond the standard's (from × standard above); C kernels: its C calls' time beyond the standard model's "
+        "(RMSNorm, rotary, token attention), the median over rounds of the difference within the round; the rest "
+        "is what runs around them (Python, dispatch, allocation, and sublayers slowed by caches the mix flushed). "
+        "`kernels alone` is the ratio the C kernels' extra time would leave on its own.",
         "",
         "| shape | variant | × standard | excess (ms) | depth mix (ms) | depth mix (MB) | depth mix (GB/s) | "
         "C kernels (ms) | the rest (ms) | kernels alone, × standard |",
