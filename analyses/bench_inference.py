@@ -161,7 +161,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    kept = cpu_settings.keep_freed_memory()  # as the commands run
+    # as the commands run; process-wide, so a test calling main() leaves it alone
+    kept = args.out is not None and cpu_settings.keep_freed_memory()
     allocator = "freed memory kept for reuse" if kept else "the C library's default allocator"
     started = time.perf_counter()
     lines = [

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 
 from attnres_lens import components
 from attnres_lens.kernels import _common, backends, cpu_fused, depth_attention
@@ -1361,6 +1362,7 @@ def test_concurrent_and_reentrant_backwards_keep_their_own_sums():
     assert all(not item.buffers for item in shared)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # forward AD's first use
 def test_without_grad_mode_every_eager_kernel_gives_the_same_bits_and_builds_no_node(monkeypatch):
     """Under no_grad (inference, exact interventions) `cpu_fused._apply` runs a kernel's forward without its
     autograd.Function: the outputs equal the grad-mode call's bit for bit, with parameters that require a gradient,
@@ -1395,3 +1397,10 @@ def test_without_grad_mode_every_eager_kernel_gives_the_same_bits_and_builds_no_
             assert not got.requires_grad and got.grad_fn is None
             assert torch.equal(got, want.detach()), name
     assert applied == []
+    # inside a forward-mode AD level the Function is applied even without grad mode: its missing jvp makes a dual
+    # input raise, where the forward alone would return the output without its tangent
+    with torch.no_grad(), forward_ad.dual_level():
+        dual = forward_ad.make_dual(sources[0], torch.ones_like(sources[0]))
+        with pytest.raises(NotImplementedError):
+            cpu_fused.rms_norm_cpu(dual, norm_weight, 1e-5)
+    assert applied == ["_EagerRMSNorm"]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
+from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable as _guard_second_derivative
 
 from attnres_lens.kernels._common import check_logit_bias, check_vector, compute_dtype, new_output, new_output_like
@@ -208,8 +209,10 @@ class _NoGraph:
 def _apply(function: type[torch.autograd.Function], *args):
     """`function.apply(*args)`, or without grad mode (inference, exact interventions) its forward alone: no
     autograd node and no saved tensors, ~20 of a small consumer's ~150 us in a forward pass (a trial,
-    2026-12-05); the outputs are the same tensors either way."""
-    if torch.is_grad_enabled():
+    2026-12-05), the same output values. Inside a forward-mode AD level `apply` runs even without grad mode: it
+    asks the Function for a jvp (these have none, so a dual input raises) where the forward alone would drop the
+    tangent without a word."""
+    if torch.is_grad_enabled() or forward_ad._current_level >= 0:  # -1 outside every dual level
         return function.apply(*args)
     return function.forward(_NoGraph(), *args)
 
