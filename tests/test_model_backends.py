@@ -402,3 +402,62 @@ def test_a_hooked_consumer_inside_a_two_phase_window(monkeypatch):
         logits = model(tokens)
     assert calls[0] == 3  # phase 1 at consumer 7 and the merges of 9 and 10: the hooked 8 mixes on its own
     torch.testing.assert_close(logits, expected, rtol=1e-10, atol=1e-10)
+
+
+WATCHED_EDITS = {  # hook point, and the hook: each reads, or edits its tensor one way
+    "weights read": ("hook_weights", lambda x: None),
+    "weights edited in place": ("hook_weights", lambda x: x[..., 0].add_(0.75)),
+    "weights edited through .data": ("hook_weights", lambda x: x.data[..., -1].mul_(0.25)),
+    "weights returned anew": ("hook_weights", lambda x: x.flip(-1)),
+    "logits read": ("hook_logits", lambda x: None),
+    "logits edited in place": ("hook_logits", lambda x: x[..., -1].sub_(3.0)),
+    "logits returned anew": ("hook_logits", lambda x: x + torch.linspace(0, 2, x.shape[-1], dtype=x.dtype)),
+}
+
+
+@pytest.mark.parametrize("edit", list(WATCHED_EDITS))
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_without_a_gradient_a_watched_mix_runs_the_kernel_and_honours_every_edit(edit, block_size, monkeypatch):
+    """Under no_grad on the C kernel, hooks on a consumer's logits or weights fire on the kernel's own
+    (`DepthAttention._watched_kernel_mix`): what they see and the model's logits equal the readable path's (the
+    reference backend) for a hook that only reads and for each way to edit, in place, through `.data` (which no
+    version counter sees) or by returning a new tensor. With a gradient the readable path runs, as it must for a
+    gradient through the weights."""
+    point, change = WATCHED_EDITS[edit]
+    # float64 (the C kernel's other build): the two paths' rounding stays far below the edits' effects
+    base = HookedTransformer(small_config("attnres", block_size, depth_attention_backend="cpu", dtype=torch.float64))
+    randomize_depth_parameters(base)
+    reference = HookedTransformer(dataclasses.replace(base.cfg, depth_attention_backend="reference"))
+    reference.load_state_dict(base.state_dict())
+    tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(4))
+    names = [f"blocks.1.attn_res.{point}", f"blocks.2.mlp_res.{point}", f"final_res.{point}"]
+    kernel_calls = []
+    watched = DepthAttention._watched_kernel_mix
+    monkeypatch.setattr(DepthAttention, "_watched_kernel_mix",
+                        lambda self, sources: kernel_calls.append(1) or watched(self, sources))
+
+    def run(model: HookedTransformer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        seen = {}
+
+        def hook(x, hook):
+            seen[hook.name] = x.clone()
+            assert x.is_contiguous() and x.shape == (2, 9, len(x[0, 0]))
+            edited = change(x)
+            return edited if edit.endswith("anew") else None
+
+        return model.run_with_hooks(tokens, fwd_hooks=[(name, hook) for name in names]), seen
+
+    with torch.no_grad():
+        expected, expected_seen = run(reference)
+        assert not kernel_calls
+        got, got_seen = run(base)
+    assert len(kernel_calls) == len(names)
+    assert got_seen.keys() == expected_seen.keys() == set(names)
+    for name in names:
+        torch.testing.assert_close(got_seen[name], expected_seen[name], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        unhooked = base(tokens)
+    assert torch.allclose(got, unhooked, atol=1e-6) == edit.endswith("read")  # every edit reaches the output
+    run(base)  # with a gradient
+    assert len(kernel_calls) == len(names)
