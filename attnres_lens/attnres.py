@@ -437,7 +437,7 @@ class DepthAttention(nn.Module):
 
     def _watched_kernel_mix(self, sources: list[torch.Tensor]) -> torch.Tensor:
         """The readable path's hooks, fired on the C kernel's logits and weights, without a gradient (inference,
-        recording α, the analyses): the kernel's mix is returned where the hooks left both as they were (compared
+        the analyses' reads of α): the kernel's mix is returned where the hooks left both as they were (compared
         by value, so an in-place edit counts, however made), else the mix goes on from the hooked tensors as the
         readable path's does. The kernel computes the same logits and softmax in the same dtype, and its one pass
         replaces the readable path's ~4S (a small Full model's hooked forward: 1.21x the standard one, not 1.59x;
