@@ -29,8 +29,8 @@ from transformer_lens.hook_points import HookPoint
 from attnres_lens.components import RMSNorm, any_hooked, is_hooked, module_hooked, norm_fuses_into, parameter
 from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
 from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel, stream_two_phase_backend
-from attnres_lens.kernels.cpu_fused import (depth_attention_copies_cpu, depth_attention_cpu,
-                                            depth_attention_multi_cpu, fused_mix_and_norm, share_gradient)
+from attnres_lens.kernels.cpu_fused import (builds_no_graph, depth_attention_copies_cpu, depth_attention_multi_cpu,
+                                            fused_mix_and_norm, share_gradient)
 from attnres_lens.kernels.reference import depth_logits, mix_sources
 from attnres_lens.streams import ResidualStream
 
@@ -339,6 +339,12 @@ class DepthStream(ResidualStream):
         return once._replace(mix=mix, lse=lse)
 
 
+def _unchanged(seen: torch.Tensor, kept: torch.Tensor) -> bool:
+    """Whether a hook's output is `kept` as it was: the same dtype, device, shape and values (an edit in place,
+    through `.data` or a new tensor all count; `torch.equal` alone calls an exact cast equal)."""
+    return seen.dtype == kept.dtype and seen.device == kept.device and torch.equal(seen, kept)
+
+
 def _any_requires_grad(sources: list[torch.Tensor], modules: list["DepthAttention"]) -> bool:
     # the modules first: in training their parameters answer at once, without a look at every source
     return (any(module.query.requires_grad or module.key_norm.w.requires_grad for module in modules)
@@ -419,9 +425,8 @@ class DepthAttention(nn.Module):
         if self.fusable and not self.observed() and (bias is None or not bias.requires_grad):
             return depth_attention(sources, self.query, self.key_norm.w, self.key_norm.eps, backend=self.backend,
                                    logit_bias=bias)
-        if (self.fusable and bias is None and not torch.is_grad_enabled()
-                and elementwise_runs_cpu_kernel(self.backend, *sources)):
-            return self._watched_kernel_mix(sources)
+        if self.fusable and builds_no_graph() and elementwise_runs_cpu_kernel(self.backend, *sources):
+            return self._watched_kernel_mix(sources, bias)
         logits = self.logits(sources)
         if bias is not None:
             logits = logits + (bias if self.heads == 1 else bias.unsqueeze(-2)).to(logits.dtype)
@@ -435,24 +440,26 @@ class DepthAttention(nn.Module):
         grouped = [v.unflatten(-1, (self.heads, -1)) for v in sources]  # [..., heads, d_model / heads]
         return mix_sources(weights, grouped).flatten(-2)
 
-    def _watched_kernel_mix(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        """The readable path's hooks, fired on the C kernel's logits and weights, without a gradient (inference,
-        the analyses' reads of α): the kernel's mix is returned where the hooks left both as they were (compared
-        by value, so an in-place edit counts, however made), else the mix goes on from the hooked tensors as the
-        readable path's does. The kernel computes the same logits and softmax in the same dtype, and its one pass
-        replaces the readable path's ~4S (a small Full model's hooked forward: 1.21x the standard one, not 1.59x;
-        docs/kernels.md §11)."""
-        h, weights, logits = depth_attention_cpu(sources, self.query, self.key_norm.w, self.key_norm.eps)
-        shape = (*sources[0].shape[:-1], len(sources))
-        # source-major [n_sources, N] to the readable path's contiguous [..., n_sources]; each hook gets a copy of
-        # its own, held against the kernel's values afterwards
-        logits = logits.t().reshape(shape).contiguous()
+    def _watched_kernel_mix(self, sources: list[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """The readable path's hooks, fired on the C kernel's logits (bias added) and weights where no autograd
+        sees the call (inference, the analyses' reads of α, `run_with_cache` under no_grad): the kernel's mix is
+        returned where the hooks left both as they were and no source changed (a hook may edit one it kept), else
+        the mix goes on from the hooked tensors as the readable path's does. The kernel computes the same logits
+        and softmax in the same dtype, to rounding, and its one pass replaces the readable path's ~4S (a small
+        Full model's hooked forward: 1.21x the standard one, not 1.59x; docs/kernels.md §11)."""
+        h, weights, logits = depth_attention(sources, self.query, self.key_norm.w, self.key_norm.eps, backend="cpu",
+                                             return_weights=True, return_logits=True, logit_bias=bias)
+        versions = [source._version for source in sources]
+        # each hook gets a contiguous copy of its own, in the readable path's layout, held against the kernel's
+        logits = logits.contiguous()
         seen = self.hook_logits(logits.clone())
-        if not torch.equal(seen, logits):
+        if not _unchanged(seen, logits):
             return self._mix_from_logits(seen, sources)
-        weights = weights.t().reshape(shape).contiguous()
+        weights = weights.contiguous()
         seen = self.hook_weights(weights.clone())
-        return h if torch.equal(seen, weights) else mix_sources(seen, sources)
+        if _unchanged(seen, weights) and versions == [source._version for source in sources]:
+            return h
+        return mix_sources(seen, sources)
 
     def mix_and_norm(self, sources: list[torch.Tensor], norm: RMSNorm, keep_h: bool = True
                      ) -> tuple[Optional[torch.Tensor], torch.Tensor]:

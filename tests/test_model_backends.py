@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 
 from analyses.bench_depth_scaling import saved_activation_bytes
 from attnres_lens import HookedTransformer, attnres
@@ -412,6 +413,8 @@ WATCHED_EDITS = {  # hook point, and the hook: each reads, or edits its tensor o
     "logits read": ("hook_logits", lambda x: None),
     "logits edited in place": ("hook_logits", lambda x: x[..., -1].sub_(3.0)),
     "logits returned anew": ("hook_logits", lambda x: x + torch.linspace(0, 2, x.shape[-1], dtype=x.dtype)),
+    # at consumer 0 (one source, α = 1) the cast keeps every value: only its dtype says it changed
+    "weights cast anew": ("hook_weights", lambda x: x.float()),
 }
 
 
@@ -427,14 +430,17 @@ def test_without_a_gradient_a_watched_mix_runs_the_kernel_and_honours_every_edit
     # float64 (the C kernel's other build): the two paths' rounding stays far below the edits' effects
     base = HookedTransformer(small_config("attnres", block_size, depth_attention_backend="cpu", dtype=torch.float64))
     randomize_depth_parameters(base)
+    with torch.no_grad():  # embeddings off the float32 grid (the model initialised them there), as the cast needs
+        base.embed.W_E.add_(1e-3 * torch.randn(base.embed.W_E.shape, dtype=torch.float64))
     reference = HookedTransformer(dataclasses.replace(base.cfg, depth_attention_backend="reference"))
     reference.load_state_dict(base.state_dict())
     tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(4))
-    names = [f"blocks.1.attn_res.{point}", f"blocks.2.mlp_res.{point}", f"final_res.{point}"]
+    names = [f"blocks.0.attn_res.{point}", f"blocks.1.attn_res.{point}", f"blocks.2.mlp_res.{point}",
+             f"final_res.{point}"]
     kernel_calls = []
     watched = DepthAttention._watched_kernel_mix
     monkeypatch.setattr(DepthAttention, "_watched_kernel_mix",
-                        lambda self, sources: kernel_calls.append(1) or watched(self, sources))
+                        lambda self, *args: kernel_calls.append(1) or watched(self, *args))
 
     def run(model: HookedTransformer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         seen = {}
@@ -458,6 +464,52 @@ def test_without_a_gradient_a_watched_mix_runs_the_kernel_and_honours_every_edit
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
     with torch.no_grad():
         unhooked = base(tokens)
-    assert torch.allclose(got, unhooked, atol=1e-6) == edit.endswith("read")  # every edit reaches the output
+    # every edit reaches the output, the cast by its float32 rounding (~1e-8); a read leaves it to fp64 rounding
+    assert torch.allclose(got, unhooked, rtol=0, atol=1e-12) == edit.endswith("read")
     run(base)  # with a gradient
     assert len(kernel_calls) == len(names)
+
+
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_a_watched_kernel_mix_serves_a_cache_and_a_source_a_hook_edits(block_size, monkeypatch):
+    """Without a gradient, `run_with_cache` (which hooks every point, the logit bias too) reads every consumer's
+    logits and weights from the C kernel, equal to the reference backend's; a hook on the weights that edits a
+    source it kept (the first sublayer's output, zeroed while the second consumer reads it) reaches the mix as on
+    the readable path, which mixes after its hooks; under forward-mode AD the readable path runs."""
+    base = HookedTransformer(small_config("attnres", block_size, depth_attention_backend="cpu", dtype=torch.float64))
+    randomize_depth_parameters(base)
+    reference = HookedTransformer(dataclasses.replace(base.cfg, depth_attention_backend="reference"))
+    reference.load_state_dict(base.state_dict())
+    tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(5))
+    kernel_calls = []
+    watched = DepthAttention._watched_kernel_mix
+    monkeypatch.setattr(DepthAttention, "_watched_kernel_mix",
+                        lambda self, *args: kernel_calls.append(1) or watched(self, *args))
+    with torch.no_grad():
+        expected, expected_cache = reference.run_with_cache(tokens)
+        got, cache = base.run_with_cache(tokens)
+    assert len(kernel_calls) == len(base.depth_attention_modules())
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    depth_points = [name for name in cache.cache_dict if "_res." in name]
+    assert {name.rsplit(".", 1)[1] for name in depth_points} == {"hook_logits", "hook_weights", "hook_logit_bias"}
+    for name in depth_points:
+        torch.testing.assert_close(cache[name], expected_cache[name], rtol=1e-10, atol=1e-12)
+
+    def zero_kept_output(model: HookedTransformer) -> torch.Tensor:
+        kept = []
+
+        def zero_it(weights, hook):  # returns None: the weights stay as they are
+            kept[0].zero_()
+
+        hooks = [("blocks.0.hook_attn_out", lambda x, hook: kept.append(x)),
+                 ("blocks.0.mlp_res.hook_weights", zero_it)]  # consumer 1 reads f0 itself
+        return model.run_with_hooks(tokens, fwd_hooks=hooks)
+
+    with torch.no_grad():
+        edited, expected_edited = zero_kept_output(base), zero_kept_output(reference)
+    torch.testing.assert_close(edited, expected_edited, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(edited, got, atol=1e-6)
+    calls = len(kernel_calls)
+    with torch.no_grad(), forward_ad.dual_level():
+        base.run_with_cache(tokens)
+    assert len(kernel_calls) == calls

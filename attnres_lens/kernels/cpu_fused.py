@@ -206,15 +206,20 @@ class _NoGraph:
         pass
 
 
+def builds_no_graph() -> bool:
+    """Whether no autograd can see this call: grad mode off and no forward-mode AD level open (inside one, a
+    Function is asked for its jvp even without grad mode, and a tensor may carry a tangent)."""
+    return not torch.is_grad_enabled() and forward_ad._current_level < 0  # -1 outside every dual level
+
+
 def _apply(function: type[torch.autograd.Function], *args):
-    """`function.apply(*args)`, or without grad mode (inference, exact interventions) its forward alone: no
-    autograd node and no saved tensors, ~20 of a small consumer's ~150 us in a forward pass (a trial,
-    2026-12-05), the same output values. Inside a forward-mode AD level `apply` runs even without grad mode: it
-    asks the Function for a jvp (these have none, so a dual input raises) where the forward alone would drop the
-    tangent without a word."""
-    if torch.is_grad_enabled() or forward_ad._current_level >= 0:  # -1 outside every dual level
-        return function.apply(*args)
-    return function.forward(_NoGraph(), *args)
+    """`function.apply(*args)`, or where it `builds_no_graph` (inference, exact interventions) its forward alone:
+    no autograd node and no saved tensors, ~20 of a small consumer's ~150 us in a forward pass (a trial,
+    2026-12-05), the same output values. Under forward-mode AD `apply` runs: these Functions have no jvp, so a dual
+    input raises where the forward alone would drop its tangent without a word."""
+    if builds_no_graph():
+        return function.forward(_NoGraph(), *args)
+    return function.apply(*args)
 
 
 def once_differentiable(backward: Callable) -> Callable:
