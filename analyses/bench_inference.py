@@ -204,14 +204,14 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
                         times[(name, kind)].append(time.perf_counter() - start)
         medians = {key: statistics.median(values) for key, values in times.items()}
         base = times[("standard", 0)]
-        excess_lines += excess_rows(shape_name, {name: pair[0] for name, pair in models.items()}, tokens,
-                                    {name: within_rounds(times[(name, 0)], base) for name in models},
+        ratios = {name: within_rounds(times[(name, 0)], base) for name in models}
+        excess_lines += excess_rows(shape_name, {name: pair[0] for name, pair in models.items()}, tokens, ratios,
                                     1e3 * medians[("standard", 0)])
         for name in models:
             plain, hooked = medians[(name, 0)], medians[(name, 1)]
             hooked_cells = ("–", "–") if name.startswith("standard") else (
                 f"{1e3 * hooked:.1f}", f"{within_rounds(times[(name, 1)], base):.3f}")
-            lines.append(f"| {shape_name} | {name} | {1e3 * plain:.1f} | {within_rounds(times[(name, 0)], base):.3f} | "
+            lines.append(f"| {shape_name} | {name} | {1e3 * plain:.1f} | {ratios[name]:.3f} | "
                          f"{hooked_cells[0]} | {hooked_cells[1]} |")
     lines += [
         "",

@@ -451,12 +451,10 @@ class DepthAttention(nn.Module):
                                              return_weights=True, return_logits=True, logit_bias=bias)
         versions = [source._version for source in sources]
         # each hook gets a contiguous copy of its own, in the readable path's layout, held against the kernel's
-        logits = logits.contiguous()
-        seen = self.hook_logits(logits.clone())
+        seen = self.hook_logits(logits.clone(memory_format=torch.contiguous_format))
         if not _unchanged(seen, logits):
             return self._mix_from_logits(seen, sources)
-        weights = weights.contiguous()
-        seen = self.hook_weights(weights.clone())
+        seen = self.hook_weights(weights.clone(memory_format=torch.contiguous_format))
         if _unchanged(seen, weights) and versions == [source._version for source in sources]:
             return h
         return mix_sources(seen, sources)
