@@ -493,3 +493,25 @@ def test_two_phase_benchmark_sets_each_threshold_and_restores_the_shipped_one(mo
     # windows at consumers 7-10 (from 8 sources) or 8-10 (from 9): never with the one-pass threshold
     assert seen and set(seen) == {8, 9}
     assert attnres.MIN_SHARED_SOURCES_WITH_GRAD == 9
+
+
+def test_no_graph_benchmark_times_both_ways_and_restores_the_wrappers(monkeypatch):
+    from attnres_lens.kernels import cpu_fused
+
+    module = load("bench_no_graph")
+    shipped = cpu_fused._apply
+    x, w = torch.randn(3, 8), torch.ones(8, requires_grad=True)
+    applied = []
+    original = torch.autograd.Function.apply.__func__
+    monkeypatch.setattr(torch.autograd.Function, "apply",
+                        classmethod(lambda cls, *args: applied.append(cls.__name__) or original(cls, *args)))
+    with torch.no_grad():
+        for enabled in (False, True):
+            with module.with_node(enabled):
+                cpu_fused.rms_norm_cpu(x, w, 1e-5)
+    assert applied == ["_EagerRMSNorm"]  # only with the node
+    monkeypatch.undo()
+    lines = module.main(["--tiny", "--repeats", "2"])
+    assert cpu_fused._apply is shipped
+    assert sum(line.startswith("| 8 x 16, 3 sources |") for line in lines) == 1
+    assert [line.split("|")[2].strip() for line in lines if line.startswith("| tiny |")] == list(module.VARIANTS)

@@ -214,8 +214,8 @@ def builds_no_graph() -> bool:
 
 def _apply(function: type[torch.autograd.Function], *args):
     """`function.apply(*args)`, or where it `builds_no_graph` (inference, exact interventions) its forward alone:
-    no autograd node and no saved tensors, ~20 of a small consumer's ~150 us in a forward pass (a trial,
-    2026-12-05), the same output values. Under forward-mode AD `apply` runs: these Functions have no jvp, so a dual
+    no autograd node and no saved tensors (0.85x a small consumer's call, analyses/reports/bench_no_graph.md),
+    the same output values. Under forward-mode AD `apply` runs: these Functions have no jvp, so a dual
     input raises where the forward alone would drop its tangent without a word."""
     if builds_no_graph():
         return function.forward(_NoGraph(), *args)
