@@ -242,9 +242,10 @@ class DepthStream(ResidualStream):
         """A consumer's mix of stacked copies (`stacked_from`) whose leading sources every copy shares, each copy
         with its own logit bias (a knockout), reading the shared sources once for all copies
         (`cpu_fused.depth_attention_copies_cpu`), as `_one_pass` returns it (with `norm`, `(h, norm(h))`, the norm
-        fused unless something watches it); None where the one-pass mix must run: a gradient, a hook that watches
-        the mix (`observed`) or the module, a window, another backend, or a shared source since replaced."""
-        if (torch.is_grad_enabled() or self.window is not None or not module.fusable or module.observed()
+        fused unless something watches it); None where the one-pass mix must run: an autograd that could see it
+        (`builds_no_graph`), a hook that watches the mix (`observed`) or the module, a window, another backend, or
+        a shared source since replaced."""
+        if (not builds_no_graph() or self.window is not None or not module.fusable or module.observed()
                 or module_hooked(module)):
             return None
         sources = self.sources()
@@ -309,7 +310,7 @@ class DepthStream(ResidualStream):
         queries = torch.stack([member.query for member in members])
         gains = torch.stack([member.key_norm.w for member in members])
         stats = None
-        if backend == "cpu" and self._copies is not None and self.window is None and not needs_grad:
+        if backend == "cpu" and self._copies is not None and self.window is None and builds_no_graph():
             stats = self._phase1_over_copies(shared, queries, gains, module.key_norm.eps)
         if stats is None:
             stats = block_phase1(shared, queries, gains, module.key_norm.eps, backend=backend)

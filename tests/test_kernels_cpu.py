@@ -463,7 +463,7 @@ def test_causal_attention_kernel_refuses_what_it_cannot_run():
         cpu_fused.causal_attention_cpu(x, x, x.bfloat16(), 1.0)
     with pytest.raises(ValueError, match=r"must agree in shape and dtype, got \[2, 3, 4, 8\] torch.float32 and k"):
         cpu_fused.causal_attention_cpu(x, x[:, :2], x, 1.0)
-    with pytest.raises(ValueError, match="has no backward, but q requires a gradient"):
+    with pytest.raises(ValueError, match="has no derivative, but q requires a gradient"):
         cpu_fused.causal_attention_cpu(x.clone().requires_grad_(), x, x, 1.0)
     with torch.no_grad():  # no gradient is needed there
         cpu_fused.causal_attention_cpu(x.clone().requires_grad_(), x, x, 1.0)
@@ -594,6 +594,35 @@ def test_a_prior_for_one_copy_of_a_stacked_batch_serves_every_copy(many_threads,
     assert_close(lse, expected_lse, dtype)
 
 
+def test_kernels_without_a_jvp_refuse_a_forward_mode_tangent_instead_of_dropping_it():
+    """Inside a forward-mode AD level (even without grad mode) a tangent on an operand of a C kernel that has no
+    jvp raises; before, the multi-query mix and the C attention returned their outputs without it. Operands
+    without a tangent there still run, with the values they have outside the level."""
+    from attnres_lens.kernels.backends import attention_runs_cpu_kernel
+
+    sources, query, gain = make_inputs(3, (2, 5), 8, torch.float64)
+    folded = torch.stack([query * gain, gain])
+    x = torch.randn(2, 65, 4, 16, dtype=torch.float64)
+    shared, stacked, q, g, bias = _copies_inputs((3, 2, 8, 16, 2, 1), torch.float64)
+    plain_mix, plain_lse = cpu_fused.depth_attention_multi_cpu(sources, folded, 1e-6)
+    for grad_mode in (False, True):
+        with torch.set_grad_enabled(grad_mode), forward_ad.dual_level():
+            dual = forward_ad.make_dual(sources[0], torch.ones_like(sources[0]))
+            with pytest.raises(NotImplementedError, match="jvp"):
+                cpu_fused.depth_attention_multi_cpu([dual, *sources[1:]], folded, 1e-6)
+            with pytest.raises(NotImplementedError, match="jvp"):
+                cpu_fused.depth_attention_multi_cpu(sources, forward_ad.make_dual(folded, folded), 1e-6)
+            mix, lse = cpu_fused.depth_attention_multi_cpu(sources, folded, 1e-6)  # no tangent: as outside
+            assert torch.equal(mix, plain_mix) and torch.equal(lse, plain_lse)
+            dual_x = forward_ad.make_dual(x, torch.ones_like(x))
+            with pytest.raises(ValueError, match="carries a forward-mode tangent"):
+                cpu_fused.causal_attention_cpu(x, dual_x, x, 1.0)
+            assert not attention_runs_cpu_kernel("cpu", x, x, dual_x)  # the model's attention takes SDPA there
+            with pytest.raises(ValueError, match="no backward or forward-mode derivative"):
+                cpu_fused.depth_attention_copies_cpu([forward_ad.make_dual(shared[0], shared[0]), shared[1]],
+                                                     stacked, 3, q, g, 1e-6)
+
+
 def test_a_prior_that_covers_no_whole_copy_is_refused():
     sources, query, gain = make_inputs(3, (6, 5), 8)
     folded = (query * gain)[None]
@@ -674,7 +703,7 @@ def test_stacked_copies_refuse_what_they_cannot_mix():
         run(shared, stacked, 3, query, gain, 1e-6, bias[..., :2])
     with pytest.raises(ValueError, match="fp32/fp64 CPU sources, got torch.bfloat16"):
         run([shared[0].bfloat16(), shared[1]], stacked, 3, query, gain, 1e-6)
-    with pytest.raises(ValueError, match="no backward.*no_grad"):
+    with pytest.raises(ValueError, match="no backward or forward-mode derivative.*no_grad"):
         run(shared, stacked, 3, query.clone().requires_grad_(), gain, 1e-6)
     with pytest.raises(ValueError, match=r"query must have shape \[16\]"):  # the C kernel would read past it
         run(shared, stacked, 3, query[:3], gain, 1e-6)

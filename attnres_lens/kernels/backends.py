@@ -125,12 +125,13 @@ MAX_CPU_ATTENTION_KEYS = 1 << 11
 
 def attention_runs_cpu_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a layer's causal attention runs the C kernel (`cpu_fused.causal_attention_cpu`): where its
-    elementwise ops do, no gradient flows through q, k or v (the kernel has no backward), a head's keys fit in
-    `MAX_CPU_ATTENTION_KEYS` values, and its (batch, head) pairs can keep torch's threads busy (they are what it
-    splits over torch's OpenMP pool; a build without OpenMP runs them on one thread, so only at one torch thread)."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return False
-    if not elementwise_runs_cpu_kernel(backend, q, k, v) or q.dim() != 4:
+    elementwise ops do, no gradient or forward-mode tangent flows through q, k or v (the kernel has neither), a
+    head's keys fit in `MAX_CPU_ATTENTION_KEYS` values, and its (batch, head) pairs can keep torch's threads busy
+    (they are what it splits over torch's OpenMP pool; a build without OpenMP runs them on one thread, so only at
+    one torch thread)."""
+    from attnres_lens.kernels.cpu_fused import cpu_library, needs_autograd
+
+    if needs_autograd(q, k, v) or not elementwise_runs_cpu_kernel(backend, q, k, v) or q.dim() != 4:
         return False
     batch, pos, heads, d_head = q.shape
     if pos * d_head > MAX_CPU_ATTENTION_KEYS:
@@ -138,8 +139,6 @@ def attention_runs_cpu_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v:
     threads = torch.get_num_threads()
     if threads == 1:
         return True
-    from attnres_lens.kernels.cpu_fused import cpu_library
-
     return cpu_library(q.dtype).thread_pool and batch * heads >= threads
 
 

@@ -206,10 +206,24 @@ class _NoGraph:
         pass
 
 
+def forward_ad_open() -> bool:
+    """Whether a forward-mode AD level is open: inside one, a Function is asked for its jvp even without grad mode,
+    and a tensor may carry a tangent."""
+    return forward_ad._current_level >= 0  # -1 outside every dual level
+
+
 def builds_no_graph() -> bool:
-    """Whether no autograd can see this call: grad mode off and no forward-mode AD level open (inside one, a
-    Function is asked for its jvp even without grad mode, and a tensor may carry a tangent)."""
-    return not torch.is_grad_enabled() and forward_ad._current_level < 0  # -1 outside every dual level
+    """Whether no autograd can see this call: grad mode off and no forward-mode AD level open."""
+    return not torch.is_grad_enabled() and not forward_ad_open()
+
+
+def needs_autograd(*tensors: torch.Tensor) -> bool:
+    """Whether an autograd needs a derivative through a call on ``tensors``: grad mode on and one of them requires
+    a gradient, or a forward-mode AD level open and one of them carries a tangent. A kernel without a derivative
+    refuses them (or hands them to a Function, whose missing jvp raises) rather than drop the tangent."""
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors):
+        return True
+    return forward_ad_open() and any(forward_ad.unpack_dual(tensor).tangent is not None for tensor in tensors)
 
 
 def _apply(function: type[torch.autograd.Function], *args):
@@ -669,7 +683,8 @@ def depth_attention_multi_cpu(
     With a gradient (grad mode on and a source, a query or the prior needing one) the mix has a C backward, and
     ``mix`` and ``lse`` come as tuples of Q tensors ``[..., D]`` and ``[...]``, one per query: each consumer's
     gradient then reaches its own part alone. A source seen through `share_gradient` gets its gradient summed
-    in its shared buffer, as the one-pass mix does.
+    in its shared buffer, as the one-pass mix does. A forward-mode tangent on an operand raises (the C mix has no
+    jvp) rather than being dropped.
 
     Without a gradient the prior may also cover one copy of a batch the sources stack k times along their first
     dim (``mix [Q, B, ..., D]`` for sources ``[k * B, ..., D]``): each copy then takes that one prior, which was
@@ -677,8 +692,7 @@ def depth_attention_multi_cpu(
     first = sources[0]
     if first.device.type != "cpu":
         raise ValueError(f"the cpu backend needs CPU tensors, got tensors on {first.device}; use backend='auto'")
-    tensors = [*sources, folded_queries, *(prior or ())]
-    needs_grad = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
+    needs_grad = needs_autograd(*sources, folded_queries, *(prior or ()))  # a tangent reaches the Function: raises
     lead, d_model = first.shape[:-1], first.shape[-1]
     if folded_queries.dim() != 2 or folded_queries.shape[1] != d_model:
         raise ValueError(f"folded_queries must be [n_queries, {d_model}] (the sources' last dim), got "
@@ -748,9 +762,9 @@ def depth_attention_copies_cpu(shared: list[torch.Tensor], stacked: list[torch.T
     for name, vector in vectors:
         check_vector(name, vector, d_model, copy.device)
     parameters = [query, key_norm_weight, *(() if bias is None else (bias,)), *(norm[:1] if norm else ())]
-    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in [*sources, *parameters]):
-        raise ValueError("depth_attention_copies_cpu has no backward; run it under torch.no_grad(), or mix "
-                         "with depth_attention for a gradient")
+    if needs_autograd(*sources, *parameters):
+        raise ValueError("depth_attention_copies_cpu has no backward or forward-mode derivative; run it under "
+                         "torch.no_grad() on tensors without tangents, or mix with depth_attention for a gradient")
     stacked_shape = (n_copies * copy.shape[0], *copy.shape[1:])
     if any(x.shape != copy.shape for x in shared) or any(x.shape != stacked_shape for x in stacked):
         raise ValueError(f"shared sources must each be one copy {list(copy.shape)} and stacked ones "
@@ -947,7 +961,7 @@ def causal_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     """Causal softmax attention without a gradient: `softmax(q kᵀ · scale, causal) v` per batch row and head, for
     fp32/fp64 CPU tensors [batch, pos, heads, d_head] (the model's layout), output in the same layout; equals
     `F.scaled_dot_product_attention(..., is_causal=True)` on the transposed tensors (docs/kernels.md §2). For
-    inference and exact interventions: it refuses tensors that require a gradient."""
+    inference and exact interventions: it refuses tensors that require a gradient or carry a tangent."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.device.type != "cpu" or x.dtype not in _REAL_TYPES or x.dim() != 4:
             raise ValueError(f"causal_attention_cpu needs 4-D fp32/fp64 CPU tensors, got {name} {x.dim()}-D "
@@ -955,9 +969,10 @@ def causal_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         if x.shape != q.shape or x.dtype != q.dtype:
             raise ValueError(f"q, k and v must agree in shape and dtype, got {list(q.shape)} {q.dtype} and {name} "
                              f"{list(x.shape)} {x.dtype}")
-        if x.requires_grad and torch.is_grad_enabled():
-            raise ValueError(f"causal_attention_cpu has no backward, but {name} requires a gradient; use "
-                             "F.scaled_dot_product_attention, or run under torch.no_grad()")
+        if needs_autograd(x):
+            raise ValueError(f"causal_attention_cpu has no derivative, but {name} requires a gradient or carries a "
+                             "forward-mode tangent; use F.scaled_dot_product_attention, or run under "
+                             "torch.no_grad() without tangents")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     batch, pos, heads, d_head = q.shape
     out = new_output(q.shape, q.dtype, q.device)
