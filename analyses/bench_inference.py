@@ -1,6 +1,6 @@
 """Forward-only (inference) latency on the CPU relative to the standard model, without hooks and with a no-op hook
-on every depth-weight point (what reading α costs without a gradient: the hooks fire on the C kernel's weights, and
-the readable mix runs only where a hook edits them) (issue 15).
+on every depth-weight point (what reading α costs without a gradient: the hooks fire on the C kernel's weights,
+then a second C pass mixes the sources as the hooks left them) (issue 15).
 
 One process, one torch thread, freed memory kept for reuse as the commands run (`cpu_settings`), models built up
 front and run interleaved under `torch.no_grad()`, medians over repeats; the shapes of `bench_cpu_step` and a wide
@@ -174,7 +174,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         f"`{command_line()}`; {args.repeats} interleaved rounds of forward passes under no_grad: times are "
         "medians, × standard the median over rounds of the ratio within the round. "
         "`hooked`: a no-op hook on every `hook_weights` point (as when reading α without a gradient: the hooks fire on "
-        "the C kernel's weights, `DepthAttention._watched_kernel_mix`).",
+        "the C kernel's weights, then a second C pass mixes the sources as the hooks left them, "
+        "`DepthAttention._watched_kernel_mix`).",
         "",
         "| shape | variant | forward (ms) | × standard | hooked (ms) | hooked × standard |",
         "|---|---|---|---|---|---|",

@@ -378,8 +378,8 @@ class DepthAttention(nn.Module):
     With the default options and nothing hooked on the logits or weights, the mix runs through the fused
     `kernels.depth_attention` (`backend`), which never materialises α; a hook there (or any option) takes the
     readable path, whose every step a hook can see, edit and differentiate. A bias that needs a gradient does too.
-    Without a gradient on the C kernel the hooks fire on the kernel's logits and weights instead, and the
-    readable mix runs only where they edit them (`_watched_kernel_mix`).
+    Without a gradient on the C kernel the hooks fire on the kernel's logits and weights instead, and a second C
+    pass (or, where they edited them, the readable mix) mixes the sources after them (`_watched_kernel_mix`).
     """
 
     def __init__(self, d_model: int, eps: float, backend: str = "auto", score: str = "softmax", key_norm: bool = True,
@@ -443,22 +443,24 @@ class DepthAttention(nn.Module):
 
     def _watched_kernel_mix(self, sources: list[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
         """The readable path's hooks, fired on the C kernel's logits (bias added) and weights where no autograd
-        sees the call (inference, the analyses' reads of α, `run_with_cache` under no_grad): the kernel's mix is
-        returned where the hooks left both as they were and no source changed (a hook may edit one it kept), else
-        the mix goes on from the hooked tensors as the readable path's does. The kernel computes the same logits
-        and softmax in the same dtype, to rounding, and its one pass replaces the readable path's ~4S (a small
-        Full model's hooked forward: 1.21x the standard one, not 1.59x; docs/kernels.md §11)."""
-        h, weights, logits = depth_attention(sources, self.query, self.key_norm.w, self.key_norm.eps, backend="cpu",
+        sees the call (inference, the analyses' reads of α, `run_with_cache` under no_grad); the mix then runs
+        after them, from what they left, as the readable path's does. Left as they were (same dtype and values),
+        the logits go back into the C kernel as its logit bias with a zero query (softmax(0 + z) is the same α),
+        a second one-pass mix that reads the sources as the hooks left them: an edit of a source in place,
+        through `.data` or a NumPy view (which no version counter sees) takes effect there too. Edited, the mix
+        goes on from the hooked tensors in PyTorch. The kernel computes the same logits and softmax in the same
+        dtype, to rounding; its two passes replace the readable path's ~4S (docs/kernels.md §11)."""
+        _, weights, logits = depth_attention(sources, self.query, self.key_norm.w, self.key_norm.eps, backend="cpu",
                                              return_weights=True, return_logits=True, logit_bias=bias)
-        versions = [source._version for source in sources]
         # each hook gets a contiguous copy of its own, in the readable path's layout, held against the kernel's
         seen = self.hook_logits(logits.clone(memory_format=torch.contiguous_format))
         if not _unchanged(seen, logits):
             return self._mix_from_logits(seen, sources)
         seen = self.hook_weights(weights.clone(memory_format=torch.contiguous_format))
-        if _unchanged(seen, weights) and versions == [source._version for source in sources]:
-            return h
-        return mix_sources(seen, sources)
+        if not _unchanged(seen, weights):
+            return mix_sources(seen, sources)
+        return depth_attention(sources, torch.zeros_like(self.query), self.key_norm.w, self.key_norm.eps,
+                               backend="cpu", logit_bias=logits)
 
     def mix_and_norm(self, sources: list[torch.Tensor], norm: RMSNorm, keep_h: bool = True
                      ) -> tuple[Optional[torch.Tensor], torch.Tensor]:

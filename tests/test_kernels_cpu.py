@@ -621,6 +621,9 @@ def test_kernels_without_a_jvp_refuse_a_forward_mode_tangent_instead_of_dropping
             with pytest.raises(ValueError, match="no backward or forward-mode derivative"):
                 cpu_fused.depth_attention_copies_cpu([forward_ad.make_dual(shared[0], shared[0]), shared[1]],
                                                      stacked, 3, q, g, 1e-6)
+            one_copy = (plain_mix[:, :1], plain_lse[:, :1])  # a prior for the first of two stacked copies
+            with pytest.raises(ValueError, match="one copy of stacked sources .*forward-mode derivative"):
+                cpu_fused.depth_attention_multi_cpu([dual, *sources[1:]], folded, 1e-6, prior=one_copy)
 
 
 def test_a_prior_that_covers_no_whole_copy_is_refused():

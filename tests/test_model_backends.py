@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import pytest
 import torch
@@ -475,7 +476,9 @@ def test_a_watched_kernel_mix_serves_a_cache_and_a_source_a_hook_edits(block_siz
     """Without a gradient, `run_with_cache` (which hooks every point, the logit bias too) reads every consumer's
     logits and weights from the C kernel, equal to the reference backend's; a hook on the weights that edits a
     source it kept (the first sublayer's output, zeroed while the second consumer reads it) reaches the mix as on
-    the readable path, which mixes after its hooks; under forward-mode AD the readable path runs."""
+    the readable path, which mixes after its hooks, whether it edits in place or through `.data` or a NumPy view
+    (which no version counter sees); under inference mode as under no_grad; under forward-mode AD the readable
+    path runs."""
     base = HookedTransformer(small_config("attnres", block_size, depth_attention_backend="cpu", dtype=torch.float64))
     randomize_depth_parameters(base)
     reference = HookedTransformer(dataclasses.replace(base.cfg, depth_attention_backend="reference"))
@@ -495,20 +498,33 @@ def test_a_watched_kernel_mix_serves_a_cache_and_a_source_a_hook_edits(block_siz
     for name in depth_points:
         torch.testing.assert_close(cache[name], expected_cache[name], rtol=1e-10, atol=1e-12)
 
-    def zero_kept_output(model: HookedTransformer) -> torch.Tensor:
+    def zero_kept_output(model: HookedTransformer, zero: Callable[[torch.Tensor], None]) -> torch.Tensor:
         kept = []
 
         def zero_it(weights, hook):  # returns None: the weights stay as they are
-            kept[0].zero_()
+            zero(kept[0])
 
         hooks = [("blocks.0.hook_attn_out", lambda x, hook: kept.append(x)),
                  ("blocks.0.mlp_res.hook_weights", zero_it)]  # consumer 1 reads f0 itself
         return model.run_with_hooks(tokens, fwd_hooks=hooks)
 
-    with torch.no_grad():
-        edited, expected_edited = zero_kept_output(base), zero_kept_output(reference)
+    def numpy_zero(x: torch.Tensor) -> None:
+        x.numpy()[...] = 0
+
+    for zero in (torch.Tensor.zero_, lambda x: x.data.zero_(), numpy_zero):
+        with torch.no_grad():
+            edited, expected_edited = zero_kept_output(base, zero), zero_kept_output(reference, zero)
+        torch.testing.assert_close(edited, expected_edited, rtol=1e-10, atol=1e-12)
+        assert not torch.allclose(edited, got, atol=1e-6)
+    calls = len(kernel_calls)
+    with torch.inference_mode():  # inference tensors: no version counters, and none needed
+        inferred, inferred_cache = base.run_with_cache(tokens)
+        edited = zero_kept_output(base, torch.Tensor.zero_)
+    assert len(kernel_calls) == calls + len(base.depth_attention_modules()) + 1
+    torch.testing.assert_close(inferred, expected, rtol=1e-10, atol=1e-12)
+    for name in depth_points:
+        torch.testing.assert_close(inferred_cache[name], expected_cache[name], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(edited, expected_edited, rtol=1e-10, atol=1e-12)
-    assert not torch.allclose(edited, got, atol=1e-6)
     calls = len(kernel_calls)
     with torch.no_grad(), forward_ad.dual_level():
         base.run_with_cache(tokens)

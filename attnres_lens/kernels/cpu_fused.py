@@ -714,7 +714,8 @@ def depth_attention_multi_cpu(
         prior_tokens = n_tokens // copies if copies else n_tokens  # no tokens: nothing is read
         if needs_grad and prior_tokens != n_tokens:
             raise ValueError(f"a prior over one copy of stacked sources ({prior_mix.shape[1]} of {first.shape[0]} "
-                             "rows) has no backward; run it under torch.no_grad(), or give the prior for every row")
+                             "rows) has no backward or forward-mode derivative; run it under torch.no_grad() on "
+                             "tensors without tangents, or give the prior for every row")
         prior = prior_mix.to(compute).reshape(n_queries, prior_tokens, d_model).contiguous(), \
             prior_lse.to(compute).reshape(n_queries, prior_tokens).contiguous()
     if not needs_grad:
