@@ -1436,3 +1436,8 @@ def test_without_grad_mode_every_eager_kernel_gives_the_same_bits_and_builds_no_
         with pytest.raises(NotImplementedError):
             cpu_fused.rms_norm_cpu(dual, norm_weight, 1e-5)
     assert applied == ["_EagerRMSNorm"]
+    # under a torch.func transform too: its error names what the Function lacks, where the forward alone would
+    # fail on a wrapped tensor's missing storage
+    with torch.no_grad(), pytest.raises(RuntimeError, match="functorch transforms"):
+        torch.func.vmap(lambda x: cpu_fused.rms_norm_cpu(x, norm_weight, 1e-5))(sources[0])
+    assert applied == ["_EagerRMSNorm"] * 2

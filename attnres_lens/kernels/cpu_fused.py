@@ -213,8 +213,11 @@ def forward_ad_open() -> bool:
 
 
 def builds_no_graph() -> bool:
-    """Whether no autograd can see this call: grad mode off and no forward-mode AD level open."""
-    return not torch.is_grad_enabled() and not forward_ad_open()
+    """Whether no autograd can see this call: grad mode off, no forward-mode AD level open and no torch.func
+    transform (vmap, grad, jvp) active, whose wrapped tensors a C kernel cannot read: there the Function is
+    applied, and torch.func's own error names what it lacks."""
+    return (not torch.is_grad_enabled() and not forward_ad_open()
+            and not torch._C._are_functorch_transforms_active())
 
 
 def needs_autograd(*tensors: torch.Tensor) -> bool:
