@@ -459,8 +459,13 @@ class DepthAttention(nn.Module):
         seen = self.hook_weights(weights.clone(memory_format=torch.contiguous_format))
         if not _unchanged(seen, weights):
             return mix_sources(seen, sources)
-        return depth_attention(sources, torch.zeros_like(self.query), self.key_norm.w, self.key_norm.eps,
-                               backend="cpu", logit_bias=logits)
+        h = depth_attention(sources, torch.zeros_like(self.query), self.key_norm.w, self.key_norm.eps,
+                            backend="cpu", logit_bias=logits)
+        if not bool(h.sum().isfinite()):
+            # an inf or NaN a hook wrote into a source spreads over its token through the key norm the second
+            # pass recomputes (0 · NaN); the readable mix confines it to its channel, as the readable path does
+            return mix_sources(weights, sources)
+        return h
 
     def mix_and_norm(self, sources: list[torch.Tensor], norm: RMSNorm, keep_h: bool = True
                      ) -> tuple[Optional[torch.Tensor], torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable
 
 import pytest
@@ -516,6 +517,28 @@ def test_a_watched_kernel_mix_serves_a_cache_and_a_source_a_hook_edits(block_siz
             edited, expected_edited = zero_kept_output(base, zero), zero_kept_output(reference, zero)
         torch.testing.assert_close(edited, expected_edited, rtol=1e-10, atol=1e-12)
         assert not torch.allclose(edited, got, atol=1e-6)
+
+    def mix_after_a_poisoned_channel(model: HookedTransformer, value: float, prompt: torch.Tensor) -> torch.Tensor:
+        """Consumer 2's input after a hook on its weights wrote `value` into one channel of a source it reads."""
+        kept, mixed = [], []
+
+        def poison(weights, hook):  # returns None: the weights stay as they are
+            kept[0][0, 2, 5] = value
+
+        hooks = [("blocks.0.hook_attn_out", lambda x, hook: kept.append(x)), ("blocks.1.attn_res.hook_weights", poison),
+                 ("blocks.1.hook_resid_pre", lambda h, hook: mixed.append(h.clone()))]
+        model.run_with_hooks(prompt, fwd_hooks=hooks)
+        return mixed[0]
+
+    # the value stays in its channel, as on the readable path (the C kernel's key norm would spread it over the
+    # token): with 5 tokens (part of a tile) and 18
+    for value, prompt in itertools.product((float("inf"), float("nan")), (torch.arange(5)[None], tokens)):
+        with torch.no_grad():
+            poisoned = mix_after_a_poisoned_channel(base, value, prompt)
+            expected_poisoned = mix_after_a_poisoned_channel(reference, value, prompt)
+        if block_size == 1:  # Block AttnRes reads layer 0's sum, taken before the edit
+            assert poisoned[0, 2].isfinite().sum() == poisoned.shape[-1] - 1
+        torch.testing.assert_close(poisoned, expected_poisoned, rtol=1e-10, atol=1e-12, equal_nan=True)
     calls = len(kernel_calls)
     with torch.inference_mode():  # inference tensors: no version counters, and none needed
         inferred, inferred_cache = base.run_with_cache(tokens)
