@@ -363,3 +363,11 @@ def test_attribute_runs_on_an_attnres_option_and_analysis_out_is_never_a_run(tmp
     for command in ("attribute", "prune"):
         assert cli_main([command, str(run), "--samples", "3", "--out", str(run), "--no-progress"]) == 2
         assert "is a run directory" in capsys.readouterr().err
+    # inside a run only its analysis folder: records/ holds tables an output could replace (depth_weights)
+    records = {path.name: path.read_bytes() for path in (run / "records").iterdir()}
+    for inside in (run / "records", run / "checkpoints" / "new"):
+        assert cli_main(["analyze", str(run), "--samples", "3", "--out", str(inside), "--no-progress"]) == 2
+        assert "is inside the run directory" in capsys.readouterr().err
+    assert {path.name: path.read_bytes() for path in (run / "records").iterdir()} == records and not (run / "checkpoints" / "new").exists()
+    assert cli_main(["analyze", str(run), "--samples", "3", "--out", str(run / "analysis" / "again"),
+                     "--no-progress"]) == 0

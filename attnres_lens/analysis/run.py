@@ -95,14 +95,24 @@ def _check_fits(model: HookedTransformer, batch: Batch) -> None:
 
 
 def _check_out(out: Optional[PathLike]) -> None:
-    """Before any work: an output folder given as `--out` may be missing (it is created) but not a file, and not
-    the root of a run directory (the outputs would sit beside its config.json)."""
+    """Before any work: an output folder given as `--out` may be missing (it is created) but not a file, not the
+    root of a run directory (the outputs would sit beside its config.json), and inside a run only its analysis/
+    folder (a table named like a record, `depth_weights`, would replace records/depth_weights.parquet)."""
     if out is None:
         return
-    if Path(out).exists() and not Path(out).is_dir():
+    path = Path(out)
+    if path.exists() and not path.is_dir():
         raise ValueError(f"--out {out} is a file; give a folder (it is created if missing)")
-    if RunDir(out).holds_run():
-        raise ValueError(f"--out {out} is a run directory; give a folder for the outputs, e.g. {Path(out) / 'analysis'}")
+    if RunDir(path).holds_run():
+        raise ValueError(f"--out {out} is a run directory; give a folder for the outputs, e.g. {path / 'analysis'}")
+    resolved = path.resolve()
+    for folder in resolved.parents:
+        if RunDir(folder).holds_run():
+            analysis = RunDir(folder).analysis_dir.resolve()
+            if resolved != analysis and analysis not in resolved.parents:
+                raise ValueError(f"--out {out} is inside the run directory {folder}, where outputs go to its "
+                                 f"analysis folder only; give {analysis} or a folder outside the run")
+            return
 
 
 def output_dir(run: Run, out: Optional[PathLike]) -> Path:
