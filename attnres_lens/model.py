@@ -226,8 +226,8 @@ class HookedTransformer(HookedRootModule):
 
     def _two_phase_consumers(self, device: torch.device) -> Optional[list[DepthAttention]]:
         """The consumers a stream may mix two-phase (kernels.backends.model_runs_two_phase): Block AttnRes under
-        Triton, and Full AttnRes on the C kernel (the stream decides per window). The ablation options (and a sliding window, whose sources differ per consumer) mix one sublayer
-        at a time."""
+        Triton, and Full AttnRes on the C kernel (the stream decides per window). The ablation options (and a
+        sliding window, whose sources differ per consumer) mix one sublayer at a time."""
         if (self.cfg.attnres_options
                 or not model_runs_two_phase(self.cfg.attnres_block_size, self.cfg.depth_attention_backend, device)):
             return None

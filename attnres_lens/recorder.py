@@ -141,7 +141,8 @@ def prefix_matching_score(pattern: torch.Tensor, half_len: int) -> torch.Tensor:
 
 
 def parameter_blocks(model: HookedTransformer) -> dict[str, list[torch.nn.Parameter]]:
-    """Parameters grouped by top-level block: 'embed', 'blocks.0', …, 'final_res', 'ln_final', 'unembed'."""
+    """Parameters grouped by top-level block: 'embed', 'blocks.0', …, 'final_res' / 'final_hc', 'ln_final',
+    'unembed'."""
     groups: dict[str, list[torch.nn.Parameter]] = defaultdict(list)
     for name, param in model.named_parameters():
         parts = name.split(".")

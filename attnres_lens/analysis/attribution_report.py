@@ -87,7 +87,8 @@ def attribution_tables(model: HookedTransformer, batch: Batch, prompt: torch.Ten
         stages += [
             ("edge attribution (one forward and backward pass)", lambda t: t.update(
                 edge_attribution=edge_attribution(model, batch),
-                **({"edge_attribution_corrupted": edge_attribution(model, batch, corrupted=batch.tokens.roll(1, dims=0))}
+                **({"edge_attribution_corrupted": edge_attribution(model, batch,
+                                                                   corrupted=batch.tokens.roll(1, dims=0))}
                    if patchable else {}))),
             ("exact knockouts (causal routing)", lambda t: t.update(routing=causal_routing(model, batch))),
             ("routing audit (bootstrap over sequences, null schedules)", lambda t: t.update(
