@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from analyses.common import command_line, emit_report, machine_info
+from analyses.common import BENCH_VOCAB, command_line, emit_report, machine_info, model_dims_and_tokens
 from attnres_lens import HookedTransformer, ModelConfig, adamw
 
 SHAPE = dict(n_layers=4, d_model=128, n_heads=4, n_ctx=64, batch=12)
@@ -49,11 +49,9 @@ class Stepper:
 
 def build(overrides: dict, shape: dict, backend: str) -> tuple[Stepper, Stepper, float]:
     """(eager stepper, compiled stepper, seconds the first compiled step took)."""
-    shape = dict(shape)
-    batch = shape.pop("batch")
-    eager = HookedTransformer(ModelConfig(d_vocab=256, seed=0, **shape, **overrides))
+    shape, tokens = model_dims_and_tokens(shape)
+    eager = HookedTransformer(ModelConfig(d_vocab=BENCH_VOCAB, seed=0, **shape, **overrides))
     compiled_model = copy.deepcopy(eager)
-    tokens = torch.randint(0, 256, (batch, shape["n_ctx"]), generator=torch.Generator().manual_seed(0))
     compiled_loss = torch.compile(lambda t: compiled_model(t, return_type="loss"), fullgraph=True, backend=backend)
     compiled = Stepper(compiled_model, tokens, compiled_loss)
     compile_seconds = compiled.step()

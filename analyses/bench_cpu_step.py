@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from analyses.common import command_line, emit_report, machine_info, within_rounds
+from analyses.common import BENCH_VOCAB, command_line, emit_report, machine_info, model_dims_and_tokens, within_rounds
 from attnres_lens import HookedTransformer, ModelConfig, adamw, cpu_settings
 
 SHAPES = {
@@ -54,12 +54,9 @@ class Stepper:
     """One model + optimiser + fixed batch; `step()` times a full training step."""
 
     def __init__(self, shape: dict, overrides: dict, eager: bool):
-        shape = dict(shape)
-        batch = shape.pop("batch")
-        cfg = ModelConfig(d_vocab=256, seed=0, **shape, **overrides)
-        self.model = HookedTransformer(cfg)
+        shape, self.tokens = model_dims_and_tokens(shape)
+        self.model = HookedTransformer(ModelConfig(d_vocab=BENCH_VOCAB, seed=0, **shape, **overrides))
         self.optimizer = adamw(self.model, 1e-4, 0.1)
-        self.tokens = torch.randint(0, cfg.d_vocab, (batch, cfg.n_ctx), generator=torch.Generator().manual_seed(0))
         if eager:  # a no-op hook on each depth-weight point makes the model take its readable path
             for name, hook in self.model.hook_dict.items():
                 if name.endswith("hook_weights"):

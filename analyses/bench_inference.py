@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from analyses.bench_cpu_step import SHAPES
-from analyses.common import command_line, emit_report, machine_info, within_rounds
+from analyses.common import BENCH_VOCAB, command_line, emit_report, machine_info, model_dims_and_tokens, within_rounds
 from analyses.kernel_traffic import DEPTH_MIX_KERNELS, copy_bandwidth, counted_calls
 from attnres_lens import HookedTransformer, ModelConfig, components, cpu_settings
 from attnres_lens.kernels.backends import attention_runs_cpu_kernel
@@ -104,11 +104,9 @@ def attention_kernel(enabled: bool) -> Iterator[None]:
 def attention_rows(shapes: dict[str, dict], repeats: int) -> list[str]:
     rows = []
     for shape_name, shape in shapes.items():
-        shape = dict(shape)
-        batch = shape.pop("batch")
-        tokens = torch.randint(0, 256, (batch, shape["n_ctx"]), generator=torch.Generator().manual_seed(0))
+        shape, tokens = model_dims_and_tokens(shape)
         for name in ("standard", "full"):
-            model = HookedTransformer(ModelConfig(d_vocab=256, seed=0, **shape, **VARIANTS[name]))
+            model = HookedTransformer(ModelConfig(d_vocab=BENCH_VOCAB, seed=0, **shape, **VARIANTS[name]))
             times: dict[bool, list[float]] = {True: [], False: []}
             with torch.no_grad():
                 for _ in range(repeats + 2):  # two warm-up rounds
@@ -182,12 +180,10 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     ]
     excess_lines = []
     for shape_name in args.shapes:
-        shape = dict(INFERENCE_SHAPES[shape_name])
-        batch = shape.pop("batch")
-        tokens = torch.randint(0, 256, (batch, shape["n_ctx"]), generator=torch.Generator().manual_seed(0))
+        shape, tokens = model_dims_and_tokens(INFERENCE_SHAPES[shape_name])
         models = {}
         for name, overrides in VARIANTS.items():
-            plain = HookedTransformer(ModelConfig(d_vocab=256, seed=0, **shape, **overrides))
+            plain = HookedTransformer(ModelConfig(d_vocab=BENCH_VOCAB, seed=0, **shape, **overrides))
             hooked = HookedTransformer(plain.cfg)
             hooked.load_state_dict(plain.state_dict())
             record_weights(hooked)

@@ -1,7 +1,7 @@
 """The eager C kernels without grad mode: their forward alone against `autograd.Function.apply` (docs/kernels.md §11).
 
-Where no autograd can see a call (`cpu_fused.builds_no_graph`) the eager wrappers run a Function's forward without
-building a node (`cpu_fused._apply`). This times the same calls both ways in one process, interleaved in shuffled
+Where no autograd can see a call (`kernels._common.builds_no_graph`) the eager wrappers run a Function's forward
+without building a node (`cpu_fused._apply`). This times the same calls both ways in one process, interleaved in shuffled
 rounds (`bench_cpu_kernels.interleaved`), one torch thread, under `torch.no_grad()`: one consumer's fused depth mix
 with its pre-norm (`fused_mix_and_norm`, a batch of calls per round), and whole forward passes of `bench_cpu_step`'s
 small models. `with the node` patches `cpu_fused._apply` to always apply the Function, as the code before did.
@@ -22,7 +22,7 @@ import torch
 
 from analyses.bench_cpu_kernels import interleaved
 from analyses.bench_cpu_step import SHAPES
-from analyses.common import command_line, emit_report, machine_info
+from analyses.common import BENCH_VOCAB, command_line, emit_report, machine_info, model_dims_and_tokens
 from attnres_lens import HookedTransformer, ModelConfig, cpu_settings
 from attnres_lens.kernels import cpu_fused
 
@@ -74,11 +74,9 @@ def consumer_rows(shapes: list[tuple[int, int, int]], repeats: int) -> list[str]
 def forward_rows(shapes: dict[str, dict], repeats: int) -> list[str]:
     rows = []
     for shape_name, shape in shapes.items():
-        shape = dict(shape)
-        batch = shape.pop("batch")
-        tokens = torch.randint(0, 256, (batch, shape["n_ctx"]), generator=torch.Generator().manual_seed(0))
+        shape, tokens = model_dims_and_tokens(shape)
         for name, overrides in VARIANTS.items():
-            model = HookedTransformer(ModelConfig(d_vocab=256, seed=0, **shape, **overrides))
+            model = HookedTransformer(ModelConfig(d_vocab=BENCH_VOCAB, seed=0, **shape, **overrides))
             times = interleaved(both_ways(lambda: model(tokens)), repeats)
             rows.append(f"| {shape_name} | {name} | {times.ms('as shipped'):.2f} | {times.ms('with the node'):.2f} | "
                         f"{times.ratio('as shipped', 'with the node'):.3f} |")

@@ -31,6 +31,17 @@ class Job:
     overrides: tuple[str, ...] = ()
 
 
+BENCH_VOCAB = 256  # the benchmarks' models: d_vocab, and the range of their token batch
+
+
+def model_dims_and_tokens(shape: dict) -> tuple[dict, torch.Tensor]:
+    """A benchmark shape (`ModelConfig` fields plus `batch`) split into the model's fields and its fixed token
+    batch `[batch, n_ctx]` (seed 0), as every benchmark that steps or runs a model at that shape uses them."""
+    dims = dict(shape)
+    batch = dims.pop("batch")
+    return dims, torch.randint(0, BENCH_VOCAB, (batch, dims["n_ctx"]), generator=torch.Generator().manual_seed(0))
+
+
 def _run_job(job: Job) -> str:
     from attnres_lens.config import apply_overrides
     from attnres_lens.presets import get_preset

@@ -28,9 +28,10 @@ from transformer_lens.hook_points import HookPoint
 
 from attnres_lens.components import RMSNorm, any_hooked, is_hooked, module_hooked, norm_fuses_into, parameter
 from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
+from attnres_lens.kernels._common import builds_no_graph
 from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel, stream_two_phase_backend
-from attnres_lens.kernels.cpu_fused import (builds_no_graph, depth_attention_copies_cpu, depth_attention_multi_cpu,
-                                            fused_mix_and_norm, share_gradient)
+from attnres_lens.kernels.cpu_fused import (depth_attention_copies_cpu, depth_attention_multi_cpu, fused_mix_and_norm,
+                                            share_gradient)
 from attnres_lens.kernels.reference import depth_logits, mix_sources
 from attnres_lens.streams import ResidualStream
 

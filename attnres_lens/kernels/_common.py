@@ -1,4 +1,6 @@
-"""Leaf helpers shared by the depth-attention backends: input validation, output allocation, compute dtype.
+"""Leaf helpers shared by the depth-attention backends: input validation, output allocation, compute dtype, and
+whether an autograd can see a kernel call (`builds_no_graph`, `needs_autograd`: grad mode, forward-mode AD and
+torch.func transforms, asked by the C kernels' wrappers, the backend policy and the watched depth mix).
 
 Which backend runs is decided in ``backends.py``, not here.
 """
@@ -9,6 +11,7 @@ from collections.abc import Sequence
 from typing import Union
 
 import torch
+from torch.autograd import forward_ad
 
 Sources = Union[Sequence[torch.Tensor], torch.Tensor]
 
@@ -93,3 +96,26 @@ def check_logit_bias(bias: torch.Tensor, lead_shape: torch.Size, n_sources: int,
         raise ValueError(f"logit_bias must be floating point, got {bias.dtype}")
     if bias.device != device:
         raise ValueError(f"logit_bias is on {bias.device} but the sources are on {device}")
+
+
+def forward_ad_open() -> bool:
+    """Whether a forward-mode AD level is open: inside one, a Function is asked for its jvp even without grad mode,
+    and a tensor may carry a tangent."""
+    return forward_ad._current_level >= 0  # -1 outside every dual level
+
+
+def builds_no_graph() -> bool:
+    """Whether no autograd can see this call: grad mode off, no forward-mode AD level open and no torch.func
+    transform (vmap, grad, jvp) active, whose wrapped tensors a C kernel cannot read: there the Function is
+    applied, and torch.func's own error names what it lacks."""
+    return (not torch.is_grad_enabled() and not forward_ad_open()
+            and not torch._C._are_functorch_transforms_active())
+
+
+def needs_autograd(*tensors: torch.Tensor) -> bool:
+    """Whether an autograd needs a derivative through a call on ``tensors``: grad mode on and one of them requires
+    a gradient, or a forward-mode AD level open and one of them carries a tangent. A kernel without a derivative
+    refuses them (or hands them to a Function, whose missing jvp raises) rather than drop the tangent."""
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors):
+        return True
+    return forward_ad_open() and any(forward_ad.unpack_dual(tensor).tangent is not None for tensor in tensors)

@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from attnres_lens.kernels._common import needs_autograd
+
 BACKENDS = ("auto", "reference", "torch", "cpu", "triton")
 BACKEND_ENV_VAR = "ATTNRES_LENS_BACKEND"
 
@@ -129,8 +131,6 @@ def attention_runs_cpu_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v:
     head's keys fit in `MAX_CPU_ATTENTION_KEYS` values, and its (batch, head) pairs can keep torch's threads busy
     (they are what it splits over torch's OpenMP pool; a build without OpenMP runs them on one thread, so only at
     one torch thread)."""
-    from attnres_lens.kernels.cpu_fused import cpu_library, needs_autograd
-
     if needs_autograd(q, k, v) or not elementwise_runs_cpu_kernel(backend, q, k, v) or q.dim() != 4:
         return False
     batch, pos, heads, d_head = q.shape
@@ -139,6 +139,8 @@ def attention_runs_cpu_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v:
     threads = torch.get_num_threads()
     if threads == 1:
         return True
+    from attnres_lens.kernels.cpu_fused import cpu_library
+
     return cpu_library(q.dtype).thread_pool and batch * heads >= threads
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
-from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable as _guard_second_derivative
 
-from attnres_lens.kernels._common import check_logit_bias, check_vector, compute_dtype, new_output, new_output_like
+from attnres_lens.kernels._common import (builds_no_graph, check_logit_bias, check_vector, compute_dtype,
+                                         needs_autograd, new_output, new_output_like)
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 CACHE_ENV_VAR = "ATTNRES_LENS_KERNEL_CACHE"
@@ -204,29 +204,6 @@ class _NoGraph:
 
     def set_materialize_grads(self, value: bool) -> None:
         pass
-
-
-def forward_ad_open() -> bool:
-    """Whether a forward-mode AD level is open: inside one, a Function is asked for its jvp even without grad mode,
-    and a tensor may carry a tangent."""
-    return forward_ad._current_level >= 0  # -1 outside every dual level
-
-
-def builds_no_graph() -> bool:
-    """Whether no autograd can see this call: grad mode off, no forward-mode AD level open and no torch.func
-    transform (vmap, grad, jvp) active, whose wrapped tensors a C kernel cannot read: there the Function is
-    applied, and torch.func's own error names what it lacks."""
-    return (not torch.is_grad_enabled() and not forward_ad_open()
-            and not torch._C._are_functorch_transforms_active())
-
-
-def needs_autograd(*tensors: torch.Tensor) -> bool:
-    """Whether an autograd needs a derivative through a call on ``tensors``: grad mode on and one of them requires
-    a gradient, or a forward-mode AD level open and one of them carries a tangent. A kernel without a derivative
-    refuses them (or hands them to a Function, whose missing jvp raises) rather than drop the tangent."""
-    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors):
-        return True
-    return forward_ad_open() and any(forward_ad.unpack_dual(tensor).tangent is not None for tensor in tensors)
 
 
 def _apply(function: type[torch.autograd.Function], *args):
