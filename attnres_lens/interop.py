@@ -62,7 +62,7 @@ def fla_mlp_width(fla: Mapping[str, Any]) -> int:
     """FLA's MLP width: `intermediate_size`, else 2/3 · hidden_ratio · hidden_size rounded up to a multiple of 256
     (the rule of FLA's GatedMLP)."""
     if fla.get("intermediate_size") is not None:
-        return int(fla["intermediate_size"])
+        return _fla_int(fla, "intermediate_size")
     ratio = 4 if fla.get("hidden_ratio") is None else fla["hidden_ratio"]
     width = int(fla["hidden_size"] * ratio * 2 / 3)
     return 256 * math.ceil(width / 256)
@@ -88,27 +88,41 @@ def model_config_from_fla(fla: Mapping[str, Any], dtype: str = "float32") -> Mod
                                    or not (block_size == 1 or (block_size >= 2 and block_size % 2 == 0))):
         raise FlaInteropError(f"attnres_block_size={block_size!r}: FLA's AttnRes takes None (standard residual), 1 "
                               "(Full) or an even block size")
-    hidden, heads = fla["hidden_size"], fla["num_heads"]
-    if hidden % heads:
-        raise FlaInteropError(f"hidden_size={hidden} is not a multiple of num_heads={heads}")
+    tied = fla.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise FlaInteropError(f"tie_word_embeddings={tied!r} in the FLA config must be true or false")
     try:
+        hidden, heads = _fla_int(fla, "hidden_size"), _fla_int(fla, "num_heads")
+        if heads < 1 or hidden % heads:
+            raise FlaInteropError(f"hidden_size={hidden} must be a multiple of num_heads={heads} (>= 1)")
+        kv_heads = heads if fla.get("num_kv_heads") is None else _fla_int(fla, "num_kv_heads")
+        norm_eps = float(fla.get("norm_eps", 1e-6))
         return ModelConfig(
-            d_model=hidden, n_layers=fla["num_hidden_layers"], n_heads=heads,
-            n_key_value_heads=fla.get("num_kv_heads") or heads, d_vocab=fla["vocab_size"],
-            n_ctx=fla.get("max_position_embeddings", 2048), d_mlp=fla_mlp_width(fla),
-            act_fn="silu", gated_mlp=True, use_bias=False,
-            tie_word_embeddings=bool(fla.get("tie_word_embeddings", False)),
+            d_model=hidden, n_layers=_fla_int(fla, "num_hidden_layers"), n_heads=heads,
+            n_key_value_heads=kv_heads, d_vocab=_fla_int(fla, "vocab_size"),
+            n_ctx=_fla_int(fla, "max_position_embeddings", 2048), d_mlp=fla_mlp_width(fla),
+            act_fn="silu", gated_mlp=True, use_bias=False, tie_word_embeddings=tied,
             positional_embedding_type="rotary", rotary_base=float(fla.get("rope_theta", 10000.0)),
             # FLA uses norm_eps for every norm: pre-norms, final norm, depth-attention key norms
-            eps=float(fla.get("norm_eps", 1e-6)), attnres_eps=float(fla.get("norm_eps", 1e-6)),
-            init_range=float(fla.get("initializer_range", 0.02)),
-            residual="standard" if block_size is None else "attnres", attnres_block_size=block_size or 1,
-            dtype=dtype,
+            eps=norm_eps, init_range=float(fla.get("initializer_range", 0.02)), dtype=dtype,
+            **({} if block_size is None else dict(residual="attnres", attnres_block_size=block_size,
+                                                  attnres_eps=norm_eps)),
         )
     except KeyError as err:
         raise FlaInteropError(f"the FLA config has no {err.args[0]!r}; it is not a TransformerConfig") from err
+    except FlaInteropError:
+        raise
     except ValueError as err:
         raise FlaInteropError(f"the FLA config does not describe a valid model: {err}") from err
+
+
+def _fla_int(fla: Mapping[str, Any], key: str, default: Optional[int] = None) -> int:
+    """An integer field of an FLA config (KeyError where it is required and missing); a float or a string is
+    refused, not truncated or parsed."""
+    value = fla[key] if default is None else fla.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FlaInteropError(f"{key}={value!r} in the FLA config must be an integer")
+    return value
 
 
 def check_exportable(cfg: ModelConfig) -> None:
@@ -169,12 +183,27 @@ def fla_config_dict(cfg: ModelConfig, template: Optional[Mapping[str, Any]] = No
     })
     if template is not None and template.get("num_kv_heads") is None and cfg.n_key_value_heads == cfg.n_heads:
         out["num_kv_heads"] = None  # FLA's spelling of "as many as the heads", kept as it came
+    if template is not None and template.get("intermediate_size") is None \
+            and fla_mlp_width({**out, "intermediate_size": None}) == cfg.d_mlp:
+        out["intermediate_size"] = None  # FLA derives it from hidden_ratio; kept as it came
     out.pop("torch_dtype", None)  # transformers 5 reads "dtype"
     return out
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, value in DTYPES.items() if value == dtype)
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise FlaInteropError(f"dtype {dtype} cannot be written; use one of {list(DTYPES)}")
+
+
+def _torch_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
+    """A dtype asked for by name ('bfloat16') or as the torch dtype; None stays None (the model's own)."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in DTYPES.values()):
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise FlaInteropError(f"dtype must be one of {list(DTYPES)} (a name or the torch dtype), got {dtype!r}")
 
 
 # ---------------------------------------------------------------------------- state dicts
@@ -301,6 +330,11 @@ def read_fla_dir(path: PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise FlaInteropError(f"{folder / WEIGHTS_INDEX} is not a safetensors index ({err})") from err
         files = sorted(set(weight_map.values()))
+        outside = [name for name in files if not isinstance(name, str)
+                   or (folder / name).resolve().parent != folder.resolve()]
+        if outside:
+            raise FlaInteropError(f"{folder / WEIGHTS_INDEX} names shards outside its folder ({outside[:3]}); "
+                                  "a model directory's shards are files beside its index")
     elif (folder / WEIGHTS_FILE).is_file():
         files = [WEIGHTS_FILE]
     else:
@@ -343,11 +377,14 @@ def import_fla(model_or_dir: Any, dtype: str = "float32") -> tuple["HookedTransf
 
     fla_config, cfg, fla_state, source = _fla_parts(model_or_dir, dtype)
     state = state_dict_from_fla(fla_state, cfg)
-    stored = sorted({_dtype_name(t.dtype) for t in fla_state.values() if t.dtype in DTYPES.values()})
+    stored = {name: _dtype_name(t.dtype) for name, t in fla_state.items() if t.dtype in DTYPES.values()}
     model = HookedTransformer(cfg)
     model.load_state_dict({name: t.to(cfg.dtype) for name, t in state.items()}, strict=True)
+    kinds = sorted(set(stored.values()))
     provenance = {"source": "flash-linear-attention", "path": source, "fla_config": _jsonable(fla_config),
-                  "stored_dtype": stored[0] if len(stored) == 1 else stored}
+                  "stored_dtype": kinds[0] if len(kinds) == 1 else kinds}
+    if len(kinds) > 1:  # which tensor had which, so an export writes each back in its own
+        provenance["stored_dtypes"] = stored
     return model.eval(), provenance
 
 
@@ -357,6 +394,7 @@ def _jsonable(value: Any) -> Any:
 
 def to_fla(model: "HookedTransformer", dtype: Optional[torch.dtype] = None, template: Optional[Mapping[str, Any]] = None):
     """An FLA `TransformerForCausalLM` computing the same function as `model` (refuses what FLA cannot express)."""
+    dtype = _torch_dtype(dtype)
     fla_config = fla_config_dict(model.cfg, template, dtype=dtype)
     try:
         from fla.models import TransformerConfig, TransformerForCausalLM
@@ -372,17 +410,21 @@ def to_fla(model: "HookedTransformer", dtype: Optional[torch.dtype] = None, temp
     return fla_model.to(dtype or model.cfg.dtype).eval()
 
 
-def save_fla(model: "HookedTransformer", out_dir: PathLike, dtype: Optional[torch.dtype] = None,
-             template: Optional[Mapping[str, Any]] = None) -> Path:
+def save_fla(model: "HookedTransformer", out_dir: PathLike, dtype: Union[None, str, torch.dtype] = None,
+             template: Optional[Mapping[str, Any]] = None,
+             tensor_dtypes: Optional[Mapping[str, Union[str, torch.dtype]]] = None) -> Path:
     """Write `model` as a Hugging Face-format FLA directory (config.json + model.safetensors) that FLA's
     `TransformerForCausalLM.from_pretrained` opens, without FLA installed. `out_dir` must be empty or
-    new: files of another model are never mixed in."""
+    new: files of another model are never mixed in. `dtype` (default: the model's) is the config's and every
+    tensor's, except those `tensor_dtypes` names (FLA tensor name → dtype: a checkpoint stored in several)."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FlaInteropError(f"{out} exists and is not an empty folder; give a new folder for the FLA model")
+    dtype = _torch_dtype(dtype)
     fla_config = fla_config_dict(model.cfg, template, dtype=dtype)
     weights = state_dict_to_fla(model.state_dict(), model.cfg, tied_head=False)
-    weights = {name: tensor.to(dtype or model.cfg.dtype) for name, tensor in weights.items()}
+    per_tensor = {name: _torch_dtype(value) for name, value in (tensor_dtypes or {}).items()}
+    weights = {name: tensor.to(per_tensor.get(name) or dtype or model.cfg.dtype) for name, tensor in weights.items()}
     atomic_save_safetensors(out / WEIGHTS_FILE, weights, {"format": "pt"})  # "pt": what transformers expects
     atomic_write_json(out / "config.json", fla_config)
     return out
@@ -485,8 +527,15 @@ def export_fla_run(run: PathLike, out: PathLike, checkpoint: str = "latest", dty
     provenance = loaded.config.provenance or {}
     from_fla_run = provenance.get("source") == "flash-linear-attention"
     template = provenance.get("fla_config") if from_fla_run else None
-    if dtype is None and from_fla_run and isinstance(provenance.get("stored_dtype"), str):
-        dtype = provenance["stored_dtype"]
-    if dtype is not None and dtype not in DTYPES:
-        raise FlaInteropError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-    return save_fla(loaded.model, out, DTYPES[dtype] if dtype else None, template)
+    tensor_dtypes = None
+    if dtype is None and from_fla_run:
+        stored = provenance.get("stored_dtype")
+        if isinstance(stored, str):
+            dtype = stored
+        elif isinstance(provenance.get("stored_dtypes"), dict):  # several: each tensor as it came, config's kept
+            tensor_dtypes = provenance["stored_dtypes"]
+            dtype = template.get("dtype") if isinstance(template, dict) and template.get("dtype") in DTYPES else None
+        elif stored:
+            raise FlaInteropError(f"{run} was imported from weights stored in several dtypes ({stored}) without a "
+                                  f"record of which tensor had which; pass --dtype (one of {list(DTYPES)})")
+    return save_fla(loaded.model, out, dtype, template, tensor_dtypes)

@@ -37,7 +37,11 @@ def sdpa_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         raise NotImplementedError("the SDPA stand-in covers full causal attention without dropout only")
     group = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+    n_queries, n_keys = q.shape[1], k.shape[1]
+    # flash-attn aligns the causal mask to the bottom right (the queries are the last n_queries positions, as in
+    # cached decoding); SDPA's is_causal aligns it to the top left, the same only when the lengths are equal
+    mask = torch.ones(n_queries, n_keys, dtype=torch.bool, device=q.device).tril(n_keys - n_queries) if causal else None
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          scale=softmax_scale)
     return out.transpose(1, 2)
 

@@ -190,6 +190,83 @@ def test_import_refuses_what_it_cannot_represent_naming_the_option(option, value
         model_config_from_fla({**BASE, option: value})
 
 
+@pytest.mark.parametrize("change, named", [
+    (dict(hidden_size=None), "'hidden_size'"), (dict(num_heads=None), "'num_heads'"), (dict(num_heads=0), "num_heads=0"),
+    (dict(intermediate_size=47.9), "intermediate_size=47.9"), (dict(vocab_size="40"), "vocab_size='40'"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings='false'"), (dict(num_kv_heads=2.0), "num_kv_heads=2.0"),
+])
+def test_import_refuses_a_malformed_config_naming_the_field(change, named):
+    """A missing, mistyped or zero field is an FlaInteropError (the CLI's one-line error), never a KeyError,
+    ZeroDivisionError, a truncated float or a string read as true."""
+    config = {key: value for key, value in {**BASE, **change}.items() if value is not None}
+    with pytest.raises(FlaInteropError, match=re.escape(named)):
+        model_config_from_fla(config)
+
+
+def test_a_standard_model_imports_and_exports_without_attnres_fields():
+    """norm_eps is the standard model's eps alone (its AttnRes fields stay at their defaults), so it exports."""
+    cfg = model_config_from_fla({**BASE, "attnres_block_size": None, "norm_eps": 1e-5})
+    assert cfg.residual == "standard" and cfg.eps == 1e-5 and cfg.attnres_eps == 1e-6 and cfg.attnres_block_size == 1
+    check_exportable(cfg)
+    assert model_config_from_fla(fla_config_dict(cfg)).to_dict() == cfg.to_dict()
+
+
+def test_save_takes_a_dtype_by_name_and_refuses_others(tmp_path):
+    model = from_fla(make_fla(seed=4, num_hidden_layers=1))
+    save_fla(model, tmp_path / "bf16", dtype="bfloat16")
+    assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    for bad in (torch.int8, "bf16"):
+        with pytest.raises(FlaInteropError, match="dtype must be one of"):
+            save_fla(model, tmp_path / f"bad{bad}", dtype=bad)
+
+
+def test_a_checkpoint_in_several_dtypes_exports_each_tensor_in_its_own(tmp_path):
+    fla = make_fla(seed=6, num_hidden_layers=2, intermediate_size=None).to(torch.bfloat16)
+    fla.save_pretrained(tmp_path / "fla")
+    weights = load_file(tmp_path / "fla" / "model.safetensors")
+    weights = {name: tensor.float() if "norm" in name else tensor for name, tensor in weights.items()}
+    save_file(weights, tmp_path / "fla" / "model.safetensors", metadata={"format": "pt"})
+    run, _ = import_fla_run(tmp_path / "fla", tmp_path / "run")
+    export_fla_run(run, tmp_path / "back")
+    assert_same_state(load_file(tmp_path / "back" / "model.safetensors"), weights)
+    original, written = (json.loads((tmp_path / name / "config.json").read_text()) for name in ("fla", "back"))
+    assert original["intermediate_size"] is None and written == original  # FLA's derived width stays derived
+
+    config = json.loads((run / "config.json").read_text())  # a run imported before per-tensor dtypes were kept
+    del config["provenance"]["stored_dtypes"]
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FlaInteropError, match=re.escape("several dtypes (['bfloat16', 'float32'])") + ".*--dtype"):
+        export_fla_run(run, tmp_path / "again")
+    export_fla_run(run, tmp_path / "again", dtype="float32")
+
+
+def test_an_index_naming_shards_outside_its_folder_is_refused(tmp_path):
+    make_fla(seed=8, num_hidden_layers=1).save_pretrained(tmp_path / "fla")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(tmp_path / "fla" / "config.json", folder)
+    names = load_file(tmp_path / "fla" / "model.safetensors")
+    index = {"weight_map": {name: "../fla/model.safetensors" for name in names}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FlaInteropError, match="outside its folder"):
+        read_fla_dir(folder)
+
+
+def test_the_flash_attn_stand_in_aligns_the_causal_mask_bottom_right():
+    """Fewer queries than keys (cached decoding): query i sees keys up to i + (keys − queries), as flash-attn's;
+    checked against a float64 softmax written out."""
+    from tests.fla_cpu import sdpa_flash_attn
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, length, 4, 8, generator=generator, dtype=torch.float64) for length in (2, 5, 5))
+    out = sdpa_flash_attn(q, k, v, causal=True)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 8 ** 0.5
+    visible = torch.arange(5)[None, :] <= torch.arange(2)[:, None] + 3
+    expected = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+    assert torch.allclose(out, expected, atol=1e-12)
+
+
 def test_import_refuses_pickles_and_mismatched_weights(tmp_path):
     (tmp_path / "pickled").mkdir()
     (tmp_path / "pickled" / "config.json").write_text(json.dumps(BASE))
@@ -238,7 +315,7 @@ def test_export_refuses_every_other_option_fla_has_no_equivalent_for():
     if not extras:
         pytest.skip("this checkout has no residual kinds or AttnRes options beyond FLA's")
     for name, value in extras.items():
-        overrides = {name: value} if name != "residual" else {name: value, "attnres_block_size": 1}
+        overrides = {name: value} if name != "residual" else {name: value, "attnres_block_size": 1, "attnres_eps": 1e-6}
         with pytest.raises(FlaInteropError, match=name):
             check_exportable(exportable(**overrides))
 
@@ -250,7 +327,8 @@ def test_exported_config_describes_the_same_model():
     back = model_config_from_fla(fla)
     assert {k: v for k, v in back.to_dict().items() if k != "seed"} == \
         {k: v for k, v in cfg.to_dict().items() if k != "seed"}
-    assert fla_config_dict(exportable(residual="standard", attnres_block_size=1))["attnres_block_size"] is None
+    assert fla_config_dict(exportable(residual="standard", attnres_block_size=1, attnres_eps=1e-6)
+                           )["attnres_block_size"] is None
 
 
 # ---------------------------------------------------------------------------- run directories and the CLI
