@@ -621,6 +621,11 @@ def test_the_attribution_functions_refuse_bad_input_with_the_value():
         depth_logit_attribution(model, tokens, targets=tokens[:, :3])
     with pytest.raises(ValueError, match="token id 99"):
         depth_logit_attribution(model, tokens, targets=torch.full_like(tokens, 99))
+    for wrong in (tokens.float() + 0.7, tokens > 2):  # not truncated to ids, not read as ids 0 and 1
+        with pytest.raises(ValueError, match=f"targets must hold integer token ids, got dtype {wrong.dtype}"):
+            depth_logit_attribution(model, tokens, targets=wrong)
+    with pytest.raises(ValueError, match="incorrect must hold integer token ids"):
+        depth_logit_attribution(model, tokens, incorrect=tokens.double())
     with pytest.raises(ValueError, match="k must be an integer in 1..20, got 0"):
         source_logit_lens(model, tokens, k=0)
     with pytest.raises(ValueError, match="metric must be one of"):

@@ -40,7 +40,6 @@ from attnres_lens.model import HookedTransformer
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch, next_token_targets
 
 BatchLike = Union[Batch, torch.Tensor]
-RESIDUALS = ("standard", "attnres", "denseformer", "hyper")
 # residual kinds whose inputs are weighted sums of e and every f_i with weights from `attnres_lens.mixing`
 MIXED_RESIDUALS = ("denseformer", "hyper")
 
@@ -81,12 +80,6 @@ class DepthTerms:
                           device=self.embedding.device)
 
 
-def _check_residual(model: HookedTransformer, what: str) -> None:
-    if model.cfg.residual not in RESIDUALS:
-        raise ValueError(f"{what} decomposes the residual kinds {list(RESIDUALS)}; this model's residual is "
-                         f"{model.cfg.residual!r}")
-
-
 def _check_single_head_mix(model: HookedTransformer, what: str) -> None:
     for module in model.depth_attention_modules().values():
         if getattr(module, "heads", 1) != 1:
@@ -99,7 +92,6 @@ def depth_terms(model: HookedTransformer, tokens: torch.Tensor, gradient_of: Opt
     """One pass read through hook points. With `gradient_of(logits) -> scalar`, also the gradients of that
     scalar with respect to α of every consumer (`grads["weights", c]`) and every input (`grads["inputs", c]`),
     by `torch.autograd.grad` (the model's parameter gradients are left untouched)."""
-    _check_residual(model, "depth_terms")
     tokens = model.to_tokens(tokens)
     n_sublayers = model.cfg.n_sublayers
     names = {"embed": "hook_embed", **({"pos": "hook_pos_embed"} if "hook_pos_embed" in model.hook_dict else {}),
@@ -177,6 +169,9 @@ def _target_ids(model: HookedTransformer, tokens: torch.Tensor, targets: Optiona
     if targets is None:
         return next_token_targets(tokens)
     targets = torch.as_tensor(targets, device=tokens.device)
+    if targets.dtype == torch.bool or targets.is_floating_point() or targets.is_complex():
+        raise ValueError(f"{what} must hold integer token ids, got dtype {targets.dtype}; pass a long tensor "
+                         f"(use {IGNORE_INDEX} to skip a position)")
     if targets.shape != tokens.shape:
         raise ValueError(f"{what} must have the tokens' shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")
     bad = targets[(targets != IGNORE_INDEX) & ((targets < 0) | (targets >= model.cfg.d_vocab))]
@@ -209,7 +204,6 @@ def depth_logit_attribution(model: HookedTransformer, tokens: torch.Tensor, targ
     source, −1 = embedding), alpha, contribution; and per position, repeated on its rows: logit (the clean value
     attributed) and bias (the unembedding bias term). `Σ_source contribution + bias = logit` exactly.
     """
-    _check_residual(model, "depth_logit_attribution")
     _check_single_head_mix(model, "depth_logit_attribution")
     tokens = model.to_tokens(tokens)
     targets = _target_ids(model, tokens, targets, "targets")
@@ -280,7 +274,6 @@ def depth_input_decomposition(model: HookedTransformer, tokens: torch.Tensor, pe
     source_label, members, alpha, term_norm (‖α_s v_s‖), share (`⟨α_s v_s, h_c⟩ / ‖h_c‖²`; a consumer's shares
     sum to 1 at every token, since `Σ_s α_s v_s = h_c`). With `per_token`, the same per (sequence, position).
     """
-    _check_residual(model, "depth_input_decomposition")
     _check_single_head_mix(model, "depth_input_decomposition")
     terms = depth_terms(model, tokens)
     frames = []
@@ -318,7 +311,6 @@ def source_logit_lens(model: HookedTransformer, tokens: torch.Tensor, k: int = 5
     target, vector ("source" / "input"), index (sublayer or consumer, −1 = embedding), label, target_rank (0 =
     top), target_prob, target_logit, top_tokens and top_probs (the k best, space-separated).
     """
-    _check_residual(model, "source_logit_lens")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= model.cfg.d_vocab:
         raise ValueError(f"k must be an integer in 1..{model.cfg.d_vocab}, got {k!r}")
     tokens = model.to_tokens(tokens)
@@ -510,7 +502,8 @@ def edge_agreement(edges: pd.DataFrame, routing: pd.DataFrame, top: int = 10) ->
 # ---------------------------------------------------------------------------- routing audit
 def _per_sequence_losses(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     """[batch] summed next-token cross-entropy of each sequence (with its target count, the evaluation `loss`)."""
-    per_token = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX,
+    logits = logits if logits.dtype == torch.float64 else logits.float()  # a float64 model's Δloss keeps its bits
+    per_token = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX,
                                 reduction="none").view(batch.targets.shape)
     return per_token.double().sum(-1).cpu()
 
@@ -559,7 +552,9 @@ def routing_audit(model: HookedTransformer, batch: Batch, n_boot: int = 1000, se
     by_key = dict(zip(keys, losses))
     clean = by_key[("clean",)]
     draws = torch.randint(0, n_seq, (n_boot, n_seq), generator=torch.Generator().manual_seed(seed))
-    weight = F.one_hot(draws, n_seq).sum(1).double()  # [n_boot, seq]: how often each sequence is drawn
+    # [n_boot, seq]: how often each sequence is drawn (a one-hot sum would hold n_boot·n_seq² values)
+    weight = torch.zeros(n_boot, n_seq, dtype=torch.float64).scatter_add_(
+        1, draws, torch.ones(n_boot, n_seq, dtype=torch.float64))
 
     def effect(key: tuple) -> tuple[float, torch.Tensor]:
         diff = by_key[key] - clean
