@@ -122,11 +122,11 @@ def _train(args: argparse.Namespace) -> int:
     cpu_settings.configure()  # freed memory kept, imports frozen; the run's own thread count is set by train
     try:
         if args.resume:
-            if args.out or args.overrides or args.seed is not None or args.device:
-                raise ValueError("--resume continues a run with its own config; only --steps and --checkpoint may be "
-                                 "given with it")
+            if args.out or args.overrides or args.seed is not None:
+                raise ValueError("--resume continues a run with its own config; only --steps, --checkpoint and "
+                                 "--device may be given with it")
             trainer = resume(args.resume, progress=not args.no_progress, steps=args.steps,
-                             checkpoint=args.checkpoint or "latest")
+                             checkpoint=args.checkpoint or "latest", device=args.device)
         else:
             if not args.out:
                 raise ValueError("--out DIR is required with --preset")
@@ -141,7 +141,7 @@ def _train(args: argparse.Namespace) -> int:
                 overrides.append(f"train.device={args.device}")
             config = apply_overrides(get_preset(args.preset), overrides)
             trainer = train(config, args.out, progress=not args.no_progress)
-    except (ValueError, FileExistsError, RunDirError, TrainingDiverged) as err:
+    except (ValueError, OSError, RunDirError, TrainingDiverged) as err:  # OSError: e.g. --out under a file
         print(f"attnres-lens: error: {err}", file=sys.stderr)
         return 2 if not isinstance(err, TrainingDiverged) else 3
     except KeyboardInterrupt:
@@ -260,8 +260,9 @@ def _dashboard(args: argparse.Namespace) -> int:
     if not DASHBOARD_APP.is_file():
         problem = (f"the dashboard app {DASHBOARD_APP} is missing; it ships with the source tree, so install "
                    "attnres_lens from a clone with `pip install -e .`")
-    elif not runs.exists():
-        problem = f"--runs {args.runs}: no such folder (train a run with `attnres-lens train`, or run `make demo`)"
+    elif not runs.is_dir():
+        what = "is a file, not a folder of runs" if runs.exists() else "no such folder"
+        problem = f"--runs {args.runs}: {what} (train a run with `attnres-lens train`, or run `make demo`)"
     elif not 0 < args.port < 65536:
         problem = f"--port must be in 1..65535, got {args.port}"
     if problem:

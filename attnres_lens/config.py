@@ -39,6 +39,9 @@ ATTNRES_OPTION_DEFAULTS: dict[str, Any] = {"attnres_score": "softmax", "attnres_
                                            "attnres_query": "static", "attnres_heads": 1, "attnres_window": None,
                                            "attnres_mixing": "attention"}
 HYPER_DEFAULTS: dict[str, Any] = {"hyper_streams": 4, "hyper_sinkhorn_iters": 20, "hyper_eps": 1e-6}
+# the fields only one residual kind reads, with their defaults: any other kind refuses them changed
+RESIDUAL_OWN_FIELDS: dict[str, dict[str, Any]] = {
+    "attnres": {"attnres_block_size": 1, "attnres_eps": 1e-6, **ATTNRES_OPTION_DEFAULTS}, "hyper": HYPER_DEFAULTS}
 ATTENTION_KINDS = ("standard", "kv_shift")
 POSITIONAL_KINDS = ("rotary", "standard")  # "standard" = learned absolute positions, as in TL
 ACT_FNS = ("gelu", "relu", "silu")
@@ -158,12 +161,11 @@ class ModelConfig(TransformerLensConfig):
             raise ValueError(f"attnres_window must be None (every source) or >= 1, got {self.attnres_window!r}")
         if not self.hyper_eps > 0:
             raise ValueError(f"hyper_eps must be > 0, got {self.hyper_eps!r}")
-        changed = [name for name, default in ATTNRES_OPTION_DEFAULTS.items() if getattr(self, name) != default]
-        if changed and self.residual != "attnres":
-            raise ValueError(f"{', '.join(changed)} only apply to residual='attnres', got residual={self.residual!r}")
-        hyper_changed = [name for name, default in HYPER_DEFAULTS.items() if getattr(self, name) != default]
-        if hyper_changed and self.residual != "hyper":
-            raise ValueError(f"{', '.join(hyper_changed)} only apply to residual='hyper', got residual={self.residual!r}")
+        for kind, fields in RESIDUAL_OWN_FIELDS.items():
+            changed = [name for name, default in fields.items() if getattr(self, name) != default]
+            if changed and self.residual != kind:
+                raise ValueError(f"{', '.join(changed)} only apply to residual={kind!r}, got "
+                                 f"residual={self.residual!r}")
         if self.d_model % self.attnres_heads:
             raise ValueError(f"attnres_heads={self.attnres_heads} must divide d_model={self.d_model}")
         if self.attnres_mixing == "scalar":
@@ -357,6 +359,8 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"train.seed must be an integer in [0, 2**63), got {self.seed!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
             raise ValueError(f"train.threads must be an integer >= 0 (0 = one per core), got {self.threads!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
@@ -365,6 +369,9 @@ class TrainConfig:
             raise ValueError(f"train.lr must be a number > 0, got {self.lr!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(f"train.betas must be two numbers in [0, 1) (AdamW's moment decays), got "
+                             f"{list(self.betas)!r}")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("train.weight_decay and train.grad_clip must be >= 0")
         if self.device not in DEVICES:
@@ -444,11 +451,11 @@ def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
     """Apply `key=value` settings: `model.n_layers=4`, `train.lr=1e-3`, `task.vocab_size=48`, or an
     unqualified field name when exactly one section has it. Values are parsed as JSON (else a string)."""
     sections = {"model": config.model.settings(), "task": dict(config.task), "train": dataclasses.asdict(config.train)}
-    given_task_fields = set()
+    given_task_fields, given_model_fields = set(), set()
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set expects key=value, got {assignment!r}")
+        if not sep or not key or key.startswith(".") or key.endswith("."):
+            raise ValueError(f"--set expects key=value with key a field or section.field, got {assignment!r}")
         section, _, field = key.rpartition(".")
         if not section:
             owners = [name for name, values in sections.items() if field in values and name != "task"]
@@ -469,6 +476,15 @@ def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
         sections[section][field] = value
         if section == "task":
             given_task_fields.add(field)
+        elif section == "model":
+            given_model_fields.add(field)
+    old_residual = config.model.residual
+    if sections["model"].get("residual") != old_residual:
+        # another residual kind: the old kind's own fields (e.g. a preset's block size) return to their defaults
+        # unless given here, where the new kind would refuse them
+        for name, default in RESIDUAL_OWN_FIELDS.get(old_residual, {}).items():
+            if name not in given_model_fields:
+                sections["model"][name] = default
     if sections["task"].get("name") != config.task.get("name"):
         # another task keeps the parameters it shares with the old one (vocab_size, seq_len, seed …); the old task's
         # own parameters, which the new one would refuse, go unless they were given here

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import pandas as pd
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from attnres_lens.config import ModelConfig, RunConfig
@@ -145,8 +145,20 @@ def atomic_write_parquet(path: PathLike, frame: pd.DataFrame) -> None:
 
 
 # ---------------------------------------------------------------------------- checkpoints
+# A checkpoint's training state file (step_N.state.safetensors): optimiser moments ("optim.<param>.<slot>"), these
+# RNG states, and from this format on the open log window ("log.loss_sum", "log.steps": the losses since the last
+# metrics line, so a resumed run logs that line with the same mean); its metadata holds the step and the format.
+STATE_FORMAT = "attnres_lens.state.v1"
+STATE_TENSORS = ("rng.data", "rng.torch")
+
+
 def checkpoint_name(step: int) -> str:
     return f"step_{step:07d}"
+
+
+def checkpoint_step(name: str) -> int:
+    """The step of a checkpoint name such as "step_0000100" (the inverse of `checkpoint_name`)."""
+    return int(name[len("step_"):])
 
 
 def read_safetensors(path: PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -299,7 +311,8 @@ class RunDir:
     def read_config_dict(self) -> dict[str, Any]:
         """config.json as written, checked to have its model, task and train sections."""
         if not self.path.is_dir():
-            raise RunDirError(f"run directory {self.path} does not exist; give a folder that holds a run's "
+            what = "is a file, not a folder" if self.path.exists() else "does not exist"
+            raise RunDirError(f"run directory {self.path} {what}; give a folder that holds a run's "
                               f"{self.CONFIG} (one `attnres-lens train --out DIR` wrote)")
         if not self.config_path.is_file():
             raise RunDirError(f"{self.path} is not a run directory: {self.CONFIG} is missing")
@@ -423,9 +436,17 @@ class RunDir:
         return model, name
 
     def read_checkpoint(self, name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, str]]:
-        """(weights, training state, state metadata) of checkpoint `name`, for resuming."""
+        """(weights, training state, state metadata) of checkpoint `name`, for resuming; a state file that is not
+        one (another format, missing RNG states or step) is a RunDirError naming it."""
         weights, _ = read_safetensors(self.weights_path(name))
-        state, state_meta = read_safetensors(self.state_path(name))
+        path = self.state_path(name)
+        state, state_meta = read_safetensors(path)
+        missing = [key for key in STATE_TENSORS if key not in state]
+        if state_meta.get("format") != STATE_FORMAT or missing or not str(state_meta.get("step", "")).isdigit():
+            raise RunDirError(f"{path} is not a training state file (format {STATE_FORMAT}, tensors "
+                              f"{list(STATE_TENSORS)} and a step; missing {missing or 'none'}, format "
+                              f"{state_meta.get('format')!r}, step {state_meta.get('step')!r}); resume from another "
+                              "checkpoint with --checkpoint")
         return weights, state, state_meta
 
     def training_seconds(self) -> float:
@@ -479,6 +500,34 @@ class RunDir:
             self.weights_path(old).unlink(missing_ok=True)
             self.state_path(old).unlink(missing_ok=True)
         return name
+
+    def truncate_checkpoints(self, step: int) -> None:
+        """Forget the checkpoints after `step`: a run resumed from an earlier one trains a different branch, which
+        must never be continued from, or picked as "best", later. The index is rewritten first (latest and best
+        recomputed from the remaining checkpoints' stored eval losses), then the later files go, with any left by a
+        crash between an index write and its deletions."""
+        index = self.read_index()
+        kept = [name for name in index.kept if checkpoint_step(name) <= step]
+        if kept != index.kept:
+            losses = {name: self._stored_eval_loss(name) for name in kept}
+            finite = {name: loss for name, loss in losses.items() if math.isfinite(loss)}
+            best = min(finite, key=finite.__getitem__) if finite else None
+            index = CheckpointIndex(latest=max(kept, key=checkpoint_step) if kept else None, best=best,
+                                    best_eval_loss=finite[best] if best else math.inf, kept=kept)
+            atomic_write_json(self.index_path, dataclasses.asdict(index))
+        for path in self.checkpoints_dir.glob("step_*.safetensors"):
+            name = path.name.split(".")[0]
+            if name[len("step_"):].isdigit() and checkpoint_step(name) > step:
+                path.unlink(missing_ok=True)
+
+    def _stored_eval_loss(self, name: str) -> float:
+        """The eval loss a checkpoint's weights file records (its metadata), NaN where it records none."""
+        path = self.weights_path(name)
+        try:
+            with safe_open(str(path), "pt") as handle:
+                return float((handle.metadata() or {}).get("eval_loss", "nan"))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise RunDirError(f"checkpoint file {path} is corrupt or truncated ({err}); use another checkpoint") from err
 
     def write_imported(self, config: RunConfig, weights: dict[str, torch.Tensor], weights_meta: dict[str, str],
                        eval_loss: float) -> str:

@@ -26,7 +26,7 @@ from attnres_lens.config import RunConfig
 from attnres_lens.evaluation import evaluate_model
 from attnres_lens.model import HookedTransformer, adamw, next_token_loss
 from attnres_lens.recorder import Recorder
-from attnres_lens.rundir import RunDir, RunDirError
+from attnres_lens.rundir import STATE_FORMAT, RunDir, RunDirError
 from attnres_lens.tasks.base import Batch
 from attnres_lens.tasks.induction import repeated_tokens
 
@@ -80,6 +80,14 @@ class Trainer:
                 f"task needs vocab {self.task.vocab_size} and length {self.task.seq_len}, but the model has "
                 f"d_vocab={model_cfg.d_vocab}, n_ctx={model_cfg.n_ctx}; set model.d_vocab / model.n_ctx to at least those"
             )
+        # a training run seeds its model with train.seed and puts it on train.device: the model's own fields
+        # for them are the defaults or agree, else a setting would be recorded in config.json and not used
+        if model_cfg.seed not in (None, train_cfg.seed):
+            raise ValueError(f"model.seed={model_cfg.seed} is not used by training, which seeds the model with "
+                             f"train.seed={train_cfg.seed}; set train.seed instead (and leave model.seed unset)")
+        if str(model_cfg.device) not in ("cpu", str(self.device)):
+            raise ValueError(f"model.device={model_cfg.device!r} is not used by training, which runs on "
+                             f"train.device={train_cfg.device!r} ({self.device}); set train.device instead")
         model_cfg = dataclasses.replace(model_cfg, device=str(self.device), seed=train_cfg.seed)
         self.model = HookedTransformer(model_cfg)
         self.optimizer = adamw(self.model, train_cfg.lr, train_cfg.weight_decay, train_cfg.betas)
@@ -90,6 +98,7 @@ class Trainer:
                                 torch.Generator().manual_seed(train_cfg.seed + 1))
         self.recorder = Recorder(self.model, self._head(self.eval_batch, train_cfg.record_size), probe.to(self.device))
         self.step = 0
+        self._log_window = {"loss": 0.0, "n": 0}  # training losses since the last metrics line
         self.last_eval: dict[str, float] = {}
 
     @staticmethod
@@ -107,7 +116,7 @@ class Trainer:
                 self._write_records()
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress or self.rank != 0,
                    desc=self.out_dir.name, unit="step", dynamic_ncols=True)
-        window = {"loss": 0.0, "tokens": 0, "n": 0, "time": time.perf_counter()}
+        window = {**self._log_window, "tokens": 0, "time": time.perf_counter()}
         try:
             while self.step < cfg.steps:
                 loss, grad_norm, tokens = self._train_step()
@@ -118,13 +127,14 @@ class Trainer:
                 bar.update(1)
                 if self.rank != 0:
                     continue
-                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                if self.step % cfg.log_every == 0 or self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     elapsed = time.perf_counter() - window["time"]
                     train_metrics = {"loss": window["loss"] / window["n"], "grad_norm": grad_norm,
                                      "lr": cfg.lr_at(self.step - 1), "tokens_per_s": window["tokens"] / max(elapsed, 1e-9)}
                     self._evaluate_and_log(self.step, train_metrics)
                     bar.set_postfix(self._postfix(train_metrics))
                     window = {"loss": 0.0, "tokens": 0, "n": 0, "time": time.perf_counter()}
+                self._log_window = {"loss": window["loss"], "n": window["n"]}  # what a checkpoint carries on
                 if self.step % cfg.record_every == 0 or self.step == cfg.steps:
                     self.recorder.record(self.step)
                     self._write_records()
@@ -219,7 +229,9 @@ class Trainer:
                 tensors[f"optim.{names[id(param)]}.{key}"] = torch.as_tensor(value).clone()
         tensors["rng.data"] = self.data_generator.get_state()
         tensors["rng.torch"] = torch.get_rng_state()
-        meta = {"step": str(self.step), "format": "attnres_lens.state.v1"}
+        tensors["log.loss_sum"] = torch.tensor(self._log_window["loss"], dtype=torch.float64)
+        tensors["log.steps"] = torch.tensor(self._log_window["n"], dtype=torch.int64)
+        meta = {"step": str(self.step), "format": STATE_FORMAT}
         return tensors, meta
 
     def load_training_state(self, name: str) -> None:
@@ -238,6 +250,8 @@ class Trainer:
         self.data_generator.set_state(state["rng.data"])
         torch.set_rng_state(state["rng.torch"])
         self.step = int(state_meta["step"])
+        if "log.steps" in state:  # older state files lack the open log window: it restarts empty
+            self._log_window = {"loss": float(state["log.loss_sum"]), "n": int(state["log.steps"])}
 
 
 # ---------------------------------------------------------------------------- entry points
@@ -250,34 +264,38 @@ def train(config: RunConfig, out_dir: str | Path, progress: bool = True) -> Trai
     """Start a new run in `out_dir` (empty or absent) and train it to the end, holding the run's writer lock."""
     run_dir = RunDir(out_dir)
     created = not run_dir.path.exists()
-    try:
-        return _train_locked(config, run_dir, progress)
-    except BaseException:
-        if created and not run_dir.holds_run():  # refused or failed before writing anything: leave no folder behind
-            shutil.rmtree(run_dir.path, ignore_errors=True)
-        raise
-
-
-def _train_locked(config: RunConfig, run_dir: RunDir, progress: bool) -> Trainer:
     with run_dir.lock() if _is_writer() else contextlib.nullcontext():
-        if run_dir.holds_run():
-            raise FileExistsError(f"{run_dir.path} already holds a run; resume it with `attnres-lens train --resume "
-                                  f"{run_dir.path}` or choose another --out")
-        if foreign := run_dir.foreign_entries():
-            raise FileExistsError(f"{run_dir.path} is not empty and holds no run ({', '.join(foreign[:5])}"
-                                  f"{', …' if len(foreign) > 5 else ''}); a new run needs an empty or new folder")
-        trainer = Trainer(config, run_dir.path, progress)
-        trainer.fit()
+        try:
+            return _train_new(config, run_dir, progress)
+        except BaseException:
+            # refused or failed before writing anything: leave no folder behind. Only the lock's holder may remove
+            # it: a writer refused by the lock may have seen no folder only because the holder had not made it yet
+            if created and _is_writer() and not run_dir.holds_run():
+                shutil.rmtree(run_dir.path, ignore_errors=True)
+            raise
+
+
+def _train_new(config: RunConfig, run_dir: RunDir, progress: bool) -> Trainer:
+    if run_dir.holds_run():
+        raise FileExistsError(f"{run_dir.path} already holds a run; resume it with `attnres-lens train --resume "
+                              f"{run_dir.path}` or choose another --out")
+    if foreign := run_dir.foreign_entries():
+        raise FileExistsError(f"{run_dir.path} is not empty and holds no run ({', '.join(foreign[:5])}"
+                              f"{', …' if len(foreign) > 5 else ''}); a new run needs an empty or new folder")
+    trainer = Trainer(config, run_dir.path, progress)
+    trainer.fit()
     return trainer
 
 
 def resume(out_dir: str | Path, progress: bool = True, steps: Optional[int] = None,
-           checkpoint: str = "latest") -> Trainer:
+           checkpoint: str = "latest", device: Optional[str] = None) -> Trainer:
     """Continue a run from a checkpoint (default its latest); the loss curve continues as if never interrupted.
 
     `steps` sets a new, larger total step budget (the cosine schedule then stretches to it); a run that has
     reached its budget needs one to continue. `checkpoint` ("latest", "best", a step or a name) picks an earlier
-    checkpoint, e.g. when the latest state file is damaged: what was logged after it is dropped and redone.
+    checkpoint, e.g. when the latest state file is damaged: what was logged after it, and the checkpoints after
+    it, are dropped and redone. `device` moves the run (e.g. trained on a GPU, continued on a CPU; the arithmetic
+    then differs in rounding), recorded in config.json.
     """
     run_dir = RunDir(out_dir)
     run_dir.read_config_dict()  # a missing or foreign folder is refused before the lock would create anything
@@ -287,8 +305,9 @@ def resume(out_dir: str | Path, progress: bool = True, steps: Optional[int] = No
             raise ValueError(f"{run_dir.path} holds a model imported from {config.provenance.get('source', 'elsewhere')}: "
                              "it has no training state to resume (continue training it where it was trained, e.g. "
                              "after `attnres-lens export-fla`)")
-        if steps is not None:
-            config.train.steps = steps
+        if steps is not None or device is not None:  # replace() validates them as a new config would
+            config.train = dataclasses.replace(config.train, **({} if steps is None else {"steps": steps}),
+                                               **({} if device is None else {"device": device}))
         if run_dir.read_index().latest is None:
             raise RunDirError(f"{run_dir.path} has no checkpoint to resume from; remove it and start again with "
                               "`attnres-lens train`")
@@ -302,6 +321,7 @@ def resume(out_dir: str | Path, progress: bool = True, steps: Optional[int] = No
             raise ValueError(f"--steps {steps} is not above the step of {run_dir.path}'s checkpoint {name} "
                              f"({trainer.step}); give a larger total")
         if trainer.rank == 0:
+            run_dir.truncate_checkpoints(trainer.step)
             run_dir.truncate_metrics(trainer.step)
             trainer.recorder.load(run_dir.read_records(), trainer.step)
         trainer.fit()

@@ -227,6 +227,8 @@ def test_sliding_window_reads_the_embedding_and_the_last_sources():
 @pytest.mark.parametrize("fields, message", [
     (dict(residual="standard", attnres_score="sigmoid"), "attnres_score only apply to residual='attnres'"),
     (dict(residual="denseformer", hyper_streams=2), "hyper_streams only apply to residual='hyper'"),
+    (dict(residual="standard", block_size=4), "attnres_block_size only apply to residual='attnres'"),
+    (dict(residual="hyper", attnres_eps=1e-5), "attnres_eps only apply to residual='attnres'"),
     (dict(residual="attnres", attnres_mixing="scalar", attnres_query="input"),
      "attnres_mixing='scalar' has no query or keys.*attnres_query"),
     (dict(residual="attnres", attnres_heads=5), "attnres_heads=5 must divide d_model=32"),

@@ -183,6 +183,9 @@ def test_train_config_rejects_wrong_types():
         TrainConfig(betas=(0.9, 0.95, 0.99))
     with pytest.raises(ValueError, match="train.batch_size must be an integer"):
         TrainConfig(batch_size=8.0)
+    for betas in ((2, 0.5), (0.9, 1.0), (-0.1, 0.9)):  # named here, not by torch's AdamW at the first step
+        with pytest.raises(ValueError, match=r"train.betas must be two numbers in \[0, 1\)"):
+            TrainConfig(betas=betas)
 
 
 # ---------------------------------------------------------------------------- damaged files
@@ -362,3 +365,129 @@ def test_a_torn_last_metrics_line_is_skipped_and_any_other_is_an_error(smoke_run
         handle.write('\n{"step": 42}\n')
     with pytest.raises(RunDirError, match="is not valid JSON"):
         load_run(run, load_model=False)
+
+
+# ---------------------------------------------------------------------------- found by a new user's audit
+def crash_at(monkeypatch, step: int) -> None:
+    """The next training crashes (KeyboardInterrupt) when it is about to take step `step + 1`."""
+    from attnres_lens.training import Trainer
+
+    original = Trainer._train_step
+
+    def step_or_crash(self):
+        if self.step == step:
+            raise KeyboardInterrupt("simulated crash")
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "_train_step", step_or_crash)
+
+
+def metric_lines(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_resume_between_log_lines_logs_the_same_mean_loss_and_evaluations_keep_their_cadence(tmp_path,
+                                                                                                monkeypatch):
+    """Checkpoints every 7 steps, log lines every 5: a checkpoint carries the losses since the last line, so the
+    line after a resume averages the same steps. Evaluations every 7 steps write their own lines."""
+    config = apply_overrides(get_preset("smoke"), ["train.steps=21", "train.log_every=5", "train.eval_every=7",
+                                                   "train.checkpoint_every=7", "train.keep_checkpoints=5"])
+    train(config, tmp_path / "reference", progress=False)
+    crash_at(monkeypatch, 17)
+    with pytest.raises(KeyboardInterrupt):
+        train(config, tmp_path / "crashed", progress=False)
+    monkeypatch.undo()
+    assert RunDir(tmp_path / "crashed").read_index().latest == "step_0000014"
+    resume(tmp_path / "crashed", progress=False)
+    expected, got = metric_lines(tmp_path / "reference"), metric_lines(tmp_path / "crashed")
+    assert [line["step"] for line in got] == [line["step"] for line in expected] == [0, 5, 7, 10, 14, 15, 20, 21]
+    assert [line["step"] for line in got if "eval_loss" in line] == [0, 7, 14, 21]
+    for before, after in zip(expected, got):
+        assert set(after) == set(before)
+        for key in set(before) & {"loss", "eval_loss", "grad_norm"}:
+            assert after[key] == pytest.approx(before[key], rel=1e-9), (before["step"], key)
+
+
+def test_a_resume_from_an_earlier_checkpoint_forgets_the_later_branch(tmp_path, monkeypatch):
+    config = apply_overrides(get_preset("smoke"), ["train.steps=40", "train.checkpoint_every=10",
+                                                   "train.keep_checkpoints=5"])
+    run = tmp_path / "run"
+    train(config, run, progress=False)
+    crash_at(monkeypatch, 15)  # the new branch from step 10 stops before its step-20 checkpoint
+    with pytest.raises(KeyboardInterrupt):
+        resume(run, progress=False, steps=60, checkpoint="10")
+    monkeypatch.undo()
+    index = RunDir(run).read_index()
+    assert index.latest == "step_0000010" and index.kept == ["step_0000010"] and index.best == "step_0000010"
+    assert sorted(p.name for p in (run / "checkpoints").glob("*.safetensors")) == [
+        "step_0000010.safetensors", "step_0000010.state.safetensors"]
+    resume(run, progress=False)  # continues the step-10 branch, not the old run's step 40
+    steps = [line["step"] for line in metric_lines(run)]
+    assert steps == sorted(set(steps)) and steps[-1] == 60 and {15, 20, 40, 45} <= set(steps)
+    assert load_run(run, checkpoint="best").checkpoint in RunDir(run).read_index().kept
+
+
+def test_a_writer_refused_by_the_lock_leaves_the_holders_folder(tmp_path, monkeypatch):
+    """The second writer saw no folder, then the first made it and took the lock: the refused one must not
+    remove what it did not make."""
+    from attnres_lens.rundir import RunDirBusy, RunLock
+
+    out = tmp_path / "run"
+    holder, original = RunLock(out / ".lock"), RunLock.acquire
+
+    def acquire_after_the_holder(self):
+        if self is not holder and holder._fd is None:
+            original(holder)
+        return original(self)
+
+    monkeypatch.setattr(RunLock, "acquire", acquire_after_the_holder)
+    with pytest.raises(RunDirBusy):
+        train(get_preset("smoke"), out, progress=False)
+    assert (out / ".lock").is_file()
+    holder.release()
+
+
+def test_a_state_file_that_is_not_one_is_an_error_naming_it(smoke_run, tmp_path, capsys):
+    run = copy_run(smoke_run, tmp_path)
+    run_dir = RunDir(run)
+    shutil.copy(run_dir.weights_path("step_0000040"), run_dir.state_path("step_0000040"))
+    err = cli_error(capsys, "train", "--resume", str(run), "--steps", "50", "--no-progress")
+    assert "step_0000040.state.safetensors is not a training state file" in err and "--checkpoint" in err
+
+
+def test_resume_may_move_the_run_to_another_device(smoke_run, tmp_path, capsys):
+    run = copy_run(smoke_run, tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    config["train"]["device"] = "cuda"  # trained on a GPU elsewhere
+    (run / "config.json").write_text(json.dumps(config))
+    if not torch.cuda.is_available():
+        assert "use --device cpu or auto" in cli_error(capsys, "train", "--resume", str(run), "--steps", "44",
+                                                       "--no-progress")
+    assert cli_main(["train", "--resume", str(run), "--steps", "44", "--device", "cpu", "--no-progress"]) == 0
+    assert json.loads((run / "config.json").read_text())["train"]["device"] == "cpu"
+    assert metric_lines(run)[-1]["step"] == 44
+
+
+def test_settings_training_would_not_use_are_refused(tmp_path, capsys):
+    smoke = get_preset("smoke")
+    with pytest.raises(ValueError, match="model.seed=5 is not used by training.*set train.seed"):
+        train(apply_overrides(smoke, ["model.seed=5"]), tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match="model.device='meta' is not used by training.*set train.device"):
+        train(apply_overrides(smoke, ["model.device=meta"]), tmp_path / "b", progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    train(apply_overrides(smoke, ["model.seed=0", "train.steps=5", "train.checkpoint_every=5"]), tmp_path / "c",
+          progress=False)  # agreeing with train.seed is fine
+    for seed in ("-1", str(2 ** 63), "18446744073709551615"):
+        assert "train.seed must be an integer in [0, 2**63)" in cli_error(
+            capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "d"), "--set", f"train.seed={seed}")
+    (tmp_path / "file").write_text("x")
+    err = cli_error(capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "file" / "run"))
+    assert "Not a directory" in err
+    assert "is a file, not a folder" in cli_error(capsys, "train", "--resume", str(tmp_path / "file"))
+
+
+def test_the_dashboard_command_refuses_what_it_cannot_serve(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert "is a file, not a folder of runs" in cli_error(capsys, "dashboard", "--runs", str(tmp_path / "file"))
+    assert "no such folder" in cli_error(capsys, "dashboard", "--runs", str(tmp_path / "nowhere"))
+    assert "--port must be in 1..65535, got 0" in cli_error(capsys, "dashboard", "--runs", str(tmp_path), "--port", "0")
