@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int,
                        help="total training steps (overrides the preset; with --resume, a larger total extends the run)")
     train.add_argument("--seed", type=int, help="seed for model init and data (train.seed and task.seed)")
-    train.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to train (default: the preset's, auto)")
+    train.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to train (default: the preset's, auto; with --resume: the run's)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set model.n_layers=3 --set train.lr=1e-3 (repeatable)")
     train.add_argument("--checkpoint", help="with --resume: continue from this checkpoint ('latest', 'best', a step "

@@ -246,6 +246,17 @@ class ModelConfig(TransformerLensConfig):
         return cls(**config_dict)
 
     @classmethod
+    def from_stored(cls, config_dict: dict[str, Any]) -> "ModelConfig":
+        """`from_dict` for a config read back from a run (config.json, a checkpoint's metadata): the fields of a
+        residual kind the model is not, which it never reads and which earlier versions recorded (e.g. a preset's
+        block size after `--set model.residual=standard`), return to their defaults instead of being refused."""
+        data = dict(config_dict)
+        for kind, fields in RESIDUAL_OWN_FIELDS.items():
+            if data.get("residual", "standard") != kind:
+                data.update({name: default for name, default in fields.items() if name in data})
+        return cls.from_dict(data)
+
+    @classmethod
     def from_json(cls, text: str) -> "ModelConfig":
         try:
             data = json.loads(text)
@@ -253,7 +264,7 @@ class ModelConfig(TransformerLensConfig):
             raise ValueError(f"model config is not valid JSON: {err}") from err
         if not isinstance(data, dict):
             raise ValueError(f"model config JSON must be an object, got {type(data).__name__}")
-        return cls.from_dict(data)
+        return cls.from_stored(data)
 
 
 # TransformerLens config fields the model does not implement: only these values are accepted.
@@ -427,7 +438,7 @@ class RunConfig:
         provenance = data.get("provenance")
         if provenance is not None and not isinstance(provenance, dict):
             raise ValueError(f"a run config's 'provenance' must be an object or absent, got {provenance!r}")
-        return cls(ModelConfig.from_dict(data["model"]), dict(data["task"]), TrainConfig(**data["train"]),
+        return cls(ModelConfig.from_stored(data["model"]), dict(data["task"]), TrainConfig(**data["train"]),
                    data.get("preset"), provenance)
 
     def build_task(self) -> "Task":

@@ -63,8 +63,8 @@ def fla_mlp_width(fla: Mapping[str, Any]) -> int:
     (the rule of FLA's GatedMLP)."""
     if fla.get("intermediate_size") is not None:
         return _fla_int(fla, "intermediate_size")
-    ratio = 4 if fla.get("hidden_ratio") is None else fla["hidden_ratio"]
-    width = int(fla["hidden_size"] * ratio * 2 / 3)
+    ratio = _fla_number(fla, "hidden_ratio", 4)
+    width = int(_fla_int(fla, "hidden_size") * ratio * 2 / 3)
     return 256 * math.ceil(width / 256)
 
 
@@ -96,15 +96,15 @@ def model_config_from_fla(fla: Mapping[str, Any], dtype: str = "float32") -> Mod
         if heads < 1 or hidden % heads:
             raise FlaInteropError(f"hidden_size={hidden} must be a multiple of num_heads={heads} (>= 1)")
         kv_heads = heads if fla.get("num_kv_heads") is None else _fla_int(fla, "num_kv_heads")
-        norm_eps = float(fla.get("norm_eps", 1e-6))
+        norm_eps = _fla_number(fla, "norm_eps", 1e-6)
         return ModelConfig(
             d_model=hidden, n_layers=_fla_int(fla, "num_hidden_layers"), n_heads=heads,
             n_key_value_heads=kv_heads, d_vocab=_fla_int(fla, "vocab_size"),
             n_ctx=_fla_int(fla, "max_position_embeddings", 2048), d_mlp=fla_mlp_width(fla),
             act_fn="silu", gated_mlp=True, use_bias=False, tie_word_embeddings=tied,
-            positional_embedding_type="rotary", rotary_base=float(fla.get("rope_theta", 10000.0)),
+            positional_embedding_type="rotary", rotary_base=_fla_number(fla, "rope_theta", 10000.0),
             # FLA uses norm_eps for every norm: pre-norms, final norm, depth-attention key norms
-            eps=norm_eps, init_range=float(fla.get("initializer_range", 0.02)), dtype=dtype,
+            eps=norm_eps, init_range=_fla_number(fla, "initializer_range", 0.02), dtype=dtype,
             **({} if block_size is None else dict(residual="attnres", attnres_block_size=block_size,
                                                   attnres_eps=norm_eps)),
         )
@@ -114,6 +114,16 @@ def model_config_from_fla(fla: Mapping[str, Any], dtype: str = "float32") -> Mod
         raise
     except ValueError as err:
         raise FlaInteropError(f"the FLA config does not describe a valid model: {err}") from err
+
+
+def _fla_number(fla: Mapping[str, Any], key: str, default: float) -> float:
+    """A real-valued field of an FLA config (its default where absent or null); a string is refused, not parsed."""
+    value = fla.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FlaInteropError(f"{key}={value!r} in the FLA config must be a number")
+    return float(value)
 
 
 def _fla_int(fla: Mapping[str, Any], key: str, default: Optional[int] = None) -> int:
@@ -330,8 +340,9 @@ def read_fla_dir(path: PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise FlaInteropError(f"{folder / WEIGHTS_INDEX} is not a safetensors index ({err})") from err
         files = sorted(set(weight_map.values()))
-        outside = [name for name in files if not isinstance(name, str)
-                   or (folder / name).resolve().parent != folder.resolve()]
+        # names, not resolved paths: a Hugging Face cache's shards are symlinks into its blobs folder
+        outside = [name for name in files if not isinstance(name, str) or Path(name).is_absolute()
+                   or ".." in Path(name).parts]
         if outside:
             raise FlaInteropError(f"{folder / WEIGHTS_INDEX} names shards outside its folder ({outside[:3]}); "
                                   "a model directory's shards are files beside its index")
@@ -534,7 +545,9 @@ def export_fla_run(run: PathLike, out: PathLike, checkpoint: str = "latest", dty
             dtype = stored
         elif isinstance(provenance.get("stored_dtypes"), dict):  # several: each tensor as it came, config's kept
             tensor_dtypes = provenance["stored_dtypes"]
-            dtype = template.get("dtype") if isinstance(template, dict) and template.get("dtype") in DTYPES else None
+            # the config's own dtype, as it came: "dtype" since transformers 5, "torch_dtype" before
+            named = [template.get(key) for key in ("dtype", "torch_dtype")] if isinstance(template, dict) else []
+            dtype = next((name for name in named if name in DTYPES), None)
         elif stored:
             raise FlaInteropError(f"{run} was imported from weights stored in several dtypes ({stored}) without a "
                                   f"record of which tensor had which; pass --dtype (one of {list(DTYPES)})")

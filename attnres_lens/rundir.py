@@ -330,7 +330,7 @@ class RunDir:
         raw = self.read_config_dict()
         section = "model"  # checked in this order, so the message names the first bad section
         try:
-            ModelConfig.from_dict(raw["model"])
+            ModelConfig.from_stored(raw["model"])
             section = "train"
             config = RunConfig.from_dict(raw)
             section = "task"
@@ -442,6 +442,8 @@ class RunDir:
         path = self.state_path(name)
         state, state_meta = read_safetensors(path)
         missing = [key for key in STATE_TENSORS if key not in state]
+        if ("log.steps" in state) != ("log.loss_sum" in state):  # the open log window comes as a pair
+            missing += [key for key in ("log.steps", "log.loss_sum") if key not in state]
         if state_meta.get("format") != STATE_FORMAT or missing or not str(state_meta.get("step", "")).isdigit():
             raise RunDirError(f"{path} is not a training state file (format {STATE_FORMAT}, tensors "
                               f"{list(STATE_TENSORS)} and a step; missing {missing or 'none'}, format "
@@ -501,13 +503,15 @@ class RunDir:
             self.state_path(old).unlink(missing_ok=True)
         return name
 
-    def truncate_checkpoints(self, step: int) -> None:
-        """Forget the checkpoints after `step`: a run resumed from an earlier one trains a different branch, which
-        must never be continued from, or picked as "best", later. The index is rewritten first (latest and best
-        recomputed from the remaining checkpoints' stored eval losses), then the later files go, with any left by a
-        crash between an index write and its deletions."""
-        index = self.read_index()
-        kept = [name for name in index.kept if checkpoint_step(name) <= step]
+    def truncate_checkpoints(self, resumed_from: str) -> None:
+        """Forget the checkpoints after `resumed_from`: a run resumed from an earlier one trains a different
+        branch, which must never be continued from, or picked as "best", later. The index is rewritten first
+        (`resumed_from` kept and latest, even if a crash had left it on disk unindexed; best recomputed from the
+        remaining checkpoints' stored eval losses), then the later files go, with any left by a crash between an
+        index write and its deletions."""
+        index, step = self.read_index(), checkpoint_step(resumed_from)
+        kept = sorted({name for name in index.kept if checkpoint_step(name) <= step} | {resumed_from},
+                      key=checkpoint_step)
         if kept != index.kept:
             losses = {name: self._stored_eval_loss(name) for name in kept}
             finite = {name: loss for name, loss in losses.items() if math.isfinite(loss)}

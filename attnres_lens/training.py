@@ -80,14 +80,6 @@ class Trainer:
                 f"task needs vocab {self.task.vocab_size} and length {self.task.seq_len}, but the model has "
                 f"d_vocab={model_cfg.d_vocab}, n_ctx={model_cfg.n_ctx}; set model.d_vocab / model.n_ctx to at least those"
             )
-        # a training run seeds its model with train.seed and puts it on train.device: the model's own fields
-        # for them are the defaults or agree, else a setting would be recorded in config.json and not used
-        if model_cfg.seed not in (None, train_cfg.seed):
-            raise ValueError(f"model.seed={model_cfg.seed} is not used by training, which seeds the model with "
-                             f"train.seed={train_cfg.seed}; set train.seed instead (and leave model.seed unset)")
-        if str(model_cfg.device) not in ("cpu", str(self.device)):
-            raise ValueError(f"model.device={model_cfg.device!r} is not used by training, which runs on "
-                             f"train.device={train_cfg.device!r} ({self.device}); set train.device instead")
         model_cfg = dataclasses.replace(model_cfg, device=str(self.device), seed=train_cfg.seed)
         self.model = HookedTransformer(model_cfg)
         self.optimizer = adamw(self.model, train_cfg.lr, train_cfg.weight_decay, train_cfg.betas)
@@ -142,8 +134,10 @@ class Trainer:
                     self._save_checkpoint()
         finally:
             bar.close()
-            if dist.is_initialized():
-                dist.barrier()
+        # Not on the way out of an error: a rank stopped alone (rank 0's checkpoint found non-finite) must exit, so
+        # that torchrun stops the others, instead of waiting here for ranks that wait in their next step's collective
+        if dist.is_initialized():
+            dist.barrier()
 
     def _postfix(self, train_metrics: dict[str, float]) -> dict[str, str]:
         postfix = {"loss": f"{train_metrics['loss']:.3f}", "tok/s": f"{train_metrics['tokens_per_s']:.0f}"}
@@ -163,8 +157,13 @@ class Trainer:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             logits = self.model(tokens)
         loss = next_token_loss(logits, tokens)
-        if not torch.isfinite(loss):
-            self._diverged(f"the training loss became {loss.item()} at step {self.step + 1}")
+        mean_loss = loss.detach().clone()
+        if self.world > 1:  # before the check: every rank sees the same mean, so all stop or none (no rank left
+            dist.all_reduce(mean_loss, op=dist.ReduceOp.SUM)  # waiting in a collective the others never join)
+            mean_loss /= self.world
+        loss_value = mean_loss.item()
+        if not math.isfinite(loss_value):
+            self._diverged(f"the training loss became {loss_value} at step {self.step + 1}")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.world > 1:
@@ -172,10 +171,6 @@ class Trainer:
                 if param.grad is not None:
                     dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
                     param.grad /= self.world
-            dist.all_reduce(loss_for_log := loss.detach().clone(), op=dist.ReduceOp.SUM)
-            loss_value = loss_for_log.item() / self.world
-        else:
-            loss_value = loss.item()
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
         self.optimizer.step()
@@ -205,7 +200,8 @@ class Trainer:
         latest = self.run_dir.read_index().latest if self.rank == 0 else None
         kept = (f"the last good checkpoint, {latest}, is kept in {self.run_dir.checkpoints_dir} (resume from it with "
                 f"`attnres-lens train --resume {self.run_dir.path}`)" if latest else
-                f"no checkpoint was written before it (the first was due at step {self.config.train.checkpoint_every})")
+                f"no checkpoint was written before it (the first was due at step {self.config.train.checkpoint_every})"
+                if self.rank == 0 else "rank 0 says which checkpoint is kept")
         raise TrainingDiverged(f"{what}; training stopped and {kept}. Start a new run with a lower learning rate "
                                "(--set train.lr=...) or a longer warm-up (--set train.warmup_steps=...)")
 
@@ -275,7 +271,25 @@ def train(config: RunConfig, out_dir: str | Path, progress: bool = True) -> Trai
             raise
 
 
+def _check_used(config: RunConfig) -> None:
+    """A new run seeds its model with train.seed and puts it on train.device: model.seed and model.device must be
+    their defaults or agree, else config.json would record a setting training never used. (A resumed run is not
+    asked: runs of earlier versions may record one, and --resume cannot change it.)"""
+    model, train_cfg = config.model, config.train
+    if model.seed not in (None, train_cfg.seed):
+        raise ValueError(f"model.seed={model.seed} is not used by training, which seeds the model with "
+                         f"train.seed={train_cfg.seed}; set train.seed instead (and leave model.seed unset)")
+    try:
+        kind = torch.device(model.device).type
+    except RuntimeError as err:
+        raise ValueError(f"model.device={model.device!r} is not a device ({err}); set train.device instead") from err
+    if kind != "cpu" and kind != resolve_device(train_cfg.device).type:
+        raise ValueError(f"model.device={model.device!r} is not used by training, which runs on "
+                         f"train.device={train_cfg.device!r}; set train.device instead")
+
+
 def _train_new(config: RunConfig, run_dir: RunDir, progress: bool) -> Trainer:
+    _check_used(config)
     if run_dir.holds_run():
         raise FileExistsError(f"{run_dir.path} already holds a run; resume it with `attnres-lens train --resume "
                               f"{run_dir.path}` or choose another --out")
@@ -321,7 +335,7 @@ def resume(out_dir: str | Path, progress: bool = True, steps: Optional[int] = No
             raise ValueError(f"--steps {steps} is not above the step of {run_dir.path}'s checkpoint {name} "
                              f"({trainer.step}); give a larger total")
         if trainer.rank == 0:
-            run_dir.truncate_checkpoints(trainer.step)
+            run_dir.truncate_checkpoints(name)
             run_dir.truncate_metrics(trainer.step)
             trainer.recorder.load(run_dir.read_records(), trainer.step)
         trainer.fit()

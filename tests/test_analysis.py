@@ -265,6 +265,12 @@ def test_depth_summary_entropy_and_sink():
     summary = depth_summary(model, tokens).set_index("consumer").loc[model.cfg.n_sublayers]
     assert summary["sink_label"] == "emb" and summary["sink_score"] > 0.95
     assert summary["normalized_entropy"] < 0.1
+    # sigmoid scores: every α is 0.5 at initialisation, uniform shares though they do not sum to 1
+    sigmoid = HookedTransformer(small_config("attnres", 1, attnres_score="sigmoid"))
+    summary = depth_summary(sigmoid, tokens).set_index("consumer").dropna(subset=["normalized_entropy"])
+    assert summary["normalized_entropy"].to_numpy() == pytest.approx(1, abs=1e-6)
+    assert summary["sink_score"].to_numpy() == pytest.approx(1 / summary["n_sources"].to_numpy())
+    assert summary["embedding_weight"].to_numpy() == pytest.approx(0.5)
 
 
 def test_per_token_depth_weights_match_the_hooked_weights():

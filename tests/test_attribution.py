@@ -958,6 +958,9 @@ def test_timeline_statistics_and_fastest_change_on_known_snapshots():
     for series in ("routing_entropy", "max_weight", "embedding_weight", "induction_score", "loss", "eval_loss"):
         assert changes.loc[series, "step"] == 20 and changes.loc[series, "step_from"] == 10, series
     assert changes.loc["max_weight", "rate"] == pytest.approx(0.03)
+    sigmoid = weights.assign(weight=0.5 * weights["step"].ne(0) + 0.5)  # α = 0.5, then 1 for both sources
+    entropy = training_timeline({"depth_weights": sigmoid}, metrics[["step"]])
+    assert entropy[entropy["series"] == "routing_entropy"]["value"].to_numpy() == pytest.approx(math.log(2))
 
 
 def test_timeline_of_a_recorded_run_covers_every_consumer(smoke_run):

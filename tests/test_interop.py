@@ -194,6 +194,8 @@ def test_import_refuses_what_it_cannot_represent_naming_the_option(option, value
     (dict(hidden_size=None), "'hidden_size'"), (dict(num_heads=None), "'num_heads'"), (dict(num_heads=0), "num_heads=0"),
     (dict(intermediate_size=47.9), "intermediate_size=47.9"), (dict(vocab_size="40"), "vocab_size='40'"),
     (dict(tie_word_embeddings="false"), "tie_word_embeddings='false'"), (dict(num_kv_heads=2.0), "num_kv_heads=2.0"),
+    (dict(rope_theta="x"), "rope_theta='x'"), (dict(norm_eps="1e-5"), "norm_eps='1e-5'"),
+    (dict(hidden_ratio="4"), "hidden_ratio='4'"),
 ])
 def test_import_refuses_a_malformed_config_naming_the_field(change, named):
     """A missing, mistyped or zero field is an FlaInteropError (the CLI's one-line error), never a KeyError,
@@ -221,9 +223,14 @@ def test_save_takes_a_dtype_by_name_and_refuses_others(tmp_path):
             save_fla(model, tmp_path / f"bad{bad}", dtype=bad)
 
 
-def test_a_checkpoint_in_several_dtypes_exports_each_tensor_in_its_own(tmp_path):
+@pytest.mark.parametrize("dtype_key", ["dtype", "torch_dtype"])  # transformers 5's name, and the one before
+def test_a_checkpoint_in_several_dtypes_exports_each_tensor_in_its_own(tmp_path, dtype_key):
     fla = make_fla(seed=6, num_hidden_layers=2, intermediate_size=None).to(torch.bfloat16)
     fla.save_pretrained(tmp_path / "fla")
+    if dtype_key == "torch_dtype":
+        config = json.loads((tmp_path / "fla" / "config.json").read_text())
+        config["torch_dtype"] = config.pop("dtype")
+        (tmp_path / "fla" / "config.json").write_text(json.dumps(config))
     weights = load_file(tmp_path / "fla" / "model.safetensors")
     weights = {name: tensor.float() if "norm" in name else tensor for name, tensor in weights.items()}
     save_file(weights, tmp_path / "fla" / "model.safetensors", metadata={"format": "pt"})
@@ -231,7 +238,9 @@ def test_a_checkpoint_in_several_dtypes_exports_each_tensor_in_its_own(tmp_path)
     export_fla_run(run, tmp_path / "back")
     assert_same_state(load_file(tmp_path / "back" / "model.safetensors"), weights)
     original, written = (json.loads((tmp_path / name / "config.json").read_text()) for name in ("fla", "back"))
-    assert original["intermediate_size"] is None and written == original  # FLA's derived width stays derived
+    assert original["intermediate_size"] is None and written["intermediate_size"] is None  # derived stays derived
+    original["dtype"] = original.pop(dtype_key)  # written under transformers 5's name
+    assert written == original
 
     config = json.loads((run / "config.json").read_text())  # a run imported before per-tensor dtypes were kept
     del config["provenance"]["stored_dtypes"]
@@ -251,6 +260,16 @@ def test_an_index_naming_shards_outside_its_folder_is_refused(tmp_path):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FlaInteropError, match="outside its folder"):
         read_fla_dir(folder)
+    # a Hugging Face cache: snapshots/REV holds symlinks into blobs/, which are shards beside their index
+    blobs, snapshot = tmp_path / "cache" / "blobs", tmp_path / "cache" / "snapshots" / "rev"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    shutil.copy(tmp_path / "fla" / "model.safetensors", blobs / "abc123")
+    shutil.copy(tmp_path / "fla" / "config.json", snapshot)
+    (snapshot / "model-00001-of-00001.safetensors").symlink_to(Path("../../blobs/abc123"))
+    index = {"weight_map": {name: "model-00001-of-00001.safetensors" for name in names}}
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert set(read_fla_dir(snapshot)[1]) == set(names)
 
 
 def test_the_flash_attn_stand_in_aligns_the_causal_mask_bottom_right():

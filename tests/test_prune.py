@@ -25,7 +25,7 @@ from attnres_lens.analysis import (
     source_mask_hooks,
 )
 from attnres_lens.analysis.interventions import evaluate, evaluate_many
-from attnres_lens.analysis.pruning import removal_orders, residual_states
+from attnres_lens.analysis.pruning import removable_within, removal_orders, residual_states
 import attnres_lens.analysis.run as run_module
 from attnres_lens.analysis.run import prune_tables
 from attnres_lens.cli import main as cli_main
@@ -165,6 +165,9 @@ def test_cumulative_curves_start_clean_and_end_with_everything_removed():
     measured = curves[curves["strategy"] == "measured"].set_index("n_removed")
     least_important = sensitivity.sort_values(["dacc_remove", "sublayer"], ascending=[False, True])["sublayer"].iloc[0]
     assert measured.loc[1, "removed"] == str(least_important)
+    for tolerance in (0, -0.1, True):
+        with pytest.raises(ValueError, match="tolerance must be a relative loss increase > 0"):
+            removable_within(curves, tolerance)
 
 
 def test_curves_that_stop_mid_round_match_evaluating_each_set_alone():

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 import pytest
@@ -453,6 +454,13 @@ def test_a_state_file_that_is_not_one_is_an_error_naming_it(smoke_run, tmp_path,
     shutil.copy(run_dir.weights_path("step_0000040"), run_dir.state_path("step_0000040"))
     err = cli_error(capsys, "train", "--resume", str(run), "--steps", "50", "--no-progress")
     assert "step_0000040.state.safetensors is not a training state file" in err and "--checkpoint" in err
+    run = copy_run(smoke_run, tmp_path, "half_window")
+    run_dir = RunDir(run)
+    state, meta = read_safetensors(run_dir.state_path("step_0000040"))
+    del state["log.loss_sum"]  # the open log window comes as a pair
+    atomic_save_safetensors(run_dir.state_path("step_0000040"), state, meta)
+    assert "missing ['log.loss_sum']" in cli_error(capsys, "train", "--resume", str(run), "--steps", "50",
+                                                    "--no-progress")
 
 
 def test_resume_may_move_the_run_to_another_device(smoke_run, tmp_path, capsys):
@@ -491,3 +499,71 @@ def test_the_dashboard_command_refuses_what_it_cannot_serve(tmp_path, capsys):
     assert "is a file, not a folder of runs" in cli_error(capsys, "dashboard", "--runs", str(tmp_path / "file"))
     assert "no such folder" in cli_error(capsys, "dashboard", "--runs", str(tmp_path / "nowhere"))
     assert "--port must be in 1..65535, got 0" in cli_error(capsys, "dashboard", "--runs", str(tmp_path), "--port", "0")
+
+
+# ---------------------------------------------------------------------------- data parallel (torchrun, gloo on CPU)
+def torchrun(out: Path, *args: str, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """`attnres-lens train --preset smoke` on two torchrun ranks (tests/data_parallel_worker.py), 120 s at most:
+    a rank left waiting in a collective would hang the run, which this turns into a failure."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               str(REPO / "tests" / "data_parallel_worker.py"), "train", "--preset", "smoke", "--out", str(out),
+               "--no-progress", *args]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_data_parallel_training_matches_one_process_and_a_failure_on_one_rank_stops_the_run(tmp_path):
+    steps = ["--steps", "10", "--set", "train.checkpoint_every=10"]
+    result = torchrun(tmp_path / "two", *steps)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert cli_main(["train", "--preset", "smoke", "--out", str(tmp_path / "one"), "--no-progress", *steps]) == 0
+    two, one = metric_lines(tmp_path / "two"), metric_lines(tmp_path / "one")
+    assert [line["step"] for line in two] == [line["step"] for line in one]
+    for a, b in zip(two, one):  # each rank takes half the batch, gradients are averaged: the same step
+        for key in set(b) & {"loss", "eval_loss", "grad_norm"}:
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (b["step"], key)
+
+    diverged = torchrun(tmp_path / "inf", "--steps", "30", env={"INF_ON_RANK1_AT_STEP": "3"})
+    assert diverged.stderr.count("the training loss became inf at step 3") == 2  # both ranks, from the mean
+    assert "rank 0 says which checkpoint is kept" in diverged.stderr and diverged.returncode != 0
+    stopped = torchrun(tmp_path / "nan", "--steps", "30", "--set", "train.checkpoint_every=10",
+                       env={"NAN_EVAL_ON_RANK0_AT_STEP": "10"})
+    assert "at step 10 the held-out loss is nan" in stopped.stderr and stopped.returncode != 0
+    assert RunDir(tmp_path / "nan").read_index().latest is None
+
+
+def test_runs_written_by_earlier_versions_still_load_and_resume(tmp_path):
+    """Earlier versions recorded fields a standard model never reads (a preset's block size kept through
+    `--set model.residual=standard`, FLA's norm_eps as attnres_eps) and a model.seed training did not use: such a
+    run loads, with those fields at their defaults, and resumes."""
+    config = apply_overrides(get_preset("smoke"), ["model.residual=standard", "train.steps=10",
+                                                   "train.checkpoint_every=10"])
+    run = tmp_path / "old"
+    train(config, run, progress=False)
+    recorded = {"attnres_block_size": 2, "attnres_eps": 1e-5}
+    raw = json.loads((run / "config.json").read_text())
+    raw["model"].update(recorded, seed=5)
+    (run / "config.json").write_text(json.dumps(raw))
+    path = RunDir(run).weights_path("step_0000010")
+    tensors, meta = read_safetensors(path)
+    meta["model_config"] = json.dumps({**json.loads(meta["model_config"]), **recorded})
+    atomic_save_safetensors(path, tensors, meta)
+    loaded = load_run(run)
+    assert loaded.model.cfg.residual == "standard" and loaded.model.cfg.attnres_block_size == 1
+    assert loaded.model.cfg.attnres_eps == 1e-6
+    assert cli_main(["train", "--resume", str(run), "--steps", "15", "--no-progress"]) == 0
+    assert metric_lines(run)[-1]["step"] == 15
+
+
+def test_a_resume_from_a_checkpoint_a_crash_left_unindexed_keeps_it(tmp_path):
+    config = apply_overrides(get_preset("smoke"), ["train.steps=20", "train.checkpoint_every=10",
+                                                   "train.keep_checkpoints=5"])
+    run = tmp_path / "run"
+    train(config, run, progress=False)
+    index = json.loads(RunDir(run).index_path.read_text())  # step 10 on disk, no longer in the index
+    index.update(kept=["step_0000020"], latest="step_0000020", best="step_0000020")
+    RunDir(run).index_path.write_text(json.dumps(index))
+    resume(run, progress=False, steps=30, checkpoint="10")
+    index = RunDir(run).read_index()
+    assert index.kept == ["step_0000010", "step_0000020", "step_0000030"] and index.latest == "step_0000030"

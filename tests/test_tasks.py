@@ -373,6 +373,8 @@ def test_induction_has_no_short_cycles_at_default_size() -> None:
         ("repeated", dict(seq_len=64), r"must be odd"),
         ("ngram3", dict(deterministic_frac=1.0), r"strictly between 0 and 1"),
         ("ngram3", dict(branching=70), r"branching <= 63"),
+        ("ngram3", dict(seq_len=3), r"seq_len must be >= 4"),  # no position would have an answer
+        ("copy", dict(vocab_size=17, seq_len=34, min_len=4, max_len=8), r"vocab_size >= 18"),  # ⌈33/2⌉ = 17
         ("mixed", dict(seq_len=64), r"seq_len >= 65"),
         ("mixed", dict(min_len=2), r"min_len must be >= 3"),
     ],

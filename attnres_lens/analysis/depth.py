@@ -69,22 +69,24 @@ def depth_weights_per_token(model: HookedTransformer, tokens: torch.Tensor) -> p
 
 
 def depth_summary(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFrame:
-    """Per consumer: n_sources; entropy (nats) of α, averaged over tokens, and normalized_entropy (divided by
-    log n_sources: 1 = uniform, 0 = one source; undefined for a single source); sink_score, the largest
-    token-averaged weight any one source takes (1/n_sources when uniform, 1 for a perfect sink), with that
-    source as sink_source / sink_label; embedding_weight, the token-averaged weight on e."""
+    """Per consumer: n_sources; entropy (nats) of α's shares (α / Σ α per token: α itself for softmax scores,
+    sigmoid ones do not sum to 1), averaged over tokens, and normalized_entropy (divided by log n_sources:
+    1 = uniform, 0 = one source; undefined for a single source); sink_score, the largest token-averaged share any
+    one source takes (1/n_sources when uniform, 1 for a perfect sink), with that source as sink_source /
+    sink_label; embedding_weight, the token-averaged weight α on e itself."""
     rows = []
     for consumer, weights in depth_weights_by_consumer(model, tokens).items():
         n_sources = weights.shape[-1]
-        entropy = -(weights * weights.clamp_min(1e-30).log()).sum(-1).mean().item()
-        mean_weights = weights.mean(dim=(0, 1))
-        sink = int(mean_weights.argmax())
+        shares = weights / weights.sum(-1, keepdim=True)
+        entropy = -(shares * shares.clamp_min(1e-30).log()).sum(-1).mean().item()
+        mean_shares = shares.mean(dim=(0, 1))
+        sink = int(mean_shares.argmax())
         rows.append(dict(
             consumer=consumer, consumer_label=model.sublayer_name(consumer), kind=model.sublayer_kind(consumer),
             n_sources=n_sources, entropy=entropy,
             normalized_entropy=entropy / math.log(n_sources) if n_sources > 1 else float("nan"),
-            sink_score=mean_weights[sink].item(), sink_source=sink, sink_label=model.source_labels(consumer)[sink],
-            embedding_weight=mean_weights[0].item(),
+            sink_score=mean_shares[sink].item(), sink_source=sink, sink_label=model.source_labels(consumer)[sink],
+            embedding_weight=weights[..., 0].mean().item(),
         ))
     return pd.DataFrame(rows)
 

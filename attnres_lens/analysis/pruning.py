@@ -266,6 +266,8 @@ def cumulative_pruning(model: HookedTransformer, batch: Batch, sensitivity: pd.D
 def removable_within(curves: pd.DataFrame, tolerance: float = 0.05) -> pd.DataFrame:
     """Per strategy, how many sublayers can be removed, in its order, before the loss rises by `tolerance`
     (relative) or more: the largest k such that every prefix up to k stays below it."""
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance > 0:
+        raise ValueError(f"tolerance must be a relative loss increase > 0 (e.g. 0.05), got {tolerance!r}")
     rows = []
     for strategy, curve in curves.groupby("strategy", sort=False):
         curve = curve.sort_values("n_removed")

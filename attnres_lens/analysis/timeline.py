@@ -23,8 +23,8 @@ def training_timeline(records: dict[str, pd.DataFrame], metrics: pd.DataFrame) -
     if len(weights):
         def per_snapshot(group: pd.DataFrame) -> pd.Series:
             alpha = group.sort_values("source")["weight"].to_numpy(dtype=float)
-            positive = alpha[alpha > 0]
-            return pd.Series({"routing_entropy": float(-(positive * np.log(positive)).sum()),
+            shares = alpha[alpha > 0] / alpha.sum()  # α itself for softmax scores; sigmoid ones do not sum to 1
+            return pd.Series({"routing_entropy": float(-(shares * np.log(shares)).sum()),
                               "max_weight": float(alpha.max()),
                               "embedding_weight": float(group.loc[group["source"] == 0, "weight"].sum())})
 

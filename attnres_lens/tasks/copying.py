@@ -105,7 +105,7 @@ class CopyTask(Task):
                 f"copy: seq_len={self.seq_len} cannot hold BOS, a segment of max_len={self.max_len} and its copy; "
                 f"use seq_len >= {2 * self.max_len + 1} or a smaller max_len"
             )
-        needed = (self.seq_len - 1) // 2
+        needed = self.seq_len // 2  # ⌈(seq_len − 1) / 2⌉ content tokens
         if self.vocab_size - 1 < needed:
             raise ValueError(
                 f"copy: vocab_size={self.vocab_size} is too small for seq_len={self.seq_len}: most copied "

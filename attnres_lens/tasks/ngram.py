@@ -40,6 +40,8 @@ class NGram3Task(Task):
         self._draw_model()
 
     def _validate(self) -> None:
+        # the first answer can be the target of position 2 (context x_1, x_2), which needs a position 3
+        check_int(self.name, "seq_len", self.seq_len, 4)
         check_int(self.name, "branching", self.branching, 2)
         if self.branching > self.vocab_size - 1:
             raise ValueError(
