@@ -513,7 +513,8 @@ class DepthAttention(nn.Module):
         """Pre-score logits `z_s` over the sources: [..., n_sources], or [..., heads, n_sources]."""
         dtype = torch.float64 if sources[0].dtype == torch.float64 else torch.float32
         if self.mixing == "scalar":
-            return self.scalar_logits.to(dtype).expand(*sources[0].shape[:-1], len(sources))
+            # a copy: a hook editing z in place must not write into the parameter (expand alone is a view of it)
+            return self.scalar_logits.to(dtype).expand(*sources[0].shape[:-1], len(sources)).clone()
         if self.fusable:
             return depth_logits(sources, self.query, self.key_norm.w, self.key_norm.eps)
         # the readable path of the ablations: sources stacked once, [..., n_sources, heads, d_model / heads]

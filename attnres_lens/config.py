@@ -85,7 +85,7 @@ class ModelConfig(TransformerLensConfig):
     attnres_eps: float = 1e-6  # epsilon of the depth-attention key norm
     attnres_score: str = "softmax"  # or "sigmoid": α_s = sigmoid(z_s), not normalised over sources
     attnres_key_norm: bool = True  # False: keys are the raw sources (no RMSNorm, no gain)
-    attnres_query: str = "static"  # or "input": q_j = W_j · RMSNorm(most recent source), W_j zero-initialised
+    attnres_query: str = "static"  # or "input": q_j = RMSNorm(most recent source) @ W_j, W_j zero-initialised
     attnres_heads: int = 1  # H channel groups, each with its own query slice, key norm and softmax
     attnres_window: Optional[int] = None  # W: read the embedding plus only the last W sources
     attnres_mixing: str = "attention"  # or "scalar": learned input-independent weights over the same sources

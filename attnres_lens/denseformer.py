@@ -28,7 +28,7 @@ class DepthWeightedAverage(nn.Module):
         self.hook_dwa_weights = HookPoint()  # [layer + 2] the weights a_{k,i} (the same for every token)
 
     def forward(self, outputs: list[torch.Tensor]) -> torch.Tensor:
-        weights = self.hook_dwa_weights(self.weights)
+        weights = self.hook_dwa_weights(self.weights.clone())  # a cache holds a snapshot; an edit lasts one pass
         return sum(weights[i].to(x.dtype) * x for i, x in enumerate(outputs))
 
 

@@ -11,7 +11,9 @@ gives them per token, `[batch, pos, J+1, J+1]` over consumers c = 0 … J (J = t
 * mHC: the read weights of c applied to each stream's coefficient of f_i, which f_i's write weights created and each
   stream mix in between moved (`C ← combᵀ C + post ⊗ [f_j]`), per token.
 
-Mixing weights are read through their hook points in one forward pass; nothing is stored on the model.
+Input-dependent mixing weights (AttnRes, mHC) are read through their hook points in one forward pass; DenseFormer's,
+the same for every token, from its parameters (`dwa.weights`, what `hook_dwa_weights` sees); nothing is stored on
+the model.
 """
 
 from __future__ import annotations
@@ -60,10 +62,6 @@ def mixing_coefficients(model, tokens: Optional[torch.Tensor] = None, per_group:
     coefficients: `per_group=True` gives them, `[batch, pos, H, J+1, J+1]`; by default their mean (the groups are
     equal, so it is the coefficient averaged over channels).
     """
-    if per_group:
-        if model.cfg.residual != "attnres" or model.cfg.attnres_heads == 1:
-            return mixing_coefficients(model, tokens).unsqueeze(-3)
-        return _attnres(model, model.to_tokens(tokens), model.cfg.n_sublayers + 1, per_group=True)
     cfg = model.cfg
     n = cfg.n_sublayers + 1
     residual = cfg.residual
@@ -71,6 +69,10 @@ def mixing_coefficients(model, tokens: Optional[torch.Tensor] = None, per_group:
         if tokens is None:
             raise ValueError(f"the mixing weights of residual={residual!r} depend on the input: pass tokens")
         tokens = model.to_tokens(tokens)
+    if per_group:
+        if residual != "attnres" or cfg.attnres_heads == 1:
+            return mixing_coefficients(model, tokens).unsqueeze(-3)
+        return _attnres(model, tokens, n, per_group=True)
     shape = (1, 1) if tokens is None else tuple(tokens.shape)
     if residual == "standard":
         return torch.ones(*shape, n, n, **_like(model)).tril()

@@ -373,3 +373,33 @@ def test_attribute_runs_on_an_attnres_option_and_analysis_out_is_never_a_run(tmp
     assert {path.name: path.read_bytes() for path in (run / "records").iterdir()} == records and not (run / "checkpoints" / "new").exists()
     assert cli_main(["analyze", str(run), "--samples", "3", "--out", str(run / "analysis" / "again"),
                      "--no-progress"]) == 0
+
+
+def test_hooks_editing_mixing_weights_in_place_leave_the_parameters_alone():
+    """A hook's tensor is the pass's copy: an in-place edit (a knockout) lasts one pass and a cache is a snapshot.
+    Scalar mixing once handed hook_logits a view of its parameter, DenseFormer hook_dwa_weights the parameter."""
+    scalar = randomize(model_of(residual="attnres", attnres_mixing="scalar"))
+    before = scalar.final_res.scalar_logits.detach().clone()
+
+    def knock_out_the_embedding(z, hook):
+        z[..., 0] = float("-inf")
+
+    with torch.no_grad():  # batch 2: the expanded view would even refuse the write
+        scalar.run_with_hooks(tokens_for(scalar), fwd_hooks=[("final_res.hook_logits", knock_out_the_embedding)])
+    assert torch.equal(scalar.final_res.scalar_logits, before)
+
+    dense = randomize(model_of(residual="denseformer"))
+    name, tokens = "blocks.1.dwa.hook_dwa_weights", tokens_for(dense)
+    _, cache = dense.run_with_cache(tokens)
+    snapshot = cache[name].clone()
+    weights = dense.blocks[1].dwa.weights
+    with torch.no_grad():
+        weights.add_(1.0)
+        dense.run_with_hooks(tokens, fwd_hooks=[(name, lambda w, hook: w.zero_())])
+    assert torch.equal(cache[name], snapshot) and torch.equal(weights, snapshot + 1)
+
+
+def test_per_group_mixing_without_tokens_asks_for_them():
+    model = model_of(residual="attnres", attnres_heads=2)
+    with pytest.raises(ValueError, match="depend on the input: pass tokens"):
+        mixing_coefficients(model, None, per_group=True)
