@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import gc
 import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("streamlit")
@@ -235,3 +237,45 @@ def test_pages_without_a_run_to_show_say_so(tmp_path):
         assert_clean(app)
         expected = "No AttnRes run" if page == "views/depth_attention.py" else "No readable runs in this folder."
         assert any(expected in info.value for info in app.info), (page, [info.value for info in app.info])
+
+
+def test_pages_score_what_the_commands_score_and_draw_recorded_mixing_without_a_model(tmp_path):
+    """A run whose task seed is not 0: the Induction page's scores at a checkpoint are `analyze`'s (the same probe,
+    `task_probe`; the page once drew its probe from seed 0). A run without checkpoints still shows its recorded M.
+    A negative M (DenseFormer's weights are unconstrained) is drawn on the signed scale centred on zero."""
+    from attnres_lens import load_run
+    from attnres_lens.analysis.induction import induction_head_scores, task_probe
+    from attnres_lens.config import apply_overrides
+    from attnres_lens.presets import get_preset
+    from attnres_lens.training import train
+
+    runs = tmp_path / "runs"
+    train(apply_overrides(get_preset("smoke"), ["train.seed=3", "task.seed=3", "train.steps=10",
+                                                "train.checkpoint_every=10", "train.record_every=10"]),
+          runs / "seed3", progress=False)
+    loaded = load_run(runs / "seed3")
+    expected = induction_head_scores(loaded.model, task_probe(loaded.model, loaded.config.build_task(), 16))
+    app = open_page("views/induction.py", runs=runs)
+    app.selectbox(key="induction-metric").set_value("tl_induction_score").run()
+    assert_clean(app)
+    heatmap = next(spec for spec in chart_specs(app) if "detect_head" in spec["layout"]["title"]["text"])
+    z = heatmap["data"][0]["z"]  # plotly's typed-array form: base64 bytes of a float64 array
+    shown = sorted(np.frombuffer(base64.b64decode(z["bdata"]), dtype=z["dtype"]).tolist())
+    assert shown == pytest.approx(sorted(expected["tl_induction_score"]), abs=1e-6)
+
+    shutil.copytree(runs / "seed3", runs / "no_checkpoint")
+    shutil.rmtree(runs / "no_checkpoint" / "checkpoints")
+    app = open_page("views/depth_mixing.py", runs=runs)
+    app.multiselect(key="mixing-runs").set_value([str(runs / "no_checkpoint")]).run()
+    assert_clean(app)
+    assert not app.warning and "M (step 10)" in chart_specs(app)[0]["layout"]["title"]["text"]
+
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("figures_under_test", REPO_ROOT / "apps" / "lens_ui" / "figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    frame = load_run(runs / "seed3", load_model=False).records["depth_mixing"]
+    frame = frame[frame["step"] == 10].assign(weight=lambda f: f["weight"] - 0.5)
+    trace = figures.mixing_heatmap(frame, "M", float(frame["weight"].max()), float(frame["weight"].min())).data[0]
+    assert trace.zmid == 0 and trace.zmin == -trace.zmax and trace.zmax >= 0.5

@@ -71,11 +71,17 @@ def per_token_heatmap(per_token: pd.DataFrame, consumer: int, title: str) -> go.
                    height=max(320, 40 + 16 * len(matrix.index)))
 
 
-def mixing_heatmap(mixing: pd.DataFrame, title: str, zmax: float) -> go.Figure:
+def mixing_heatmap(mixing: pd.DataFrame, title: str, zmax: float, zmin: float = 0.0) -> go.Figure:
+    """M as consumer × output; with a negative `zmin` (DenseFormer's weights are unconstrained) on the signed scale
+    centred on zero, so a negative coefficient never shares the colour of zero."""
     matrix = mixing.pivot_table(index=["consumer", "consumer_label"], columns=["sublayer", "sublayer_label"],
                                 values="weight")
     matrix = matrix.sort_index().droplevel("consumer")
     matrix = matrix.sort_index(axis=1).droplevel("sublayer", axis=1)
+    if zmin < 0:
+        bound = max(zmax, -zmin)
+        return heatmap(matrix, title, "effective weight M", -bound, bound, SIGNED, zmid=0.0,
+                       x_title="sublayer output (emb = e)", y_title="sublayer input", hover="M")
     return heatmap(matrix, title, "effective weight M", 0.0, zmax, x_title="sublayer output (emb = e)",
                    y_title="sublayer input", hover="M")
 

@@ -27,7 +27,7 @@ from attnres_lens.analysis.attribution_report import (
     lens_summary_figure,
     timeline_figure,
 )
-from attnres_lens.analysis.induction import default_half_len, repeated_batch
+from attnres_lens.analysis.induction import task_probe
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 from lens_ui.data import ModelHandle, RunTables, no_records_message, task_batch
 from lens_ui.widgets import computed_on_demand, loadable_runs, pick_model, pick_run, show_figure
@@ -44,7 +44,7 @@ st.caption(run.variant)
 
 def compute(run: RunTables, handle: ModelHandle, samples: int, prompt: torch.Tensor,
             progress: Callable[[float, str], Any]) -> dict[str, pd.DataFrame]:
-    probe = repeated_batch(samples, default_half_len(handle.model), run.build_task().vocab_size)
+    probe = task_probe(handle.model, run.build_task(), samples)  # the probe `attnres-lens attribute` scores
     with handle.lock:
         return attribution_tables(handle.model, task_batch(run, samples), prompt, probe=probe, on_stage=progress)
 

@@ -41,13 +41,15 @@ else:
 
 matrices = {}
 for run in chosen:
-    with st.expander(f"{run.name}: checkpoint", expanded=False):
-        handle = pick_model(run, key=f"mixing-checkpoint-{run.name}")
-    if handle is None:
-        continue
+    weights = recorded[run.path] if from_records and run.model_config.residual != "standard" else None
+    handle = None
+    if weights is None or ("sublayer" not in weights and not weights.empty):  # a recorded M needs no model
+        with st.expander(f"{run.name}: checkpoint", expanded=False):
+            handle = pick_model(run, key=f"mixing-checkpoint-{run.name}")
+        if handle is None:
+            continue
     try:
-        if from_records and run.model_config.residual != "standard":
-            weights = recorded[run.path]
+        if weights is not None:
             if weights.empty:
                 st.warning(no_records_message(run, "recorded mixing weights", "records/depth_mixing.parquet")
                            + " Choose “a checkpoint's model” above.")
@@ -73,8 +75,9 @@ for run in chosen:
 
 if matrices:
     zmax = max(float(frame["weight"].max()) for _, _, frame in matrices.values())
+    zmin = min(0.0, *(float(frame["weight"].min()) for _, _, frame in matrices.values()))
     for column, (name, (run, where, frame)) in zip(st.columns(len(matrices)), matrices.items()):
         with column:
             st.subheader(name)
             st.caption(f"{run.variant} · {where}")
-            show_figure(mixing_heatmap(frame, f"{name} · M ({where})", zmax), key=f"mixing-{name}")
+            show_figure(mixing_heatmap(frame, f"{name} · M ({where})", zmax, zmin), key=f"mixing-{name}")

@@ -8,7 +8,8 @@ import streamlit as st
 import torch
 from transformer_lens.utilities import get_act_name
 
-from attnres_lens.analysis.induction import induction_head_scores
+from attnres_lens.analysis.induction import induction_head_scores, task_probe
+from attnres_lens.tasks.base import Task
 from lens_ui.data import ModelHandle, no_records_message
 from lens_ui.figures import kv_shift_figure, layer_head_heatmap, pattern_heatmap, score_over_training
 from lens_ui.widgets import loadable_runs, pick_model, pick_run, repeated_tokens_input, show_figure
@@ -37,9 +38,10 @@ st.caption(run.variant)
 
 
 @st.cache_data(show_spinner=False, max_entries=32)
-def live_scores(_handle: ModelHandle, key: tuple, n_samples: int, vocab_size: int) -> pd.DataFrame:
+def live_scores(_handle: ModelHandle, key: tuple, n_samples: int, _task: Task) -> pd.DataFrame:
+    """`attnres-lens analyze`'s scores: the run's probe (its task's vocabulary and seed; `key` names the run)."""
     with _handle.lock:
-        return induction_head_scores(_handle.model, n_samples=n_samples, vocab_size=vocab_size)
+        return induction_head_scores(_handle.model, task_probe(_handle.model, _task, n_samples))
 
 
 metric = st.selectbox("Metric", [RECORDED, *METRICS], key="induction-metric",
@@ -67,8 +69,8 @@ else:
     n_samples = st.slider("Repeated sequences", 4, 64, 16, step=4, key="induction-samples")
     if handle is not None:
         with st.spinner("Scoring every head (patterns, TL detector, copying, ablations)…"):
-            vocab_size = run.build_task().vocab_size
-            scores = live_scores(handle, handle.key, n_samples, vocab_size)
+            task = run.build_task()
+            scores = live_scores(handle, handle.key, n_samples, task)
         name, colorbar, zmin, zmax, signed = METRICS[metric]
         show_figure(layer_head_heatmap(scores, metric, f"{name}<br><sup>{run.name} · {handle.checkpoint}</sup>", colorbar, zmin,
                                        zmax, signed), key=f"induction-live-{run.name}-{metric}")

@@ -26,7 +26,7 @@ from attnres_lens.analysis.attribution import (
     routing_audit,
     source_logit_lens,
 )
-from attnres_lens.analysis.induction import default_half_len, repeated_batch
+from attnres_lens.analysis.induction import default_half_len, repeated_batch, task_probe
 from attnres_lens.analysis.kv_shift import kv_shift_decomposition
 from attnres_lens.analysis.report import STYLE
 from attnres_lens.analysis.routing import causal_routing
@@ -171,7 +171,7 @@ def attribute_run(path: PathLike, checkpoint: Union[str, int] = "latest", sample
     batch = task.eval_batch(samples)
     _check_fits(model, batch)
     prompt_tokens = parse_prompt(model, prompt, batch)
-    probe = repeated_batch(samples, default_half_len(model), task.vocab_size, seed=task.seed)
+    probe = task_probe(model, task, samples)
     tables = attribution_tables(model, batch, prompt_tokens, run.records, run.metrics, probe, n_boot, progress)
     header = {**_run_header(run, samples), "prompt": " ".join(map(str, prompt_tokens[0].tolist()))}
     summary = _json_safe(attribution_summary(tables, header))

@@ -37,12 +37,18 @@ from attnres_lens.mixing import basis_index, mixing_coefficients
 from attnres_lens.model import HookedTransformer, next_token_loss
 from attnres_lens.recorder import prefix_matching_score
 from attnres_lens.tasks import make_task
-from attnres_lens.tasks.base import BOS, IGNORE_INDEX, Batch
+from attnres_lens.tasks.base import BOS, IGNORE_INDEX, Batch, Task
 
 
 def repeated_batch(n_samples: int, half_len: int, vocab_size: int, seed: int = 0) -> Batch:
     """The fixed repeated-tokens probe: `n_samples` sequences `[BOS, r, r]`, answers on the second half."""
     return make_task("repeated", vocab_size=vocab_size, seq_len=2 * half_len + 1, seed=seed).eval_batch(n_samples)
+
+
+def task_probe(model: HookedTransformer, task: Task, n_samples: int) -> Batch:
+    """The repeated-tokens probe of a run's analyses: `n_samples` sequences at the model's longest probe length, in
+    the task's vocabulary and from its seed, so `analyze`, `attribute` and the dashboard score the same tokens."""
+    return repeated_batch(n_samples, default_half_len(model), task.vocab_size, seed=task.seed)
 
 
 def default_half_len(model: HookedTransformer) -> int:

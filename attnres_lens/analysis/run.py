@@ -22,11 +22,10 @@ from attnres_lens.analysis.depth import (
     mixing_diagnostics,
 )
 from attnres_lens.analysis.induction import (
-    default_half_len,
     in_context_learning_score,
     induction_head_scores,
     per_position_loss,
-    repeated_batch,
+    task_probe,
 )
 from attnres_lens.analysis.interventions import ForkedJob, analysis_session, fork_available
 from attnres_lens.analysis.pruning import (
@@ -160,7 +159,7 @@ def analyze_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples:
     model = run.model
     batch = task.eval_batch(samples)
     _check_fits(model, batch)
-    probe = repeated_batch(samples, default_half_len(model), task.vocab_size, seed=task.seed)
+    probe = task_probe(model, task, samples)
     icl = per_position_loss(model, batch.tokens)
     tables = {
         "induction_heads": induction_head_scores(model, probe, progress=progress),
