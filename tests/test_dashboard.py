@@ -279,3 +279,21 @@ def test_pages_score_what_the_commands_score_and_draw_recorded_mixing_without_a_
     frame = frame[frame["step"] == 10].assign(weight=lambda f: f["weight"] - 0.5)
     trace = figures.mixing_heatmap(frame, "M", float(frame["weight"].max()), float(frame["weight"].min())).data[0]
     assert trace.zmid == 0 and trace.zmin == -trace.zmax and trace.zmax >= 0.5
+
+
+def test_on_demand_results_keep_only_the_most_recently_shown(monkeypatch):
+    """A pruning result holds its HTML report: the store keeps COMPUTED_KEEP results, the least recently shown
+    going first, instead of every one for the server's life (a run still training makes a new key per line)."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "apps"))
+    from lens_ui import widgets
+
+    store = widgets._computed_results()
+    store.clear()
+    keep = widgets.COMPUTED_KEEP
+    for key in range(keep):
+        store[("page", key)] = f"result {key}"
+    assert widgets.computed_on_demand("page", (0,), "go", None, "failed", "waiting") == "result 0"  # shown again
+    store[("page", keep)] = "one more"
+    assert widgets.computed_on_demand("page", (keep,), "go", None, "failed", "waiting") == "one more"
+    assert len(store) == keep and ("page", 0) in store and ("page", 1) not in store
+    store.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import threading
 from typing import Any, Callable, Optional
 
 import plotly.graph_objects as go
@@ -87,30 +88,45 @@ def pick_model(run: RunTables, key: str) -> Optional[ModelHandle]:
 
 
 # ---------------------------------------------------------------------------- computed on demand
+# finished results kept, the least recently shown dropped first: a pruning result holds its HTML report (MBs with
+# plotly inlined), and a run still training gets a new key with every metrics line
+COMPUTED_KEEP = 16
+_STORE_LOCK = threading.Lock()
+
+
 @st.cache_resource(max_entries=1)
 def _computed_results() -> dict[tuple, Any]:
-    """Finished on-demand computations by (page, key), shared by sessions. A plain dict rather than st.cache_data,
-    because the computations report progress to widgets created outside them."""
+    """Finished on-demand computations by (page, key), shared by sessions, in the order they were last shown. A
+    plain dict rather than st.cache_data, because the computations report progress to widgets created outside
+    them."""
     return {}
 
 
 def computed_on_demand(page: str, key: tuple, button: str, compute: Callable[[Callable[[float, str], Any]], Any],
                        failure: str, waiting: str) -> Any:
     """The result of `compute(progress)` for `key`, computed when the user presses `button` (with a progress bar)
-    and kept until the server restarts; stops the page with `waiting` until then, and shows `failure: error` as a
-    message instead of a traceback."""
+    and kept while it is among the `COMPUTED_KEEP` most recently shown; stops the page with `waiting` until then,
+    and shows `failure: error` as a message instead of a traceback."""
     store, full_key = _computed_results(), (page, *key)
     if full_key not in store and st.button(button, type="primary", key=f"{page}-compute"):
         bar = st.progress(0.0, text="starting…")
         try:
-            store[full_key] = compute(lambda done, text: bar.progress(done, text=text))
+            result = compute(lambda done, text: bar.progress(done, text=text))
+            with _STORE_LOCK:
+                store[full_key] = result
         except Exception as err:  # noqa: BLE001 - a bad checkpoint or task config becomes a message
             st.error(f"{failure}: {describe_error(err)}")
         bar.empty()
-    if full_key not in store:
+    with _STORE_LOCK:  # sessions run in threads of one server
+        found = full_key in store
+        if found:
+            store[full_key] = result = store.pop(full_key)  # now the most recently shown
+            while len(store) > COMPUTED_KEEP:
+                store.pop(next(iter(store)))
+    if not found:
         st.info(waiting)
         st.stop()
-    return store[full_key]
+    return result
 
 
 # ---------------------------------------------------------------------------- inputs
