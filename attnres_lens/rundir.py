@@ -525,13 +525,13 @@ class RunDir:
                 path.unlink(missing_ok=True)
 
     def _stored_eval_loss(self, name: str) -> float:
-        """The eval loss a checkpoint's weights file records (its metadata), NaN where it records none."""
-        path = self.weights_path(name)
+        """The eval loss a checkpoint's weights file records (its metadata); NaN where it records none or cannot be
+        read (it is then never "best": loading it names the damage)."""
         try:
-            with safe_open(str(path), "pt") as handle:
+            with safe_open(str(self.weights_path(name)), "pt") as handle:
                 return float((handle.metadata() or {}).get("eval_loss", "nan"))
-        except (SafetensorError, OSError, ValueError) as err:
-            raise RunDirError(f"checkpoint file {path} is corrupt or truncated ({err}); use another checkpoint") from err
+        except (SafetensorError, OSError, ValueError):
+            return math.nan
 
     def write_imported(self, config: RunConfig, weights: dict[str, torch.Tensor], weights_meta: dict[str, str],
                        eval_loss: float) -> str:

@@ -263,12 +263,16 @@ def test_pages_score_what_the_commands_score_and_draw_recorded_mixing_without_a_
     shown = sorted(np.frombuffer(base64.b64decode(z["bdata"]), dtype=z["dtype"]).tolist())
     assert shown == pytest.approx(sorted(expected["tl_induction_score"]), abs=1e-6)
 
-    shutil.copytree(runs / "seed3", runs / "no_checkpoint")
-    shutil.rmtree(runs / "no_checkpoint" / "checkpoints")
-    app = open_page("views/depth_mixing.py", runs=runs)
-    app.multiselect(key="mixing-runs").set_value([str(runs / "no_checkpoint")]).run()
-    assert_clean(app)
-    assert not app.warning and "M (step 10)" in chart_specs(app)[0]["layout"]["title"]["text"]
+    train(apply_overrides(get_preset("smoke"), ["model.residual=standard", "train.steps=10",
+                                                "train.checkpoint_every=10", "train.record_every=10"]),
+          runs / "standard", progress=False)
+    for run in ("seed3", "standard"):  # AttnRes and the standard residual both record M
+        shutil.copytree(runs / run, runs / f"{run}_no_checkpoint")
+        shutil.rmtree(runs / f"{run}_no_checkpoint" / "checkpoints")
+        app = open_page("views/depth_mixing.py", runs=runs)
+        app.multiselect(key="mixing-runs").set_value([str(runs / f"{run}_no_checkpoint")]).run()
+        assert_clean(app)
+        assert not app.warning and "M (step 10)" in chart_specs(app)[0]["layout"]["title"]["text"], run
 
     import importlib.util
 

@@ -567,3 +567,16 @@ def test_a_resume_from_a_checkpoint_a_crash_left_unindexed_keeps_it(tmp_path):
     resume(run, progress=False, steps=30, checkpoint="10")
     index = RunDir(run).read_index()
     assert index.kept == ["step_0000010", "step_0000020", "step_0000030"] and index.latest == "step_0000030"
+
+
+def test_a_damaged_earlier_checkpoint_does_not_stop_a_resume_from_a_later_one(tmp_path):
+    config = apply_overrides(get_preset("smoke"), ["train.steps=30", "train.checkpoint_every=10",
+                                                   "train.keep_checkpoints=5"])
+    run = tmp_path / "run"
+    train(config, run, progress=False)
+    RunDir(run).weights_path("step_0000010").write_bytes(b"garbage")
+    resume(run, progress=False, steps=40, checkpoint="20")  # forgets step 30; reads the others' eval losses
+    index = RunDir(run).read_index()
+    assert index.latest == "step_0000040" and index.best != "step_0000010"
+    with pytest.raises(RunDirError, match="corrupt or truncated"):
+        load_run(run, checkpoint="10")

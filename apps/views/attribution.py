@@ -30,7 +30,7 @@ from attnres_lens.analysis.attribution_report import (
 from attnres_lens.analysis.induction import task_probe
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 from lens_ui.data import ModelHandle, RunTables, no_records_message, task_batch
-from lens_ui.widgets import computed_on_demand, loadable_runs, pick_model, pick_run, show_figure
+from lens_ui.widgets import COMPUTED_KEEP, computed_on_demand, loadable_runs, pick_model, pick_run, show_figure
 
 st.title("Attribution")
 st.caption("Which sources a prediction reads, and whether through the value a source carries or the routing "
@@ -95,7 +95,7 @@ tables = computed_on_demand(
     lambda progress: compute(run, handle, samples, prompt, progress),
     failure=f"Attribution of {run.name} failed",
     waiting="A few seconds for a small model (the exact knockouts and the audit take longest); kept for this "
-            "checkpoint, sample count and prompt until the server restarts.")
+            f"checkpoint, sample count and prompt while it is among the {COMPUTED_KEEP} results shown last.")
 
 dla_tab, lens_tab, edge_tab, audit_tab, kv_tab = st.tabs(
     ["Depth DLA", "Logit lens", "Edge attribution", "Routing audit", "KV shift"])

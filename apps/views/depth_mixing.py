@@ -41,7 +41,9 @@ else:
 
 matrices = {}
 for run in chosen:
-    weights = recorded[run.path] if from_records and run.model_config.residual != "standard" else None
+    weights = recorded[run.path] if from_records else None
+    if weights is not None and weights.empty and run.model_config.residual == "standard":
+        weights = None  # no M recorded (an older run): the standard residual's, all ones, comes from the model
     handle = None
     if weights is None or ("sublayer" not in weights and not weights.empty):  # a recorded M needs no model
         with st.expander(f"{run.name}: checkpoint", expanded=False):

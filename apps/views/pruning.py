@@ -11,7 +11,7 @@ import streamlit as st
 from attnres_lens.analysis.report import prune_report_html
 from attnres_lens.analysis.run import REMOVAL_TOLERANCE, prune_summary, prune_tables
 from lens_ui.data import ModelHandle, RunTables, task_batch
-from lens_ui.widgets import computed_on_demand, loadable_runs, pick_model, pick_run
+from lens_ui.widgets import COMPUTED_KEEP, computed_on_demand, loadable_runs, pick_model, pick_run
 
 st.title("Layer pruning")
 st.caption("Δloss and Δaccuracy when each sublayer is removed, mean-ablated or resample-ablated; cumulative "
@@ -44,7 +44,8 @@ tables, report = computed_on_demand(
     "pruning", (handle.key, samples, metric), "Compute pruning report",
     lambda progress: compute_report(run, handle, samples, metric, progress),
     failure=f"The pruning report of {run.name} failed",
-    waiting="The report takes a few seconds to a minute; it is kept for this checkpoint until the server restarts.")
+    waiting=f"The report takes a few seconds to a minute; it is kept for this checkpoint while it is among the "
+            f"{COMPUTED_KEEP} results shown last.")
 
 st.download_button("⬇ Report (HTML)", report, file_name=f"prune_report_{run.name}.html", mime="text/html",
                    key="pruning-download", on_click="ignore")
