@@ -296,6 +296,9 @@ def test_prune_out_pointing_at_a_file_is_an_error(smoke_run, tmp_path, capsys):
     existing.write_text("keep me")
     err = cli_error(capsys, "prune", str(smoke_run), "--out", str(existing), "--no-progress")
     assert "is a file; give a folder" in err and existing.read_text() == "keep me"
+    for command in ("prune", "analyze", "attribute"):  # refused before any work, not a traceback after it
+        err = cli_error(capsys, command, str(smoke_run), "--out", str(existing / "sub"), "--no-progress")
+        assert f"cannot be created: {existing} is a file" in err, command
 
 
 def test_every_run_file_is_world_readable(smoke_run):

@@ -102,6 +102,9 @@ def _check_out(out: Optional[PathLike]) -> None:
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {out} is a file; give a folder (it is created if missing)")
+    blocking = next((folder for folder in path.absolute().parents if folder.exists() and not folder.is_dir()), None)
+    if blocking is not None:
+        raise ValueError(f"--out {out} cannot be created: {blocking} is a file; give a folder")
     if RunDir(path).holds_run():
         raise ValueError(f"--out {out} is a run directory; give a folder for the outputs, e.g. {path / 'analysis'}")
     resolved = path.resolve()
