@@ -164,8 +164,8 @@ class ModelConfig(TransformerLensConfig):
         for kind, fields in RESIDUAL_OWN_FIELDS.items():
             changed = [name for name, default in fields.items() if getattr(self, name) != default]
             if changed and self.residual != kind:
-                raise ValueError(f"{', '.join(changed)} only apply to residual={kind!r}, got "
-                                 f"residual={self.residual!r}")
+                raise ValueError(f"{', '.join(changed)} only appl{'y' if len(changed) > 1 else 'ies'} to "
+                                 f"residual={kind!r}, got residual={self.residual!r}")
         if self.d_model % self.attnres_heads:
             raise ValueError(f"attnres_heads={self.attnres_heads} must divide d_model={self.d_model}")
         if self.attnres_mixing == "scalar":

@@ -88,8 +88,10 @@ class RunLock:
             os.close(fd)
             raise RunDirBusy(f"{self.path.parent} is being written by {holder}; a run directory has one writer at "
                              "a time: wait for it to finish, or stop it and resume") from None
+        command = " ".join(sys.argv)
+        command = command if len(command) <= 300 else command[:299] + "…"  # the refusal reads 4096 bytes back
         holder = (f"process {os.getpid()} on {socket.gethostname()} "
-                  f"(`{' '.join(sys.argv[:6])}`, since {time.strftime('%Y-%m-%d %H:%M:%S')})")
+                  f"(`{command}`, since {time.strftime('%Y-%m-%d %H:%M:%S')})")
         os.ftruncate(fd, 0)
         os.pwrite(fd, holder.encode(), 0)
         self._fd = fd

@@ -1017,6 +1017,20 @@ def test_attribute_command_writes_tables_and_one_offline_report(smoke_run, tmp_p
     assert report.count('class="plotly-graph-div"') == 9
 
 
+def test_attribute_command_reports_an_undefined_within_consumer_spearman(tmp_path, capsys):
+    """Two layers in one block of four: no consumer reads three sources, so the within-consumer Spearman is
+    undefined (None in the JSON summary): the report says n/a instead of failing to format it."""
+    run = tmp_path / "one_block"
+    train(apply_overrides(get_preset("smoke"), ["model.n_layers=2", "model.attnres_block_size=4", "train.steps=5",
+                                                "train.checkpoint_every=5"]), run, progress=False)
+    code, stdout, _ = run_cli(["attribute", str(run), "--samples", "3", "--out", str(tmp_path / "out"),
+                               "--no-progress"], capsys)
+    assert code == 0 and "report:" in stdout
+    summary = json.loads((tmp_path / "out" / "attribution_summary.json").read_text())
+    assert summary["edge_agreement"]["spearman_within_consumer"] is None
+    assert "(n/a within consumers" in (tmp_path / "out" / "attribution_report.html").read_text()
+
+
 def test_attribute_command_refuses_bad_input_in_one_line(smoke_run, tmp_path, capsys):
     cases = [
         (["attribute", str(tmp_path / "missing")], "does not exist"),

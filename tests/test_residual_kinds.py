@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 
 import pytest
 import torch
@@ -225,10 +226,10 @@ def test_sliding_window_reads_the_embedding_and_the_last_sources():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(residual="standard", attnres_score="sigmoid"), "attnres_score only apply to residual='attnres'"),
-    (dict(residual="denseformer", hyper_streams=2), "hyper_streams only apply to residual='hyper'"),
-    (dict(residual="standard", block_size=4), "attnres_block_size only apply to residual='attnres'"),
-    (dict(residual="hyper", attnres_eps=1e-5), "attnres_eps only apply to residual='attnres'"),
+    (dict(residual="standard", attnres_score="sigmoid"), "attnres_score only applies to residual='attnres'"),
+    (dict(residual="denseformer", hyper_streams=2), "hyper_streams only applies to residual='hyper'"),
+    (dict(residual="standard", block_size=4), "attnres_block_size only applies to residual='attnres'"),
+    (dict(residual="hyper", attnres_eps=1e-5), "attnres_eps only applies to residual='attnres'"),
     (dict(residual="attnres", attnres_mixing="scalar", attnres_query="input"),
      "attnres_mixing='scalar' has no query or keys.*attnres_query"),
     (dict(residual="attnres", attnres_heads=5), "attnres_heads=5 must divide d_model=32"),
@@ -373,6 +374,11 @@ def test_attribute_runs_on_an_attnres_option_and_analysis_out_is_never_a_run(tmp
     assert {path.name: path.read_bytes() for path in (run / "records").iterdir()} == records and not (run / "checkpoints" / "new").exists()
     assert cli_main(["analyze", str(run), "--samples", "3", "--out", str(run / "analysis" / "again"),
                      "--no-progress"]) == 0
+    # another run's analysis folder would get this run's tables under that run's name
+    shutil.copytree(run, tmp_path / "other")
+    assert cli_main(["analyze", str(run), "--samples", "3", "--out", str(tmp_path / "other" / "analysis"),
+                     "--no-progress"]) == 2
+    assert "is inside another run directory" in capsys.readouterr().err
 
 
 def test_hooks_editing_mixing_weights_in_place_leave_the_parameters_alone():

@@ -247,7 +247,7 @@ def test_overrides_reach_the_config():
     assert config.model.residual == "standard"
     # the preset's Block AttnRes size goes with its residual kind; given with another kind, it is refused
     assert config.model.attnres_block_size == 1 and get_preset("smoke").model.attnres_block_size == 2
-    with pytest.raises(ValueError, match="attnres_block_size only apply to residual='attnres'"):
+    with pytest.raises(ValueError, match="attnres_block_size only applies to residual='attnres'"):
         apply_overrides(get_preset("smoke"), ["residual=standard", "model.attnres_block_size=2"])
     with pytest.raises(ValueError, match="section.field, got '.n_layers=3'"):
         apply_overrides(get_preset("smoke"), [".n_layers=3"])

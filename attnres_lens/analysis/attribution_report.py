@@ -164,7 +164,7 @@ def attribute_run(path: PathLike, checkpoint: Union[str, int] = "latest", sample
     """Attribution tables, `attribution_summary.json` and `attribution_report.html` under `out` (default
     RUN/analysis/)."""
     _check_samples(samples, 2)  # the bootstrap and the corrupted patch need two sequences
-    _check_out(out)
+    _check_out(out, path)
     run = load_run(path, checkpoint=str(checkpoint))
     task = run.config.build_task()
     model = run.model
@@ -416,12 +416,17 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
     ]
     if "routing" in tables:
         agreement = summary.get("edge_agreement", {})
+
+        def number(key: str, digits: int) -> str:  # the summary holds None for NaN (JSON has no NaN)
+            value = agreement.get(key)
+            return "n/a" if value is None or value != value else f"{value:.{digits}f}"
+
         sections += [
             ("Edge attribution: value and routing paths",
              f"First-order estimates from one forward and one backward pass (buttons: total, value path, routing "
-             f"path), against the exact knockouts: Spearman {agreement.get('spearman', float('nan')):.3f} over "
-             f"{agreement.get('n_edges')} edges ({agreement.get('spearman_within_consumer', float('nan')):.3f} within "
-             f"consumers), sign agreement {agreement.get('sign_agreement', float('nan')):.2f}. First order fails "
+             f"path), against the exact knockouts: Spearman {number('spearman', 3)} over "
+             f"{agreement.get('n_edges')} edges ({number('spearman_within_consumer', 3)} within consumers; n/a "
+             f"where no consumer reads three sources), sign agreement {number('sign_agreement', 2)}. First order fails "
              "where a softmax is saturated (max α near 1); the largest disagreements are listed.",
              [edge_heatmap_with_toggle(tables["edge_attribution"]),
               agreement_scatter(tables["edge_attribution"], tables["routing"])], _table(tables["edge_agreement"])),

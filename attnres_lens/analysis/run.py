@@ -93,10 +93,11 @@ def _check_fits(model: HookedTransformer, batch: Batch) -> None:
             "and the analyses hold several")
 
 
-def _check_out(out: Optional[PathLike]) -> None:
+def _check_out(out: Optional[PathLike], run: PathLike) -> None:
     """Before any work: an output folder given as `--out` may be missing (it is created) but not a file, not the
-    root of a run directory (the outputs would sit beside its config.json), and inside a run only its analysis/
-    folder (a table named like a record, `depth_weights`, would replace records/depth_weights.parquet)."""
+    root of a run directory (the outputs would sit beside its config.json), and inside a run only the analysed
+    `run`'s own analysis/ folder (a table named like a record, `depth_weights`, would replace
+    records/depth_weights.parquet; another run's analysis/ would get this run's tables under its name)."""
     if out is None:
         return
     path = Path(out)
@@ -111,6 +112,9 @@ def _check_out(out: Optional[PathLike]) -> None:
     for folder in resolved.parents:
         if RunDir(folder).holds_run():
             analysis = RunDir(folder).analysis_dir.resolve()
+            if folder != Path(run).resolve():
+                raise ValueError(f"--out {out} is inside another run directory, {folder}; give a folder outside "
+                                 f"it, or leave --out out to write to {Path(run) / 'analysis'}")
             if resolved != analysis and analysis not in resolved.parents:
                 raise ValueError(f"--out {out} is inside the run directory {folder}, where outputs go to its "
                                  f"analysis folder only; give {analysis} or a folder outside the run")
@@ -157,7 +161,7 @@ def analyze_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples:
     analysis_summary.json.
     """
     _check_samples(samples, 1)
-    _check_out(out)
+    _check_out(out, path)
     run, task = open_run(path, checkpoint)
     model = run.model
     batch = task.eval_batch(samples)
@@ -273,7 +277,7 @@ def prune_run(path: PathLike, out: Optional[PathLike] = None, metric: str = "los
     `fork_routing`: as `prune_tables` (the `attnres-lens prune` command sets it)."""
     check_metric(metric)
     _check_samples(samples, 2)  # resample ablation swaps activations between sequences
-    _check_out(out)
+    _check_out(out, path)
     run, task = open_run(path, checkpoint)
     batch = task.eval_batch(samples)
     _check_fits(run.model, batch)
