@@ -252,6 +252,9 @@ def test_a_logit_bias_never_runs_on_triton(monkeypatch):
     monkeypatch.setenv(backends.BACKEND_ENV_VAR, "triton")
     with pytest.raises(ValueError, match="leave \\$ATTNRES_LENS_BACKEND unset"):
         backends.resolve_backend("auto", cuda, logit_bias=True)
+    for spelled in ("auto", " auto "):  # the environment asking for auto is auto, not triton by name
+        monkeypatch.setenv(backends.BACKEND_ENV_VAR, spelled)
+        assert backends.resolve_backend("auto", cuda, logit_bias=True) == "torch"
 
 
 # --- backend selection and validation -------------------------------------------------------------------------
@@ -284,13 +287,31 @@ def test_invalid_backend_names_value_and_choices():
         (lambda s, q, g: (s, q[:3], g), "query must have shape"),
         (lambda s, q, g: (s, q, g[None]), "key_norm_weight must have shape"),
         (lambda s, q, g: ([t.long() for t in s], q, g), "floating point"),
+        (lambda s, q, g: ([s[0], [1.0] * 4], q, g), "source 1 is list"),
+        (lambda s, q, g: ([t[..., :0] for t in s], q[:0], g[:0]), "width D >= 1"),
     ],
 )
-def test_bad_inputs_raise_clear_errors(change, message):
+@pytest.mark.parametrize("backend", ["reference", "torch", "cpu"])
+def test_bad_inputs_raise_clear_errors(change, message, backend):
     sources, query, gain = make_inputs(2, (3,), 4)
     bad_sources, bad_query, bad_gain = change(sources, query, gain)
     with pytest.raises(ValueError, match=message):
-        depth_attention(bad_sources, bad_query, bad_gain, backend="torch")
+        depth_attention(bad_sources, bad_query, bad_gain, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_the_two_phase_api_checks_what_the_single_pass_op_checks(backend):
+    from attnres_lens.kernels.two_phase import block_phase1, merge_partial
+
+    sources, query, gain = make_inputs(3, (2,), 4)
+    queries, gains = torch.stack([query, query]), torch.stack([gain, gain])
+    with pytest.raises(ValueError, match="queries must be floating point"):
+        block_phase1(sources, queries.long(), gains, 1e-6, backend=backend)
+    with pytest.raises(ValueError, match="key_norm_weights must be floating point"):
+        block_phase1(sources, queries, gains.long(), 1e-6, backend=backend)
+    stats = block_phase1(sources, queries, gains, 1e-6, backend=backend)
+    with pytest.raises(ValueError, match="partial must be a floating tensor"):
+        merge_partial(stats, 0, sources[0].long())
 
 
 def test_kernels_import_without_triton_or_transformer_lens():

@@ -64,7 +64,7 @@ def depth_attention(
         backend: ``"auto"``, ``"reference"``, ``"torch"``, ``"cpu"`` or ``"triton"``. ``"auto"`` honours
             ``$ATTNRES_LENS_BACKEND`` if set, else picks triton for CUDA tensors, cpu for CPU tensors (falling
             back to torch, with a warning, where no C compiler is found) and torch otherwise.
-        return_weights: also return ``alpha`` as ``[..., S]`` (fp32; fp64 for fp64 sources).
+        return_weights: also return ``alpha`` as ``[..., S]`` (fp32; fp64 for fp64 sources except on triton).
         return_logits: also return the pre-softmax logits ``w . k_s`` (plus the bias) as ``[..., S]``.
         logit_bias: optional ``[..., S]``, added to the logits inside the softmax: −inf takes a source out of a
             token's mix (how interventions knock sources out on the fast path). Not differentiable except with the

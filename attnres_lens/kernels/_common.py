@@ -52,11 +52,15 @@ def check_sources(sources: Sources) -> list[torch.Tensor]:
         source_list = list(sources)
     if not source_list:
         raise ValueError("depth attention needs at least one source")
+    for index, source in enumerate(source_list):
+        if not isinstance(source, torch.Tensor) or source.dim() < 1:
+            raise ValueError(f"every source must be a tensor of shape [..., D]; source {index} is "
+                             f"{tuple(source.shape) if isinstance(source, torch.Tensor) else type(source).__name__}")
     first = source_list[0]
-    if not isinstance(first, torch.Tensor) or first.dim() < 1:
-        raise ValueError("every source must be a tensor of shape [..., D]")
     if not first.is_floating_point():
         raise ValueError(f"sources must be floating point, got {first.dtype}")
+    if first.shape[-1] == 0:
+        raise ValueError(f"sources must have a width D >= 1, got shape {tuple(first.shape)}")
     for index, source in enumerate(source_list[1:], start=1):
         if source.shape != first.shape:
             raise ValueError(

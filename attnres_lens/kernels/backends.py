@@ -47,8 +47,8 @@ def resolve_backend(backend: str, device: torch.device, logit_bias: bool = False
         chosen = resolve_backend(backend, device)
         if chosen != "triton":
             return chosen
-        if backend == "auto" and not os.environ.get(BACKEND_ENV_VAR, "").strip():
-            return "torch"
+        if backend == "auto" and os.environ.get(BACKEND_ENV_VAR, "").strip() in ("", "auto"):
+            return "torch"  # only triton asked for by name (argument or environment) refuses the bias
         raise ValueError("the triton depth-attention kernel takes no logit_bias; use backend='torch' or 'auto' "
                          f"(and leave ${BACKEND_ENV_VAR} unset) for calls with one")
     if backend not in BACKENDS:

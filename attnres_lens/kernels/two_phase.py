@@ -73,6 +73,10 @@ def block_phase1(
         raise ValueError(
             f"key_norm_weights must match queries' shape {tuple(queries.shape)}, got {tuple(key_norm_weights.shape)}"
         )
+    for name, vectors in (("queries", queries), ("key_norm_weights", key_norm_weights)):  # as the single-pass op
+        if not vectors.is_floating_point() or vectors.device != source_list[0].device:
+            raise ValueError(f"{name} must be floating point on the sources' device {source_list[0].device}, got "
+                             f"{vectors.dtype} on {vectors.device}")
     chosen = two_phase_backend(backend, source_list[0].device, return_logits)
     if chosen == "cpu":
         from attnres_lens.kernels.cpu_fused import depth_attention_multi_cpu
@@ -133,6 +137,9 @@ def merge_partial(
         for value in new_sources:
             if value.shape != mix.shape:
                 raise ValueError(f"partial must have shape {tuple(mix.shape)}, got {tuple(value.shape)}")
+            if not value.is_floating_point() or value.device != mix.device:
+                raise ValueError(f"partial must be a floating tensor on {mix.device}, got {value.dtype} on "
+                                 f"{value.device}")
         query, gain = stats.queries[index], stats.key_norm_weights[index]
         new_logits = None
         if stats.backend == "triton":
