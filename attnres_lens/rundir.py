@@ -152,6 +152,7 @@ def atomic_write_parquet(path: PathLike, frame: pd.DataFrame) -> None:
 # metrics line, so a resumed run logs that line with the same mean); its metadata holds the step and the format.
 STATE_FORMAT = "attnres_lens.state.v1"
 STATE_TENSORS = ("rng.data", "rng.torch")
+LOG_WINDOW_TENSORS = ("log.loss_sum", "log.steps")  # optional, as a pair
 
 
 def checkpoint_name(step: int) -> str:
@@ -444,8 +445,8 @@ class RunDir:
         path = self.state_path(name)
         state, state_meta = read_safetensors(path)
         missing = [key for key in STATE_TENSORS if key not in state]
-        if ("log.steps" in state) != ("log.loss_sum" in state):  # the open log window comes as a pair
-            missing += [key for key in ("log.steps", "log.loss_sum") if key not in state]
+        if any(key in state for key in LOG_WINDOW_TENSORS):  # the open log window comes as a pair
+            missing += [key for key in LOG_WINDOW_TENSORS if key not in state]
         if state_meta.get("format") != STATE_FORMAT or missing or not str(state_meta.get("step", "")).isdigit():
             raise RunDirError(f"{path} is not a training state file (format {STATE_FORMAT}, tensors "
                               f"{list(STATE_TENSORS)} and a step; missing {missing or 'none'}, format "
@@ -518,8 +519,8 @@ class RunDir:
             losses = {name: self._stored_eval_loss(name) for name in kept}
             finite = {name: loss for name, loss in losses.items() if math.isfinite(loss)}
             best = min(finite, key=finite.__getitem__) if finite else None
-            index = CheckpointIndex(latest=max(kept, key=checkpoint_step) if kept else None, best=best,
-                                    best_eval_loss=finite[best] if best else math.inf, kept=kept)
+            index = CheckpointIndex(latest=resumed_from, best=best, best_eval_loss=finite[best] if best else math.inf,
+                                    kept=kept)
             atomic_write_json(self.index_path, dataclasses.asdict(index))
         for path in self.checkpoints_dir.glob("step_*.safetensors"):
             name = path.name.split(".")[0]

@@ -26,7 +26,7 @@ from attnres_lens.config import RunConfig
 from attnres_lens.evaluation import evaluate_model
 from attnres_lens.model import HookedTransformer, adamw, next_token_loss
 from attnres_lens.recorder import Recorder
-from attnres_lens.rundir import STATE_FORMAT, RunDir, RunDirError
+from attnres_lens.rundir import LOG_WINDOW_TENSORS, STATE_FORMAT, RunDir, RunDirError
 from attnres_lens.tasks.base import Batch
 from attnres_lens.tasks.induction import repeated_tokens
 
@@ -225,8 +225,9 @@ class Trainer:
                 tensors[f"optim.{names[id(param)]}.{key}"] = torch.as_tensor(value).clone()
         tensors["rng.data"] = self.data_generator.get_state()
         tensors["rng.torch"] = torch.get_rng_state()
-        tensors["log.loss_sum"] = torch.tensor(self._log_window["loss"], dtype=torch.float64)
-        tensors["log.steps"] = torch.tensor(self._log_window["n"], dtype=torch.int64)
+        loss_sum, steps = LOG_WINDOW_TENSORS
+        tensors[loss_sum] = torch.tensor(self._log_window["loss"], dtype=torch.float64)
+        tensors[steps] = torch.tensor(self._log_window["n"], dtype=torch.int64)
         meta = {"step": str(self.step), "format": STATE_FORMAT}
         return tensors, meta
 
@@ -246,8 +247,9 @@ class Trainer:
         self.data_generator.set_state(state["rng.data"])
         torch.set_rng_state(state["rng.torch"])
         self.step = int(state_meta["step"])
-        if "log.steps" in state:  # older state files lack the open log window: it restarts empty
-            self._log_window = {"loss": float(state["log.loss_sum"]), "n": int(state["log.steps"])}
+        loss_sum, steps = LOG_WINDOW_TENSORS
+        if steps in state:  # older state files lack the open log window: it restarts empty
+            self._log_window = {"loss": float(state[loss_sum]), "n": int(state[steps])}
 
 
 # ---------------------------------------------------------------------------- entry points
