@@ -40,8 +40,9 @@ import torch
 from analyses.common import command_line, emit_report, machine_info
 from attnres_lens import cpu_settings
 from attnres_lens.analysis import causal_routing, edge_agreement, edge_attribution, prune_tables
-from attnres_lens.analysis import interventions, pruning, routing
-from attnres_lens.analysis.interventions import StagedForward
+from attnres_lens.analysis import engine as library_engine
+from attnres_lens.analysis import pruning, routing
+from attnres_lens.analysis.engine import StagedForward
 from attnres_lens.config import apply_overrides
 from attnres_lens.evaluation import score_logits
 from attnres_lens.presets import get_preset
@@ -69,7 +70,7 @@ def stacked_full_passes(model, batch, interventions_, max_sequences=64, progress
             for slot, hooks in enumerate(group):
                 for name, hook in hooks:
                     by_name[name].append((slot, hook))
-            fwd_hooks = [(name, interventions._on_copies(n_batch, hooks)) for name, hooks in by_name.items()]
+            fwd_hooks = [(name, library_engine._on_copies(n_batch, hooks)) for name, hooks in by_name.items()]
             logits = model.run_with_hooks(batch.tokens.repeat(len(group), 1), fwd_hooks=fwd_hooks)
             results += [score(part, batch) for part in logits.split(n_batch)]
     return results
@@ -79,7 +80,7 @@ def stacked_full_passes(model, batch, interventions_, max_sequences=64, progress
 def engine(evaluate_many: Optional[Callable]) -> Iterator[list[int]]:
     """Run the pruning code with another `evaluate_many` (None: the library's), counting interventions."""
     count = [0]
-    inner = evaluate_many or interventions.evaluate_many
+    inner = evaluate_many or library_engine.evaluate_many
 
     def counted(model, batch, interventions_, *args, **kwargs):
         count[0] += len(interventions_)
@@ -280,7 +281,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         f"of exact work at a clean pass's rate come to {shared['passes'] * pass_wall:.1f} s "
         f"({import_wall + shared['passes'] * pass_wall:.1f} s with the imports; spread perfectly over {cores} "
         f"cores, {import_wall + shared['passes'] * pass_wall / cores:.1f} s); the engine's stacked passes run "
-        f"larger batches than a clean pass (stacks of up to {interventions.STACK_ELEMENTS:,} elements an "
+        f"larger batches than a clean pass (stacks of up to {library_engine.STACK_ELEMENTS:,} elements an "
         "activation) but also hooks, stacking and their own depth mixes.",
         "",
         "First-order edge attribution (one forward and one backward pass, every edge at once) against the exact "

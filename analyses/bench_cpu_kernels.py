@@ -16,7 +16,7 @@ the commands' process costs, each measured side by side (issues 13 and 15; docs/
   with each thread's parameter-gradient sums in pages of its own (as built) against the build that adds them into
   one shared block (-DSHARED_THREAD_SUMS); and steps with the sublayer's fused mix keeping h against leaving it
   out;
-* process costs: a model replica for the worker threads (`interventions.model_replica`), and the exit of a process
+* process costs: a model replica for the worker threads (`session.model_replica`), and the exit of a process
   that imported the analysis commands, with and without `gc.freeze()` (fresh processes, alternating).
 
     python -m analyses.bench_cpu_kernels --out analyses/reports/bench_cpu_kernels.md
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from analyses.common import command_line, emit_report, machine_info, within_rounds
 from analyses.kernel_traffic import kernels_from
 from attnres_lens import HookedTransformer, ModelConfig, attnres
-from attnres_lens.analysis.interventions import model_replica
+from attnres_lens.analysis.session import model_replica
 from attnres_lens.components import apply_rotary, rotary_tables
 from attnres_lens.cpu_settings import keep_freed_memory
 from attnres_lens.kernels import cpu_fused

@@ -4,7 +4,7 @@
 On one briefly trained depth-full model (as `bench_attribution` trains it) and the run's held-out batch:
 
 * `prune_tables` at one worker per core (as `attnres-lens prune` runs) with stacks of 64 sequences (the earlier
-  default), 128, 256, 512 and the shipped default (copies within `interventions.STACK_ELEMENTS` elements an
+  default), 128, 256, 512 and the shipped default (copies within `engine.STACK_ELEMENTS` elements an
   activation), interleaved rounds;
 * `causal_routing` at one thread in the shipped stacks with the copies' shared sources mixed once (as shipped) and
   with every copy mixing all its sources (`DepthStream.stacked_from` left unused), interleaved; the results must
@@ -31,7 +31,7 @@ import torch
 
 from analyses.common import command_line, emit_report, machine_info, within_rounds
 from attnres_lens import cpu_settings
-from attnres_lens.analysis import interventions, routing
+from attnres_lens.analysis import engine, routing
 from attnres_lens.analysis.run import prune_tables
 from attnres_lens.attnres import DepthStream
 from attnres_lens.config import apply_overrides
@@ -42,7 +42,7 @@ from attnres_lens.training import train
 
 def with_stacks(max_sequences: Optional[int], function: Callable[[], object]) -> Callable[[], object]:
     """`function` with `evaluate_many`'s default stack size replaced (None: as shipped)."""
-    inner = interventions.evaluate_many.__wrapped__  # under its no_grad decorator
+    inner = engine.evaluate_many.__wrapped__  # under its no_grad decorator
     shipped = inner.__defaults__
 
     def run() -> object:
@@ -105,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         run = load_run(run_dir)
         model, batch = run.model, run.config.build_task().eval_batch(args.samples)
         per_copy = batch.tokens.numel() * model.cfg.d_model
-        default_copies = max(1, interventions.STACK_ELEMENTS // per_copy)
+        default_copies = max(1, engine.STACK_ELEMENTS // per_copy)
 
         torch.set_num_threads(cores)  # one worker per core, as `prune` runs
         sizes = {f"{size} sequences": size for size in args.sizes}
@@ -139,7 +139,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
         "",
         f"`prune_tables` with {cores} workers (one per core, as `attnres-lens prune` runs), by stack size; the "
         f"shipped default stacks as many copies of the batch as keep an activation within "
-        f"{interventions.STACK_ELEMENTS:,} elements.",
+        f"{engine.STACK_ELEMENTS:,} elements.",
         "",
         f"| stacks of | seconds (each round) | median (s) | × {baseline} |",
         "|---|---|---|---|",

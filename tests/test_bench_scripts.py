@@ -404,10 +404,10 @@ def test_page_fault_benchmark_reports_each_variant_and_setting(monkeypatch):
 
 
 def test_stack_size_benchmark_on_a_tiny_model():
-    from attnres_lens.analysis import interventions
+    from attnres_lens.analysis import engine
     from attnres_lens.attnres import DepthStream
 
-    shipped = (interventions.evaluate_many.__wrapped__.__defaults__, DepthStream.stacked_from)
+    shipped = (engine.evaluate_many.__wrapped__.__defaults__, DepthStream.stacked_from)
     lines = load("bench_stack_size").main(["--steps", "2", "--samples", "2", "--set", "model.n_layers=5",
                                            "--sizes", "2", "4", "--rounds", "1"])
     rows = [line.split("|")[1].strip() for line in lines if line.startswith("| ") and "seconds" not in line]
@@ -416,7 +416,7 @@ def test_stack_size_benchmark_on_a_tiny_model():
                          "2 sequences"]
     difference = next(line for line in lines if line.startswith("Largest difference"))
     assert float(difference.rstrip(".").split()[-1]) < 1e-5  # the shared mix changes nothing but the time
-    assert (interventions.evaluate_many.__wrapped__.__defaults__, DepthStream.stacked_from) == shipped  # restored
+    assert (engine.evaluate_many.__wrapped__.__defaults__, DepthStream.stacked_from) == shipped  # restored
 
 
 def test_cold_mix_benchmark_times_every_build_warm_and_cold():

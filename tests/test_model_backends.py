@@ -13,7 +13,7 @@ from torch.autograd import forward_ad
 from analyses.bench_depth_scaling import saved_activation_bytes
 from attnres_lens import HookedTransformer, attnres
 from attnres_lens.attnres import DepthAttention, DepthStream
-from attnres_lens.analysis.interventions import concat_states
+from attnres_lens.analysis.engine import concat_states
 from attnres_lens.kernels import depth_attention, triton_available
 from tests.helpers import randomize_depth_parameters, small_config
 

@@ -15,7 +15,7 @@ import torch
 
 from attnres_lens import RunDirError, load_run
 from attnres_lens.cli import main as cli_main
-from attnres_lens.analysis.interventions import evaluate
+from attnres_lens.analysis.engine import evaluate
 from attnres_lens.config import RunConfig, apply_overrides
 from attnres_lens.evaluation import evaluate_model
 from attnres_lens.presets import PRESETS, get_preset
