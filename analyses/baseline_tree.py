@@ -37,7 +37,7 @@ def short_revision(revision: str) -> str:
 def this_checkout() -> str:
     """How reports name this checkout: its commit, and whether code (.py, .c) has uncommitted changes."""
     edited = subprocess.run(["git", "-C", str(REPOSITORY), "status", "--porcelain", "--untracked-files=no", "--",
-                             "*.py", "*.c"], capture_output=True, text=True, check=True).stdout.strip()
+                             "*.py", "*.c", "*.h"], capture_output=True, text=True, check=True).stdout.strip()
     return f"this checkout ({short_revision('HEAD')}{' + uncommitted changes' if edited else ''})"
 
 

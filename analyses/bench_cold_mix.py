@@ -3,7 +3,7 @@ the sources differently (issue 15; docs/kernels.md §6, §11).
 
 In a training step the sources of a mix were written a sublayer or more ago, and the matmuls since have evicted
 them: the mix reads them from memory, where a timing loop of the op alone finds them in cache. This script times
-the fused mix with its consumer's pre-norm (`cpu_fused._run_forward` / `_run_backward`, as a model's sublayer
+the fused mix with its consumer's pre-norm (`cpu_depth._run_forward` / `_run_backward`, as a model's sublayer
 calls them) at the small training shape's rows (3, 5, 9 sources) and at the depth benchmark's (24 and 48 sources
 of [8, 128, 128], where Full's deep consumers read), both ways:
 
@@ -43,7 +43,7 @@ from analyses.bench_cpu_step import SHAPES, Stepper, variants
 from analyses.common import command_line, emit_report, machine_info
 from analyses.kernel_traffic import CountingLibrary, copy_bandwidth, kernels_from
 from attnres_lens import cpu_settings
-from attnres_lens.kernels import cpu_fused
+from attnres_lens.kernels import cpu_build, cpu_depth
 
 SWEEP_MEGABYTES = 64
 STEP_VARIANTS = ("standard", "full", "block2", "block4")
@@ -51,20 +51,25 @@ GROUPED = "grouped reads"  # the build that reads by source groups at every sour
 
 
 def builds(baseline: str) -> dict[str, object]:
-    """The shipped float library, the grouped-reads build and the build of `baseline`'s C source, by name."""
-    arch = list(cpu_fused.ARCH_FLAGS[0])
-    relative = cpu_fused.SOURCE.relative_to(REPOSITORY).as_posix()
-    text = subprocess.run(["git", "-C", str(REPOSITORY), "show", f"{baseline}:{relative}"], capture_output=True,
-                          text=True)
-    if text.returncode != 0:
-        raise SystemExit(f"--baseline {baseline!r}: git cannot show its {relative} ({text.stderr.strip()}); "
-                         "give a commit of this repository that has the file")
+    """The shipped float library, the grouped-reads build and the build of `baseline`'s C sources (every ``.c`` and
+    ``.h`` file of its kernels folder: one file before the sources were split by job, several after), by name."""
+    arch = list(cpu_build.ARCH_FLAGS[0])
+    relative = cpu_build.SOURCES[0].parent.relative_to(REPOSITORY).as_posix()
+    listing = subprocess.run(["git", "-C", str(REPOSITORY), "ls-tree", "--name-only", baseline, f"{relative}/"],
+                             capture_output=True, text=True)
+    names = [Path(line).name for line in listing.stdout.splitlines() if line.endswith((".c", ".h"))]
+    if listing.returncode != 0 or not any(name.endswith(".c") for name in names):
+        raise SystemExit(f"--baseline {baseline!r}: git finds no C source in its {relative} "
+                         f"({listing.stderr.strip() or 'no .c file'}); give a commit of this repository that has them")
     with tempfile.TemporaryDirectory() as folder:
-        source = Path(folder) / "cpu_fused.c"
-        source.write_text(text.stdout)
-        return {"shipped": cpu_fused.cpu_library(torch.float32),
+        for name in names:
+            text = subprocess.run(["git", "-C", str(REPOSITORY), "show", f"{baseline}:{relative}/{name}"],
+                                  capture_output=True, text=True, check=True)
+            (Path(folder) / name).write_text(text.stdout)
+        sources = [Path(folder) / name for name in names if name.endswith(".c")]
+        return {"shipped": cpu_build.cpu_library(torch.float32),
                 GROUPED: float_library([*arch, "-DGROUPED_FORWARD_MIN_SOURCES=1", "-DTILED_BACKWARD_MIN_SOURCES=1"]),
-                baseline_name(baseline): float_library(arch, source=source)}
+                baseline_name(baseline): float_library(arch, sources=sources)}
 
 
 def baseline_name(baseline: str) -> str:
@@ -95,13 +100,13 @@ def mix_rows(cases: Sequence[tuple[int, int, int, int]], repeats: int, threads: 
         sources = [torch.randn(batch, pos, width, generator=generator) for _ in range(n_sources)]
         query, gain, norm_weight = (torch.rand(width, generator=generator) + 0.5 for _ in range(3))
         grad_y = torch.randn(batch, pos, width, generator=generator)
-        _h, stats, _y, norm_rstd = cpu_fused._run_forward(sources, query, None, 1e-6, norm_weight, 1e-5, False, gain)
+        _h, stats, _y, norm_rstd = cpu_depth._run_forward(sources, query, None, 1e-6, norm_weight, 1e-5, False, gain)
 
         def forward() -> object:
-            return cpu_fused._run_forward(sources, query, None, 1e-6, norm_weight, 1e-5, False, gain)
+            return cpu_depth._run_forward(sources, query, None, 1e-6, norm_weight, 1e-5, False, gain)
 
         def backward() -> object:
-            return cpu_fused._run_backward(sources, None, stats, None, None, (None, norm_weight, norm_rstd, grad_y),
+            return cpu_depth._run_backward(sources, None, stats, None, None, (None, norm_weight, norm_rstd, grad_y),
                                            (query, gain))
 
         stacked, summed = torch.stack(sources), torch.empty_like(sources[0])

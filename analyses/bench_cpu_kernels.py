@@ -1,8 +1,8 @@
 """The CPU speed-ups of the rotary/RMSNorm C kernels, Full AttnRes's two-phase forward, the kernel's thread pool, and
 the commands' process costs, each measured side by side (issues 13 and 15; docs/kernels.md §2, §6, §7, §11).
 
-* ops: `components.apply_rotary` vs `cpu_fused.rotary_cpu`, `F.rms_norm` vs `cpu_fused.rms_norm_cpu`, and a depth
-  mix with its consumer's pre-norm as two C calls vs one fused call, forward and forward + backward, interleaved
+* ops: `components.apply_rotary` vs `cpu_elementwise.rotary_cpu`, `F.rms_norm` vs `cpu_elementwise.rms_norm_cpu`,
+  and a depth mix with its consumer's pre-norm as two C calls vs one fused call, forward and forward + backward, interleaved
   repeats in one process at one torch thread;
 * two-phase: forward passes (no_grad) of Full AttnRes models with the C two-phase windows as shipped and with
   every consumer mixed in one pass (`attnres.stream_two_phase_backend` replaced for the comparison), interleaved;
@@ -46,9 +46,9 @@ from attnres_lens import HookedTransformer, ModelConfig, attnres
 from attnres_lens.analysis.session import model_replica
 from attnres_lens.components import apply_rotary, rotary_tables
 from attnres_lens.cpu_settings import keep_freed_memory
-from attnres_lens.kernels import cpu_fused
-from attnres_lens.kernels.cpu_fused import (depth_attention_cpu, depth_attention_multi_cpu, depth_attention_normed_cpu,
-                                          rms_norm_cpu, rotary_cpu)
+from attnres_lens.kernels import cpu_build, cpu_elementwise
+from attnres_lens.kernels.cpu_depth import depth_attention_cpu, depth_attention_multi_cpu, depth_attention_normed_cpu
+from attnres_lens.kernels.cpu_elementwise import rms_norm_cpu, rotary_cpu
 
 # (label, model shape, batch): the training shapes of bench_cpu_step, the prune model at a stacked pass, a deep one
 MODEL_SHAPES = [
@@ -188,29 +188,32 @@ def two_phase_rows(shapes, repeats: int) -> list[str]:
 
 
 def float_library(arch_flags: list[str], thread_flags: Optional[list[str]] = None,
-                  source: Optional[Path] = None) -> object:
+                  sources: Optional[Sequence[Path]] = None) -> object:
     """The float kernel library built with `arch_flags` (and `thread_flags`, default the shipped ones) in place of
-    the shipped ones, from `source` (default the shipped C file), in a cache of its own."""
-    flags, threads, cache = cpu_fused.ARCH_FLAGS, cpu_fused.THREAD_FLAGS, os.environ.get(cpu_fused.CACHE_ENV_VAR)
-    shipped_source = cpu_fused.SOURCE
+    the shipped ones, from the C files `sources` and the headers beside them (default the shipped C files), in a
+    cache of its own."""
+    flags, threads, cache = cpu_build.ARCH_FLAGS, cpu_build.THREAD_FLAGS, os.environ.get(cpu_build.CACHE_ENV_VAR)
+    shipped_sources, shipped_headers = cpu_build.SOURCES, cpu_build.HEADERS
     with tempfile.TemporaryDirectory() as folder:
-        os.environ[cpu_fused.CACHE_ENV_VAR], cpu_fused.ARCH_FLAGS = folder, (arch_flags,)
+        os.environ[cpu_build.CACHE_ENV_VAR], cpu_build.ARCH_FLAGS = folder, (arch_flags,)
         if thread_flags is not None:
-            cpu_fused.THREAD_FLAGS = (thread_flags,)
-        if source is not None:
-            cpu_fused.SOURCE = source
+            cpu_build.THREAD_FLAGS = (thread_flags,)
+        if sources is not None:
+            cpu_build.SOURCES = tuple(sources)
+            cpu_build.HEADERS = tuple(sorted({header for source in sources for header in source.parent.glob("*.h")}))
         try:
-            return cpu_fused._build_library("float")  # loaded: the file may go
+            return cpu_build._build_library("float")  # loaded: the file may go
         finally:
-            cpu_fused.ARCH_FLAGS, cpu_fused.THREAD_FLAGS, cpu_fused.SOURCE = flags, threads, shipped_source
+            cpu_build.ARCH_FLAGS, cpu_build.THREAD_FLAGS = flags, threads
+            cpu_build.SOURCES, cpu_build.HEADERS = shipped_sources, shipped_headers
             if cache is None:
-                del os.environ[cpu_fused.CACHE_ENV_VAR]
+                del os.environ[cpu_build.CACHE_ENV_VAR]
             else:
-                os.environ[cpu_fused.CACHE_ENV_VAR] = cache
+                os.environ[cpu_build.CACHE_ENV_VAR] = cache
 
 
 def with_library(library: object, function: Callable[[], object]) -> Callable[[], None]:
-    """`function` with every C call of `cpu_fused` going to `library`."""
+    """`function` with every C call of the kernels going to `library`."""
     def run() -> None:
         with kernels_from(library):
             function()
@@ -223,8 +226,8 @@ def compare_libraries(libraries: dict[str, object], function: Callable[[], objec
 
 
 def vector_sum_rows(repeats: int, tiny: bool) -> list[str]:
-    libraries = {"fallback": float_library([]), "loops": float_library([*cpu_fused.ARCH_FLAGS[0], "-DNO_VECTOR_SUMS"]),
-                 "vector": cpu_fused.cpu_library(torch.float32)}
+    libraries = {"fallback": float_library([]), "loops": float_library([*cpu_build.ARCH_FLAGS[0], "-DNO_VECTOR_SUMS"]),
+                 "vector": cpu_build.cpu_library(torch.float32)}
 
     def compare(function: Callable[[], object]) -> Timings:
         return compare_libraries(libraries, function, repeats)
@@ -273,8 +276,8 @@ def thread_pool_rows(repeats: int, tiny: bool) -> list[str]:
     per call, from 2^20 elements per thread), interleaved."""
     from analyses.bench_cpu_step import SHAPES, Stepper, variants
 
-    libraries = {"OpenMP pool": cpu_fused.cpu_library(torch.float32),
-                 "pthreads": float_library(list(cpu_fused.ARCH_FLAGS[0]), [])}
+    libraries = {"OpenMP pool": cpu_build.cpu_library(torch.float32),
+                 "pthreads": float_library(list(cpu_build.ARCH_FLAGS[0]), [])}
     shapes = {"tiny": dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2)} if tiny else SHAPES
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -298,13 +301,13 @@ def thread_pool_rows(repeats: int, tiny: bool) -> list[str]:
 
 def elementwise_thread_rows(repeats: int, tiny: bool) -> list[str]:
     """Two-thread training steps with the KV shift, rotary and RMSNorm kernels' rows split over torch's OpenMP pool
-    (as shipped) and on one thread (`cpu_fused._elementwise_threads` answering 1), interleaved: each variant's
+    (as shipped) and on one thread (`cpu_elementwise._elementwise_threads` answering 1), interleaved: each variant's
     step both ways, and × the standard step of the same setting."""
     from analyses.bench_cpu_step import SHAPES, Stepper, variants
 
     shapes = {"tiny": dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2)} if tiny else SHAPES
     names = ("standard", "standard+kv_shift", "full", "block4")
-    shipped = cpu_fused._elementwise_threads
+    shipped = cpu_elementwise._elementwise_threads
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     rows = []
@@ -315,11 +318,11 @@ def elementwise_thread_rows(repeats: int, tiny: bool) -> list[str]:
             for split in ("split", "one"):
                 for name in names:
                     def step(stepper=steppers[name], split=split) -> None:
-                        cpu_fused._elementwise_threads = shipped if split == "split" else (lambda n, library: 1)
+                        cpu_elementwise._elementwise_threads = shipped if split == "split" else (lambda n, library: 1)
                         try:
                             stepper.step()
                         finally:
-                            cpu_fused._elementwise_threads = shipped
+                            cpu_elementwise._elementwise_threads = shipped
                     functions[f"{name} {split}"] = step
             rows += paired_step_rows(interleaved(functions, repeats), shape_name, names, "one", "split")
     finally:
@@ -335,8 +338,8 @@ def thread_sum_rows(repeats: int, tiny: bool) -> tuple[list[str], list[str]]:
     each build × its own standard step, interleaved."""
     from analyses.bench_cpu_step import SHAPES, Stepper, variants
 
-    libraries = {"in place": float_library([*cpu_fused.ARCH_FLAGS[0], "-DSHARED_THREAD_SUMS"]),
-                 "own pages": cpu_fused.cpu_library(torch.float32)}
+    libraries = {"in place": float_library([*cpu_build.ARCH_FLAGS[0], "-DSHARED_THREAD_SUMS"]),
+                 "own pages": cpu_build.cpu_library(torch.float32)}
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
 
@@ -366,7 +369,7 @@ def thread_sum_rows(repeats: int, tiny: bool) -> tuple[list[str], list[str]]:
         coefficients = torch.randn(heads, 4, generator=generator, requires_grad=True)
 
         def kv_shift() -> None:
-            shifted_k, shifted_v = cpu_fused.kv_shift_cpu(k.requires_grad_(), v.requires_grad_(), coefficients)
+            shifted_k, shifted_v = cpu_elementwise.kv_shift_cpu(k.requires_grad_(), v.requires_grad_(), coefficients)
             (shifted_k.sum() + shifted_v.sum()).backward()
         timing = compare(kv_shift)
         op_lines.append(f"| KV shift [{batch}, {pos}, {heads}, {width // heads}] | {timing.ms('in place'):.3f} | "

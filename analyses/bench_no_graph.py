@@ -1,10 +1,11 @@
 """The eager C kernels without grad mode: their forward alone against `autograd.Function.apply` (docs/kernels.md §11).
 
 Where no autograd can see a call (`kernels._common.builds_no_graph`) the eager wrappers run a Function's forward
-without building a node (`cpu_fused._apply`). This times the same calls both ways in one process, interleaved in shuffled
-rounds (`bench_cpu_kernels.interleaved`), one torch thread, under `torch.no_grad()`: one consumer's fused depth mix
-with its pre-norm (`fused_mix_and_norm`, a batch of calls per round), and whole forward passes of `bench_cpu_step`'s
-small models. `with the node` patches `cpu_fused._apply` to always apply the Function, as the code before did.
+without building a node (`cpu_autograd.apply_function`). This times the same calls both ways in one process,
+interleaved in shuffled rounds (`bench_cpu_kernels.interleaved`), one torch thread, under `torch.no_grad()`: one
+consumer's fused depth mix with its pre-norm (`fused_mix_and_norm`, a batch of calls per round), and whole forward
+passes of `bench_cpu_step`'s small models. `with the node` patches `cpu_autograd.apply_function` to always apply the
+Function, as the code before did.
 
     python -m analyses.bench_no_graph --out analyses/reports/bench_no_graph.md
 """
@@ -24,7 +25,7 @@ from analyses.bench_cpu_kernels import interleaved
 from analyses.bench_cpu_step import SHAPES
 from analyses.common import BENCH_VOCAB, command_line, emit_report, machine_info, model_dims_and_tokens
 from attnres_lens import HookedTransformer, ModelConfig, cpu_settings
-from attnres_lens.kernels import cpu_fused
+from attnres_lens.kernels import cpu_autograd, cpu_depth
 
 VARIANTS = {"standard": dict(residual="standard"), "standard+kv_shift": dict(residual="standard", attention="kv_shift"),
             "full": dict(residual="attnres", attnres_block_size=1),
@@ -35,13 +36,13 @@ CALLS = 100  # consumer calls per round (one call is ~10-200 us)
 @contextlib.contextmanager
 def with_node(enabled: bool) -> Iterator[None]:
     """Every eager C wrapper applies its Function (the node built) while `enabled`, else runs as shipped."""
-    shipped = cpu_fused._apply
+    shipped = cpu_autograd.apply_function
     if enabled:
-        cpu_fused._apply = lambda function, *args: function.apply(*args)
+        cpu_autograd.apply_function = lambda function, *args: function.apply(*args)
     try:
         yield
     finally:
-        cpu_fused._apply = shipped
+        cpu_autograd.apply_function = shipped
 
 
 def both_ways(call: Callable[[], object]) -> dict[str, Callable[[], None]]:
@@ -62,7 +63,7 @@ def consumer_rows(shapes: list[tuple[int, int, int]], repeats: int) -> list[str]
 
         def calls() -> None:
             for _ in range(CALLS):
-                cpu_fused.fused_mix_and_norm(sources, query, gain, 1e-6, norm_weight, 1e-5, False)
+                cpu_depth.fused_mix_and_norm(sources, query, gain, 1e-6, norm_weight, 1e-5, False)
 
         times = interleaved(both_ways(calls), repeats)
         shipped, node = (times.ms(name) * 1e3 / CALLS for name in ("as shipped", "with the node"))

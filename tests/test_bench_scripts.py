@@ -78,7 +78,7 @@ def test_kernel_traffic_counts_the_depth_mix_bytes_its_source_layouts_imply(bloc
     assert counted == 4 * ((rows + added) * n_tokens * cfg.d_model + stats * n_tokens)
     assert (added > 0) == (batch == 8)
     assert not {"rms_norm_forward", "rms_norm_backward"} & set(counting.totals)  # no norm runs on its own
-    assert cpu_fused_library_restored()
+    assert cpu_library_restored()
 
 
 @pytest.mark.parametrize("with_prior", [False, True])
@@ -87,7 +87,7 @@ def test_kernel_traffic_counts_the_two_phase_bytes_its_arguments_imply(with_prio
     query's mix and lse written, the prior read; backward, the sources read and their gradients written, each
     query's dh read (one query's left out here: its mix unused), the prior read and its gradient written, the
     lse read, dlse read where given, dl written."""
-    from attnres_lens.kernels import cpu_fused
+    from attnres_lens.kernels import cpu_depth
 
     traffic = load("kernel_traffic")
     n_sources, n_queries, n_tokens, d_model = 5, 3, 12, 16
@@ -100,7 +100,7 @@ def test_kernel_traffic_counts_the_two_phase_bytes_its_arguments_imply(with_prio
                  torch.randn(n_queries, n_tokens, generator=generator).requires_grad_())
 
     def step():
-        mix, lse = cpu_fused.depth_attention_multi_cpu(sources, queries, 1e-6, prior=prior)
+        mix, lse = cpu_depth.depth_attention_multi_cpu(sources, queries, 1e-6, prior=prior)
         (mix[0].sum() + mix[2].sum() + lse[1].sum()).backward()
 
     counting = traffic.counted_calls(step)
@@ -112,7 +112,7 @@ def test_kernel_traffic_counts_the_two_phase_bytes_its_arguments_imply(with_prio
     rows = 2 * n_sources + 2 + 2 * n_queries * with_prior  # two queries' dh
     per_token = n_queries * (1 + 2 * with_prior) + 1  # one query's dlse
     assert backward == 4 * (rows * n_tokens * d_model + per_token * n_tokens)
-    assert cpu_fused_library_restored()
+    assert cpu_library_restored()
 
 
 def test_inference_benchmark_reports_every_variant(monkeypatch):
@@ -149,9 +149,9 @@ def test_inference_benchmark_reports_every_variant(monkeypatch):
 
 
 def test_cpu_kernels_benchmark_on_tiny_shapes():
-    from attnres_lens.kernels import cpu_fused
+    from attnres_lens.kernels import cpu_build, cpu_depth, cpu_elementwise
 
-    shipped = (cpu_fused.ARCH_FLAGS, cpu_fused.cpu_library, os.environ.get(cpu_fused.CACHE_ENV_VAR))
+    shipped = (cpu_build.ARCH_FLAGS, cpu_build.cpu_library, os.environ.get(cpu_build.CACHE_ENV_VAR))
     lines = load("bench_cpu_kernels").main(["--tiny", "--repeats", "1", "--processes", "1"])
     ops = [line.split("|")[1].strip() for line in lines if line.startswith("| RMSNorm") or line.startswith("| rotary")]
     assert ops == ["RMSNorm [2, 8, 16]", "rotary [2, 8, 2, 4]", "RMSNorm [2, 8, 16]"]  # the last: per-thread sums
@@ -166,13 +166,13 @@ def test_cpu_kernels_benchmark_on_tiny_shapes():
     kept = [[cell.strip() for cell in line.split("|")[1:3]] for line in lines if line.startswith("| tiny, 1 thread(s) |")]
     assert kept == [["tiny, 1 thread(s)", name] for name in ("standard", "full", "block2", "block4")]  # h kept or not
     from attnres_lens import attnres
-    assert attnres.fused_mix_and_norm is cpu_fused.fused_mix_and_norm  # the shipped mix, restored
+    assert attnres.fused_mix_and_norm is cpu_depth.fused_mix_and_norm  # the shipped mix, restored
     sums = [line.split("|")[1].strip() for line in lines if line.startswith(("| depth mix + pre-norm", "| KV shift"))]
     assert sums == ["depth mix + pre-norm, 3 x [2, 8, 16]", "depth mix + pre-norm, 9 x [2, 8, 16]",
                     "KV shift [2, 8, 4, 4]"]
-    assert cpu_fused._elementwise_threads.__name__ == "_elementwise_threads"  # the shipped rule, restored
+    assert cpu_elementwise._elementwise_threads.__name__ == "_elementwise_threads"  # the shipped rule, restored
     assert any(line.startswith("Process costs:") and "gc.freeze" in line for line in lines)
-    assert (cpu_fused.ARCH_FLAGS, cpu_fused.cpu_library, os.environ.get(cpu_fused.CACHE_ENV_VAR)) == shipped
+    assert (cpu_build.ARCH_FLAGS, cpu_build.cpu_library, os.environ.get(cpu_build.CACHE_ENV_VAR)) == shipped
 
 
 def test_prune_baseline_benchmark_alternates_two_trees(tmp_path):
@@ -253,7 +253,7 @@ def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     for row in floors.values():  # the excess splits into fixed + kernels + rest, and the floor is 1 + (fixed + kernels)
         assert float(row[2]) == pytest.approx(float(row[3]) + float(row[4]) + float(row[5]), abs=0.02)
     assert floors["block4"][7].startswith("≤ 1.05: floor ")
-    assert cpu_fused_library_restored()
+    assert cpu_library_restored()
     assert [line for line in lines if line.startswith("### standard:")]
     # the layers of one mix: each pass's layers add up to the pass, and the C calls are timed on their own
     start = lines.index("| layer | standard pre-norm (us) | Block consumer, 3 sources (us) |")
@@ -273,10 +273,10 @@ def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     assert both[0] == pytest.approx(layers["forward, all"][0] + layers["backward, all"][0], abs=0.2)
 
 
-def cpu_fused_library_restored() -> bool:
-    from attnres_lens.kernels import cpu_fused
+def cpu_library_restored() -> bool:
+    from attnres_lens.kernels import cpu_build
 
-    return cpu_fused.cpu_library.__name__ == "cpu_library"
+    return cpu_build.cpu_library.__name__ == "cpu_library"
 
 
 def test_step_benchmark_takes_each_ratio_within_its_round(monkeypatch):
@@ -357,10 +357,11 @@ def test_within_rounds_compares_each_round_to_its_own_baseline():
 def test_shared_gradient_benchmark_turns_the_sums_off_and_on(monkeypatch):
     module = load("bench_shared_gradients")
     from attnres_lens import attnres
-    from attnres_lens.kernels import cpu_fused
+    from attnres_lens.kernels import cpu_autograd
 
     shared = []
-    monkeypatch.setattr(attnres, "share_gradient", lambda source: shared.append(1) or cpu_fused.share_gradient(source))
+    real = cpu_autograd.share_gradient
+    monkeypatch.setattr(attnres, "share_gradient", lambda source: shared.append(1) or real(source))
     stepper = module.Stepper(module.TINY, module.VARIANTS["full"], eager=False)
     stepper.step()
     assert not shared  # the tiny model's sources are below the shipped threshold
@@ -420,11 +421,11 @@ def test_stack_size_benchmark_on_a_tiny_model():
 
 
 def test_cold_mix_benchmark_times_every_build_warm_and_cold():
-    from attnres_lens.kernels import cpu_fused
+    from attnres_lens.kernels import cpu_build, cpu_depth
     import torch
 
     module = load("bench_cold_mix")
-    shipped = (cpu_fused.ARCH_FLAGS, cpu_fused.SOURCE, cpu_fused.cpu_library, os.environ.get(cpu_fused.CACHE_ENV_VAR))
+    shipped = (cpu_build.ARCH_FLAGS, cpu_build.SOURCES, cpu_build.cpu_library, os.environ.get(cpu_build.CACHE_ENV_VAR))
     lines = module.main(["--tiny", "--repeats", "1", "--threads", "1", "--baseline", "HEAD"])
     mixes = [[cell.strip() for cell in line.split("|")[1:6]] for line in lines if line.startswith("| 1 | ")]
     baseline = module.baseline_name("HEAD")
@@ -433,8 +434,8 @@ def test_cold_mix_benchmark_times_every_build_warm_and_cold():
                      for build in builds]
     steps = [[cell.strip() for cell in line.split("|")[1:4]] for line in lines if line.startswith("| tiny |")]
     assert steps == [["tiny", "1", name] for name in ("standard", "full", "block2", "block4")]
-    assert (cpu_fused.ARCH_FLAGS, cpu_fused.SOURCE, cpu_fused.cpu_library,
-            os.environ.get(cpu_fused.CACHE_ENV_VAR)) == shipped
+    assert (cpu_build.ARCH_FLAGS, cpu_build.SOURCES, cpu_build.cpu_library,
+            os.environ.get(cpu_build.CACHE_ENV_VAR)) == shipped
     # the builds compute the same mix: grouped reads at 5 sources, the baseline commit's own loops
     generator = torch.Generator().manual_seed(1)
     sources = [torch.randn(2, 24, 16, generator=generator, dtype=torch.float32, requires_grad=True) for _ in range(5)]
@@ -442,7 +443,7 @@ def test_cold_mix_benchmark_times_every_build_warm_and_cold():
     results = {}
     for name, library in module.builds("HEAD").items():
         with module.kernels_from(library):
-            _, y = cpu_fused.depth_attention_normed_cpu(sources, query, gain, 1e-6, norm_weight, 1e-5)
+            _, y = cpu_depth.depth_attention_normed_cpu(sources, query, gain, 1e-6, norm_weight, 1e-5)
             results[name] = (y, *torch.autograd.grad((y * y).sum(), [*sources, query, gain, norm_weight]))
     for name in ("grouped reads", baseline):
         for got, expected in zip(results[name], results["shipped"]):
@@ -460,11 +461,11 @@ def test_kv_rotary_benchmark_steps_both_paths_and_restores_the_hook_check(monkey
     for Q and K: over 3 warm-up steps and 1 round, 2 layers, (2 + 1 + 2) calls per layer and round of the three
     models; the layer's hook check is the shipped one afterwards."""
     from attnres_lens import components
-    from attnres_lens.kernels import cpu_fused
+    from attnres_lens.kernels import cpu_elementwise
 
     module = load("bench_kv_rotary")
     calls = []
-    monkeypatch.setattr(components, "rotary_cpu", lambda *args: calls.append(1) or cpu_fused.rotary_cpu(*args))
+    monkeypatch.setattr(components, "rotary_cpu", lambda *args: calls.append(1) or cpu_elementwise.rotary_cpu(*args))
     shipped = components.is_hooked
     lines = module.main(["--shapes", "tiny", "--repeats", "1", "--threads", "1"])
     assert components.is_hooked is shipped
@@ -479,14 +480,14 @@ def test_two_phase_benchmark_sets_each_threshold_and_restores_the_shipped_one(mo
     shared sources; with the shipped count set low here, the tiny model's two-phase rounds run the C two-phase
     kernel, and the shipped count is back afterwards."""
     from attnres_lens import attnres
-    from attnres_lens.kernels import cpu_fused
+    from attnres_lens.kernels import cpu_depth
 
     module = load("bench_two_phase_cpu")
     monkeypatch.setattr(module, "MODEL_SHAPES", [(5, 16, 8, 2)])  # 11 consumers: windows from 8 sources
     monkeypatch.setattr(attnres, "MIN_SHARED_SOURCES_WITH_GRAD", 9)
     seen = []
-    multi = cpu_fused._EagerMultiDepthAttention.apply
-    monkeypatch.setattr(cpu_fused._EagerMultiDepthAttention, "apply",
+    multi = cpu_depth._EagerMultiDepthAttention.apply
+    monkeypatch.setattr(cpu_depth._EagerMultiDepthAttention, "apply",
                         lambda *args: seen.append(attnres.MIN_SHARED_SOURCES_WITH_GRAD) or multi(*args))
     rows = module.training_steps(2)
     assert len(rows) == 1 and rows[0].startswith("| 10 | 16 | 8 | 2 |") and rows[0].count("×)") == 3
@@ -496,10 +497,10 @@ def test_two_phase_benchmark_sets_each_threshold_and_restores_the_shipped_one(mo
 
 
 def test_no_graph_benchmark_times_both_ways_and_restores_the_wrappers(monkeypatch):
-    from attnres_lens.kernels import cpu_fused
+    from attnres_lens.kernels import cpu_autograd, cpu_elementwise
 
     module = load("bench_no_graph")
-    shipped = cpu_fused._apply
+    shipped = cpu_autograd.apply_function
     x, w = torch.randn(3, 8), torch.ones(8, requires_grad=True)
     applied = []
     original = torch.autograd.Function.apply.__func__
@@ -508,11 +509,11 @@ def test_no_graph_benchmark_times_both_ways_and_restores_the_wrappers(monkeypatc
     with torch.no_grad():
         for enabled in (False, True):
             with module.with_node(enabled):
-                cpu_fused.rms_norm_cpu(x, w, 1e-5)
+                cpu_elementwise.rms_norm_cpu(x, w, 1e-5)
     assert applied == ["_EagerRMSNorm"]  # only with the node
     monkeypatch.undo()
     lines = module.main(["--tiny", "--repeats", "2"])
-    assert cpu_fused._apply is shipped
+    assert cpu_autograd.apply_function is shipped
     assert sum(line.startswith("| 8 x 16, 3 sources |") for line in lines) == 1
     assert [line.split("|")[2].strip() for line in lines if line.startswith("| tiny |")] == list(module.VARIANTS)
 

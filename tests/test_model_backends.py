@@ -279,16 +279,16 @@ def test_saved_activations_grow_linearly_with_depth(backend, block_size):
 
 
 def _count_two_phase_calls(monkeypatch) -> list[int]:
-    from attnres_lens.kernels import cpu_fused
+    from attnres_lens.kernels import cpu_depth
 
     calls = [0]
-    inner = cpu_fused.depth_attention_multi_cpu
+    inner = cpu_depth.depth_attention_multi_cpu
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_fused, "depth_attention_multi_cpu", counted)
+    monkeypatch.setattr(cpu_depth, "depth_attention_multi_cpu", counted)
     return calls
 
 
