@@ -6,8 +6,8 @@
  *   s_j = q_t . (scale k_j),   z_t = sum_j e^{s_j - m} v_j / sum_j e^{s_j - m},   m = max_j s_j
  * Each (b, h) copies its keys, scaled and transposed, into a [Dh, P'] block (P' = P rounded up to KEY_CHUNK) that
  * stays in L1/L2 while every query reads it: a query's scores are then Dh broadcast FMAs per KEY_CHUNK keys, with
- * independent accumulators, where PyTorch's flash kernel for the CPU works in blocks sized for long heads (it takes
- * 1.2-1.4x this kernel's time at d_head 16 and 65 tokens; longer heads go to it, docs/kernels.md §2). Keys past t in
+ * independent accumulators, where PyTorch's flash kernel for the CPU works in blocks sized for long heads (slower
+ * on the model's short heads; longer heads go to it, docs/kernels.md §2). Keys past t in
  * the last chunk get -inf, weight 0 (the float build's exp, exp_nonpositive, gives 0 there). (b, h) pairs are
  * split over threads; returns 0, or -1 when a thread's block could not be allocated (the output is incomplete). */
 #define KEY_CHUNK 16

@@ -1,4 +1,5 @@
-/* Fused depth attention for CPU tensors (docs/kernels.md §4-§5). Readable reference: reference.py; math: torch_fast.py.
+/* Fused depth attention for CPU tensors (docs/kernels.md §4-§5). Readable reference: reference.py; math:
+ * torch_fast.py.
  * One mix with its backward (optionally with the consumer's pre-norm fused), the mix of stacked copies of a batch,
  * and the multi-query mix of two-phase AttnRes with its backward; wrapped by cpu_depth.py.
  *
@@ -47,8 +48,8 @@ typedef struct {
  * streams) or, with few sources, token row by token row (tile_sums), and its softmax statistics are computed for
  * its tokens at once (see forward_rows). Backward: token
  * rows in tiles of TILE, each source read as one contiguous TILE x D block (a stream the prefetcher follows) while
- * the tile's dh rows stay in L1; row-at-a-time it hopped between 2S streams per token and at 49 sources ran 3x
- * slower, but with few sources row-at-a-time is faster, so the backward reads by blocks only from 9 sources on
+ * the tile's dh rows stay in L1; row-at-a-time it hops between 2S streams per token, much slower at many sources,
+ * but with few sources row-at-a-time is faster, so the backward reads by blocks only from 9 sources on
  * (see backward_rows). One source at a time was slower for the forward's reads too (docs/kernels.md
  * §6): a single stream does not keep enough reads in flight. Results are the same sums, only interleaved. */
 #define TILE 16
@@ -201,10 +202,8 @@ INLINE void mix_row(real *h, const real *const *src, int64_t S, int64_t row, int
 
 /* Which order the forward's pass 1 reads a tile in. From this many sources on, source group by source group (four
  * streams of TILE x D contiguous values at a time); below it, token row by token row (row t of every source, then
- * row t + 1: S streams at once) with software prefetch. With sources from memory, by groups measured 1.1-1.8x
- * faster at 9 and 48 sources on an AMD EPYC (2026-12-04) and row by row 1.1-1.2x faster at 3-9 sources on an
- * Intel Xeon (2026-12-05), with 3-5 sources as fast or faster row by row on both (bench_cold_mix.md, docs/kernels.md
- * §11). */
+ * row t + 1: S streams at once) with software prefetch. With sources from memory, many sources read faster by
+ * groups and a few row by row; where the switch lies was measured on two processors (docs/kernels.md §11). */
 #ifndef GROUPED_FORWARD_MIN_SOURCES /* analyses/bench_cold_mix.py builds it with others */
 #define GROUPED_FORWARD_MIN_SOURCES 8
 #endif
@@ -386,7 +385,7 @@ INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
             for (int64_t n = 0; n < T; ++n) delta[n] += a->weights[s * N + t0 + n] * dots[s * TILE + n];
         }
         /* the gradients, GROUP sources side by side: each token row of four sources, then the next row (four
-         * streams of gradient rows read and written; one source's tile after another measured 1.1x slower) */
+         * streams of gradient rows read and written; one source's tile after another measured slower) */
         for (int64_t s0 = 0; s0 < S; s0 += GROUP)
             for (int64_t n = 0; n < T; ++n)
                 for (int64_t s = s0; s < S && s < s0 + GROUP; ++s) {
@@ -407,10 +406,7 @@ INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
 }
 
 /* Below this many sources the by-token loop is faster (its 2S streams still prefetch well); from it on the tiled
- * one, whose remix of h (mixed_tile) reads by source groups: measured 1.1-1.3x faster at 9-25 sources and 1.1x at 47
- * (d_model 64-256, 1024 tokens, sources in cache or from memory), 1.1-1.2x slower at 3-7 sources from memory
- * (AMD EPYC, 2026-12-04: timings of _run_backward, and bench_cold_mix.md). With h remixed token by token the
- * switch was at 33. */
+ * one, whose remix of h (mixed_tile) reads by source groups (the measurements: docs/kernels.md §6 and §11). */
 #ifndef TILED_BACKWARD_MIN_SOURCES /* analyses/bench_cold_mix.py builds it with others */
 #define TILED_BACKWARD_MIN_SOURCES 9
 #endif
@@ -423,7 +419,7 @@ INLINE void backward_rows_d(const depth_args *a, int64_t begin, int64_t end, rea
 
 /* The backward is inlined into one copy per common d_model, where the width is a compile-time constant, and a
  * generic copy: with the trip count known the compiler unrolls the vector loops and keeps the accumulators in
- * registers, 1.1-1.2x faster at d_model 64 and at few sources of 128 (the same sums, bit for bit). The forward
+ * registers, faster at d_model 64 and at few sources of 128 (the same sums, bit for bit). The forward
  * measured no gain from it (docs/kernels.md §6). */
 static void backward_rows(const depth_args *a, int64_t begin, int64_t end, real *grad_u, double *grad_norm) {
     switch (a->d_model) {
@@ -458,8 +454,9 @@ static void *backward_worker(void *arg) {
 /* Split the rows into n_threads contiguous ranges and run each on its own thread, the calling thread included.
  * Built with OpenMP (docs/kernels.md §6), the threads are those of torch's own OpenMP pool: the library's libgomp
  * is the one torch loaded (same soname), whose threads are awake between torch's ops, so a split pays from tens
- * of thousands of elements; a pthread started per call costs 50-100 us and paid only from ~1M. Without OpenMP,
- * pthreads: a thread that cannot be started has its range run here, so the result never depends on it. */
+ * of thousands of elements; a pthread started per call costs far more and pays only from about a million.
+ * Without OpenMP, pthreads: a thread that cannot be started has its range run here, so the result never depends
+ * on it. */
 static void run_rows(void *(*worker)(void *), const void *a, int64_t n_tokens, int n_threads) {
     if (n_threads < 1) n_threads = 1;
     if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;

@@ -133,8 +133,8 @@ INLINE void norm_row_backward(const real *x, const real *w, real r, const real *
 /* A thread's running sums over its rows (a parameter's gradient), zeroed, in memory of its own: whole pages from the
  * heap, which the thread adds into row after row and copies into its row of the caller's [threads, n] block once at
  * the end (`release_thread_sums`). Added into that block in place, the rows of two threads lie side by side, and
- * the second thread's half of a depth-mix backward took 1.7x as long as the first's when both ran (each alone took
- * the same), so the call at two threads took 0.7x its one-thread time, not 0.5x (docs/kernels.md §11). NULL if the
+ * the second thread's half of a depth-mix backward took much longer than the first's when both ran (each alone
+ * took the same), so two threads gained far less than half the time (docs/kernels.md §11). NULL if the
  * pages cannot be had, and always with -DSHARED_THREAD_SUMS (analyses/bench_cpu_kernels.py's baseline, and the
  * tests' check of this path): the caller then adds into its row in place (slower, the same sums). */
 static inline void *own_thread_sums(size_t bytes) {
