@@ -85,13 +85,13 @@ class SharedGradient:
 
 class _ShareGradient(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, source: torch.Tensor, shared: SharedGradient) -> torch.Tensor:
+    def forward(ctx: Any, source: torch.Tensor, shared: SharedGradient) -> torch.Tensor:
         ctx.shared = shared
         ctx.set_materialize_grads(False)
         return source.view_as(source)
 
     @staticmethod
-    def backward(ctx, grad: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], None]:
+    def backward(ctx: Any, grad: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], None]:
         summed = ctx.shared.take()
         if summed is None or grad is None:  # the node's other uses (an unfused consumer) send grad
             return (grad if summed is None else summed), None

@@ -174,8 +174,8 @@ class _EagerDepthAttention(torch.autograd.Function):
     (non-differentiable). ``query`` and ``gain`` come in the compute dtype (fp32, or fp64 for fp64 sources)."""
 
     @staticmethod
-    def forward(ctx, query: torch.Tensor, gain: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-                *sources: torch.Tensor):
+    def forward(ctx: Any, query: torch.Tensor, gain: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                *sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         query, gain = query.contiguous(), gain.contiguous()
         h, stats, _, _ = _run_forward(list(sources), query, bias, eps, gain=gain)
         ctx.save_for_backward(query, gain, stats, *sources)
@@ -186,7 +186,8 @@ class _EagerDepthAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the C backward builds no graph: a second derivative raises instead of coming out wrong
-    def backward(ctx, grad_h: torch.Tensor, _grad_logits: torch.Tensor, _grad_weights: torch.Tensor):
+    def backward(ctx: Any, grad_h: torch.Tensor, _grad_logits: torch.Tensor, _grad_weights: torch.Tensor
+                 ) -> tuple[Optional[torch.Tensor], ...]:
         query, gain, stats, *sources = ctx.saved_tensors
         grad_sources, grad_query, grad_gain, _ = _run_backward(sources, None, stats, grad_h.contiguous(),
                                                                buffers_to_sum_into(ctx, grad_h), None, (query, gain))
@@ -235,8 +236,8 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
     anyway). Weights and logits are not reported. All inputs in the sources' dtype."""
 
     @staticmethod
-    def forward(ctx, keep_h: bool, query: torch.Tensor, gain: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                norm_eps: float, *sources: torch.Tensor):
+    def forward(ctx: Any, keep_h: bool, query: torch.Tensor, gain: torch.Tensor, norm_weight: torch.Tensor,
+                eps: float, norm_eps: float, *sources: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         query, gain = query.contiguous(), gain.contiguous()
         h, stats, y, norm_rstd = _run_forward(list(sources), query, None, eps, norm_weight, norm_eps, keep_h, gain)
         ctx.save_for_backward(query, gain, norm_weight, stats, norm_rstd, h, *sources)
@@ -246,7 +247,8 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_h: Optional[torch.Tensor], grad_y: Optional[torch.Tensor]):
+    def backward(ctx: Any, grad_h: Optional[torch.Tensor], grad_y: Optional[torch.Tensor]
+                 ) -> tuple[Optional[torch.Tensor], ...]:
         query, gain, norm_weight, stats, norm_rstd, h, *sources = ctx.saved_tensors
         if grad_y is None and grad_h is None:
             return (None,) * (6 + len(sources))
@@ -315,8 +317,8 @@ class _EagerMultiDepthAttention(torch.autograd.Function):
     dtype: queries ``[Q, D]``, prior ``[Q, N, D]`` and ``[Q, N]`` or None, sources ``[N, D]``."""
 
     @staticmethod
-    def forward(ctx, eps: float, queries: torch.Tensor, prior_mix: Optional[torch.Tensor],
-                prior_lse: Optional[torch.Tensor], *sources: torch.Tensor):
+    def forward(ctx: Any, eps: float, queries: torch.Tensor, prior_mix: Optional[torch.Tensor],
+                prior_lse: Optional[torch.Tensor], *sources: torch.Tensor) -> tuple[torch.Tensor, ...]:
         prior = None if prior_mix is None else (prior_mix, prior_lse)
         first, n_queries = sources[0], queries.shape[0]
         n_tokens = first.numel() // first.shape[-1]
@@ -331,7 +333,7 @@ class _EagerMultiDepthAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, *grads: Optional[torch.Tensor]):
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
         queries, prior_mix, prior_lse, *saved = ctx.saved_tensors
         n_queries = queries.shape[0]
         lse, sources = saved[:n_queries], saved[n_queries:]

@@ -6,7 +6,7 @@ each way where PyTorch takes a pass per product and sum (docs/kernels.md §2). R
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -28,7 +28,7 @@ class _EagerKVShift(torch.autograd.Function):
     rotary tables (cos, sin: x's dtype, contiguous; else None) the shifted K comes out rotated, in the same pass."""
 
     @staticmethod
-    def forward(ctx, k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor, cos: Optional[torch.Tensor],
+    def forward(ctx: Any, k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor, cos: Optional[torch.Tensor],
                 sin: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = k.contiguous(), v.contiguous()
         pairs = coefficients.to(k.dtype).contiguous()
@@ -47,7 +47,7 @@ class _EagerKVShift(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the C backward builds no graph: a second derivative raises instead of coming out zero
-    def backward(ctx, grad_k: torch.Tensor, grad_v: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, grad_k: torch.Tensor, grad_v: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         k, v, pairs, cos, sin = ctx.saved_tensors
         library = cpu_build.cpu_library(k.dtype)
         threads = _elementwise_threads(k.numel(), library)
@@ -96,13 +96,13 @@ class _EagerRotary(torch.autograd.Function):
     with the sine negated); x [B, P, H, Dh], cos and sin [≥ P, Dh] tables whose two halves are equal."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
         return _rotate(x.contiguous(), cos, sin, 1.0)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         cos, sin = ctx.saved_tensors
         return _rotate(grad.contiguous(), cos, sin, -1.0), None, None
 
@@ -143,7 +143,7 @@ class _EagerRMSNorm(torch.autograd.Function):
     """`components.RMSNorm` in one C pass each way (formulas in cpu_elementwise.c); x [..., D], w [D]."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         x, w = x.contiguous(), w.contiguous()
         rows = x.numel() // x.shape[-1]
         y = new_output_like(x)
@@ -156,7 +156,7 @@ class _EagerRMSNorm(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, w, rstd = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = new_output_like(x)
