@@ -1,4 +1,5 @@
-"""Shared test utilities: small model builders and an independent float64 re-implementation of the AttnRes residual (docs/model.md §2)."""
+"""Shared test utilities: small model builders, a copy-task batch, an in-process CLI call and an independent float64
+re-implementation of the AttnRes residual (docs/model.md §2)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import itertools
 import torch
 
 from attnres_lens import HookedTransformer, ModelConfig
+from attnres_lens.cli import main as cli_main
+from attnres_lens.tasks import make_task
 from tests.kernel_cases import oracle
 
 VARIANTS = list(itertools.product([("standard", 1), ("attnres", 1), ("attnres", 2), ("attnres", 4)], ["standard", "kv_shift"]))
@@ -17,6 +20,18 @@ def small_config(residual: str = "standard", block_size: int = 1, attention: str
     params = dict(d_model=32, n_heads=4, n_layers=3, n_ctx=24, d_vocab=20, seed=0)
     params.update(overrides)
     return ModelConfig(residual=residual, attnres_block_size=block_size, attention=attention, **params)
+
+
+def copy_batch(n: int, vocab: int = 20, seq_len: int = 24):
+    """`n` held-out sequences of the copy task, sized for `small_config` models."""
+    return make_task("copy", vocab_size=vocab, seq_len=seq_len, min_len=4, max_len=8).eval_batch(n)
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """`attnres-lens argv` run in this process: its exit code, stdout and stderr."""
+    code = cli_main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def randomize_depth_parameters(model: HookedTransformer, seed: int = 1) -> None:

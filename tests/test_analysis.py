@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pandas as pd
 import pytest
@@ -150,13 +151,6 @@ def test_scores_reject_a_batch_that_is_not_repeated_tokens(hand_model):
 
 # ---------------------------------------------------------------------------- trained runs
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("analysis") / "smoke"
-    train(get_preset("smoke"), out, progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
 def induction_run(tmp_path_factory):
     """A 2-layer attention-only KV-shift model trained for 300 steps (~5 s): long enough that one head becomes
     an induction head (the 40-step smoke run leaves every head near-uniform, so its ranking is noise)."""
@@ -182,14 +176,15 @@ def test_prefix_score_and_tl_detect_head_agree_in_ranking_on_a_trained_run(induc
     assert scores["ablation_mean_score"].idxmax() == top and scores["copying_score"].idxmax() == top
 
 
-def test_analyze_run_writes_its_tables(smoke_run):
-    tables = analyze_run(smoke_run, samples=4, progress=False)
+def test_analyze_run_writes_its_tables(smoke_run, tmp_path):
+    run = shutil.copytree(smoke_run, tmp_path / "smoke")  # it writes into the run
+    tables = analyze_run(run, samples=4, progress=False)
     for name in ("induction_heads", "icl_per_position", "depth_mixing", "mixing_diagnostics", "depth_weights", "depth_summary",
                  "depth_weights_tokens"):
-        assert (smoke_run / "analysis" / f"{name}.csv").is_file()
-        written = pd.read_parquet(smoke_run / "analysis" / f"{name}.parquet")
+        assert (run / "analysis" / f"{name}.csv").is_file()
+        written = pd.read_parquet(run / "analysis" / f"{name}.parquet")
         pd.testing.assert_frame_equal(written, tables[name].reset_index(drop=True), check_dtype=False)
-    assert (smoke_run / "analysis" / "analysis_summary.json").is_file()
+    assert (run / "analysis" / "analysis_summary.json").is_file()
 
 
 def test_analyze_command_writes_to_out_and_leaves_the_run_alone(smoke_run, tmp_path, capsys):

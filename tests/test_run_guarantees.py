@@ -33,13 +33,6 @@ CLI = [sys.executable, "-m", "attnres_lens.cli"]
 SLOW_SMOKE = ["--set", "train.steps=300", "--set", "train.log_every=1", "--set", "train.checkpoint_every=5"]
 
 
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("guarantees") / "smoke"
-    train(get_preset("smoke"), out, progress=False)
-    return out
-
-
 def copy_run(smoke_run: Path, tmp_path: Path, name: str = "copy") -> Path:
     target = tmp_path / name
     shutil.copytree(smoke_run, target)

@@ -31,13 +31,6 @@ def smoke(**overrides):
     return apply_overrides(get_preset("smoke"), [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
 
 
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("runs") / "smoke"
-    train(smoke(), out, progress=False)
-    return out
-
-
 def losses(run_dir: Path) -> dict[int, float]:
     metrics = load_run(run_dir, load_model=False).metrics
     rows = metrics.dropna(subset=["loss"])
