@@ -22,12 +22,12 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 import attnres_lens.kernels as kernels  # noqa: E402
-from attnres_lens.kernels import _common, backends, block_phase1, depth_attention, merge_partial  # noqa: E402
+from attnres_lens.kernels import block_phase1, depth_attention, merge_partial  # noqa: E402
 from tests.kernel_cases import assert_close, make_inputs, oracle  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-pytestmark = pytest.mark.triton
+pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("poisoned_outputs")]
 
 if DEVICE == "cpu" and INTERPRETER_TOO_LATE:
     pytest.skip(
@@ -47,12 +47,6 @@ SHAPES = [
     (9, (130,), 48, 8),
     (17, (45,), 20, 32),
 ]
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    monkeypatch.delenv(backends.BACKEND_ENV_VAR, raising=False)
 
 
 def test_hand_example():
