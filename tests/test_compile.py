@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnres_lens import HookedTransformer
-from tests.helpers import randomize_depth_parameters, small_config
+from tests.helpers import float32_chain_length, randomize_depth_parameters, reordering_bound, small_config
 
 VARIANTS = {
     "standard": dict(),
@@ -39,16 +39,6 @@ def loss_and_grads(model: HookedTransformer, loss_fn, tokens: torch.Tensor):
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-FLOAT32_UNIT_ROUNDOFF = 2.0**-24
-
-
-def float32_chain_length(cfg, tokens: torch.Tensor) -> int:
-    """Terms summed along the longest chain of float32 sums between the loss and a parameter's gradient: the
-    tokens, the vocabulary, and per layer the MLP's hidden units, the attended positions and four d_model-long
-    contractions (query/key/value/output projections)."""
-    return tokens.numel() + cfg.d_vocab + cfg.n_layers * (cfg.d_mlp + tokens.shape[-1] + 4 * cfg.d_model)
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_a_training_step_compiles_into_one_graph(name):
     overrides = dict(VARIANTS[name])
@@ -67,10 +57,10 @@ def test_a_training_step_compiles_into_one_graph(name):
     # gradient entry is a chain of such sums, n = float32_chain_length terms in all, whose terms are of the size of the
     # tensor's largest entry (softmax and RMSNorm backwards cancel larger ones: counting every term covers them).
     n = float32_chain_length(model.cfg, tokens)
-    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=n * FLOAT32_UNIT_ROUNDOFF * expected_loss.abs().item())
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=reordering_bound(n, expected_loss.abs().item()))
     assert grads.keys() == expected_grads.keys()
     for key in grads:
-        bound = n * FLOAT32_UNIT_ROUNDOFF * expected_grads[key].abs().max().item()
+        bound = reordering_bound(n, expected_grads[key].abs().max().item())
         torch.testing.assert_close(grads[key], expected_grads[key], rtol=0, atol=bound, msg=key)
 
 

@@ -404,10 +404,11 @@ def test_a_forked_job_runs_after_this_process_used_several_threads_and_reports_w
     previous = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        x = torch.randn(1500, 1500)
+        # whole numbers whose partial sums stay below 2^24: float32 sums them exactly, in any order
+        x = torch.randint(-1, 2, (1500, 1500)).float()
         (x + 1).sum()  # this process's pool runs with 4 threads
         threads, total = ForkedJob(lambda: (torch.get_num_threads(), float((x * 2).sum()))).result()
-        assert threads == 1 and total == pytest.approx(float((x * 2).sum()), rel=1e-5)  # summed in another order
+        assert threads == 1 and total == float((x * 2).sum())  # summed in another order, exactly
         with pytest.raises(RuntimeError, match="(?s)forked analysis process failed.*pickle"):
             ForkedJob(lambda: __import__("threading").Lock()).result()
     finally:
