@@ -1,4 +1,5 @@
-"""Analysis library (docs/analysis.md): induction scores on hand-built heads, depth maps, TL agreement on a trained run."""
+"""Analysis library (docs/analysis.md): induction scores on hand-built heads, depth maps, TL agreement on a trained
+run."""
 
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ from attnres_lens.tasks.base import BOS, Batch, next_token_targets
 from attnres_lens.training import train
 
 from .helpers import randomize_depth_parameters, small_config
-
 
 VOCAB, HALF, N_CTX = 12, 8, 20
 TOKEN_DIMS, POSITION_DIMS = range(VOCAB), range(VOCAB, VOCAB + N_CTX)
@@ -179,8 +179,8 @@ def test_prefix_score_and_tl_detect_head_agree_in_ranking_on_a_trained_run(induc
 def test_analyze_run_writes_its_tables(smoke_run, tmp_path):
     run = shutil.copytree(smoke_run, tmp_path / "smoke")  # it writes into the run
     tables = analyze_run(run, samples=4, progress=False)
-    for name in ("induction_heads", "icl_per_position", "depth_mixing", "mixing_diagnostics", "depth_weights", "depth_summary",
-                 "depth_weights_tokens"):
+    for name in ("induction_heads", "icl_per_position", "depth_mixing", "mixing_diagnostics", "depth_weights",
+                 "depth_summary", "depth_weights_tokens"):
         assert (run / "analysis" / f"{name}.csv").is_file()
         written = pd.read_parquet(run / "analysis" / f"{name}.parquet")
         pd.testing.assert_frame_equal(written, tables[name].reset_index(drop=True), check_dtype=False)
@@ -190,12 +190,13 @@ def test_analyze_run_writes_its_tables(smoke_run, tmp_path):
 def test_analyze_command_writes_to_out_and_leaves_the_run_alone(smoke_run, tmp_path, capsys):
     from attnres_lens.cli import main
 
-    before = sorted(path.name for path in (smoke_run / "analysis").iterdir()) if (smoke_run / "analysis").exists() else []
+    analysis = smoke_run / "analysis"
+    before = sorted(path.name for path in analysis.iterdir()) if analysis.exists() else []
     out = tmp_path / "elsewhere"
     assert main(["analyze", str(smoke_run), "--samples", "2", "--no-progress", "--out", str(out)]) == 0
     assert f"to {out}/" in capsys.readouterr().out
     assert (out / "induction_heads.parquet").is_file() and (out / "analysis_summary.json").is_file()
-    after = sorted(path.name for path in (smoke_run / "analysis").iterdir()) if (smoke_run / "analysis").exists() else []
+    after = sorted(path.name for path in analysis.iterdir()) if analysis.exists() else []
     assert after == before
     (tmp_path / "a-file").write_text("")
     assert main(["analyze", str(smoke_run), "--no-progress", "--out", str(tmp_path / "a-file")]) == 2

@@ -1,8 +1,8 @@
 """Attribution through depth (docs/analysis.md §11); the shared-prefix evaluation it runs on is tested in
 test_interventions.py.
 
-Ground truth is independent of the code under test: float64 re-derivations, TransformerLens's own residual decomposition, exact knockouts and
-hand-built circuits whose answer is known.
+Ground truth is independent of the code under test: float64 re-derivations, TransformerLens's own residual
+decomposition, exact knockouts and hand-built circuits whose answer is known.
 """
 
 from __future__ import annotations
@@ -427,7 +427,7 @@ def test_trained_runs_use_the_mechanism_their_architecture_allows(induction_runs
     assert (vanilla["shifted_key_advantage"] == 0).all() and (vanilla["shifted_key_induction_score"] == 0).all()
 
 
-@pytest.mark.skipif(not (Path(__file__).resolve().parent.parent / "data" / "demo_runs" / "induction-2l-vanilla").is_dir(),
+@pytest.mark.skipif(not (Path(__file__).resolve().parents[1] / "data" / "demo_runs" / "induction-2l-vanilla").is_dir(),
                     reason="demo runs missing (make demo)")
 def test_the_shipped_induction_runs_tell_the_two_mechanisms_apart():
     demo = Path(__file__).resolve().parent.parent / "data" / "demo_runs"
@@ -439,7 +439,8 @@ def test_the_shipped_induction_runs_tell_the_two_mechanisms_apart():
         assert top["prefix_score"] > 0.5, name
         assert top["shifted_key_induction_score"] == pytest.approx(expected, abs=0.05), name
     vanilla = scores["induction-2l-vanilla"].set_index(["layer", "head"])
-    assert vanilla["prefix_score"].idxmax()[0] == 1 and vanilla["current_key_advantage"].max() > 5  # layer 1, current key
+    # layer 1, current key
+    assert vanilla["prefix_score"].idxmax()[0] == 1 and vanilla["current_key_advantage"].max() > 5
 
 
 # ---------------------------------------------------------------------------- training timeline
@@ -454,7 +455,8 @@ def test_timeline_statistics_and_fastest_change_on_known_snapshots():
     metrics = pd.DataFrame({"step": [0, 10, 20, 30], "loss": [3.0, 2.9, 1.5, 1.4], "eval_loss": [3.1, 3.0, 1.6, 1.5]})
     timeline = training_timeline({"depth_weights": weights, "induction_scores": scores}, metrics)
     entropy = timeline[timeline["series"] == "routing_entropy"].set_index("step")["value"]
-    assert entropy[0] == pytest.approx(math.log(2)) and entropy[20] == pytest.approx(-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))
+    assert entropy[0] == pytest.approx(math.log(2))
+    assert entropy[20] == pytest.approx(-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)))
     assert timeline[timeline["series"] == "induction_score"].set_index("step")["value"][20] == 0.8
     changes = fastest_changes(timeline).set_index("series")
     for series in ("routing_entropy", "max_weight", "embedding_weight", "induction_score", "loss", "eval_loss"):
@@ -579,8 +581,10 @@ def test_attribute_works_on_a_run_imported_from_fla(tmp_path, capsys):
 def test_the_benchmark_script_runs_end_to_end_on_a_tiny_model():
     from analyses.bench_attribution import main as bench
 
-    lines = bench(["--steps", "2", "--samples", "2", "--set", "model.n_layers=1", "--skip-one-pass", "--cli-repeats", "1"])
-    rows = {line.split("|")[1].strip(): line.split("|") for line in lines if line.startswith("| ") and "engine" not in line}
+    lines = bench(["--steps", "2", "--samples", "2", "--set", "model.n_layers=1", "--skip-one-pass",
+                   "--cli-repeats", "1"])
+    rows = {line.split("|")[1].strip(): line.split("|") for line in lines
+            if line.startswith("| ") and "engine" not in line}
     assert {"shared prefixes", "stacked full passes"} <= set(rows)
     assert float(rows["stacked full passes"][-3].strip()) < 1e-5  # the engines agree
     assert int(rows["stacked full passes"][-2].strip()) >= 0  # rank entries that differ, counted apart

@@ -691,7 +691,8 @@ def test_several_queries_sum_a_shared_source_gradient_in_place(many_threads):
 
     def loss(views, pool):
         mix, lse = cpu_fused.depth_attention_multi_cpu(views, folded, 1e-6)
-        merged, _ = cpu_fused.depth_attention_multi_cpu(views[4:], folded[1:2], 1e-6, prior=(mix[1][None], lse[1][None]))
+        merged, _ = cpu_fused.depth_attention_multi_cpu(views[4:], folded[1:2], 1e-6,
+                                                        prior=(mix[1][None], lse[1][None]))
         one_pass = depth_attention(views, query, gain, backend="cpu")
         return (mix[0] * pool[0]).sum() + (merged[0] * pool[1]).sum() + (lse[2] * pool[2]).sum() + \
             (one_pass * pool[3]).sum()
@@ -902,8 +903,8 @@ def test_the_fused_pre_norm_writes_every_output(many_threads):
 @pytest.mark.parametrize("width", [24, 64, 70])  # 64: a backward compiled for that width; 70: vector tails
 def test_a_fused_mix_that_leaves_h_out_gives_the_same_y_and_gradients(many_threads, dtype, n_sources, width):
     """Without keep_h the fused mix writes no h and its backward mixes each row again (the same mix_row, the same
-    weights, row by row or a tile by source groups): y and every gradient equal the kept-h call's bit for bit, split over threads, and the fp64 call
-    passes gradcheck."""
+    weights, row by row or a tile by source groups): y and every gradient equal the kept-h call's bit for bit,
+    split over threads, and the fp64 call passes gradcheck."""
     generator = torch.Generator().manual_seed(n_sources)
     sources = [torch.randn(2, 19, width, dtype=dtype, generator=generator) for _ in range(n_sources)]
     parameters = [torch.randn(width, dtype=dtype, generator=generator) for _ in range(3)]

@@ -79,7 +79,8 @@ def test_forward_and_backward_match_reference(dtype, n_sources, token_shape, d_m
     assert_close(logits.t().reshape(*token_shape, n_sources), expected_logits, dtype, scale=4.0)
 
     reference_leaves = [t.detach().double().requires_grad_() for t in (*sources, query, gain)]
-    reference_h = depth_attention(reference_leaves[:-2], reference_leaves[-2], reference_leaves[-1], backend="reference")
+    reference_h = depth_attention(reference_leaves[:-2], reference_leaves[-2], reference_leaves[-1],
+                                  backend="reference")
     (reference_h * grad_output.double()).sum().backward()
     for leaf, reference_leaf in zip(leaves, reference_leaves):
         assert leaf.grad.dtype == dtype

@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
+import attnres_lens.analysis.run as run_module
 from attnres_lens import HookedTransformer
 from attnres_lens.analysis import (
     angular_distance_matrix,
@@ -26,7 +27,6 @@ from attnres_lens.analysis import (
 )
 from attnres_lens.analysis.interventions import evaluate, evaluate_many
 from attnres_lens.analysis.pruning import removable_within, removal_orders, residual_states
-import attnres_lens.analysis.run as run_module
 from attnres_lens.analysis.run import prune_tables
 from attnres_lens.cli import main as cli_main
 
@@ -34,7 +34,8 @@ from .helpers import block_sources, copy_batch, depth_mix_float64, randomize_dep
 
 
 def reference_logits_after_removal(model: HookedTransformer, tokens: torch.Tensor, removed: set[int]) -> torch.Tensor:
-    """The removal rule (docs/analysis.md §6), re-derived in float64 from the block definitions (not the model's bookkeeping).
+    """The removal rule (docs/analysis.md §6), re-derived in float64 from the block definitions (not the model's
+    bookkeeping).
 
     Removed outputs are zero, so every sum drops them; an AttnRes source all of whose members are removed is
     left out of the softmax. Membership comes from `block_sources` run on bit masks instead of tensors.

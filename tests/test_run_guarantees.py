@@ -144,7 +144,8 @@ def test_a_non_finite_checkpoint_is_never_saved(tmp_path):
 
 
 def test_float16_training_on_the_cpu_is_refused_up_front(tmp_path, capsys):
-    err = cli_error(capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "fp16"), "--set", "model.dtype=float16")
+    err = cli_error(capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "fp16"),
+                    "--set", "model.dtype=float16")
     assert "float16 is not supported for training on the CPU" in err
 
 
@@ -237,7 +238,8 @@ def test_checkpoint_metadata_is_checked_before_anything_is_built(smoke_run, tmp_
 
     run = copy_run(smoke_run, tmp_path, "relu")
     relu = json.loads(meta["model_config"]) | {"act_fn": "relu"}
-    atomic_save_safetensors(RunDir(run).weights_path("step_0000040"), tensors, {**meta, "model_config": json.dumps(relu)})
+    atomic_save_safetensors(RunDir(run).weights_path("step_0000040"), tensors,
+                            {**meta, "model_config": json.dumps(relu)})
     with pytest.raises(RunDirError, match="act_fn: checkpoint 'relu', config.json 'gelu'"):
         load_run(run)
 
@@ -269,7 +271,8 @@ def test_loading_a_run_stays_clear_of_torch_dynamo_and_sympy(smoke_run):
     """The shape check builds each preset's model on the meta device; a Python decomposition or a meta `randn`
     there would import torch._dynamo or sympy, 1.4 s and 0.5 s of every command (a fresh process: other tests
     import them)."""
-    out = subprocess.run([sys.executable, "-c", _DYNAMO_PROBE, str(smoke_run)], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", _DYNAMO_PROBE, str(smoke_run)], capture_output=True, text=True,
+                         check=True)
     assert out.stdout.split()[-2:] == ["False", "False"]
 
 

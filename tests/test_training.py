@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from attnres_lens import RunDirError, load_run
-from attnres_lens.cli import main as cli_main
 from attnres_lens.analysis.interventions import evaluate
+from attnres_lens.cli import main as cli_main
 from attnres_lens.config import RunConfig, apply_overrides
 from attnres_lens.evaluation import evaluate_model
 from attnres_lens.presets import PRESETS, get_preset
@@ -81,7 +81,8 @@ def test_recorded_magnitudes_match_a_direct_computation(smoke_run):
     row = recorded[(recorded["step"] == 40) & (recorded["label"] == "L1.mlp")].iloc[0]
     mlp_out = cache["mlp_out", 1].double()
     assert row["output_rms"] == pytest.approx(mlp_out.pow(2).mean(-1).sqrt().mean().item(), rel=1e-4)
-    assert row["input_rms"] == pytest.approx(cache["resid_mid", 1].double().pow(2).mean(-1).sqrt().mean().item(), rel=1e-4)
+    input_rms = cache["resid_mid", 1].double().pow(2).mean(-1).sqrt().mean().item()
+    assert row["input_rms"] == pytest.approx(input_rms, rel=1e-4)
 
 
 def test_prefix_matching_score_on_a_hand_made_pattern():
@@ -213,8 +214,10 @@ def test_cli_presets_and_bad_input(capsys, tmp_path):
         assert name in listed and name in PRESETS
     cases = [
         (["--preset", "nope", "--out", str(tmp_path / "a")], "unknown preset 'nope'"),
-        (["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "model.n_layerz=2"], "unknown model field 'n_layerz'"),
-        (["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "model.residual=sideways"], "residual must be one of"),
+        (["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "model.n_layerz=2"],
+         "unknown model field 'n_layerz'"),
+        (["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "model.residual=sideways"],
+         "residual must be one of"),
         (["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "train.lr=-1"], "train.lr must be a number > 0"),
         (["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "task.min_len=1"], "min_len must be >= 2"),
         (["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "seed=3"], "write section.seed"),
