@@ -34,8 +34,12 @@ def _restore_torch_threads():
 
 
 def _fingerprint(root: Path) -> dict[str, str]:
+    """Every file's hash, but the writer lock's: a command refused on the run still takes the lock and writes its
+    own name into it (docs/run_directory.md), by design."""
+    from attnres_lens.rundir import RunDir
+
     return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(root.rglob("*")) if path.is_file()}
+            for path in sorted(root.rglob("*")) if path.is_file() and path.name != RunDir.LOCK}
 
 
 @pytest.fixture(scope="session")

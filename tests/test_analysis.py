@@ -163,6 +163,7 @@ def induction_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_prefix_score_and_tl_detect_head_agree_in_ranking_on_a_trained_run(induction_run):
     model = load_run(induction_run).model
     probe = repeated_batch(32, half_len=15, vocab_size=24, seed=3)  # random repeats, duplicates allowed

@@ -498,6 +498,7 @@ ATTRIBUTION_TABLES = ("depth_dla", "depth_dla_summary", "depth_inputs", "logit_l
                       "routing_audit_pairs", "routing_audit_consumers", "kv_shift", "timeline", "timeline_changes")
 
 
+@pytest.mark.slow
 def test_attribute_command_writes_tables_and_one_offline_report(smoke_run, tmp_path, capsys):
     out = tmp_path / "attribution"
     code, stdout, _ = run_cli(["attribute", str(smoke_run), "--samples", "3", "--prompt", "0 3 5 7 3 5",
@@ -515,6 +516,7 @@ def test_attribute_command_writes_tables_and_one_offline_report(smoke_run, tmp_p
     assert report.count('class="plotly-graph-div"') == 9
 
 
+@pytest.mark.slow
 def test_attribute_command_reports_an_undefined_within_consumer_spearman(tmp_path, capsys):
     """Two layers in one block of four: no consumer reads three sources, so the within-consumer Spearman is
     undefined (None in the JSON summary): the report says n/a instead of failing to format it."""

@@ -27,6 +27,7 @@ def test_block_step_benchmark_dry_run():
     assert rows["standard"].rstrip(" |").endswith("1.000")
 
 
+@pytest.mark.slow
 def test_compile_benchmark_runs_fullgraph_on_a_tiny_model():
     lines = load("bench_compile").main(["--tiny", "--repeats", "2", "--backend", "aot_eager",
                                         "--variants", "standard", "full [cpu kernel]"])
@@ -34,6 +35,7 @@ def test_compile_benchmark_runs_fullgraph_on_a_tiny_model():
     assert [row.split("|")[1].strip() for row in rows] == ["standard", "full [cpu kernel]"]
 
 
+@pytest.mark.slow
 def test_depth_scaling_benchmark_on_tiny_models():
     lines = load("bench_depth_scaling").main(["--depths", "2", "4", "--contexts", "8", "--n-ctx", "16",
                                               "--d-model", "16", "--batch", "2", "--repeats", "1"])
@@ -148,6 +150,7 @@ def test_inference_benchmark_reports_every_variant(monkeypatch):
                                                      ("1 x 600 x 1 x 32", "19200", "SDPA")]
 
 
+@pytest.mark.slow
 def test_cpu_kernels_benchmark_on_tiny_shapes():
     from attnres_lens.kernels import cpu_fused
 
@@ -163,7 +166,8 @@ def test_cpu_kernels_benchmark_on_tiny_shapes():
     assert threads == [["tiny", "full"], ["tiny", "block4"],  # the pthread build against the OpenMP pool
                        *(["tiny", name] for name in ("standard", "standard+kv_shift", "full", "block4")),  # elementwise
                        *(["tiny", name] for name in ("standard", "standard+kv_shift", "full", "block2", "block4"))]
-    kept = [[cell.strip() for cell in line.split("|")[1:3]] for line in lines if line.startswith("| tiny, 1 thread(s) |")]
+    kept = [[cell.strip() for cell in line.split("|")[1:3]] for line in lines
+            if line.startswith("| tiny, 1 thread(s) |")]
     assert kept == [["tiny, 1 thread(s)", name] for name in ("standard", "full", "block2", "block4")]  # h kept or not
     from attnres_lens import attnres
     assert attnres.fused_mix_and_norm is cpu_fused.fused_mix_and_norm  # the shipped mix, restored
@@ -175,6 +179,7 @@ def test_cpu_kernels_benchmark_on_tiny_shapes():
     assert (cpu_fused.ARCH_FLAGS, cpu_fused.cpu_library, os.environ.get(cpu_fused.CACHE_ENV_VAR)) == shipped
 
 
+@pytest.mark.slow
 def test_prune_baseline_benchmark_alternates_two_trees(tmp_path):
     """Against HEAD itself on a one-layer model: both trees run, the worktree is removed afterwards."""
     import subprocess
@@ -194,6 +199,7 @@ def test_prune_baseline_benchmark_alternates_two_trees(tmp_path):
     assert worktrees() == before  # the baseline's worktree is removed
 
 
+@pytest.mark.slow
 def test_step_baseline_benchmark_alternates_two_trees(tmp_path):
     """Against HEAD itself on a one-layer model: each tree's process steps every variant, each gets a ratio per
     process from both trees, and the worktree is removed afterwards."""
@@ -217,6 +223,7 @@ def test_step_baseline_benchmark_alternates_two_trees(tmp_path):
     assert (tmp_path / "r.md").exists() and worktrees() == before
 
 
+@pytest.mark.slow
 def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     module = load("profile_cpu_step")
     monkeypatch.setitem(module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=16, batch=2))
@@ -403,6 +410,7 @@ def test_page_fault_benchmark_reports_each_variant_and_setting(monkeypatch):
     assert all(float(row[4]) > 0 and float(row[5]) > 0 for row in rows)  # step times
 
 
+@pytest.mark.slow
 def test_stack_size_benchmark_on_a_tiny_model():
     from attnres_lens.analysis import interventions
     from attnres_lens.attnres import DepthStream
@@ -419,9 +427,11 @@ def test_stack_size_benchmark_on_a_tiny_model():
     assert (interventions.evaluate_many.__wrapped__.__defaults__, DepthStream.stacked_from) == shipped  # restored
 
 
+@pytest.mark.slow
 def test_cold_mix_benchmark_times_every_build_warm_and_cold():
-    from attnres_lens.kernels import cpu_fused
     import torch
+
+    from attnres_lens.kernels import cpu_fused
 
     module = load("bench_cold_mix")
     shipped = (cpu_fused.ARCH_FLAGS, cpu_fused.SOURCE, cpu_fused.cpu_library, os.environ.get(cpu_fused.CACHE_ENV_VAR))

@@ -39,6 +39,7 @@ def loss_and_grads(model: HookedTransformer, loss_fn, tokens: torch.Tensor):
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow  # one trace of forward and backward per variant: seconds each
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_a_training_step_compiles_into_one_graph(name):
     overrides = dict(VARIANTS[name])

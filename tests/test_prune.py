@@ -326,6 +326,7 @@ def two_threads():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork_routing forks (Linux)")
+@pytest.mark.slow
 def test_the_routing_table_computed_in_a_forked_process_is_the_same(two_threads, monkeypatch):
     """`fork_routing` computes causal routing in a forked child with half the threads while this process computes
     the other tables with the rest: every table equals the one-process run's, the thread count is restored, and

@@ -267,6 +267,7 @@ def test_the_shape_check_allocates_nothing_for_an_absurd_context_length():
     assert shapes["embed.W_E"] == (cfg.d_vocab, cfg.d_model)
 
 
+@pytest.mark.slow
 def test_loading_a_run_stays_clear_of_torch_dynamo_and_sympy(smoke_run):
     """The shape check builds each preset's model on the meta device; a Python decomposition or a meta `randn`
     there would import torch._dynamo or sympy, 1.4 s and 0.5 s of every command (a fresh process: other tests
@@ -303,6 +304,7 @@ def test_every_run_file_is_world_readable(smoke_run):
             assert stat.S_IMODE(path.stat().st_mode) & 0o044 == 0o044, path
 
 
+@pytest.mark.slow
 def test_resume_can_start_from_an_earlier_checkpoint(tmp_path, capsys):
     reference = tmp_path / "reference"
     config = apply_overrides(get_preset("smoke"), ["train.steps=60", "train.keep_checkpoints=3"])
@@ -386,6 +388,7 @@ def metric_lines(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_resume_between_log_lines_logs_the_same_mean_loss_and_evaluations_keep_their_cadence(tmp_path,
                                                                                                 monkeypatch):
     """Checkpoints every 7 steps, log lines every 5: a checkpoint carries the losses since the last line, so the
@@ -408,6 +411,7 @@ def test_a_resume_between_log_lines_logs_the_same_mean_loss_and_evaluations_keep
             assert after[key] == pytest.approx(before[key], rel=1e-9), (before["step"], key)
 
 
+@pytest.mark.slow
 def test_a_resume_from_an_earlier_checkpoint_forgets_the_later_branch(tmp_path, monkeypatch):
     config = apply_overrides(get_preset("smoke"), ["train.steps=40", "train.checkpoint_every=10",
                                                    "train.keep_checkpoints=5"])

@@ -104,6 +104,7 @@ def test_load_run_restores_the_trained_model(smoke_run):
     assert load_run(smoke_run, checkpoint=20).checkpoint == "step_0000020"  # kept: keep_checkpoints = 2
 
 
+@pytest.mark.slow
 def test_resume_after_a_crash_continues_the_same_loss_curve(tmp_path, monkeypatch):
     reference = tmp_path / "reference"
     train(smoke(), reference, progress=False)
@@ -130,6 +131,7 @@ def test_resume_after_a_crash_continues_the_same_loss_curve(tmp_path, monkeypatc
     assert not records.duplicated(["step", "consumer", "source"]).any()
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill(tmp_path):
     out = tmp_path / "killed"
     # Same config for both runs (the lr schedule depends on the step budget); big batches slow each step
@@ -155,6 +157,7 @@ def test_resume_after_sigkill(tmp_path):
     assert all(got[s] == pytest.approx(expected[s], rel=1e-6, abs=1e-7) for s in expected)
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
     out = tmp_path / "nan"
     trainer = Trainer(smoke(), out, progress=False)
@@ -306,6 +309,7 @@ def test_resume_refuses_a_complete_run_or_a_smaller_budget_without_touching_it(s
     assert (smoke_run / "config.json").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_ctrl_c_says_where_to_resume(tmp_path, monkeypatch, capsys):
     original = Trainer._train_step
 
