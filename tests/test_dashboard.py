@@ -20,7 +20,6 @@ DEMO_RUNS = REPO_ROOT / "data" / "demo_runs"
 PAGES = ["views/runs.py", "views/depth_attention.py", "views/depth_mixing.py", "views/training_dynamics.py",
          "views/induction.py", "views/pruning.py", "views/attribution.py"]
 
-pytestmark = pytest.mark.slow
 if not (DEMO_RUNS / "induction-1l-kvshift" / "config.json").is_file():
     pytest.skip(f"demo runs missing in {DEMO_RUNS}: run `make demo` or `python apps/make_demo_runs.py`",
                 allow_module_level=True)
@@ -45,7 +44,9 @@ def chart_specs(app: AppTest) -> list[dict]:
     return [json.loads(chart.proto.spec) for chart in app.get("plotly_chart")]
 
 
-@pytest.mark.parametrize("page", PAGES)
+# Each page takes seconds under AppTest: the fast lane (make test-fast) renders the runs page alone.
+@pytest.mark.parametrize("page", [pytest.param(page, marks=() if page == "views/runs.py" else pytest.mark.slow)
+                                  for page in PAGES])
 def test_every_page_renders_on_the_demo_runs(page):
     app = open_page(page)
     assert_clean(app)
@@ -53,6 +54,7 @@ def test_every_page_renders_on_the_demo_runs(page):
         assert chart_specs(app), f"{page} drew no chart"
 
 
+@pytest.mark.slow
 def test_runs_page_lists_runs_and_keeps_the_selection_across_pages():
     app = open_page("views/runs.py")
     assert len(app.dataframe[0].value) >= 6
@@ -64,6 +66,7 @@ def test_runs_page_lists_runs_and_keeps_the_selection_across_pages():
     assert app.multiselect(key="depth-runs").value == [full]
 
 
+@pytest.mark.slow
 def test_the_sidebar_names_the_runs_every_page_shows():
     """One selection state: with nothing picked, a page's default runs become the selection the sidebar reports,
     and a pick on any page is what the next page shows."""
@@ -80,6 +83,7 @@ def test_the_sidebar_names_the_runs_every_page_shows():
     assert "depth-block-6l" in " ".join(element.value for element in app.sidebar.caption)
 
 
+@pytest.mark.slow
 def test_depth_mixing_page_scrubs_through_training():
     app = open_page("views/depth_mixing.py")
     app.multiselect(key="mixing-runs").set_value([str(DEMO_RUNS / "depth-full-6l")]).run()
@@ -94,6 +98,7 @@ def test_depth_mixing_page_scrubs_through_training():
     assert "M (step_" in chart_specs(app)[0]["layout"]["title"]["text"]  # the checkpoint the model came from
 
 
+@pytest.mark.slow
 def test_step_slider_changes_the_depth_heatmap():
     app = open_page("views/depth_attention.py")
     slider = app.select_slider(key="depth-step")
@@ -107,6 +112,7 @@ def test_step_slider_changes_the_depth_heatmap():
     assert "step 0" in chart_specs(app)[0]["layout"]["title"]["text"]
 
 
+@pytest.mark.slow
 def test_per_token_view_rejects_bad_token_ids_with_a_message():
     app = open_page("views/depth_attention.py")
     app.radio(key="depth-token-input-source").set_value("token ids I type").run()
@@ -115,6 +121,7 @@ def test_per_token_view_rejects_bad_token_ids_with_a_message():
     assert any("out of range" in element.value for element in app.error)
 
 
+@pytest.mark.slow
 def test_live_induction_scores_and_pruning_report_compute():
     app = open_page("views/induction.py")
     run = str(DEMO_RUNS / "induction-1l-kvshift")
@@ -131,6 +138,7 @@ def test_live_induction_scores_and_pruning_report_compute():
     assert app.get("iframe") or app.get("html"), "the pruning report was not shown"
 
 
+@pytest.mark.slow
 def test_attribution_page_computes_and_toggles_the_edge_path():
     app = open_page("views/attribution.py")
     app.selectbox(key="attribution-run").set_value(str(DEMO_RUNS / "depth-full-6l")).run()
@@ -145,10 +153,12 @@ def test_attribution_page_computes_and_toggles_the_edge_path():
     total = next(spec for spec in chart_specs(app) if spec["layout"]["title"]["text"].startswith("Edge attribution ("))
     app.radio(key="attribution-edge-path").set_value("routing_path").run()
     assert_clean(app)
-    routing = next(spec for spec in chart_specs(app) if spec["layout"]["title"]["text"].startswith("Edge attribution ("))
+    routing = next(spec for spec in chart_specs(app)
+                   if spec["layout"]["title"]["text"].startswith("Edge attribution ("))
     assert "routing path" in routing["layout"]["title"]["text"] and routing["data"][0]["z"] != total["data"][0]["z"]
 
 
+@pytest.mark.slow
 def test_broken_run_directories_show_messages_not_tracebacks(tmp_path):
     shutil.copytree(DEMO_RUNS / "induction-1l-kvshift", tmp_path / "good")
     (tmp_path / "empty").mkdir()
@@ -171,6 +181,7 @@ def test_broken_run_directories_show_messages_not_tracebacks(tmp_path):
     assert any("corrupt or truncated" in element.value for element in app.error)
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_index_is_a_message_on_every_page(tmp_path):
     run = tmp_path / "damaged"
     shutil.copytree(DEMO_RUNS / "depth-full-6l", run)
@@ -183,6 +194,7 @@ def test_a_damaged_checkpoint_index_is_a_message_on_every_page(tmp_path):
         assert not app.exception, (page, [element.value for element in app.exception])
 
 
+@pytest.mark.slow
 def test_every_residual_kind_renders_every_page(tmp_path):
     """DenseFormer, mHC and an AttnRes ablation (tiny runs trained here) on every page, with the kind in the table."""
     from attnres_lens.config import apply_overrides
@@ -204,6 +216,7 @@ def test_every_residual_kind_renders_every_page(tmp_path):
             assert not app.error, (run, page, [element.value for element in app.error])
 
 
+@pytest.mark.slow
 def test_a_run_that_has_only_started_renders_every_page(tmp_path):
     """config.json written, no metrics, records or checkpoints yet: messages, never a traceback."""
     (tmp_path / "started").mkdir()
@@ -216,6 +229,7 @@ def test_a_run_that_has_only_started_renders_every_page(tmp_path):
         assert not app.error, (page, [element.value for element in app.error])
 
 
+@pytest.mark.slow
 def test_models_keep_no_hooks_after_the_pages_ran():
     """Cached models are shared by all sessions: every forward pass must remove the hooks it added."""
     from attnres_lens import HookedTransformer
@@ -230,6 +244,7 @@ def test_models_keep_no_hooks_after_the_pages_ran():
             assert not hook_point._forward_hooks and not hook_point._backward_hooks, hook_point.name
 
 
+@pytest.mark.slow
 def test_pages_without_a_run_to_show_say_so(tmp_path):
     (tmp_path / "empty").mkdir()
     for page in PAGES[1:]:
@@ -239,6 +254,7 @@ def test_pages_without_a_run_to_show_say_so(tmp_path):
         assert any(expected in info.value for info in app.info), (page, [info.value for info in app.info])
 
 
+@pytest.mark.slow
 def test_pages_score_what_the_commands_score_and_draw_recorded_mixing_without_a_model(tmp_path):
     """A run whose task seed is not 0: the Induction page's scores at a checkpoint are `analyze`'s (the same probe,
     `task_probe`; the page once drew its probe from seed 0). A run without checkpoints still shows its recorded M.
@@ -285,6 +301,7 @@ def test_pages_score_what_the_commands_score_and_draw_recorded_mixing_without_a_
     assert trace.zmid == 0 and trace.zmin == -trace.zmax and trace.zmax >= 0.5
 
 
+@pytest.mark.slow
 def test_on_demand_results_keep_only_the_most_recently_shown(monkeypatch):
     """A pruning result holds its HTML report: the store keeps COMPUTED_KEEP results, the least recently shown
     going first, instead of every one for the server's life (a run still training makes a new key per line)."""
