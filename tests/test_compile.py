@@ -65,6 +65,7 @@ def test_a_training_step_compiles_into_one_graph(name):
         torch.testing.assert_close(grads[key], expected_grads[key], rtol=0, atol=bound, msg=key)
 
 
+@pytest.mark.slow
 def test_compiled_token_range_check_still_fires():
     model = HookedTransformer(small_config("attnres", 1, n_layers=1))
     torch._dynamo.reset()

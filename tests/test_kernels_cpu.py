@@ -77,6 +77,7 @@ def test_the_kernel_threads_are_torchs_openmp_pool():
 
 
 @pytest.mark.parametrize("n_tokens", [5, 97])
+@pytest.mark.slow
 def test_the_pthread_build_splits_rows_as_the_openmp_build(many_threads, tmp_path, monkeypatch, n_tokens):
     """A compiler without OpenMP builds the pthread form of the split: the same ranges and the same per-thread
     sums reduced in the same order, so forward and backward equal the OpenMP build's bit for bit (and float64)."""
@@ -107,6 +108,7 @@ def test_the_pthread_build_splits_rows_as_the_openmp_build(many_threads, tmp_pat
     assert torch.equal(cpu_fused.causal_attention_cpu(q, k, v, 0.25), results["attention"])
 
 
+@pytest.mark.slow
 def test_the_forward_reads_a_tile_in_either_order_to_the_same_bits(tmp_path, monkeypatch):
     """Below GROUPED_FORWARD_MIN_SOURCES the forward reads a tile token row by token row, from it on source group
     by source group (cpu_fused.c): a build that reads by groups at every source count gives the shipped build's
@@ -180,6 +182,7 @@ def test_failed_build_reports_the_compiler_output(tmp_path):
     assert not list((tmp_path / "cache").glob("*.so")), "a failed build must not leave a library behind"
 
 
+@pytest.mark.slow
 def test_library_is_cached_per_element_type(tmp_path, monkeypatch):
     monkeypatch.setenv(cpu_fused.CACHE_ENV_VAR, str(tmp_path))
     cpu_fused._library.cache_clear()
@@ -197,6 +200,7 @@ def test_library_is_cached_per_element_type(tmp_path, monkeypatch):
         cpu_fused._library.cache_clear()
 
 
+@pytest.mark.slow
 def test_damaged_cached_library_is_rebuilt(tmp_path):
     # fresh interpreters: dlopen hands a process the library it already loaded from a path, whatever the file holds
     first = _run_in_fresh_process(tmp_path, os.environ.get("CC") or "cc", "cpu")
@@ -953,6 +957,7 @@ def test_the_kernel_folds_the_query_as_torch_does(dtype, width):
     assert not torch.equal(taken[1], taken[2])  # dw = du * g and dg = du * w, not one product twice
 
 
+@pytest.mark.slow
 def test_sums_added_in_place_equal_each_threads_own_sums(many_threads, tmp_path, monkeypatch):
     """Each thread adds its parameter-gradient sums in pages of its own and copies them out once; where those pages
     cannot be had it adds in place, in the caller's [threads, D] block (the build with -DSHARED_THREAD_SUMS takes
@@ -1165,6 +1170,7 @@ def test_a_model_shares_source_gradients_only_where_nothing_can_see_them(block_s
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_the_portable_build_and_the_vector_sums_agree_with_float64(tmp_path, monkeypatch):
     """The float library built without -march=native (the fallback for compilers that reject it) runs the C
     file's portable loops, the default build its AVX2 vector sums where the processor has them: in each, one mix
