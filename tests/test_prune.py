@@ -19,13 +19,14 @@ from attnres_lens.analysis import (
     angular_distance_matrix,
     causal_routing,
     cumulative_pruning,
+    evaluate,
+    evaluate_many,
     pruning_sensitivity,
     removal_hooks,
     routing_correlations,
     routing_disagreements,
     source_mask_hooks,
 )
-from attnres_lens.analysis.interventions import evaluate, evaluate_many
 from attnres_lens.analysis.pruning import removable_within, removal_orders, residual_states
 from attnres_lens.analysis.run import prune_tables
 from attnres_lens.cli import main as cli_main
