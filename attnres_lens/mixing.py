@@ -65,7 +65,7 @@ def mixing_coefficients(model, tokens: Optional[torch.Tensor] = None, per_group:
     cfg = model.cfg
     n = cfg.n_sublayers + 1
     residual = cfg.residual
-    if residual in ("attnres", "hyper"):
+    if residual in ("attnres", "mhc"):
         if tokens is None:
             raise ValueError(f"the mixing weights of residual={residual!r} depend on the input: pass tokens")
         tokens = model.to_tokens(tokens)
@@ -80,7 +80,7 @@ def mixing_coefficients(model, tokens: Optional[torch.Tensor] = None, per_group:
         return _denseformer(model).expand(*shape, n, n).clone()
     if residual == "attnres":
         return _attnres(model, tokens, n)
-    return _hyper(model, tokens, n)
+    return _mhc(model, tokens, n)
 
 
 def _attnres(model, tokens: torch.Tensor, n: int, per_group: bool = False) -> torch.Tensor:
@@ -118,13 +118,13 @@ def _denseformer(model) -> torch.Tensor:
     return coefficients
 
 
-def _hyper(model, tokens: torch.Tensor, n: int) -> torch.Tensor:
+def _mhc(model, tokens: torch.Tensor, n: int) -> torch.Tensor:
     modules = model.mixer_modules()
     names = [module.hook_read_weights.name for module in modules.values()]
     names += [name for module in list(modules.values())[:-1]
               for name in (module.hook_write_weights.name, module.hook_stream_mix.name)]
     saved = _capture(model, tokens, names)
-    n_streams = model.cfg.hyper_streams
+    n_streams = model.cfg.mhc_streams
     streams = torch.zeros(*tokens.shape, n_streams, n, **_like(model))  # each stream's coefficients
     streams[..., 0] = 1.0  # every stream starts as the embedding
     coefficients = torch.zeros(*tokens.shape, n, n, **_like(model))
@@ -142,8 +142,8 @@ def _hyper(model, tokens: torch.Tensor, n: int) -> torch.Tensor:
 def stream_dominance(model, tokens: torch.Tensor) -> dict[int, float]:
     """mHC only: per consumer, the token-averaged share of its read weight on its most-read stream
     (1/n when it reads the streams evenly, 1 when it reads one)."""
-    if model.cfg.residual != "hyper":
-        raise ValueError(f"stream dominance is defined for residual='hyper', got {model.cfg.residual!r}")
+    if model.cfg.residual != "mhc":
+        raise ValueError(f"stream dominance is defined for residual='mhc', got {model.cfg.residual!r}")
     modules = model.mixer_modules()
     saved = _capture(model, model.to_tokens(tokens), [module.hook_read_weights.name for module in modules.values()])
     out = {}

@@ -38,7 +38,7 @@ def _depth(residual: str, block_size: int = 1, **options: Any) -> RunConfig:
 DEPTH_MIXING_VARIANTS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
     "depth-standard": ("standard residual (PreNorm)", "standard", 1, {}),
     "depth-denseformer": ("DenseFormer: depth-weighted average after every block", "denseformer", 1, {}),
-    "depth-hyper": ("mHC hyper-connections, 4 streams", "hyper", 1, {}),
+    "depth-mhc": ("mHC (manifold-constrained hyper-connections), 4 streams", "mhc", 1, {}),
     "depth-full": ("Full AttnRes (S = 1)", "attnres", 1, {}),
     "depth-block": ("Block AttnRes (S = 4: two layers per block)", "attnres", 4, {}),
     "depth-full-sigmoid": ("Full AttnRes, sigmoid instead of softmax", "attnres", 1, {"attnres_score": "sigmoid"}),
@@ -75,7 +75,14 @@ PRESETS: dict[str, tuple[str, Any]] = {
 }
 
 
+# Presets earlier versions named otherwise: old name -> today's (docs/run_directory.md §2, compatibility).
+RENAMED_PRESETS = {"depth-hyper": "depth-mhc"}
+
+
 def get_preset(name: str) -> RunConfig:
+    """A fresh copy of the preset `name`, its `preset` field set so the run records where it came from."""
+    if name in RENAMED_PRESETS:
+        raise ValueError(f"preset {name!r} was renamed {RENAMED_PRESETS[name]!r}; use --preset {RENAMED_PRESETS[name]}")
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} (list them with `attnres-lens presets`)")
     config = PRESETS[name][1]()
