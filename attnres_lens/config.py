@@ -363,6 +363,9 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass
 class TrainConfig:
+    """How a run trains: optimiser, schedule, evaluation, recording and checkpoint cadence (config.json's `train`).
+    Checked on construction, so a bad value fails before a run starts, naming the field."""
+
     steps: int = 1000
     batch_size: int = 32
     lr: float = 3e-3
@@ -379,9 +382,8 @@ class TrainConfig:
     keep_checkpoints: int = 2  # the last K are kept, plus the best by eval loss
     log_every: int = 10
     device: str = "auto"
-    # torch threads on CPU; 0 = torch's default (one per core). Measured on 2 cores, one training process runs
-    # 1.4-1.6x faster with 2 threads than with 1 (analyses/reports/bench_cpu_step.md); give each process
-    # 1 thread when several train side by side, as the reproductions do.
+    # torch threads on CPU; 0 = torch's default (one per core), the fastest for a single run; give each process
+    # 1 thread when several train side by side, as the reproductions do (docs/kernels.md §11).
     threads: int = 0
     seed: int = 0
 
@@ -423,6 +425,9 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
+    """What config.json holds: model, task and train sections (and where an imported model came from). It fully
+    determines a run, so resuming or reloading one rebuilds the same model and task (docs/run_directory.md §2)."""
+
     model: ModelConfig
     task: dict[str, Any]  # {"name": ..., **task parameters}
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -451,6 +456,8 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        """Inverse of `to_dict`, strict (unknown train fields are errors); the model section goes through
+        `ModelConfig.from_stored`, which reads what earlier versions wrote."""
         for section in ("model", "task", "train"):
             if not isinstance(data.get(section), dict):
                 raise ValueError(f"a run config needs a '{section}' object, got {data.get(section)!r}")

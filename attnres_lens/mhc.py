@@ -27,6 +27,8 @@ from attnres_lens.streams import ResidualStream
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation without a gain, as DeepSeek V4 normalises the flattened streams: the linear map after it
+    (`fn`) has its own scale, so a gain would only duplicate it."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
@@ -86,6 +88,7 @@ class MHCHead(nn.Module):
         self.hook_read_weights = HookPoint()  # [batch, pos, n]
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        """The final norm's input [batch, pos, d] from streams [batch, pos, n, d], weighted by the head's reads."""
         dtype = _compute_dtype(streams)
         flat = unweighted_rms_norm(streams.flatten(-2).to(dtype), self.norm_eps)
         pre = torch.sigmoid(F.linear(flat, self.hc_fn.to(dtype)) * self.hc_scale.to(dtype) + self.hc_base.to(dtype))

@@ -14,15 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformer_lens import ActivationCache, HookedRootModule
 from transformer_lens.hook_points import HookPoint
-
 from transformer_lens.utilities import get_act_name
 
 from attnres_lens.attnres import EMBEDDING, DepthAttention, DepthStream, source_layout
 from attnres_lens.components import MLP, Attention, Embed, PosEmbed, RMSNorm, Unembed
 from attnres_lens.config import ModelConfig
 from attnres_lens.denseformer import DenseStream, DepthWeightedAverage
-from attnres_lens.mhc import MHCConnection, MHCHead, MHCStream
 from attnres_lens.kernels.backends import model_runs_two_phase
+from attnres_lens.mhc import MHCConnection, MHCHead, MHCStream
 from attnres_lens.streams import ResidualStream, SumStream
 
 TokensLike = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], str]
@@ -234,7 +233,8 @@ class HookedTransformer(HookedRootModule):
         modules = self.depth_attention_modules()
         return [modules[consumer] for consumer in sorted(modules)]
 
-    def run_with_cache(self, *model_args: Any, remove_batch_dim: bool = False, **kwargs: Any):
+    def run_with_cache(self, *model_args: Any, remove_batch_dim: bool = False, **kwargs: Any
+                       ) -> tuple[Any, DepthActivationCache]:
         """Like TL's, but the cache is a `transformer_lens.ActivationCache` (`DepthActivationCache`), so
         `cache["pattern", l]` works, and its residual-stream helpers refuse AttnRes models instead of misreading them."""
         if model_args and not isinstance(model_args[0], torch.Tensor):
@@ -411,8 +411,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999)
           ) -> torch.optim.AdamW:
     """AdamW over `param_groups`, fused (one kernel call for all tensors) on the CPU and CUDA. PyTorch's default
-    on the CPU is a Python loop of ~8 ops per parameter tensor: 6.0 ms of optimizer time per step of a 4-layer
-    model against 2.2 ms fused, and AttnRes adds two tensors per sublayer (docs/kernels.md §11)."""
+    on the CPU is a Python loop of several ops per parameter tensor, and AttnRes adds two tensors per sublayer
+    (docs/kernels.md §11 has the timings)."""
     first = next((p for p in model.parameters() if p.requires_grad), None)
     if first is None:
         raise ValueError(f"adamw needs a model with trainable parameters; {type(model).__name__} has none "

@@ -285,7 +285,8 @@ def test_mixing_matrix_of_each_kind_at_initialisation():
     tokens = tokens_for(model_of())
     standard = depth_mixing_matrix(model_of(), tokens)
     assert (standard["weight"] == 1.0).all()
-    assert depth_mixing_matrix(model_of(residual="denseformer"), tokens)["weight"].tolist() == standard["weight"].tolist()
+    dense = depth_mixing_matrix(model_of(residual="denseformer"), tokens)
+    assert dense["weight"].tolist() == standard["weight"].tolist()
     mhc = mixing_diagnostics(model_of(residual="mhc"), tokens)
     assert ((mhc["stream_dominance"] > 0.25) & (mhc["stream_dominance"] < 1)).all()
     full = mixing_diagnostics(model_of(residual="attnres"), tokens)  # uniform α: every earlier output read equally
@@ -450,7 +451,8 @@ def test_attribute_runs_on_an_attnres_option_and_analysis_out_is_never_a_run(tmp
     for inside in (run / "records", run / "checkpoints" / "new"):
         assert cli_main(["analyze", str(run), "--samples", "3", "--out", str(inside), "--no-progress"]) == 2
         assert "is inside the run directory" in capsys.readouterr().err
-    assert {path.name: path.read_bytes() for path in (run / "records").iterdir()} == records and not (run / "checkpoints" / "new").exists()
+    assert {path.name: path.read_bytes() for path in (run / "records").iterdir()} == records
+    assert not (run / "checkpoints" / "new").exists()
     assert cli_main(["analyze", str(run), "--samples", "3", "--out", str(run / "analysis" / "again"),
                      "--no-progress"]) == 0
     # another run's analysis folder would get this run's tables under that run's name
