@@ -267,7 +267,8 @@ class ModelConfig(TransformerLensConfig):
                 if new in data:
                     raise ValueError(f"the stored model config has both {old!r} and {new!r} (its new name); keep one")
                 data[new] = data.pop(old)
-        data["residual"] = RENAMED_RESIDUALS.get(data.get("residual"), data.get("residual", "standard"))
+        if isinstance(data.get("residual"), str) and data["residual"] in RENAMED_RESIDUALS:
+            data["residual"] = RENAMED_RESIDUALS[data["residual"]]
         for kind, fields in RESIDUAL_OWN_FIELDS.items():
             if data.get("residual", "standard") != kind:
                 data.update({name: default for name, default in fields.items() if name in data})
