@@ -25,7 +25,7 @@ from analyses.common import REPO, Job, command_line, emit_report, machine_info, 
 
 # The paper's Table 4 (16-layer model, validation loss; lower is better) for the variants that have a row there.
 PAPER_LOSS = {
-    "depth-standard": 1.766, "depth-denseformer": 1.767, "depth-hyper": 1.747, "depth-full": 1.737,
+    "depth-standard": 1.766, "depth-denseformer": 1.767, "depth-mhc": 1.747, "depth-full": 1.737,
     "depth-full-input-query": 1.731, "depth-full-scalar": 1.749, "depth-block": 1.746, "depth-full-sigmoid": 1.741,
     "depth-full-no-keynorm": 1.743, "depth-block-no-keynorm": 1.750, "depth-full-heads16": 1.752,
     "depth-full-window8": 1.764,

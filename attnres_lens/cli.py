@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Optional, Sequence
 
 # The dashboard lives in the source tree (apps/), next to the package: an editable install from a clone finds it.
@@ -15,6 +16,7 @@ DASHBOARD_APP = REPO_ROOT / "apps" / "app.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every `attnres-lens` command and its options; built without importing torch, so `--help` is instant."""
     parser = argparse.ArgumentParser(prog="attnres-lens", description="Train and inspect AttnRes / KV-shift models.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -90,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one command; returns the exit status (bad input is a one-line error, not a traceback)."""
     args = build_parser().parse_args(argv)
     if args.command == "dashboard":  # before the heavy imports: the dashboard process does its own
         return _dashboard(args)
@@ -226,7 +229,7 @@ def _fla(args: argparse.Namespace) -> int:
     return 0
 
 
-def _import_task(args: argparse.Namespace, interop) -> Optional[dict]:
+def _import_task(args: argparse.Namespace, interop: ModuleType) -> Optional[dict]:
     """The task section of an imported run: --task NAME or --tokens FILE at the model's vocabulary and context, with
     --set task.KEY=VALUE on top; None for the default (copy)."""
     if args.tokens_dtype and not args.tokens:

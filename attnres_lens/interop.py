@@ -28,6 +28,8 @@ from attnres_lens.config import DTYPES, ModelConfig
 from attnres_lens.rundir import atomic_save_safetensors, atomic_write_json
 
 if TYPE_CHECKING:
+    from fla.models import TransformerForCausalLM  # optional dependency: attnres_lens[fla]
+
     from attnres_lens.config import TrainConfig
     from attnres_lens.model import HookedTransformer
 
@@ -403,7 +405,8 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def to_fla(model: "HookedTransformer", dtype: Optional[torch.dtype] = None, template: Optional[Mapping[str, Any]] = None):
+def to_fla(model: "HookedTransformer", dtype: Optional[torch.dtype] = None,
+           template: Optional[Mapping[str, Any]] = None) -> "TransformerForCausalLM":
     """An FLA `TransformerForCausalLM` computing the same function as `model` (refuses what FLA cannot express)."""
     dtype = _torch_dtype(dtype)
     fla_config = fla_config_dict(model.cfg, template, dtype=dtype)

@@ -23,7 +23,8 @@ DEPTH_TRAIN = TrainConfig(steps=1500, batch_size=16, lr=3e-3, warmup_steps=100, 
 
 
 def _induction(n_layers: int, attention: str) -> RunConfig:
-    model = ModelConfig(d_model=64, n_heads=4, n_layers=n_layers, n_ctx=65, d_vocab=64, attn_only=True, attention=attention)
+    model = ModelConfig(d_model=64, n_heads=4, n_layers=n_layers, n_ctx=65, d_vocab=64, attn_only=True,
+                        attention=attention)
     return RunConfig(model, dict(INDUCTION_TASK), copy.deepcopy(INDUCTION_TRAIN))
 
 
@@ -38,7 +39,7 @@ def _depth(residual: str, block_size: int = 1, **options: Any) -> RunConfig:
 DEPTH_MIXING_VARIANTS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
     "depth-standard": ("standard residual (PreNorm)", "standard", 1, {}),
     "depth-denseformer": ("DenseFormer: depth-weighted average after every block", "denseformer", 1, {}),
-    "depth-hyper": ("mHC hyper-connections, 4 streams", "hyper", 1, {}),
+    "depth-mhc": ("mHC (manifold-constrained hyper-connections), 4 streams", "mhc", 1, {}),
     "depth-full": ("Full AttnRes (S = 1)", "attnres", 1, {}),
     "depth-block": ("Block AttnRes (S = 4: two layers per block)", "attnres", 4, {}),
     "depth-full-sigmoid": ("Full AttnRes, sigmoid instead of softmax", "attnres", 1, {"attnres_score": "sigmoid"}),
@@ -64,10 +65,14 @@ def _smoke() -> RunConfig:
 
 
 PRESETS: dict[str, tuple[str, Any]] = {
-    "induction-1l-vanilla": ("1-layer attention-only, standard attention, copy task (expected to fail)", lambda: _induction(1, "standard")),
-    "induction-2l-vanilla": ("2-layer attention-only, standard attention, copy task (late sharp transition)", lambda: _induction(2, "standard")),
-    "induction-1l-kvshift": ("1-layer attention-only, KV-shifting attention, copy task (solves it fast)", lambda: _induction(1, "kv_shift")),
-    "induction-2l-kvshift": ("2-layer attention-only, KV-shifting attention, copy task", lambda: _induction(2, "kv_shift")),
+    "induction-1l-vanilla": ("1-layer attention-only, standard attention, copy task (expected to fail)",
+                             lambda: _induction(1, "standard")),
+    "induction-2l-vanilla": ("2-layer attention-only, standard attention, copy task (late sharp transition)",
+                             lambda: _induction(2, "standard")),
+    "induction-1l-kvshift": ("1-layer attention-only, KV-shifting attention, copy task (solves it fast)",
+                             lambda: _induction(1, "kv_shift")),
+    "induction-2l-kvshift": ("2-layer attention-only, KV-shifting attention, copy task",
+                             lambda: _induction(2, "kv_shift")),
     **{name: (f"12-layer model with MLPs, {description}, mixed task",
               lambda residual=residual, block=block, options=options: _depth(residual, block, **options))
        for name, (description, residual, block, options) in DEPTH_MIXING_VARIANTS.items()},
@@ -75,9 +80,17 @@ PRESETS: dict[str, tuple[str, Any]] = {
 }
 
 
+# Presets earlier versions named otherwise: old name -> today's (docs/run_directory.md §2, compatibility).
+RENAMED_PRESETS = {"depth-hyper": "depth-mhc"}
+
+
 def get_preset(name: str) -> RunConfig:
+    """A fresh copy of the preset `name`, its `preset` field set so the run records where it came from."""
+    if name in RENAMED_PRESETS:
+        raise ValueError(f"preset {name!r} was renamed {RENAMED_PRESETS[name]!r}; use --preset {RENAMED_PRESETS[name]}")
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} (list them with `attnres-lens presets`)")
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} (list them with "
+                         "`attnres-lens presets`)")
     config = PRESETS[name][1]()
     config.preset = name
     return config

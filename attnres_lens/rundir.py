@@ -343,6 +343,7 @@ class RunDir:
         return config
 
     def read_index(self) -> CheckpointIndex:
+        """checkpoints/index.json, checked for its shape; an empty index before the run's first checkpoint."""
         if not self.index_path.is_file():
             return CheckpointIndex()
         try:

@@ -53,6 +53,9 @@ def distributed_context() -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------- the trainer
 class Trainer:
+    """One process's training of a run (one rank under torchrun): model, optimiser, data and recorder built from a
+    `RunConfig`; rank 0 writes the run directory. `train` and `resume` drive it."""
+
     def __init__(self, config: RunConfig, out_dir: Path, progress: bool = True):
         self.config = config
         self.out_dir = Path(out_dir)
@@ -99,6 +102,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ public
     def fit(self) -> None:
+        """Train from `self.step` to `train.steps`, logging, evaluating, recording and checkpointing at their
+        cadences; config.json is written first, so a resumed run records what it continued with."""
         cfg = self.config.train
         if self.rank == 0:
             self.run_dir.write_config(self.config)
@@ -232,6 +237,8 @@ class Trainer:
         return tensors, meta
 
     def load_training_state(self, name: str) -> None:
+        """Weights, optimiser moments, RNG states, step and open log window of checkpoint `name`: what makes a
+        resumed run log the losses an uninterrupted one would (docs/run_directory.md §9)."""
         weights, state, state_meta = self.run_dir.read_checkpoint(name)
         try:
             self.model.load_state_dict({k: v.to(self.device) for k, v in weights.items()})

@@ -189,14 +189,14 @@ def test_every_residual_kind_renders_every_page(tmp_path):
     from attnres_lens.presets import get_preset
     from attnres_lens.training import train
 
-    for name, overrides in {"dense": ["model.residual=denseformer"], "hyper": ["model.residual=hyper"],
+    for name, overrides in {"dense": ["model.residual=denseformer"], "mhc": ["model.residual=mhc"],
                             "sigmoid": ["model.attnres_score=sigmoid"]}.items():
         train(apply_overrides(get_preset("smoke"), [*overrides, "train.steps=10", "train.checkpoint_every=10"]),
               tmp_path / name, progress=False)
     app = open_page("views/runs.py", runs=tmp_path)
     kinds = set(app.dataframe[0].value["residual"])
     assert {"DenseFormer", "mHC n=4", "Block AttnRes S=2 (sigmoid)"} <= kinds, kinds
-    for run in ("dense", "hyper", "sigmoid"):
+    for run in ("dense", "mhc", "sigmoid"):
         app.session_state["selected_runs"] = [str(tmp_path / run)]
         for page in PAGES:
             app.switch_page(page).run()

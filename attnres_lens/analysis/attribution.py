@@ -41,7 +41,7 @@ from attnres_lens.tasks.base import IGNORE_INDEX, Batch, next_token_targets
 
 BatchLike = Union[Batch, torch.Tensor]
 # residual kinds whose inputs are weighted sums of e and every f_i with weights from `attnres_lens.mixing`
-MIXED_RESIDUALS = ("denseformer", "hyper")
+MIXED_RESIDUALS = ("denseformer", "mhc")
 
 
 # ---------------------------------------------------------------------------- one clean pass, through hooks

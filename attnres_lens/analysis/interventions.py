@@ -200,7 +200,7 @@ def _default_stack(model: HookedTransformer, batch: Batch) -> int:
     """Sequences a stack holds by default: whole copies of the batch within `STACK_ELEMENTS` per activation (a
     hyper-connection stream's state holds its n streams of d_model per token), at least one."""
     cfg = model.cfg
-    width = cfg.d_model * (cfg.hyper_streams if cfg.residual == "hyper" else 1)
+    width = cfg.d_model * (cfg.mhc_streams if cfg.residual == "mhc" else 1)
     return batch.tokens.shape[0] * max(1, STACK_ELEMENTS // (batch.tokens.numel() * width))
 
 
