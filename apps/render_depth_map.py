@@ -32,7 +32,11 @@ WIDTH = 640  # pixels before kaleido's 2× scale: README shows it about this wid
 
 def render(run: Path, out: Path) -> None:
     run_dir = RunDir(run)
-    weights = pd.read_parquet(run_dir.record_path("depth_weights"))
+    records = run_dir.record_path("depth_weights")
+    if not records.is_file():
+        raise SystemExit(f"{records} does not exist: --run must be an AttnRes run directory with recorded depth "
+                         "weights, e.g. data/demo_runs/depth-block-6l")
+    weights = pd.read_parquet(records)
     step = checkpoint_step(run_dir.resolve_checkpoint("latest"))
     snapshot = weights[weights["step"] == step]
     if snapshot.empty:
