@@ -50,7 +50,7 @@ def render(run: Path, out: Path) -> None:
                   x_title="source", y_title="consumer", hover="α")
     fig.update_layout(width=WIDTH)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Pillow's lossless re-encoding keeps the repository's copy small (a third less than kaleido's PNG).
+    # Pillow's lossless re-encoding keeps the repository's copy small (about a fifth less than kaleido's PNG).
     image = Image.open(io.BytesIO(figure_png(fig)))
     image.save(out, format="PNG", optimize=True)
     print(f"{out}: {out.stat().st_size / 1024:.0f} KB")
