@@ -7,7 +7,7 @@ Sections, in order (each says where it came from; a section that would overrun `
    torch.compile and fla-core's `fused_attnres` at the same shapes (docs/kernels.md §8 byte counts);
 3. two-phase Block AttnRes against single-pass calls;
 4. the training-step ratios of Block and Full AttnRes to the standard model at 24 layers, d_model 1024 (needs
-   transformer-lens and what it imports on the GPU machine; carry them as wheels, see README "GPU check").
+   transformer-lens and what it imports on the GPU machine; carry them as wheels, see docs/tour.md §9).
 
 It installs nothing. `--dry-run` runs every section at tiny shapes on the CPU (Triton under TRITON_INTERPRET=1), which
 the test suite does, so the script is known to work before a device is spent on it.
