@@ -216,6 +216,12 @@ def test_a_results_file_line_that_is_not_a_row_is_refused_by_number(tmp_path):
         read_rows(results)
 
 
+def test_the_committed_results_file_renders_to_the_committed_page():
+    """docs/results.md is what `render` makes of analyses/results.jsonl: re-render after appending rows."""
+    from analyses.results import RESULTS, RESULTS_PAGE, read_rows, render
+
+    assert render(read_rows(RESULTS)) == RESULTS_PAGE.read_text()
+
 
 @pytest.mark.parametrize("block_size, batch", [(1, 8), (2, 8), (2, 1)])
 def test_kernel_traffic_counts_the_depth_mix_bytes_its_source_layouts_imply(block_size, batch):
