@@ -99,13 +99,12 @@ LOOKAHEAD = 4
 MIN_SHARED_SOURCES = 8
 # With a gradient (training), windows from this many: the C two-phase backward moves half the bytes of one-pass
 # backwards but does the same arithmetic, and each merge adds a call and a separate pre-norm. Training steps with
-# windows from 8 measured slower than one pass at 8 sublayers, even at 24, faster at 48; from 16, 1.257x against
-# 1.331x the standard step at 48 (analyses/reports/bench_two_phase_cpu.md, docs/kernels.md §7)
+# windows from 8 measured slower than one pass at 8 sublayers, even at 24, faster at 48; from 16 faster at 48
+# (docs/kernels.md §7, §11)
 MIN_SHARED_SOURCES_WITH_GRAD = 16
 # Training on the C kernel: completed blocks' gradients are summed in place (DepthStream._one_pass) from this many
 # elements per source; below it the sums' nodes and buffers cost more than autograd's additions they save
-# (4-layer Full / Block S=4 steps, on - off: +0.6 / +0.6 ms at 1K elements, +0.5 / +0.2 at 8K, -0.1 / +0.7 at 32K,
-# -1.0 / -1.7 ms at 98K; 0.83x / 0.96x at 48 sublayers of 131K; analyses/reports/bench_shared_gradients.md)
+# (docs/kernels.md §5, §11)
 MIN_SHARED_GRADIENT_ELEMENTS = 1 << 16
 
 

@@ -357,7 +357,7 @@ class TrainConfig:
     log_every: int = 10
     device: str = "auto"
     # torch threads on CPU; 0 = torch's default (one per core). Measured on 2 cores, one training process runs
-    # 1.4-1.6x faster with 2 threads than with 1 (analyses/reports/bench_cpu_step.md); give each process
+    # faster with 2 threads than with 1 (docs/results.md, bench_cpu_step's step times); give each process
     # 1 thread when several train side by side, as the reproductions do.
     threads: int = 0
     seed: int = 0
