@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import multiprocessing
 import os
 import platform
@@ -120,6 +121,14 @@ def machine_info() -> str:
     gpu = f", {facts['gpu']}" if facts["gpu"] else ""
     return (f"{facts['cpu']}, {facts['cores']} cores{gpu}, {platform.system()} {platform.release()}; "
             f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
+def provenance() -> str:
+    """When, at which commit and on what a report was made, for the reports that stay Markdown (benchmark rows
+    carry the same facts as fields, `analyses.benchmarks`)."""
+    commit, dirty = git_state()
+    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} at commit {commit[:7]}"
+            f"{' with uncommitted changes' if dirty else ''} on {machine_info()}")
 
 
 def command_line() -> str:
