@@ -4,11 +4,12 @@
     python -m analyses.benchmarks bench_cpu_step bench_inference [--repeats N]
     python -m analyses.benchmarks render                # docs/results.md from the results file
 
-A benchmark is a function `(repeats, tiny) -> rows` registered in BENCHMARKS: `repeats` None takes its own default,
-`tiny` runs it on tiny shapes (a smoke test: the rows' structure, not their timings). The runner stamps every row
-with the commit, whether the tree was dirty, the UTC time, the machine (`common.machine()`) and the command that
-reproduces it. The runner keeps freed memory for reuse, as the commands do (`cpu_settings.keep_freed_memory`), except
-with --tiny. Timings want a quiet machine: nothing else running.
+A benchmark is a function `(repeats, tiny) -> rows` registered in BENCHMARKS: `repeats` None takes its own default
+(interleaved rounds; for bench_attribution the prune command's runs per setting; gpu_check has fixed repetitions and
+ignores it), `tiny` runs it on tiny shapes (a smoke test: the rows' structure, not their timings). The runner stamps
+every row with the commit, whether the tree was dirty, the UTC time, the machine (`common.machine()`) and the
+command that reproduces it. The runner keeps freed memory for reuse, as the commands do
+(`cpu_settings.keep_freed_memory`), except with --tiny. Timings want a quiet machine: nothing else running.
 """
 
 from __future__ import annotations
