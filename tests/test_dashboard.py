@@ -80,6 +80,35 @@ def test_the_sidebar_names_the_runs_every_page_shows():
     assert "depth-block-6l" in " ".join(element.value for element in app.sidebar.caption)
 
 
+def test_a_page_that_cannot_show_the_selected_run_says_so_and_keeps_the_selection():
+    """A standard-residual run selected on Runs: Depth attention (AttnRes only) says why it is not shown and which
+    runs it shows instead, the selection stays (the sidebar names both, the next page shows the selected run), and
+    only a pick on the page changes it."""
+    app = open_page("views/runs.py")
+    kv_shift = str(DEMO_RUNS / "induction-1l-kvshift")
+    app.multiselect(key="runs-pick").set_value([kv_shift]).run()
+    app.switch_page("views/depth_attention.py").run()
+    assert_clean(app)
+    assert app.session_state["selected_runs"] == [kv_shift]
+    notes = [info.value for info in app.info if "not shown here" in info.value]
+    assert len(notes) == 1 and "induction-1l-kvshift" in notes[0] and "AttnRes" in notes[0], notes
+    shown = app.multiselect(key="depth-runs").value
+    assert shown and all(Path(path).name in notes[0] for path in shown)
+    assert {Path(path).name for path in shown} <= {"depth-block-6l", "depth-full-6l"}
+    sidebar = " ".join(element.value for element in app.sidebar.caption)
+    assert "Selected: induction-1l-kvshift" in sidebar and f"instead: {Path(shown[0]).name}" in sidebar
+
+    app.switch_page("views/training_dynamics.py").run()
+    assert app.multiselect(key="dynamics-runs").value == [kv_shift]
+    assert "instead" not in " ".join(element.value for element in app.sidebar.caption)
+
+    app.switch_page("views/depth_attention.py").run()
+    block = str(DEMO_RUNS / "depth-block-6l")
+    app.multiselect(key="depth-runs").set_value([block]).run()
+    assert app.session_state["selected_runs"] == [block]
+    assert not [info.value for info in app.info if "not shown here" in info.value]
+
+
 def test_depth_mixing_page_scrubs_through_training():
     app = open_page("views/depth_mixing.py")
     app.multiselect(key="mixing-runs").set_value([str(DEMO_RUNS / "depth-full-6l")]).run()

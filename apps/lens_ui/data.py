@@ -190,10 +190,17 @@ def all_runs() -> tuple[list[RunTables], dict[str, str]]:
 
 
 SELECTION_KEY = "selected_runs"  # the runs the pages show: one state, set by any page's run picker
+# the runs the current page shows: the selection, or (when the page cannot show a selected run) the ones it offers
+# instead; the sidebar names both when they differ
+SHOWN_KEY = "shown_runs"
 
 
 def selected_paths() -> list[str]:
     return list(st.session_state.get(SELECTION_KEY, []))
+
+
+def shown_paths() -> list[str]:
+    return list(st.session_state.get(SHOWN_KEY, []))
 
 
 def task_batch(run: RunTables, n_sequences: int = 32) -> Batch:
