@@ -109,6 +109,35 @@ def test_a_page_that_cannot_show_the_selected_run_says_so_and_keeps_the_selectio
     assert not [info.value for info in app.info if "not shown here" in info.value]
 
 
+def test_runs_table_says_which_positions_each_metric_covers(tmp_path):
+    """Loss over all positions beside accuracy over answer positions, each column saying so; the answer-position
+    loss is shown where metrics.jsonl has it (`eval_answer_loss`) and left out for runs from before it."""
+    shutil.copytree(DEMO_RUNS / "induction-1l-kvshift", tmp_path / "old")
+    app = open_page("views/runs.py", runs=tmp_path)
+    table = app.dataframe[0].value
+    assert {"train loss (all positions)", "eval loss (all positions)", "eval accuracy (answer positions)"} \
+        <= set(table.columns)
+    assert "eval loss (answer positions)" not in table.columns  # no run logged it
+    metrics = [json.loads(line) for line in (tmp_path / "old" / "metrics.jsonl").read_text().splitlines()]
+    last_eval = max(index for index, line in enumerate(metrics) if "eval_loss" in line)
+    assert table["eval loss (all positions)"][0] == pytest.approx(metrics[last_eval]["eval_loss"])
+    assert table["eval accuracy (answer positions)"][0] == pytest.approx(metrics[last_eval]["eval_accuracy"])
+
+    shutil.copytree(tmp_path / "old", tmp_path / "new")
+    metrics[last_eval]["eval_answer_loss"] = 0.0123
+    (tmp_path / "new" / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in metrics))
+    app = open_page("views/runs.py", runs=tmp_path)
+    assert_clean(app)
+    table = app.dataframe[0].value.set_index("run")
+    assert table.loc["new", "eval loss (answer positions)"] == pytest.approx(0.0123)
+    assert np.isnan(table.loc["old", "eval loss (answer positions)"])
+    app.session_state["selected_runs"] = [str(tmp_path / "new")]
+    app.switch_page("views/training_dynamics.py").run()
+    assert_clean(app)
+    loss = next(spec for spec in chart_specs(app) if spec["layout"]["title"]["text"] == "Loss")
+    assert "new · eval, answer positions" in [trace["name"] for trace in loss["data"]]
+
+
 def test_depth_mixing_page_scrubs_through_training():
     app = open_page("views/depth_mixing.py")
     app.multiselect(key="mixing-runs").set_value([str(DEMO_RUNS / "depth-full-6l")]).run()

@@ -158,7 +158,15 @@ def no_records_message(run: RunTables, what: str, where: str) -> str:
     return f"Run {run.name} has no {what} yet ({where})."
 
 
+# Runs-table columns that say which positions each metric covers (docs/architecture.md §2, the evaluation metric):
+# the loss averages every target position, the answer loss and the accuracy only the task's answer positions.
+TRAIN_LOSS, EVAL_LOSS = "train loss (all positions)", "eval loss (all positions)"
+ANSWER_LOSS, ACCURACY = "eval loss (answer positions)", "eval accuracy (answer positions)"
+
+
 def summary_row(tables: RunTables) -> dict[str, Any]:
+    """One Runs-table row; the answer-position loss is NaN for runs that did not log it (`eval_answer_loss` is
+    newer than some runs)."""
     cfg = tables.model_config
     metrics = tables.metrics
     last_step = int(metrics["step"].max()) if "step" in metrics and len(metrics) else 0
@@ -168,8 +176,8 @@ def summary_row(tables: RunTables) -> dict[str, Any]:
         "run": tables.name, "variant": tables.variant, "task": tables.task,
         "residual": cfg.residual_label, "attention": cfg.attention_label, "layers": cfg.n_layers,
         "steps": steps,
-        "final loss": last_value(metrics, "loss"), "eval loss": last_value(metrics, "eval_loss"),
-        "accuracy": last_value(metrics, "eval_accuracy"),
+        TRAIN_LOSS: last_value(metrics, "loss"), EVAL_LOSS: last_value(metrics, "eval_loss"),
+        ANSWER_LOSS: last_value(metrics, "eval_answer_loss"), ACCURACY: last_value(metrics, "eval_accuracy"),
     }
 
 
