@@ -207,6 +207,19 @@ def test_attribution_page_computes_and_toggles_the_edge_path():
     assert "routing path" in routing["layout"]["title"]["text"] and routing["data"][0]["z"] != total["data"][0]["z"]
 
 
+@pytest.mark.parametrize("run", ["induction-1l-vanilla", "induction-1l-kvshift"])
+def test_kv_shift_decomposition_only_for_models_with_kv_shift(run):
+    app = open_page("views/attribution.py")
+    app.selectbox(key="attribution-run").set_value(str(DEMO_RUNS / run)).run()
+    app.number_input(key="attribution-samples").set_value(2).run()
+    app.button(key="attribution-compute").click().run()
+    assert_clean(app)
+    titles = [spec["layout"]["title"]["text"] for spec in chart_specs(app)]
+    drawn = any(title.startswith("KV-shift decomposition") for title in titles)
+    said = any("no KV shift to decompose" in info.value for info in app.info)
+    assert (drawn, said) == ((True, False) if run.endswith("kvshift") else (False, True)), titles
+
+
 def test_broken_run_directories_show_messages_not_tracebacks(tmp_path):
     shutil.copytree(DEMO_RUNS / "induction-1l-kvshift", tmp_path / "good")
     (tmp_path / "empty").mkdir()

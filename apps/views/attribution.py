@@ -125,5 +125,8 @@ with audit_tab:
         show_figure(audit_figure(tables["routing_audit_consumers"]), key="attribution-audit")
         st.dataframe(tables["routing_audit_consumers"], hide_index=True)
 with kv_tab:
-    show_figure(kv_shift_bars(tables["kv_shift"]), key="attribution-kv")
-    st.dataframe(tables["kv_shift"], hide_index=True)
+    if run.model_config.attention != "kv_shift":  # its table would only say α1 = β1 = 1, α2 = β2 = 0 per head
+        st.info(f"Run {run.name} uses standard attention: it has no KV shift to decompose.")
+    else:
+        show_figure(kv_shift_bars(tables["kv_shift"]), key="attribution-kv")
+        st.dataframe(tables["kv_shift"], hide_index=True)
