@@ -53,6 +53,20 @@ def test_every_page_renders_on_the_demo_runs(page):
         assert chart_specs(app), f"{page} drew no chart"
 
 
+DEMO_RUN_NAMES = sorted(path.name for path in DEMO_RUNS.iterdir() if (path / "config.json").is_file())
+
+
+@pytest.mark.parametrize("run", DEMO_RUN_NAMES)
+def test_every_page_renders_every_demo_run(run):
+    """Each shipped demo run selected, every page: messages where a page cannot show it, never a traceback."""
+    app = open_page("views/runs.py")
+    app.multiselect(key="runs-pick").set_value([str(DEMO_RUNS / run)]).run()
+    for page in PAGES[1:]:
+        app.switch_page(page).run()
+        assert_clean(app)
+        assert app.session_state["selected_runs"] == [str(DEMO_RUNS / run)], page
+
+
 def test_runs_page_lists_runs_and_keeps_the_selection_across_pages():
     app = open_page("views/runs.py")
     assert len(app.dataframe[0].value) >= 6
