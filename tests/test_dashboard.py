@@ -129,13 +129,12 @@ def test_runs_table_says_which_positions_each_metric_covers(tmp_path):
     shutil.copytree(DEMO_RUNS / "induction-1l-kvshift", tmp_path / "old")
     app = open_page("views/runs.py", runs=tmp_path)
     table = app.dataframe[0].value
-    assert {"train loss (all positions)", "eval loss (all positions)", "eval accuracy (answer positions)"} \
-        <= set(table.columns)
-    assert "eval loss (answer positions)" not in table.columns  # no run logged it
+    assert {"train loss (all pos.)", "eval loss (all pos.)", "accuracy (answer pos.)"} <= set(table.columns)
+    assert "eval loss (answer pos.)" not in table.columns  # no run logged it
     metrics = [json.loads(line) for line in (tmp_path / "old" / "metrics.jsonl").read_text().splitlines()]
     last_eval = max(index for index, line in enumerate(metrics) if "eval_loss" in line)
-    assert table["eval loss (all positions)"][0] == pytest.approx(metrics[last_eval]["eval_loss"])
-    assert table["eval accuracy (answer positions)"][0] == pytest.approx(metrics[last_eval]["eval_accuracy"])
+    assert table["eval loss (all pos.)"][0] == pytest.approx(metrics[last_eval]["eval_loss"])
+    assert table["accuracy (answer pos.)"][0] == pytest.approx(metrics[last_eval]["eval_accuracy"])
 
     shutil.copytree(tmp_path / "old", tmp_path / "new")
     metrics[last_eval]["eval_answer_loss"] = 0.0123
@@ -143,8 +142,8 @@ def test_runs_table_says_which_positions_each_metric_covers(tmp_path):
     app = open_page("views/runs.py", runs=tmp_path)
     assert_clean(app)
     table = app.dataframe[0].value.set_index("run")
-    assert table.loc["new", "eval loss (answer positions)"] == pytest.approx(0.0123)
-    assert np.isnan(table.loc["old", "eval loss (answer positions)"])
+    assert table.loc["new", "eval loss (answer pos.)"] == pytest.approx(0.0123)
+    assert np.isnan(table.loc["old", "eval loss (answer pos.)"])
     app.session_state["selected_runs"] = [str(tmp_path / "new")]
     app.switch_page("views/training_dynamics.py").run()
     assert_clean(app)

@@ -160,8 +160,9 @@ def no_records_message(run: RunTables, what: str, where: str) -> str:
 
 # Runs-table columns that say which positions each metric covers (docs/architecture.md §2, the evaluation metric):
 # the loss averages every target position, the answer loss and the accuracy only the task's answer positions.
-TRAIN_LOSS, EVAL_LOSS = "train loss (all positions)", "eval loss (all positions)"
-ANSWER_LOSS, ACCURACY = "eval loss (answer positions)", "eval accuracy (answer positions)"
+# Short enough that the table fits a 1500 px window with every column (the Runs page's caption spells them out).
+TRAIN_LOSS, EVAL_LOSS = "train loss (all pos.)", "eval loss (all pos.)"
+ANSWER_LOSS, ACCURACY = "eval loss (answer pos.)", "accuracy (answer pos.)"
 
 
 def summary_row(tables: RunTables) -> dict[str, Any]:

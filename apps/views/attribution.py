@@ -78,9 +78,10 @@ else:
     changes = fastest_changes(timeline)
     show_figure(timeline_figure(timeline, changes), key="attribution-timeline")
     with st.expander("Step of the fastest change, per series and consumer"):
-        # the label names the consumer (a sublayer, the final readout, or the whole model for loss and induction)
-        st.dataframe(changes.drop(columns="consumer").rename(columns={"consumer_label": "consumer"}),
-                     hide_index=True)
+        # the label names the consumer (a sublayer, the final readout, or the whole model for loss and induction);
+        # the model-wide rows, the ones the dotted lines mark, come first
+        rows = changes.sort_values("consumer", key=lambda consumer: consumer >= 0, kind="stable")
+        st.dataframe(rows.drop(columns="consumer").rename(columns={"consumer_label": "consumer"}), hide_index=True)
 
 # ---------------------------------------------------------------------------- from a checkpoint
 st.header("At a checkpoint")

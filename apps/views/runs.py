@@ -51,20 +51,22 @@ shown = table[
     & (table["attention"].isin(attentions) if attentions else True)
     & table["run"].str.contains(text, case=False, regex=False)
 ]
-st.dataframe(
-    shown.drop(columns=["path"]), hide_index=True, width="stretch",
+st.dataframe(  # no variant column: residual, attention and layers say the same, and the metrics need the room
+    shown.drop(columns=["path", "variant"]), hide_index=True, width="stretch",
     column_config={
         TRAIN_LOSS: st.column_config.NumberColumn(format="%.3f", help="last logged training loss, averaged over "
                                                   "every target position of the training batch"),
         EVAL_LOSS: st.column_config.NumberColumn(format="%.3f", help="last held-out loss, averaged over every target "
                                                  "position, including those no rule predicts"),
         ANSWER_LOSS: st.column_config.NumberColumn(format="%.3f", help="last held-out loss over the task's answer "
-                                                   "positions only: the positions the accuracy counts"),
+                                                   "positions only, the positions the accuracy counts; None: the run "
+                                                   "did not log it (runs older than this metric)"),
         ACCURACY: st.column_config.NumberColumn(format="percent", help="last held-out accuracy over the task's "
                                                 "answer positions only"),
     },
 )
-st.caption("The loss over all positions includes tokens no rule predicts (such as the random tokens a copy "
+st.caption("“all pos.”: averaged over every target position; “answer pos.”: over the task's answer positions only. "
+           "The loss over all positions includes tokens no rule predicts (such as the random tokens a copy "
            "task's sequence starts with), so it can stay high while the accuracy over the answer positions, where "
            "the task's rule fixes the next token, is near 100%.")
 
