@@ -47,9 +47,12 @@ def _select(paths: list[str]) -> None:
     st.session_state[SELECTION_KEY] = list(paths)
 
 
+UNREADABLE = "it is not among the readable runs of this folder"  # why a page without a run filter leaves one out
+
+
 def _starting_choice(runs: list[RunTables], fallback: int, max_runs: Optional[int],
                      prefer: Optional[Callable[[RunTables], bool]] = None,
-                     unshowable: str = "this page cannot show it") -> list[str]:
+                     unshowable: str = UNREADABLE) -> list[str]:
     """The selected runs this page can show, else the first `fallback` (preferred) runs. With nothing selected these
     become the selection, so the sidebar names the runs on the page; a selection the page cannot show is kept (it
     changes only when the user picks) and the page says why (`unshowable`) and which runs it shows instead."""
@@ -72,7 +75,7 @@ def _starting_choice(runs: list[RunTables], fallback: int, max_runs: Optional[in
 
 
 def pick_runs(runs: list[RunTables], key: str, max_runs: Optional[int] = 2, label: str = "Runs",
-              fallback: int = 1, unshowable: str = "this page cannot show it") -> list[RunTables]:
+              fallback: int = 1, unshowable: str = UNREADABLE) -> list[RunTables]:
     """A multiselect over `runs`, showing (and changing) the selection; with none, the first `fallback` runs.
     `unshowable`: why a selected run missing from `runs` is not shown (the page says so)."""
     by_path = {run.path: run for run in runs}
@@ -84,11 +87,10 @@ def pick_runs(runs: list[RunTables], key: str, max_runs: Optional[int] = 2, labe
 
 
 def pick_run(runs: list[RunTables], key: str, label: str = "Run",
-             prefer: Optional[Callable[[RunTables], bool]] = None,
-             unshowable: str = "this page cannot show it") -> RunTables:
+             prefer: Optional[Callable[[RunTables], bool]] = None) -> RunTables:
     """A selectbox over `runs`: the first selected run, else the first `prefer`red one; picking one selects it."""
     by_path = {run.path: run for run in runs}
-    st.session_state[key] = _starting_choice(runs, 1, 1, prefer, unshowable)[0]
+    st.session_state[key] = _starting_choice(runs, 1, 1, prefer)[0]
 
     def select_first() -> None:  # the picked run leads the selection; a second selected run stays second
         _select(list(dict.fromkeys([st.session_state[key], *selected_paths()]))[:2])
