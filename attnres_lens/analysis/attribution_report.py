@@ -357,33 +357,60 @@ TIMELINE_PANELS = (("loss", "eval_loss"), ("induction_score",), ("routing_entrop
                    ("embedding_weight",))
 
 
+# model-wide series: Okabe–Ito colours (colour-blind safe), apart from the per-consumer Viridis ramp
+MODEL_WIDE_COLOURS = {"loss": "#000000", "eval_loss": "#E69F00", "induction_score": "#D55E00"}
+KIND_DASHES = {"attn": "solid", "mlp": "dash", "final": "dot"}
+
+
+def consumer_styles(timeline: pd.DataFrame) -> dict[int, dict[str, str]]:
+    """{consumer: line style}: colour by depth (Viridis from the first consumer to the final readout) and dash by
+    sublayer kind (attn solid, mlp dashed, final dotted), so every consumer's line is told apart however many there
+    are; Plotly's ten default colours repeat from the eleventh."""
+    from plotly.colors import sample_colorscale
+
+    labels = timeline.loc[timeline["consumer"] >= 0, ["consumer", "consumer_label"]].drop_duplicates("consumer")
+    labels = labels.sort_values("consumer")
+    colours = sample_colorscale(SEQUENTIAL, [0.85 * i / max(len(labels) - 1, 1) for i in range(len(labels))])
+    return {int(consumer): dict(color=colour, dash=KIND_DASHES.get(str(label).rsplit(".", 1)[-1], "dashdot"))
+            for (consumer, label), colour in zip(labels.itertuples(index=False), colours)}
+
+
 def timeline_figure(timeline: pd.DataFrame, changes: pd.DataFrame) -> "go.Figure":
     """Loss, the induction score and per-consumer routing statistics over training, on one step axis; a dotted
-    line marks where the loss and the induction score change fastest."""
+    line marks where the loss and the induction score change fastest, labelled inside that series' own panel (two
+    labels never share a row, so they cannot overlap)."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     panels = [panel for panel in TIMELINE_PANELS if timeline["series"].isin(panel).any()]
-    figure = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.04,
+    figure = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.05,
                            subplot_titles=[" / ".join(panel) for panel in panels])
+    styles, in_legend = consumer_styles(timeline), set()
     for row, panel in enumerate(panels, start=1):
         for series in panel:
             frame = timeline[timeline["series"] == series]
             for (consumer, label), curve in frame.groupby(["consumer", "consumer_label"], sort=True):
-                figure.add_trace(go.Scatter(x=curve["step"], y=curve["value"], mode="lines",
-                                            name=label or series, legendgroup=label or series,
-                                            showlegend=row == 3 or consumer < 0,
-                                            hovertemplate=f"{label or series}<br>step %{{x}}<br>%{{y:.4g}}<extra></extra>"),
+                name = label if consumer >= 0 else series  # one legend entry per consumer, toggling every panel
+                line = styles[consumer] if consumer >= 0 else dict(color=MODEL_WIDE_COLOURS.get(series, "#555555"))
+                figure.add_trace(go.Scatter(x=curve["step"], y=curve["value"], mode="lines", name=name,
+                                            legendgroup=name, showlegend=name not in in_legend, line=line,
+                                            hovertemplate=f"{name}<br>step %{{x}}<br>%{{y:.4g}}<extra></extra>"),
                                  row=row, col=1)
+                in_legend.add(name)
+    first, last = int(timeline["step"].min()), int(timeline["step"].max())
     for series in ("loss", "induction_score"):
         hit = changes[(changes["series"] == series) & (changes["consumer"] < 0)]
-        if len(hit):
+        row = next((row for row, panel in enumerate(panels, start=1) if series in panel), None)
+        if len(hit) and row is not None:
             step = int(hit["step"].iloc[0])
             figure.add_vline(x=step, line_dash="dot", line_color="#888")
-            figure.add_annotation(x=step, y=1.0, yref="paper", yanchor="bottom", yshift=24, showarrow=False,
-                                  text=f"fastest {series.replace('_', ' ')}: step {step}", font=dict(size=11))
+            right_half = step > (first + last) / 2  # the label reads away from the nearer edge
+            figure.add_annotation(x=step, y=1.0, xref="x", yref="y domain", row=row, col=1, showarrow=False,
+                                  xanchor="right" if right_half else "left", yanchor="top", xshift=-4 if right_half else 4,
+                                  text=f"fastest {series.replace('_', ' ')}: step {step}", font=dict(size=11),
+                                  bgcolor="rgba(255,255,255,0.85)")
     figure.update_xaxes(title="step", row=len(panels), col=1)
-    return _layout(figure, "Training timeline", 170 * len(panels) + 120, margin=dict(l=10, r=10, t=110, b=10))
+    return _layout(figure, "Training timeline", 180 * len(panels) + 120, margin=dict(l=10, r=10, t=80, b=10))
 
 
 # ---------------------------------------------------------------------------- the HTML report

@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 from typing import Any, Optional
 
+import numpy as np
 import pandas as pd
 
 MODE_NAMES = {"remove": "remove", "mean": "mean-ablate", "resample": "resample-ablate"}
@@ -15,6 +16,17 @@ th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
 th { background: #f3f3f3; }
 .note { color: #555; font-size: 0.9em; }
 """
+
+
+def padded_range(values: np.ndarray, margin: float = 0.06) -> Optional[list[float]]:
+    """[low, high] around the finite `values` with `margin` of their span on each side (of the value itself when
+    they are all equal), so no curve or marker touches the frame; None (autorange) without finite values."""
+    finite = values[np.isfinite(values)]
+    if not len(finite):
+        return None
+    low, high = float(finite.min()), float(finite.max())
+    pad = margin * ((high - low) or abs(high) or 1.0)
+    return [low - pad, high + pad]
 
 
 def _figures(tables: dict[str, pd.DataFrame], metric: str, tolerance: float) -> list[tuple[str, Any, str]]:
@@ -30,10 +42,14 @@ def _figures(tables: dict[str, pd.DataFrame], metric: str, tolerance: float) -> 
     cumulative = go.Figure([go.Scatter(name=strategy, x=curve["n_removed"], y=curve[value], mode="lines+markers")
                             for strategy, curve in curves.groupby("strategy", sort=False)])
     base = curves.loc[curves["n_removed"] == 0, "loss"].iloc[0]
+    shown = [curves[value].to_numpy(dtype=float)]
     if metric == "loss":
-        cumulative.add_hline(y=base * (1 + tolerance), line_dash="dot",
+        threshold = base * (1 + tolerance)
+        cumulative.add_hline(y=threshold, line_dash="dot",
                              annotation_text=f"+{tolerance:.0%} loss", annotation_position="top left")
-    cumulative.update_layout(xaxis_title="sublayers removed", yaxis_title=value, height=460)
+        shown.append(np.array([threshold]))
+    cumulative.update_layout(xaxis_title="sublayers removed", yaxis_title=value, height=460,
+                             yaxis_range=padded_range(np.concatenate(shown)))
 
     grid = distances.pivot(index="start_label", columns="n", values="distance")
     grid = grid.reindex(distances.drop_duplicates("start")["start_label"])
