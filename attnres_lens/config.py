@@ -191,6 +191,23 @@ class ModelConfig(TransformerLensConfig):
                 if getattr(self, name) != default}
 
     # ------------------------------------------------------------------ structure
+    def allocation_floor(self) -> dict[str, int]:
+        """Bytes that building this model allocates at least, by what asks for them: the embeddings, the
+        projections and the rotary tables (smaller parameters are left out, so the sum is a floor). Each part
+        names the fields it grows with, for `resources.check_model_fits`'s message."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        d, layers, kv_heads = self.d_model, self.n_layers, self.n_key_value_heads or self.n_heads
+        parts = {
+            "d_vocab × d_model embeddings": self.d_vocab * d * (1 if self.tie_word_embeddings else 2),
+            "n_layers × attention projections": layers * (2 * self.n_heads + 2 * kv_heads) * self.d_head * d,
+            "n_layers × d_mlp MLPs": 0 if self.attn_only else layers * (3 if self.gated_mlp else 2) * d * self.d_mlp,
+        }
+        if self.positional_embedding_type == "rotary":  # cos and sin tables [n_ctx, d_head] in every layer
+            parts["n_ctx × d_head rotary tables"] = layers * 2 * self.n_ctx * self.d_head
+        else:
+            parts["n_ctx × d_model position embeddings"] = self.n_ctx * d
+        return {what: count * size for what, count in parts.items()}
+
     @property
     def n_sublayers(self) -> int:
         """J: attention sublayers, plus MLP sublayers unless `attn_only` (docs/model.md §1)."""

@@ -22,6 +22,7 @@ from attnres_lens.config import ModelConfig
 from attnres_lens.denseformer import DenseStream, DepthWeightedAverage
 from attnres_lens.kernels.backends import model_runs_two_phase
 from attnres_lens.mhc import MHCConnection, MHCHead, MHCStream
+from attnres_lens.resources import check_model_fits
 from attnres_lens.streams import ResidualStream, SumStream
 
 TokensLike = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], str]
@@ -161,6 +162,7 @@ class HookedTransformer(HookedRootModule):
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"cfg must be an attnres_lens.ModelConfig, got {type(cfg).__name__}")
         self.cfg = cfg
+        check_model_fits(cfg)  # a config may ask for terabytes: refuse before allocating
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
         self.embed = Embed(cfg)

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -268,16 +267,10 @@ def _is_writer() -> bool:
 def train(config: RunConfig, out_dir: str | Path, progress: bool = True) -> Trainer:
     """Start a new run in `out_dir` (empty or absent) and train it to the end, holding the run's writer lock."""
     run_dir = RunDir(out_dir)
-    created = not run_dir.path.exists()
-    with run_dir.lock() if _is_writer() else contextlib.nullcontext():
-        try:
-            return _train_new(config, run_dir, progress)
-        except BaseException:
-            # refused or failed before writing anything: leave no folder behind. Only the lock's holder may remove
-            # it: a writer refused by the lock may have seen no folder only because the holder had not made it yet
-            if created and _is_writer() and not run_dir.holds_run():
-                shutil.rmtree(run_dir.path, ignore_errors=True)
-            raise
+    _check_new_folder(run_dir)  # before the lock: a refused folder gets no lock file
+    # refused or failed before config.json exists: nothing made here stays (RunDir.writing_new_run)
+    with run_dir.writing_new_run() if _is_writer() else contextlib.nullcontext():
+        return _train_new(config, run_dir, progress)
 
 
 def _check_used(config: RunConfig) -> None:
@@ -297,14 +290,18 @@ def _check_used(config: RunConfig) -> None:
                          f"train.device={train_cfg.device!r}; set train.device instead")
 
 
-def _train_new(config: RunConfig, run_dir: RunDir, progress: bool) -> Trainer:
-    _check_used(config)
+def _check_new_folder(run_dir: RunDir) -> None:
     if run_dir.holds_run():
         raise FileExistsError(f"{run_dir.path} already holds a run; resume it with `attnres-lens train --resume "
                               f"{run_dir.path}` or choose another --out")
     if foreign := run_dir.foreign_entries():
         raise FileExistsError(f"{run_dir.path} is not empty and holds no run ({', '.join(foreign[:5])}"
                               f"{', …' if len(foreign) > 5 else ''}); a new run needs an empty or new folder")
+
+
+def _train_new(config: RunConfig, run_dir: RunDir, progress: bool) -> Trainer:
+    _check_used(config)
+    _check_new_folder(run_dir)  # again under the lock: another writer may have started in between
     trainer = Trainer(config, run_dir.path, progress)
     trainer.fit()
     return trainer
@@ -323,6 +320,8 @@ def resume(out_dir: str | Path, progress: bool = True, steps: Optional[int] = No
     run_dir = RunDir(out_dir)
     run_dir.read_config_dict()  # a missing or foreign folder is refused before the lock would create anything
     with run_dir.lock() if _is_writer() else contextlib.nullcontext():
+        if _is_writer():
+            run_dir.remove_stale_temporaries()  # a killed writer's half-written files
         config = run_dir.read_config()
         if config.imported:
             raise ValueError(f"{run_dir.path} holds a model imported from {config.provenance.get('source', 'elsewhere')}: "

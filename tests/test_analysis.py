@@ -310,3 +310,19 @@ def test_mixing_matrix_from_a_recorded_snapshot_equals_the_checkpoint_computatio
     pd.testing.assert_frame_equal(recorded, computed, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="no rows for consumer 0"):
         mixing_matrix_from_weights(run.model, snapshot[(snapshot["step"] == 0) & (snapshot["consumer"] > 0)])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_every_analysis_command_works_in_every_dtype_a_run_can_have(tmp_path, dtype):
+    """`analyze` failed on a bfloat16 run (a bf16 matmul against float32 readout weights); each command must work
+    in every dtype training accepts on the CPU, and its tables hold finite numbers."""
+    from attnres_lens.cli import main as cli_main
+
+    run = tmp_path / "run"
+    config = apply_overrides(get_preset("smoke"), [f"model.dtype={dtype}", "train.steps=4", "train.eval_every=4",
+                                                   "train.log_every=4", "train.checkpoint_every=4"])
+    train(config, run, progress=False)
+    for command in (["analyze", "--samples", "4"], ["prune", "--samples", "2"], ["attribute", "--samples", "2"]):
+        assert cli_main([command[0], str(run), "--no-progress", *command[1:], "--out", str(tmp_path / command[0])]) == 0
+    heads = pd.read_parquet(tmp_path / "analyze" / "induction_heads.parquet")
+    assert len(heads) and heads.select_dtypes("number").notna().all().all()

@@ -1094,3 +1094,37 @@ def test_the_benchmark_runs_end_to_end_on_a_tiny_model(tmp_path):
     assert value[("prune end to end", "as shipped")] > 0 and value[("prune end to end", "--threads 1")] > 0
     assert value[("clean forward pass", "no hooks")] > 0 and -1 <= value[("edge attribution spearman",
                                                                           "first order vs exact")] <= 1
+
+
+# ---------------------------------------------------------------------------- hostile batches (issue 41 item 11)
+def _analyses_of_a_batch():
+    from attnres_lens.analysis import causal_routing, edge_attribution, routing_audit
+
+    return {"edge_attribution": edge_attribution, "causal_routing": causal_routing,
+            "routing_audit": lambda model, batch: routing_audit(model, batch, n_boot=10)}
+
+
+@pytest.mark.parametrize("analysis", ["edge_attribution", "causal_routing", "routing_audit"])
+def test_every_analysis_of_a_batch_checks_it_as_depth_logit_attribution_does(analysis):
+    """Each refuses what would be misread (float or out-of-range targets, a mask of another shape or kind) or give
+    a table of NaN effects without a word (no position with a target), naming the problem."""
+    import dataclasses
+
+    run = _analyses_of_a_batch()[analysis]
+    model = HookedTransformer(small_config("attnres", 1, n_layers=1))
+    batch = copy_batch(3)
+    cases = {
+        "must hold integer token ids, got dtype torch.float32": dict(targets=batch.targets.float()),
+        "out of range for d_vocab=20": dict(targets=torch.where(batch.targets == IGNORE_INDEX, IGNORE_INDEX,
+                                                                batch.targets + 20)),
+        "batch.targets must have the tokens' shape": dict(targets=batch.targets[:, :-1]),
+        "answer_mask must be booleans of the tokens' shape": dict(answer_mask=batch.answer_mask.long()),
+        "no position with a target": dict(targets=torch.full_like(batch.targets, IGNORE_INDEX)),
+    }
+    for message, change in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            run(model, dataclasses.replace(batch, **change))
+    one_token = dataclasses.replace(batch, tokens=batch.tokens[:, :1], targets=batch.targets[:, :1] * 0 + IGNORE_INDEX,
+                                    answer_mask=batch.answer_mask[:, :1])
+    with pytest.raises(ValueError, match="one-token sequences"):
+        run(model, one_token)

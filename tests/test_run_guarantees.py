@@ -583,3 +583,58 @@ def test_a_damaged_earlier_checkpoint_does_not_stop_a_resume_from_a_later_one(tm
     assert index.latest == "step_0000040" and index.best != "step_0000010"
     with pytest.raises(RunDirError, match="corrupt or truncated"):
         load_run(run, checkpoint="10")
+
+
+# ---------------------------------------------------------------------------- hostile files and leftovers (issue 41)
+def test_a_refused_new_run_leaves_no_lock_behind(tmp_path, capsys):
+    folder = tmp_path / "mine"  # refused before the lock
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    cli_error(capsys, "train", "--preset", "smoke", "--out", str(folder), "--no-progress")
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    empty = tmp_path / "empty"  # refused under the lock: a setting training would not use
+    empty.mkdir()
+    cli_error(capsys, "train", "--preset", "smoke", "--out", str(empty), "--no-progress", "--set", "model.seed=5")
+    assert list(empty.iterdir()) == []
+
+
+def test_a_lock_taken_on_a_discarded_lock_file_is_taken_again(tmp_path, monkeypatch):
+    """A writer that opened the lock file just before its holder discarded it would lock a file no one else sees:
+    acquire checks the locked file is still the one at the path, else takes the new one."""
+    import attnres_lens.rundir as rundir
+    from attnres_lens.rundir import RunLock
+
+    path = tmp_path / "run" / ".lock"
+    holder = RunLock(path).acquire()
+    real_open = os.open
+
+    def open_then_holder_discards(name, flags, *mode):
+        fd = real_open(name, flags, *mode)
+        if holder._fd is not None:
+            holder.discard()  # between the second writer's open and its flock
+        return fd
+
+    monkeypatch.setattr(rundir.os, "open", open_then_holder_discards)
+    second = RunLock(path).acquire()
+    assert os.fstat(second._fd).st_ino == os.stat(path).st_ino and second.created
+    second.release()
+
+
+def test_a_killed_writers_temporary_files_are_removed_on_resume(smoke_run, tmp_path):
+    run = copy_run(smoke_run, tmp_path)
+    left = [run / "checkpoints" / ".step_0000040.state.safetensors.k2j1.tmp", run / ".metrics.jsonl.x9.tmp",
+            run / "records" / ".magnitudes.parquet.a1.tmp"]
+    for path in left:
+        path.write_bytes(b"half a file")
+    resume(run, progress=False, steps=45)
+    assert not [path for path in left if path.exists()]
+    assert load_run(run).config.train.steps == 45
+
+
+@pytest.mark.parametrize("name", ["config.json", "metrics.jsonl", "checkpoints/index.json"])
+def test_non_utf8_bytes_in_a_run_file_are_an_error_naming_it(smoke_run, tmp_path, name):
+    run = copy_run(smoke_run, tmp_path)
+    path = run / name
+    path.write_bytes(path.read_bytes()[:-3] + b"\xff\xfe\n")
+    with pytest.raises(RunDirError, match=f"{path} is not UTF-8 text"):
+        load_run(run).metrics

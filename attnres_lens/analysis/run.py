@@ -39,6 +39,7 @@ from attnres_lens.analysis.pruning import (
 from attnres_lens.analysis.routing import causal_routing, routing_correlations, routing_disagreements
 from attnres_lens.analysis.report import prune_report_html
 from attnres_lens.model import HookedTransformer
+from attnres_lens.resources import available_memory
 from attnres_lens.rundir import PathLike, Run, RunDir, atomic_write_bytes, atomic_write_json, atomic_write_parquet, load_run
 from attnres_lens.tasks.base import Batch, Task
 
@@ -54,25 +55,6 @@ def open_run(path: PathLike, checkpoint: Union[str, int] = "latest") -> tuple[Ru
 def _check_samples(samples: int, minimum: int) -> None:
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < minimum:
         raise ValueError(f"samples must be an integer >= {minimum}, got {samples!r}")
-
-
-def available_memory(device: torch.device) -> Optional[int]:
-    """Bytes this process can still allocate on `device`, or None where it cannot tell: on a GPU what torch reports
-    free; on Linux the kernel's MemAvailable, or less when a cgroup limit is nearer."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-        available = int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:"))) * 1024
-    except (OSError, StopIteration, ValueError):
-        return None
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            available = min(available, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
-    return available
 
 
 def _check_fits(model: HookedTransformer, batch: Batch) -> None:
