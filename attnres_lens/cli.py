@@ -132,15 +132,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """What can be refused without torch: sample counts, the pruning metric, thread counts, preset names and run
-    directories that do not exist. The libraries check the rest (--set fields, a run's contents,
-    checkpoints)."""
+    """What can be refused without torch: sample counts, the pruning metric, preset names and run directories that
+    do not exist. The libraries check the rest (--set fields, thread counts, a run's contents, checkpoints)."""
     if args.command in ("analyze", "prune", "attribute"):
         check_samples(args.samples, MIN_SAMPLES[args.command])
         if args.command == "prune":
             check_metric(args.metric)
-        if args.threads < 0:
-            raise ValueError(f"--threads must be 0 (one per core) or more, got {args.threads}")
     if args.command == "train":
         if args.preset is not None:
             check_preset(args.preset)

@@ -73,7 +73,6 @@ BAD_COMMANDS = [
     (["prune", "{run}", "--metric", "perplexity"], "metric must be one of ['loss', 'accuracy']"),
     (["prune", "{run}", "--samples", "1"], "samples must be an integer >= 2"),
     (["attribute", "{run}", "--samples", "0"], "samples must be an integer >= 2"),
-    (["analyze", "{run}", "--threads", "-1"], "--threads must be 0"),
     (["train", "--preset", "smok", "--out", "{missing}"], "unknown preset 'smok'"),
     (["train", "--resume", "{missing}"], "does not exist"),
     (["export-fla", "{missing}", "--out", "{missing}-fla"], "does not exist"),
