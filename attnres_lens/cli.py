@@ -236,8 +236,8 @@ def _analyze_lines(summary: dict) -> str:
 
 
 def _prune_lines(summary: dict) -> str:
-    lines = [f"clean loss {summary['base_loss']:.4f}, accuracy on answer positions {summary['base_accuracy']:.1%} "
-             f"({plural(summary['samples'], 'held-out sequence')})"]
+    lines = [f"clean loss {summary['base_loss']:.4f} over all positions, accuracy {summary['base_accuracy']:.1%} over "
+             f"answer positions ({plural(summary['samples'], 'held-out sequence')})"]
     lines += [f"{row['strategy']:>22}: {plural(row['n_removable'], 'sublayer')} removable within +5% loss"
               for row in summary["removable"]]
     return "\n".join(lines)
