@@ -218,38 +218,43 @@ def _analysis(args: argparse.Namespace) -> int:
     return 0
 
 
+def _number(value: Optional[float], spec: str) -> str:
+    """`value` formatted by `spec`; "n/a" where the JSON summary holds null (a NaN: e.g. no answer positions)."""
+    return "n/a" if value is None else format(value, spec)
+
+
 def _analyze_lines(summary: dict) -> str:
-    heads = ", ".join(f"L{row['layer']}H{row['head']} {row['prefix_score']:.3f}"
+    heads = ", ".join(f"L{row['layer']}H{row['head']} {_number(row['prefix_score'], '.3f')}"
                       for row in summary["top_induction_heads"])
     best = summary["top_induction_head"]
     lines = [f"top induction heads (prefix-matching score): {heads}",
-             f"best head L{best['layer']}H{best['head']}: prefix score {best['prefix_score']:.3f}, "
-             f"TransformerLens induction score {best['tl_induction_score']:.3f}",
-             f"in-context learning score {summary['icl_score']:+.4f} ({summary['icl_score_definition']})"]
+             f"best head L{best['layer']}H{best['head']}: prefix score {_number(best['prefix_score'], '.3f')}, "
+             f"TransformerLens induction score {_number(best['tl_induction_score'], '.3f')}",
+             f"in-context learning score {_number(summary['icl_score'], '+.4f')} ({summary['icl_score_definition']})"]
     if "top_depth_sources" in summary:
         lines.append("top depth sources per consumer (token-mean α):")
         width = max(len(row["consumer_label"]) for row in summary["top_depth_sources"])
-        lines += [f"  {row['consumer_label']:>{width}}: " + ", ".join(f"{source['source_label']} {source['weight']:.2f}"
-                                                                      for source in row["sources"])
-                  for row in summary["top_depth_sources"]]
+        lines += [f"  {row['consumer_label']:>{width}}: " + ", ".join(
+            f"{source['source_label']} {_number(source['weight'], '.2f')}" for source in row["sources"])
+            for row in summary["top_depth_sources"]]
     return "\n".join(lines)
 
 
 def _prune_lines(summary: dict) -> str:
-    lines = [f"clean loss {summary['base_loss']:.4f} over all positions, accuracy {summary['base_accuracy']:.1%} over "
-             f"answer positions ({plural(summary['samples'], 'held-out sequence')})"]
+    lines = [f"clean loss {_number(summary['base_loss'], '.4f')} over all positions, accuracy "
+             f"{_number(summary['base_accuracy'], '.1%')} over answer positions "
+             f"({plural(summary['samples'], 'held-out sequence')})"]
     lines += [f"{row['strategy']:>22}: {plural(row['n_removable'], 'sublayer')} removable within +5% loss"
               for row in summary["removable"]]
     return "\n".join(lines)
 
 
 def _attribute_lines(summary: dict) -> str:
-    top = ", ".join(f"{row['source_label']} ({row['share']:.0%})" for row in summary["top_logit_sources"])
+    top = ", ".join(f"{row['source_label']} ({_number(row['share'], '.0%')})" for row in summary["top_logit_sources"])
     lines = [f"correct-token logit carried by: {top}"]
     if "edge_agreement" in summary:
         agreement = summary["edge_agreement"]
-        spearman = "n/a" if agreement["spearman"] is None else f"{agreement['spearman']:.3f}"
-        lines.append(f"edge estimates vs exact knockouts: Spearman {spearman} over "
+        lines.append(f"edge estimates vs exact knockouts: Spearman {_number(agreement['spearman'], '.3f')} over "
                      f"{plural(agreement['n_edges'], 'edge')}")
     return "\n".join(lines)
 

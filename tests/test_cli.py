@@ -116,6 +116,8 @@ def test_counts_take_the_number_they_need():
     assert [line.strip() for line in lines[1:]] == ["measured: 1 sublayer removable within +5% loss",
                                                     "block_influence: 0 sublayers removable within +5% loss",
                                                     "last_first: 3 sublayers removable within +5% loss"]
+    no_answers = _prune_lines({"base_loss": 1.0, "base_accuracy": None, "samples": 2, "removable": []})  # NaN in JSON
+    assert no_answers == "clean loss 1.0000 over all positions, accuracy n/a over answer positions (2 held-out sequences)"
     summary = {"top_logit_sources": [{"source_label": "emb", "share": 1.0}],
                "edge_agreement": {"spearman": None, "n_edges": 1}}
     assert _attribute_lines(summary).splitlines()[1] == "edge estimates vs exact knockouts: Spearman n/a over 1 edge"
