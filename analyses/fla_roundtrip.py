@@ -166,7 +166,7 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
               f"({args.kv_heads} KV), `attnres_block_size={args.block_size}`; saved to `{shown(fla_dir)}`.", ""]
 
     run, loss = import_fla_run(fla_dir, args.out / "run")
-    tables = analyze_run(run, samples=args.samples, progress=False)
+    tables = analyze_run(run, samples=args.samples, progress=False).tables
     lines += [f"## Imported as run `{shown(run)}`", "",
               f"Held-out loss on the default evaluation task (copy, vocab {args.vocab}, length {args.ctx}): "
               f"{loss:.3f}. Depth attention, α averaged over {args.samples} held-out sequences "

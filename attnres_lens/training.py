@@ -144,9 +144,13 @@ class Trainer:
             dist.barrier()
 
     def _postfix(self, train_metrics: dict[str, float]) -> dict[str, str]:
-        postfix = {"loss": f"{train_metrics['loss']:.3f}", "tok/s": f"{train_metrics['tokens_per_s']:.0f}"}
+        """The bar's figures, each naming the positions it covers: the training loss over every position, and the
+        held-out loss and accuracy over the answer positions (the same positions, so they read together)."""
+        postfix = {"loss (train, all positions)": f"{train_metrics['loss']:.3f}"}
         if self.last_eval:
-            postfix["acc"] = f"{self.last_eval['eval_accuracy']:.1%}"
+            postfix["answer loss (eval)"] = f"{self.last_eval['eval_answer_loss']:.3f}"
+            postfix["answer acc (eval)"] = f"{self.last_eval['eval_accuracy']:.1%}"
+        postfix["tok/s"] = f"{train_metrics['tokens_per_s']:.0f}"
         return postfix
 
     # ------------------------------------------------------------------ steps
@@ -181,11 +185,12 @@ class Trainer:
         return loss_value, grad_norm, batch.tokens.numel()
 
     def evaluate(self) -> dict[str, float]:
-        """Loss over every next-token position and accuracy over the answer positions, on the held-out set."""
+        """On the held-out set: loss over every next-token position, and loss and accuracy over the answer
+        positions (docs/run_directory.md §3)."""
         self.model.eval()
         result = evaluate_model(self.model, self.eval_batch)
         self.model.train()
-        return {"eval_loss": result.loss, "eval_accuracy": result.accuracy}
+        return {"eval_loss": result.loss, "eval_answer_loss": result.answer_loss, "eval_accuracy": result.accuracy}
 
     def _evaluate_and_log(self, step: int, train_metrics: dict[str, float]) -> None:
         cfg = self.config.train

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pandas as pd
 import pytest
@@ -183,13 +185,49 @@ def test_prefix_score_and_tl_detect_head_agree_in_ranking_on_a_trained_run(induc
 
 
 def test_analyze_run_writes_its_tables(smoke_run):
-    tables = analyze_run(smoke_run, samples=4, progress=False)
+    result = analyze_run(smoke_run, samples=4, progress=False)
     for name in ("induction_heads", "icl_per_position", "depth_mixing", "mixing_diagnostics", "depth_weights", "depth_summary",
                  "depth_weights_tokens"):
         assert (smoke_run / "analysis" / f"{name}.csv").is_file()
         written = pd.read_parquet(smoke_run / "analysis" / f"{name}.parquet")
-        pd.testing.assert_frame_equal(written, tables[name].reset_index(drop=True), check_dtype=False)
-    assert (smoke_run / "analysis" / "analysis_summary.json").is_file()
+        pd.testing.assert_frame_equal(written, result.tables[name].reset_index(drop=True), check_dtype=False)
+    assert json.loads((smoke_run / "analysis" / "analysis_summary.json").read_text()) == result.summary
+    assert result.report_path == smoke_run / "analysis" / "analysis_report.html"
+
+
+def test_analysis_summary_states_and_follows_its_definitions(smoke_run, tmp_path):
+    """The ICL score is late-context loss minus early-context loss, recomputed here from the written per-position
+    losses; the top heads are the table's by prefix score; the top depth sources are each consumer's largest α."""
+    out = tmp_path / "analysis"
+    summary = analyze_run(smoke_run, samples=4, progress=False, out=out).summary
+    assert json.loads((out / "analysis_summary.json").read_text()) == summary
+    losses = pd.read_csv(out / "icl_per_position.csv")["loss"].to_numpy()
+    n = len(losses)  # 32 predicted positions: late = the last tenth, early = 10-20% of them
+    late, early = losses[int(0.9 * n):].mean(), losses[int(0.1 * n):int(0.2 * n)].mean()
+    assert summary["icl_score"] == pytest.approx(late - early, abs=1e-6)
+    definition = summary["icl_score_definition"]
+    assert "last tenth" in definition and "minus" in definition and "negative = later context lowers the loss" in definition
+    heads = pd.read_csv(out / "induction_heads.csv").sort_values("prefix_score", ascending=False, kind="stable")
+    assert [(h["layer"], h["head"]) for h in summary["top_induction_heads"]] == list(
+        zip(heads["layer"].head(5), heads["head"].head(5)))
+    assert summary["top_induction_head"] == summary["top_induction_heads"][0]
+    weights = pd.read_csv(out / "depth_weights.csv")
+    assert len(summary["top_depth_sources"]) == weights["consumer"].nunique()
+    for row in summary["top_depth_sources"]:
+        consumer = weights[weights["consumer"] == row["consumer"]]
+        assert row["sources"][0]["weight"] == pytest.approx(consumer["weight"].max())
+        assert [s["weight"] for s in row["sources"]] == sorted(consumer["weight"], reverse=True)[:2]
+
+
+def test_analyze_report_is_offline_and_holds_the_depth_maps(smoke_run, tmp_path):
+    result = analyze_run(smoke_run, samples=2, progress=False, out=tmp_path / "a")
+    html = result.report_path.read_text()
+    assert re.findall(r"<script[^>]*\ssrc\s*=", html, flags=re.I) == [] and html.count("plotly.js v") == 1
+    for heading in ("Top induction heads", "Loss per position", "Depth attention α, pre-attention consumers",
+                    "Depth attention α, pre-MLP consumers", "Depth attention α, final readout consumers",
+                    "Depth-mixing matrix M"):
+        assert heading in html, heading
+    assert f"{result.summary['icl_score']:.4f}" in html
 
 
 def test_analyze_command_writes_to_out_and_leaves_the_run_alone(smoke_run, tmp_path, capsys):
@@ -198,7 +236,14 @@ def test_analyze_command_writes_to_out_and_leaves_the_run_alone(smoke_run, tmp_p
     before = sorted(path.name for path in (smoke_run / "analysis").iterdir()) if (smoke_run / "analysis").exists() else []
     out = tmp_path / "elsewhere"
     assert main(["analyze", str(smoke_run), "--samples", "2", "--no-progress", "--out", str(out)]) == 0
-    assert f"to {out}/" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"tables in {out}/" in printed and f"report: {out / 'analysis_report.html'}" in printed
+    summary = json.loads((out / "analysis_summary.json").read_text())
+    best = summary["top_induction_head"]
+    assert f"best head L{best['layer']}H{best['head']}: prefix score {best['prefix_score']:.3f}" in printed
+    assert f"in-context learning score {summary['icl_score']:+.4f}" in printed
+    for row in summary["top_depth_sources"]:  # one line per consumer, its largest source first
+        assert re.search(rf"{re.escape(row['consumer_label'])}: {re.escape(row['sources'][0]['source_label'])} ", printed)
     assert (out / "induction_heads.parquet").is_file() and (out / "analysis_summary.json").is_file()
     after = sorted(path.name for path in (smoke_run / "analysis").iterdir()) if (smoke_run / "analysis").exists() else []
     assert after == before

@@ -453,6 +453,23 @@ def test_a_run_trained_here_in_fla_form_exports_and_fla_reproduces_it(tmp_path):
     assert (fla_logits(fla, ids).cpu() - model(ids)).abs().max().item() < TOLERANCE
 
 
+def test_the_fla_preset_trains_and_exports_as_trained(tmp_path):
+    """`fla-attnres-block` is in FLA's form: a run trained from it exports with no --set flags, and FLA's forward
+    of the export gives the run's logits."""
+    run = tmp_path / "run"
+    result = cli("train", "--preset", "fla-attnres-block", "--out", str(run), "--steps", "2", "--no-progress",
+                 "--set", "train.eval_size=4", "--set", "train.record_size=4")  # the cadence only, not the model
+    assert result.returncode == 0, result.stderr
+    result = cli("export-fla", str(run), "--out", str(tmp_path / "fla"))
+    assert result.returncode == 0, result.stderr
+    model = load_run(run).model
+    with fla_runtime(DEVICE):
+        fla = TransformerForCausalLM.from_pretrained(tmp_path / "fla").eval().to(DEVICE)
+    assert fla.config.attnres_block_size == 4 and fla.config.num_hidden_layers == 12
+    ids = tokens(model.cfg.d_vocab, length=model.cfg.n_ctx)
+    assert (fla_logits(fla, ids).cpu() - model(ids)).abs().max().item() < TOLERANCE
+
+
 def test_default_evaluation_task_fits_the_model():
     assert default_task(exportable(n_ctx=2048, d_vocab=32000)) == \
         {"name": "copy", "vocab_size": 32000, "seq_len": 2048, "min_len": 8, "max_len": 16}

@@ -229,7 +229,11 @@ def test_prune_command_writes_tables_and_a_self_contained_report(smoke_run, tmp_
     out = tmp_path / "report"
     assert cli_main(["prune", str(smoke_run), "--out", str(out), "--samples", "4", "--metric", "accuracy",
                      "--no-progress"]) == 0
-    assert "removable within +5% loss" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    for row in json.loads((out / "prune_summary.json").read_text())["removable"]:  # "1 sublayer", "2 sublayers"
+        count = row["n_removable"]
+        assert f"{row['strategy']}: {count} sublayer{'' if count == 1 else 's'} removable within +5% loss" in printed
+    assert f"report: {out / 'prune_report.html'}" in printed
     for name in ("pruning_sensitivity", "pruning_curves", "angular_distance", "metric_correlations", "removable",
                  "routing", "routing_disagreements"):
         assert (out / f"{name}.csv").is_file() and (out / f"{name}.parquet").is_file()

@@ -335,8 +335,8 @@ def test_every_kind_trains_records_and_analyses(kind_runs, name):
     computed = depth_mixing_matrix(run.model, tokens)
     torch.testing.assert_close(torch.tensor(last["weight"].to_numpy()), torch.tensor(computed["weight"].to_numpy()),
                                rtol=1e-4, atol=1e-5)
-    tables = analyze_run(kind_runs / name, samples=4, progress=False)
-    assert "depth_mixing" in tables
+    analyzed = analyze_run(kind_runs / name, samples=4, progress=False)
+    assert "depth_mixing" in analyzed.tables and analyzed.report_path.is_file()
     result = prune_run(kind_runs / name, samples=4, progress=False)
     assert result.report_path.is_file()
 

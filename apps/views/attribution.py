@@ -28,6 +28,7 @@ from attnres_lens.analysis.attribution_report import (
     timeline_figure,
 )
 from attnres_lens.analysis.induction import task_probe
+from attnres_lens.analysis.run import ATTRIBUTE_SAMPLES
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 from lens_ui.data import ModelHandle, RunTables, no_records_message, task_batch
 from lens_ui.widgets import COMPUTED_KEEP, computed_on_demand, loadable_runs, pick_model, pick_run, show_figure
@@ -88,7 +89,7 @@ st.header("At a checkpoint")
 handle = pick_model(run, key="attribution-checkpoint")
 if handle is None:
     st.stop()
-samples = int(st.number_input("Held-out sequences", 2, 128, 8, key="attribution-samples",
+samples = int(st.number_input("Held-out sequences", 2, 128, ATTRIBUTE_SAMPLES, key="attribution-samples",
                               help="the routing audit's bootstrap and the corrupted patch need at least 2"))
 prompt = prompt_input(run, handle, samples)
 if prompt is None:

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import streamlit as st
 
 from attnres_lens.analysis.report import prune_report_html
-from attnres_lens.analysis.run import REMOVAL_TOLERANCE, prune_summary, prune_tables
+from attnres_lens.analysis.run import PRUNE_SAMPLES, REMOVAL_TOLERANCE, prune_summary, prune_tables
 from lens_ui.data import ModelHandle, RunTables, task_batch
 from lens_ui.widgets import COMPUTED_KEEP, computed_on_demand, loadable_runs, pick_model, pick_run
 
@@ -36,7 +36,7 @@ handle = pick_model(run, key="pruning-checkpoint")
 if handle is None:
     st.stop()
 left, right = st.columns(2)
-samples = int(left.number_input("Held-out sequences", 2, 256, 16, key="pruning-samples"))
+samples = int(left.number_input("Held-out sequences", 2, 256, PRUNE_SAMPLES, key="pruning-samples"))
 metric = right.radio("Order removals by", ["loss", "accuracy"], horizontal=True, key="pruning-metric")
 
 report = computed_on_demand(

@@ -1,5 +1,6 @@
-"""`attnres-lens attribute`: attribution through depth for a run directory (docs/analysis.md §11), as tables and
-one offline HTML report, and the figures the report and the dashboard's Attribution page share.
+"""Attribution through depth (docs/analysis.md §11) as tables and one offline HTML report, and the figures the
+report and the dashboard's Attribution page share; `attnres-lens attribute` runs it on a run directory
+(`attnres_lens.analysis.run.attribute_run`).
 
 Data: the run's held-out set (`task.eval_batch(samples)`, scored on its answer positions where it has them),
 one prompt for the per-position views (`--prompt`, default the first held-out sequence), the repeated-tokens
@@ -26,23 +27,13 @@ from attnres_lens.analysis.attribution import (
     routing_audit,
     source_logit_lens,
 )
-from attnres_lens.analysis.induction import default_half_len, repeated_batch, task_probe
+from attnres_lens.analysis.induction import default_half_len, repeated_batch
 from attnres_lens.analysis.kv_shift import kv_shift_decomposition
 from attnres_lens.analysis.report import STYLE
 from attnres_lens.analysis.routing import causal_routing
-from attnres_lens.analysis.run import (
-    AnalysisResult,
-    _check_fits,
-    _check_out,
-    _check_samples,
-    _json_safe,
-    _run_header,
-    output_dir,
-    write_tables,
-)
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
+from attnres_lens.analysis_options import plural
 from attnres_lens.model import HookedTransformer
-from attnres_lens.rundir import PathLike, atomic_write_bytes, atomic_write_json, load_run
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch
 
 if TYPE_CHECKING:
@@ -156,31 +147,6 @@ def parse_prompt(model: HookedTransformer, prompt: Union[str, torch.Tensor, None
     if tokens.shape[1] < 2:
         raise ValueError("--prompt needs at least 2 tokens (each position is attributed against the next token)")
     return tokens
-
-
-def attribute_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples: int = 16,
-                  prompt: Optional[str] = None, out: Optional[PathLike] = None, n_boot: int = 1000,
-                  progress: bool = True) -> AnalysisResult:
-    """Attribution tables, `attribution_summary.json` and `attribution_report.html` under `out` (default
-    RUN/analysis/)."""
-    _check_samples(samples, 2)  # the bootstrap and the corrupted patch need two sequences
-    _check_out(out, path)
-    run = load_run(path, checkpoint=str(checkpoint))
-    task = run.config.build_task()
-    model = run.model
-    batch = task.eval_batch(samples)
-    _check_fits(model, batch)
-    prompt_tokens = parse_prompt(model, prompt, batch)
-    probe = task_probe(model, task, samples)
-    tables = attribution_tables(model, batch, prompt_tokens, run.records, run.metrics, probe, n_boot, progress)
-    header = {**_run_header(run, samples), "prompt": " ".join(map(str, prompt_tokens[0].tolist()))}
-    summary = _json_safe(attribution_summary(tables, header))
-    out_dir = output_dir(run, out)
-    write_tables(tables, out_dir)
-    atomic_write_json(out_dir / "attribution_summary.json", summary)
-    report_path = out_dir / "attribution_report.html"
-    atomic_write_bytes(report_path, attribution_report_html(tables, summary).encode())
-    return AnalysisResult(tables, summary, report_path)
 
 
 # ---------------------------------------------------------------------------- figures (pure functions of tables)
@@ -452,7 +418,7 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
             ("Edge attribution: value and routing paths",
              f"First-order estimates from one forward and one backward pass (buttons: total, value path, routing "
              f"path), against the exact knockouts: Spearman {number('spearman', 3)} over "
-             f"{agreement.get('n_edges')} edges ({number('spearman_within_consumer', 3)} within consumers; n/a "
+             f"{plural(agreement.get('n_edges', 0), 'edge')} ({number('spearman_within_consumer', 3)} within consumers; n/a "
              f"where no consumer reads three sources), sign agreement {number('sign_agreement', 2)}. First order fails "
              "where a softmax is saturated (max α near 1); the largest disagreements are listed.",
              [edge_heatmap_with_toggle(tables["edge_attribution"]),
