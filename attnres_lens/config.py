@@ -38,6 +38,7 @@ ATTNRES_MIXINGS = ("attention", "scalar")
 ATTNRES_OPTION_DEFAULTS: dict[str, Any] = {"attnres_score": "softmax", "attnres_key_norm": True,
                                            "attnres_query": "static", "attnres_heads": 1, "attnres_window": None,
                                            "attnres_mixing": "attention"}
+MAX_SINKHORN_ITERS = 1000
 MHC_DEFAULTS: dict[str, Any] = {"mhc_streams": 4, "mhc_sinkhorn_iters": 20, "mhc_eps": 1e-6}
 # Names earlier versions wrote: mHC was residual="hyper" with hyper_* fields. A stored config (config.json, a
 # checkpoint's metadata) is read with the new names; a new setting with an old name is refused naming the new one
@@ -166,6 +167,10 @@ class ModelConfig(TransformerLensConfig):
         for name in ("attnres_heads", "mhc_streams", "mhc_sinkhorn_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.mhc_sinkhorn_iters > MAX_SINKHORN_ITERS:
+            raise ValueError(f"mhc_sinkhorn_iters={self.mhc_sinkhorn_iters} is more than {MAX_SINKHORN_ITERS}: the "
+                             "Sinkhorn-Knopp normalisation converges geometrically (mHC uses 20), and each iteration "
+                             "is a sequential step of every forward pass")
         if self.attnres_window is not None and self.attnres_window < 1:
             raise ValueError(f"attnres_window must be None (every source) or >= 1, got {self.attnres_window!r}")
         if not self.mhc_eps > 0:
@@ -202,6 +207,9 @@ class ModelConfig(TransformerLensConfig):
             "n_layers × attention projections": layers * (2 * self.n_heads + 2 * kv_heads) * self.d_head * d,
             "n_layers × d_mlp MLPs": 0 if self.attn_only else layers * (3 if self.gated_mlp else 2) * d * self.d_mlp,
         }
+        if self.residual == "mhc":  # each mixer's projection [(2 + n) n, n d] (docs/model.md §13)
+            n = self.mhc_streams
+            parts["mhc_streams² × d_model stream mixers"] = self.n_sublayers * (2 + n) * n * n * d
         if self.positional_embedding_type == "rotary":  # cos and sin tables [n_ctx, d_head] in every layer
             parts["n_ctx × d_head rotary tables"] = layers * 2 * self.n_ctx * self.d_head
         else:

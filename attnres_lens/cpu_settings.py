@@ -24,6 +24,7 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import os
 import platform
 
 import torch
@@ -48,10 +49,19 @@ def _freeze_imports() -> None:
     gc.freeze()
 
 
+def max_threads() -> int:
+    """The most torch threads a process may ask for: 8 per core, at least 64. More only oversubscribe the cores,
+    and far more crash torch's OpenMP pool (100000 threads: a segmentation fault at the first parallel op)."""
+    return max(64, 8 * (os.cpu_count() or 1))
+
+
 def set_threads(threads: int) -> None:
     """torch's intra-op thread count; 0 leaves torch's default (one per core)."""
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be a whole number >= 0 (0 = one per core), got {threads!r}")
+    if threads > max_threads():
+        raise ValueError(f"threads={threads} is more than this machine can run ({os.cpu_count()} cores; at most "
+                         f"{max_threads()}); use 0 for one per core")
     if threads:
         torch.set_num_threads(threads)
 

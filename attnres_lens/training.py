@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from attnres_lens import cpu_settings
 from attnres_lens.config import RunConfig
 from attnres_lens.evaluation import evaluate_model
 from attnres_lens.model import HookedTransformer, adamw, next_token_loss
@@ -68,8 +69,8 @@ class Trainer:
         if self.device.type == "cpu" and config.model.dtype == torch.float16:
             raise ValueError("model.dtype=float16 is not supported for training on the CPU (its half-precision "
                              "arithmetic overflows within steps); use float32, or bfloat16")
-        if self.device.type == "cpu" and train_cfg.threads:
-            torch.set_num_threads(train_cfg.threads)
+        if self.device.type == "cpu":
+            cpu_settings.set_threads(train_cfg.threads)
         if self.device.type == "cuda" and self.world > 1:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
@@ -87,6 +88,9 @@ class Trainer:
         self.optimizer = adamw(self.model, train_cfg.lr, train_cfg.weight_decay, train_cfg.betas)
         self.data_generator = self.task.train_generator()
         self.eval_batch = self.task.eval_batch(train_cfg.eval_size).to(self.device)
+        if not self.eval_batch.answer_mask.any():  # eval_accuracy would be NaN at every evaluation
+            raise ValueError(f"the held-out set of train.eval_size={train_cfg.eval_size} sequences has no answer "
+                             "position to score accuracy on; raise train.eval_size")
         probe_half = (min(self.task.seq_len, model_cfg.n_ctx) - 1) // 2
         probe = repeated_tokens(train_cfg.record_size, probe_half, self.task.vocab_size,
                                 torch.Generator().manual_seed(train_cfg.seed + 1))

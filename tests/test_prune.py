@@ -281,6 +281,9 @@ def test_samples_that_cannot_fit_are_refused_before_any_work(smoke_run, tmp_path
         assert code == 2 and "samples=4096 needs at least" in err and "GiB are available" in err, err
         assert "samples=" in err.split("use far fewer: ")[1]
         assert not out.exists()  # nothing was written
+    monkeypatch.undo()  # this machine's memory: a billion sequences' tokens alone would need 264 GB
+    code, err = run_cli(["prune", str(smoke_run), "--samples", "1000000000"], capsys)
+    assert code == 2 and "samples=1000000000 needs at least" in err, err
 
 
 def test_stacked_evaluation_gives_each_intervention_its_own_result():

@@ -74,14 +74,14 @@ def open_run(path: PathLike, checkpoint: Union[str, int] = "latest") -> tuple[Ru
 
 
 
-def _check_fits(model: HookedTransformer, batch: Batch) -> None:
-    """Before any work: a `samples` whose one forward pass cannot fit gets an error, not a process killed without
-    a word. The bound is a floor, so it never refuses what would fit: the residual stream's tensors at the final
-    readout (every source it reads for AttnRes, else one) and the logits."""
+def _check_fits(model: HookedTransformer, n_sequences: int, n_positions: int) -> None:
+    """Before any work, the batch included: a `samples` whose one forward pass cannot fit gets an error, not a
+    process killed without a word. The bound is a floor, so it never refuses what would fit: the residual stream's
+    tensors at the final readout (every source it reads for AttnRes, else one) and the logits."""
     available = available_memory(model.embed.W_E.device)
     if available is None:
         return
-    cfg, (n_sequences, n_positions) = model.cfg, batch.tokens.shape
+    cfg = model.cfg
     n_tensors = len(model.sources(cfg.n_sublayers)) if cfg.residual == "attnres" else 1
     per_sequence = n_positions * (n_tensors * cfg.d_model + cfg.d_vocab) * model.embed.W_E.element_size()
     if n_sequences * per_sequence > available:
@@ -166,9 +166,8 @@ def _prepare(path: PathLike, command: str, checkpoint: Union[str, int], samples:
     check_samples(samples, MIN_SAMPLES[command])
     _check_out(out, path)
     run, task = open_run(path, checkpoint)
-    batch = task.eval_batch(samples)
-    _check_fits(run.model, batch)
-    return run, task, batch
+    _check_fits(run.model, samples, task.seq_len)  # before the batch: it alone may not fit
+    return run, task, task.eval_batch(samples)
 
 
 def _write(tables: dict[str, pd.DataFrame], summary: dict[str, Any], html: str, out_dir: Path,
