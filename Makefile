@@ -39,7 +39,7 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not triton" --durations=10
 
-# Demo runs ship in data/demo_runs; any missing one is trained first (a few minutes, with progress bars).
+# Demo runs ship in data/demo_runs; any missing one is trained first (about 15 minutes for all seven on a 2-core CPU, with progress bars).
 demo: setup
 	$(PY) apps/make_demo_runs.py --out $(DEMO_RUNS)
 	$(VENV)/bin/attnres-lens dashboard --runs $(DEMO_RUNS) --port $(PORT)

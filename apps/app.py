@@ -14,7 +14,7 @@ if str(APP_DIR) not in sys.path:  # page modules import lens_ui, wherever stream
 
 import streamlit as st  # noqa: E402
 
-from lens_ui.data import DEFAULT_RUNS_DIR, selected_paths  # noqa: E402
+from lens_ui.data import DEFAULT_RUNS_DIR, SHOWN_KEY, selected_paths, shown_paths  # noqa: E402
 
 
 def runs_dir_from_command_line() -> str:
@@ -42,8 +42,12 @@ page = st.navigation(PAGES)
 with st.sidebar:
     st.caption(f"Runs folder: `{st.session_state['runs_dir']}`")
     selection = st.empty()
+st.session_state.pop(SHOWN_KEY, None)  # set again by this page's run picker, if it has one
 try:
     page.run()
 finally:  # after the page, whose run picker may have set the selection (a page's st.stop() ends up here too)
-    picked = selected_paths()
-    selection.caption("Selected: " + (", ".join(Path(p).name for p in picked) if picked else "none"))
+    picked, shown = selected_paths(), shown_paths()
+    text = "Selected: " + (", ".join(Path(p).name for p in picked) if picked else "none")
+    if shown and not set(shown) <= set(picked):  # the page could not show the selection and shows other runs
+        text += "  \nShown on this page instead: " + ", ".join(Path(p).name for p in shown)
+    selection.caption(text)

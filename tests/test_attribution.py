@@ -580,17 +580,51 @@ def test_attribute_works_on_a_run_imported_from_fla(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_the_benchmark_script_runs_end_to_end_on_a_tiny_model():
-    from analyses.bench_attribution import main as bench
+def test_the_benchmark_runs_end_to_end_on_a_tiny_model(tmp_path):
+    from analyses.benchmarks import main as benchmarks
 
-    lines = bench(["--steps", "2", "--samples", "2", "--set", "model.n_layers=1", "--skip-one-pass",
-                   "--cli-repeats", "1"])
-    rows = {line.split("|")[1].strip(): line.split("|") for line in lines
-            if line.startswith("| ") and "engine" not in line}
-    assert {"shared prefixes", "stacked full passes"} <= set(rows)
-    assert float(rows["stacked full passes"][-3].strip()) < 1e-5  # the engines agree
-    assert int(rows["stacked full passes"][-2].strip()) >= 0  # rank entries that differ, counted apart
-    assert int(rows["shared prefixes"][3]) < int(rows["stacked full passes"][3])  # less work
-    forked = next(row for label, row in rows.items() if "forked process" in label)
-    assert float(forked[-3].strip()) == 0 and forked[2].strip() == "–"  # the same tables; the child's work unseen
-    assert any("full-pass equivalents of exact work at a clean pass's rate" in line for line in lines)
+    rows = benchmarks(["bench_attribution", "--tiny", "--results", str(tmp_path / "results.jsonl")])
+    value = {(row["metric"], row["variant"]): row["value"] for row in rows}
+    assert value[("max |Δ| vs shared prefixes", "stacked full passes")] < 1e-5  # the engines agree
+    assert value[("rank entries that differ", "stacked full passes")] >= 0  # counted apart
+    assert value[("work", "shared prefixes")] < value[("work", "stacked full passes")]  # less work
+    forked = next(variant for metric, variant in value if "forked process" in variant)
+    assert value[("max |Δ| vs shared prefixes", forked)] == 0  # the same tables
+    assert ("work", forked) not in value  # the child's work is not seen here
+    assert value[("prune end to end", "as shipped")] > 0 and value[("prune end to end", "--threads 1")] > 0
+    assert value[("clean forward pass", "no hooks")] > 0 and -1 <= value[("edge attribution spearman",
+                                                                          "first order vs exact")] <= 1
+
+
+# ---------------------------------------------------------------------------- hostile batches (issue 41 item 11)
+def _analyses_of_a_batch():
+    from attnres_lens.analysis import causal_routing, edge_attribution, routing_audit
+
+    return {"edge_attribution": edge_attribution, "causal_routing": causal_routing,
+            "routing_audit": lambda model, batch: routing_audit(model, batch, n_boot=10)}
+
+
+@pytest.mark.parametrize("analysis", ["edge_attribution", "causal_routing", "routing_audit"])
+def test_every_analysis_of_a_batch_checks_it_as_depth_logit_attribution_does(analysis):
+    """Each refuses what would be misread (float or out-of-range targets, a mask of another shape or kind) or give
+    a table of NaN effects without a word (no position with a target), naming the problem."""
+    import dataclasses
+
+    run = _analyses_of_a_batch()[analysis]
+    model = HookedTransformer(small_config("attnres", 1, n_layers=1))
+    batch = copy_batch(3)
+    cases = {
+        "must hold integer token ids, got dtype torch.float32": dict(targets=batch.targets.float()),
+        "out of range for d_vocab=20": dict(targets=torch.where(batch.targets == IGNORE_INDEX, IGNORE_INDEX,
+                                                                batch.targets + 20)),
+        "batch.targets must have the tokens' shape": dict(targets=batch.targets[:, :-1]),
+        "answer_mask must be booleans of the tokens' shape": dict(answer_mask=batch.answer_mask.long()),
+        "no position with a target": dict(targets=torch.full_like(batch.targets, IGNORE_INDEX)),
+    }
+    for message, change in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            run(model, dataclasses.replace(batch, **change))
+    one_token = dataclasses.replace(batch, tokens=batch.tokens[:, :1], targets=batch.targets[:, :1] * 0 + IGNORE_INDEX,
+                                    answer_mask=batch.answer_mask[:, :1])
+    with pytest.raises(ValueError, match="one-token sequences"):
+        run(model, one_token)

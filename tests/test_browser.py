@@ -105,5 +105,22 @@ def test_dashboard_in_chromium(dashboard_url):
             page.get_by_text("Direct logit attribution of the next token").first.wait_for(timeout=120_000)
             wait_for_charts(page, count=3)  # the timeline, the per-position DLA and the per-source bars
             page.screenshot(path=str(OUTPUT / "dashboard-attribution.png"), full_page=True)
+
+            # the pruning report's frame takes the report's height: nothing cut, no second scroll bar
+            page.get_by_role("link", name="Pruning").click()
+            page.get_by_role("heading", name="Layer pruning").wait_for(timeout=60_000)
+            samples = page.get_by_label("Held-out sequences")
+            samples.fill("4")
+            samples.press("Enter")
+            page.get_by_role("button", name="Compute pruning report").click(timeout=60_000)
+            frame = page.locator("iframe").first
+            frame.wait_for(timeout=300_000)
+            report = frame.content_frame
+            report.locator(".plotly-graph-div").last.wait_for(timeout=60_000)
+            time.sleep(1)  # the frame's height follows its content
+            content = report.locator("html").evaluate("element => element.scrollHeight")
+            shown = frame.bounding_box()["height"]
+            assert content > 2000 and shown >= content - 5, (shown, content)
+            page.screenshot(path=str(OUTPUT / "dashboard-pruning.png"), full_page=True)
         finally:
             browser.close()

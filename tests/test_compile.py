@@ -26,7 +26,7 @@ VARIANTS = {
     "input-dependent query": dict(residual="attnres", attnres_query="input"),
     "scalar mixing": dict(residual="attnres", attnres_mixing="scalar"),
     "denseformer": dict(residual="denseformer"),
-    "mhc": dict(residual="hyper", hyper_streams=2, hyper_sinkhorn_iters=3),
+    "mhc": dict(residual="mhc", mhc_streams=2, mhc_sinkhorn_iters=3),
     "gated, biased, tied": dict(residual="attnres", gated_mlp=True, act_fn="silu", use_bias=True,
                                 tie_word_embeddings=True),
 }

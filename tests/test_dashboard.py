@@ -54,6 +54,21 @@ def test_every_page_renders_on_the_demo_runs(page):
         assert chart_specs(app), f"{page} drew no chart"
 
 
+DEMO_RUN_NAMES = sorted(path.name for path in DEMO_RUNS.iterdir() if (path / "config.json").is_file())
+
+
+@pytest.mark.parametrize("run", DEMO_RUN_NAMES)
+@pytest.mark.slow
+def test_every_page_renders_every_demo_run(run):
+    """Each shipped demo run selected, every page: messages where a page cannot show it, never a traceback."""
+    app = open_page("views/runs.py")
+    app.multiselect(key="runs-pick").set_value([str(DEMO_RUNS / run)]).run()
+    for page in PAGES[1:]:
+        app.switch_page(page).run()
+        assert_clean(app)
+        assert app.session_state["selected_runs"] == [str(DEMO_RUNS / run)], page
+
+
 @pytest.mark.slow
 def test_runs_page_lists_runs_and_keeps_the_selection_across_pages():
     app = open_page("views/runs.py")
@@ -81,6 +96,139 @@ def test_the_sidebar_names_the_runs_every_page_shows():
     app.switch_page("views/runs.py").run()
     assert app.multiselect(key="runs-pick").value == [block]
     assert "depth-block-6l" in " ".join(element.value for element in app.sidebar.caption)
+
+
+@pytest.mark.slow
+def test_a_page_that_cannot_show_the_selected_run_says_so_and_keeps_the_selection():
+    """A standard-residual run selected on Runs: Depth attention (AttnRes only) says why it is not shown and which
+    runs it shows instead, the selection stays (the sidebar names both, the next page shows the selected run), and
+    only a pick on the page changes it."""
+    app = open_page("views/runs.py")
+    kv_shift = str(DEMO_RUNS / "induction-1l-kvshift")
+    app.multiselect(key="runs-pick").set_value([kv_shift]).run()
+    app.switch_page("views/depth_attention.py").run()
+    assert_clean(app)
+    assert app.session_state["selected_runs"] == [kv_shift]
+    notes = [info.value for info in app.info if "not shown here" in info.value]
+    assert len(notes) == 1 and "induction-1l-kvshift" in notes[0] and "AttnRes" in notes[0], notes
+    shown = app.multiselect(key="depth-runs").value
+    assert shown and all(Path(path).name in notes[0] for path in shown)
+    assert {Path(path).name for path in shown} <= {"depth-block-6l", "depth-full-6l"}
+    sidebar = " ".join(element.value for element in app.sidebar.caption)
+    assert "Selected: induction-1l-kvshift" in sidebar and f"instead: {Path(shown[0]).name}" in sidebar
+
+    app.switch_page("views/training_dynamics.py").run()
+    assert app.multiselect(key="dynamics-runs").value == [kv_shift]
+    assert "instead" not in " ".join(element.value for element in app.sidebar.caption)
+
+    app.switch_page("views/depth_attention.py").run()
+    block = str(DEMO_RUNS / "depth-block-6l")
+    app.multiselect(key="depth-runs").set_value([block]).run()
+    assert app.session_state["selected_runs"] == [block]
+    assert not [info.value for info in app.info if "not shown here" in info.value]
+
+
+@pytest.mark.slow
+def test_runs_table_says_which_positions_each_metric_covers(tmp_path):
+    """Loss over all positions beside accuracy over answer positions, each column saying so; the answer-position
+    loss is shown where metrics.jsonl has it (`eval_answer_loss`) and left out for runs from before it."""
+    shutil.copytree(DEMO_RUNS / "induction-1l-kvshift", tmp_path / "old")
+    app = open_page("views/runs.py", runs=tmp_path)
+    table = app.dataframe[0].value
+    assert {"train loss (all pos.)", "eval loss (all pos.)", "accuracy (answer pos.)"} <= set(table.columns)
+    assert "eval loss (answer pos.)" not in table.columns  # no run logged it
+    metrics = [json.loads(line) for line in (tmp_path / "old" / "metrics.jsonl").read_text().splitlines()]
+    last_eval = max(index for index, line in enumerate(metrics) if "eval_loss" in line)
+    assert table["eval loss (all pos.)"][0] == pytest.approx(metrics[last_eval]["eval_loss"])
+    assert table["accuracy (answer pos.)"][0] == pytest.approx(metrics[last_eval]["eval_accuracy"])
+
+    shutil.copytree(tmp_path / "old", tmp_path / "new")
+    metrics[last_eval]["eval_answer_loss"] = 0.0123
+    (tmp_path / "new" / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in metrics))
+    app = open_page("views/runs.py", runs=tmp_path)
+    assert_clean(app)
+    table = app.dataframe[0].value.set_index("run")
+    assert table.loc["new", "eval loss (answer pos.)"] == pytest.approx(0.0123)
+    assert np.isnan(table.loc["old", "eval loss (answer pos.)"])
+    app.session_state["selected_runs"] = [str(tmp_path / "new")]
+    app.switch_page("views/training_dynamics.py").run()
+    assert_clean(app)
+    loss = next(spec for spec in chart_specs(app) if spec["layout"]["title"]["text"] == "Loss")
+    assert "new · eval, answer positions" in [trace["name"] for trace in loss["data"]]
+
+
+@pytest.mark.slow
+def test_training_timeline_tells_every_line_apart_and_names_every_consumer():
+    """16 lines (13 consumers of a 6-layer Full AttnRes run, 3 model-wide series): no two share a colour and dash,
+    the two fastest-change labels sit in different panels, and the model-wide rows are labelled, not blank."""
+    from attnres_lens import load_run
+    from attnres_lens.analysis.attribution_report import timeline_figure
+    from attnres_lens.analysis.timeline import fastest_changes, training_timeline
+
+    run = load_run(DEMO_RUNS / "depth-full-6l", load_model=False)
+    timeline = training_timeline(run.records, run.metrics)
+    figure = timeline_figure(timeline, fastest_changes(timeline))
+    styles = {trace.name: (trace.line.color, trace.line.dash) for trace in figure.data}
+    assert len(styles) == timeline["consumer_label"].nunique() - 1 + 3  # consumers, loss, eval_loss, induction
+    assert None not in {colour for colour, _ in styles.values()}
+    assert len(set(styles.values())) == len(styles), styles
+    for trace in figure.data:  # a consumer keeps its style in every panel
+        assert (trace.line.color, trace.line.dash) == styles[trace.name]
+    labels = [note for note in figure.layout.annotations if note.text.startswith("fastest")]
+    assert len(labels) == 2 and labels[0].yref != labels[1].yref
+
+    app = open_page("views/runs.py")
+    app.session_state["selected_runs"] = [str(DEMO_RUNS / "depth-full-6l")]
+    app.switch_page("views/attribution.py").run()
+    assert_clean(app)
+    changes = next(frame.value for frame in app.dataframe if "series" in frame.value)
+    by_series = changes.set_index("series")["consumer"]
+    assert by_series["loss"] == by_series["induction_score"] == "whole model"
+    assert "final" in set(changes["consumer"]) and "" not in set(changes["consumer"])
+
+
+@pytest.mark.slow
+def test_heatmap_cells_print_values_by_grid_size(monkeypatch):
+    """Block (4 sources) and Full AttnRes (up to 13 sources) panels of a 6-layer run both print α in their cells;
+    a grid too large for printed values shows them on hover only."""
+    app = open_page("views/runs.py")
+    app.session_state["selected_runs"] = [str(DEMO_RUNS / "depth-block-6l"), str(DEMO_RUNS / "depth-full-6l")]
+    app.switch_page("views/depth_attention.py").run()
+    assert_clean(app)
+    heatmaps = {spec["layout"]["title"]["text"]: spec["data"][0] for spec in chart_specs(app)
+                if spec["data"][0]["type"] == "heatmap" and "step" in spec["layout"]["title"]["text"]}
+    assert any("depth-full-6l" in title for title in heatmaps) and any("depth-block-6l" in title for title in heatmaps)
+    for title, trace in heatmaps.items():
+        assert trace.get("texttemplate") == "%{z:.2f}", title
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "apps"))
+    from lens_ui.figures import cell_text
+
+    assert cell_text((6, 4))[0] and cell_text((7, 13))[1] < cell_text((6, 4))[1]
+    assert cell_text((24, 25)) == (None, cell_text((24, 25))[1])
+
+
+@pytest.mark.parametrize("metric", ["loss", "accuracy"])
+@pytest.mark.slow
+def test_pruning_curve_axis_holds_every_point_with_a_margin(metric):
+    """The cumulative-removal figure of the pruning report sets its y range from the curves (and the +5% line),
+    a margin on each side, so no curve or marker is cut off."""
+    import pandas as pd
+
+    from attnres_lens.analysis.report import _figures
+
+    labels = ["L0.attn", "L0.mlp"]
+    sensitivity = pd.DataFrame({"label": labels, **{f"{column}_{mode}": [0.1, 0.2] for column in ("dloss", "dacc")
+                                                    for mode in ("remove", "mean", "resample")}})
+    curves = pd.DataFrame({"strategy": ["measured"] * 3 + ["drop_deepest"] * 3, "n_removed": [0, 1, 2] * 2,
+                           "loss": [1.8, 2.5, 9.7, 1.8, 1.85, 6.0], "accuracy": [0.9, 0.4, 0.02, 0.9, 0.88, 0.1]})
+    distances = pd.DataFrame({"start": [0, 0], "start_label": ["L0.attn"] * 2, "n": [1, 2], "distance": [0.1, 0.2]})
+    tables = {"pruning_sensitivity": sensitivity, "pruning_curves": curves, "angular_distance": distances}
+    figure = next(figure for heading, figure, _ in _figures(tables, metric, 0.05) if "removed" in heading)
+    low, high = figure.layout.yaxis.range
+    values = curves[metric]
+    span = values.max() - values.min()
+    assert low < values.min() - 0.03 * span and high > values.max() + 0.03 * span
+    assert low > values.min() - 0.2 * span and high < values.max() + 0.2 * span  # a margin, not a zoom-out
 
 
 @pytest.mark.slow
@@ -135,7 +283,12 @@ def test_live_induction_scores_and_pruning_report_compute():
     app.selectbox(key="pruning-run").set_value(run).run()
     app.button(key="pruning-compute").click().run()
     assert_clean(app)
-    assert app.get("iframe") or app.get("html"), "the pruning report was not shown"
+    frames = app.get("iframe")
+    assert len(frames) == 1, "the pruning report was not shown"
+    report = frames[0].proto.srcdoc
+    # every summary table once: in the report, none beside it in narrow columns
+    assert not app.dataframe and report.count("<h2>Sublayers removable within") == 1
+    assert report.count("<h2>Cheap metrics vs measured removal effect") == 1
 
 
 @pytest.mark.slow
@@ -156,6 +309,20 @@ def test_attribution_page_computes_and_toggles_the_edge_path():
     routing = next(spec for spec in chart_specs(app)
                    if spec["layout"]["title"]["text"].startswith("Edge attribution ("))
     assert "routing path" in routing["layout"]["title"]["text"] and routing["data"][0]["z"] != total["data"][0]["z"]
+
+
+@pytest.mark.parametrize("run", ["induction-1l-vanilla", "induction-1l-kvshift"])
+@pytest.mark.slow
+def test_kv_shift_decomposition_only_for_models_with_kv_shift(run):
+    app = open_page("views/attribution.py")
+    app.selectbox(key="attribution-run").set_value(str(DEMO_RUNS / run)).run()
+    app.number_input(key="attribution-samples").set_value(2).run()
+    app.button(key="attribution-compute").click().run()
+    assert_clean(app)
+    titles = [spec["layout"]["title"]["text"] for spec in chart_specs(app)]
+    drawn = any(title.startswith("KV-shift decomposition") for title in titles)
+    said = any("no KV shift to decompose" in info.value for info in app.info)
+    assert (drawn, said) == ((True, False) if run.endswith("kvshift") else (False, True)), titles
 
 
 @pytest.mark.slow
@@ -201,14 +368,14 @@ def test_every_residual_kind_renders_every_page(tmp_path):
     from attnres_lens.presets import get_preset
     from attnres_lens.training import train
 
-    for name, overrides in {"dense": ["model.residual=denseformer"], "hyper": ["model.residual=hyper"],
+    for name, overrides in {"dense": ["model.residual=denseformer"], "mhc": ["model.residual=mhc"],
                             "sigmoid": ["model.attnres_score=sigmoid"]}.items():
         train(apply_overrides(get_preset("smoke"), [*overrides, "train.steps=10", "train.checkpoint_every=10"]),
               tmp_path / name, progress=False)
     app = open_page("views/runs.py", runs=tmp_path)
     kinds = set(app.dataframe[0].value["residual"])
     assert {"DenseFormer", "mHC n=4", "Block AttnRes S=2 (sigmoid)"} <= kinds, kinds
-    for run in ("dense", "hyper", "sigmoid"):
+    for run in ("dense", "mhc", "sigmoid"):
         app.session_state["selected_runs"] = [str(tmp_path / run)]
         for page in PAGES:
             app.switch_page(page).run()

@@ -56,7 +56,7 @@ def _accepted(residual: str) -> bool:
 
 
 # every residual kind the model offers, each also attention-only with learned positions
-KINDS = VARIANTS + [((kind, 1), "standard") for kind in ("denseformer", "hyper") if _accepted(kind)]
+KINDS = VARIANTS + [((kind, 1), "standard") for kind in ("denseformer", "mhc") if _accepted(kind)]
 ALL_LAYOUTS = [(residual, attention, extra) for (residual, attention) in KINDS
                for extra in ({}, {"attn_only": True, "positional_embedding_type": "standard"})]
 
@@ -114,7 +114,7 @@ def mixed_interventions(model: HookedTransformer, batch) -> list:
 
 
 @pytest.mark.parametrize("residual, block_size", [("standard", 1), ("attnres", 1), ("attnres", 2)]
-                         + [(kind, 1) for kind in ("denseformer", "hyper") if _accepted(kind)])
+                         + [(kind, 1) for kind in ("denseformer", "mhc") if _accepted(kind)])
 @pytest.mark.parametrize("max_sequences", [4, 256])
 def test_shared_evaluation_equals_one_pass_per_intervention(residual, block_size, max_sequences):
     model = HookedTransformer(small_config(residual, block_size)).eval()
@@ -348,7 +348,7 @@ def test_parallel_evaluation_restores_threads_and_hooks_and_reports_a_failing_ho
 
 
 @pytest.mark.parametrize("residual, block_size", [("attnres", 1), ("attnres", 3), ("standard", 1)]
-                         + [(kind, 1) for kind in ("denseformer", "hyper") if _accepted(kind)])
+                         + [(kind, 1) for kind in ("denseformer", "mhc") if _accepted(kind)])
 def test_the_analyses_give_the_same_numbers_on_worker_threads(residual, block_size, monkeypatch):
     # AttnRes mixes two-phase here, and a window's phase-1 statistics belong to one batch: stacking or slicing a
     # stream must drop them. Full AttnRes on the C kernel from the first shared source (in this small model no

@@ -120,8 +120,8 @@ def test_gpu_check_dry_run(tmp_path):
     """The one GPU check runs end to end here (tiny shapes, the interpreter): every section, every check ok."""
     from analyses import gpu_check
 
-    out = tmp_path / "gpu_check.md"
-    lines = gpu_check.main(["--dry-run", "--out", str(out)])
+    out, results = tmp_path / "gpu_check.md", tmp_path / "results.jsonl"
+    lines = gpu_check.main(["--dry-run", "--out", str(out), "--results", str(results)])
     report = out.read_text()
     assert report.splitlines() == lines
     for title in ("## 1. Correctness", "## 3. Two-phase", "## 4. Training step"):
@@ -130,6 +130,13 @@ def test_gpu_check_dry_run(tmp_path):
     statuses = [line.rsplit("|", 2)[-2].strip() for line in lines if line.startswith("| ") and line.count("|") >= 8
                 and not line.startswith("| tokens")]
     assert statuses and set(statuses) <= {"ok", "skipped (needs CUDA or fla)"}
+    from analyses.results import read_rows
+
+    ratios = {row["variant"]: row for row in read_rows(results) if row["metric"] == "step ratio"}
+    assert list(ratios) == ["standard", "block S=2", "full"] and ratios["standard"]["value"] == 1.0
+    assert ratios["block S=2"]["target"] == 1.03 and "met" in ratios["block S=2"] and "met" not in ratios["full"]
+    assert all(row["bench"] == "gpu_check" and row["command"].startswith("python -m analyses.gpu_check --dry-run")
+               for row in ratios.values())
 
 
 # --- two-phase Block AttnRes ---------------------------------------------------------------------------------

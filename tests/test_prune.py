@@ -213,7 +213,11 @@ def test_prune_command_writes_tables_and_a_self_contained_report(smoke_run, tmp_
     out = tmp_path / "report"
     assert cli_main(["prune", str(smoke_run), "--out", str(out), "--samples", "4", "--metric", "accuracy",
                      "--no-progress"]) == 0
-    assert "removable within +5% loss" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    for row in json.loads((out / "prune_summary.json").read_text())["removable"]:  # "1 sublayer", "2 sublayers"
+        count = row["n_removable"]
+        assert f"{row['strategy']}: {count} sublayer{'' if count == 1 else 's'} removable within +5% loss" in printed
+    assert f"report: {out / 'prune_report.html'}" in printed
     for name in ("pruning_sensitivity", "pruning_curves", "angular_distance", "metric_correlations", "removable",
                  "routing", "routing_disagreements"):
         assert (out / f"{name}.csv").is_file() and (out / f"{name}.parquet").is_file()
@@ -256,6 +260,9 @@ def test_samples_that_cannot_fit_are_refused_before_any_work(smoke_run, tmp_path
         assert code == 2 and "samples=4096 needs at least" in err and "GiB are available" in err, err
         assert "samples=" in err.split("use far fewer: ")[1]
         assert not out.exists()  # nothing was written
+    monkeypatch.undo()  # this machine's memory: a billion sequences' tokens alone would need 264 GB
+    code, _, err = run_cli(["prune", str(smoke_run), "--samples", "1000000000"], capsys)
+    assert code == 2 and "samples=1000000000 needs at least" in err, err
 
 
 def test_stacked_evaluation_gives_each_intervention_its_own_result():

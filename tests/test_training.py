@@ -271,9 +271,20 @@ def test_the_trainer_and_the_analyses_share_one_evaluation(smoke_run):
     trainer.model.load_state_dict(load_run(smoke_run).model.state_dict())
     reported = trainer.evaluate()
     analysed = evaluate(trainer.model, trainer.eval_batch)
-    assert reported == {"eval_loss": analysed.loss, "eval_accuracy": analysed.accuracy}
+    assert reported == {"eval_loss": analysed.loss, "eval_answer_loss": analysed.answer_loss,
+                        "eval_accuracy": analysed.accuracy}
     logged = RunDir(smoke_run).read_metrics().dropna(subset=["eval_loss"]).iloc[-1]
     assert logged["eval_loss"] == pytest.approx(analysed.loss, rel=1e-6)
+    # the answer loss covers exactly the positions the accuracy counts (cross-entropy at the answer mask); the
+    # trainer's is float32: its log-softmax over the vocabulary and mean over the answers round, by the reordering bound
+    batch = trainer.eval_batch
+    with torch.no_grad():
+        logits = trainer.model(batch.tokens)
+    answers = batch.answer_mask & (batch.targets >= 0)
+    by_hand = torch.nn.functional.cross_entropy(logits[answers].double(), batch.targets[answers]).item()
+    assert 0 < answers.sum() < (batch.targets >= 0).sum()  # the copy task: answers are a strict subset
+    bound = reordering_bound(int(answers.sum()) + trainer.model.cfg.d_vocab, by_hand)
+    assert logged["eval_answer_loss"] == pytest.approx(by_hand, rel=0, abs=bound)
     # chunked evaluation sums what one pass would, in another order (and other matrix shapes): float32 rounding
     whole = evaluate_model(trainer.model, trainer.eval_batch, chunk=10_000)
     bound = reordering_bound(float32_chain_length(trainer.model.cfg, trainer.eval_batch.tokens), whole.loss)
@@ -329,6 +340,33 @@ def test_ctrl_c_says_where_to_resume(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(Trainer, "_train_step", original)
     assert cli_main(["train", "--resume", str(out), "--no-progress"]) == 0
     assert load_run(out).checkpoint == "step_0000040"
+
+
+def test_the_progress_bar_names_the_positions_each_figure_covers(smoke_run):
+    trainer = Trainer(RunDir(smoke_run).read_config(), smoke_run, progress=False)
+    trainer.last_eval = {"eval_loss": 3.8, "eval_answer_loss": 0.01, "eval_accuracy": 0.999}
+    postfix = trainer._postfix({"loss": 3.818, "tokens_per_s": 1000.0})
+    assert postfix == {"loss (train, all positions)": "3.818", "answer loss (eval)": "0.010",
+                       "answer acc (eval)": "99.9%", "tok/s": "1000"}
+
+
+def test_a_run_written_before_the_answer_loss_existed_still_loads_and_resumes(smoke_run, tmp_path):
+    import shutil
+
+    from attnres_lens.analysis.timeline import training_timeline
+
+    old = tmp_path / "old"
+    shutil.copytree(smoke_run, old)
+    lines = [json.loads(line) for line in (old / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_answer_loss" in line for line in lines)
+    (old / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in line.items() if k != "eval_answer_loss"})
+                                               + "\n" for line in lines))
+    run = load_run(old)
+    assert "eval_answer_loss" not in run.metrics and not training_timeline(run.records, run.metrics).empty
+    assert cli_main(["train", "--resume", str(old), "--steps", "50", "--no-progress"]) == 0
+    metrics = load_run(old, load_model=False).metrics
+    assert metrics.loc[metrics["step"] == 50, "eval_answer_loss"].notna().all()
+    assert metrics.loc[metrics["step"] <= 40, "eval_answer_loss"].isna().all()
 
 
 def test_run_is_complete(smoke_run, tmp_path):

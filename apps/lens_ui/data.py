@@ -158,7 +158,16 @@ def no_records_message(run: RunTables, what: str, where: str) -> str:
     return f"Run {run.name} has no {what} yet ({where})."
 
 
+# Runs-table columns that say which positions each metric covers (docs/architecture.md §2, the evaluation metric):
+# the loss averages every target position, the answer loss and the accuracy only the task's answer positions.
+# Short enough that the table fits a 1500 px window with every column (the Runs page's caption spells them out).
+TRAIN_LOSS, EVAL_LOSS = "train loss (all pos.)", "eval loss (all pos.)"
+ANSWER_LOSS, ACCURACY = "eval loss (answer pos.)", "accuracy (answer pos.)"
+
+
 def summary_row(tables: RunTables) -> dict[str, Any]:
+    """One Runs-table row; the answer-position loss is NaN for runs that did not log it (`eval_answer_loss` is
+    newer than some runs)."""
     cfg = tables.model_config
     metrics = tables.metrics
     last_step = int(metrics["step"].max()) if "step" in metrics and len(metrics) else 0
@@ -168,8 +177,8 @@ def summary_row(tables: RunTables) -> dict[str, Any]:
         "run": tables.name, "variant": tables.variant, "task": tables.task,
         "residual": cfg.residual_label, "attention": cfg.attention_label, "layers": cfg.n_layers,
         "steps": steps,
-        "final loss": last_value(metrics, "loss"), "eval loss": last_value(metrics, "eval_loss"),
-        "accuracy": last_value(metrics, "eval_accuracy"),
+        TRAIN_LOSS: last_value(metrics, "loss"), EVAL_LOSS: last_value(metrics, "eval_loss"),
+        ANSWER_LOSS: last_value(metrics, "eval_answer_loss"), ACCURACY: last_value(metrics, "eval_accuracy"),
     }
 
 
@@ -190,10 +199,17 @@ def all_runs() -> tuple[list[RunTables], dict[str, str]]:
 
 
 SELECTION_KEY = "selected_runs"  # the runs the pages show: one state, set by any page's run picker
+# the runs the current page shows: the selection, or (when the page cannot show a selected run) the ones it offers
+# instead; the sidebar names both when they differ
+SHOWN_KEY = "shown_runs"
 
 
 def selected_paths() -> list[str]:
     return list(st.session_state.get(SELECTION_KEY, []))
+
+
+def shown_paths() -> list[str]:
+    return list(st.session_state.get(SHOWN_KEY, []))
 
 
 def task_batch(run: RunTables, n_sequences: int = 32) -> Batch:

@@ -28,6 +28,7 @@ from attnres_lens.analysis.attribution_report import (
     timeline_figure,
 )
 from attnres_lens.analysis.induction import task_probe
+from attnres_lens.analysis.run import ATTRIBUTE_SAMPLES
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 from lens_ui.data import ModelHandle, RunTables, no_records_message, task_batch
 from lens_ui.widgets import COMPUTED_KEEP, computed_on_demand, loadable_runs, pick_model, pick_run, show_figure
@@ -78,14 +79,17 @@ else:
     changes = fastest_changes(timeline)
     show_figure(timeline_figure(timeline, changes), key="attribution-timeline")
     with st.expander("Step of the fastest change, per series and consumer"):
-        st.dataframe(changes, hide_index=True)
+        # the label names the consumer (a sublayer, the final readout, or the whole model for loss and induction);
+        # the model-wide rows, the ones the dotted lines mark, come first
+        rows = changes.sort_values("consumer", key=lambda consumer: consumer >= 0, kind="stable")
+        st.dataframe(rows.drop(columns="consumer").rename(columns={"consumer_label": "consumer"}), hide_index=True)
 
 # ---------------------------------------------------------------------------- from a checkpoint
 st.header("At a checkpoint")
 handle = pick_model(run, key="attribution-checkpoint")
 if handle is None:
     st.stop()
-samples = int(st.number_input("Held-out sequences", 2, 128, 8, key="attribution-samples",
+samples = int(st.number_input("Held-out sequences", 2, 128, ATTRIBUTE_SAMPLES, key="attribution-samples",
                               help="the routing audit's bootstrap and the corrupted patch need at least 2"))
 prompt = prompt_input(run, handle, samples)
 if prompt is None:
@@ -125,5 +129,8 @@ with audit_tab:
         show_figure(audit_figure(tables["routing_audit_consumers"]), key="attribution-audit")
         st.dataframe(tables["routing_audit_consumers"], hide_index=True)
 with kv_tab:
-    show_figure(kv_shift_bars(tables["kv_shift"]), key="attribution-kv")
-    st.dataframe(tables["kv_shift"], hide_index=True)
+    if run.model_config.attention != "kv_shift":  # its table would only say α1 = β1 = 1, α2 = β2 = 0 per head
+        st.info(f"Run {run.name} uses standard attention: it has no KV shift to decompose.")
+    else:
+        show_figure(kv_shift_bars(tables["kv_shift"]), key="attribution-kv")
+        st.dataframe(tables["kv_shift"], hide_index=True)

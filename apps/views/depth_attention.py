@@ -18,12 +18,11 @@ st.caption("Each AttnRes sublayer reads a softmax mix α over earlier sources (e
 
 runs = loadable_runs(lambda run: run.model_config.residual == "attnres",
                      "No AttnRes run in this folder: depth attention exists only with `residual=attnres`.")
-chosen = pick_runs(runs, key="depth-runs", label="Runs (one or two, shown side by side)",
-                  fallback=2)
+chosen = pick_runs(runs, key="depth-runs", label="Runs (one or two, shown side by side)", fallback=2,
+                   unshowable="depth attention exists only in AttnRes runs (`residual=attnres`)")
 if not chosen:
     st.info("Pick a run.")
     st.stop()
-
 
 
 @st.cache_data(show_spinner="Computing depth weights from the checkpoint…", max_entries=16)

@@ -7,7 +7,17 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from lens_ui.data import SELECTION_KEY, all_runs, runs_dir, selected_paths, summary_row
+from lens_ui.data import (
+    ACCURACY,
+    ANSWER_LOSS,
+    EVAL_LOSS,
+    SELECTION_KEY,
+    TRAIN_LOSS,
+    all_runs,
+    runs_dir,
+    selected_paths,
+    summary_row,
+)
 
 st.title("Runs")
 
@@ -28,6 +38,8 @@ if not runs:
     st.stop()
 
 table = pd.DataFrame([summary_row(run) | {"path": run.path} for run in runs])
+if table[ANSWER_LOSS].isna().all():  # no run logged it (it is newer than these runs): no empty column
+    table = table.drop(columns=ANSWER_LOSS)
 filters = st.columns(4)
 tasks = filters[0].multiselect("Task", sorted(table["task"].unique()))
 residuals = filters[1].multiselect("Residual", sorted(table["residual"].unique()))
@@ -39,13 +51,24 @@ shown = table[
     & (table["attention"].isin(attentions) if attentions else True)
     & table["run"].str.contains(text, case=False, regex=False)
 ]
-st.dataframe(
-    shown.drop(columns=["path"]), hide_index=True, width="stretch",
-    column_config={"final loss": st.column_config.NumberColumn(format="%.3f", help="last logged training loss"),
-                   "eval loss": st.column_config.NumberColumn(format="%.3f"),
-                   "accuracy": st.column_config.NumberColumn(format="percent",
-                                                             help="last eval accuracy (answer positions only)")},
+st.dataframe(  # no variant column: residual, attention and layers say the same, and the metrics need the room
+    shown.drop(columns=["path", "variant"]), hide_index=True, width="stretch",
+    column_config={
+        TRAIN_LOSS: st.column_config.NumberColumn(format="%.3f", help="last logged training loss, averaged over "
+                                                  "every target position of the training batch"),
+        EVAL_LOSS: st.column_config.NumberColumn(format="%.3f", help="last held-out loss, averaged over every target "
+                                                 "position, including those no rule predicts"),
+        ANSWER_LOSS: st.column_config.NumberColumn(format="%.3f", help="last held-out loss over the task's answer "
+                                                   "positions only, the positions the accuracy counts; None: the run "
+                                                   "did not log it (runs older than this metric)"),
+        ACCURACY: st.column_config.NumberColumn(format="percent", help="last held-out accuracy over the task's "
+                                                "answer positions only"),
+    },
 )
+st.caption("“all pos.”: averaged over every target position; “answer pos.”: over the task's answer positions only. "
+           "The loss over all positions includes tokens no rule predicts (such as the random tokens a copy "
+           "task's sequence starts with), so it can stay high while the accuracy over the answer positions, where "
+           "the task's rule fixes the next token, is near 100%.")
 
 labels = {run.path: run.label for run in runs}
 selected = [path for path in selected_paths() if path in labels]

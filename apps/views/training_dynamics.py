@@ -26,8 +26,9 @@ for run in chosen:
 if series:
     left, right = st.columns(2)
     with left:
-        show_figure(curves(series, [("loss", "train"), ("eval_loss", "eval")], "Loss", "cross-entropy (nats)",
-                           log_y=log_loss), key="dynamics-loss")
+        show_figure(curves(series, [("loss", "train, all positions"), ("eval_loss", "eval, all positions"),
+                                    ("eval_answer_loss", "eval, answer positions")],  # newer runs log the last
+                           "Loss", "cross-entropy (nats)", log_y=log_loss), key="dynamics-loss")
     with right:
         show_figure(curves(series, [("eval_accuracy", "eval")], "Accuracy (answer positions)", "accuracy"),
                     key="dynamics-accuracy")

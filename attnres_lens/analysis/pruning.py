@@ -49,10 +49,10 @@ from attnres_lens.analysis.interventions import (
     replace_hook,
     resample_permutation,
 )
+from attnres_lens.analysis_options import check_metric
 from attnres_lens.model import HookedTransformer
 from attnres_lens.tasks.base import Batch
 
-METRICS = ("loss", "accuracy")
 CHEAP_METRICS = ("block_influence", "angular_distance_next", "relative_output_norm", "routing_mass")
 
 
@@ -60,11 +60,6 @@ def spearman(a: Iterable[float], b: Iterable[float]) -> float:
     """Spearman rank correlation (Pearson correlation of average ranks); NaN if either side is constant."""
     a, b = pd.Series(list(a), dtype=float), pd.Series(list(b), dtype=float)
     return float(a.rank().corr(b.rank()))
-
-
-def check_metric(metric: str) -> None:
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
 
 
 # ---------------------------------------------------------------------------- clean-run geometry

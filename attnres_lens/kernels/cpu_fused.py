@@ -34,9 +34,8 @@ CACHE_ENV_VAR = "ATTNRES_LENS_KERNEL_CACHE"
 MAX_THREADS = 64  # the C file's MAX_THREADS
 MAX_QUERIES = 8  # the C file's MAX_QUERIES: larger query sets are split
 # The kernel splits its rows over torch's OpenMP pool (docs/kernels.md §6), whose threads are awake between torch's
-# ops: in a one-off trial a second thread paid from ~50K source elements (forward + backward of one mix, 2026-12-02,
-# AMD EPYC); the two-thread training steps of analyses/reports/bench_cpu_kernels.md compare the two builds. The
-# build without OpenMP starts a pthread per call (50-100 us), which paid only from ~1M (2026-12-01 trials).
+# ops: in a one-off trial a second thread paid from ~50K source elements (forward + backward of one mix). The
+# build without OpenMP starts a pthread per call (50-100 us), which paid only from ~1M (docs/kernels.md §11).
 MIN_ELEMENTS_PER_THREAD = 1 << 15
 PTHREAD_MIN_ELEMENTS_PER_THREAD = 1 << 20
 _REAL_TYPES = {torch.float32: "float", torch.float64: "double"}
@@ -208,7 +207,7 @@ class _NoGraph:
 
 def _apply(function: type[torch.autograd.Function], *args):
     """`function.apply(*args)`, or where it `builds_no_graph` (inference, exact interventions) its forward alone:
-    no autograd node and no saved tensors (0.85x a small consumer's call, analyses/reports/bench_no_graph.md),
+    no autograd node and no saved tensors (faster, docs/kernels.md §11),
     the same output values. Under forward-mode AD `apply` runs: these Functions have no jvp, so a dual
     input raises where the forward alone would drop its tangent without a word."""
     if builds_no_graph():
