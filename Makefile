@@ -35,7 +35,7 @@ test: setup
 	$(PY) -m pytest -q --durations=25
 
 # The edit-test loop: every module, without the end-to-end trainings, benchmark scripts, browser, torch.compile,
-# data-parallel, C-kernel rebuild and Triton-interpreter tests (markers in pyproject.toml); under a minute on 2 cores.
+# data-parallel, C-kernel rebuild and Triton-interpreter tests (markers in pyproject.toml); about a minute on 2 cores.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not triton" --durations=10
 

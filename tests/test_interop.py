@@ -457,6 +457,7 @@ def test_a_run_trained_here_in_fla_form_exports_and_fla_reproduces_it(tmp_path):
     assert (fla_logits(fla, ids).cpu() - model(ids)).abs().max().item() < TOLERANCE
 
 
+@pytest.mark.slow
 def test_the_fla_preset_trains_and_exports_as_trained(tmp_path):
     """`fla-attnres-block` is in FLA's form: a run trained from it exports with no --set flags, and FLA's forward
     of the export gives the run's logits."""
