@@ -1,10 +1,12 @@
-"""Analysis library (docs/analysis.md): induction scores on hand-built heads, depth maps, TL agreement on a trained run."""
+"""Analysis library (docs/analysis.md): induction scores on hand-built heads, depth maps, TL agreement on a trained
+run."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+import shutil
 
 import pandas as pd
 import pytest
@@ -32,7 +34,6 @@ from attnres_lens.tasks.base import BOS, Batch, next_token_targets
 from attnres_lens.training import train
 
 from .helpers import randomize_depth_parameters, small_config
-
 
 VOCAB, HALF, N_CTX = 12, 8, 20
 TOKEN_DIMS, POSITION_DIMS = range(VOCAB), range(VOCAB, VOCAB + N_CTX)
@@ -152,13 +153,6 @@ def test_scores_reject_a_batch_that_is_not_repeated_tokens(hand_model):
 
 # ---------------------------------------------------------------------------- trained runs
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("analysis") / "smoke"
-    train(get_preset("smoke"), out, progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
 def induction_run(tmp_path_factory):
     """A 2-layer attention-only KV-shift model trained for 300 steps (~5 s): long enough that one head becomes
     an induction head (the 40-step smoke run leaves every head near-uniform, so its ranking is noise)."""
@@ -171,6 +165,7 @@ def induction_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_prefix_score_and_tl_detect_head_agree_in_ranking_on_a_trained_run(induction_run):
     model = load_run(induction_run).model
     probe = repeated_batch(32, half_len=15, vocab_size=24, seed=3)  # random repeats, duplicates allowed
@@ -184,15 +179,16 @@ def test_prefix_score_and_tl_detect_head_agree_in_ranking_on_a_trained_run(induc
     assert scores["ablation_mean_score"].idxmax() == top and scores["copying_score"].idxmax() == top
 
 
-def test_analyze_run_writes_its_tables(smoke_run):
-    result = analyze_run(smoke_run, samples=4, progress=False)
-    for name in ("induction_heads", "icl_per_position", "depth_mixing", "mixing_diagnostics", "depth_weights", "depth_summary",
-                 "depth_weights_tokens"):
-        assert (smoke_run / "analysis" / f"{name}.csv").is_file()
-        written = pd.read_parquet(smoke_run / "analysis" / f"{name}.parquet")
+def test_analyze_run_writes_its_tables(smoke_run, tmp_path):
+    run = shutil.copytree(smoke_run, tmp_path / "smoke")  # it writes into the run
+    result = analyze_run(run, samples=4, progress=False)
+    for name in ("induction_heads", "icl_per_position", "depth_mixing", "mixing_diagnostics", "depth_weights",
+                 "depth_summary", "depth_weights_tokens"):
+        assert (run / "analysis" / f"{name}.csv").is_file()
+        written = pd.read_parquet(run / "analysis" / f"{name}.parquet")
         pd.testing.assert_frame_equal(written, result.tables[name].reset_index(drop=True), check_dtype=False)
-    assert json.loads((smoke_run / "analysis" / "analysis_summary.json").read_text()) == result.summary
-    assert result.report_path == smoke_run / "analysis" / "analysis_report.html"
+    assert json.loads((run / "analysis" / "analysis_summary.json").read_text()) == result.summary
+    assert result.report_path == run / "analysis" / "analysis_report.html"
 
 
 def test_analysis_summary_states_and_follows_its_definitions(smoke_run, tmp_path):
@@ -206,7 +202,8 @@ def test_analysis_summary_states_and_follows_its_definitions(smoke_run, tmp_path
     late, early = losses[int(0.9 * n):].mean(), losses[int(0.1 * n):int(0.2 * n)].mean()
     assert summary["icl_score"] == pytest.approx(late - early, abs=1e-6)
     definition = summary["icl_score_definition"]
-    assert "last tenth" in definition and "minus" in definition and "negative = later context lowers the loss" in definition
+    assert "last tenth" in definition and "minus" in definition
+    assert "negative = later context lowers the loss" in definition
     heads = pd.read_csv(out / "induction_heads.csv").sort_values("prefix_score", ascending=False, kind="stable")
     assert [(h["layer"], h["head"]) for h in summary["top_induction_heads"]] == list(
         zip(heads["layer"].head(5), heads["head"].head(5)))
@@ -233,7 +230,8 @@ def test_analyze_report_is_offline_and_holds_the_depth_maps(smoke_run, tmp_path)
 def test_analyze_command_writes_to_out_and_leaves_the_run_alone(smoke_run, tmp_path, capsys):
     from attnres_lens.cli import main
 
-    before = sorted(path.name for path in (smoke_run / "analysis").iterdir()) if (smoke_run / "analysis").exists() else []
+    analysis = smoke_run / "analysis"
+    before = sorted(path.name for path in analysis.iterdir()) if analysis.exists() else []
     out = tmp_path / "elsewhere"
     assert main(["analyze", str(smoke_run), "--samples", "2", "--no-progress", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -243,9 +241,10 @@ def test_analyze_command_writes_to_out_and_leaves_the_run_alone(smoke_run, tmp_p
     assert f"best head L{best['layer']}H{best['head']}: prefix score {best['prefix_score']:.3f}" in printed
     assert f"in-context learning score {summary['icl_score']:+.4f}" in printed
     for row in summary["top_depth_sources"]:  # one line per consumer, its largest source first
-        assert re.search(rf"{re.escape(row['consumer_label'])}: {re.escape(row['sources'][0]['source_label'])} ", printed)
+        top_source = re.escape(row["sources"][0]["source_label"])
+        assert re.search(rf"{re.escape(row['consumer_label'])}: {top_source} ", printed)
     assert (out / "induction_heads.parquet").is_file() and (out / "analysis_summary.json").is_file()
-    after = sorted(path.name for path in (smoke_run / "analysis").iterdir()) if (smoke_run / "analysis").exists() else []
+    after = sorted(path.name for path in analysis.iterdir()) if analysis.exists() else []
     assert after == before
     (tmp_path / "a-file").write_text("")
     assert main(["analyze", str(smoke_run), "--no-progress", "--out", str(tmp_path / "a-file")]) == 2

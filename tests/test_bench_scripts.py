@@ -127,6 +127,7 @@ def test_inference_rows_split_each_variants_excess(tmp_path):
     assert components.attention_runs_cpu_kernel is attention_runs_cpu_kernel  # the shipped policy, restored
 
 
+@pytest.mark.slow
 def test_compile_rows_on_a_tiny_model(tmp_path):
     rows = run_tiny("bench_compile", tmp_path / "results.jsonl")
     ratios = cells(rows, "compiled / eager")
@@ -294,6 +295,7 @@ def test_kernel_traffic_counts_the_two_phase_bytes_its_arguments_imply(with_prio
     assert cpu_fused_library_restored()
 
 
+@pytest.mark.slow
 def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     module = load("profile_cpu_step")
     monkeypatch.setitem(module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=16, batch=2))

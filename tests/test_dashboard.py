@@ -20,7 +20,6 @@ DEMO_RUNS = REPO_ROOT / "data" / "demo_runs"
 PAGES = ["views/runs.py", "views/depth_attention.py", "views/depth_mixing.py", "views/training_dynamics.py",
          "views/induction.py", "views/pruning.py", "views/attribution.py"]
 
-pytestmark = pytest.mark.slow
 if not (DEMO_RUNS / "induction-1l-kvshift" / "config.json").is_file():
     pytest.skip(f"demo runs missing in {DEMO_RUNS}: run `make demo` or `python apps/make_demo_runs.py`",
                 allow_module_level=True)
@@ -45,7 +44,9 @@ def chart_specs(app: AppTest) -> list[dict]:
     return [json.loads(chart.proto.spec) for chart in app.get("plotly_chart")]
 
 
-@pytest.mark.parametrize("page", PAGES)
+# Each page takes seconds under AppTest: the fast lane (make test-fast) renders the runs page alone.
+@pytest.mark.parametrize("page", [pytest.param(page, marks=() if page == "views/runs.py" else pytest.mark.slow)
+                                  for page in PAGES])
 def test_every_page_renders_on_the_demo_runs(page):
     app = open_page(page)
     assert_clean(app)
@@ -57,6 +58,7 @@ DEMO_RUN_NAMES = sorted(path.name for path in DEMO_RUNS.iterdir() if (path / "co
 
 
 @pytest.mark.parametrize("run", DEMO_RUN_NAMES)
+@pytest.mark.slow
 def test_every_page_renders_every_demo_run(run):
     """Each shipped demo run selected, every page: messages where a page cannot show it, never a traceback."""
     app = open_page("views/runs.py")
@@ -67,6 +69,7 @@ def test_every_page_renders_every_demo_run(run):
         assert app.session_state["selected_runs"] == [str(DEMO_RUNS / run)], page
 
 
+@pytest.mark.slow
 def test_runs_page_lists_runs_and_keeps_the_selection_across_pages():
     app = open_page("views/runs.py")
     assert len(app.dataframe[0].value) >= 6
@@ -78,6 +81,7 @@ def test_runs_page_lists_runs_and_keeps_the_selection_across_pages():
     assert app.multiselect(key="depth-runs").value == [full]
 
 
+@pytest.mark.slow
 def test_the_sidebar_names_the_runs_every_page_shows():
     """One selection state: with nothing picked, a page's default runs become the selection the sidebar reports,
     and a pick on any page is what the next page shows."""
@@ -94,6 +98,7 @@ def test_the_sidebar_names_the_runs_every_page_shows():
     assert "depth-block-6l" in " ".join(element.value for element in app.sidebar.caption)
 
 
+@pytest.mark.slow
 def test_a_page_that_cannot_show_the_selected_run_says_so_and_keeps_the_selection():
     """A standard-residual run selected on Runs: Depth attention (AttnRes only) says why it is not shown and which
     runs it shows instead, the selection stays (the sidebar names both, the next page shows the selected run), and
@@ -123,6 +128,7 @@ def test_a_page_that_cannot_show_the_selected_run_says_so_and_keeps_the_selectio
     assert not [info.value for info in app.info if "not shown here" in info.value]
 
 
+@pytest.mark.slow
 def test_runs_table_says_which_positions_each_metric_covers(tmp_path):
     """Loss over all positions beside accuracy over answer positions, each column saying so; the answer-position
     loss is shown where metrics.jsonl has it (`eval_answer_loss`) and left out for runs from before it."""
@@ -151,6 +157,7 @@ def test_runs_table_says_which_positions_each_metric_covers(tmp_path):
     assert "new · eval, answer positions" in [trace["name"] for trace in loss["data"]]
 
 
+@pytest.mark.slow
 def test_training_timeline_tells_every_line_apart_and_names_every_consumer():
     """16 lines (13 consumers of a 6-layer Full AttnRes run, 3 model-wide series): no two share a colour and dash,
     the two fastest-change labels sit in different panels, and the model-wide rows are labelled, not blank."""
@@ -180,6 +187,7 @@ def test_training_timeline_tells_every_line_apart_and_names_every_consumer():
     assert "final" in set(changes["consumer"]) and "" not in set(changes["consumer"])
 
 
+@pytest.mark.slow
 def test_heatmap_cells_print_values_by_grid_size(monkeypatch):
     """Block (4 sources) and Full AttnRes (up to 13 sources) panels of a 6-layer run both print α in their cells;
     a grid too large for printed values shows them on hover only."""
@@ -200,6 +208,7 @@ def test_heatmap_cells_print_values_by_grid_size(monkeypatch):
 
 
 @pytest.mark.parametrize("metric", ["loss", "accuracy"])
+@pytest.mark.slow
 def test_pruning_curve_axis_holds_every_point_with_a_margin(metric):
     """The cumulative-removal figure of the pruning report sets its y range from the curves (and the +5% line),
     a margin on each side, so no curve or marker is cut off."""
@@ -222,6 +231,7 @@ def test_pruning_curve_axis_holds_every_point_with_a_margin(metric):
     assert low > values.min() - 0.2 * span and high < values.max() + 0.2 * span  # a margin, not a zoom-out
 
 
+@pytest.mark.slow
 def test_depth_mixing_page_scrubs_through_training():
     app = open_page("views/depth_mixing.py")
     app.multiselect(key="mixing-runs").set_value([str(DEMO_RUNS / "depth-full-6l")]).run()
@@ -236,6 +246,7 @@ def test_depth_mixing_page_scrubs_through_training():
     assert "M (step_" in chart_specs(app)[0]["layout"]["title"]["text"]  # the checkpoint the model came from
 
 
+@pytest.mark.slow
 def test_step_slider_changes_the_depth_heatmap():
     app = open_page("views/depth_attention.py")
     slider = app.select_slider(key="depth-step")
@@ -249,6 +260,7 @@ def test_step_slider_changes_the_depth_heatmap():
     assert "step 0" in chart_specs(app)[0]["layout"]["title"]["text"]
 
 
+@pytest.mark.slow
 def test_per_token_view_rejects_bad_token_ids_with_a_message():
     app = open_page("views/depth_attention.py")
     app.radio(key="depth-token-input-source").set_value("token ids I type").run()
@@ -257,6 +269,7 @@ def test_per_token_view_rejects_bad_token_ids_with_a_message():
     assert any("out of range" in element.value for element in app.error)
 
 
+@pytest.mark.slow
 def test_live_induction_scores_and_pruning_report_compute():
     app = open_page("views/induction.py")
     run = str(DEMO_RUNS / "induction-1l-kvshift")
@@ -278,6 +291,7 @@ def test_live_induction_scores_and_pruning_report_compute():
     assert report.count("<h2>Cheap metrics vs measured removal effect") == 1
 
 
+@pytest.mark.slow
 def test_attribution_page_computes_and_toggles_the_edge_path():
     app = open_page("views/attribution.py")
     app.selectbox(key="attribution-run").set_value(str(DEMO_RUNS / "depth-full-6l")).run()
@@ -292,11 +306,13 @@ def test_attribution_page_computes_and_toggles_the_edge_path():
     total = next(spec for spec in chart_specs(app) if spec["layout"]["title"]["text"].startswith("Edge attribution ("))
     app.radio(key="attribution-edge-path").set_value("routing_path").run()
     assert_clean(app)
-    routing = next(spec for spec in chart_specs(app) if spec["layout"]["title"]["text"].startswith("Edge attribution ("))
+    routing = next(spec for spec in chart_specs(app)
+                   if spec["layout"]["title"]["text"].startswith("Edge attribution ("))
     assert "routing path" in routing["layout"]["title"]["text"] and routing["data"][0]["z"] != total["data"][0]["z"]
 
 
 @pytest.mark.parametrize("run", ["induction-1l-vanilla", "induction-1l-kvshift"])
+@pytest.mark.slow
 def test_kv_shift_decomposition_only_for_models_with_kv_shift(run):
     app = open_page("views/attribution.py")
     app.selectbox(key="attribution-run").set_value(str(DEMO_RUNS / run)).run()
@@ -309,6 +325,7 @@ def test_kv_shift_decomposition_only_for_models_with_kv_shift(run):
     assert (drawn, said) == ((True, False) if run.endswith("kvshift") else (False, True)), titles
 
 
+@pytest.mark.slow
 def test_broken_run_directories_show_messages_not_tracebacks(tmp_path):
     shutil.copytree(DEMO_RUNS / "induction-1l-kvshift", tmp_path / "good")
     (tmp_path / "empty").mkdir()
@@ -331,6 +348,7 @@ def test_broken_run_directories_show_messages_not_tracebacks(tmp_path):
     assert any("corrupt or truncated" in element.value for element in app.error)
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_index_is_a_message_on_every_page(tmp_path):
     run = tmp_path / "damaged"
     shutil.copytree(DEMO_RUNS / "depth-full-6l", run)
@@ -343,6 +361,7 @@ def test_a_damaged_checkpoint_index_is_a_message_on_every_page(tmp_path):
         assert not app.exception, (page, [element.value for element in app.exception])
 
 
+@pytest.mark.slow
 def test_every_residual_kind_renders_every_page(tmp_path):
     """DenseFormer, mHC and an AttnRes ablation (tiny runs trained here) on every page, with the kind in the table."""
     from attnres_lens.config import apply_overrides
@@ -364,6 +383,7 @@ def test_every_residual_kind_renders_every_page(tmp_path):
             assert not app.error, (run, page, [element.value for element in app.error])
 
 
+@pytest.mark.slow
 def test_a_run_that_has_only_started_renders_every_page(tmp_path):
     """config.json written, no metrics, records or checkpoints yet: messages, never a traceback."""
     (tmp_path / "started").mkdir()
@@ -376,6 +396,7 @@ def test_a_run_that_has_only_started_renders_every_page(tmp_path):
         assert not app.error, (page, [element.value for element in app.error])
 
 
+@pytest.mark.slow
 def test_models_keep_no_hooks_after_the_pages_ran():
     """Cached models are shared by all sessions: every forward pass must remove the hooks it added."""
     from attnres_lens import HookedTransformer
@@ -390,6 +411,7 @@ def test_models_keep_no_hooks_after_the_pages_ran():
             assert not hook_point._forward_hooks and not hook_point._backward_hooks, hook_point.name
 
 
+@pytest.mark.slow
 def test_pages_without_a_run_to_show_say_so(tmp_path):
     (tmp_path / "empty").mkdir()
     for page in PAGES[1:]:
@@ -399,6 +421,7 @@ def test_pages_without_a_run_to_show_say_so(tmp_path):
         assert any(expected in info.value for info in app.info), (page, [info.value for info in app.info])
 
 
+@pytest.mark.slow
 def test_pages_score_what_the_commands_score_and_draw_recorded_mixing_without_a_model(tmp_path):
     """A run whose task seed is not 0: the Induction page's scores at a checkpoint are `analyze`'s (the same probe,
     `task_probe`; the page once drew its probe from seed 0). A run without checkpoints still shows its recorded M.
@@ -445,6 +468,7 @@ def test_pages_score_what_the_commands_score_and_draw_recorded_mixing_without_a_
     assert trace.zmid == 0 and trace.zmin == -trace.zmax and trace.zmax >= 0.5
 
 
+@pytest.mark.slow
 def test_on_demand_results_keep_only_the_most_recently_shown(monkeypatch):
     """A pruning result holds its HTML report: the store keeps COMPUTED_KEEP results, the least recently shown
     going first, instead of every one for the server's life (a run still training makes a new key per line)."""

@@ -99,6 +99,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("layers, width, heads, kv_heads, block_size, tied", CASES)
+@pytest.mark.slow
 def test_logits_match_fla_and_the_round_trip_is_exact(layers, width, heads, kv_heads, block_size, tied):
     fla = make_fla(seed=layers * width + heads, hidden_size=width, num_hidden_layers=layers, num_heads=heads,
                    num_kv_heads=kv_heads, attnres_block_size=block_size, tie_word_embeddings=tied,
@@ -191,7 +192,8 @@ def test_import_refuses_what_it_cannot_represent_naming_the_option(option, value
 
 
 @pytest.mark.parametrize("change, named", [
-    (dict(hidden_size=None), "'hidden_size'"), (dict(num_heads=None), "'num_heads'"), (dict(num_heads=0), "num_heads=0"),
+    (dict(hidden_size=None), "'hidden_size'"), (dict(num_heads=None), "'num_heads'"),
+    (dict(num_heads=0), "num_heads=0"),
     (dict(intermediate_size=47.9), "intermediate_size=47.9"), (dict(vocab_size="40"), "vocab_size='40'"),
     (dict(tie_word_embeddings="false"), "tie_word_embeddings='false'"), (dict(num_kv_heads=2.0), "num_kv_heads=2.0"),
     (dict(rope_theta="x"), "rope_theta='x'"), (dict(norm_eps="1e-5"), "norm_eps='1e-5'"),
@@ -359,6 +361,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+@pytest.mark.slow
 def test_import_analyze_prune_export_on_an_fla_directory(tmp_path):
     fla = make_fla(seed=11, num_hidden_layers=2, vocab_size=48, max_position_embeddings=33, attnres_block_size=2)
     fla.save_pretrained(tmp_path / "fla")
@@ -435,6 +438,7 @@ def test_export_of_a_run_trained_here_refuses_what_fla_lacks(tmp_path):
     assert not (tmp_path / "fla").exists()
 
 
+@pytest.mark.slow
 def test_a_run_trained_here_in_fla_form_exports_and_fla_reproduces_it(tmp_path):
     """Train here with FLA's architecture, export, and FLA's forward gives our logits: the way to continue there."""
     from attnres_lens.config import apply_overrides
@@ -453,6 +457,7 @@ def test_a_run_trained_here_in_fla_form_exports_and_fla_reproduces_it(tmp_path):
     assert (fla_logits(fla, ids).cpu() - model(ids)).abs().max().item() < TOLERANCE
 
 
+@pytest.mark.slow
 def test_the_fla_preset_trains_and_exports_as_trained(tmp_path):
     """`fla-attnres-block` is in FLA's form: a run trained from it exports with no --set flags, and FLA's forward
     of the export gives the run's logits."""

@@ -22,12 +22,12 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 import attnres_lens.kernels as kernels  # noqa: E402
-from attnres_lens.kernels import _common, backends, block_phase1, depth_attention, merge_partial  # noqa: E402
+from attnres_lens.kernels import block_phase1, depth_attention, merge_partial  # noqa: E402
 from tests.kernel_cases import assert_close, make_inputs, oracle  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-pytestmark = pytest.mark.triton
+pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("poisoned_outputs")]
 
 if DEVICE == "cpu" and INTERPRETER_TOO_LATE:
     pytest.skip(
@@ -47,12 +47,6 @@ SHAPES = [
     (9, (130,), 48, 8),
     (17, (45,), 20, 32),
 ]
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    monkeypatch.delenv(backends.BACKEND_ENV_VAR, raising=False)
 
 
 def test_hand_example():
@@ -85,7 +79,8 @@ def test_forward_and_backward_match_reference(dtype, n_sources, token_shape, d_m
     assert_close(logits.t().reshape(*token_shape, n_sources), expected_logits, dtype, scale=4.0)
 
     reference_leaves = [t.detach().double().requires_grad_() for t in (*sources, query, gain)]
-    reference_h = depth_attention(reference_leaves[:-2], reference_leaves[-2], reference_leaves[-1], backend="reference")
+    reference_h = depth_attention(reference_leaves[:-2], reference_leaves[-2], reference_leaves[-1],
+                                  backend="reference")
     (reference_h * grad_output.double()).sum().backward()
     for leaf, reference_leaf in zip(leaves, reference_leaves):
         assert leaf.grad.dtype == dtype

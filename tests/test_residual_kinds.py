@@ -324,6 +324,7 @@ def kind_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(KIND_RUNS))
+@pytest.mark.slow
 def test_every_kind_trains_records_and_analyses(kind_runs, name):
     from attnres_lens import load_run
     from attnres_lens.analysis.run import analyze_run, prune_run

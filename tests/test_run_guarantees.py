@@ -33,13 +33,6 @@ CLI = [sys.executable, "-m", "attnres_lens.cli"]
 SLOW_SMOKE = ["--set", "train.steps=300", "--set", "train.log_every=1", "--set", "train.checkpoint_every=5"]
 
 
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("guarantees") / "smoke"
-    train(get_preset("smoke"), out, progress=False)
-    return out
-
-
 def copy_run(smoke_run: Path, tmp_path: Path, name: str = "copy") -> Path:
     target = tmp_path / name
     shutil.copytree(smoke_run, target)
@@ -151,7 +144,8 @@ def test_a_non_finite_checkpoint_is_never_saved(tmp_path):
 
 
 def test_float16_training_on_the_cpu_is_refused_up_front(tmp_path, capsys):
-    err = cli_error(capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "fp16"), "--set", "model.dtype=float16")
+    err = cli_error(capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "fp16"),
+                    "--set", "model.dtype=float16")
     assert "float16 is not supported for training on the CPU" in err
 
 
@@ -244,7 +238,8 @@ def test_checkpoint_metadata_is_checked_before_anything_is_built(smoke_run, tmp_
 
     run = copy_run(smoke_run, tmp_path, "relu")
     relu = json.loads(meta["model_config"]) | {"act_fn": "relu"}
-    atomic_save_safetensors(RunDir(run).weights_path("step_0000040"), tensors, {**meta, "model_config": json.dumps(relu)})
+    atomic_save_safetensors(RunDir(run).weights_path("step_0000040"), tensors,
+                            {**meta, "model_config": json.dumps(relu)})
     with pytest.raises(RunDirError, match="act_fn: checkpoint 'relu', config.json 'gelu'"):
         load_run(run)
 
@@ -272,11 +267,13 @@ def test_the_shape_check_allocates_nothing_for_an_absurd_context_length():
     assert shapes["embed.W_E"] == (cfg.d_vocab, cfg.d_model)
 
 
+@pytest.mark.slow
 def test_loading_a_run_stays_clear_of_torch_dynamo_and_sympy(smoke_run):
     """The shape check builds each preset's model on the meta device; a Python decomposition or a meta `randn`
     there would import torch._dynamo or sympy, 1.4 s and 0.5 s of every command (a fresh process: other tests
     import them)."""
-    out = subprocess.run([sys.executable, "-c", _DYNAMO_PROBE, str(smoke_run)], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", _DYNAMO_PROBE, str(smoke_run)], capture_output=True, text=True,
+                         check=True)
     assert out.stdout.split()[-2:] == ["False", "False"]
 
 
@@ -307,6 +304,7 @@ def test_every_run_file_is_world_readable(smoke_run):
             assert stat.S_IMODE(path.stat().st_mode) & 0o044 == 0o044, path
 
 
+@pytest.mark.slow
 def test_resume_can_start_from_an_earlier_checkpoint(tmp_path, capsys):
     reference = tmp_path / "reference"
     config = apply_overrides(get_preset("smoke"), ["train.steps=60", "train.keep_checkpoints=3"])
@@ -401,6 +399,7 @@ def metric_lines(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_resume_between_log_lines_logs_the_same_mean_loss_and_evaluations_keep_their_cadence(tmp_path,
                                                                                                 monkeypatch):
     """Checkpoints every 7 steps, log lines every 5: a checkpoint carries the losses since the last line, so the
@@ -423,6 +422,7 @@ def test_a_resume_between_log_lines_logs_the_same_mean_loss_and_evaluations_keep
             assert after[key] == pytest.approx(before[key], rel=1e-9), (before["step"], key)
 
 
+@pytest.mark.slow
 def test_a_resume_from_an_earlier_checkpoint_forgets_the_later_branch(tmp_path, monkeypatch):
     config = apply_overrides(get_preset("smoke"), ["train.steps=40", "train.checkpoint_every=10",
                                                    "train.keep_checkpoints=5"])
