@@ -1,0 +1,35 @@
+"""Text from run directories on the page as text (docs/architecture.md §5, run text).
+
+Run names, config values, provenance and the error messages that quote them come from files anyone with write access
+to the runs folder controls. Streamlit renders titles, captions, messages and radio options as Markdown, and Plotly
+renders figure titles and legends as a subset of HTML: unescaped, `![x](http://…)` in a provenance field would become
+an image the browser fetches. Every run-derived value goes through `plain` (Markdown) or `figure_text` (Plotly).
+"""
+
+from __future__ import annotations
+
+import html
+import re
+
+# CommonMark lets a backslash escape any ASCII punctuation character. Escaped everywhere: the characters that open
+# Markdown and GFM syntax anywhere in a line (emphasis, code, links and images, HTML and autolinks, tables,
+# strikethrough, entities) and Streamlit's own (`:red[…]`, `:material/…:`, emoji shortcodes, `$…$` maths).
+_ANYWHERE = re.compile(r"([\\`*_\[\]<>#|~$:&!(){}+=^@])")
+# Special only at the start of a line, so escaped only there (paths and run names stay legible in the page's
+# source): "-" (a list item, a thematic break, a setext underline) and "1." (an ordered list item).
+_DASH_AT_LINE_START = re.compile(r"^([ \t]*)-", re.MULTILINE)
+_NUMBER_AT_LINE_START = re.compile(r"^([ \t]*\d+)\.", re.MULTILINE)
+_WWW = re.compile(r"(?i)\b(www)\.")  # a GFM autolink without a scheme
+
+
+def plain(value: object) -> str:
+    """Markdown that shows `str(value)` literally (for Streamlit's titles, captions, messages, radio options)."""
+    text = _ANYWHERE.sub(r"\\\1", str(value))
+    text = _DASH_AT_LINE_START.sub(r"\1\\-", text)
+    text = _NUMBER_AT_LINE_START.sub(r"\1\\.", text)
+    return _WWW.sub(r"\1\\.", text)
+
+
+def figure_text(value: object) -> str:
+    """Plotly text (titles, trace names) that shows `str(value)` literally: its HTML subset escaped."""
+    return html.escape(str(value))
