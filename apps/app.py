@@ -36,6 +36,12 @@ def runs_dir_from_command_line() -> str:
     return str(Path(args.runs).expanduser().resolve())
 
 
+def folder_note() -> str:
+    """The sidebar's line on the folder the pages show (and the served one, when that is a folder under it)."""
+    folder = runs_dir()
+    return f"Runs folder: {plain(folder)}" + ("" if folder == served_dir() else f" (under {plain(served_dir())})")
+
+
 st.set_page_config(page_title="attnres_lens", page_icon=str(ICON), layout="wide")
 if SERVED_KEY not in st.session_state:  # the folder this server was started on; the pages read nothing outside it
     st.session_state[SERVED_KEY] = runs_dir_from_command_line()
@@ -50,8 +56,11 @@ PAGES = [
     st.Page("views/attribution.py", title="Attribution", icon=":material/account_tree:"),
 ]
 page = st.navigation(PAGES)
+
+
 with st.sidebar:
     selection = st.empty()
+    selection.caption(folder_note())  # while the page runs
 st.session_state.pop(SHOWN_KEY, None)  # set again by this page's run picker, if it has one
 try:
     page.run()
@@ -60,6 +69,4 @@ finally:  # after the page, whose run picker may have set the selection (a page'
     text = "Selected: " + (", ".join(plain(Path(p).name) for p in picked) if picked else "none")
     if shown and not set(shown) <= set(picked):  # the page could not show the selection and shows other runs
         text += "  \nShown on this page instead: " + ", ".join(plain(Path(p).name) for p in shown)
-    folder = runs_dir()  # after the page: the Runs page may have moved to a folder under the served one
-    text += f"  \nRuns folder: {plain(folder)}" + ("" if folder == served_dir() else f" (under {plain(served_dir())})")
-    selection.caption(text)
+    selection.caption(f"{text}  \n{folder_note()}")  # the Runs page may have moved to a folder under the served one

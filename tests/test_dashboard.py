@@ -5,7 +5,9 @@ from __future__ import annotations
 import base64
 import gc
 import json
+import re
 import shutil
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -334,9 +336,15 @@ def test_broken_run_directories_show_messages_not_tracebacks(tmp_path):
     assert any("corrupt or truncated" in element.value for element in app.error)
 
 
+# What the browser's renderer finds in parsed text, which markdown-it's CommonMark parser leaves as text: GFM's
+# extended autolinks (a URL, a "www." host, an e-mail address) and Streamlit's emoji, icons and directives
+FOUND_IN_TEXT = {"gfm_autolink": re.compile(r"(?i)https?://|\bwww\.|[\w.+-]@[\w-]+\.\w"),
+                 "streamlit_syntax": re.compile(r":(?:material/|streamlit:|[\w+-]+:|[a-z][a-z0-9-]*\[)")}
+
+
 def rendered(markdown: str) -> tuple[str, set[str]]:
-    """What a browser shows for Streamlit Markdown (CommonMark and GFM tables, strikethrough), as (text, the token
-    types it becomes): independent of the app's escaping."""
+    """What a browser shows for Streamlit Markdown (CommonMark and GFM tables, strikethrough), as (text as it reads,
+    the token types it becomes, with the `FOUND_IN_TEXT` kinds in its text): independent of the app's escaping."""
     def walk(tokens):
         for token in tokens:
             yield token
@@ -345,7 +353,9 @@ def rendered(markdown: str) -> tuple[str, set[str]]:
     tokens = list(walk(MARKDOWN.parse(markdown)))
     text = "".join(token.content if token.type in ("text", "code_inline") else " " if "break" in token.type else ""
                    for token in tokens)
-    return text, {token.type for token in tokens}
+    kinds = {token.type for token in tokens} | {kind for kind, found in FOUND_IN_TEXT.items() if found.search(text)}
+    visible = "".join(char for char in text if unicodedata.category(char) != "Cf")  # format characters are invisible
+    return visible, kinds
 
 
 def page_markdown(app: AppTest) -> list[str]:
@@ -405,7 +415,8 @@ def test_the_runs_folder_box_never_leaves_the_served_folder(tmp_path):
     assert app.selectbox(key="induction-run").value == str(served / "group" / "inner-run")
 
 
-HOSTILE = "![pixel](http://tracker.invalid/p.png) <img src=http://tracker.invalid/q.png> **bold** :red[red] $x$"
+HOSTILE = ("![pixel](http://tracker.invalid/p.png) <img src=http://tracker.invalid/q.png> www.tracker.invalid "
+           "me@tracker.invalid **bold** :red[red] :material/home: :smile: $x$")
 
 
 def test_text_from_run_files_is_shown_as_text_on_every_page(tmp_path):
@@ -431,7 +442,7 @@ def test_text_from_run_files_is_shown_as_text_on_every_page(tmp_path):
         assert not app.exception, (page, [element.value for element in app.exception])
         for text in page_markdown(app) + [caption.value for caption in app.sidebar.caption]:
             shown, kinds = rendered(text)
-            assert not kinds & {"image", "link_open", "html_inline", "html_block"}, (page, text)
+            assert not kinds & {"image", "link_open", "html_inline", "html_block", *FOUND_IN_TEXT}, (page, text)
             seen.append(shown)
         for spec in chart_specs(app):
             titles = [spec["layout"]["title"]["text"], *(trace.get("name", "") for trace in spec["data"])]
@@ -439,6 +450,43 @@ def test_text_from_run_files_is_shown_as_text_on_every_page(tmp_path):
     seen = " ".join(seen)
     assert HOSTILE in seen and odd_name in seen  # shown, literally
     assert f"unknown ModelConfig field(s) ['{HOSTILE}']" in seen  # the broken run's error, quoting the key
+
+
+def test_html_reports_show_run_text_as_text():
+    """The pruning report (shown on the Pruning page) and the attribution report (`attnres-lens attribute`) escape
+    run-derived text: a run, variant or checkpoint holding `<img src=…>` is text in the report, never an element."""
+    from html.parser import HTMLParser
+
+    from attnres_lens import load_run
+    from attnres_lens.analysis.attribution_report import attribution_report_html, attribution_summary, attribution_tables
+    from attnres_lens.analysis.report import prune_report_html
+    from attnres_lens.analysis.run import REMOVAL_TOLERANCE, prune_summary, prune_tables
+
+    class Elements(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tags, self.text = [], []
+
+        def handle_starttag(self, tag, attrs) -> None:
+            self.tags.append((tag, dict(attrs)))
+
+        def handle_data(self, data) -> None:
+            self.text.append(data)
+
+    hostile = "<img src=http://tracker.invalid/p.png> & <b>bold"
+    run = load_run(DEMO_RUNS / "induction-1l-kvshift")
+    batch = run.config.build_task().eval_batch(2)
+    header = {"run": hostile, "checkpoint": hostile, "variant": hostile, "samples": 2}
+    pruning = prune_tables(run.model, batch)
+    attribution = attribution_tables(run.model, batch, batch.tokens[:1], n_boot=10)
+    reports = {"pruning": prune_report_html(pruning, prune_summary(pruning, header), "loss", REMOVAL_TOLERANCE),
+               "attribution": attribution_report_html(attribution, attribution_summary(attribution, header))}
+    for name, report in reports.items():
+        parsed = Elements()
+        parsed.feed(report)
+        assert not [attrs for tag, attrs in parsed.tags if tag in ("img", "b")], name
+        assert not [attrs for tag, attrs in parsed.tags if any("tracker" in str(value) for value in attrs.values())]
+        assert hostile in "".join(parsed.text), name  # in the title and the header line, as text
 
 
 def test_a_damaged_checkpoint_index_is_a_message_on_every_page(tmp_path):

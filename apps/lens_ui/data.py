@@ -113,7 +113,7 @@ def folder_under_served(typed: str) -> Path:
     folder = (served / Path(typed.strip()).expanduser()).resolve()
     if not folder.is_relative_to(served):
         raise ValueError(f"{typed.strip()} is outside the folder this dashboard serves, {served}; give that folder or "
-                         f"one under it (start `attnres-lens dashboard --runs DIR` to serve another folder)")
+                         "one under it (to serve another folder, start the dashboard with --runs DIR)")
     return folder
 
 

@@ -19,15 +19,23 @@ _ANYWHERE = re.compile(r"([\\`*_\[\]<>#|~$:&!(){}+=^@])")
 # source): "-" (a list item, a thematic break, a setext underline) and "1." (an ordered list item).
 _DASH_AT_LINE_START = re.compile(r"^([ \t]*)-", re.MULTILINE)
 _NUMBER_AT_LINE_START = re.compile(r"^([ \t]*\d+)\.", re.MULTILINE)
-_WWW = re.compile(r"(?i)\b(www)\.")  # a GFM autolink without a scheme
+# Some syntax survives escaping, because GFM and Streamlit find it in the parsed text (or, for `:material/`, in the
+# source before parsing): URLs, "www." hosts and e-mail addresses become links; `:name:` emoji, `:material/…:` icons
+# and `:streamlit:` become pictures; "->", "<-", "<->", "--", ">=", "<=" and "~=" between spaces become arrows and
+# symbols. An invisible word joiner after each colon, after "www" and "@", and inside each of those symbols leaves
+# the text as it reads and none of them.
+WORD_JOINER = "\u2060"
+_SYMBOLS = ("<->", "->", "<-", "--", ">=", "<=", "~=")  # Streamlit's typography, each between spaces
+_SYMBOL_STARTS = "|".join(rf"{re.escape(symbol[0])}(?={re.escape(symbol[1:])}(?:\s|$))" for symbol in _SYMBOLS)
+_FOUND_IN_TEXT = re.compile(rf"(?i)(:|www(?=\.)|@|(?<!\S)(?:{_SYMBOL_STARTS}))")
 
 
 def plain(value: object) -> str:
     """Markdown that shows `str(value)` literally (for Streamlit's titles, captions, messages, radio options)."""
-    text = _ANYWHERE.sub(r"\\\1", str(value))
+    text = _FOUND_IN_TEXT.sub(lambda match: match[1] + WORD_JOINER, str(value))
+    text = _ANYWHERE.sub(r"\\\1", text)
     text = _DASH_AT_LINE_START.sub(r"\1\\-", text)
-    text = _NUMBER_AT_LINE_START.sub(r"\1\\.", text)
-    return _WWW.sub(r"\1\\.", text)
+    return _NUMBER_AT_LINE_START.sub(r"\1\\.", text)
 
 
 def figure_text(value: object) -> str:
