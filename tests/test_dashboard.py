@@ -458,7 +458,11 @@ def test_html_reports_show_run_text_as_text():
     from html.parser import HTMLParser
 
     from attnres_lens import load_run
-    from attnres_lens.analysis.attribution_report import attribution_report_html, attribution_summary, attribution_tables
+    from attnres_lens.analysis.attribution_report import (
+        attribution_report_html,
+        attribution_summary,
+        attribution_tables,
+    )
     from attnres_lens.analysis.report import prune_report_html
     from attnres_lens.analysis.run import REMOVAL_TOLERANCE, prune_summary, prune_tables
 
