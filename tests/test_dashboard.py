@@ -5,18 +5,22 @@ from __future__ import annotations
 import base64
 import gc
 import json
+import re
 import shutil
+import unicodedata
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("streamlit")
+from markdown_it import MarkdownIt  # noqa: E402 - streamlit's dependency rich brings it
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 APP = REPO_ROOT / "apps" / "app.py"
 DEMO_RUNS = REPO_ROOT / "data" / "demo_runs"
+MARKDOWN = MarkdownIt("commonmark").enable(["table", "strikethrough"])
 PAGES = ["views/runs.py", "views/depth_attention.py", "views/depth_mixing.py", "views/training_dynamics.py",
          "views/induction.py", "views/pruning.py", "views/attribution.py"]
 
@@ -26,8 +30,9 @@ if not (DEMO_RUNS / "induction-1l-kvshift" / "config.json").is_file():
 
 
 def open_page(page: str, runs: Path = DEMO_RUNS) -> AppTest:
+    """The app serving `runs`, as `attnres-lens dashboard --runs RUNS` would, on `page`."""
     app = AppTest.from_file(str(APP), default_timeout=180)
-    app.session_state["runs_dir"] = str(runs)
+    app.session_state["served_dir"] = str(runs)
     app.run()
     if page != "views/runs.py":
         app.switch_page(page)
@@ -346,6 +351,165 @@ def test_broken_run_directories_show_messages_not_tracebacks(tmp_path):
     app.switch_page("views/induction.py").run()
     assert not app.exception
     assert any("corrupt or truncated" in element.value for element in app.error)
+
+
+# What the browser's renderer finds in parsed text, which markdown-it's CommonMark parser leaves as text: GFM's
+# extended autolinks (a URL, a "www." host, an e-mail address) and Streamlit's emoji, icons and directives
+FOUND_IN_TEXT = {"gfm_autolink": re.compile(r"(?i)https?://|\bwww\.|[\w.+-]@[\w-]+\.\w"),
+                 "streamlit_syntax": re.compile(r":(?:material/|streamlit:|[\w+-]+:|[a-z][a-z0-9-]*\[)")}
+
+
+def rendered(markdown: str) -> tuple[str, set[str]]:
+    """What a browser shows for Streamlit Markdown (CommonMark and GFM tables, strikethrough), as (text as it reads,
+    the token types it becomes, with the `FOUND_IN_TEXT` kinds in its text): independent of the app's escaping."""
+    def walk(tokens):
+        for token in tokens:
+            yield token
+            yield from walk(token.children or [])
+
+    tokens = list(walk(MARKDOWN.parse(markdown)))
+    text = "".join(token.content if token.type in ("text", "code_inline") else " " if "break" in token.type else ""
+                   for token in tokens)
+    kinds = {token.type for token in tokens} | {kind for kind, found in FOUND_IN_TEXT.items() if found.search(text)}
+    visible = "".join(char for char in text if unicodedata.category(char) != "Cf")  # format characters are invisible
+    return visible, kinds
+
+
+def page_markdown(app: AppTest) -> list[str]:
+    """Every string on the page that Streamlit renders as Markdown: titles, headers, captions, messages, expander
+    labels, radio options and help tooltips."""
+    texts = [element.value for kind in ("title", "header", "subheader", "caption", "markdown", "info", "warning",
+                                        "error", "success") for element in getattr(app, kind)]
+    texts += [expander.label for expander in app.expander]
+    texts += [option for radio in app.radio for option in radio.options]
+    texts += [element.proto.help for kind in ("text_input", "selectbox", "multiselect", "number_input", "radio")
+              for element in getattr(app, kind) if element.proto.help]
+    return texts
+
+
+@pytest.mark.slow
+def test_the_runs_folder_box_never_leaves_the_served_folder(tmp_path):
+    """The dashboard serves the folder it was started on (issue 41 item 1): the Runs folder box moves to folders under
+    it and refuses any other path by name, a symbolic link that leads out included; nothing outside is listed, opened
+    or quoted in a message."""
+    served, outside = tmp_path / "served", tmp_path / "outside"
+    shutil.copytree(DEMO_RUNS / "induction-1l-vanilla", served / "top-run")
+    shutil.copytree(DEMO_RUNS / "induction-1l-kvshift", served / "group" / "inner-run")
+    shutil.copytree(DEMO_RUNS / "induction-1l-kvshift", outside / "private-run")
+    secret = "secret_field_4711"  # what the server could read outside: an error message would quote this key
+    (outside / "private-config").mkdir()
+    (outside / "private-config" / "config.json").write_text(json.dumps({"model": {secret: 1}, "task": {}, "train": {}}))
+    (served / "link-out").symlink_to(outside, target_is_directory=True)
+    (served / "linked-run").symlink_to(outside / "private-run", target_is_directory=True)
+    (served / "borrowed-config").mkdir()
+    (served / "borrowed-config" / "config.json").symlink_to(outside / "private-config" / "config.json")
+
+    def shown(app: AppTest) -> str:
+        texts = [rendered(text)[0] for text in page_markdown(app)]
+        return " ".join(texts + [app.dataframe[0].value.to_string()] if app.dataframe else texts)
+
+    app = open_page("views/runs.py", runs=served)
+    assert list(app.dataframe[0].value["run"]) == ["top-run"]
+    errors = {rendered(error.value)[0].split(":")[0]: rendered(error.value)[0] for error in app.error}
+    for link in ("linked-run", "borrowed-config", "link-out"):
+        assert "leads outside the folder this dashboard serves" in errors[link] and str(served) in errors[link], errors
+    assert secret not in shown(app) and "private-run" not in shown(app)
+
+    for typed in (str(outside), str(outside / "private-run"), str(outside / "private-config"),
+                  str(served / "link-out"), str(served / "linked-run"), "../outside", "/"):
+        app.text_input[0].input(typed).run()
+        refusals = [rendered(error.value)[0] for error in app.error if "is outside the folder" in error.value]
+        assert len(refusals) == 1 and refusals[0].startswith(f"{typed} is outside the folder this dashboard serves, "
+                                                             f"{served};"), (typed, refusals)
+        assert list(app.dataframe[0].value["run"]) == ["top-run"], typed  # still the served folder's runs
+        assert secret not in shown(app), typed  # the refusal names the typed path, nothing read there
+
+    app.text_input[0].input("group").run()  # relative to the served folder
+    assert_clean(app)
+    assert list(app.dataframe[0].value["run"]) == ["inner-run"]
+    assert f"Runs folder: {served / 'group'} (under {served})" in rendered(app.sidebar.caption[0].value)[0]
+    app.switch_page("views/induction.py").run()
+    assert_clean(app)
+    assert app.selectbox(key="induction-run").value == str(served / "group" / "inner-run")
+
+
+HOSTILE = ("![pixel](http://tracker.invalid/p.png) <img src=http://tracker.invalid/q.png> www.tracker.invalid "
+           "me@tracker.invalid **bold** :red[red] :material/home: :smile: $x$")
+
+
+@pytest.mark.slow
+def test_text_from_run_files_is_shown_as_text_on_every_page(tmp_path):
+    """A provenance source, an unknown config key and a run folder's name holding Markdown and HTML (issue 41 item
+    3): on every page each is shown literally, never as an image, a link or HTML, in messages, titles, captions,
+    expander labels and radio options, and figure titles and legends hold it escaped (Plotly reads them as HTML)."""
+    imported = tmp_path / "imported"
+    shutil.copytree(DEMO_RUNS / "depth-block-6l", imported)
+    (imported / "metrics.jsonl").unlink()
+    shutil.rmtree(imported / "records")
+    config = json.loads((imported / "config.json").read_text())
+    (imported / "config.json").write_text(json.dumps({**config, "provenance": {"source": HOSTILE}}))
+    odd_name = "![p](p.png) <b>bold _run_"  # a folder name cannot hold a slash, so no absolute URL
+    shutil.copytree(DEMO_RUNS / "depth-full-6l", tmp_path / odd_name)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text(json.dumps({**config, "model": {HOSTILE: 1}}))
+
+    app = open_page("views/runs.py", runs=tmp_path)
+    app.multiselect(key="runs-pick").set_value([str(imported), str(tmp_path / odd_name)]).run()
+    seen = []
+    for page in PAGES:
+        app.switch_page(page).run()
+        assert not app.exception, (page, [element.value for element in app.exception])
+        for text in page_markdown(app) + [caption.value for caption in app.sidebar.caption]:
+            shown, kinds = rendered(text)
+            assert not kinds & {"image", "link_open", "html_inline", "html_block", *FOUND_IN_TEXT}, (page, text)
+            seen.append(shown)
+        for spec in chart_specs(app):
+            titles = [spec["layout"]["title"]["text"], *(trace.get("name", "") for trace in spec["data"])]
+            assert not [title for title in titles if "<b>bold" in title or "<img" in title], (page, titles)
+    seen = " ".join(seen)
+    assert HOSTILE in seen and odd_name in seen  # shown, literally
+    assert f"unknown ModelConfig field(s) ['{HOSTILE}']" in seen  # the broken run's error, quoting the key
+
+
+def test_html_reports_show_run_text_as_text():
+    """The pruning report (shown on the Pruning page) and the attribution report (`attnres-lens attribute`) escape
+    run-derived text: a run, variant or checkpoint holding `<img src=…>` is text in the report, never an element."""
+    from html.parser import HTMLParser
+
+    from attnres_lens import load_run
+    from attnres_lens.analysis.attribution_report import (
+        attribution_report_html,
+        attribution_summary,
+        attribution_tables,
+    )
+    from attnres_lens.analysis.report import prune_report_html
+    from attnres_lens.analysis.run import REMOVAL_TOLERANCE, prune_summary, prune_tables
+
+    class Elements(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tags, self.text = [], []
+
+        def handle_starttag(self, tag, attrs) -> None:
+            self.tags.append((tag, dict(attrs)))
+
+        def handle_data(self, data) -> None:
+            self.text.append(data)
+
+    hostile = "<img src=http://tracker.invalid/p.png> & <b>bold"
+    run = load_run(DEMO_RUNS / "induction-1l-kvshift")
+    batch = run.config.build_task().eval_batch(2)
+    header = {"run": hostile, "checkpoint": hostile, "variant": hostile, "samples": 2}
+    pruning = prune_tables(run.model, batch)
+    attribution = attribution_tables(run.model, batch, batch.tokens[:1], n_boot=10)
+    reports = {"pruning": prune_report_html(pruning, prune_summary(pruning, header), "loss", REMOVAL_TOLERANCE),
+               "attribution": attribution_report_html(attribution, attribution_summary(attribution, header))}
+    for name, report in reports.items():
+        parsed = Elements()
+        parsed.feed(report)
+        assert not [attrs for tag, attrs in parsed.tags if tag in ("img", "b")], name
+        assert not [attrs for tag, attrs in parsed.tags if any("tracker" in str(value) for value in attrs.values())]
+        assert hostile in "".join(parsed.text), name  # in the title and the header line, as text
 
 
 @pytest.mark.slow

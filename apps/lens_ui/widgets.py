@@ -23,6 +23,7 @@ from lens_ui.data import (
     load_model,
     selected_paths,
 )
+from lens_ui.text import plain
 
 PLOTLY_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
 
@@ -59,7 +60,7 @@ def _starting_choice(runs: list[RunTables], fallback: int, max_runs: Optional[in
     by_path = {run.path: run for run in runs}
     selected = selected_paths()
     chosen = [path for path in selected if path in by_path]
-    left_out = [Path(path).name for path in selected if path not in by_path]
+    left_out = [plain(Path(path).name) for path in selected if path not in by_path]
     if not chosen:
         preferred = [run.path for run in runs if prefer is None or prefer(run)] or [run.path for run in runs]
         chosen = preferred[:fallback]
@@ -67,7 +68,7 @@ def _starting_choice(runs: list[RunTables], fallback: int, max_runs: Optional[in
             _select(chosen)
     chosen = chosen[:max_runs] if max_runs else chosen
     if left_out:
-        shown = ", ".join(by_path[path].name for path in chosen)
+        shown = ", ".join(plain(by_path[path].name) for path in chosen)
         st.info(f"Selected run{'s' if len(left_out) > 1 else ''} {', '.join(left_out)} not shown here: {unshowable}. "
                 f"Showing {shown}; pick below to change the selection.", icon=":material/info:")
     st.session_state[SHOWN_KEY] = chosen
@@ -102,13 +103,13 @@ def pick_run(runs: list[RunTables], key: str, label: str = "Run",
 def pick_model(run: RunTables, key: str) -> Optional[ModelHandle]:
     """Checkpoint selectbox, then the cached model; an error message (and None) if it cannot be loaded."""
     if not run.checkpoints:
-        st.warning(f"Run {run.name} has no checkpoint yet, so nothing can be computed with its model.")
+        st.warning(f"Run {plain(run.name)} has no checkpoint yet, so nothing can be computed with its model.")
         return None
     checkpoint = st.selectbox("Checkpoint", run.checkpoints, key=key,
                               help="latest / best (lowest eval loss) or a kept checkpoint")
     handle, error = load_model(run, checkpoint)
     if error:
-        st.error(f"Cannot load checkpoint {checkpoint!r} of {run.name}: {error}")
+        st.error(f"Cannot load checkpoint {plain(repr(checkpoint))} of {plain(run.name)}: {plain(error)}")
     return handle
 
 
@@ -140,7 +141,7 @@ def computed_on_demand(page: str, key: tuple, button: str, compute: Callable[[Ca
             with _STORE_LOCK:
                 store[full_key] = result
         except Exception as err:  # noqa: BLE001 - a bad checkpoint or task config becomes a message
-            st.error(f"{failure}: {describe_error(err)}")
+            st.error(f"{failure}: {plain(describe_error(err))}")
         bar.empty()
     with _STORE_LOCK:  # sessions run in threads of one server
         found = full_key in store
@@ -177,7 +178,7 @@ def token_input(run: RunTables, handle: ModelHandle, key: str) -> Optional[torch
     try:
         return handle.model.to_tokens(text).cpu()
     except ValueError as err:
-        st.error(f"Invalid token ids: {err}")
+        st.error(f"Invalid token ids: {plain(err)}")
         return None
 
 

@@ -10,6 +10,7 @@ import streamlit as st
 from attnres_lens.analysis.report import prune_report_html
 from attnres_lens.analysis.run import PRUNE_SAMPLES, REMOVAL_TOLERANCE, prune_summary, prune_tables
 from lens_ui.data import ModelHandle, RunTables, task_batch
+from lens_ui.text import plain
 from lens_ui.widgets import COMPUTED_KEEP, computed_on_demand, loadable_runs, pick_model, pick_run
 
 st.title("Layer pruning")
@@ -31,7 +32,7 @@ def compute_report(run: RunTables, handle: ModelHandle, samples: int, metric: st
 
 runs = loadable_runs()
 run = pick_run(runs, key="pruning-run")
-st.caption(run.variant)
+st.caption(plain(run.variant))
 handle = pick_model(run, key="pruning-checkpoint")
 if handle is None:
     st.stop()
@@ -42,7 +43,7 @@ metric = right.radio("Order removals by", ["loss", "accuracy"], horizontal=True,
 report = computed_on_demand(
     "pruning", (handle.key, samples, metric), "Compute pruning report",
     lambda progress: compute_report(run, handle, samples, metric, progress),
-    failure=f"The pruning report of {run.name} failed",
+    failure=f"The pruning report of {plain(run.name)} failed",
     waiting=f"The report takes a few seconds to a minute; it is kept for this checkpoint while it is among the "
             f"{COMPUTED_KEEP} results shown last.")
 

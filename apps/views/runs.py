@@ -11,28 +11,38 @@ from lens_ui.data import (
     ACCURACY,
     ANSWER_LOSS,
     EVAL_LOSS,
+    RUNS_DIR_KEY,
     SELECTION_KEY,
     TRAIN_LOSS,
     all_runs,
+    folder_under_served,
     runs_dir,
     selected_paths,
+    served_dir,
     summary_row,
 )
+from lens_ui.text import plain
 
 st.title("Runs")
 
-folder = st.text_input("Runs folder", str(runs_dir()), help="A run directory, or a folder of run directories")
-resolved = str(Path(folder).expanduser().resolve())
-if resolved != str(runs_dir()):
-    st.session_state["runs_dir"] = resolved
-    st.session_state[SELECTION_KEY] = []
+folder = st.text_input("Runs folder", str(runs_dir()),
+                       help=f"A run directory, or a folder of run directories: {plain(served_dir())} (the folder "
+                            "this dashboard serves) or a folder under it; a relative path starts there")
+try:
+    chosen = folder_under_served(folder)
+except ValueError as err:  # nothing outside the served folder is read, listed or opened
+    st.error(plain(err))
+else:
+    if chosen != runs_dir():
+        st.session_state[RUNS_DIR_KEY] = str(chosen)
+        st.session_state[SELECTION_KEY] = []
 
 runs, broken = all_runs()
 for name, error in broken.items():
-    st.error(f"**{name}**: {error}")
+    st.error(f"**{plain(name)}**: {plain(error)}")
 if not runs:
     if not runs_dir().exists():
-        st.warning(f"The folder {runs_dir()} does not exist.")
+        st.warning(f"The folder {plain(runs_dir())} does not exist.")
     st.info("No readable runs here. Train one with `attnres-lens train --preset smoke --out runs/smoke`, "
             "or run `make demo` for the demo runs.")
     st.stop()
@@ -83,4 +93,4 @@ def remember_selection() -> None:
 picked = st.multiselect("Pick one or two runs for the other pages", options, max_selections=2,
                         format_func=labels.get, key="runs-pick", on_change=remember_selection)
 if picked:
-    st.success("Selected: " + ", ".join(Path(p).name for p in picked) + ". Open a page in the sidebar.")
+    st.success("Selected: " + ", ".join(plain(Path(p).name) for p in picked) + ". Open a page in the sidebar.")
