@@ -8,7 +8,7 @@ CHROMIUM  := /usr/bin/chromium
 DEMO_RUNS := data/demo_runs
 PORT      ?= 8501
 
-.PHONY: setup test demo clean
+.PHONY: setup test test-fast demo clean
 
 setup: $(STAMP) $(CHROMIUM)
 
@@ -30,10 +30,16 @@ $(CHROMIUM):
 		echo "warning: cannot install Debian's chromium (needs apt-get as root); the browser test will be skipped"; \
 	fi
 
+# The whole suite (what CI runs), with its 25 slowest tests listed at the end.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
-# Demo runs ship in data/demo_runs; any missing one is trained first (a few minutes, with progress bars).
+# The edit-test loop: every module, without the end-to-end trainings, benchmark scripts, browser, torch.compile,
+# data-parallel, C-kernel rebuild and Triton-interpreter tests (markers in pyproject.toml); about a minute on 2 cores.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not triton" --durations=10
+
+# Demo runs ship in data/demo_runs; any missing one is trained first (about 15 minutes for all seven on a 2-core CPU, with progress bars).
 demo: setup
 	$(PY) apps/make_demo_runs.py --out $(DEMO_RUNS)
 	$(VENV)/bin/attnres-lens dashboard --runs $(DEMO_RUNS) --port $(PORT)

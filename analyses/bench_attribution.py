@@ -12,17 +12,16 @@ on one briefly trained depth-full model and the run's held-out batch:
   many threads.
 
 The tables must agree (max |difference| reported); the engines run at one torch thread, so the comparison is of
-work, and the library's engine once more with one worker per core, the parallelism it ships with. Then the `prune` command end to end, as shipped (one thread per core, freed memory kept
-for reuse) and with `--threads 1`, alternating, twice each; and one forward and backward pass of first-order edge
-attribution against the exact knockouts it estimates.
+work, and the library's engine once more with one worker per core, the parallelism it ships with. Then the
+`prune` command end to end, as shipped (one thread per core, freed memory kept for reuse) and with `--threads 1`,
+alternating, twice each (the best of each counts); and one forward and backward pass of first-order edge attribution
+against the exact knockouts it estimates.
 
-    python -m analyses.bench_attribution --out analyses/reports/bench_attribution.md
+    python -m analyses.benchmarks bench_attribution
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
 import resource
 import subprocess
@@ -37,11 +36,16 @@ from typing import Callable, Iterator, Optional, Sequence
 import pandas as pd
 import torch
 
-from analyses.common import command_line, emit_report, machine_info
 from attnres_lens import cpu_settings
-from attnres_lens.analysis import causal_routing, edge_agreement, edge_attribution, prune_tables
+from attnres_lens.analysis import (
+    causal_routing,
+    edge_agreement,
+    edge_attribution,
+    prune_tables,
+    pruning,
+    routing,
+)
 from attnres_lens.analysis import engine as library_engine
-from attnres_lens.analysis import pruning, routing
 from attnres_lens.analysis.engine import StagedForward
 from attnres_lens.config import apply_overrides
 from attnres_lens.evaluation import score_logits
@@ -159,44 +163,32 @@ def clean_pass_time(model, tokens: torch.Tensor, repeats: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def load_average() -> str:
-    return " / ".join(f"{value:.2f}" for value in os.getloadavg())
-
-
-# ---------------------------------------------------------------------------- main
-def main(argv: Optional[Sequence[str]] = None) -> list[str]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="depth-full")
-    parser.add_argument("--steps", type=int, default=300,
-                        help="training steps before measuring (default 300: past the untrained start, where every "
-                             "removal is harmless and each cumulative curve runs to the end)")
-    parser.add_argument("--samples", type=int, default=32, help="held-out sequences, as `prune --samples`")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override for the model (e.g. model.n_layers=2 for a quick run)")
-    parser.add_argument("--skip-one-pass", action="store_true", help="do not time one pass per intervention")
-    parser.add_argument("--cli-repeats", type=int, default=2, help="runs of the prune command per setting (default 2)")
-    parser.add_argument("--out", type=Path, help="write the markdown report here")
-    args = parser.parse_args(argv)
+# ---------------------------------------------------------------------------- the rows
+def measure(preset: str = "depth-full", steps: int = 300, samples: int = 32, overrides: Sequence[str] = (),
+            skip_one_pass: bool = False, cli_repeats: int = 2) -> list[dict]:
+    """Rows of the comparison: the model of `preset` with `overrides` trained `steps` steps (300: past the untrained
+    start, where every removal is harmless and each cumulative curve runs to the end), `samples` held-out sequences
+    (as `prune --samples`); the prune command `cli_repeats` times per setting; `skip_one_pass` leaves out the slowest
+    engine."""
     torch.set_num_threads(1)  # the engines are compared on work; the CLI below runs as shipped
     cpu_settings.keep_freed_memory()  # as the CLI does
 
-    started = time.perf_counter()
-    load_before = load_average()
+    load_before = os.getloadavg()[0]  # the machine is shared: wall times carry other processes' load
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp) / args.preset
-        config = apply_overrides(get_preset(args.preset), [
-            f"train.steps={args.steps}", f"train.eval_every={args.steps}", f"train.record_every={args.steps}",
-            f"train.checkpoint_every={args.steps}", "train.threads=1", *args.overrides])
+        run_dir = Path(tmp) / preset
+        config = apply_overrides(get_preset(preset), [
+            f"train.steps={steps}", f"train.eval_every={steps}", f"train.record_every={steps}",
+            f"train.checkpoint_every={steps}", "train.threads=1", *overrides])
         _, train_wall, _ = timed(lambda: train(config, run_dir, progress=False))
         run = load_run(run_dir)
-        model, batch = run.model, run.config.build_task().eval_batch(args.samples)
+        model, batch = run.model, run.config.build_task().eval_batch(samples)
 
         cores = os.cpu_count() or 1
         parallel = f"shared prefixes, {cores} workers"
         forked = f"shared prefixes, {cores} threads, routing in a forked process (as `prune` runs)"
         paths = [("shared prefixes", None, 1, False), (parallel, None, cores, False),
                  ("stacked full passes", stacked_full_passes, 1, False)]
-        if not args.skip_one_pass:
+        if not skip_one_pass:
             paths.append(("one pass per intervention", one_pass_per_intervention, 1, False))
         paths += [(f"{parallel} (again)", None, cores, False), (forked, None, cores, True)]
         measured = {}
@@ -210,21 +202,20 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
             passes = work[0] / (model.cfg.n_sublayers * batch.tokens.shape[0])  # in full passes over the batch
             # a forked child's interventions and work are not counted here
             measured[label] = dict(tables=tables, wall=wall, cpu=cpu, interventions=None if fork else count[0],
-                                   passes=None if fork else passes)
+                                   passes=None if fork else passes, threads=threads)
             print(f"{label}: {wall:.1f} s wall, {cpu:.1f} s CPU", file=sys.stderr)
         torch.set_num_threads(1)
         reference = measured["shared prefixes"]["tables"]
         differences = {label: max_difference(reference, entry["tables"]) for label, entry in measured.items()}
 
         command = [str(Path(sys.executable).parent / "attnres-lens"), "prune", str(run_dir), "--samples",
-                   str(args.samples), "--no-progress", "--out", str(Path(tmp) / "prune")]
+                   str(samples), "--no-progress", "--out", str(Path(tmp) / "prune")]
         cli_walls: dict[str, list[float]] = {"as shipped": [], "--threads 1": []}
-        for _ in range(args.cli_repeats):
+        for _ in range(cli_repeats):
             for label, extra in (("as shipped", []), ("--threads 1", ["--threads", "1"])):
                 wall = time.perf_counter()
                 subprocess.run(command + extra, check=True, stdout=subprocess.DEVNULL)
                 cli_walls[label].append(time.perf_counter() - wall)
-        cli_wall = min(cli_walls["as shipped"])
 
         import_wall = time.perf_counter()
         subprocess.run([sys.executable, "-c", "import attnres_lens.analysis.run"], check=True)
@@ -233,72 +224,42 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
 
         edges, edge_wall, _ = timed(lambda: edge_attribution(model, batch))
         exact, exact_wall, _ = timed(lambda: causal_routing(model, batch))
-        agreement, worst = edge_agreement(edges, exact, top=5)
-    load_after = load_average()
+        agreement, _ = edge_agreement(edges, exact, top=5)
+    load_after = os.getloadavg()[0]
 
     cfg = model.cfg
-    shared = measured["shared prefixes"]
-    lines = [
-        "# Exact interventions: one pass each, stacked full passes, shared prefixes",
-        "",
-        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, "
-        f"in {time.perf_counter() - started:.0f} s, by `{command_line()}`. Load average (1/5/15 min) "
-        f"{load_before} before and {load_after} after: the machine is shared, so wall times carry other "
-        "processes' load; CPU times are this process's own (summed over its threads).",
-        "",
-        f"Model: preset `{args.preset}` ({cfg.n_layers} layers, d_model {cfg.d_model}, d_mlp {cfg.d_mlp}, "
-        f"{cfg.n_sublayers} sublayers, {run.model_config.description}), trained {args.steps} steps "
-        f"({train_wall:.0f} s); {args.samples} held-out sequences of length {batch.tokens.shape[1]} of its task. "
-        "Each row is one `prune_tables` call (sensitivity, angular distances, cumulative curves, causal routing) "
-        f"at one torch thread, except the rows with {cores} workers (one per core: the stacked branches run on "
-        "that many threads, each on its own copy of the modules) and the forked row (`fork_routing=True`: the "
-        "causal-routing table in a forked child on one thread, the other tables here on the other; its "
-        "CPU includes the child's, whose interventions and work this process does not see); work counts "
-        "sequence × sublayer evaluations, "
-        "in units of one full forward pass over the batch. `max |Δ|`: the largest difference of any number the tables "
-        "measure from the shared engine's; ranks derived from them (routing disagreements) are counted apart, since "
-        "two effects within float rounding of each other may swap places.",
-        "",
-        "| engine | interventions | work (full-pass equivalents) | wall (s) | CPU (s) | × shared (wall) | "
-        "max \\|Δ\\| vs shared | rank entries that differ |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    shape = (f"preset {preset}{''.join(' ' + override for override in overrides)} ({cfg.n_layers} layers, d_model "
+             f"{cfg.d_model}), {steps} steps, {samples} samples")
+    rows = []
     for label, entry in measured.items():
-        counted = entry["interventions"] is not None
-        lines.append(f"| {label} | {entry['interventions'] if counted else '–'} | "
-                     f"{format(entry['passes'], '.0f') if counted else '–'} | {entry['wall']:.1f} | "
-                     f"{entry['cpu']:.1f} | {entry['wall'] / shared['wall']:.2f} | {differences[label][0]:.1e} | "
-                     f"{differences[label][1]} |")
-    lines += [
-        "",
-        f"`attnres-lens prune RUN --samples {args.samples}` end to end (process start, imports, model load, every "
-        f"table, the HTML report), alternating: as shipped (one thread per core) "
-        f"{' / '.join(f'{t:.1f}' for t in cli_walls['as shipped'])} s, with `--threads 1` "
-        f"{' / '.join(f'{t:.1f}' for t in cli_walls['--threads 1'])} s: **{cli_wall:.1f} s** at best. "
-        "What it is made of: importing the package takes "
-        f"{import_wall:.1f} s (torch and TransformerLens), and one clean forward pass over the batch "
-        f"{pass_wall * 1e3:.0f} ms (median of 10, no hooks), so the {shared['passes']:.0f} full-pass equivalents "
-        f"of exact work at a clean pass's rate come to {shared['passes'] * pass_wall:.1f} s "
-        f"({import_wall + shared['passes'] * pass_wall:.1f} s with the imports; spread perfectly over {cores} "
-        f"cores, {import_wall + shared['passes'] * pass_wall / cores:.1f} s); the engine's stacked passes run "
-        f"larger batches than a clean pass (stacks of up to {library_engine.STACK_ELEMENTS:,} elements an "
-        "activation) but also hooks, stacking and their own depth mixes.",
-        "",
-        "First-order edge attribution (one forward and one backward pass, every edge at once) against the exact "
-        f"knockouts it estimates: {edge_wall:.2f} s vs {exact_wall:.1f} s ({len(exact)} edges); Spearman "
-        f"{agreement['spearman']:.3f} overall, {agreement['spearman_within_consumer']:.3f} within consumers, sign "
-        f"agreement {agreement['sign_agreement']:.2f}. Largest disagreements:",
-        "",
-        "| consumer | source | α mass | max α | exact Δloss | estimate |",
-        "|---|---|---|---|---|---|",
-    ]
-    for _, row in worst.iterrows():
-        lines.append(f"| {row['consumer_label']} | {row['source_label']} | {row['alpha_mass']:.3f} | "
-                     f"{row['max_alpha']:.3f} | {row['delta_loss']:.5f} | {row['total']:.5f} |")
-    text = "\n".join(lines) + "\n"
-    emit_report(text, args.out)
-    return lines
+        common = dict(shape=shape, variant=label, threads=entry["threads"])
+        rows += [dict(common, metric="prune_tables wall", value=entry["wall"], unit="s"),
+                 dict(common, metric="prune_tables CPU", value=entry["cpu"], unit="s"),
+                 dict(common, metric="max |Δ| vs shared prefixes", value=differences[label][0], unit="abs"),
+                 dict(common, metric="rank entries that differ", value=differences[label][1], unit="count")]
+        if entry["interventions"] is not None:  # a forked child's work is not seen here
+            rows += [dict(common, metric="interventions", value=entry["interventions"], unit="count"),
+                     dict(common, metric="work", value=entry["passes"], unit="full passes")]
+    for label, walls in cli_walls.items():  # the best of the alternating runs: the least disturbed
+        rows.append(dict(metric="prune end to end", shape=shape, variant=label, threads=None, value=min(walls),
+                         unit="s"))
+    common = dict(shape=shape, threads=1)
+    rows += [dict(common, metric="load average (1 min)", variant="before", value=load_before, unit="processes"),
+             dict(common, metric="load average (1 min)", variant="after", value=load_after, unit="processes"),
+             dict(common, metric="package import", variant="attnres_lens.analysis.run", value=import_wall, unit="s"),
+             dict(common, metric="clean forward pass", variant="no hooks", value=1e3 * pass_wall, unit="ms"),
+             dict(common, metric="edge attribution", variant="first order", value=edge_wall, unit="s"),
+             dict(common, metric="edge attribution", variant="exact knockouts", value=exact_wall, unit="s"),
+             *(dict(common, metric=f"edge attribution {name}", variant="first order vs exact", value=agreement[name],
+                    unit="")
+               for name in ("spearman", "spearman_within_consumer", "sign_agreement"))]
+    return rows
 
 
-if __name__ == "__main__":
-    main()
+TINY = dict(steps=2, samples=2, overrides=["model.n_layers=1"], skip_one_pass=True)
+
+
+def run(repeats: Optional[int] = None, tiny: bool = False) -> list[dict]:
+    """Exact interventions' engines on a 12-layer Full AttnRes model; `prune` end to end; edge attribution."""
+    settings = TINY if tiny else dict(steps=300, samples=32, overrides=[], skip_one_pass=False)
+    return measure(**settings, cli_repeats=repeats or (1 if tiny else 2))

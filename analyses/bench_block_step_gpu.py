@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import statistics
 import sys
 import time
 
 import torch
 
+from analyses.common import machine_info
 from attnres_lens import HookedTransformer, ModelConfig, adamw
 
 TARGET = 1.03  # Block AttnRes step time / standard
@@ -61,6 +61,12 @@ def build(shape: dict, overrides: dict, device: str):
 
 
 def main(argv: list[str] | None = None) -> list[str]:
+    """The markdown report's lines (`measure` has them with the rows)."""
+    return measure(argv)[0]
+
+
+def measure(argv: list[str] | None = None) -> tuple[list[str], list[dict]]:
+    """(report lines, benchmark rows: each variant's step ratio, Block's with its target, and step time)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU; checks the script only")
     parser.add_argument("--layers", type=int, default=24)
@@ -89,11 +95,10 @@ def main(argv: list[str] | None = None) -> list[str]:
         for name, step in steps.items():
             times[name].append(step())
     base = statistics.median(times["standard"])
-    machine = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
     lines = [
         f"# Training step relative to the standard model{' (dry run: tiny model on the CPU)' if args.dry_run else ''}",
         "",
-        f"* machine: {machine}, torch {torch.__version__}",
+        f"* machine: {machine_info()}",
         f"* command: `python -m analyses.bench_block_step_gpu {' '.join(argv if argv is not None else sys.argv[1:])}`",
         f"* date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
         f"* shape: {shape}; median of {args.repeats} interleaved steps; target: Block ≤ {TARGET}× standard",
@@ -101,11 +106,18 @@ def main(argv: list[str] | None = None) -> list[str]:
         "| variant | step ms | × standard |",
         "|---|---|---|",
     ]
+    rows = []
+    described = (f"{shape['n_layers']} layers, d_model {shape['d_model']}, n_ctx {shape['n_ctx']}, batch "
+                 f"{shape['batch']}, bf16 autocast")
     for name, samples in times.items():
         median = statistics.median(samples)
         lines.append(f"| {name} | {1000 * median:.1f} | {median / base:.3f} |")
+        common = dict(metric="step ratio", shape=described, variant=name, threads=None)
+        target = TARGET if name.startswith("block") else None
+        rows += [dict(common, value=median / base, unit="× standard", target=target),
+                 dict(common, metric="step time", value=1000 * median, unit="ms")]
     print("\n".join(lines))
-    return lines
+    return lines, rows
 
 
 if __name__ == "__main__":

@@ -5,23 +5,20 @@ report gives medians, the compiled/eager ratio, each compiled step's ratio to th
 long compiling took (the first compiled step). A step: zero grads, forward, loss, backward, AdamW update; the
 loss function is what is compiled (`fullgraph=True`, so a graph break fails the run), the optimiser runs eagerly.
 
-    python -m analyses.bench_compile --out analyses/reports/bench_compile.md
+    python -m analyses.benchmarks bench_compile
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from analyses.common import BENCH_VOCAB, command_line, emit_report, machine_info, model_dims_and_tokens
+from analyses.common import BENCH_VOCAB, model_dims_and_tokens
 from attnres_lens import HookedTransformer, ModelConfig, adamw
 
 SHAPE = dict(n_layers=4, d_model=128, n_heads=4, n_ctx=64, batch=12)
@@ -58,57 +55,48 @@ def build(overrides: dict, shape: dict, backend: str) -> tuple[Stepper, Stepper,
     return Stepper(eager, tokens, lambda t: eager(t, return_type="loss")), compiled, compile_seconds
 
 
-def main(argv: Optional[Sequence[str]] = None) -> list[str]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager for a quick check)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--tiny", action="store_true", help="a 1-layer d_model 32 model (a smoke test)")
-    parser.add_argument("--out", type=Path, help="write the markdown report here")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    shape = dict(n_layers=1, d_model=32, n_heads=4, n_ctx=16, batch=2) if args.tiny else SHAPE
-    if "standard" not in args.variants:
-        args.variants = ["standard", *args.variants]
+TINY = dict(n_layers=1, d_model=32, n_heads=4, n_ctx=16, batch=2)
 
-    started = time.perf_counter()
+
+def measure(repeats: int = 20, threads: int = 1, backend: str = "inductor", names: Sequence[str] = tuple(VARIANTS),
+            shape: Optional[dict] = None) -> list[dict]:
+    """Rows per variant (the standard one always, first): eager and compiled step medians over `repeats`
+    interleaved steps, compiled / eager, compiled × the eager standard step, and the first compiled step's seconds."""
+    torch.set_num_threads(threads)
+    shape = shape or SHAPE
+    names = ["standard", *(name for name in names if name != "standard")]
     steppers, compile_seconds = {}, {}
-    for name in args.variants:
+    for name in names:
         torch._dynamo.reset()
-        eager, compiled, seconds = build(VARIANTS[name], shape, args.backend)
+        eager, compiled, seconds = build(VARIANTS[name], shape, backend)
         steppers[name], compile_seconds[name] = (eager, compiled), seconds
         print(f"{name}: compiled in {seconds:.0f} s", file=sys.stderr)
     for eager, compiled in steppers.values():  # warm-up
         for _ in range(3):
             eager.step(), compiled.step()
     times = {name: ([], []) for name in steppers}
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for name, (eager, compiled) in steppers.items():
             times[name][0].append(eager.step())
             times[name][1].append(compiled.step())
     medians = {name: (statistics.median(e), statistics.median(c)) for name, (e, c) in times.items()}
     base = medians["standard"][0]
-
-    lines = [
-        "# Eager vs torch.compile training step (CPU)",
-        "",
-        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, "
-        f"{args.threads} torch thread(s), backend `{args.backend}`, in {time.perf_counter() - started:.0f} s, by "
-        f"`{command_line()}`. Shape: {shape['n_layers']} layers, d_model {shape['d_model']}, n_ctx "
-        f"{shape['n_ctx']}, batch {shape['batch']}; medians of {args.repeats} interleaved steps (forward, backward, "
-        "AdamW). Every variant compiled with `fullgraph=True`: no graph breaks.",
-        "",
-        "| variant | eager (ms) | compiled (ms) | compiled / eager | eager × standard | compiled × eager standard | "
-        "first compiled step (s) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    described = (f"{shape['n_layers']} layers, d_model {shape['d_model']}, n_ctx {shape['n_ctx']}, batch "
+                 f"{shape['batch']}, backend {backend}")
+    rows = []
     for name, (eager, compiled) in medians.items():
-        lines.append(f"| {name} | {1e3 * eager:.1f} | {1e3 * compiled:.1f} | {compiled / eager:.3f} | "
-                     f"{eager / base:.3f} | {compiled / base:.3f} | {compile_seconds[name]:.0f} |")
-    emit_report("\n".join(lines) + "\n", args.out)
-    return lines
+        common = dict(shape=described, variant=name, threads=threads)
+        rows += [dict(common, metric="eager step", value=1e3 * eager, unit="ms"),
+                 dict(common, metric="compiled step", value=1e3 * compiled, unit="ms"),
+                 dict(common, metric="compiled / eager", value=compiled / eager, unit="× eager"),
+                 dict(common, metric="eager step ratio", value=eager / base, unit="× standard"),
+                 dict(common, metric="compiled step ratio", value=compiled / base, unit="× eager standard"),
+                 dict(common, metric="first compiled step", value=compile_seconds[name], unit="s")]
+    return rows
 
 
-if __name__ == "__main__":
-    main()
+def run(repeats: Optional[int] = None, tiny: bool = False) -> list[dict]:
+    """Eager vs torch.compile (inductor, fullgraph) CPU training step per variant, 4 layers, d_model 128."""
+    if tiny:  # aot_eager: the graph capture without inductor's minutes of C++ code generation
+        return measure(repeats or 2, backend="aot_eager", names=["standard", "full [cpu kernel]"], shape=TINY)
+    return measure(repeats or 20)

@@ -8,26 +8,24 @@ Depth-attention paths compared:
 * `eager`: the readable path of `attnres_lens/attnres.py` (what runs when a hook watches the weights);
 * `reference`: `kernels.depth_attention(backend="reference")`, plain autograd;
 * `torch`: plain-PyTorch fast path (gain folded into the query, rstd once per source, hand-written backward);
-* `cpu`: the fused C kernel (`kernels/cpu_fused.c`), what `auto` picks on a CPU with a C compiler.
+* `cpu`: the fused C kernels (`kernels/cpu_depth.c` and the other `cpu_*.c`), what `auto` picks on a CPU with a C compiler.
+The standing benchmark measures the `cpu` path (what ships); the others stay for a by-hand comparison through `bench`.
 
-    python -m analyses.bench_cpu_step --repeats 30 --threads 1 2 --out analyses/reports/bench_cpu_step.md
+    python -m analyses.benchmarks bench_cpu_step
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from analyses.common import BENCH_VOCAB, command_line, emit_report, machine_info, model_dims_and_tokens, within_rounds
-from attnres_lens import HookedTransformer, ModelConfig, adamw, cpu_settings
+from analyses.common import BENCH_VOCAB, model_dims_and_tokens, within_rounds
+from attnres_lens import HookedTransformer, ModelConfig, adamw
 
 SHAPES = {
     "small": dict(n_layers=4, d_model=128, n_heads=4, n_ctx=64, batch=12),
@@ -36,7 +34,7 @@ SHAPES = {
 # issue 15: Block (S = 2, 4) ≤ 1.05×, Full ≤ 1.10×, KV shift ≤ 1.03× the standard step
 TARGETS = {"full": 1.10, "block2": 1.05, "block4": 1.05, "standard+kv_shift": 1.03}
 # A second standard model, built last the same way: two identical models differ by where their tensors lie in
-# memory (four measured 0.988-1.000x the first, 2026-12-02), so its ratio is the noise floor of every ratio here.
+# memory, so its ratio (docs/results.md) is the noise floor of every ratio here.
 SECOND_STANDARD = "standard (second instance)"
 
 
@@ -101,8 +99,10 @@ def bench_times(shape: dict, threads: int, repeats: int, paths: list[str]) -> di
     return times
 
 
-def bench(shape_name: str, threads: int, repeats: int, paths: list[str]) -> list[dict]:
-    times = bench_times(SHAPES[shape_name], threads, repeats, paths)
+def bench(shape_name: str, threads: int, repeats: int, paths: list[str], shape: Optional[dict] = None) -> list[dict]:
+    """One row per variant: median step (ms), ratio to the standard step within rounds, target; `shape` (default
+    `SHAPES[shape_name]`) as in SHAPES."""
+    times = bench_times(shape or SHAPES[shape_name], threads, repeats, paths)
     rows = []
     for label, samples in times.items():
         ratio = within_rounds(samples, times["standard"])
@@ -112,45 +112,19 @@ def bench(shape_name: str, threads: int, repeats: int, paths: list[str]) -> list
     return rows
 
 
-def main(argv: Optional[Sequence[str]] = None) -> list[str]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--paths", nargs="+", default=["cpu", "torch", "reference", "eager"],
-                        choices=["cpu", "torch", "reference", "eager"])
-    parser.add_argument("--out", type=Path, help="write the markdown table here")
-    args = parser.parse_args(argv)
+TINY = dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2)
 
-    start = time.perf_counter()
+
+def run(repeats: Optional[int] = None, tiny: bool = False) -> list[dict]:
+    """CPU training-step ratios to the standard model, small and medium shapes, 1 and 2 threads (target per variant)."""
+    shapes = {"tiny": TINY} if tiny else SHAPES
     rows = []
-    for shape in args.shapes:
-        for threads in args.threads:
-            rows += bench(shape, threads, args.repeats, args.paths)
-            print(f"done: {shape}, {threads} thread(s)", file=sys.stderr)
-    lines = [
-        "# CPU training-step time, relative to the standard model",
-        "",
-        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, "
-        f"in {time.perf_counter() - start:.0f} s, by `{command_line()}`.",
-        "Interleaved repeats of one training step (forward, backward, fused AdamW and freed memory kept for reuse "
-        "(`cpu_settings.keep_freed_memory`), as `train` runs it), each round in its own shuffled order (seeded): "
-        "step time the median of each variant's, × standard the median over rounds of the ratio within the round. "
-        f"`{SECOND_STANDARD}` is a second standard model built the same way: how far its ratio is from 1 is how "
-        "far two identical models differ here, the noise floor of every ratio. Shapes: "
-        + "; ".join(f"{k}: {v['n_layers']} layers, d_model {v['d_model']}, n_ctx {v['n_ctx']}, batch {v['batch']}"
-                    for k, v in SHAPES.items() if k in args.shapes) + ". Targets: " + ", ".join(f"{name} ≤ {target:.2f}×" for name, target in TARGETS.items()) + ".",
-        "",
-        "| shape | threads | variant [depth path] | step (ms) | × standard | target |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        target = "" if row["target"] is None else f"≤ {row['target']:.2f} {'met' if row['ratio'] <= row['target'] else 'MISSED'}"
-        lines.append(f"| {row['shape']} | {row['threads']} | {row['variant']} | {row['ms']:.1f} | {row['ratio']:.3f} | {target} |")
-    emit_report("\n".join(lines) + "\n", args.out)
-    return lines
+    for shape_name, shape in shapes.items():
+        for threads in [1] if tiny else [1, 2]:
+            for row in bench(shape_name, threads, repeats or (2 if tiny else 30), ["cpu"], shape):
+                common = dict(shape=shape_name, variant=row["variant"], threads=threads)
+                rows += [dict(common, metric="step ratio", value=row["ratio"], unit="× standard", target=row["target"]),
+                         dict(common, metric="step time", value=row["ms"], unit="ms")]
+            print(f"done: {shape_name}, {threads} thread(s)", file=sys.stderr)
+    return rows
 
-
-if __name__ == "__main__":
-    cpu_settings.keep_freed_memory()  # as the `train` command runs (process-wide, so not in main: tests call it)
-    main()

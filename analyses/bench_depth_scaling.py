@@ -10,26 +10,25 @@ Full and Block (S = 4) models step interleaved, medians over repeats. Per step i
 * the depth mix's bandwidth: the bytes its C forward and backward calls must move, as `kernel_traffic.kernel_bytes`
   counts them (forward: every source it reads, plus y or h; backward: every source and its gradient, plus dy or
   dh), over those calls' time, next to `copy_` of a 256 MB buffer (read + write) on the same core.
+Saved activations must grow linearly in depth (no stacked copies of the sources are kept). Full AttnRes mixes one
+pass per consumer below `attnres.MIN_SHARED_SOURCES_WITH_GRAD` shared sources and in two-phase windows from there
+(docs/kernels.md §7).
 
-    python -m analyses.bench_depth_scaling --out analyses/reports/bench_depth_scaling.md
+    python -m analyses.benchmarks bench_depth_scaling
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import statistics
 import sys
-import time
-from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
 from analyses import bench_cpu_step
-from analyses.common import command_line, emit_report, machine_info, within_rounds
+from analyses.common import within_rounds
 from analyses.kernel_traffic import DEPTH_MIX_KERNELS, copy_bandwidth, counted_calls
-from attnres_lens import HookedTransformer, attnres
+from attnres_lens import HookedTransformer
 
 VARIANTS = {"standard": dict(residual="standard"), "full": dict(residual="attnres", attnres_block_size=1),
             "block4": dict(residual="attnres", attnres_block_size=4)}
@@ -75,7 +74,8 @@ def saved_activation_bytes(model: HookedTransformer, tokens: torch.Tensor) -> in
 def measure(depths: list[int], n_ctx: int, d_model: int, batch: int, repeats: int, bandwidth: float) -> list[dict]:
     rows = []
     for sublayers in depths:
-        steppers = {name: Stepper(overrides, sublayers // 2, d_model, n_ctx, batch) for name, overrides in VARIANTS.items()}
+        steppers = {name: Stepper(overrides, sublayers // 2, d_model, n_ctx, batch)
+                    for name, overrides in VARIANTS.items()}
         for stepper in steppers.values():
             stepper.step(), stepper.step()
         times = {name: [] for name in steppers}
@@ -98,66 +98,31 @@ def measure(depths: list[int], n_ctx: int, d_model: int, batch: int, repeats: in
     return rows
 
 
-def main(argv: Optional[Sequence[str]] = None) -> list[str]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depths", type=int, nargs="+", default=[6, 12, 24, 48], help="sublayers (even)")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[64, 256],
-                        help="extra sequence lengths, measured at the second depth")
-    parser.add_argument("--n-ctx", type=int, default=128)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-    if any(depth % 2 or depth < 2 for depth in args.depths):
-        parser.error(f"--depths are sublayer counts (attention + MLP per layer): even numbers >= 2, got {args.depths}")
+DEPTHS, CONTEXTS, N_CTX, D_MODEL, BATCH = [6, 12, 24, 48], [64, 256], 128, 128, 8
+TINY = dict(depths=[2, 4], contexts=[8], n_ctx=16, d_model=16, batch=2)
+
+
+def run(repeats: Optional[int] = None, tiny: bool = False) -> list[dict]:
+    """CPU training step against depth (6-48 sublayers) and sequence length: ratios, saved activations, mix GB/s."""
+    depths, contexts, n_ctx, d_model, batch = (
+        (TINY["depths"], TINY["contexts"], TINY["n_ctx"], TINY["d_model"], TINY["batch"]) if tiny
+        else (DEPTHS, CONTEXTS, N_CTX, D_MODEL, BATCH))
+    repeats = repeats or (1 if tiny else 9)
     torch.set_num_threads(1)
-    started = time.perf_counter()
     bandwidth = copy_bandwidth()
-    rows = measure(args.depths, args.n_ctx, args.d_model, args.batch, args.repeats, bandwidth)
-    at = args.depths[min(1, len(args.depths) - 1)]
-    context_rows = [row for n_ctx in args.contexts
-                    for row in measure([at], n_ctx, args.d_model, args.batch, args.repeats, bandwidth)]
-    context_rows += [row for row in rows if row["sublayers"] == at]
-    context_rows.sort(key=lambda row: row["n_ctx"])
-
-    def table(selected: list[dict]) -> list[str]:
-        out = ["| sublayers | n_ctx | variant | step (ms) | min–max (ms) | × standard | saved activations (MiB) | "
-               "depth mix (ms) | depth mix GB/s | bandwidth floor × standard |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for row in selected:
-            mix = (f"{row['mix_ms']:.1f} | {row['mix_gbs']:.1f} | {row['floor']:.3f}" if "mix_ms" in row else " | | ")
-            out.append(f"| {row['sublayers']} | {row['n_ctx']} | {row['variant']} | {row['ms']:.1f} | "
-                       f"{row['spread'][0]:.0f}–{row['spread'][1]:.0f} | {row['ratio']:.3f} | {row['saved_mb']:.1f} | {mix} |")
-        return out
-
-    growth = []
-    for name in VARIANTS:
-        saved = {row["sublayers"]: row["saved_mb"] for row in rows if row["variant"] == name}
-        first, last = min(saved), max(saved)
-        growth.append(f"{name} {saved[last] / saved[first]:.2f}× for {last / first:.0f}× the depth")
-    lines = [
-        "# Training-step cost against depth and sequence length (CPU)",
-        "",
-        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, one torch "
-        f"thread, in {time.perf_counter() - started:.0f} s, by `{command_line()}`. d_model {args.d_model}, batch "
-        f"{args.batch}, 4 heads; forward + backward + AdamW; {args.repeats} interleaved rounds: step times are "
-        f"medians, × standard the median over rounds of the ratio within the round. Copy "
-        f"bandwidth (`copy_` of 256 MB, read + write): **{bandwidth:.1f} GB/s**.",
-        "",
-        "## Depth", "", *table(rows), "",
-        "`bandwidth floor`: the standard step plus the bytes the depth mix as it ran must move, at the measured "
-        "copy bandwidth (the sums of each shared source's gradient included): what its reads and writes alone "
-        "would cost. Full AttnRes mixes one pass per consumer below "
-        f"{attnres.MIN_SHARED_SOURCES_WITH_GRAD} shared sources and in two-phase windows from there (each source "
-        "read once for several consumers: fewer bytes, the same arithmetic; docs/kernels.md §7).",
-        "",
-        f"Saved activations from the shallowest to the deepest model: {'; '.join(growth)} (linear growth: no "
-        "stacked copies of the sources are kept).",
-        "", f"## Sequence length (at {at} sublayers)", "", *table(context_rows),
-    ]
-    emit_report("\n".join(lines) + "\n", args.out)
-    return lines
-
-
-if __name__ == "__main__":
-    main()
+    measured = measure(depths, n_ctx, d_model, batch, repeats, bandwidth)
+    at = depths[min(1, len(depths) - 1)]  # the sequence lengths are measured at the second depth
+    measured += [row for context in contexts for row in measure([at], context, d_model, batch, repeats, bandwidth)]
+    rows = [dict(metric="copy bandwidth", shape="copy_ of 256 MB", variant="", threads=1, value=bandwidth,
+                 unit="GB/s")]
+    for row in measured:
+        common = dict(shape=f"{row['sublayers']} sublayers, n_ctx {row['n_ctx']}, d_model {d_model}, batch {batch}",
+                      variant=row["variant"], threads=1)
+        rows += [dict(common, metric="step ratio", value=row["ratio"], unit="× standard"),
+                 dict(common, metric="step time", value=row["ms"], unit="ms"),
+                 dict(common, metric="saved activations", value=row["saved_mb"], unit="MiB")]
+        if "mix_ms" in row:
+            # the floor: the standard step plus the mix's bytes at copy bandwidth, which no kernel beats
+            rows += [dict(common, metric="depth mix bandwidth", value=row["mix_gbs"], unit="GB/s"),
+                     dict(common, metric="bandwidth floor", value=row["floor"], unit="× standard")]
+    return rows

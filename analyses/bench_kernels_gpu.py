@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
 import sys
 
@@ -30,6 +29,7 @@ if not torch.cuda.is_available():
 
 import triton
 
+from analyses.common import machine_info
 from attnres_lens.kernels import block_phase1, depth_attention, merge_partial
 from attnres_lens.kernels.reference import depth_attention_reference
 
@@ -182,11 +182,10 @@ def two_phase_timed(args: argparse.Namespace) -> list[str]:
 
 
 def header(args: argparse.Namespace) -> list[str]:
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'unknown'})"
     return [
         f"# Depth-attention kernels: {'dry run (CPU, TRITON_INTERPRET=1), no timings' if args.dry_run else 'GPU'}",
         "",
-        f"* machine: {device}, {platform.node()}, torch {torch.__version__}, triton {triton.__version__}",
+        f"* machine: {machine_info()}, triton {triton.__version__}",
         f"* command: `{' '.join(['python', 'analyses/bench_kernels_gpu.py', *args.argv])}`",
         f"* date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
     ]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import multiprocessing
 import os
 import platform
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -84,11 +86,49 @@ def training_minutes(out: Path) -> float:
     return RunDir(out).training_seconds() / 60
 
 
+def machine() -> dict:
+    """The facts that make timings comparable: CPU model, logical cores, GPU (None without CUDA). Every benchmark row
+    and report header takes the machine from here (docs/architecture.md, owners table)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                if line.startswith("model name")), "") if cpuinfo.exists() else ""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return dict(cpu=cpu or platform.processor() or platform.machine(), cores=os.cpu_count(), gpu=gpu)
+
+
+NOT_DIRTYING = ("analyses/results.jsonl", "docs/results.md")  # written by the benchmarks themselves
+
+
+def git_state() -> tuple[str, bool]:
+    """(commit hash of HEAD, whether tracked files differ from it). The results file and its rendered page are left
+    out of the dirty check: appending one benchmark's rows must not mark the next benchmark's rows dirty."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        changes = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                      *(f":!{path}" for path in NOT_DIRTYING))
+    except (OSError, subprocess.CalledProcessError) as error:
+        raise RuntimeError(f"benchmark rows record the git commit, but git failed in {REPO}: {error}; run from a git "
+                           "checkout of the repository") from error
+    return commit, bool(changes.strip())
+
+
 def machine_info() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; Python {platform.python_version()}, "
-            f"torch {torch.__version__}")
+    """`machine()` as one line for a study's report header, with the software versions."""
+    facts = machine()
+    gpu = f", {facts['gpu']}" if facts["gpu"] else ""
+    return (f"{facts['cpu']}, {facts['cores']} cores{gpu}, {platform.system()} {platform.release()}; "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
+def provenance() -> str:
+    """When, at which commit and on what a report was made, for the reports that stay Markdown (benchmark rows
+    carry the same facts as fields, `analyses.benchmarks`)."""
+    commit, dirty = git_state()
+    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} at commit {commit[:7]}"
+            f"{' with uncommitted changes' if dirty else ''} on {machine_info()}")
 
 
 def command_line() -> str:
@@ -105,7 +145,8 @@ def steps_to_threshold(steps, values, threshold: float) -> Optional[int]:
     return None
 
 
-def reproduction_jobs(description: str, presets: list[str], default_seeds: list[int], name: str) -> tuple[list[Job], argparse.Namespace]:
+def reproduction_jobs(description: str, presets: list[str], default_seeds: list[int],
+                      name: str) -> tuple[list[Job], argparse.Namespace]:
     """Parse a reproduction's command line and list its runs: one per preset and seed, under --runs-dir."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--seeds", type=int, nargs="+", default=default_seeds)
@@ -115,7 +156,8 @@ def reproduction_jobs(description: str, presets: list[str], default_seeds: list[
     parser.add_argument("--report-dir", type=Path, default=REPO / "analyses" / "reports")
     args = parser.parse_args()
     overrides = (f"train.steps={args.steps}",) if args.steps else ()
-    jobs = [Job(preset, seed, args.runs_dir / f"{preset}-s{seed}", overrides) for preset in presets for seed in args.seeds]
+    jobs = [Job(preset, seed, args.runs_dir / f"{preset}-s{seed}", overrides)
+            for preset in presets for seed in args.seeds]
     return jobs, args
 
 

@@ -9,13 +9,12 @@ complete runs, resuming partial ones), then writes a markdown report with figure
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from analyses.common import Job, command_line, machine_info, reproduction_jobs, run_jobs, training_minutes
+from analyses.common import Job, command_line, provenance, reproduction_jobs, run_jobs, training_minutes
 
 PRESETS = ["depth-standard", "depth-full", "depth-block"]
 COLORS = dict(zip(PRESETS, ["#555555", "#0072B2", "#E69F00"]))  # Okabe–Ito, colour-blind safe
@@ -122,7 +121,7 @@ def write_report(jobs: list[Job], report_dir: Path, seconds: float) -> None:
     config = runs[(PRESETS[0], seed0)].config
     text = f"""# Depth dynamics: PreNorm vs Full vs Block AttnRes
 
-Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by `{command_line()}` on {machine_info()}.
+Generated {provenance()}, by `{command_line()}`.
 Training took {sum(training_minutes(job.out) for job in jobs):.1f} min of wall time summed over the {len(jobs)} runs
 ({seconds / 60:.1f} min in this invocation; 0 when every run was reused), one torch thread per process.
 

@@ -12,7 +12,6 @@ depth-mixing matrix and diagnostics as figures. Sized to fit in well under 90 mi
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import statistics
 import time
@@ -21,11 +20,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from analyses.common import REPO, Job, command_line, emit_report, machine_info, run_jobs, training_minutes
+from analyses.common import REPO, Job, command_line, emit_report, provenance, run_jobs, training_minutes
 
 # The paper's Table 4 (16-layer model, validation loss; lower is better) for the variants that have a row there.
 PAPER_LOSS = {
-    "depth-standard": 1.766, "depth-denseformer": 1.767, "depth-hyper": 1.747, "depth-full": 1.737,
+    "depth-standard": 1.766, "depth-denseformer": 1.767, "depth-mhc": 1.747, "depth-full": 1.737,
     "depth-full-input-query": 1.731, "depth-full-scalar": 1.749, "depth-block": 1.746, "depth-full-sigmoid": 1.741,
     "depth-full-no-keynorm": 1.743, "depth-block-no-keynorm": 1.750, "depth-full-heads16": 1.752,
     "depth-full-window8": 1.764,
@@ -190,7 +189,7 @@ def main() -> None:
                      "the paper's at this scale (its gaps are measured on 16-layer models trained far longer).")
     text = f"""# Depth-mixing rules side by side (AttnRes paper Table 4, at CPU scale)
 
-Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by `{command_line()}` on {machine_info()}.
+Generated {provenance()}, by `{command_line()}`.
 Training took {sum(training_minutes(job.out) for job in jobs):.1f} min of run time summed over the {len(jobs)} runs,
 {seconds / 60:.1f} min of wall time in this invocation ({args.workers} processes, one torch thread each; 0 when every
 run was reused).

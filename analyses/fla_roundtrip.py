@@ -20,7 +20,6 @@ SDPA for flash-attn, FLA's own naive_attnres for its CUDA-only fused kernel), im
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 if not torch.cuda.is_available():  # before triton is first imported (FLA imports it)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from analyses.common import REPO, command_line, emit_report, machine_info  # noqa: E402
+from analyses.common import REPO, command_line, emit_report, provenance  # noqa: E402
 from attnres_lens.analysis.run import analyze_run, prune_run  # noqa: E402
 from attnres_lens.interop import export_fla_run, from_fla, import_fla_run  # noqa: E402
 from attnres_lens.rundir import load_run  # noqa: E402
@@ -152,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
     torch.set_num_threads(1)
 
     lines = ["# An FLA AttnRes model, analysed here and sent back", "",
-             f"`{command_line()}` on {machine_info()}; {datetime.date.today()}.", ""]
+             f"`{command_line()}`, {provenance()}.", ""]
     fla = build_fla(args)
     if args.train_steps:
         lines += train_in_fla(fla, args)
@@ -167,7 +166,7 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
               f"({args.kv_heads} KV), `attnres_block_size={args.block_size}`; saved to `{shown(fla_dir)}`.", ""]
 
     run, loss = import_fla_run(fla_dir, args.out / "run")
-    tables = analyze_run(run, samples=args.samples, progress=False)
+    tables = analyze_run(run, samples=args.samples, progress=False).tables
     lines += [f"## Imported as run `{shown(run)}`", "",
               f"Held-out loss on the default evaluation task (copy, vocab {args.vocab}, length {args.ctx}): "
               f"{loss:.3f}. Depth attention, α averaged over {args.samples} held-out sequences "

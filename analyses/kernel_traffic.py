@@ -2,7 +2,7 @@
 counted, and the copy bandwidth to hold them against (docs/kernels.md §8).
 
 `profile_cpu_step` (every kernel inside a training step), `bench_depth_scaling` (the depth mix at 6-48 sublayers)
-and `bench_cold_mix` (one mix, warm and cold) all count bytes here, so their bandwidths and floors mean the same.
+and `bench_inference` (the forward's kernels) all count bytes here, so their bandwidths and floors mean the same.
 """
 
 from __future__ import annotations

@@ -12,12 +12,11 @@ ones resumed, so the command can be re-run to regenerate the report.
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pandas as pd
 
-from analyses.common import Job, command_line, machine_info, reproduction_jobs, run_jobs, steps_to_threshold, training_minutes
+from analyses.common import Job, command_line, provenance, reproduction_jobs, run_jobs, steps_to_threshold, training_minutes
 
 PRESETS = ["induction-1l-vanilla", "induction-2l-vanilla", "induction-1l-kvshift", "induction-2l-kvshift"]
 THRESHOLD = 0.9
@@ -88,8 +87,8 @@ def write_report(jobs: list[Job], report_dir: Path, seconds: float) -> None:
     train_cfg = load_run(jobs[0].out, load_model=False).config.train
     text = f"""# KV-shift induction reproduction
 
-Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by `{command_line()}`
-on {machine_info()}. Training took {sum(training_minutes(job.out) for job in jobs):.1f} min of wall time summed over
+Generated {provenance()}, by
+`{command_line()}`. Training took {sum(training_minutes(job.out) for job in jobs):.1f} min of wall time summed over
 the {len(jobs)} runs, two at a time ({seconds / 60:.1f} min in this invocation; 0 when every run was reused).
 
 Task: variable-offset copy (vocab 64, length 65, a segment of 8–16 tokens repeated at a random later offset;

@@ -34,7 +34,6 @@ Each part runs at every torch thread count asked (default 1 and 2).
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from analyses.bench_cpu_step import SHAPES, TARGETS, Stepper, variants
-from analyses.common import command_line, emit_report, machine_info, within_rounds
+from analyses.common import command_line, emit_report, provenance, within_rounds
 from analyses.kernel_traffic import copy_bandwidth, counted_calls
 from attnres_lens import HookedTransformer, ModelConfig, cpu_settings, param_groups
 from attnres_lens.kernels import cpu_depth
@@ -307,8 +306,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     previous = torch.get_num_threads()
     lines = [
         "# Where a CPU training step's time goes", "",
-        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {machine_info()}, by "
-        f"`{command_line()}`.", "",
+        f"Measured {provenance()}, by `{command_line()}`.", "",
     ]
     try:
         for threads in args.threads:

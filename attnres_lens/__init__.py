@@ -7,7 +7,7 @@ transformer_lens, which takes seconds), and the CLI's `--help` must be instant.
 from importlib import import_module
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
     "ModelConfig": "attnres_lens.config",

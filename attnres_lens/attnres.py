@@ -20,7 +20,7 @@ index lists (what analyses and plot labels use), `DepthStream` carries the tenso
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -94,18 +94,16 @@ class _Phase1(NamedTuple):
 # Full AttnRes without a gradient on the CPU: this many consecutive consumers share one read of their common
 # sources (a larger window saves little more: its merges re-read the sources written since); two-phase only from
 # this many shared sources: below it the sources sit in cache and the extra calls cost more than the reads
-# saved (measured in forward passes of 4-24-layer models, docs/kernels.md §7)
+# saved (the measurements: docs/kernels.md §7)
 LOOKAHEAD = 4
 MIN_SHARED_SOURCES = 8
 # With a gradient (training), windows from this many: the C two-phase backward moves half the bytes of one-pass
-# backwards but does the same arithmetic, and each merge adds a call and a separate pre-norm. Training steps with
-# windows from 8 measured slower than one pass at 8 sublayers, even at 24, faster at 48; from 16, 1.257x against
-# 1.331x the standard step at 48 (analyses/reports/bench_two_phase_cpu.md, docs/kernels.md §7)
+# backwards but does the same arithmetic, and each merge adds a call and a separate pre-norm, so windows pay only
+# in deep models (docs/kernels.md §7)
 MIN_SHARED_SOURCES_WITH_GRAD = 16
 # Training on the C kernel: completed blocks' gradients are summed in place (DepthStream._one_pass) from this many
 # elements per source; below it the sums' nodes and buffers cost more than autograd's additions they save
-# (4-layer Full / Block S=4 steps, on - off: +0.6 / +0.6 ms at 1K elements, +0.5 / +0.2 at 8K, -0.1 / +0.7 at 32K,
-# -1.0 / -1.7 ms at 98K; 0.83x / 0.96x at 48 sublayers of 131K; analyses/reports/bench_shared_gradients.md)
+# (docs/kernels.md §5, "Gradients of shared sources")
 MIN_SHARED_GRADIENT_ELEMENTS = 1 << 16
 
 
@@ -210,7 +208,8 @@ class DepthStream(ResidualStream):
         """The sources the next consumer reads (after `read` has closed a completed block)."""
         return windowed(self.blocks + ([self.partial] if self.partial is not None else []), self.window)
 
-    def _mix(self, module: "DepthAttention", consumer: int, norm: Optional[RMSNorm] = None):
+    def _mix(self, module: "DepthAttention", consumer: int, norm: Optional[RMSNorm] = None
+             ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The consumer's input h, or with `norm` (its pre-norm) `(h, norm(h))`."""
         if (self.consumers is None or self._one_pass_only or module.hooked()
                 or (self.block_size == 1 and len(self.blocks) < MIN_SHARED_SOURCES)):  # too few for a Full window
@@ -227,7 +226,8 @@ class DepthStream(ResidualStream):
         h = merge_partial(phase1.stats, consumer - phase1.first, unseen)
         return h if norm is None else (h, norm(h))
 
-    def _one_pass(self, module: "DepthAttention", norm: Optional[RMSNorm]):
+    def _one_pass(self, module: "DepthAttention", norm: Optional[RMSNorm]
+                  ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if self._copies is not None and (mixed := self._mix_over_copies(module, norm)) is not None:
             return mixed
         sources = self.sources()
@@ -239,7 +239,8 @@ class DepthStream(ResidualStream):
             return fused_mix_and_norm(sources, *fused, False)
         return module(sources) if norm is None else module.mix_and_norm(sources, norm, keep_h=False)
 
-    def _mix_over_copies(self, module: "DepthAttention", norm: Optional[RMSNorm]):
+    def _mix_over_copies(self, module: "DepthAttention", norm: Optional[RMSNorm]
+                         ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None]:
         """A consumer's mix of stacked copies (`stacked_from`) whose leading sources every copy shares, each copy
         with its own logit bias (a knockout), reading the shared sources once for all copies
         (`cpu_depth.depth_attention_copies_cpu`), as `_one_pass` returns it (with `norm`, `(h, norm(h))`, the norm

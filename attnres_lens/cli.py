@@ -7,7 +7,21 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Optional, Sequence
+
+# Both import nothing heavy: arguments are checked before torch and transformer_lens load (seconds).
+from attnres_lens.analysis_options import (
+    ANALYZE_SAMPLES,
+    ATTRIBUTE_SAMPLES,
+    MIN_SAMPLES,
+    PRUNE_METRICS,
+    PRUNE_SAMPLES,
+    check_metric,
+    check_samples,
+    plural,
+)
+from attnres_lens.presets import PRESETS, check_preset
 
 # The dashboard lives in the source tree (apps/), next to the package: an editable install from a clone finds it.
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -15,6 +29,7 @@ DASHBOARD_APP = REPO_ROOT / "apps" / "app.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every `attnres-lens` command and its options; built without importing torch, so `--help` is instant."""
     parser = argparse.ArgumentParser(prog="attnres-lens", description="Train and inspect AttnRes / KV-shift models.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -37,18 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     analyze = commands.add_parser("analyze", help="induction heads, in-context learning and depth maps of a run")
     analyze.add_argument("run", metavar="RUN", help="run directory")
-    analyze.add_argument("--samples", type=int, default=16, help="evaluation sequences (default: 16)")
+    analyze.add_argument("--samples", type=int, default=ANALYZE_SAMPLES,
+                         help=f"evaluation sequences (default: {ANALYZE_SAMPLES})")
     analyze.add_argument("--out", metavar="DIR", help="output folder (default: RUN/analysis)")
 
     prune = commands.add_parser("prune", help="layer-pruning sensitivity report of a run (tables + HTML)")
     prune.add_argument("run", metavar="RUN", help="run directory")
-    prune.add_argument("--metric", default="loss", help="order and plot by 'loss' or 'accuracy' (default: loss)")
+    prune.add_argument("--metric", default="loss",
+                       help=f"order and plot by {' or '.join(map(repr, PRUNE_METRICS))} (default: loss)")
     prune.add_argument("--out", metavar="DIR", help="output folder (default: RUN/analysis)")
-    prune.add_argument("--samples", type=int, default=8, help="evaluation sequences (default: 8; at least 2)")
+    prune.add_argument("--samples", type=int, default=PRUNE_SAMPLES,
+                       help=f"evaluation sequences (default: {PRUNE_SAMPLES}; at least {MIN_SAMPLES['prune']})")
     attribute = commands.add_parser("attribute", help="attribution through depth: which sources a prediction uses, "
                                     "and through which path (tables + HTML)")
     attribute.add_argument("run", metavar="RUN", help="run directory")
-    attribute.add_argument("--samples", type=int, default=16, help="held-out sequences (default: 16; at least 2)")
+    attribute.add_argument("--samples", type=int, default=ATTRIBUTE_SAMPLES,
+                           help=f"held-out sequences (default: {ATTRIBUTE_SAMPLES}; at least {MIN_SAMPLES['attribute']})")
     attribute.add_argument("--prompt", metavar="IDS", help="space-separated token ids for the per-position views "
                            "(default: the first held-out sequence)")
     attribute.add_argument("--out", metavar="DIR", help="output folder (default: RUN/analysis)")
@@ -90,12 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one command; returns the exit status (bad input is a one-line error, not a traceback)."""
     args = build_parser().parse_args(argv)
-    if args.command == "dashboard":  # before the heavy imports: the dashboard process does its own
+    if args.command == "dashboard":  # the dashboard process does its own imports
         return _dashboard(args)
-    # Imports after parsing, so `--help` is instant (transformer_lens takes seconds to import).
-    from attnres_lens.presets import PRESETS
-
+    # Arguments are checked here, before the commands import torch and transformer_lens (seconds): a typo is
+    # answered at once.
+    try:
+        check_arguments(args)
+    except ValueError as err:
+        print(f"attnres-lens: error: {err}", file=sys.stderr)
+        return 2
     if args.command == "presets":
         width = max(map(len, PRESETS))
         for name, (description, _) in PRESETS.items():
@@ -103,13 +127,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.command == "train":
         return _train(args)
-    if args.command in ("analyze", "prune"):
+    if args.command in ("analyze", "prune", "attribute"):
         return _analysis(args)
-    if args.command == "attribute":
-        return _attribute(args)
     if args.command in ("import-fla", "export-fla"):
         return _fla(args)
     raise AssertionError(args.command)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """What can be refused without torch: sample counts, the pruning metric, preset names and run directories that
+    do not exist. The libraries check the rest (--set fields, thread counts, a run's contents, checkpoints)."""
+    if args.command in ("analyze", "prune", "attribute"):
+        check_samples(args.samples, MIN_SAMPLES[args.command])
+        if args.command == "prune":
+            check_metric(args.metric)
+    if args.command == "train":
+        if args.preset is not None:
+            check_preset(args.preset)
+    run = args.resume if args.command == "train" else getattr(args, "run", None)
+    if run is not None and not Path(run).is_dir():
+        what = "is a file, not a folder" if Path(run).exists() else "does not exist"
+        raise ValueError(f"run directory {run} {what}; give a folder that holds a run (one `attnres-lens train "
+                         "--out DIR` wrote)")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -159,47 +198,68 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _analysis(args: argparse.Namespace) -> int:
+    """analyze / prune / attribute: the run-level analyses (docs/analysis.md §10), with their headline figures."""
     from attnres_lens import cpu_settings
-    from attnres_lens.analysis.run import analyze_run, prune_run
+    from attnres_lens.analysis.run import analyze_run, attribute_run, prune_run
     from attnres_lens.rundir import RunDirError
 
+    common = dict(checkpoint=args.checkpoint, samples=args.samples, out=args.out, progress=not args.no_progress)
     try:
         cpu_settings.configure(args.threads)
         if args.command == "analyze":
-            tables = analyze_run(args.run, args.checkpoint, args.samples, progress=not args.no_progress, out=args.out)
-            print(f"wrote {', '.join(tables)} to {args.out or Path(args.run) / 'analysis'}/")
-        else:
+            result = analyze_run(args.run, **common)
+        elif args.command == "prune":
             # a command line runs no threads of its own, so the routing table may run in a forked process
-            result = prune_run(args.run, args.out, args.metric, args.samples, args.checkpoint,
-                               progress=not args.no_progress, fork_routing=True)
-            for row in result.summary["removable"]:
-                print(f"{row['strategy']:>22}: {row['n_removable']} sublayers removable within +5% loss")
-            print(f"report: {result.report_path}")
+            result = prune_run(args.run, **common, metric=args.metric, fork_routing=True)
+        else:
+            result = attribute_run(args.run, **common, prompt=args.prompt)
     except (ValueError, RunDirError) as err:
         print(f"attnres-lens: error: {err}", file=sys.stderr)
         return 2
+    print({"analyze": _analyze_lines, "prune": _prune_lines, "attribute": _attribute_lines}[args.command](result.summary))
+    print(f"tables in {result.report_path.parent}/; report: {result.report_path}")
     return 0
 
 
-def _attribute(args: argparse.Namespace) -> int:
-    from attnres_lens import cpu_settings
-    from attnres_lens.analysis.attribution_report import attribute_run
-    from attnres_lens.rundir import RunDirError
+def _number(value: Optional[float], spec: str) -> str:
+    """`value` formatted by `spec`; "n/a" where the JSON summary holds null (a NaN: e.g. no answer positions)."""
+    return "n/a" if value is None else format(value, spec)
 
-    try:
-        cpu_settings.configure(args.threads)
-        result = attribute_run(args.run, args.checkpoint, args.samples, args.prompt, args.out,
-                               progress=not args.no_progress)
-    except (ValueError, RunDirError) as err:
-        print(f"attnres-lens: error: {err}", file=sys.stderr)
-        return 2
-    top = ", ".join(f"{row['source_label']} ({row['share']:.0%})" for row in result.summary["top_logit_sources"])
-    print(f"correct-token logit carried by: {top}")
-    if "edge_agreement" in result.summary:
-        agreement = result.summary["edge_agreement"]
-        print(f"edge estimates vs exact knockouts: Spearman {agreement['spearman']:.3f} over {agreement['n_edges']} edges")
-    print(f"report: {result.report_path}")
-    return 0
+
+def _analyze_lines(summary: dict) -> str:
+    heads = ", ".join(f"L{row['layer']}H{row['head']} {_number(row['prefix_score'], '.3f')}"
+                      for row in summary["top_induction_heads"])
+    best = summary["top_induction_head"]
+    lines = [f"top induction heads (prefix-matching score): {heads}",
+             f"best head L{best['layer']}H{best['head']}: prefix score {_number(best['prefix_score'], '.3f')}, "
+             f"TransformerLens induction score {_number(best['tl_induction_score'], '.3f')}",
+             f"in-context learning score {_number(summary['icl_score'], '+.4f')} ({summary['icl_score_definition']})"]
+    if "top_depth_sources" in summary:
+        lines.append("top depth sources per consumer (token-mean α):")
+        width = max(len(row["consumer_label"]) for row in summary["top_depth_sources"])
+        lines += [f"  {row['consumer_label']:>{width}}: " + ", ".join(
+            f"{source['source_label']} {_number(source['weight'], '.2f')}" for source in row["sources"])
+            for row in summary["top_depth_sources"]]
+    return "\n".join(lines)
+
+
+def _prune_lines(summary: dict) -> str:
+    lines = [f"clean loss {_number(summary['base_loss'], '.4f')} over all positions, accuracy "
+             f"{_number(summary['base_accuracy'], '.1%')} over answer positions "
+             f"({plural(summary['samples'], 'held-out sequence')})"]
+    lines += [f"{row['strategy']:>22}: {plural(row['n_removable'], 'sublayer')} removable within +5% loss"
+              for row in summary["removable"]]
+    return "\n".join(lines)
+
+
+def _attribute_lines(summary: dict) -> str:
+    top = ", ".join(f"{row['source_label']} ({_number(row['share'], '.0%')})" for row in summary["top_logit_sources"])
+    lines = [f"correct-token logit carried by: {top}"]
+    if "edge_agreement" in summary:
+        agreement = summary["edge_agreement"]
+        lines.append(f"edge estimates vs exact knockouts: Spearman {_number(agreement['spearman'], '.3f')} over "
+                     f"{plural(agreement['n_edges'], 'edge')}")
+    return "\n".join(lines)
 
 
 def _fla(args: argparse.Namespace) -> int:
@@ -226,7 +286,7 @@ def _fla(args: argparse.Namespace) -> int:
     return 0
 
 
-def _import_task(args: argparse.Namespace, interop) -> Optional[dict]:
+def _import_task(args: argparse.Namespace, interop: ModuleType) -> Optional[dict]:
     """The task section of an imported run: --task NAME or --tokens FILE at the model's vocabulary and context, with
     --set task.KEY=VALUE on top; None for the default (copy)."""
     if args.tokens_dtype and not args.tokens:

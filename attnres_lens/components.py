@@ -20,8 +20,8 @@ from attnres_lens.kernels.cpu_elementwise import kv_shift_cpu, rms_norm_cpu, rot
 def normal_init(shape: tuple[int, ...], std: float, divisor: float = 1.0) -> torch.Tensor:
     """`torch.randn(shape) * std / divisor`, the same values, with in-place products. On the meta device (a model
     built to read its parameter shapes before loading a checkpoint) an empty tensor of the shape: a meta `randn`
-    and out-of-place products run Python decompositions that import torch._dynamo and sympy (1.4 s and 0.5 s of
-    every command that loads a run)."""
+    and out-of-place products run Python decompositions that import torch._dynamo and sympy, seconds added to
+    every command that loads a run."""
     if torch.empty(0).is_meta:
         return torch.empty(shape)
     weight = torch.randn(shape).mul_(std)
@@ -30,14 +30,13 @@ def normal_init(shape: tuple[int, ...], std: float, divisor: float = 1.0) -> tor
 
 def is_hooked(point: HookPoint) -> bool:
     """`point.has_hooks()` with its defaults (any forward or backward hook, permanent ones included), without
-    the closures that builds per call: ~4 us, asked several times per sublayer on every forward."""
+    the closures that builds per call: asked several times per sublayer on every forward (docs/kernels.md §11)."""
     return bool(point.fwd_hooks or point.bwd_hooks)
 
 
 def any_hooked(module: nn.Module, names: tuple[str, ...]) -> bool:
     """Whether any of `module`'s hook points `names` `is_hooked`, read from its submodules directly: nn.Module's
-    attribute fallback costs ~0.4 us a name (a trial, 2026-12-02), and each sublayer asks this several times per
-    forward."""
+    attribute fallback is slow for a question each sublayer asks several times per forward (docs/kernels.md §11)."""
     points = module._modules
     for name in names:  # a loop, not any(generator): asked for every consumer of every step
         point = points[name]
@@ -48,8 +47,8 @@ def any_hooked(module: nn.Module, names: tuple[str, ...]) -> bool:
 
 def parameter(module: nn.Module, name: str) -> torch.Tensor:
     """`getattr(module, name)` for a parameter, read from `module._parameters` where it is a plain one: nn.Module's
-    attribute fallback costs ~1 us a name inside a training step, and each depth-mix consumer reads three per
-    forward. A parametrized parameter (`torch.nn.utils.parametrize`) is not there, and is computed as usual."""
+    attribute fallback is slow, and each depth-mix consumer reads three per forward (docs/kernels.md §11). A
+    parametrized parameter (`torch.nn.utils.parametrize`) is not there, and is computed as usual."""
     value = module._parameters.get(name)
     return value if value is not None else getattr(module, name)
 
@@ -91,8 +90,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.observed():
-            # nothing watches the scale: one C pass each way on the cpu backend (2x faster than PyTorch's at
-            # 4160 x 64), else PyTorch's fused norm (one pass instead of six on CUDA, 2x faster at 16k rows)
+            # nothing watches the scale: one C pass each way on the cpu backend, else PyTorch's fused norm (one
+            # pass instead of several on CUDA); docs/kernels.md §2
             if elementwise_runs_cpu_kernel(self.backend, x) and self.w.dtype == x.dtype:
                 return rms_norm_cpu(x, self.w, self.eps)
             return F.rms_norm(x, x.shape[-1:], self.w, self.eps)
@@ -108,6 +107,8 @@ def norm_fuses_into(norm: nn.Module, dtype: torch.dtype) -> bool:
 
 
 class Embed(nn.Module):
+    """Token embedding `W_E` [d_vocab, d_model], under TransformerLens's name and layout so its utilities read it."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.W_E = nn.Parameter(normal_init((cfg.d_vocab, cfg.d_model), cfg.init_range))
@@ -284,9 +285,9 @@ class MLP(nn.Module):
 
 
 def _affine(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """`x @ weight + bias`, the bias added inside the matmul (one pass over the output instead of two: ~10% of
-    an MLP's two affine maps at 64 x 65 tokens x 64/128 on the CPU). Under autocast the sum keeps its own form:
-    there a linear would round the fp32 bias and the output to the autocast dtype."""
+    """`x @ weight + bias`, the bias added inside the matmul (one pass over the output instead of two). Under
+    autocast the sum keeps its own form: there a linear would round the fp32 bias and the output to the autocast
+    dtype."""
     if bias is None:
         return x @ weight
     if torch.is_autocast_enabled(x.device.type):
@@ -296,15 +297,15 @@ def _affine(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor])
 
 class TokenShiftMix(torch.autograd.Function):
     """`c1 ⊙ x_t + c2 ⊙ x_{t−1}` per head (x_{−1} = 0), x [batch, pos, heads, d_head], coefficients [heads, 2]:
-    the KV shift (docs/model.md §5) in two ops each way, where autograd's graph of mul, pad and add took ~10
-    memory-bound passes per tensor (the shift cost 1.11x a small model's step).
+    the KV shift (docs/model.md §5) in two ops each way, where autograd's graph of mul, pad and add takes about ten
+    memory-bound passes per tensor.
 
     Backward (dy the output gradient, sums over batch, position and d_head):
         dx_t = c1 dy_t + c2 dy_{t+1} (dy_P = 0),   dc1 = Σ dy_t · x_t,   dc2 = Σ dy_t · x_{t−1}
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
         current, previous = coefficients.to(x.dtype).unbind(-1)
         y = x * current[:, None]
         y[:, 1:].addcmul_(x[:, :-1], previous[:, None])
@@ -312,7 +313,7 @@ class TokenShiftMix(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, coefficients = ctx.saved_tensors
         current, previous = coefficients.to(x.dtype).unbind(-1)
         dx = dy * current[:, None]

@@ -30,7 +30,7 @@ from attnres_lens.kernels.backends import BACKENDS
 if TYPE_CHECKING:
     from attnres_lens.tasks.base import Task
 
-RESIDUAL_KINDS = ("standard", "attnres", "denseformer", "hyper")
+RESIDUAL_KINDS = ("standard", "attnres", "denseformer", "mhc")
 ATTNRES_SCORES = ("softmax", "sigmoid")
 ATTNRES_QUERIES = ("static", "input")
 ATTNRES_MIXINGS = ("attention", "scalar")
@@ -38,10 +38,17 @@ ATTNRES_MIXINGS = ("attention", "scalar")
 ATTNRES_OPTION_DEFAULTS: dict[str, Any] = {"attnres_score": "softmax", "attnres_key_norm": True,
                                            "attnres_query": "static", "attnres_heads": 1, "attnres_window": None,
                                            "attnres_mixing": "attention"}
-HYPER_DEFAULTS: dict[str, Any] = {"hyper_streams": 4, "hyper_sinkhorn_iters": 20, "hyper_eps": 1e-6}
+MAX_SINKHORN_ITERS = 1000
+MHC_DEFAULTS: dict[str, Any] = {"mhc_streams": 4, "mhc_sinkhorn_iters": 20, "mhc_eps": 1e-6}
+# Names earlier versions wrote: mHC was residual="hyper" with hyper_* fields. A stored config (config.json, a
+# checkpoint's metadata) is read with the new names; a new setting with an old name is refused naming the new one
+# (docs/run_directory.md §2, compatibility).
+RENAMED_RESIDUALS = {"hyper": "mhc"}
+RENAMED_MODEL_FIELDS = {"hyper_streams": "mhc_streams", "hyper_sinkhorn_iters": "mhc_sinkhorn_iters",
+                        "hyper_eps": "mhc_eps"}
 # the fields only one residual kind reads, with their defaults: any other kind refuses them changed
 RESIDUAL_OWN_FIELDS: dict[str, dict[str, Any]] = {
-    "attnres": {"attnres_block_size": 1, "attnres_eps": 1e-6, **ATTNRES_OPTION_DEFAULTS}, "hyper": HYPER_DEFAULTS}
+    "attnres": {"attnres_block_size": 1, "attnres_eps": 1e-6, **ATTNRES_OPTION_DEFAULTS}, "mhc": MHC_DEFAULTS}
 ATTENTION_KINDS = ("standard", "kv_shift")
 POSITIONAL_KINDS = ("rotary", "standard")  # "standard" = learned absolute positions, as in TL
 ACT_FNS = ("gelu", "relu", "silu")
@@ -89,9 +96,9 @@ class ModelConfig(TransformerLensConfig):
     attnres_heads: int = 1  # H channel groups, each with its own query slice, key norm and softmax
     attnres_window: Optional[int] = None  # W: read the embedding plus only the last W sources
     attnres_mixing: str = "attention"  # or "scalar": learned input-independent weights over the same sources
-    hyper_streams: int = 4  # mHC: residual streams n
-    hyper_sinkhorn_iters: int = 20  # mHC: Sinkhorn-Knopp iterations making the stream mix doubly stochastic
-    hyper_eps: float = 1e-6  # mHC: epsilon added to read weights and the stream mix
+    mhc_streams: int = 4  # mHC: residual streams n
+    mhc_sinkhorn_iters: int = 20  # mHC: Sinkhorn-Knopp iterations making the stream mix doubly stochastic
+    mhc_eps: float = 1e-6  # mHC: epsilon added to read weights and the stream mix
     attention: str = "standard"
     depth_attention_backend: str = "auto"
 
@@ -104,6 +111,9 @@ class ModelConfig(TransformerLensConfig):
             if getattr(self, name) != supported:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not implemented by attnres_lens models "
                                  f"(only {name}={supported!r}); remove the setting")
+        if self.residual in RENAMED_RESIDUALS:
+            raise ValueError(f"residual={self.residual!r} was renamed {RENAMED_RESIDUALS[self.residual]!r}; "
+                             f"set residual={RENAMED_RESIDUALS[self.residual]!r}")
         _check_choice("residual", self.residual, RESIDUAL_KINDS)
         _check_choice("attention", self.attention, ATTENTION_KINDS)
         _check_choice("positional_embedding_type", self.positional_embedding_type, POSITIONAL_KINDS)
@@ -154,13 +164,17 @@ class ModelConfig(TransformerLensConfig):
         _check_choice("attnres_score", self.attnres_score, ATTNRES_SCORES)
         _check_choice("attnres_query", self.attnres_query, ATTNRES_QUERIES)
         _check_choice("attnres_mixing", self.attnres_mixing, ATTNRES_MIXINGS)
-        for name in ("attnres_heads", "hyper_streams", "hyper_sinkhorn_iters"):
+        for name in ("attnres_heads", "mhc_streams", "mhc_sinkhorn_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.mhc_sinkhorn_iters > MAX_SINKHORN_ITERS:
+            raise ValueError(f"mhc_sinkhorn_iters={self.mhc_sinkhorn_iters} is more than {MAX_SINKHORN_ITERS}: the "
+                             "Sinkhorn-Knopp normalisation converges geometrically (mHC uses 20), and each iteration "
+                             "is a sequential step of every forward pass")
         if self.attnres_window is not None and self.attnres_window < 1:
             raise ValueError(f"attnres_window must be None (every source) or >= 1, got {self.attnres_window!r}")
-        if not self.hyper_eps > 0:
-            raise ValueError(f"hyper_eps must be > 0, got {self.hyper_eps!r}")
+        if not self.mhc_eps > 0:
+            raise ValueError(f"mhc_eps must be > 0, got {self.mhc_eps!r}")
         for kind, fields in RESIDUAL_OWN_FIELDS.items():
             changed = [name for name, default in fields.items() if getattr(self, name) != default]
             if changed and self.residual != kind:
@@ -182,6 +196,26 @@ class ModelConfig(TransformerLensConfig):
                 if getattr(self, name) != default}
 
     # ------------------------------------------------------------------ structure
+    def allocation_floor(self) -> dict[str, int]:
+        """Bytes that building this model allocates at least, by what asks for them: the embeddings, the
+        projections and the rotary tables (smaller parameters are left out, so the sum is a floor). Each part
+        names the fields it grows with, for `resources.check_model_fits`'s message."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        d, layers, kv_heads = self.d_model, self.n_layers, self.n_key_value_heads or self.n_heads
+        parts = {
+            "d_vocab × d_model embeddings": self.d_vocab * d * (1 if self.tie_word_embeddings else 2),
+            "n_layers × attention projections": layers * (2 * self.n_heads + 2 * kv_heads) * self.d_head * d,
+            "n_layers × d_mlp MLPs": 0 if self.attn_only else layers * (3 if self.gated_mlp else 2) * d * self.d_mlp,
+        }
+        if self.residual == "mhc":  # each mixer's projection [(2 + n) n, n d] (docs/model.md §13)
+            n = self.mhc_streams
+            parts["mhc_streams² × d_model stream mixers"] = self.n_sublayers * (2 + n) * n * n * d
+        if self.positional_embedding_type == "rotary":  # cos and sin tables [n_ctx, d_head] in every layer
+            parts["n_ctx × d_head rotary tables"] = layers * 2 * self.n_ctx * self.d_head
+        else:
+            parts["n_ctx × d_model position embeddings"] = self.n_ctx * d
+        return {what: count * size for what, count in parts.items()}
+
     @property
     def n_sublayers(self) -> int:
         """J: attention sublayers, plus MLP sublayers unless `attn_only` (docs/model.md §1)."""
@@ -189,12 +223,12 @@ class ModelConfig(TransformerLensConfig):
 
     @property
     def variant(self) -> str:
-        """Short machine-friendly label, e.g. 'block4+kv_shift', 'full+sigmoid', 'hyper4' (file names, tables)."""
+        """Short machine-friendly label, e.g. 'block4+kv_shift', 'full+sigmoid', 'mhc4' (file names, tables)."""
         if self.residual == "attnres":
             residual = "full" if self.attnres_block_size == 1 else f"block{self.attnres_block_size}"
             residual += "".join(f"+{_option_tag(name, value)}" for name, value in self.attnres_options.items())
-        elif self.residual == "hyper":
-            residual = f"hyper{self.hyper_streams}"
+        elif self.residual == "mhc":
+            residual = f"mhc{self.mhc_streams}"
         else:
             residual = self.residual
         return residual + ("+kv_shift" if self.attention == "kv_shift" else "")
@@ -206,8 +240,8 @@ class ModelConfig(TransformerLensConfig):
             return "standard"
         if self.residual == "denseformer":
             return "DenseFormer"
-        if self.residual == "hyper":
-            return f"mHC n={self.hyper_streams}"
+        if self.residual == "mhc":
+            return f"mHC n={self.mhc_streams}"
         label = "Full AttnRes" if self.attnres_block_size == 1 else f"Block AttnRes S={self.attnres_block_size}"
         options = ", ".join(_option_tag(name, value) for name, value in self.attnres_options.items())
         return f"{label} ({options})" if options else label
@@ -242,15 +276,24 @@ class ModelConfig(TransformerLensConfig):
         known = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(config_dict) - known)
         if unknown:
-            raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(known)}")
+            raise ValueError(f"unknown ModelConfig field(s) {unknown}{_renamed_hint(unknown)}; known fields: "
+                             f"{sorted(known)}")
         return cls(**config_dict)
 
     @classmethod
     def from_stored(cls, config_dict: dict[str, Any]) -> "ModelConfig":
         """`from_dict` for a config read back from a run (config.json, a checkpoint's metadata): the fields of a
         residual kind the model is not, which it never reads and which earlier versions recorded (e.g. a preset's
-        block size after `--set model.residual=standard`), return to their defaults instead of being refused."""
+        block size after `--set model.residual=standard`), return to their defaults instead of being refused; the
+        names earlier versions wrote (`RENAMED_RESIDUALS`, `RENAMED_MODEL_FIELDS`) are read as today's."""
         data = dict(config_dict)
+        for old, new in RENAMED_MODEL_FIELDS.items():
+            if old in data:
+                if new in data:
+                    raise ValueError(f"the stored model config has both {old!r} and {new!r} (its new name); keep one")
+                data[new] = data.pop(old)
+        if isinstance(data.get("residual"), str) and data["residual"] in RENAMED_RESIDUALS:
+            data["residual"] = RENAMED_RESIDUALS[data["residual"]]
         for kind, fields in RESIDUAL_OWN_FIELDS.items():
             if data.get("residual", "standard") != kind:
                 data.update({name: default for name, default in fields.items() if name in data})
@@ -329,6 +372,12 @@ def _option_tag(name: str, value: Any) -> str:
             "attnres_mixing": str(value)}[name]
 
 
+def _renamed_hint(fields: list[str]) -> str:
+    """' (renamed: hyper_eps -> mhc_eps)' for the old names among `fields`, else ''."""
+    renamed = [f"{field} -> {RENAMED_MODEL_FIELDS[field]}" for field in fields if field in RENAMED_MODEL_FIELDS]
+    return f" (renamed: {', '.join(renamed)})" if renamed else ""
+
+
 def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{field} must be one of {list(allowed)}, got {value!r}")
@@ -340,6 +389,9 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass
 class TrainConfig:
+    """How a run trains: optimiser, schedule, evaluation, recording and checkpoint cadence (config.json's `train`).
+    Checked on construction, so a bad value fails before a run starts, naming the field."""
+
     steps: int = 1000
     batch_size: int = 32
     lr: float = 3e-3
@@ -356,9 +408,8 @@ class TrainConfig:
     keep_checkpoints: int = 2  # the last K are kept, plus the best by eval loss
     log_every: int = 10
     device: str = "auto"
-    # torch threads on CPU; 0 = torch's default (one per core). Measured on 2 cores, one training process runs
-    # 1.4-1.6x faster with 2 threads than with 1 (analyses/reports/bench_cpu_step.md); give each process
-    # 1 thread when several train side by side, as the reproductions do.
+    # torch threads on CPU; 0 = torch's default (one per core), the fastest for a single run; give each process
+    # 1 thread when several train side by side, as the reproductions do (docs/kernels.md §11).
     threads: int = 0
     seed: int = 0
 
@@ -400,6 +451,9 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
+    """What config.json holds: model, task and train sections (and where an imported model came from). It fully
+    determines a run, so resuming or reloading one rebuilds the same model and task (docs/run_directory.md §2)."""
+
     model: ModelConfig
     task: dict[str, Any]  # {"name": ..., **task parameters}
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -428,6 +482,8 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        """Inverse of `to_dict`, strict (unknown train fields are errors); the model section goes through
+        `ModelConfig.from_stored`, which reads what earlier versions wrote."""
         for section in ("model", "task", "train"):
             if not isinstance(data.get(section), dict):
                 raise ValueError(f"a run config needs a '{section}' object, got {data.get(section)!r}")
@@ -472,14 +528,16 @@ def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
             owners = [name for name, values in sections.items() if field in values and name != "task"]
             owners += ["task"] if field in task_fields(sections["task"]) else []
             if len(owners) != 1:
-                where = f"it is in {owners}; write section.{field}" if owners else "no section has it"
+                where = (f"it is in {owners}; write section.{field}" if owners
+                         else f"no section has it{_renamed_hint([field])}")
                 raise ValueError(f"cannot set {key!r}: {where} (sections: model, task, train)")
             section = owners[0]
         if section not in sections:
             raise ValueError(f"unknown section {section!r} in {assignment!r}; use model., task. or train.")
         # Task parameters are checked by the task itself (a preset lists only the ones it changes).
         if section != "task" and field not in sections[section]:
-            raise ValueError(f"unknown {section} field {field!r}; known: {sorted(sections[section])}")
+            raise ValueError(f"unknown {section} field {field!r}{_renamed_hint([field])}; known: "
+                             f"{sorted(sections[section])}")
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:

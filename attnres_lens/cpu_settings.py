@@ -6,17 +6,16 @@ their own process, and a notebook or script may call `configure` itself.
 
 Freed memory. A forward pass allocates activation-sized temporaries of a few MB each. glibc's malloc serves
 blocks that size with fresh `mmap`s, or trims them off its heap when they are freed, so the next pass page-faults
-the same memory in again: 1.2-1.3 million minor faults in one causal-routing table of a 12-layer Full model (324
-knockouts). Raising its mmap and trim thresholds keeps freed blocks for reuse: no faults, and the table took
-11.7 instead of 13.7 s at one thread (medians of four runs in two processes each, 2026-12-01; two threads: 10.7 s).
-The cost is that the process holds on to its peak memory until it exits, which is right for a command that ends
-and wrong for a long-lived server (the dashboard does not call this).
+the same memory in again, over a million minor faults in one causal-routing table of a 12-layer Full model.
+Raising its mmap and trim thresholds keeps freed blocks for reuse: no faults, and a faster table (docs/kernels.md
+§11 has the timings). The cost is that the process holds on to its peak memory until it exits, which is right for
+a command that ends and wrong for a long-lived server (the dashboard does not call this).
 
 The garbage collector. A command imports over a million Python objects (torch, TransformerLens, transformers,
 pandas) that live until it exits, yet every full collection traverses them all, and the interpreter's exit runs
-more. `gc.freeze()` once the imports are done moves them to a permanent generation the collector skips: for
-`attnres-lens prune` of the 12-layer Full model (--samples 32) the full collections took 0.08 instead of 0.41 s
-and the process's exit 0.15 instead of 0.9 s (2026-12-01). Objects made afterwards are collected as before.
+more. `gc.freeze()` once the imports are done moves them to a permanent generation the collector skips, which
+shortens the full collections and the process's exit several-fold (docs/kernels.md §11). Objects made afterwards
+are collected as before.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import os
 import platform
 
 import torch
@@ -49,10 +49,19 @@ def _freeze_imports() -> None:
     gc.freeze()
 
 
+def max_threads() -> int:
+    """The most torch threads a process may ask for: 8 per core, at least 64. More only oversubscribe the cores,
+    and far more crash torch's OpenMP pool (100000 threads: a segmentation fault at the first parallel op)."""
+    return max(64, 8 * (os.cpu_count() or 1))
+
+
 def set_threads(threads: int) -> None:
     """torch's intra-op thread count; 0 leaves torch's default (one per core)."""
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be a whole number >= 0 (0 = one per core), got {threads!r}")
+    if threads > max_threads():
+        raise ValueError(f"threads={threads} is more than this machine can run ({os.cpu_count()} cores; at most "
+                         f"{max_threads()}); use 0 for one per core")
     if threads:
         torch.set_num_threads(threads)
 

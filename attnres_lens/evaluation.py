@@ -18,6 +18,8 @@ from attnres_lens.tasks.base import IGNORE_INDEX, Batch
 
 @dataclass
 class Evaluation:
+    """One scored batch (the fields as defined above): one type for the trainer's log and every analysis."""
+
     loss: float
     answer_loss: float
     accuracy: float

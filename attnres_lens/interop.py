@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
@@ -25,9 +26,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from attnres_lens.config import DTYPES, ModelConfig
-from attnres_lens.rundir import atomic_save_safetensors, atomic_write_json
+from attnres_lens.rundir import RunDir, atomic_save_safetensors, atomic_write_json, read_json_file
 
 if TYPE_CHECKING:
+    from fla.models import TransformerForCausalLM  # optional dependency: attnres_lens[fla]
+
     from attnres_lens.config import TrainConfig
     from attnres_lens.model import HookedTransformer
 
@@ -63,9 +66,12 @@ def fla_mlp_width(fla: Mapping[str, Any]) -> int:
     (the rule of FLA's GatedMLP)."""
     if fla.get("intermediate_size") is not None:
         return _fla_int(fla, "intermediate_size")
-    ratio = _fla_number(fla, "hidden_ratio", 4)
-    width = int(_fla_int(fla, "hidden_size") * ratio * 2 / 3)
-    return 256 * math.ceil(width / 256)
+    ratio, hidden = _fla_number(fla, "hidden_ratio", 4), _fla_int(fla, "hidden_size")
+    width = hidden * ratio * 2 / 3
+    if not 0 < width < 2**53:  # beyond 2**53 a float no longer holds every integer: no model is that wide
+        raise FlaInteropError(f"hidden_ratio={ratio!r} gives an MLP width of {width:.3g} for hidden_size={hidden}; "
+                              "it must give a width >= 1 that a model can have")
+    return 256 * math.ceil(int(width) / 256)
 
 
 def model_config_from_fla(fla: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
@@ -123,6 +129,8 @@ def _fla_number(fla: Mapping[str, Any], key: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise FlaInteropError(f"{key}={value!r} in the FLA config must be a number")
+    if not math.isfinite(value):
+        raise FlaInteropError(f"{key}={value!r} in the FLA config must be a finite number")
     return float(value)
 
 
@@ -174,6 +182,8 @@ def fla_config_dict(cfg: ModelConfig, template: Optional[Mapping[str, Any]] = No
     `template` is the config the model was imported from, if any: its other keys (token ids, kernel choices) are
     kept, so an imported model exports with the config it came with.
     """
+    if template is not None and not isinstance(template, Mapping):
+        raise FlaInteropError(f"template must be an FLA config (a JSON object / dict), got {template!r:.80}")
     if check:
         check_exportable(cfg)
     out: dict[str, Any] = {"fuse_norm": True, "fuse_swiglu": True, "fuse_cross_entropy": True,
@@ -296,6 +306,12 @@ def expected_fla_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _check_fla_keys(fla_state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
+    # the layer count first, from the names alone: the shapes below build every layer the config asks for
+    layers = {int(match[1]) for name in fla_state if (match := re.match(r"model\.layers\.(\d+)\.", name))}
+    if layers != set(range(cfg.n_layers)):
+        held = f"layers 0..{max(layers)}" if layers == set(range(max(layers) + 1)) else sorted(layers)[:8] if layers \
+            else "no layers"
+        raise FlaInteropError(f"num_hidden_layers={cfg.n_layers} in the FLA config, but its weights hold {held}")
     wanted = expected_fla_shapes(cfg)
     shapes = {name: tuple(tensor.shape) for name, tensor in fla_state.items()}
     optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -320,45 +336,55 @@ def read_fla_config(path: PathLike) -> dict[str, Any]:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FlaInteropError(f"{folder} has no config.json; it is not a Hugging Face model directory")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise FlaInteropError(f"{config_path} is not valid JSON ({err})") from err
+    config = read_json_file(config_path, FlaInteropError)
     if not isinstance(config, dict):
         raise FlaInteropError(f"{config_path} must hold a JSON object")
+    if config.get("auto_map") is not None:  # transformers' trust_remote_code: Python files of the folder
+        raise FlaInteropError(f"{config_path} names code of its own (auto_map={config['auto_map']!r}); attnres_lens "
+                              "never runs code from a model folder: only models whose code ships with an installed "
+                              "package can be opened")
     return config
 
 
 def read_fla_dir(path: PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, tensors) of a Hugging Face-format FLA directory: `model.safetensors`, or shards named by
-    `model.safetensors.index.json`. Pickled weights (`pytorch_model.bin`) are refused: loading them runs code."""
+    `model.safetensors.index.json` (`fla_weight_files`); nothing else in the folder is opened."""
     folder = Path(path)
     config = read_fla_config(folder)
-    if (folder / WEIGHTS_INDEX).is_file():
-        try:
-            weight_map = json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise FlaInteropError(f"{folder / WEIGHTS_INDEX} is not a safetensors index ({err})") from err
-        files = sorted(set(weight_map.values()))
-        # names, not resolved paths: a Hugging Face cache's shards are symlinks into its blobs folder
-        outside = [name for name in files if not isinstance(name, str) or Path(name).is_absolute()
-                   or ".." in Path(name).parts]
-        if outside:
-            raise FlaInteropError(f"{folder / WEIGHTS_INDEX} names shards outside its folder ({outside[:3]}); "
-                                  "a model directory's shards are files beside its index")
-    elif (folder / WEIGHTS_FILE).is_file():
-        files = [WEIGHTS_FILE]
-    else:
-        pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
-        hint = f" ({', '.join(pickled)} are pickles, which are not loaded: convert them to safetensors)" if pickled else ""
-        raise FlaInteropError(f"{folder} has no {WEIGHTS_FILE}{hint}")
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
+    for name in fla_weight_files(folder):
         try:
             tensors.update(load_file(str(folder / name)))
         except (SafetensorError, OSError) as err:
             raise FlaInteropError(f"{folder / name} is missing, corrupt or truncated ({err})") from err
     return config, tensors
+
+
+def fla_weight_files(folder: Path) -> list[str]:
+    """The weight files of a model directory, by name: the shards its index names, else `model.safetensors`.
+    Pickled weights (`pytorch_model.bin`, `*.pt`) are refused: unpickling runs code."""
+    if (folder / WEIGHTS_INDEX).is_file():
+        index = read_json_file(folder / WEIGHTS_INDEX, FlaInteropError)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) and isinstance(shard, str)
+                                                       for name, shard in weight_map.items()):
+            raise FlaInteropError(f"{folder / WEIGHTS_INDEX} is not a safetensors index: its weight_map must be an "
+                                  "object mapping tensor names to shard file names (strings)")
+        files = sorted(set(weight_map.values()))
+        # names, not resolved paths: a Hugging Face cache's shards are symlinks into its blobs folder
+        outside = [name for name in files if Path(name).is_absolute() or ".." in Path(name).parts]
+        if outside:
+            raise FlaInteropError(f"{folder / WEIGHTS_INDEX} names shards outside its folder ({outside[:3]}); "
+                                  "a model directory's shards are files beside its index")
+        return files
+    if (folder / WEIGHTS_FILE).is_file():
+        return [WEIGHTS_FILE]
+    pickled = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in folder.glob(pattern))
+    hint = (f" ({', '.join(pickled)} are pickles, which are never loaded: unpickling runs code. If you trust the "
+            f"file, convert it once: python -c \"import torch; from safetensors.torch import save_file; "
+            f"save_file(torch.load('{folder / pickled[0]}', weights_only=True), '{folder / WEIGHTS_FILE}')\")"
+            if pickled else "")
+    raise FlaInteropError(f"{folder} has no {WEIGHTS_FILE}{hint}")
 
 
 def _fla_parts(model_or_dir: Any, dtype: str) -> tuple[dict[str, Any], ModelConfig, dict[str, torch.Tensor], str]:
@@ -388,6 +414,11 @@ def import_fla(model_or_dir: Any, dtype: str = "float32") -> tuple["HookedTransf
 
     fla_config, cfg, fla_state, source = _fla_parts(model_or_dir, dtype)
     state = state_dict_from_fla(fla_state, cfg)
+    non_finite = [name for name, tensor in fla_state.items()
+                  if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    if non_finite:  # as training never keeps a non-finite checkpoint
+        raise FlaInteropError(f"the FLA weights hold NaN or infinite values in {', '.join(non_finite[:5])}"
+                              f"{', …' if len(non_finite) > 5 else ''}; a model with non-finite weights is not imported")
     stored = {name: _dtype_name(t.dtype) for name, t in fla_state.items() if t.dtype in DTYPES.values()}
     model = HookedTransformer(cfg)
     model.load_state_dict({name: t.to(cfg.dtype) for name, t in state.items()}, strict=True)
@@ -403,7 +434,8 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def to_fla(model: "HookedTransformer", dtype: Optional[torch.dtype] = None, template: Optional[Mapping[str, Any]] = None):
+def to_fla(model: "HookedTransformer", dtype: Optional[torch.dtype] = None,
+           template: Optional[Mapping[str, Any]] = None) -> "TransformerForCausalLM":
     """An FLA `TransformerForCausalLM` computing the same function as `model` (refuses what FLA cannot express)."""
     dtype = _torch_dtype(dtype)
     fla_config = fla_config_dict(model.cfg, template, dtype=dtype)
@@ -490,7 +522,6 @@ def import_fla_run(source: Any, out: PathLike, task: Optional[Mapping[str, Any]]
     import attnres_lens
     from attnres_lens.config import RunConfig
     from attnres_lens.evaluation import evaluate_model
-    from attnres_lens.rundir import RunDir
 
     model, provenance = import_fla(source, dtype)
     cfg = model.cfg
@@ -505,8 +536,8 @@ def import_fla_run(source: Any, out: PathLike, task: Optional[Mapping[str, Any]]
                               f"d_vocab={cfg.d_vocab} and n_ctx={cfg.n_ctx}; set task.vocab_size / task.seq_len within "
                               "them")
     if isinstance(source, (str, Path)):
-        files = sorted(p for p in Path(source).iterdir() if p.suffix == ".safetensors")
-        provenance["weights_sha256"] = {p.name: _sha256(p) for p in files}
+        folder = Path(source)  # the files the import read, by name: nothing else in the folder is opened
+        provenance["weights_sha256"] = {name: _sha256(folder / name) for name in fla_weight_files(folder)}
     try:
         fla_version = importlib.metadata.version("flash-linear-attention")
     except importlib.metadata.PackageNotFoundError:
@@ -516,16 +547,20 @@ def import_fla_run(source: Any, out: PathLike, task: Optional[Mapping[str, Any]]
     run_config.provenance = provenance
 
     run_dir = RunDir(out)
-    if run_dir.holds_run():
-        raise FlaInteropError(f"{run_dir.path} already holds a run; give a new folder with --out")
-    with run_dir.lock():
-        if foreign := run_dir.foreign_entries():
-            raise FlaInteropError(f"{run_dir.path} is not empty ({', '.join(foreign[:5])}); give a new folder with "
-                                  "--out")
+    _refuse_used_folder(run_dir)  # before the lock: a refused folder gets no lock file
+    with run_dir.writing_new_run():  # a failure before config.json leaves nothing behind
+        _refuse_used_folder(run_dir)
         loss = evaluate_model(model, built.eval_batch(eval_sequences)).loss
         meta = {"model_config": cfg.to_json(), "run_config": json.dumps(run_config.to_dict()), "step": "0"}
         run_dir.write_imported(run_config, dict(model.state_dict()), meta, loss)
     return run_dir.path, loss
+
+
+def _refuse_used_folder(run_dir: RunDir) -> None:
+    if run_dir.holds_run():
+        raise FlaInteropError(f"{run_dir.path} already holds a run; give a new folder with --out")
+    if foreign := run_dir.foreign_entries():
+        raise FlaInteropError(f"{run_dir.path} is not empty ({', '.join(foreign[:5])}); give a new folder with --out")
 
 
 def export_fla_run(run: PathLike, out: PathLike, checkpoint: str = "latest", dtype: Optional[str] = None) -> Path:
@@ -538,6 +573,9 @@ def export_fla_run(run: PathLike, out: PathLike, checkpoint: str = "latest", dty
     provenance = loaded.config.provenance or {}
     from_fla_run = provenance.get("source") == "flash-linear-attention"
     template = provenance.get("fla_config") if from_fla_run else None
+    if from_fla_run and not isinstance(template, dict):
+        raise FlaInteropError(f"{run}'s config.json has provenance.fla_config={template!r:.80}, not the FLA config "
+                              "object it was imported with; the run directory was edited or damaged")
     tensor_dtypes = None
     if dtype is None and from_fla_run:
         stored = provenance.get("stored_dtype")

@@ -18,13 +18,16 @@ the model.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from attnres_lens.attnres import EMBEDDING
 
-# model.HookedTransformer, imported lazily by callers: this module sits beside the model, not above it.
+if TYPE_CHECKING:  # named for types only: this module sits beside the model, so the model's modules may import it
+    from transformer_lens.hook_points import HookPoint
+
+    from attnres_lens.model import HookedTransformer
 
 
 def basis_index(sublayer: int) -> int:
@@ -32,30 +35,32 @@ def basis_index(sublayer: int) -> int:
     return 0 if sublayer == EMBEDDING else sublayer + 1
 
 
-def _dtype(model) -> torch.dtype:
+def _dtype(model: HookedTransformer) -> torch.dtype:
     """fp32, or fp64 for a float64 model (the exactness tests)."""
     return torch.promote_types(next(model.parameters()).dtype, torch.float32)
 
 
-def _like(model) -> dict:
+def _like(model: HookedTransformer) -> dict[str, Any]:
     """dtype and device of the coefficient tensors: the model's device, so they combine with captured weights."""
     return dict(dtype=_dtype(model), device=next(model.parameters()).device)
 
 
 @torch.no_grad()
-def _capture(model, tokens: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+def _capture(model: HookedTransformer, tokens: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
     saved: dict[str, torch.Tensor] = {}
 
-    def save(tensor: torch.Tensor, hook) -> None:
+    def save(tensor: torch.Tensor, hook: HookPoint) -> None:
         saved[hook.name] = tensor.detach().to(_dtype(model))
 
     model.run_with_hooks(tokens, return_type=None, fwd_hooks=[(name, save) for name in names])
     return saved
 
 
-def mixing_coefficients(model, tokens: Optional[torch.Tensor] = None, per_group: bool = False) -> torch.Tensor:
-    """`[batch, pos, J+1, J+1]` (fp32; fp64 for a float64 model): the coefficient of e (column 0) and of each f_i (column 1+i) in the input of
-    each consumer (row c; row J is the final norm's input). Zero above the diagonal (c reads e and f_i, i < c).
+def mixing_coefficients(model: HookedTransformer, tokens: Optional[torch.Tensor] = None,
+                        per_group: bool = False) -> torch.Tensor:
+    """`[batch, pos, J+1, J+1]` (fp32; fp64 for a float64 model): the coefficient of e (column 0) and of each f_i
+    (column 1+i) in the input of each consumer (row c; row J is the final norm's input). Zero above the diagonal
+    (c reads e and f_i, i < c).
 
     `tokens` is needed where the weights depend on the input (AttnRes, mHC); without it the standard residual and
     DenseFormer give `[1, 1, J+1, J+1]`. With `attnres_heads = H > 1` each group of d_model / H channels has its own
@@ -65,7 +70,7 @@ def mixing_coefficients(model, tokens: Optional[torch.Tensor] = None, per_group:
     cfg = model.cfg
     n = cfg.n_sublayers + 1
     residual = cfg.residual
-    if residual in ("attnres", "hyper"):
+    if residual in ("attnres", "mhc"):
         if tokens is None:
             raise ValueError(f"the mixing weights of residual={residual!r} depend on the input: pass tokens")
         tokens = model.to_tokens(tokens)
@@ -80,10 +85,10 @@ def mixing_coefficients(model, tokens: Optional[torch.Tensor] = None, per_group:
         return _denseformer(model).expand(*shape, n, n).clone()
     if residual == "attnres":
         return _attnres(model, tokens, n)
-    return _hyper(model, tokens, n)
+    return _mhc(model, tokens, n)
 
 
-def _attnres(model, tokens: torch.Tensor, n: int, per_group: bool = False) -> torch.Tensor:
+def _attnres(model: HookedTransformer, tokens: torch.Tensor, n: int, per_group: bool = False) -> torch.Tensor:
     modules = model.depth_attention_modules()
     saved = _capture(model, tokens, [module.hook_weights.name for module in modules.values()])
     groups = model.cfg.attnres_heads
@@ -98,7 +103,7 @@ def _attnres(model, tokens: torch.Tensor, n: int, per_group: bool = False) -> to
     return coefficients if per_group else coefficients.mean(-3)
 
 
-def _denseformer(model) -> torch.Tensor:
+def _denseformer(model: HookedTransformer) -> torch.Tensor:
     """The DWA recursion on coefficient vectors: `X_0 = Y_0 = e`, `X_k = Y_{k−1} + f_attn + f_mlp`, `Y_k = Σ a X`."""
     n = model.cfg.n_sublayers + 1
     coefficients = torch.zeros(n, n, **_like(model))
@@ -118,13 +123,13 @@ def _denseformer(model) -> torch.Tensor:
     return coefficients
 
 
-def _hyper(model, tokens: torch.Tensor, n: int) -> torch.Tensor:
+def _mhc(model: HookedTransformer, tokens: torch.Tensor, n: int) -> torch.Tensor:
     modules = model.mixer_modules()
     names = [module.hook_read_weights.name for module in modules.values()]
     names += [name for module in list(modules.values())[:-1]
               for name in (module.hook_write_weights.name, module.hook_stream_mix.name)]
     saved = _capture(model, tokens, names)
-    n_streams = model.cfg.hyper_streams
+    n_streams = model.cfg.mhc_streams
     streams = torch.zeros(*tokens.shape, n_streams, n, **_like(model))  # each stream's coefficients
     streams[..., 0] = 1.0  # every stream starts as the embedding
     coefficients = torch.zeros(*tokens.shape, n, n, **_like(model))
@@ -139,11 +144,11 @@ def _hyper(model, tokens: torch.Tensor, n: int) -> torch.Tensor:
     return coefficients
 
 
-def stream_dominance(model, tokens: torch.Tensor) -> dict[int, float]:
+def stream_dominance(model: HookedTransformer, tokens: torch.Tensor) -> dict[int, float]:
     """mHC only: per consumer, the token-averaged share of its read weight on its most-read stream
     (1/n when it reads the streams evenly, 1 when it reads one)."""
-    if model.cfg.residual != "hyper":
-        raise ValueError(f"stream dominance is defined for residual='hyper', got {model.cfg.residual!r}")
+    if model.cfg.residual != "mhc":
+        raise ValueError(f"stream dominance is defined for residual='mhc', got {model.cfg.residual!r}")
     modules = model.mixer_modules()
     saved = _capture(model, model.to_tokens(tokens), [module.hook_read_weights.name for module in modules.values()])
     out = {}
@@ -153,7 +158,7 @@ def stream_dominance(model, tokens: torch.Tensor) -> dict[int, float]:
     return out
 
 
-def mixing_rows(model, matrix: torch.Tensor) -> list[dict]:
+def mixing_rows(model: HookedTransformer, matrix: torch.Tensor) -> list[dict[str, Any]]:
     """One row per consumer × earlier output of a `[J+1, J+1]` coefficient matrix: consumer, consumer_label
     (J = "final"), sublayer (−1 = embedding), sublayer_label, weight (the lower triangle only)."""
     rows = []

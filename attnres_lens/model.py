@@ -14,15 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 from transformer_lens import ActivationCache, HookedRootModule
 from transformer_lens.hook_points import HookPoint
-
 from transformer_lens.utilities import get_act_name
 
 from attnres_lens.attnres import EMBEDDING, DepthAttention, DepthStream, source_layout
 from attnres_lens.components import MLP, Attention, Embed, PosEmbed, RMSNorm, Unembed
 from attnres_lens.config import ModelConfig
 from attnres_lens.denseformer import DenseStream, DepthWeightedAverage
-from attnres_lens.hyper import HyperConnection, HyperHead, HyperStream
 from attnres_lens.kernels.backends import model_runs_two_phase
+from attnres_lens.mhc import MHCConnection, MHCHead, MHCStream
+from attnres_lens.resources import check_model_fits
 from attnres_lens.streams import ResidualStream, SumStream
 
 TokensLike = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], str]
@@ -30,7 +30,7 @@ TokensLike = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], str]
 
 # The hook showing each residual kind's post-layer state (docs/model.md §9).
 POST_LAYER_HOOK = {"standard": "hook_resid_post", "attnres": "hook_block_partial", "denseformer": "hook_dwa_out",
-                   "hyper": "hook_streams"}
+                   "mhc": "hook_streams"}
 
 
 def depth_attention(cfg: ModelConfig, consumer: int) -> DepthAttention:
@@ -41,8 +41,8 @@ def depth_attention(cfg: ModelConfig, consumer: int) -> DepthAttention:
                           mixing=cfg.attnres_mixing, n_sources=n_sources)
 
 
-def hyper_connection(cfg: ModelConfig) -> HyperConnection:
-    return HyperConnection(cfg.hyper_streams, cfg.d_model, cfg.eps, cfg.hyper_eps, cfg.hyper_sinkhorn_iters,
+def mhc_connection(cfg: ModelConfig) -> MHCConnection:
+    return MHCConnection(cfg.mhc_streams, cfg.d_model, cfg.eps, cfg.mhc_eps, cfg.mhc_sinkhorn_iters,
                            cfg.init_range)
 
 
@@ -77,10 +77,10 @@ class TransformerBlock(nn.Module):
             self.attn_res = depth_attention(cfg, sublayers[0])
             if not cfg.attn_only:
                 self.mlp_res = depth_attention(cfg, sublayers[1])
-        elif cfg.residual == "hyper":
-            self.attn_hc = hyper_connection(cfg)
+        elif cfg.residual == "mhc":
+            self.attn_hc = mhc_connection(cfg)
             if not cfg.attn_only:
-                self.mlp_hc = hyper_connection(cfg)
+                self.mlp_hc = mhc_connection(cfg)
         elif cfg.residual == "denseformer":
             self.dwa = DepthWeightedAverage(layer)
         # [batch, pos, d_model]: the residual stream (standard), the block's partial sum (AttnRes), the DWA output
@@ -89,7 +89,7 @@ class TransformerBlock(nn.Module):
 
     def mixers(self) -> tuple[Optional[nn.Module], Optional[nn.Module]]:
         """The modules that mix the inputs of the attention and MLP sublayers (None for a plain residual)."""
-        prefix = {"attnres": "res", "hyper": "hc"}.get(self.cfg.residual)
+        prefix = {"attnres": "res", "mhc": "hc"}.get(self.cfg.residual)
         if prefix is None:
             return None, None
         return getattr(self, f"attn_{prefix}"), getattr(self, f"mlp_{prefix}", None)
@@ -162,6 +162,7 @@ class HookedTransformer(HookedRootModule):
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"cfg must be an attnres_lens.ModelConfig, got {type(cfg).__name__}")
         self.cfg = cfg
+        check_model_fits(cfg)  # a config may ask for terabytes: refuse before allocating
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
         self.embed = Embed(cfg)
@@ -172,8 +173,8 @@ class HookedTransformer(HookedRootModule):
         self.blocks = nn.ModuleList([TransformerBlock(cfg, layer) for layer in range(cfg.n_layers)])
         if cfg.residual == "attnres":
             self.final_res = depth_attention(cfg, cfg.n_sublayers)
-        elif cfg.residual == "hyper":
-            self.final_hc = HyperHead(cfg.hyper_streams, cfg.d_model, cfg.eps, cfg.hyper_eps, cfg.init_range)
+        elif cfg.residual == "mhc":
+            self.final_hc = MHCHead(cfg.mhc_streams, cfg.d_model, cfg.eps, cfg.mhc_eps, cfg.init_range)
         self.ln_final = RMSNorm(cfg.d_model, cfg.eps, backend=cfg.depth_attention_backend)
         self.unembed = Unembed(cfg, self.embed)  # the embedding is W_U too when tie_word_embeddings
         self.to(device=cfg.device, dtype=cfg.dtype)
@@ -216,8 +217,8 @@ class HookedTransformer(HookedRootModule):
                                cfg.attnres_window)
         if cfg.residual == "denseformer":
             return DenseStream(embedding)
-        if cfg.residual == "hyper":
-            return HyperStream(embedding, cfg.hyper_streams)
+        if cfg.residual == "mhc":
+            return MHCStream(embedding, cfg.mhc_streams)
         return SumStream(embedding)
 
     def final_mixer(self) -> Optional[nn.Module]:
@@ -234,7 +235,8 @@ class HookedTransformer(HookedRootModule):
         modules = self.depth_attention_modules()
         return [modules[consumer] for consumer in sorted(modules)]
 
-    def run_with_cache(self, *model_args: Any, remove_batch_dim: bool = False, **kwargs: Any):
+    def run_with_cache(self, *model_args: Any, remove_batch_dim: bool = False, **kwargs: Any
+                       ) -> tuple[Any, DepthActivationCache]:
         """Like TL's, but the cache is a `transformer_lens.ActivationCache` (`DepthActivationCache`), so
         `cache["pattern", l]` works, and its residual-stream helpers refuse AttnRes models instead of misreading them."""
         if model_args and not isinstance(model_args[0], torch.Tensor):
@@ -411,8 +413,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999)
           ) -> torch.optim.AdamW:
     """AdamW over `param_groups`, fused (one kernel call for all tensors) on the CPU and CUDA. PyTorch's default
-    on the CPU is a Python loop of ~8 ops per parameter tensor: 6.0 ms of optimizer time per step of a 4-layer
-    model against 2.2 ms fused, and AttnRes adds two tensors per sublayer (docs/kernels.md §11)."""
+    on the CPU is a Python loop of several ops per parameter tensor, and AttnRes adds two tensors per sublayer
+    (docs/kernels.md §11 has the timings)."""
     first = next((p for p in model.parameters() if p.requires_grad), None)
     if first is None:
         raise ValueError(f"adamw needs a model with trainable parameters; {type(model).__name__} has none "

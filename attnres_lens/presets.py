@@ -4,33 +4,44 @@ Induction presets follow the calibration in docs/tasks.md §3: attention-only, 6
 batch 32, AdamW 3e-3, on the variable-offset copy task (a fixed-period probe is solvable by a
 positional head). Their shared step budget covers the slowest variant's transition (2-layer vanilla
 needed ~5500 steps at this scale). Depth presets: 12 layers with MLPs on the mixed task, one per depth-mixing
-rule (docs/model.md §11-§13).
+rule (docs/model.md §11-§13). `fla-attnres-block` is Block AttnRes in flash-linear-attention's form, so that
+`attnres-lens export-fla` writes it as trained (docs/interop.md §3).
+
+This module imports no torch: the command line checks a preset name before its heavy imports (the configs are
+built, and `attnres_lens.config` imported, when a preset is asked for).
 """
 
 from __future__ import annotations
 
-import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from attnres_lens.config import ModelConfig, RunConfig, TrainConfig
+if TYPE_CHECKING:
+    from attnres_lens.config import RunConfig
 
 INDUCTION_TASK = {"name": "copy", "vocab_size": 64, "seq_len": 65, "min_len": 8, "max_len": 16}
-INDUCTION_TRAIN = TrainConfig(steps=7000, batch_size=32, lr=3e-3, warmup_steps=100, eval_every=100,
-                              record_every=250, checkpoint_every=1000, log_every=50)
+INDUCTION_TRAIN = dict(steps=7000, batch_size=32, lr=3e-3, warmup_steps=100, eval_every=100, record_every=250,
+                       checkpoint_every=1000, log_every=50)
 DEPTH_TASK = {"name": "mixed", "vocab_size": 64, "seq_len": 65}
-DEPTH_TRAIN = TrainConfig(steps=1500, batch_size=16, lr=3e-3, warmup_steps=100, eval_every=100,
-                          record_every=100, checkpoint_every=500, log_every=25, eval_size=128)
+DEPTH_TRAIN = dict(steps=1500, batch_size=16, lr=3e-3, warmup_steps=100, eval_every=100, record_every=100,
+                   checkpoint_every=500, log_every=25, eval_size=128)
+# flash-linear-attention's Transformer: a bias-free SwiGLU MLP and one epsilon for every norm (docs/interop.md §1)
+FLA_FORM = {"gated_mlp": True, "act_fn": "silu", "use_bias": False, "eps": 1e-5, "attnres_eps": 1e-5}
 
 
 def _induction(n_layers: int, attention: str) -> RunConfig:
-    model = ModelConfig(d_model=64, n_heads=4, n_layers=n_layers, n_ctx=65, d_vocab=64, attn_only=True, attention=attention)
-    return RunConfig(model, dict(INDUCTION_TASK), copy.deepcopy(INDUCTION_TRAIN))
+    from attnres_lens.config import ModelConfig, RunConfig, TrainConfig
+
+    model = ModelConfig(d_model=64, n_heads=4, n_layers=n_layers, n_ctx=65, d_vocab=64, attn_only=True,
+                        attention=attention)
+    return RunConfig(model, dict(INDUCTION_TASK), TrainConfig(**INDUCTION_TRAIN))
 
 
 def _depth(residual: str, block_size: int = 1, **options: Any) -> RunConfig:
+    from attnres_lens.config import ModelConfig, RunConfig, TrainConfig
+
     model = ModelConfig(d_model=64, n_heads=4, n_layers=12, n_ctx=65, d_vocab=64, d_mlp=128,
                         residual=residual, attnres_block_size=block_size, **options)
-    return RunConfig(model, dict(DEPTH_TASK), copy.deepcopy(DEPTH_TRAIN))
+    return RunConfig(model, dict(DEPTH_TASK), TrainConfig(**DEPTH_TRAIN))
 
 
 # The depth-mixing rules compared by analyses/depth_mixing_ablation.py (the AttnRes paper's Table 4), at the depth
@@ -38,7 +49,7 @@ def _depth(residual: str, block_size: int = 1, **options: Any) -> RunConfig:
 DEPTH_MIXING_VARIANTS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
     "depth-standard": ("standard residual (PreNorm)", "standard", 1, {}),
     "depth-denseformer": ("DenseFormer: depth-weighted average after every block", "denseformer", 1, {}),
-    "depth-hyper": ("mHC hyper-connections, 4 streams", "hyper", 1, {}),
+    "depth-mhc": ("mHC (manifold-constrained hyper-connections), 4 streams", "mhc", 1, {}),
     "depth-full": ("Full AttnRes (S = 1)", "attnres", 1, {}),
     "depth-block": ("Block AttnRes (S = 4: two layers per block)", "attnres", 4, {}),
     "depth-full-sigmoid": ("Full AttnRes, sigmoid instead of softmax", "attnres", 1, {"attnres_score": "sigmoid"}),
@@ -56,6 +67,8 @@ DEPTH_MIXING_VARIANTS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
 
 
 def _smoke() -> RunConfig:
+    from attnres_lens.config import ModelConfig, RunConfig, TrainConfig
+
     model = ModelConfig(d_model=32, n_heads=2, n_layers=2, n_ctx=33, d_vocab=24, residual="attnres",
                         attnres_block_size=2, attention="kv_shift")
     train = TrainConfig(steps=40, batch_size=8, warmup_steps=5, eval_every=10, eval_size=32, record_every=10,
@@ -63,21 +76,39 @@ def _smoke() -> RunConfig:
     return RunConfig(model, {"name": "copy", "vocab_size": 24, "seq_len": 33, "min_len": 4, "max_len": 8}, train)
 
 
-PRESETS: dict[str, tuple[str, Any]] = {
-    "induction-1l-vanilla": ("1-layer attention-only, standard attention, copy task (expected to fail)", lambda: _induction(1, "standard")),
-    "induction-2l-vanilla": ("2-layer attention-only, standard attention, copy task (late sharp transition)", lambda: _induction(2, "standard")),
-    "induction-1l-kvshift": ("1-layer attention-only, KV-shifting attention, copy task (solves it fast)", lambda: _induction(1, "kv_shift")),
-    "induction-2l-kvshift": ("2-layer attention-only, KV-shifting attention, copy task", lambda: _induction(2, "kv_shift")),
+PRESETS: dict[str, tuple[str, Callable[[], RunConfig]]] = {
+    "induction-1l-vanilla": ("1-layer attention-only, standard attention, copy task (expected to fail)",
+                             lambda: _induction(1, "standard")),
+    "induction-2l-vanilla": ("2-layer attention-only, standard attention, copy task (late sharp transition)",
+                             lambda: _induction(2, "standard")),
+    "induction-1l-kvshift": ("1-layer attention-only, KV-shifting attention, copy task (solves it fast)",
+                             lambda: _induction(1, "kv_shift")),
+    "induction-2l-kvshift": ("2-layer attention-only, KV-shifting attention, copy task",
+                             lambda: _induction(2, "kv_shift")),
     **{name: (f"12-layer model with MLPs, {description}, mixed task",
               lambda residual=residual, block=block, options=options: _depth(residual, block, **options))
        for name, (description, residual, block, options) in DEPTH_MIXING_VARIANTS.items()},
+    "fla-attnres-block": ("12-layer Block AttnRes (S = 4) in flash-linear-attention's form (SwiGLU, no biases, one "
+                          "norm epsilon), mixed task: `export-fla` writes it as trained", lambda: _depth("attnres", 4, **FLA_FORM)),
     "smoke": ("tiny Block AttnRes + KV-shift model, 40 steps: checks the pipeline end to end in seconds", _smoke),
 }
 
 
-def get_preset(name: str) -> RunConfig:
+# Presets earlier versions named otherwise: old name -> today's (docs/run_directory.md §2, compatibility).
+RENAMED_PRESETS = {"depth-hyper": "depth-mhc"}
+
+
+def check_preset(name: str) -> None:
+    if name in RENAMED_PRESETS:
+        raise ValueError(f"preset {name!r} was renamed {RENAMED_PRESETS[name]!r}; use --preset {RENAMED_PRESETS[name]}")
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} (list them with `attnres-lens presets`)")
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} (list them with "
+                         "`attnres-lens presets`)")
+
+
+def get_preset(name: str) -> RunConfig:
+    """A fresh copy of the preset `name`, its `preset` field set so the run records where it came from."""
+    check_preset(name)
     config = PRESETS[name][1]()
     config.preset = name
     return config

@@ -30,6 +30,9 @@ from attnres_lens.tasks.base import Batch
 
 
 class Recorder:
+    """Appends the tables above at each `record(step)`, on fixed batches so successive snapshots differ only by
+    training; `rows` holds them until the trainer writes them (docs/run_directory.md §4)."""
+
     def __init__(self, model: HookedTransformer, eval_batch: Batch, probe_tokens: torch.Tensor):
         self.model = model
         self.eval_batch = eval_batch
@@ -40,6 +43,8 @@ class Recorder:
         self.depth_modules = {j: module.hook_weights.name for j, module in model.depth_attention_modules().items()}
 
     def record(self, step: int) -> None:
+        """One snapshot at `step`, in eval mode; the model's mode is restored after, so recording never changes
+        training."""
         model = self.model
         was_training = model.training
         model.eval()

@@ -16,18 +16,20 @@ analysis/          outputs of analysis commands
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
 import math
 import os
+import shutil
 import socket
 import sys
 import time
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 import pandas as pd
 import torch
@@ -69,25 +71,44 @@ class RunLock:
 
     def __init__(self, path: Path):
         self.path = path
+        self.created = False  # whether this holder made the lock file
         self._fd: Optional[int] = None
 
     def acquire(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            # the holder names itself just after taking the lock: a refusal in that instant waits briefly for it
-            holder = ""
-            for _ in range(20):
-                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-                if holder:
-                    break
-                time.sleep(0.01)
-            holder = holder or "another process"
+        while True:
+            try:
+                fd, self.created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                try:
+                    fd, self.created = os.open(self.path, os.O_RDWR), False
+                except FileNotFoundError:  # discarded in between: create it
+                    continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                break  # held: refused below
+            # a holder that wrote nothing may remove the file (`discard`): a lock taken on a removed file is no lock
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return self._name_holder(fd)
             os.close(fd)
-            raise RunDirBusy(f"{self.path.parent} is being written by {holder}; a run directory has one writer at "
-                             "a time: wait for it to finish, or stop it and resume") from None
+        # the holder names itself just after taking the lock: a refusal in that instant waits briefly for it
+        holder = ""
+        for _ in range(20):
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            if holder:
+                break
+            time.sleep(0.01)
+        holder = holder or "another process"
+        os.close(fd)
+        raise RunDirBusy(f"{self.path.parent} is being written by {holder}; a run directory has one writer at "
+                         "a time: wait for it to finish, or stop it and resume") from None
+
+    def _name_holder(self, fd: int) -> "RunLock":
         command = " ".join(sys.argv)
         command = command if len(command) <= 300 else command[:299] + "…"  # the refusal reads 4096 bytes back
         holder = (f"process {os.getpid()} on {socket.gethostname()} "
@@ -96,6 +117,14 @@ class RunLock:
         os.pwrite(fd, holder.encode(), 0)
         self._fd = fd
         return self
+
+    def discard(self) -> None:
+        """Remove the lock file, then release: for a writer refused before it wrote anything into a folder that
+        holds no run, so the refusal leaves nothing behind. Safe while held: `acquire` re-checks the file it locked
+        is still the one at the path."""
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)
+        self.release()
 
     def release(self) -> None:
         if self._fd is not None:
@@ -108,6 +137,27 @@ class RunLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+# ---------------------------------------------------------------------------- reads of text files
+def read_text_file(path: PathLike, error: Optional[type[ValueError]] = None) -> str:
+    """A text file of a run or model folder, decoded as strict UTF-8: bytes that are not UTF-8 are an error naming
+    the file (`error`, default `RunDirError`), not a UnicodeDecodeError from deep inside a parser."""
+    path = Path(path)
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise (error or RunDirError)(f"{path} is not UTF-8 text (byte {err.start}: {err.reason}); it was not "
+                                     "written by attnres_lens or was damaged") from None
+
+
+def read_json_file(path: PathLike, error: Optional[type[ValueError]] = None) -> Any:
+    """A JSON file, read by `read_text_file`; invalid JSON is an error naming the file."""
+    text = read_text_file(path, error)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise (error or RunDirError)(f"{path} is not valid JSON ({err})") from err
 
 
 # ---------------------------------------------------------------------------- atomic writes
@@ -288,6 +338,35 @@ class RunDir:
         """The writer lock (a context manager); `RunDirBusy` names the holder when another process has it."""
         return RunLock(self.path / self.LOCK)
 
+    @contextlib.contextmanager
+    def writing_new_run(self) -> Iterator[RunLock]:
+        """The writer lock for a new run: if the body fails before config.json exists (a refusal, an error, Ctrl-C),
+        nothing it made stays: a folder it created is removed, else the lock file it created. Only the lock's
+        holder cleans up: a writer refused by the lock may have seen no folder only because the holder had not
+        made it yet."""
+        created = not self.path.exists()
+        lock = self.lock().acquire()
+        try:
+            yield lock
+        except BaseException:
+            if not self.holds_run():
+                if created:
+                    shutil.rmtree(self.path, ignore_errors=True)
+                elif lock.created:
+                    lock.discard()
+            raise
+        finally:
+            lock.release()
+
+    def remove_stale_temporaries(self) -> list[Path]:
+        """Remove the temporary files of atomic writes that a killed writer left (`.NAME.*.tmp` in the run's folders);
+        called by a writer holding the lock, so none of them is being written. Returns what it removed."""
+        stale = [path for folder in (self.path, self.checkpoints_dir, self.records_dir, self.analysis_dir)
+                 if folder.is_dir() for path in folder.glob(".*.tmp") if path.is_file()]
+        for path in stale:
+            path.unlink(missing_ok=True)
+        return stale
+
     def foreign_entries(self) -> list[str]:
         """Entries of a folder that does not hold a run yet, other than the lock: a new run must not mix with them."""
         if not self.path.is_dir() or self.holds_run():
@@ -319,10 +398,7 @@ class RunDir:
                               f"{self.CONFIG} (one `attnres-lens train --out DIR` wrote)")
         if not self.config_path.is_file():
             raise RunDirError(f"{self.path} is not a run directory: {self.CONFIG} is missing")
-        try:
-            config = json.loads(self.config_path.read_text())
-        except json.JSONDecodeError as err:
-            raise RunDirError(f"{self.config_path} is not valid JSON ({err})") from err
+        config = read_json_file(self.config_path)
         for section in ("model", "task", "train"):
             if not isinstance(config, dict) or not isinstance(config.get(section), dict):
                 raise RunDirError(f"{self.config_path} has no '{section}' section; it was not written by attnres_lens")
@@ -343,12 +419,10 @@ class RunDir:
         return config
 
     def read_index(self) -> CheckpointIndex:
+        """checkpoints/index.json, checked for its shape; an empty index before the run's first checkpoint."""
         if not self.index_path.is_file():
             return CheckpointIndex()
-        try:
-            data = json.loads(self.index_path.read_text())
-        except json.JSONDecodeError as err:
-            raise RunDirError(f"{self.index_path} is not valid JSON ({err})") from err
+        data = read_json_file(self.index_path)
         known = {f.name for f in dataclasses.fields(CheckpointIndex)}
         valid = (isinstance(data, dict) and not set(data) - known
                  and all(isinstance(data.get(key), (str, type(None))) for key in ("latest", "best"))
@@ -395,7 +469,7 @@ class RunDir:
     def _metric_lines(self) -> list[tuple[str, dict[str, Any]]]:
         """(line, object) for each line of metrics.jsonl; a torn last line (crash mid-write) is skipped, any other
         line that is not a JSON object with an integer step is an error naming the line."""
-        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.is_file() else []
+        lines = read_text_file(self.metrics_path).splitlines() if self.metrics_path.is_file() else []
         rows = []
         for number, line in enumerate(lines, start=1):
             if not line.strip():

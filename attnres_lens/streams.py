@@ -12,7 +12,7 @@ A forward pass drives a stream with three calls, in sublayer order:
 `end_layer(mixer)` closes a layer (DenseFormer averages over depth there). `state` is the post-layer state that
 `blocks.{l}.hook_resid_post` (standard), `hook_block_partial` (AttnRes), `hook_dwa_out` (DenseFormer) or `hook_streams`
 (mHC) shows and may replace. The other streams are `attnres.DepthStream`, `denseformer.DenseStream` and
-`hyper.HyperStream`.
+`mhc.MHCStream`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from attnres_lens import cpu_settings
 from attnres_lens.config import RunConfig
 from attnres_lens.evaluation import evaluate_model
 from attnres_lens.model import HookedTransformer, adamw, next_token_loss
@@ -53,6 +53,9 @@ def distributed_context() -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------- the trainer
 class Trainer:
+    """One process's training of a run (one rank under torchrun): model, optimiser, data and recorder built from a
+    `RunConfig`; rank 0 writes the run directory. `train` and `resume` drive it."""
+
     def __init__(self, config: RunConfig, out_dir: Path, progress: bool = True):
         self.config = config
         self.out_dir = Path(out_dir)
@@ -66,8 +69,8 @@ class Trainer:
         if self.device.type == "cpu" and config.model.dtype == torch.float16:
             raise ValueError("model.dtype=float16 is not supported for training on the CPU (its half-precision "
                              "arithmetic overflows within steps); use float32, or bfloat16")
-        if self.device.type == "cpu" and train_cfg.threads:
-            torch.set_num_threads(train_cfg.threads)
+        if self.device.type == "cpu":
+            cpu_settings.set_threads(train_cfg.threads)
         if self.device.type == "cuda" and self.world > 1:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
@@ -85,6 +88,9 @@ class Trainer:
         self.optimizer = adamw(self.model, train_cfg.lr, train_cfg.weight_decay, train_cfg.betas)
         self.data_generator = self.task.train_generator()
         self.eval_batch = self.task.eval_batch(train_cfg.eval_size).to(self.device)
+        if not self.eval_batch.answer_mask.any():  # eval_accuracy would be NaN at every evaluation
+            raise ValueError(f"the held-out set of train.eval_size={train_cfg.eval_size} sequences has no answer "
+                             "position to score accuracy on; raise train.eval_size")
         probe_half = (min(self.task.seq_len, model_cfg.n_ctx) - 1) // 2
         probe = repeated_tokens(train_cfg.record_size, probe_half, self.task.vocab_size,
                                 torch.Generator().manual_seed(train_cfg.seed + 1))
@@ -99,6 +105,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ public
     def fit(self) -> None:
+        """Train from `self.step` to `train.steps`, logging, evaluating, recording and checkpointing at their
+        cadences; config.json is written first, so a resumed run records what it continued with."""
         cfg = self.config.train
         if self.rank == 0:
             self.run_dir.write_config(self.config)
@@ -140,9 +148,13 @@ class Trainer:
             dist.barrier()
 
     def _postfix(self, train_metrics: dict[str, float]) -> dict[str, str]:
-        postfix = {"loss": f"{train_metrics['loss']:.3f}", "tok/s": f"{train_metrics['tokens_per_s']:.0f}"}
+        """The bar's figures, each naming the positions it covers: the training loss over every position, and the
+        held-out loss and accuracy over the answer positions (the same positions, so they read together)."""
+        postfix = {"loss (train, all positions)": f"{train_metrics['loss']:.3f}"}
         if self.last_eval:
-            postfix["acc"] = f"{self.last_eval['eval_accuracy']:.1%}"
+            postfix["answer loss (eval)"] = f"{self.last_eval['eval_answer_loss']:.3f}"
+            postfix["answer acc (eval)"] = f"{self.last_eval['eval_accuracy']:.1%}"
+        postfix["tok/s"] = f"{train_metrics['tokens_per_s']:.0f}"
         return postfix
 
     # ------------------------------------------------------------------ steps
@@ -177,11 +189,12 @@ class Trainer:
         return loss_value, grad_norm, batch.tokens.numel()
 
     def evaluate(self) -> dict[str, float]:
-        """Loss over every next-token position and accuracy over the answer positions, on the held-out set."""
+        """On the held-out set: loss over every next-token position, and loss and accuracy over the answer
+        positions (docs/run_directory.md §3)."""
         self.model.eval()
         result = evaluate_model(self.model, self.eval_batch)
         self.model.train()
-        return {"eval_loss": result.loss, "eval_accuracy": result.accuracy}
+        return {"eval_loss": result.loss, "eval_answer_loss": result.answer_loss, "eval_accuracy": result.accuracy}
 
     def _evaluate_and_log(self, step: int, train_metrics: dict[str, float]) -> None:
         cfg = self.config.train
@@ -232,6 +245,8 @@ class Trainer:
         return tensors, meta
 
     def load_training_state(self, name: str) -> None:
+        """Weights, optimiser moments, RNG states, step and open log window of checkpoint `name`: what makes a
+        resumed run log the losses an uninterrupted one would (docs/run_directory.md §9)."""
         weights, state, state_meta = self.run_dir.read_checkpoint(name)
         try:
             self.model.load_state_dict({k: v.to(self.device) for k, v in weights.items()})
@@ -261,16 +276,10 @@ def _is_writer() -> bool:
 def train(config: RunConfig, out_dir: str | Path, progress: bool = True) -> Trainer:
     """Start a new run in `out_dir` (empty or absent) and train it to the end, holding the run's writer lock."""
     run_dir = RunDir(out_dir)
-    created = not run_dir.path.exists()
-    with run_dir.lock() if _is_writer() else contextlib.nullcontext():
-        try:
-            return _train_new(config, run_dir, progress)
-        except BaseException:
-            # refused or failed before writing anything: leave no folder behind. Only the lock's holder may remove
-            # it: a writer refused by the lock may have seen no folder only because the holder had not made it yet
-            if created and _is_writer() and not run_dir.holds_run():
-                shutil.rmtree(run_dir.path, ignore_errors=True)
-            raise
+    _check_new_folder(run_dir)  # before the lock: a refused folder gets no lock file
+    # refused or failed before config.json exists: nothing made here stays (RunDir.writing_new_run)
+    with run_dir.writing_new_run() if _is_writer() else contextlib.nullcontext():
+        return _train_new(config, run_dir, progress)
 
 
 def _check_used(config: RunConfig) -> None:
@@ -290,14 +299,18 @@ def _check_used(config: RunConfig) -> None:
                          f"train.device={train_cfg.device!r}; set train.device instead")
 
 
-def _train_new(config: RunConfig, run_dir: RunDir, progress: bool) -> Trainer:
-    _check_used(config)
+def _check_new_folder(run_dir: RunDir) -> None:
     if run_dir.holds_run():
         raise FileExistsError(f"{run_dir.path} already holds a run; resume it with `attnres-lens train --resume "
                               f"{run_dir.path}` or choose another --out")
     if foreign := run_dir.foreign_entries():
         raise FileExistsError(f"{run_dir.path} is not empty and holds no run ({', '.join(foreign[:5])}"
                               f"{', …' if len(foreign) > 5 else ''}); a new run needs an empty or new folder")
+
+
+def _train_new(config: RunConfig, run_dir: RunDir, progress: bool) -> Trainer:
+    _check_used(config)
+    _check_new_folder(run_dir)  # again under the lock: another writer may have started in between
     trainer = Trainer(config, run_dir.path, progress)
     trainer.fit()
     return trainer
@@ -316,6 +329,8 @@ def resume(out_dir: str | Path, progress: bool = True, steps: Optional[int] = No
     run_dir = RunDir(out_dir)
     run_dir.read_config_dict()  # a missing or foreign folder is refused before the lock would create anything
     with run_dir.lock() if _is_writer() else contextlib.nullcontext():
+        if _is_writer():
+            run_dir.remove_stale_temporaries()  # a killed writer's half-written files
         config = run_dir.read_config()
         if config.imported:
             raise ValueError(f"{run_dir.path} holds a model imported from {config.provenance.get('source', 'elsewhere')}: "

@@ -1,7 +1,9 @@
-"""Test-session setup that must happen before any module imports triton."""
+"""Test-session setup that must happen before any module imports triton, and the fixtures several test files share."""
 
 import gc
+import hashlib
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,3 +22,48 @@ def _unfreeze_after_commands():
     traversals (cpu_settings.configure): right for a command's own process, not for the test session's."""
     yield
     gc.unfreeze()
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """A command or trainer run in-process sets torch's thread count for its process; the next test must not inherit
+    it (float32 sums split over another number of threads round differently)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _fingerprint(root: Path) -> dict[str, str]:
+    """Every file's hash, but the writer lock's: a command refused on the run still takes the lock and writes its
+    own name into it (docs/run_directory.md), by design."""
+    from attnres_lens.rundir import RunDir
+
+    return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(root.rglob("*")) if path.is_file() and path.name != RunDir.LOCK}
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """The smoke preset (Block AttnRes + KV shift, 40 steps, snapshots every 10, checkpoints at 20 and 40), trained
+    once for the session. Tests read it; a test that writes into a run copies it first (shutil.copytree): the run is
+    checked unchanged at the end of the session."""
+    from attnres_lens.presets import get_preset
+    from attnres_lens.training import train
+
+    out = tmp_path_factory.mktemp("shared") / "smoke"
+    train(get_preset("smoke"), out, progress=False)
+    trained = _fingerprint(out)
+    yield out
+    now = _fingerprint(out)
+    changed = sorted(name for name in trained.keys() | now.keys() if trained.get(name) != now.get(name))
+    assert not changed, f"a test changed the shared smoke run (copy it before writing into it): {changed}"
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Every buffer a kernel allocates starts as NaN, so an element it fails to write cannot pass; and no
+    $ATTNRES_LENS_BACKEND from the environment picks the backend a test asks for."""
+    from attnres_lens.kernels import _common, backends
+
+    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+    monkeypatch.delenv(backends.BACKEND_ENV_VAR, raising=False)

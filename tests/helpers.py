@@ -1,4 +1,5 @@
-"""Shared test utilities: small model builders and an independent float64 re-implementation of the AttnRes residual (docs/model.md §2)."""
+"""Shared test utilities: small model builders, a copy-task batch, an in-process CLI call and an independent float64
+re-implementation of the AttnRes residual (docs/model.md §2)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,48 @@ import itertools
 import torch
 
 from attnres_lens import HookedTransformer, ModelConfig
+from attnres_lens.cli import main as cli_main
+from attnres_lens.tasks import make_task
 from tests.kernel_cases import oracle
 
-VARIANTS = list(itertools.product([("standard", 1), ("attnres", 1), ("attnres", 2), ("attnres", 4)], ["standard", "kv_shift"]))
+VARIANTS = list(itertools.product([("standard", 1), ("attnres", 1), ("attnres", 2), ("attnres", 4)],
+                                  ["standard", "kv_shift"]))
 
 
-def small_config(residual: str = "standard", block_size: int = 1, attention: str = "standard", **overrides) -> ModelConfig:
+def small_config(residual: str = "standard", block_size: int = 1, attention: str = "standard",
+                 **overrides) -> ModelConfig:
     params = dict(d_model=32, n_heads=4, n_layers=3, n_ctx=24, d_vocab=20, seed=0)
     params.update(overrides)
     return ModelConfig(residual=residual, attnres_block_size=block_size, attention=attention, **params)
+
+
+# float32's unit roundoff: one rounding moves a value by at most this fraction of it
+FLOAT32_UNIT_ROUNDOFF = 2.0**-24
+
+
+def float32_chain_length(cfg: ModelConfig, tokens: torch.Tensor) -> int:
+    """Terms summed along the longest chain of float32 sums between a model's input and its loss (or back to a
+    parameter's gradient): the tokens, the vocabulary, and per layer the MLP's hidden units, the attended positions
+    and four d_model-long contractions (query, key, value and output projections)."""
+    return tokens.numel() + cfg.d_vocab + cfg.n_layers * (cfg.d_mlp + tokens.shape[-1] + 4 * cfg.d_model)
+
+
+def reordering_bound(n_terms: int, scale: float) -> float:
+    """The most a float32 result of `n_terms` summed terms of magnitude up to `scale` moves when its sums run in
+    another order (other kernels, thread splits, a compiled graph): n·u·scale, each addition rounding once."""
+    return n_terms * FLOAT32_UNIT_ROUNDOFF * scale
+
+
+def copy_batch(n: int, vocab: int = 20, seq_len: int = 24):
+    """`n` held-out sequences of the copy task, sized for `small_config` models."""
+    return make_task("copy", vocab_size=vocab, seq_len=seq_len, min_len=4, max_len=8).eval_batch(n)
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """`attnres-lens argv` run in this process: its exit code, stdout and stderr."""
+    code = cli_main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def randomize_depth_parameters(model: HookedTransformer, seed: int = 1) -> None:
@@ -33,7 +67,8 @@ def depth_mix_float64(sources: list[torch.Tensor], query: torch.Tensor, gain: to
     return oracle(sources, query, gain, eps)[0]
 
 
-def block_sources(j: int, embedding: torch.Tensor, outputs: list[torch.Tensor], block_size: int, n_sublayers: int) -> list[torch.Tensor]:
+def block_sources(j: int, embedding: torch.Tensor, outputs: list[torch.Tensor], block_size: int,
+                  n_sublayers: int) -> list[torch.Tensor]:
     """Sources of sublayer j (or the final readout, j = J) straight from the block definitions (docs/model.md §2)."""
     S = block_size
     if j == n_sublayers:  # final readout: every completed block and the last partial

@@ -1,8 +1,12 @@
-"""Analysis library (docs/analysis.md): induction scores on hand-built heads, depth maps, TL agreement on a trained run."""
+"""Analysis library (docs/analysis.md): induction scores on hand-built heads, depth maps, TL agreement on a trained
+run."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import shutil
 
 import pandas as pd
 import pytest
@@ -30,7 +34,6 @@ from attnres_lens.tasks.base import BOS, Batch, next_token_targets
 from attnres_lens.training import train
 
 from .helpers import randomize_depth_parameters, small_config
-
 
 VOCAB, HALF, N_CTX = 12, 8, 20
 TOKEN_DIMS, POSITION_DIMS = range(VOCAB), range(VOCAB, VOCAB + N_CTX)
@@ -150,13 +153,6 @@ def test_scores_reject_a_batch_that_is_not_repeated_tokens(hand_model):
 
 # ---------------------------------------------------------------------------- trained runs
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("analysis") / "smoke"
-    train(get_preset("smoke"), out, progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
 def induction_run(tmp_path_factory):
     """A 2-layer attention-only KV-shift model trained for 300 steps (~5 s): long enough that one head becomes
     an induction head (the 40-step smoke run leaves every head near-uniform, so its ranking is noise)."""
@@ -169,6 +165,7 @@ def induction_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_prefix_score_and_tl_detect_head_agree_in_ranking_on_a_trained_run(induction_run):
     model = load_run(induction_run).model
     probe = repeated_batch(32, half_len=15, vocab_size=24, seed=3)  # random repeats, duplicates allowed
@@ -182,25 +179,72 @@ def test_prefix_score_and_tl_detect_head_agree_in_ranking_on_a_trained_run(induc
     assert scores["ablation_mean_score"].idxmax() == top and scores["copying_score"].idxmax() == top
 
 
-def test_analyze_run_writes_its_tables(smoke_run):
-    tables = analyze_run(smoke_run, samples=4, progress=False)
-    for name in ("induction_heads", "icl_per_position", "depth_mixing", "mixing_diagnostics", "depth_weights", "depth_summary",
-                 "depth_weights_tokens"):
-        assert (smoke_run / "analysis" / f"{name}.csv").is_file()
-        written = pd.read_parquet(smoke_run / "analysis" / f"{name}.parquet")
-        pd.testing.assert_frame_equal(written, tables[name].reset_index(drop=True), check_dtype=False)
-    assert (smoke_run / "analysis" / "analysis_summary.json").is_file()
+def test_analyze_run_writes_its_tables(smoke_run, tmp_path):
+    run = shutil.copytree(smoke_run, tmp_path / "smoke")  # it writes into the run
+    result = analyze_run(run, samples=4, progress=False)
+    for name in ("induction_heads", "icl_per_position", "depth_mixing", "mixing_diagnostics", "depth_weights",
+                 "depth_summary", "depth_weights_tokens"):
+        assert (run / "analysis" / f"{name}.csv").is_file()
+        written = pd.read_parquet(run / "analysis" / f"{name}.parquet")
+        pd.testing.assert_frame_equal(written, result.tables[name].reset_index(drop=True), check_dtype=False)
+    assert json.loads((run / "analysis" / "analysis_summary.json").read_text()) == result.summary
+    assert result.report_path == run / "analysis" / "analysis_report.html"
+
+
+def test_analysis_summary_states_and_follows_its_definitions(smoke_run, tmp_path):
+    """The ICL score is late-context loss minus early-context loss, recomputed here from the written per-position
+    losses; the top heads are the table's by prefix score; the top depth sources are each consumer's largest α."""
+    out = tmp_path / "analysis"
+    summary = analyze_run(smoke_run, samples=4, progress=False, out=out).summary
+    assert json.loads((out / "analysis_summary.json").read_text()) == summary
+    losses = pd.read_csv(out / "icl_per_position.csv")["loss"].to_numpy()
+    n = len(losses)  # 32 predicted positions: late = the last tenth, early = 10-20% of them
+    late, early = losses[int(0.9 * n):].mean(), losses[int(0.1 * n):int(0.2 * n)].mean()
+    assert summary["icl_score"] == pytest.approx(late - early, abs=1e-6)
+    definition = summary["icl_score_definition"]
+    assert "last tenth" in definition and "minus" in definition
+    assert "negative = later context lowers the loss" in definition
+    heads = pd.read_csv(out / "induction_heads.csv").sort_values("prefix_score", ascending=False, kind="stable")
+    assert [(h["layer"], h["head"]) for h in summary["top_induction_heads"]] == list(
+        zip(heads["layer"].head(5), heads["head"].head(5)))
+    assert summary["top_induction_head"] == summary["top_induction_heads"][0]
+    weights = pd.read_csv(out / "depth_weights.csv")
+    assert len(summary["top_depth_sources"]) == weights["consumer"].nunique()
+    for row in summary["top_depth_sources"]:
+        consumer = weights[weights["consumer"] == row["consumer"]]
+        assert row["sources"][0]["weight"] == pytest.approx(consumer["weight"].max())
+        assert [s["weight"] for s in row["sources"]] == sorted(consumer["weight"], reverse=True)[:2]
+
+
+def test_analyze_report_is_offline_and_holds_the_depth_maps(smoke_run, tmp_path):
+    result = analyze_run(smoke_run, samples=2, progress=False, out=tmp_path / "a")
+    html = result.report_path.read_text()
+    assert re.findall(r"<script[^>]*\ssrc\s*=", html, flags=re.I) == [] and html.count("plotly.js v") == 1
+    for heading in ("Top induction heads", "Loss per position", "Depth attention α, pre-attention consumers",
+                    "Depth attention α, pre-MLP consumers", "Depth attention α, final readout consumers",
+                    "Depth-mixing matrix M"):
+        assert heading in html, heading
+    assert f"{result.summary['icl_score']:.4f}" in html
 
 
 def test_analyze_command_writes_to_out_and_leaves_the_run_alone(smoke_run, tmp_path, capsys):
     from attnres_lens.cli import main
 
-    before = sorted(path.name for path in (smoke_run / "analysis").iterdir()) if (smoke_run / "analysis").exists() else []
+    analysis = smoke_run / "analysis"
+    before = sorted(path.name for path in analysis.iterdir()) if analysis.exists() else []
     out = tmp_path / "elsewhere"
     assert main(["analyze", str(smoke_run), "--samples", "2", "--no-progress", "--out", str(out)]) == 0
-    assert f"to {out}/" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"tables in {out}/" in printed and f"report: {out / 'analysis_report.html'}" in printed
+    summary = json.loads((out / "analysis_summary.json").read_text())
+    best = summary["top_induction_head"]
+    assert f"best head L{best['layer']}H{best['head']}: prefix score {best['prefix_score']:.3f}" in printed
+    assert f"in-context learning score {summary['icl_score']:+.4f}" in printed
+    for row in summary["top_depth_sources"]:  # one line per consumer, its largest source first
+        top_source = re.escape(row["sources"][0]["source_label"])
+        assert re.search(rf"{re.escape(row['consumer_label'])}: {top_source} ", printed)
     assert (out / "induction_heads.parquet").is_file() and (out / "analysis_summary.json").is_file()
-    after = sorted(path.name for path in (smoke_run / "analysis").iterdir()) if (smoke_run / "analysis").exists() else []
+    after = sorted(path.name for path in analysis.iterdir()) if analysis.exists() else []
     assert after == before
     (tmp_path / "a-file").write_text("")
     assert main(["analyze", str(smoke_run), "--no-progress", "--out", str(tmp_path / "a-file")]) == 2
@@ -310,3 +354,19 @@ def test_mixing_matrix_from_a_recorded_snapshot_equals_the_checkpoint_computatio
     pd.testing.assert_frame_equal(recorded, computed, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="no rows for consumer 0"):
         mixing_matrix_from_weights(run.model, snapshot[(snapshot["step"] == 0) & (snapshot["consumer"] > 0)])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_every_analysis_command_works_in_every_dtype_a_run_can_have(tmp_path, dtype):
+    """`analyze` failed on a bfloat16 run (a bf16 matmul against float32 readout weights); each command must work
+    in every dtype training accepts on the CPU, and its tables hold finite numbers."""
+    from attnres_lens.cli import main as cli_main
+
+    run = tmp_path / "run"
+    config = apply_overrides(get_preset("smoke"), [f"model.dtype={dtype}", "train.steps=4", "train.eval_every=4",
+                                                   "train.log_every=4", "train.checkpoint_every=4"])
+    train(config, run, progress=False)
+    for command in (["analyze", "--samples", "4"], ["prune", "--samples", "2"], ["attribute", "--samples", "2"]):
+        assert cli_main([command[0], str(run), "--no-progress", *command[1:], "--out", str(tmp_path / command[0])]) == 0
+    heads = pd.read_parquet(tmp_path / "analyze" / "induction_heads.parquet")
+    assert len(heads) and heads.select_dtypes("number").notna().all().all()

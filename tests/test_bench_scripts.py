@@ -1,10 +1,14 @@
-"""Benchmark scripts that only run for real on a GPU still run end to end here, on a tiny model."""
+"""The standing benchmarks run end to end here through their runner on tiny shapes (rows written to a temporary
+results file: their structure and invariants, never their timings), the results page renders from rows, and the
+GPU-only scripts run their dry runs."""
 
 from __future__ import annotations
 
 import collections
 import importlib.util
+import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -27,21 +31,197 @@ def test_block_step_benchmark_dry_run():
     assert rows["standard"].rstrip(" |").endswith("1.000")
 
 
-def test_compile_benchmark_runs_fullgraph_on_a_tiny_model():
-    lines = load("bench_compile").main(["--tiny", "--repeats", "2", "--backend", "aot_eager",
-                                        "--variants", "standard", "full [cpu kernel]"])
-    rows = [line for line in lines if line.startswith("| ") and "variant" not in line]
-    assert [row.split("|")[1].strip() for row in rows] == ["standard", "full [cpu kernel]"]
+def run_tiny(name: str, results: Path) -> list[dict]:
+    """Benchmark `name` on tiny shapes through the runner; the rows it appended to `results`, read back."""
+    from analyses import benchmarks
+    from analyses.results import read_rows
+
+    before = len(read_rows(results)) if results.exists() else 0
+    returned = benchmarks.main([name, "--tiny", "--results", str(results)])
+    rows = read_rows(results)[before:]
+    assert rows == json.loads(json.dumps(returned))  # what was appended is what the run returned
+    return rows
 
 
-def test_depth_scaling_benchmark_on_tiny_models():
-    lines = load("bench_depth_scaling").main(["--depths", "2", "4", "--contexts", "8", "--n-ctx", "16",
-                                              "--d-model", "16", "--batch", "2", "--repeats", "1"])
-    rows = [line.split("|") for line in lines if line.startswith("| ") and "variant" not in line]
-    assert {(row[1].strip(), row[3].strip()) for row in rows} >= {("2", "full"), ("4", "block4"), ("4", "standard")}
-    growth = next(line for line in lines if line.startswith("Saved activations"))
-    full = float(growth.split("full ")[1].split("×")[0])
+def cells(rows: list[dict], metric: str) -> dict[tuple, dict]:
+    return {(row["shape"], row["variant"], row["threads"]): row for row in rows if row["metric"] == metric}
+
+
+def test_every_row_carries_its_provenance_and_the_command_that_reproduces_it(tmp_path):
+    import subprocess
+
+    rows = run_tiny("bench_cpu_step", tmp_path / "results.jsonl")
+    head = subprocess.run(["git", "-C", str(ANALYSES.parent), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    for row in rows:
+        assert row["bench"] == "bench_cpu_step" and row["commit"] == head and isinstance(row["dirty"], bool)
+        assert row["utc"].endswith("Z") and len(row["utc"]) == len("2026-12-07T09:00:00Z")
+        assert row["machine"]["cores"] == os.cpu_count() and row["machine"]["cpu"]
+        assert row["command"] == "python -m analyses.benchmarks bench_cpu_step --tiny"
+    assert len({(row["commit"], row["utc"]) for row in rows}) == 1  # one run
+
+
+def test_cpu_step_rows_hold_each_variants_ratio_time_and_target_verdict(tmp_path):
+    from analyses.bench_cpu_step import SECOND_STANDARD, TARGETS
+
+    rows = run_tiny("bench_cpu_step", tmp_path / "results.jsonl")
+    ratios, times = cells(rows, "step ratio"), cells(rows, "step time")
+    variants = ["standard", "standard+kv_shift", "full [cpu]", "block2 [cpu]", "block4 [cpu]", SECOND_STANDARD]
+    assert list(ratios) == list(times) == [("tiny", name, 1) for name in variants]
+    assert ratios[("tiny", "standard", 1)]["value"] == 1.0  # the standard step over itself, round by round
+    for (_, variant, _), row in ratios.items():
+        target = TARGETS.get(variant.split(" [")[0])
+        assert row["unit"] == "× standard" and row["target"] == target
+        if target is None:
+            assert "met" not in row
+        else:
+            assert row["met"] == (row["value"] <= target)
+    assert all(row["unit"] == "ms" and row["value"] > 0 and row["target"] is None for row in times.values())
+
+
+def test_depth_scaling_rows_grow_linearly_in_saved_activations(tmp_path):
+    rows = run_tiny("bench_depth_scaling", tmp_path / "results.jsonl")
+    saved = cells(rows, "saved activations")
+    shape = "{} sublayers, n_ctx {}, d_model 16, batch 2"
+    assert {(shape.format(2, 16), "full", 1), (shape.format(4, 16), "block4", 1), (shape.format(4, 8), "standard", 1)} \
+        <= set(saved)
+    full = saved[(shape.format(4, 16), "full", 1)]["value"] / saved[(shape.format(2, 16), "full", 1)]["value"]
     assert 1.0 < full < 2.0  # twice the depth, less than twice the saved bytes (embedding and readout are fixed)
+    ratios = cells(rows, "step ratio")
+    assert all(ratios[(shape, "standard", 1)]["value"] == 1.0 for shape, variant, _ in ratios if variant == "full")
+    mixes = cells(rows, "depth mix bandwidth")  # only models with a depth mix have one
+    assert {variant for _, variant, _ in mixes} == {"full", "block4"} and all(r["value"] > 0 for r in mixes.values())
+    floors = cells(rows, "bandwidth floor")
+    assert all(row["value"] > 1 for row in floors.values())  # the mix's bytes cost something on top of the standard
+    assert [row["unit"] for row in rows if row["metric"] == "copy bandwidth"] == ["GB/s"]
+
+
+def test_inference_rows_split_each_variants_excess(tmp_path):
+    from analyses.bench_inference import VARIANTS
+
+    rows = run_tiny("bench_inference", tmp_path / "results.jsonl")
+    ratios = cells(rows, "forward ratio")
+    assert list(ratios) == [("tiny", name, 1) for name in VARIANTS]
+    assert ratios[("tiny", "standard", 1)]["value"] == 1.0
+    hooked = cells(rows, "hooked forward ratio")  # no depth weights to watch in a standard model
+    assert [variant for _, variant, _ in hooked] == ["full", "block2", "block4"]
+    excess, kernels, rest = (cells(rows, metric) for metric in ("forward excess", "C kernels' excess",
+                                                                 "the rest of the excess"))
+    assert list(excess) == [("tiny", name, 1) for name in VARIANTS if name != "standard"]
+    for key, row in excess.items():  # the excess splits into the C kernels' share and the rest
+        assert row["value"] == pytest.approx(kernels[key]["value"] + rest[key]["value"])
+    mix = cells(rows, "depth mix bytes")  # every consumer's mix counted: 2 sublayers and the readout
+    assert [variant for _, variant, _ in mix] == ["full", "block2", "block4"]
+    # Full reads 1, 2 and 3 sources of [2, 8, 16] fp32 and writes y: more than a Block consumer's mix can
+    assert mix[("tiny", "full", 1)]["value"] >= mix[("tiny", "block4", 1)]["value"] > 0
+    attention = cells(rows, "forward with the attention kernel")
+    assert list(attention) == [("tiny", "standard", 1), ("tiny", "full", 1), ("prune", "standard", 1),
+                               ("prune", "full", 1)]
+    ops = cells(rows, "attention op, C kernel")
+    assert [(shape, variant) for shape, variant, _ in ops] == [
+        ("2 x 8 x 2 x 4 (pos × d_head 32)", "policy runs C kernel"),
+        ("1 x 600 x 1 x 32 (pos × d_head 19200)", "policy runs SDPA")]
+    from attnres_lens import components
+    from attnres_lens.kernels.backends import attention_runs_cpu_kernel
+
+    assert components.attention_runs_cpu_kernel is attention_runs_cpu_kernel  # the shipped policy, restored
+
+
+@pytest.mark.slow
+def test_compile_rows_on_a_tiny_model(tmp_path):
+    rows = run_tiny("bench_compile", tmp_path / "results.jsonl")
+    ratios = cells(rows, "compiled / eager")
+    assert [variant for _, variant, _ in ratios] == ["standard", "full [cpu kernel]"]
+    assert next(row for row in rows if row["metric"] == "eager step ratio")["value"] == 1.0  # standard first
+    for key, row in ratios.items():
+        eager, compiled = cells(rows, "eager step")[key]["value"], cells(rows, "compiled step")[key]["value"]
+        assert row["value"] == pytest.approx(compiled / eager)
+
+
+def test_the_runner_lists_refuses_and_appends(tmp_path, capsys):
+    from analyses import benchmarks
+
+    benchmarks.main(["--list"])
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(benchmarks.BENCHMARKS) == ["bench_cpu_step", "bench_depth_scaling", "bench_inference",
+                                                     "bench_attribution", "bench_compile", "gpu_check"]
+    for argv, message in ((["bench_cpu_stepp"], "unknown benchmark.*bench_cpu_stepp"), ([], "name one or more"),
+                          (["bench_cpu_step", "--repeats", "0"], "--repeats must be at least 1, got 0"),
+                          (["render", "bench_cpu_step"], "unknown benchmark.*'render'")):
+        with pytest.raises(SystemExit):
+            benchmarks.main(argv)
+        assert re.search(message, capsys.readouterr().err)
+    results = tmp_path / "results.jsonl"
+    results.write_text('{"earlier": "line"}\n')
+    from analyses.results import append_rows
+
+    append_rows([{"a": 1}, {"b": "é"}], results)
+    append_rows([], results)
+    assert results.read_text().splitlines() == ['{"earlier": "line"}', '{"a": 1}', '{"b": "é"}']
+
+
+RENDER_ROWS = [  # (bench, machine cpu, shape, variant, value, target, commit, utc): a synthetic history
+    ("bench_cpu_step", "CPU A", "small", "full [cpu]", 1.071, 1.10, "a" * 40, "2026-12-05T12:06:00Z"),
+    ("bench_cpu_step", "CPU A", "small", "full [cpu]", 1.1004, 1.10, "b" * 40, "2026-12-06T00:00:00Z"),
+    ("bench_cpu_step", "CPU A", "small", "full [cpu]", 1.055, 1.10, "c" * 40, "2026-12-05T23:22:00Z"),
+    ("bench_cpu_step", "CPU A", "small", "standard", 1.0, None, "a" * 40, "2026-12-05T12:06:00Z"),
+    ("bench_cpu_step", "CPU B", "small", "full [cpu]", 1.2, 1.10, "d" * 40, "2026-12-01T10:00:00Z"),
+    ("bench_compile", "CPU A", "tiny", "standard", 48.44, None, "e" * 40, "2026-12-05T12:00:00Z"),
+]
+
+
+def test_the_results_page_shows_latest_range_and_targets_met(tmp_path):
+    from analyses import benchmarks
+    from analyses.results import append_rows
+
+    results = tmp_path / "results.jsonl"
+    for bench, cpu, shape, variant, value, target, commit, utc in RENDER_ROWS:
+        row = dict(bench=bench, metric="step ratio", shape=shape, variant=variant, threads=1, value=value,
+                   unit="× standard" if bench == "bench_cpu_step" else "ms", target=target, commit=commit,
+                   dirty=commit.startswith("d"), utc=utc, machine=dict(cpu=cpu, cores=2, gpu=None), command="x")
+        if target is not None:
+            row["met"] = value <= target
+        append_rows([row], results)
+    out = tmp_path / "results.md"
+    benchmarks.main(["render", "--results", str(results), "--out", str(out)])
+    page = out.read_text()
+    assert [line for line in page.splitlines() if line.startswith("#")] == [
+        "# Benchmark results", "## bench_cpu_step", "### CPU A, 2 cores", "### CPU B, 2 cores", "## bench_compile",
+        "### CPU A, 2 cores"]
+    table = [[cell.strip() for cell in line.split("|")[1:-1]] for line in page.splitlines()
+             if line.startswith("| step ratio")]
+    # CPU A's Full: latest by time is b (1.1004, misses ≤ 1.1 though it prints as 1.100); range over the three runs
+    assert table == [
+        ["step ratio", "small", "full [cpu]", "1", "1.100", "× standard", "bbbbbbb", "2026-12-06T00:00:00Z",
+         "1.055–1.100", "3", "≤ 1.1", "2 of 3"],
+        ["step ratio", "small", "standard", "1", "1.000", "× standard", "aaaaaaa", "2026-12-05T12:06:00Z",
+         "1.000–1.000", "1", "", ""],
+        ["step ratio", "small", "full [cpu]", "1", "1.200", "× standard", "ddddddd+", "2026-12-01T10:00:00Z",
+         "1.200–1.200", "1", "≤ 1.1", "0 of 1"],
+        ["step ratio", "tiny", "standard", "1", "48.4", "ms", "eeeeeee", "2026-12-05T12:00:00Z", "48.4–48.4", "1",
+         "", ""]]
+    assert "3 run(s)." in page.split("### CPU A, 2 cores")[1].split("###")[0]
+    benchmarks.main(["render", "--results", str(results), "--out", str(tmp_path / "again.md")])
+    assert (tmp_path / "again.md").read_text() == page  # deterministic
+
+
+def test_a_results_file_line_that_is_not_a_row_is_refused_by_number(tmp_path):
+    from analyses.results import read_rows
+
+    results = tmp_path / "results.jsonl"
+    results.write_text('{"bench": "x"}\n')
+    with pytest.raises(ValueError, match="results.jsonl:1 is not a results row"):
+        read_rows(results)
+    results.write_text("\nnot json\n")
+    with pytest.raises(ValueError, match="results.jsonl:2 is not JSON"):
+        read_rows(results)
+
+
+def test_the_committed_results_file_renders_to_the_committed_page():
+    """docs/results.md is what `render` makes of analyses/results.jsonl: re-render after appending rows."""
+    from analyses.results import RESULTS, RESULTS_PAGE, read_rows, render
+
+    assert render(read_rows(RESULTS)) == RESULTS_PAGE.read_text()
 
 
 @pytest.mark.parametrize("block_size, batch", [(1, 8), (2, 8), (2, 1)])
@@ -115,108 +295,7 @@ def test_kernel_traffic_counts_the_two_phase_bytes_its_arguments_imply(with_prio
     assert cpu_library_restored()
 
 
-def test_inference_benchmark_reports_every_variant(monkeypatch):
-    module = load("bench_inference")
-    tiny = dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2)
-    monkeypatch.setitem(module.SHAPES, "small", tiny)
-    monkeypatch.setitem(module.INFERENCE_SHAPES, "small", tiny)
-    monkeypatch.setattr(module, "PRUNE_SHAPE", tiny)
-    monkeypatch.setattr(module, "ATTENTION_OP_SHAPES", [(2, 8, 2, 4), (1, 600, 1, 32)])
-    shipped = module.components.attention_runs_cpu_kernel
-    lines = module.main(["--shapes", "small", "--repeats", "2"])
-    rows = [line.split("|") for line in lines if line.startswith("| small")]
-    assert [row[2].strip() for row in rows][:len(module.VARIANTS)] == list(module.VARIANTS)
-    assert rows[0][4].strip() == "1.000"
-    excess = lines[lines.index("## Where the excess goes"):lines.index("## The token attention's C kernel against "
-                                                                         "PyTorch's SDPA")]
-    excess = {row[2]: row for row in ([cell.strip() for cell in line.split("|")] for line in excess
-                                      if line.startswith("| small"))}
-    assert list(excess) == [name for name in module.VARIANTS if name != "standard"]
-    assert excess["standard+kv_shift"][5:8] == ["–", "–", "–"]  # no depth mix
-    for name in ("full", "block2", "block4"):  # every consumer's mix counted: 2 sublayers and the readout
-        assert float(excess[name][6]) > 0
-    # Full reads 1, 2 and 3 sources of [2, 8, 16] fp32 and writes y: more than a Block consumer's mix can
-    assert float(excess["full"][6]) >= float(excess["block4"][6])
-    after = lines[lines.index("## The token attention's C kernel against PyTorch's SDPA"):]
-    attention = [[cell.strip() for cell in line.split("|")[1:3]] for line in after
-                 if line.startswith("| small") or line.startswith("| prune")]
-    assert attention == [["small", "standard"], ["small", "full"], ["prune", "standard"], ["prune", "full"]]
-    assert module.components.attention_runs_cpu_kernel is shipped
-    ops = [[cell.strip() for cell in line.split("|")[1:7]] for line in lines if line.startswith("| 2 x 8 x 2 x 4")
-           or line.startswith("| 1 x 600 x 1 x 32")]
-    assert [(op[0], op[1], op[5]) for op in ops] == [("2 x 8 x 2 x 4", "32", "C kernel"),
-                                                     ("1 x 600 x 1 x 32", "19200", "SDPA")]
-
-
-def test_cpu_kernels_benchmark_on_tiny_shapes():
-    from attnres_lens.kernels import cpu_build, cpu_depth, cpu_elementwise
-
-    shipped = (cpu_build.ARCH_FLAGS, cpu_build.cpu_library, os.environ.get(cpu_build.CACHE_ENV_VAR))
-    lines = load("bench_cpu_kernels").main(["--tiny", "--repeats", "1", "--processes", "1"])
-    ops = [line.split("|")[1].strip() for line in lines if line.startswith("| RMSNorm") or line.startswith("| rotary")]
-    assert ops == ["RMSNorm [2, 8, 16]", "rotary [2, 8, 2, 4]", "RMSNorm [2, 8, 16]"]  # the last: per-thread sums
-    assert any(line.startswith("| 3 x [2, 8, 16] |") for line in lines)  # the fused pre-norm
-    assert any(line.startswith("| 2 layers") for line in lines)
-    assert any(line.startswith("| 5 x [2, 8, 16] |") for line in lines)  # the vector sums against portable loops
-    assert any(line.startswith("| forward, Full 2 layers") for line in lines)
-    threads = [[cell.strip() for cell in line.split("|")[1:3]] for line in lines if line.startswith("| tiny |")]
-    assert threads == [["tiny", "full"], ["tiny", "block4"],  # the pthread build against the OpenMP pool
-                       *(["tiny", name] for name in ("standard", "standard+kv_shift", "full", "block4")),  # elementwise
-                       *(["tiny", name] for name in ("standard", "standard+kv_shift", "full", "block2", "block4"))]
-    kept = [[cell.strip() for cell in line.split("|")[1:3]] for line in lines if line.startswith("| tiny, 1 thread(s) |")]
-    assert kept == [["tiny, 1 thread(s)", name] for name in ("standard", "full", "block2", "block4")]  # h kept or not
-    from attnres_lens import attnres
-    assert attnres.fused_mix_and_norm is cpu_depth.fused_mix_and_norm  # the shipped mix, restored
-    sums = [line.split("|")[1].strip() for line in lines if line.startswith(("| depth mix + pre-norm", "| KV shift"))]
-    assert sums == ["depth mix + pre-norm, 3 x [2, 8, 16]", "depth mix + pre-norm, 9 x [2, 8, 16]",
-                    "KV shift [2, 8, 4, 4]"]
-    assert cpu_elementwise._elementwise_threads.__name__ == "_elementwise_threads"  # the shipped rule, restored
-    assert any(line.startswith("Process costs:") and "gc.freeze" in line for line in lines)
-    assert (cpu_build.ARCH_FLAGS, cpu_build.cpu_library, os.environ.get(cpu_build.CACHE_ENV_VAR)) == shipped
-
-
-def test_prune_baseline_benchmark_alternates_two_trees(tmp_path):
-    """Against HEAD itself on a one-layer model: both trees run, the worktree is removed afterwards."""
-    import subprocess
-
-    repository = ANALYSES.parent
-    if subprocess.run(["git", "-C", str(repository), "rev-parse", "HEAD"], capture_output=True).returncode:
-        raise AssertionError("the benchmark needs the repository's git history; run the tests in a git checkout")
-
-    def worktrees() -> str:
-        return subprocess.run(["git", "-C", str(repository), "worktree", "list"], capture_output=True, text=True).stdout
-
-    before = worktrees()
-    lines = load("bench_prune_baseline").main(["--baseline", "HEAD", "--steps", "2", "--samples", "2", "--repeats",
-                                               "1", "--set", "model.n_layers=1", "--out", str(tmp_path / "r.md")])
-    rows = [line for line in lines if line.startswith("| baseline") or line.startswith("| this checkout")]
-    assert len(rows) == 2 and (tmp_path / "r.md").exists()
-    assert worktrees() == before  # the baseline's worktree is removed
-
-
-def test_step_baseline_benchmark_alternates_two_trees(tmp_path):
-    """Against HEAD itself on a one-layer model: each tree's process steps every variant, each gets a ratio per
-    process from both trees, and the worktree is removed afterwards."""
-    import subprocess
-
-    repository = ANALYSES.parent
-
-    def worktrees() -> str:
-        return subprocess.run(["git", "-C", str(repository), "worktree", "list"], capture_output=True, text=True).stdout
-
-    before = worktrees()
-    module = load("bench_step_baseline")
-    lines = module.main(["--baseline", "HEAD", "--tiny", "--threads", "1", "--processes", "2", "--rounds", "2",
-                         "--out", str(tmp_path / "r.md")])
-    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if line.startswith("| 1 |")]
-    assert [row[1] for row in rows] == ["standard+kv_shift", "full [cpu]", "block2 [cpu]", "block4 [cpu]",
-                                        "standard (second instance)"]
-    for row in rows:
-        assert len(row[2].split(" / ")) == 2 and len(row[4].split(" / ")) == 2  # one ratio per process, each tree
-        assert all(float(ratio) > 0 for ratio in (*row[2].split(" / "), *row[4].split(" / ")))
-    assert (tmp_path / "r.md").exists() and worktrees() == before
-
-
+@pytest.mark.slow
 def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     module = load("profile_cpu_step")
     monkeypatch.setitem(module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=16, batch=2))
@@ -302,46 +381,6 @@ def test_step_benchmark_takes_each_ratio_within_its_round(monkeypatch):
     assert [round(row["ratio"], 6) for row in rows] == [1.0, 1.1, 1.1, 1.1, 1.1, 1.0]
 
 
-def test_ratio_spread_sets_runs_side_by_side_with_their_range_and_targets(monkeypatch, tmp_path):
-    """Three `bench_cpu_step` reports made by its own `main` (fake step times: every variant 1.04x the standard step
-    in the first run, 1.08x in the second, 1.0503x in the third) come out cell by cell with their range and how many
-    meet the target, by each report's own verdict (1.0503 prints as 1.050 and misses 1.05); a committed report
-    reads as REVISION:PATH, and what is not a report is refused by name."""
-    step_module, spread = load("bench_cpu_step"), load("ratio_spread")
-    monkeypatch.setitem(step_module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2))
-    factor = {"value": 1.04}
-
-    def fake_step(self) -> float:
-        standard = self.model.cfg.residual == "standard" and self.model.cfg.attention == "standard"
-        return 0.01 if standard else 0.01 * factor["value"]
-
-    monkeypatch.setattr(step_module.Stepper, "step", fake_step)
-    reports = []
-    for value in (1.04, 1.08, 1.0503):
-        factor["value"] = value
-        reports.append(tmp_path / f"run{value}.md")
-        step_module.main(["--shapes", "small", "--threads", "1", "--repeats", "3", "--paths", "cpu",
-                          "--out", str(reports[-1])])
-    lines = spread.main([str(path) for path in reports])
-    rows = {cells[2]: cells for line in lines if line.startswith("| small")
-            for cells in [[cell.strip() for cell in line.split("|")[1:-1]]]}
-    assert rows["full [cpu]"] == ["small", "1", "full [cpu]", "1.040", "1.080", "1.050", "1.040–1.080", "≤ 1.10",
-                                  "3 of 3"]
-    assert rows["block2 [cpu]"][6:] == ["1.040–1.080", "≤ 1.05", "1 of 3"]
-    assert rows["standard+kv_shift"][6:] == ["1.040–1.080", "≤ 1.03", "0 of 3"]
-    assert rows["standard"][3:8] == ["1.000", "1.000", "1.000", "1.000–1.000", ""]
-    assert sum(line.startswith("* run ") for line in lines) == 3
-
-    committed = spread.parse_report("HEAD:analyses/reports/bench_cpu_step.md",
-                                    spread.report_text("HEAD:analyses/reports/bench_cpu_step.md"))
-    assert ("small", 1, "full [cpu]") in committed.ratios and committed.machine
-    (tmp_path / "notes.md").write_text("# not a report\n")
-    with pytest.raises(ValueError, match="notes.md.*not a bench_cpu_step report"):
-        spread.main([str(tmp_path / "notes.md")])
-    with pytest.raises(FileNotFoundError, match="missing.md"):
-        spread.main([str(tmp_path / "missing.md")])
-
-
 def test_within_rounds_compares_each_round_to_its_own_baseline():
     from analyses.common import within_rounds
 
@@ -352,170 +391,6 @@ def test_within_rounds_compares_each_round_to_its_own_baseline():
         within_rounds([1, 2], [1, 2, 3])
     with pytest.raises(ValueError, match="compare must be 'ratio' or 'difference', got 'sum'"):
         within_rounds([1], [1], "sum")
-
-
-def test_shared_gradient_benchmark_turns_the_sums_off_and_on(monkeypatch):
-    module = load("bench_shared_gradients")
-    from attnres_lens import attnres
-    from attnres_lens.kernels import cpu_autograd
-
-    shared = []
-    real = cpu_autograd.share_gradient
-    monkeypatch.setattr(attnres, "share_gradient", lambda source: shared.append(1) or real(source))
-    stepper = module.Stepper(module.TINY, module.VARIANTS["full"], eager=False)
-    stepper.step()
-    assert not shared  # the tiny model's sources are below the shipped threshold
-    with module.sums_on(), module.sums_off():
-        stepper.step()
-    assert not shared
-    with module.sums_on():
-        stepper.step()
-    assert shared
-    assert attnres.MIN_SHARED_GRADIENT_ELEMENTS > 0  # restored on exit
-    lines = module.main(["--tiny", "--repeats", "2"])
-    rows = [line.split("|") for line in lines if line.startswith("| tiny")]
-    assert [row[3].strip() for row in rows] == ["full", "block4"]
-    assert all(float(row[8]) > 0 for row in rows)
-
-
-def test_page_fault_benchmark_reports_each_variant_and_setting(monkeypatch):
-    """Each variant and allocator setting runs in its own process; here the children run in this one (without the
-    process-wide allocator setting) on a tiny model."""
-    import json
-    import types
-
-    module = load("step_page_faults")
-    monkeypatch.setitem(module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2))
-    children = []
-    run = module.subprocess.run
-
-    def child(command, **kwargs):
-        if "--child" not in command:  # machine_info's own commands
-            return run(command, **kwargs)
-        variant, setting = command[command.index("--child") + 1:][:2]
-        children.append((variant, setting))
-        return types.SimpleNamespace(stdout=json.dumps(module.measure(variant, False, "small", 1)))
-
-    monkeypatch.setattr(module.subprocess, "run", child)
-    lines = module.main(["--steps", "1", "--processes", "1"])
-    assert children == [(name, setting) for name in module.VARIANTS for setting in ("default", "kept")]
-    rows = [line.split("|") for line in lines if line.startswith("| ") and "variant" not in line]
-    assert [row[1].strip() for row in rows] == list(module.VARIANTS)
-    assert all(float(row[4]) > 0 and float(row[5]) > 0 for row in rows)  # step times
-
-
-def test_stack_size_benchmark_on_a_tiny_model():
-    from attnres_lens.analysis import engine
-    from attnres_lens.attnres import DepthStream
-
-    shipped = (engine.evaluate_many.__wrapped__.__defaults__, DepthStream.stacked_from)
-    lines = load("bench_stack_size").main(["--steps", "2", "--samples", "2", "--set", "model.n_layers=5",
-                                           "--sizes", "2", "4", "--rounds", "1"])
-    rows = [line.split("|")[1].strip() for line in lines if line.startswith("| ") and "seconds" not in line]
-    assert rows[:2] == ["2 sequences", "4 sequences"] and rows[2].startswith("default (")
-    assert rows[3:] == ["shared sources mixed once", "every copy mixes all", "the batch (2 sequences)",
-                         "2 sequences"]
-    difference = next(line for line in lines if line.startswith("Largest difference"))
-    assert float(difference.rstrip(".").split()[-1]) < 1e-5  # the shared mix changes nothing but the time
-    assert (engine.evaluate_many.__wrapped__.__defaults__, DepthStream.stacked_from) == shipped  # restored
-
-
-def test_cold_mix_benchmark_times_every_build_warm_and_cold():
-    from attnres_lens.kernels import cpu_build, cpu_depth
-    import torch
-
-    module = load("bench_cold_mix")
-    shipped = (cpu_build.ARCH_FLAGS, cpu_build.SOURCES, cpu_build.cpu_library, os.environ.get(cpu_build.CACHE_ENV_VAR))
-    lines = module.main(["--tiny", "--repeats", "1", "--threads", "1", "--baseline", "HEAD"])
-    mixes = [[cell.strip() for cell in line.split("|")[1:6]] for line in lines if line.startswith("| 1 | ")]
-    baseline = module.baseline_name("HEAD")
-    builds = ["shipped", "grouped reads", baseline, "torch sum of the stacked sources (same bytes as the forward)"]
-    assert mixes == [["1", sources, "16", caches, build] for sources in ("2", "5") for caches in ("warm", "cold")
-                     for build in builds]
-    steps = [[cell.strip() for cell in line.split("|")[1:4]] for line in lines if line.startswith("| tiny |")]
-    assert steps == [["tiny", "1", name] for name in ("standard", "full", "block2", "block4")]
-    assert (cpu_build.ARCH_FLAGS, cpu_build.SOURCES, cpu_build.cpu_library,
-            os.environ.get(cpu_build.CACHE_ENV_VAR)) == shipped
-    # the builds compute the same mix: grouped reads at 5 sources, the baseline commit's own loops
-    generator = torch.Generator().manual_seed(1)
-    sources = [torch.randn(2, 24, 16, generator=generator, dtype=torch.float32, requires_grad=True) for _ in range(5)]
-    query, gain, norm_weight = (torch.rand(16, generator=generator).add(0.5).requires_grad_() for _ in range(3))
-    results = {}
-    for name, library in module.builds("HEAD").items():
-        with module.kernels_from(library):
-            _, y = cpu_depth.depth_attention_normed_cpu(sources, query, gain, 1e-6, norm_weight, 1e-5)
-            results[name] = (y, *torch.autograd.grad((y * y).sum(), [*sources, query, gain, norm_weight]))
-    for name in ("grouped reads", baseline):
-        for got, expected in zip(results[name], results["shipped"]):
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_cold_mix_benchmark_names_a_baseline_git_cannot_show():
-    module = load("bench_cold_mix")
-    with pytest.raises(SystemExit, match="--baseline 'no-such-commit'"):
-        module.builds("no-such-commit")
-
-
-def test_kv_rotary_benchmark_steps_both_paths_and_restores_the_hook_check(monkeypatch):
-    """The shipped KV model rotates K inside the shift (rotary_cpu for Q alone), the compared one runs rotary_cpu
-    for Q and K: over 3 warm-up steps and 1 round, 2 layers, (2 + 1 + 2) calls per layer and round of the three
-    models; the layer's hook check is the shipped one afterwards."""
-    from attnres_lens import components
-    from attnres_lens.kernels import cpu_elementwise
-
-    module = load("bench_kv_rotary")
-    calls = []
-    monkeypatch.setattr(components, "rotary_cpu", lambda *args: calls.append(1) or cpu_elementwise.rotary_cpu(*args))
-    shipped = components.is_hooked
-    lines = module.main(["--shapes", "tiny", "--repeats", "1", "--threads", "1"])
-    assert components.is_hooked is shipped
-    assert len(calls) == 4 * 2 * (2 + 1 + 2)
-    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if line.startswith("| tiny |")]
-    assert len(rows) == 1 and rows[0][:2] == ["tiny", "1"]
-    assert all(float(cell) > 0 for cell in rows[0][2:])
-
-
-def test_two_phase_benchmark_sets_each_threshold_and_restores_the_shipped_one(monkeypatch):
-    """The model table steps one Full model with windows from no count, from 8 and from the shipped count of
-    shared sources; with the shipped count set low here, the tiny model's two-phase rounds run the C two-phase
-    kernel, and the shipped count is back afterwards."""
-    from attnres_lens import attnres
-    from attnres_lens.kernels import cpu_depth
-
-    module = load("bench_two_phase_cpu")
-    monkeypatch.setattr(module, "MODEL_SHAPES", [(5, 16, 8, 2)])  # 11 consumers: windows from 8 sources
-    monkeypatch.setattr(attnres, "MIN_SHARED_SOURCES_WITH_GRAD", 9)
-    seen = []
-    multi = cpu_depth._EagerMultiDepthAttention.apply
-    monkeypatch.setattr(cpu_depth._EagerMultiDepthAttention, "apply",
-                        lambda *args: seen.append(attnres.MIN_SHARED_SOURCES_WITH_GRAD) or multi(*args))
-    rows = module.training_steps(2)
-    assert len(rows) == 1 and rows[0].startswith("| 10 | 16 | 8 | 2 |") and rows[0].count("×)") == 3
-    # windows at consumers 7-10 (from 8 sources) or 8-10 (from 9): never with the one-pass threshold
-    assert seen and set(seen) == {8, 9}
-    assert attnres.MIN_SHARED_SOURCES_WITH_GRAD == 9
-
-
-def test_no_graph_benchmark_times_both_ways_and_restores_the_wrappers(monkeypatch):
-    from attnres_lens.kernels import cpu_autograd, cpu_elementwise
-
-    module = load("bench_no_graph")
-    shipped = cpu_autograd.apply_function
-    x, w = torch.randn(3, 8), torch.ones(8, requires_grad=True)
-    applied = []
-    original = torch.autograd.Function.apply.__func__
-    monkeypatch.setattr(torch.autograd.Function, "apply",
-                        classmethod(lambda cls, *args: applied.append(cls.__name__) or original(cls, *args)))
-    with torch.no_grad():
-        for enabled in (False, True):
-            with module.with_node(enabled):
-                cpu_elementwise.rms_norm_cpu(x, w, 1e-5)
-    assert applied == ["_EagerRMSNorm"]  # only with the node
-    monkeypatch.undo()
-    lines = module.main(["--tiny", "--repeats", "2"])
-    assert cpu_autograd.apply_function is shipped
-    assert sum(line.startswith("| 8 x 16, 3 sources |") for line in lines) == 1
-    assert [line.split("|")[2].strip() for line in lines if line.startswith("| tiny |")] == list(module.VARIANTS)
 
 
 @pytest.mark.parametrize("df", [1, 2, 5, 11, 30, 31, 45, 200])

@@ -63,6 +63,7 @@ print(default, faults(), applied)
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
+@pytest.mark.slow
 def test_keep_freed_memory_stops_repeated_page_faults():
     out = subprocess.run([sys.executable, "-c", _FAULT_PROBE], capture_output=True, text=True, check=True).stdout
     default, kept, applied = out.split()
@@ -72,6 +73,7 @@ def test_keep_freed_memory_stops_repeated_page_faults():
     assert int(kept) < int(default) / 20, out
 
 
+@pytest.mark.slow
 def test_configure_freezes_the_objects_alive_out_of_the_collector():
     probe = ("import gc\nfrom attnres_lens import cpu_settings\nbefore = gc.get_freeze_count()\n"
              "cpu_settings.configure(0)\nprint(before, gc.get_freeze_count())")

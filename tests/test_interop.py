@@ -99,6 +99,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("layers, width, heads, kv_heads, block_size, tied", CASES)
+@pytest.mark.slow
 def test_logits_match_fla_and_the_round_trip_is_exact(layers, width, heads, kv_heads, block_size, tied):
     fla = make_fla(seed=layers * width + heads, hidden_size=width, num_hidden_layers=layers, num_heads=heads,
                    num_kv_heads=kv_heads, attnres_block_size=block_size, tie_word_embeddings=tied,
@@ -191,7 +192,8 @@ def test_import_refuses_what_it_cannot_represent_naming_the_option(option, value
 
 
 @pytest.mark.parametrize("change, named", [
-    (dict(hidden_size=None), "'hidden_size'"), (dict(num_heads=None), "'num_heads'"), (dict(num_heads=0), "num_heads=0"),
+    (dict(hidden_size=None), "'hidden_size'"), (dict(num_heads=None), "'num_heads'"),
+    (dict(num_heads=0), "num_heads=0"),
     (dict(intermediate_size=47.9), "intermediate_size=47.9"), (dict(vocab_size="40"), "vocab_size='40'"),
     (dict(tie_word_embeddings="false"), "tie_word_embeddings='false'"), (dict(num_kv_heads=2.0), "num_kv_heads=2.0"),
     (dict(rope_theta="x"), "rope_theta='x'"), (dict(norm_eps="1e-5"), "norm_eps='1e-5'"),
@@ -359,6 +361,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+@pytest.mark.slow
 def test_import_analyze_prune_export_on_an_fla_directory(tmp_path):
     fla = make_fla(seed=11, num_hidden_layers=2, vocab_size=48, max_position_embeddings=33, attnres_block_size=2)
     fla.save_pretrained(tmp_path / "fla")
@@ -435,6 +438,7 @@ def test_export_of_a_run_trained_here_refuses_what_fla_lacks(tmp_path):
     assert not (tmp_path / "fla").exists()
 
 
+@pytest.mark.slow
 def test_a_run_trained_here_in_fla_form_exports_and_fla_reproduces_it(tmp_path):
     """Train here with FLA's architecture, export, and FLA's forward gives our logits: the way to continue there."""
     from attnres_lens.config import apply_overrides
@@ -449,6 +453,24 @@ def test_a_run_trained_here_in_fla_form_exports_and_fla_reproduces_it(tmp_path):
     save_fla(model, tmp_path / "fla")
     with fla_runtime(DEVICE):
         fla = TransformerForCausalLM.from_pretrained(tmp_path / "fla").eval().to(DEVICE)
+    ids = tokens(model.cfg.d_vocab, length=model.cfg.n_ctx)
+    assert (fla_logits(fla, ids).cpu() - model(ids)).abs().max().item() < TOLERANCE
+
+
+@pytest.mark.slow
+def test_the_fla_preset_trains_and_exports_as_trained(tmp_path):
+    """`fla-attnres-block` is in FLA's form: a run trained from it exports with no --set flags, and FLA's forward
+    of the export gives the run's logits."""
+    run = tmp_path / "run"
+    result = cli("train", "--preset", "fla-attnres-block", "--out", str(run), "--steps", "2", "--no-progress",
+                 "--set", "train.eval_size=4", "--set", "train.record_size=4")  # the cadence only, not the model
+    assert result.returncode == 0, result.stderr
+    result = cli("export-fla", str(run), "--out", str(tmp_path / "fla"))
+    assert result.returncode == 0, result.stderr
+    model = load_run(run).model
+    with fla_runtime(DEVICE):
+        fla = TransformerForCausalLM.from_pretrained(tmp_path / "fla").eval().to(DEVICE)
+    assert fla.config.attnres_block_size == 4 and fla.config.num_hidden_layers == 12
     ids = tokens(model.cfg.d_vocab, length=model.cfg.n_ctx)
     assert (fla_logits(fla, ids).cpu() - model(ids)).abs().max().item() < TOLERANCE
 
@@ -513,3 +535,143 @@ def test_the_worked_example_runs_and_reports_agreement(tmp_path):
     assert rows and float(rows[0].split("|")[2]) < TOLERANCE
     assert (tmp_path / "report.md").read_text().startswith("# An FLA AttnRes model")
     assert ("Skipped: no CUDA device" in text) == (DEVICE == "cpu")
+
+
+# ---------------------------------------------------------------------------- hostile folders (issue 41)
+@pytest.fixture(scope="module")
+def saved_fla(tmp_path_factory) -> Path:
+    """A 2-layer FLA directory written by FLA itself; tests copy it before changing anything."""
+    folder = tmp_path_factory.mktemp("hostile") / "fla"
+    make_fla(seed=11, num_hidden_layers=2).save_pretrained(folder)
+    return folder
+
+
+def edited_copy(saved: Path, tmp_path: Path, **config_changes) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(saved, folder)
+    if config_changes:
+        config = json.loads((folder / "config.json").read_text())
+        config.update(config_changes)
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("changes, named", [
+    (dict(hidden_ratio=float("inf"), intermediate_size=None), "hidden_ratio=inf"),
+    (dict(hidden_ratio=float("nan"), intermediate_size=None), "hidden_ratio=nan"),
+    (dict(hidden_ratio=1e300, intermediate_size=None), "hidden_ratio=1e+300"),
+    (dict(norm_eps=float("inf")), "norm_eps=inf"),
+    (dict(num_hidden_layers=10**6), "num_hidden_layers=1000000 in the FLA config, but its weights hold layers 0..1"),
+    (dict(max_position_embeddings=2**40), "n_ctx × d_head rotary tables"),
+])
+def test_sizes_a_config_asks_for_are_bounded_before_anything_is_allocated(saved_fla, tmp_path, changes, named):
+    """json.dumps writes inf/nan as Infinity/NaN, as a hostile config.json would hold them."""
+    with pytest.raises(FlaInteropError if "rotary" not in named else ValueError, match=re.escape(named)):
+        from_fla(edited_copy(saved_fla, tmp_path, **changes))
+
+
+def test_a_model_that_cannot_fit_is_refused_naming_what_asks_for_the_memory():
+    from attnres_lens import HookedTransformer
+
+    with pytest.raises(ValueError, match=r"GiB .*mostly n_ctx × d_head rotary tables.*check those fields"):
+        HookedTransformer(ModelConfig(n_ctx=2**40, d_model=64, n_heads=4, n_layers=2, d_vocab=20))
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(), dict(tie_word_embeddings=True, gated_mlp=True, act_fn="silu", use_bias=False),
+    dict(positional_embedding_type="standard", attn_only=True), dict(n_key_value_heads=2, residual="attnres"),
+    dict(dtype="bfloat16"),
+])
+def test_the_allocation_floor_never_exceeds_what_a_model_allocates(overrides):
+    """The memory check must never refuse a model that fits: its estimate is at most the bytes a built model's
+    parameters and buffers hold (counted here from the model itself)."""
+    from attnres_lens import HookedTransformer
+
+    cfg = ModelConfig(d_model=32, n_heads=4, n_layers=3, n_ctx=24, d_vocab=40, **overrides)
+    model = HookedTransformer(cfg)
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    floor = sum(cfg.allocation_floor().values())
+    assert 0.5 * held < floor <= held
+
+
+def test_non_utf8_files_are_refused_naming_the_file(saved_fla, tmp_path):
+    folder = edited_copy(saved_fla, tmp_path)
+    (folder / "config.json").write_bytes(b'{"model_type": "transformer\xff"}')
+    with pytest.raises(FlaInteropError, match=re.escape(f"{folder / 'config.json'} is not UTF-8")):
+        from_fla(folder)
+    folder = edited_copy(saved_fla, tmp_path / "b")
+    (folder / "model.safetensors.index.json").write_bytes(b'{"weight_map": {"\xfe": "x"}}')
+    with pytest.raises(FlaInteropError, match="model.safetensors.index.json is not UTF-8"):
+        from_fla(folder)
+
+
+@pytest.mark.parametrize("weight_map", [[1, 2], "model.safetensors", None, {"a": 3}, {"a": ["x"]}])
+def test_a_malformed_shard_index_is_refused_naming_it(saved_fla, tmp_path, weight_map):
+    folder = edited_copy(saved_fla, tmp_path)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(FlaInteropError, match="is not a safetensors index: its weight_map must be an object"):
+        from_fla(folder)
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(saved_fla, tmp_path):
+    folder = edited_copy(saved_fla, tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(FlaInteropError, match=r"NaN or infinite values in model\.layers\.1\.mlp\.down_proj\.weight"):
+        from_fla(folder)
+    assert cli("import-fla", str(folder), "--out", str(tmp_path / "run")).returncode == 2
+    assert not (tmp_path / "run").exists()
+
+
+def test_folders_are_never_run_or_unpickled(saved_fla, tmp_path):
+    folder = edited_copy(saved_fla, tmp_path, auto_map={"AutoModelForCausalLM": "modeling_evil.Model"})
+    (folder / "modeling_evil.py").write_text("raise SystemExit('ran code from the model folder')\n")
+    with pytest.raises(FlaInteropError, match="auto_map=.*never runs code from a model folder"):
+        from_fla(folder)
+    pickled = tmp_path / "pickled"
+    shutil.copytree(saved_fla, pickled)
+    torch.save({}, pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    with pytest.raises(FlaInteropError, match=r"pytorch_model\.bin are pickles, which are never loaded.*"
+                                              r"weights_only=True.*model\.safetensors"):
+        from_fla(pickled)
+
+
+def test_import_reads_and_hashes_only_the_weight_files_it_names(saved_fla, tmp_path):
+    """A FIFO named like a shard would block a reader forever, and a folder so named cannot be hashed: neither is
+    one of the model's files, so neither is opened."""
+    import os
+
+    folder = edited_copy(saved_fla, tmp_path)
+    os.mkfifo(folder / "notes.safetensors")
+    (folder / "old.safetensors").mkdir()
+    result = cli("import-fla", str(folder), "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    sha = json.loads((tmp_path / "run" / "config.json").read_text())["provenance"]["weights_sha256"]
+    assert list(sha) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("stored", [[1, 2], "x", None])
+def test_export_refuses_a_damaged_fla_config_record_naming_it(saved_fla, tmp_path, stored):
+    run = tmp_path / "run"
+    assert cli("import-fla", str(saved_fla), "--out", str(run)).returncode == 0
+    config = json.loads((run / "config.json").read_text())
+    config["provenance"]["fla_config"] = stored
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FlaInteropError, match=r"provenance\.fla_config=.*edited or damaged"):
+        export_fla_run(run, tmp_path / "out")
+    with pytest.raises(FlaInteropError, match="template must be an FLA config"):
+        save_fla(from_fla(saved_fla), tmp_path / "out2", template=[1])
+
+
+def test_a_refused_import_leaves_no_lock_behind(saved_fla, tmp_path):
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "notes.txt").write_text("mine")
+    assert cli("import-fla", str(saved_fla), "--out", str(full)).returncode == 2
+    assert sorted(p.name for p in full.iterdir()) == ["notes.txt"]
+    empty = tmp_path / "empty"  # refused after the lock was taken: the task does not fit
+    empty.mkdir()
+    assert cli("import-fla", str(saved_fla), "--out", str(empty), "--task", "ngram9").returncode == 2
+    assert list(empty.iterdir()) == []

@@ -11,19 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import attnres_lens.kernels as kernels
-from attnres_lens.kernels import _common, backends, block_phase1, depth_attention, merge_partial
+from attnres_lens.kernels import block_phase1, depth_attention, merge_partial
 from tests.kernel_cases import SHAPES, assert_close, make_inputs, oracle
 
 CPU_BACKENDS = ["reference", "torch", "cpu"]
 FAST_BACKENDS = ["torch", "cpu"]  # hand-derived backwards, checked against the reference's autograd
 
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every buffer a kernel allocates starts as NaN, so an element it fails to write cannot pass."""
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    monkeypatch.delenv(backends.BACKEND_ENV_VAR, raising=False)
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 
 @pytest.fixture(scope="session")
@@ -242,40 +236,7 @@ def test_a_bias_that_needs_a_gradient_is_refused_where_it_would_get_none():
     assert bias.grad is not None
 
 
-def test_a_logit_bias_never_runs_on_triton(monkeypatch):
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(backends, "triton_available", lambda: True)
-    assert backends.resolve_backend("auto", cuda) == "triton"
-    assert backends.resolve_backend("auto", cuda, logit_bias=True) == "torch"
-    with pytest.raises(ValueError, match="triton depth-attention kernel takes no logit_bias"):
-        backends.resolve_backend("triton", cuda, logit_bias=True)
-    monkeypatch.setenv(backends.BACKEND_ENV_VAR, "triton")
-    with pytest.raises(ValueError, match="leave \\$ATTNRES_LENS_BACKEND unset"):
-        backends.resolve_backend("auto", cuda, logit_bias=True)
-    for spelled in ("auto", " auto "):  # the environment asking for auto is auto, not triton by name
-        monkeypatch.setenv(backends.BACKEND_ENV_VAR, spelled)
-        assert backends.resolve_backend("auto", cuda, logit_bias=True) == "torch"
-
-
-# --- backend selection and validation -------------------------------------------------------------------------
-
-
-def test_auto_backend_and_environment_override(monkeypatch):
-    assert kernels.resolve_backend("auto", torch.device("cpu")) == "cpu"  # a C compiler is part of the setup
-    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "reference")
-    assert kernels.resolve_backend("auto", torch.device("cpu")) == "reference"
-    assert kernels.resolve_backend("torch", torch.device("cpu")) == "torch"  # an explicit choice wins
-    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "cuda-magic")
-    with pytest.raises(ValueError, match="ATTNRES_LENS_BACKEND.*cuda-magic"):
-        kernels.resolve_backend("auto", torch.device("cpu"))
-
-
-def test_invalid_backend_names_value_and_choices():
-    sources, query, gain = make_inputs(2, (3,), 4)
-    with pytest.raises(ValueError) as error:
-        depth_attention(sources, query, gain, backend="fast")
-    assert "'fast'" in str(error.value)
-    assert all(name in str(error.value) for name in ("reference", "torch", "cpu", "triton"))
+# --- input validation -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,6 @@ from torch.autograd import forward_ad
 
 from attnres_lens import components
 from attnres_lens.kernels import (
-    _common,
     backends,
     cpu_attention,
     cpu_autograd,
@@ -25,10 +24,7 @@ from attnres_lens.kernels import (
 from tests.helpers import randomize_depth_parameters
 from tests.kernel_cases import SHAPES, assert_close, make_inputs, oracle
 
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 
 @pytest.fixture
@@ -89,6 +85,7 @@ def test_the_kernel_threads_are_torchs_openmp_pool():
 
 
 @pytest.mark.parametrize("n_tokens", [5, 97])
+@pytest.mark.slow
 def test_the_pthread_build_splits_rows_as_the_openmp_build(many_threads, tmp_path, monkeypatch, n_tokens):
     """A compiler without OpenMP builds the pthread form of the split: the same ranges and the same per-thread
     sums reduced in the same order, so forward and backward equal the OpenMP build's bit for bit (and float64)."""
@@ -119,6 +116,7 @@ def test_the_pthread_build_splits_rows_as_the_openmp_build(many_threads, tmp_pat
     assert torch.equal(cpu_attention.causal_attention_cpu(q, k, v, 0.25), results["attention"])
 
 
+@pytest.mark.slow
 def test_the_forward_reads_a_tile_in_either_order_to_the_same_bits(tmp_path, monkeypatch):
     """Below GROUPED_FORWARD_MIN_SOURCES the forward reads a tile token row by token row, from it on source group
     by source group (cpu_depth.c): a build that reads by groups at every source count gives the shipped build's
@@ -192,6 +190,7 @@ def test_failed_build_reports_the_compiler_output(tmp_path):
     assert not list((tmp_path / "cache").glob("*.so")), "a failed build must not leave a library behind"
 
 
+@pytest.mark.slow
 def test_library_is_cached_per_element_type(tmp_path, monkeypatch):
     monkeypatch.setenv(cpu_build.CACHE_ENV_VAR, str(tmp_path))
     cpu_build._library.cache_clear()
@@ -209,6 +208,7 @@ def test_library_is_cached_per_element_type(tmp_path, monkeypatch):
         cpu_build._library.cache_clear()
 
 
+@pytest.mark.slow
 def test_an_edit_to_any_kernel_source_rebuilds_the_library(tmp_path, monkeypatch):
     """The C files compile into one library whose cache key covers every one of them and their shared header: an
     edit to any file builds a new library (a stale cached one would run the old code), unchanged files load the
@@ -438,16 +438,6 @@ def test_kv_shift_kernel_refuses_what_it_cannot_run():
         grad.sum().backward()  # no second derivative through the C backward, rather than a silent zero
 
 
-def test_kv_shift_falls_back_to_the_twin_when_k_and_v_differ():
-    from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel
-
-    k = torch.randn(2, 3, 4, 5)
-    assert elementwise_runs_cpu_kernel("auto", k, k.clone())
-    assert not elementwise_runs_cpu_kernel("auto", k, k.double())  # e.g. a hook on hook_v changed its dtype
-    assert not elementwise_runs_cpu_kernel("reference", k, k.clone())
-    assert not elementwise_runs_cpu_kernel("auto", k.bfloat16(), k.bfloat16())
-
-
 def _attention_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal softmax attention in float64 from its definition, [B, P, H, Dh] in and out."""
     q, k, v = (x.double() for x in (q, k, v))
@@ -511,65 +501,6 @@ def test_causal_attention_kernel_refuses_what_it_cannot_run():
     with torch.no_grad():  # no gradient is needed there
         cpu_attention.causal_attention_cpu(x.clone().requires_grad_(), x, x, 1.0)
     assert cpu_attention.causal_attention_cpu(x[:0], x[:0], x[:0], 1.0).shape == (0, 3, 4, 8)  # nothing to attend
-
-
-def test_the_c_attention_runs_only_where_it_measured_faster(monkeypatch):
-    """Heads whose keys fit in MAX_CPU_ATTENTION_KEYS values; at several torch threads, only on the OpenMP pool
-    and with as many (batch, head) pairs as threads (what the kernel splits)."""
-    from types import SimpleNamespace
-
-    from attnres_lens.kernels.backends import MAX_CPU_ATTENTION_KEYS, attention_runs_cpu_kernel
-
-    def runs(batch: int, pos: int, heads: int, d_head: int) -> bool:
-        x = torch.empty(batch, pos, heads, d_head)
-        return attention_runs_cpu_kernel("auto", x, x, x)
-
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert runs(1, 65, 1, 16) and runs(1, MAX_CPU_ATTENTION_KEYS // 64, 1, 64)
-        assert not runs(1, MAX_CPU_ATTENTION_KEYS // 64 + 1, 1, 64)  # a long head: PyTorch's flash kernel
-        torch.set_num_threads(2)
-        assert runs(1, 65, 2, 16) and not runs(1, 65, 1, 16)  # one pair would leave a thread idle
-        monkeypatch.setattr(cpu_build, "cpu_library", lambda dtype: SimpleNamespace(thread_pool=False))
-        assert not runs(4, 65, 4, 16)  # a build without OpenMP runs it on one thread: SDPA uses both
-    finally:
-        torch.set_num_threads(previous)
-    x = torch.empty(2, 65, 4, 16, requires_grad=True)
-    assert not attention_runs_cpu_kernel("auto", x, x, x)  # a gradient is needed
-    assert not attention_runs_cpu_kernel("torch", x.detach(), x.detach(), x.detach())
-
-
-def test_the_models_attention_runs_the_kernel_exactly_where_no_gradient_is_needed(monkeypatch):
-    """Without a gradient (inference, exact interventions) every variant's attention runs the C kernel, with one
-    SDPA: the same logits to float rounding; with a gradient, under a hook on the scores, or for another backend,
-    it does not run."""
-    from attnres_lens import HookedTransformer, ModelConfig, components
-
-    calls = []
-    kernel = cpu_attention.causal_attention_cpu
-    monkeypatch.setattr(components, "causal_attention_cpu", lambda *args: calls.append(1) or kernel(*args))
-    tokens = torch.randint(0, 32, (3, 11), generator=torch.Generator().manual_seed(0))
-    for extra in (dict(), dict(attention="kv_shift"), dict(residual="attnres", attnres_block_size=2),
-                  dict(n_key_value_heads=1)):
-        model = HookedTransformer(ModelConfig(d_model=32, n_heads=4, n_layers=2, d_vocab=32, n_ctx=16, seed=3, **extra))
-        calls.clear()
-        with_grad = model(tokens)
-        assert calls == []
-        with torch.no_grad():
-            without = model(tokens)
-        assert len(calls) == model.cfg.n_layers, extra
-        torch.testing.assert_close(without, with_grad.detach(), rtol=1e-5, atol=1e-5)
-        calls.clear()
-        with torch.no_grad(), model.hooks(fwd_hooks=[("blocks.0.attn.hook_pattern", lambda t, hook: t)]):
-            model(tokens)
-        assert len(calls) == model.cfg.n_layers - 1  # the watched layer computes its pattern explicitly
-    reference = HookedTransformer(ModelConfig(d_model=32, n_heads=4, n_layers=2, d_vocab=32, n_ctx=16,
-                                              depth_attention_backend="torch"))
-    calls.clear()
-    with torch.no_grad():
-        reference(tokens)
-    assert calls == []
 
 
 def test_the_forward_softmax_matches_float64_across_the_whole_range_of_logits():
@@ -806,7 +737,8 @@ def test_several_queries_sum_a_shared_source_gradient_in_place(many_threads):
 
     def loss(views, pool):
         mix, lse = cpu_depth.depth_attention_multi_cpu(views, folded, 1e-6)
-        merged, _ = cpu_depth.depth_attention_multi_cpu(views[4:], folded[1:2], 1e-6, prior=(mix[1][None], lse[1][None]))
+        merged, _ = cpu_depth.depth_attention_multi_cpu(views[4:], folded[1:2], 1e-6,
+                                                        prior=(mix[1][None], lse[1][None]))
         one_pass = depth_attention(views, query, gain, backend="cpu")
         return (mix[0] * pool[0]).sum() + (merged[0] * pool[1]).sum() + (lse[2] * pool[2]).sum() + \
             (one_pass * pool[3]).sum()
@@ -927,54 +859,6 @@ def test_two_phase_on_the_cpu_folds_low_precision_queries_in_fp32():
                                    rtol=1e-5, atol=1e-5)
 
 
-# (the C function a model calls, model options, calls per forward of 2 layers, parameters whose gradients compare)
-_MODEL_KERNELS = {
-    "kv_shift_cpu": (dict(attention="kv_shift", n_ctx=9), 2, ["blocks.0.attn.kv_shift", "blocks.1.attn.W_K"]),
-    "rotary_cpu": (dict(n_ctx=12), 2 * 2, ["blocks.0.attn.W_Q", "blocks.1.attn.W_K"]),  # q and k of each layer
-    # the standard model's norms: an AttnRes model's run inside its depth mixes (next entry)
-    "rms_norm_cpu": (dict(n_ctx=12, residual="standard"), 2 * 2 + 1, ["ln_final.w", "blocks.0.ln1.w",
-                                                                     "blocks.1.mlp.W_in"]),
-    # each sublayer's mix with its pre-norm, and the final readout's with the final norm
-    "fused_mix_and_norm": (dict(n_ctx=12), 2 * 2 + 1, ["blocks.0.ln1.w", "blocks.1.ln2.w", "ln_final.w",
-                                                       "blocks.0.attn_res.query", "blocks.1.mlp_res.key_norm.w",
-                                                       "final_res.query", "blocks.0.attn.W_Q"]),
-}
-
-
-@pytest.mark.parametrize("kernel", list(_MODEL_KERNELS))
-def test_a_model_runs_each_elementwise_kernel_only_on_the_cpu_backend(kernel, monkeypatch):
-    """The KV shift (one fused call per layer for K and V), rotary, RMSNorm and depth mix + pre-norm kernels run on
-    the cpu backend, none on the reference one, and loss and gradients agree to float64 rounding."""
-    from attnres_lens import HookedTransformer, ModelConfig
-
-    options, expected_calls, compared = _MODEL_KERNELS[kernel]
-    calls = []
-    real = getattr(cpu_depth if kernel == "fused_mix_and_norm" else cpu_elementwise, kernel)
-    caller = "attnres" if kernel == "fused_mix_and_norm" else "components"
-    monkeypatch.setattr(f"attnres_lens.{caller}.{kernel}",
-                        lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
-    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
-    results = {}
-    for backend in ("cpu", "reference"):
-        cfg = ModelConfig(**{**dict(d_model=16, n_heads=2, n_layers=2, d_vocab=32, residual="attnres",
-                                    depth_attention_backend=backend, dtype=torch.float64, seed=1), **options})
-        model = HookedTransformer(cfg)
-        randomize_depth_parameters(model)  # non-uniform depth weights
-        with torch.no_grad():  # and gains other than 1
-            for name, parameter in model.named_parameters():
-                if name.endswith(("ln1.w", "ln2.w", "ln_final.w")):
-                    parameter.mul_(torch.linspace(0.5, 1.5, parameter.numel(), dtype=parameter.dtype))
-        loss = model(tokens, return_type="loss")
-        loss.backward()
-        parameters = dict(model.named_parameters())
-        results[backend] = [loss.detach()] + [parameters[name].grad for name in compared]
-        if backend == "cpu":
-            assert len(calls) == expected_calls
-    assert len(calls) == expected_calls  # none on the reference backend
-    for got, want in zip(results["cpu"], results["reference"]):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-
-
 def test_a_kv_shift_model_rotates_k_in_the_shift_unless_a_hook_reads_the_shifted_k(monkeypatch):
     """With RoPE, a KV-shift layer on the cpu backend rotates K inside the shift's C pass (rotary_cpu then runs for
     Q alone); a hook on hook_k_shifted brings back the separate passes, so that it sees K̂ unrotated; both give the
@@ -1065,8 +949,8 @@ def test_the_fused_pre_norm_writes_every_output(many_threads):
 @pytest.mark.parametrize("width", [24, 64, 70])  # 64: a backward compiled for that width; 70: vector tails
 def test_a_fused_mix_that_leaves_h_out_gives_the_same_y_and_gradients(many_threads, dtype, n_sources, width):
     """Without keep_h the fused mix writes no h and its backward mixes each row again (the same mix_row, the same
-    weights, row by row or a tile by source groups): y and every gradient equal the kept-h call's bit for bit, split over threads, and the fp64 call
-    passes gradcheck."""
+    weights, row by row or a tile by source groups): y and every gradient equal the kept-h call's bit for bit,
+    split over threads, and the fp64 call passes gradcheck."""
     generator = torch.Generator().manual_seed(n_sources)
     sources = [torch.randn(2, 19, width, dtype=dtype, generator=generator) for _ in range(n_sources)]
     parameters = [torch.randn(width, dtype=dtype, generator=generator) for _ in range(3)]
@@ -1115,6 +999,7 @@ def test_the_kernel_folds_the_query_as_torch_does(dtype, width):
     assert not torch.equal(taken[1], taken[2])  # dw = du * g and dg = du * w, not one product twice
 
 
+@pytest.mark.slow
 def test_sums_added_in_place_equal_each_threads_own_sums(many_threads, tmp_path, monkeypatch):
     """Each thread adds its parameter-gradient sums in pages of its own and copies them out once; where those pages
     cannot be had it adds in place, in the caller's [threads, D] block (the build with -DSHARED_THREAD_SUMS takes
@@ -1327,6 +1212,7 @@ def test_a_model_shares_source_gradients_only_where_nothing_can_see_them(block_s
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_the_portable_build_and_the_vector_sums_agree_with_float64(tmp_path, monkeypatch):
     """The float library built without -march=native (the fallback for compilers that reject it) runs the C
     file's portable loops, the default build its AVX2 vector sums where the processor has them: in each, one mix

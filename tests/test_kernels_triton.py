@@ -22,12 +22,12 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 import attnres_lens.kernels as kernels  # noqa: E402
-from attnres_lens.kernels import _common, backends, block_phase1, depth_attention, merge_partial  # noqa: E402
+from attnres_lens.kernels import block_phase1, depth_attention, merge_partial  # noqa: E402
 from tests.kernel_cases import assert_close, make_inputs, oracle  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-pytestmark = pytest.mark.triton
+pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("poisoned_outputs")]
 
 if DEVICE == "cpu" and INTERPRETER_TOO_LATE:
     pytest.skip(
@@ -47,12 +47,6 @@ SHAPES = [
     (9, (130,), 48, 8),
     (17, (45,), 20, 32),
 ]
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    monkeypatch.delenv(backends.BACKEND_ENV_VAR, raising=False)
 
 
 def test_hand_example():
@@ -85,7 +79,8 @@ def test_forward_and_backward_match_reference(dtype, n_sources, token_shape, d_m
     assert_close(logits.t().reshape(*token_shape, n_sources), expected_logits, dtype, scale=4.0)
 
     reference_leaves = [t.detach().double().requires_grad_() for t in (*sources, query, gain)]
-    reference_h = depth_attention(reference_leaves[:-2], reference_leaves[-2], reference_leaves[-1], backend="reference")
+    reference_h = depth_attention(reference_leaves[:-2], reference_leaves[-2], reference_leaves[-1],
+                                  backend="reference")
     (reference_h * grad_output.double()).sum().backward()
     for leaf, reference_leaf in zip(leaves, reference_leaves):
         assert leaf.grad.dtype == dtype
@@ -125,8 +120,8 @@ def test_gpu_check_dry_run(tmp_path):
     """The one GPU check runs end to end here (tiny shapes, the interpreter): every section, every check ok."""
     from analyses import gpu_check
 
-    out = tmp_path / "gpu_check.md"
-    lines = gpu_check.main(["--dry-run", "--out", str(out)])
+    out, results = tmp_path / "gpu_check.md", tmp_path / "results.jsonl"
+    lines = gpu_check.main(["--dry-run", "--out", str(out), "--results", str(results)])
     report = out.read_text()
     assert report.splitlines() == lines
     for title in ("## 1. Correctness", "## 3. Two-phase", "## 4. Training step"):
@@ -135,6 +130,13 @@ def test_gpu_check_dry_run(tmp_path):
     statuses = [line.rsplit("|", 2)[-2].strip() for line in lines if line.startswith("| ") and line.count("|") >= 8
                 and not line.startswith("| tokens")]
     assert statuses and set(statuses) <= {"ok", "skipped (needs CUDA or fla)"}
+    from analyses.results import read_rows
+
+    ratios = {row["variant"]: row for row in read_rows(results) if row["metric"] == "step ratio"}
+    assert list(ratios) == ["standard", "block S=2", "full"] and ratios["standard"]["value"] == 1.0
+    assert ratios["block S=2"]["target"] == 1.03 and "met" in ratios["block S=2"] and "met" not in ratios["full"]
+    assert all(row["bench"] == "gpu_check" and row["command"].startswith("python -m analyses.gpu_check --dry-run")
+               for row in ratios.values())
 
 
 # --- two-phase Block AttnRes ---------------------------------------------------------------------------------

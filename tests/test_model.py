@@ -255,7 +255,7 @@ def test_patching_a_depth_weight_hook_changes_the_output():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(residual="highway"), r"residual must be one of \['standard', 'attnres', 'denseformer', 'hyper'\], got 'highway'"),
+    (dict(residual="highway"), r"residual must be one of \['standard', 'attnres', 'denseformer', 'mhc'\], got 'highway'"),
     (dict(attention="linear"), r"attention must be one of \['standard', 'kv_shift'\]"),
     (dict(attnres_block_size=0), r"attnres_block_size must be an integer >= 1, got 0"),
     (dict(d_model=30, n_heads=4), r"d_model=30 is not divisible into n_heads=4"),

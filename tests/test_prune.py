@@ -13,31 +13,30 @@ import pandas as pd
 import pytest
 import torch
 
+import attnres_lens.analysis.run as run_module
 from attnres_lens import HookedTransformer
 from attnres_lens.analysis import (
     angular_distance_matrix,
     causal_routing,
     cumulative_pruning,
+    evaluate,
+    evaluate_many,
     pruning_sensitivity,
     removal_hooks,
     routing_correlations,
     routing_disagreements,
     source_mask_hooks,
 )
-from attnres_lens.analysis.engine import evaluate, evaluate_many
 from attnres_lens.analysis.pruning import removable_within, removal_orders, residual_states
-import attnres_lens.analysis.run as run_module
 from attnres_lens.analysis.run import prune_tables
 from attnres_lens.cli import main as cli_main
-from attnres_lens.presets import get_preset
-from attnres_lens.tasks import make_task
-from attnres_lens.training import train
 
-from .helpers import depth_mix_float64, randomize_depth_parameters, small_config, block_sources
+from .helpers import block_sources, copy_batch, depth_mix_float64, randomize_depth_parameters, run_cli, small_config
 
 
 def reference_logits_after_removal(model: HookedTransformer, tokens: torch.Tensor, removed: set[int]) -> torch.Tensor:
-    """The removal rule (docs/analysis.md §6), re-derived in float64 from the block definitions (not the model's bookkeeping).
+    """The removal rule (docs/analysis.md §6), re-derived in float64 from the block definitions (not the model's
+    bookkeeping).
 
     Removed outputs are zero, so every sum drops them; an AttnRes source all of whose members are removed is
     left out of the softmax. Membership comes from `block_sources` run on bit masks instead of tensors.
@@ -106,10 +105,6 @@ def test_full_attnres_remove_is_masking_its_source_downstream_not_zeroing_it():
     assert (removed - zeroed).abs().max() > 1e-3  # a zero source still takes softmax mass
 
 
-def copy_batch(n: int = 6):
-    return make_task("copy", vocab_size=20, seq_len=24, min_len=4, max_len=8).eval_batch(n)
-
-
 def silence_sublayer_2(model: HookedTransformer) -> None:
     """Sublayer 2 is layer 1's attention; zero W_O makes its output identically zero."""
     with torch.no_grad():
@@ -119,7 +114,7 @@ def silence_sublayer_2(model: HookedTransformer) -> None:
 def test_removing_a_sublayer_whose_output_is_zero_changes_nothing_in_a_standard_model():
     model = HookedTransformer(small_config("standard"))
     silence_sublayer_2(model)
-    batch = copy_batch()
+    batch = copy_batch(6)
     sensitivity = pruning_sensitivity(model, batch).set_index("sublayer")
     silent = sensitivity.loc[2]
     for mode in ("remove", "mean", "resample"):
@@ -140,7 +135,7 @@ def test_in_attnres_a_zero_output_still_matters_when_removed():
     model = HookedTransformer(small_config("attnres", 1))
     randomize_depth_parameters(model)
     silence_sublayer_2(model)
-    silent = pruning_sensitivity(model, copy_batch()).set_index("sublayer").loc[2]
+    silent = pruning_sensitivity(model, copy_batch(6)).set_index("sublayer").loc[2]
     assert silent["dloss_mean"] == 0 and silent["dloss_resample"] == 0
     assert abs(silent["dloss_remove"]) > 1e-4
 
@@ -148,7 +143,7 @@ def test_in_attnres_a_zero_output_still_matters_when_removed():
 def test_cumulative_curves_start_clean_and_end_with_everything_removed():
     model = HookedTransformer(small_config("attnres", 2))
     randomize_depth_parameters(model)
-    batch = copy_batch()
+    batch = copy_batch(6)
     sensitivity = pruning_sensitivity(model, batch)
     curves = cumulative_pruning(model, batch, sensitivity, angular_distance_matrix(model, batch.tokens), "accuracy",
                                 stop_at=None)
@@ -173,7 +168,7 @@ def test_cumulative_curves_start_clean_and_end_with_everything_removed():
 def test_curves_that_stop_mid_round_match_evaluating_each_set_alone():
     model = HookedTransformer(small_config("attnres", 1)).eval()
     randomize_depth_parameters(model)
-    batch = copy_batch()
+    batch = copy_batch(6)
     sensitivity = pruning_sensitivity(model, batch)
     distances = angular_distance_matrix(model, batch.tokens)
     orders = removal_orders(sensitivity, distances)
@@ -198,18 +193,11 @@ def test_curves_that_stop_mid_round_match_evaluating_each_set_alone():
     assert min(lengths) < 4 < max(lengths), lengths
 
 # ---------------------------------------------------------------------------- runs and commands
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("prune") / "smoke"
-    train(get_preset("smoke"), out, progress=False)
-    return out
-
-
 def test_causal_routing_lists_every_source_of_every_mixing_consumer(smoke_run):
     from attnres_lens.rundir import load_run
 
     model = load_run(smoke_run).model
-    routing = causal_routing(model, copy_batch_for(model))
+    routing = causal_routing(model, copy_batch(4, model.cfg.d_vocab, model.cfg.n_ctx))
     expected = {(c, s) for c in range(model.cfg.n_sublayers + 1) for s in range(len(model.sources(c)))
                 if len(model.sources(c)) > 1}
     assert set(zip(routing["consumer"], routing["source"])) == expected
@@ -221,15 +209,15 @@ def test_causal_routing_lists_every_source_of_every_mixing_consumer(smoke_run):
     assert len(gaps) == 3 and list(gaps) == sorted(gaps, reverse=True)
 
 
-def copy_batch_for(model: HookedTransformer):
-    return make_task("copy", vocab_size=model.cfg.d_vocab, seq_len=model.cfg.n_ctx, min_len=4, max_len=8).eval_batch(4)
-
-
 def test_prune_command_writes_tables_and_a_self_contained_report(smoke_run, tmp_path, capsys):
     out = tmp_path / "report"
     assert cli_main(["prune", str(smoke_run), "--out", str(out), "--samples", "4", "--metric", "accuracy",
                      "--no-progress"]) == 0
-    assert "removable within +5% loss" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    for row in json.loads((out / "prune_summary.json").read_text())["removable"]:  # "1 sublayer", "2 sublayers"
+        count = row["n_removable"]
+        assert f"{row['strategy']}: {count} sublayer{'' if count == 1 else 's'} removable within +5% loss" in printed
+    assert f"report: {out / 'prune_report.html'}" in printed
     for name in ("pruning_sensitivity", "pruning_curves", "angular_distance", "metric_correlations", "removable",
                  "routing", "routing_disagreements"):
         assert (out / f"{name}.csv").is_file() and (out / f"{name}.parquet").is_file()
@@ -242,27 +230,22 @@ def test_prune_command_writes_tables_and_a_self_contained_report(smoke_run, tmp_
     assert html.count("plotly.js v") == 1 and html.count('class="plotly-graph-div"') == 4  # routing figure too
 
 
-def run_cli(argv, capsys) -> tuple[int, str]:
-    code = cli_main(argv)
-    return code, capsys.readouterr().err
-
-
 def test_bad_run_directories_and_options_give_clear_errors(smoke_run, tmp_path, capsys):
-    code, err = run_cli(["analyze", str(tmp_path / "missing")], capsys)
+    code, _, err = run_cli(["analyze", str(tmp_path / "missing")], capsys)
     assert code == 2 and "attnres-lens: error: run directory" in err and "does not exist" in err
     (tmp_path / "empty").mkdir()
-    code, err = run_cli(["prune", str(tmp_path / "empty")], capsys)
+    code, _, err = run_cli(["prune", str(tmp_path / "empty")], capsys)
     assert code == 2 and "not a run directory: config.json is missing" in err
     untrained = tmp_path / "untrained"
     untrained.mkdir()
     (untrained / "config.json").write_text((smoke_run / "config.json").read_text())
-    code, err = run_cli(["analyze", str(untrained)], capsys)
+    code, _, err = run_cli(["analyze", str(untrained)], capsys)
     assert code == 2 and "no latest checkpoint" in err
-    code, err = run_cli(["analyze", str(smoke_run), "--checkpoint", "999"], capsys)
+    code, _, err = run_cli(["analyze", str(smoke_run), "--checkpoint", "999"], capsys)
     assert code == 2 and "has no checkpoint '999'; it has: latest" in err
-    code, err = run_cli(["prune", str(smoke_run), "--metric", "perplexity"], capsys)
+    code, _, err = run_cli(["prune", str(smoke_run), "--metric", "perplexity"], capsys)
     assert code == 2 and "metric must be one of ['loss', 'accuracy']" in err
-    code, err = run_cli(["prune", str(smoke_run), "--samples", "1"], capsys)
+    code, _, err = run_cli(["prune", str(smoke_run), "--samples", "1"], capsys)
     assert code == 2 and "samples must be an integer >= 2" in err
 
 
@@ -273,10 +256,13 @@ def test_samples_that_cannot_fit_are_refused_before_any_work(smoke_run, tmp_path
     monkeypatch.setattr(run_module, "available_memory", lambda device: 2**20)  # 1 MiB left
     for command in ("analyze", "prune", "attribute"):
         out = tmp_path / command
-        code, err = run_cli([command, str(smoke_run), "--samples", "4096", "--out", str(out)], capsys)
+        code, _, err = run_cli([command, str(smoke_run), "--samples", "4096", "--out", str(out)], capsys)
         assert code == 2 and "samples=4096 needs at least" in err and "GiB are available" in err, err
         assert "samples=" in err.split("use far fewer: ")[1]
         assert not out.exists()  # nothing was written
+    monkeypatch.undo()  # this machine's memory: a billion sequences' tokens alone would need 264 GB
+    code, _, err = run_cli(["prune", str(smoke_run), "--samples", "1000000000"], capsys)
+    assert code == 2 and "samples=1000000000 needs at least" in err, err
 
 
 def test_stacked_evaluation_gives_each_intervention_its_own_result():
@@ -299,7 +285,7 @@ def test_angular_distances_equal_the_pairwise_definition():
     """All pairs at once (one product per start) against arccos(cos)/π per pair in float64, token-averaged."""
     model = HookedTransformer(small_config("attnres", 2))
     randomize_depth_parameters(model)
-    batch = copy_batch()
+    batch = copy_batch(6)
     states, _ = residual_states(model, batch.tokens)
     distances = angular_distance_matrix(model, batch.tokens).set_index(["start", "end"])["distance"]
     assert len(distances) == len(states) * (len(states) - 1) // 2
@@ -316,7 +302,7 @@ def test_prune_tables_shares_its_clean_passes(monkeypatch):
 
     model = HookedTransformer(small_config("attnres", 1)).eval()
     randomize_depth_parameters(model)
-    batch = copy_batch()
+    batch = copy_batch(6)
     counts = {"evaluate": 0, "states": 0, "weights": 0}
 
     def counting(module, name, key, only_clean=False):
@@ -348,6 +334,7 @@ def two_threads():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork_routing forks (Linux)")
+@pytest.mark.slow
 def test_the_routing_table_computed_in_a_forked_process_is_the_same(two_threads, monkeypatch):
     """`fork_routing` computes causal routing in a forked child with half the threads while this process computes
     the other tables with the rest: every table equals the one-process run's, the thread count is restored, and
@@ -356,7 +343,7 @@ def test_the_routing_table_computed_in_a_forked_process_is_the_same(two_threads,
 
     model = HookedTransformer(small_config("attnres", 2)).eval()
     randomize_depth_parameters(model)
-    batch = copy_batch()
+    batch = copy_batch(6)
     plain = prune_tables(model, batch)
     calls = []
     inner = routing.causal_routing
@@ -375,7 +362,7 @@ def test_a_forked_table_that_fails_or_dies_raises_here(two_threads, monkeypatch)
     import os
 
     model = HookedTransformer(small_config("attnres", 1)).eval()
-    batch = copy_batch()
+    batch = copy_batch(6)
 
     def failing(*args, **kwargs):
         raise ZeroDivisionError("routing broke in the child")
@@ -412,7 +399,7 @@ def test_a_forked_job_is_cancelled_when_this_process_fails(two_threads, monkeypa
     monkeypatch.setattr(run_module, "pruning_sensitivity", lambda *args: (_ for _ in ()).throw(KeyError("boom")))
     model = HookedTransformer(small_config("attnres", 1)).eval()
     with pytest.raises(KeyError, match="boom"):
-        prune_tables(model, copy_batch(), fork_routing=True)
+        prune_tables(model, copy_batch(6), fork_routing=True)
     assert len(started) == 1 and not started[0]._process.is_alive()
     assert torch.get_num_threads() == 2
 
@@ -427,10 +414,11 @@ def test_a_forked_job_runs_after_this_process_used_several_threads_and_reports_w
     previous = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        x = torch.randn(1500, 1500)
+        # whole numbers whose partial sums stay below 2^24: float32 sums them exactly, in any order
+        x = torch.randint(-1, 2, (1500, 1500)).float()
         (x + 1).sum()  # this process's pool runs with 4 threads
         threads, total = ForkedJob(lambda: (torch.get_num_threads(), float((x * 2).sum()))).result()
-        assert threads == 1 and total == pytest.approx(float((x * 2).sum()), rel=1e-5)  # summed in another order
+        assert threads == 1 and total == float((x * 2).sum())  # summed in another order, exactly
         with pytest.raises(RuntimeError, match="(?s)forked analysis process failed.*pickle"):
             ForkedJob(lambda: __import__("threading").Lock()).result()
     finally:
@@ -447,7 +435,7 @@ def test_fork_routing_forks_only_at_two_threads(monkeypatch):
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
-            tables = prune_tables(model, copy_batch(), fork_routing=True)
+            tables = prune_tables(model, copy_batch(6), fork_routing=True)
             assert "routing" in tables and torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(previous)
@@ -462,7 +450,7 @@ def test_a_session_keeps_clean_results_apart_from_hooked_runs_and_other_targets(
 
     model = HookedTransformer(small_config("attnres", 1)).eval()
     randomize_depth_parameters(model)
-    batch = copy_batch()
+    batch = copy_batch(6)
     answers = batch.answer_mask.nonzero()[::2]  # every other answer position dropped
     mask = batch.answer_mask.clone()
     mask[answers[:, 0], answers[:, 1]] = False

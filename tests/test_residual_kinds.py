@@ -6,9 +6,11 @@ of every kind predicts, per token, how each sublayer input moves when one earlie
 from __future__ import annotations
 
 import copy
+import json
 import math
 import shutil
 
+import pandas as pd
 import pytest
 import torch
 
@@ -23,8 +25,8 @@ from tests.helpers import block_sources, small_config
 OPTIONS = [dict(attnres_score="sigmoid"), dict(attnres_key_norm=False), dict(attnres_query="input"),
            dict(attnres_heads=4), dict(attnres_window=2), dict(attnres_mixing="scalar"),
            dict(attnres_heads=2, attnres_query="input", attnres_window=3)]
-KINDS = [dict(residual="standard"), dict(residual="denseformer"), dict(residual="hyper"),
-         dict(residual="hyper", hyper_streams=2, attn_only=True), dict(residual="attnres", attnres_block_size=1),
+KINDS = [dict(residual="standard"), dict(residual="denseformer"), dict(residual="mhc"),
+         dict(residual="mhc", mhc_streams=2, attn_only=True), dict(residual="attnres", attnres_block_size=1),
          dict(residual="attnres", attnres_block_size=4)]
 KINDS += [dict(residual="attnres", attnres_block_size=block, **option) for option in OPTIONS for block in (1, 2)]
 
@@ -46,7 +48,7 @@ def randomize(model: HookedTransformer, seed: int = 3) -> HookedTransformer:
 
 
 def sublayers_of(model: HookedTransformer) -> list[tuple]:
-    """(norm, sublayer, attnres mixer, hyper mixer) in forward order, from a model's modules."""
+    """(norm, sublayer, AttnRes mixer, mHC mixer) in forward order, from a model's modules."""
     out = []
     for block in model.blocks:
         out.append((block.ln1, block.attn, getattr(block, "attn_res", None), getattr(block, "attn_hc", None)))
@@ -98,12 +100,12 @@ def deepseek_config(model: HookedTransformer):
     from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
     cfg = model.cfg
-    return DeepseekV4Config(hidden_size=cfg.d_model, hc_mult=cfg.hyper_streams, hc_eps=cfg.hyper_eps,
-                            hc_sinkhorn_iters=cfg.hyper_sinkhorn_iters, rms_norm_eps=cfg.eps)
+    return DeepseekV4Config(hidden_size=cfg.d_model, hc_mult=cfg.mhc_streams, hc_eps=cfg.mhc_eps,
+                            hc_sinkhorn_iters=cfg.mhc_sinkhorn_iters, rms_norm_eps=cfg.eps)
 
 
-def test_hyper_connection_and_head_match_deepseek_v4_in_float64():
-    model = randomize(model_of(residual="hyper", hyper_streams=3)).double()
+def test_mhc_connection_and_head_match_deepseek_v4_in_float64():
+    model = randomize(model_of(residual="mhc", mhc_streams=3)).double()
     config = deepseek_config(model)
     streams = torch.randn(2, 5, 3, model.cfg.d_model, dtype=torch.float64)
     ours = model.blocks[1].mlp_hc
@@ -126,9 +128,9 @@ def test_hyper_connection_and_head_match_deepseek_v4_in_float64():
 
 
 @pytest.mark.parametrize("attn_only", [False, True])
-def test_hyper_model_matches_a_forward_built_from_deepseek_modules(attn_only):
+def test_mhc_model_matches_a_forward_built_from_deepseek_modules(attn_only):
     """The whole residual, re-derived with transformers' modules as the mixing and our sublayers as f_j."""
-    model = randomize(model_of(residual="hyper", attn_only=attn_only)).double()
+    model = randomize(model_of(residual="mhc", attn_only=attn_only)).double()
     config = deepseek_config(model)
     tokens = tokens_for(model)
     streams = model.embed(tokens).unsqueeze(2).expand(-1, -1, config.hc_mult, -1).contiguous()
@@ -227,15 +229,16 @@ def test_sliding_window_reads_the_embedding_and_the_last_sources():
 
 @pytest.mark.parametrize("fields, message", [
     (dict(residual="standard", attnres_score="sigmoid"), "attnres_score only applies to residual='attnres'"),
-    (dict(residual="denseformer", hyper_streams=2), "hyper_streams only applies to residual='hyper'"),
+    (dict(residual="denseformer", mhc_streams=2), "mhc_streams only applies to residual='mhc'"),
     (dict(residual="standard", block_size=4), "attnres_block_size only applies to residual='attnres'"),
-    (dict(residual="hyper", attnres_eps=1e-5), "attnres_eps only applies to residual='attnres'"),
+    (dict(residual="mhc", attnres_eps=1e-5), "attnres_eps only applies to residual='attnres'"),
     (dict(residual="attnres", attnres_mixing="scalar", attnres_query="input"),
      "attnres_mixing='scalar' has no query or keys.*attnres_query"),
     (dict(residual="attnres", attnres_heads=5), "attnres_heads=5 must divide d_model=32"),
     (dict(residual="attnres", attnres_window=0), "attnres_window must be None"),
     (dict(residual="attnres", attnres_score="tanh"), "attnres_score must be one of"),
-    (dict(residual="hyper", hyper_streams=0), "hyper_streams must be an integer >= 1"),
+    (dict(residual="mhc", mhc_streams=0), "mhc_streams must be an integer >= 1"),
+    (dict(residual="hyper"), "residual='hyper' was renamed 'mhc'; set residual='mhc'"),
 ])
 def test_invalid_combinations_name_the_fields(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -282,15 +285,16 @@ def test_mixing_matrix_of_each_kind_at_initialisation():
     tokens = tokens_for(model_of())
     standard = depth_mixing_matrix(model_of(), tokens)
     assert (standard["weight"] == 1.0).all()
-    assert depth_mixing_matrix(model_of(residual="denseformer"), tokens)["weight"].tolist() == standard["weight"].tolist()
-    hyper = mixing_diagnostics(model_of(residual="hyper"), tokens)
-    assert ((hyper["stream_dominance"] > 0.25) & (hyper["stream_dominance"] < 1)).all()
+    dense = depth_mixing_matrix(model_of(residual="denseformer"), tokens)
+    assert dense["weight"].tolist() == standard["weight"].tolist()
+    mhc = mixing_diagnostics(model_of(residual="mhc"), tokens)
+    assert ((mhc["stream_dominance"] > 0.25) & (mhc["stream_dominance"] < 1)).all()
     full = mixing_diagnostics(model_of(residual="attnres"), tokens)  # uniform α: every earlier output read equally
     assert full["effective_sources"].tolist() == pytest.approx(list(range(1, 8)))
     assert full["max_weight"].tolist() == pytest.approx([1 / n for n in range(1, 8)])
 
 
-@pytest.mark.parametrize("fields", [dict(residual="denseformer"), dict(residual="hyper"),
+@pytest.mark.parametrize("fields", [dict(residual="denseformer"), dict(residual="mhc"),
                                     dict(residual="attnres", attnres_heads=2, attnres_window=2)])
 def test_pruning_runs_on_every_kind(fields):
     model = randomize(model_of(**fields))
@@ -302,7 +306,7 @@ def test_pruning_runs_on_every_kind(fields):
 
 
 # ---------------------------------------------------------------------------- end to end
-KIND_RUNS = {"denseformer": ["model.residual=denseformer"], "hyper": ["model.residual=hyper"],
+KIND_RUNS = {"denseformer": ["model.residual=denseformer"], "mhc": ["model.residual=mhc"],
              "ablations": ["model.attnres_heads=2", "model.attnres_query=input", "model.attnres_window=2"]}
 
 
@@ -320,6 +324,7 @@ def kind_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(KIND_RUNS))
+@pytest.mark.slow
 def test_every_kind_trains_records_and_analyses(kind_runs, name):
     from attnres_lens import load_run
     from attnres_lens.analysis.run import analyze_run, prune_run
@@ -331,13 +336,89 @@ def test_every_kind_trains_records_and_analyses(kind_runs, name):
     computed = depth_mixing_matrix(run.model, tokens)
     torch.testing.assert_close(torch.tensor(last["weight"].to_numpy()), torch.tensor(computed["weight"].to_numpy()),
                                rtol=1e-4, atol=1e-5)
-    tables = analyze_run(kind_runs / name, samples=4, progress=False)
-    assert "depth_mixing" in tables
+    analyzed = analyze_run(kind_runs / name, samples=4, progress=False)
+    assert "depth_mixing" in analyzed.tables and analyzed.report_path.is_file()
     result = prune_run(kind_runs / name, samples=4, progress=False)
     assert result.report_path.is_file()
 
 
-@pytest.mark.parametrize("fields", [dict(residual="denseformer"), dict(residual="hyper")])
+# ---------------------------------------------------------------------------- names of earlier versions
+# What versions before the rename wrote for mHC (docs/run_directory.md §2): spelled out here, not taken from config.py.
+OLD_MHC_FIELDS = {"mhc_streams": "hyper_streams", "mhc_sinkhorn_iters": "hyper_sinkhorn_iters", "mhc_eps": "hyper_eps"}
+
+
+def as_written_before_the_mhc_rename(model: dict) -> dict:
+    old = {OLD_MHC_FIELDS.get(name, name): value for name, value in model.items()}
+    assert old["residual"] == "mhc"
+    return {**old, "residual": "hyper"}
+
+
+def rewrite_with_old_mhc_names(run) -> None:
+    """config.json and every weights checkpoint's metadata as an earlier version wrote them (the parameter names,
+    `attn_hc.fn` …, did not change)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = json.loads((run / "config.json").read_text())
+    config["model"] = as_written_before_the_mhc_rename(config["model"])
+    (run / "config.json").write_text(json.dumps(config))
+    weights = [path for path in (run / "checkpoints").glob("step_*.safetensors") if ".state." not in path.name]
+    assert weights
+    for path in weights:
+        with safe_open(str(path), "pt") as handle:
+            metadata, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
+        metadata["model_config"] = json.dumps(as_written_before_the_mhc_rename(json.loads(metadata["model_config"])))
+        save_file(tensors, str(path), metadata=metadata)
+
+
+def test_a_run_written_with_the_old_mhc_names_loads_evaluates_and_resumes(kind_runs, tmp_path):
+    from attnres_lens import load_run
+    from attnres_lens.training import resume
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    shutil.copytree(kind_runs / "mhc", old)
+    shutil.copytree(kind_runs / "mhc", new)
+    rewrite_with_old_mhc_names(old)
+    assert '"hyper_streams"' in (old / "config.json").read_text()
+    old_run, new_run = load_run(old), load_run(new)
+    assert old_run.model_config.residual == "mhc" and old_run.model_config == new_run.model_config
+    tokens = new_run.config.build_task().eval_batch(4).tokens
+    torch.testing.assert_close(old_run.model(tokens), new_run.model(tokens), rtol=0, atol=0)
+    for run in (old, new):
+        resume(run, progress=False, steps=30)
+    old_metrics, new_metrics = load_run(old, load_model=False).metrics, load_run(new, load_model=False).metrics
+    assert old_metrics["step"].max() == 30
+    columns = ["step", "loss", "eval_loss"]
+    pd.testing.assert_frame_equal(old_metrics[columns], new_metrics[columns])
+    rewritten = json.loads((old / "config.json").read_text())["model"]  # a resume writes today's names
+    assert rewritten["residual"] == "mhc" and "mhc_streams" in rewritten and "hyper_streams" not in rewritten
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("model.residual=hyper", "residual='hyper' was renamed 'mhc'; set residual='mhc'"),
+    ("model.hyper_streams=2", r"unknown model field 'hyper_streams' \(renamed: hyper_streams -> mhc_streams\)"),
+    ("hyper_eps=1e-5", r"no section has it \(renamed: hyper_eps -> mhc_eps\)"),
+])
+def test_old_mhc_names_in_new_settings_are_refused_naming_the_new_ones(assignment, message):
+    from attnres_lens.config import apply_overrides
+    from attnres_lens.presets import get_preset
+
+    with pytest.raises(ValueError, match=message):
+        apply_overrides(get_preset("smoke"), [assignment])
+    with pytest.raises(ValueError, match="preset 'depth-hyper' was renamed 'depth-mhc'; use --preset depth-mhc"):
+        get_preset("depth-hyper")
+
+
+def test_a_stored_config_with_both_the_old_and_the_new_name_is_refused():
+    from attnres_lens.config import ModelConfig
+
+    stored = small_config("mhc").to_dict()
+    ModelConfig.from_stored(stored)
+    with pytest.raises(ValueError, match="both 'hyper_eps' and 'mhc_eps'"):
+        ModelConfig.from_stored({**stored, "hyper_eps": 1e-6})
+
+
+@pytest.mark.parametrize("fields", [dict(residual="denseformer"), dict(residual="mhc")])
 def test_depth_logit_attribution_is_exact_for_every_kind(fields):
     """Through M, DenseFormer's and mHC's final input splits exactly into per-output terms: they sum to the logit."""
     from attnres_lens.analysis.attribution import depth_input_decomposition, depth_logit_attribution
@@ -371,7 +452,8 @@ def test_attribute_runs_on_an_attnres_option_and_analysis_out_is_never_a_run(tmp
     for inside in (run / "records", run / "checkpoints" / "new"):
         assert cli_main(["analyze", str(run), "--samples", "3", "--out", str(inside), "--no-progress"]) == 2
         assert "is inside the run directory" in capsys.readouterr().err
-    assert {path.name: path.read_bytes() for path in (run / "records").iterdir()} == records and not (run / "checkpoints" / "new").exists()
+    assert {path.name: path.read_bytes() for path in (run / "records").iterdir()} == records
+    assert not (run / "checkpoints" / "new").exists()
     assert cli_main(["analyze", str(run), "--samples", "3", "--out", str(run / "analysis" / "again"),
                      "--no-progress"]) == 0
     # another run's analysis folder would get this run's tables under that run's name

@@ -21,6 +21,7 @@ from attnres_lens import HookedTransformer, ModelConfig, load_run
 from attnres_lens.config import RunConfig
 from attnres_lens.rundir import RunDir, RunDirError
 from attnres_lens.tasks.base import Batch, Task
+from lens_ui.text import plain
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RUNS_DIR = REPO_ROOT / "data" / "demo_runs"
@@ -88,6 +89,44 @@ def discover_runs(root: Path) -> list[Path]:
     return sorted(child for child in root.iterdir() if child.is_dir() and not child.name.startswith("."))
 
 
+# ---------------------------------------------------------------------------- the served folder
+# The folder given at start (`--runs`) is the only one the dashboard reads (docs/architecture.md §5): anyone who can
+# reach the port uses the app, so the "Runs folder" box may only move to folders under it, and a symbolic link
+# under it that leads elsewhere counts as elsewhere.
+SERVED_KEY = "served_dir"  # set once per session from the command line (apps/app.py); no widget writes it
+RUNS_DIR_KEY = "runs_dir"  # the folder the pages show now: the served folder or one under it
+
+
+def served_dir() -> Path:
+    return Path(st.session_state.get(SERVED_KEY, DEFAULT_RUNS_DIR)).resolve()
+
+
+def is_served(path: Path) -> bool:
+    """Whether `path`, symbolic links resolved, is the served folder or lies under it."""
+    return path.resolve().is_relative_to(served_dir())
+
+
+def folder_under_served(typed: str) -> Path:
+    """The folder the user typed (relative: to the served folder), resolved; ValueError naming it and the served
+    folder if it lies outside. Nothing outside is read, so the message never carries another folder's content."""
+    served = served_dir()
+    folder = (served / Path(typed.strip()).expanduser()).resolve()
+    if not folder.is_relative_to(served):
+        raise ValueError(f"{typed.strip()} is outside the folder this dashboard serves, {served}; give that folder or "
+                         "one under it (to serve another folder, start the dashboard with --runs DIR)")
+    return folder
+
+
+def outside_files(path: Path) -> list[Path]:
+    """The files of run `path` that a page would read but that lead outside the served folder (symbolic links)."""
+    return [file for file in RunDir(path).watched_files() if file.exists() and not is_served(file)]
+
+
+def outside_message(what: str) -> str:
+    return (f"{what} leads outside the folder this dashboard serves ({served_dir()}) through a symbolic link, so it "
+            f"is not read")
+
+
 def run_signature(path: Path) -> tuple:
     """(relative name, mtime, size) of the files a page reads: changes whenever training writes something."""
     signature = []
@@ -114,6 +153,12 @@ def _load_tables(path: str, signature: tuple) -> LoadResult:
 
 
 def load_tables(path: Path) -> LoadResult:
+    """The run's tables, or an error; a run (or a file of it) outside the served folder is never read."""
+    if not is_served(path):
+        return LoadResult(error=outside_message(f"run folder {path.name}"))
+    outside = outside_files(path)
+    if outside:
+        return LoadResult(error=outside_message(f"{outside[0].relative_to(path)} of run {path.name}"))
     return _load_tables(str(path), run_signature(path))
 
 
@@ -129,6 +174,8 @@ def load_model(tables: RunTables, checkpoint: str) -> tuple[Optional[ModelHandle
     try:
         # keyed by the weights file the alias points to now, so a new "latest" loads the new model
         weights = RunDir(path).weights_path(RunDir(path).resolve_checkpoint(checkpoint))
+        if weights.exists() and not is_served(weights):
+            return None, outside_message(f"checkpoint {checkpoint} of run {path.name}")
         mtime = weights.stat().st_mtime_ns if weights.is_file() else None
         return _load_model(tables.path, checkpoint, (run_signature(path), mtime)), None
     except Exception as err:  # noqa: BLE001
@@ -150,15 +197,24 @@ def last_value(frame: pd.DataFrame, column: str) -> float:
 
 def no_records_message(run: RunTables, what: str, where: str) -> str:
     """Why a page shows no `what` (training records at `where`) for `run`: an imported run never has any; another
-    has none yet."""
+    has none yet. Markdown: the run's name and provenance are escaped (`plain`)."""
     if run.imported:
-        source = run.config.provenance.get("source", "elsewhere")
-        return (f"Run {run.name} was imported from {source} (trained elsewhere), so it has no training records and no "
-                f"{what}; the views computed from its checkpoint work.")
-    return f"Run {run.name} has no {what} yet ({where})."
+        source = plain(run.config.provenance.get("source", "elsewhere"))
+        return (f"Run {plain(run.name)} was imported from {source} (trained elsewhere), so it has no training records "
+                f"and no {what}; the views computed from its checkpoint work.")
+    return f"Run {plain(run.name)} has no {what} yet ({where})."
+
+
+# Runs-table columns that say which positions each metric covers (docs/architecture.md §2, the evaluation metric):
+# the loss averages every target position, the answer loss and the accuracy only the task's answer positions.
+# Short enough that the table fits a 1500 px window with every column (the Runs page's caption spells them out).
+TRAIN_LOSS, EVAL_LOSS = "train loss (all pos.)", "eval loss (all pos.)"
+ANSWER_LOSS, ACCURACY = "eval loss (answer pos.)", "accuracy (answer pos.)"
 
 
 def summary_row(tables: RunTables) -> dict[str, Any]:
+    """One Runs-table row; the answer-position loss is NaN for runs that did not log it (`eval_answer_loss` is
+    newer than some runs)."""
     cfg = tables.model_config
     metrics = tables.metrics
     last_step = int(metrics["step"].max()) if "step" in metrics and len(metrics) else 0
@@ -168,13 +224,15 @@ def summary_row(tables: RunTables) -> dict[str, Any]:
         "run": tables.name, "variant": tables.variant, "task": tables.task,
         "residual": cfg.residual_label, "attention": cfg.attention_label, "layers": cfg.n_layers,
         "steps": steps,
-        "final loss": last_value(metrics, "loss"), "eval loss": last_value(metrics, "eval_loss"),
-        "accuracy": last_value(metrics, "eval_accuracy"),
+        TRAIN_LOSS: last_value(metrics, "loss"), EVAL_LOSS: last_value(metrics, "eval_loss"),
+        ANSWER_LOSS: last_value(metrics, "eval_answer_loss"), ACCURACY: last_value(metrics, "eval_accuracy"),
     }
 
 
 def runs_dir() -> Path:
-    return Path(st.session_state.get("runs_dir", DEFAULT_RUNS_DIR))
+    """The folder the pages show: the one picked on the Runs page if it is under the served folder, else that."""
+    picked = st.session_state.get(RUNS_DIR_KEY)
+    return Path(picked).resolve() if picked and is_served(Path(picked)) else served_dir()
 
 
 def all_runs() -> tuple[list[RunTables], dict[str, str]]:
@@ -190,10 +248,17 @@ def all_runs() -> tuple[list[RunTables], dict[str, str]]:
 
 
 SELECTION_KEY = "selected_runs"  # the runs the pages show: one state, set by any page's run picker
+# the runs the current page shows: the selection, or (when the page cannot show a selected run) the ones it offers
+# instead; the sidebar names both when they differ
+SHOWN_KEY = "shown_runs"
 
 
 def selected_paths() -> list[str]:
     return list(st.session_state.get(SELECTION_KEY, []))
+
+
+def shown_paths() -> list[str]:
+    return list(st.session_state.get(SHOWN_KEY, []))
 
 
 def task_batch(run: RunTables, n_sequences: int = 32) -> Batch:

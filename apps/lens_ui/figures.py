@@ -25,16 +25,31 @@ def _layout(fig: go.Figure, title: str, height: int = 420, **layout) -> go.Figur
     return fig
 
 
+# Printed cell values (docs/architecture.md §5): a grid of at most 8 columns and 120 cells (a Block AttnRes panel)
+# at the default size; up to 16 columns and 272 cells (a 6-layer Full AttnRes panel, 13 sources) in a smaller font;
+# larger grids only on hover, where printed values would no longer fit their cells.
+CELL_TEXT_RULES = ((8, 120, 12), (16, 272, 9))  # (max columns, max cells, font size)
+
+
+def cell_text(shape: tuple[int, int]) -> tuple[Optional[str], int]:
+    """(texttemplate, font size) for a heatmap of `shape` (rows, columns): values to two decimals, or None."""
+    rows, columns = shape
+    for max_columns, max_cells, size in CELL_TEXT_RULES:
+        if columns <= max_columns and rows * columns <= max_cells:
+            return "%{z:.2f}", size
+    return None, 12
+
+
 def heatmap(matrix: pd.DataFrame, title: str, colorbar: str, zmin: Optional[float] = None,
             zmax: Optional[float] = None, colorscale: str = SEQUENTIAL, zmid: Optional[float] = None,
             x_title: str = "", y_title: str = "", hover: str = "value", height: Optional[int] = None) -> go.Figure:
-    """A labelled heatmap of `matrix` (rows top to bottom), values printed in cells when the matrix is small."""
-    small = matrix.shape[1] <= 8 and matrix.size <= 120  # printed values stay legible
+    """A labelled heatmap of `matrix` (rows top to bottom), values printed in cells by `cell_text`'s rule."""
+    template, font_size = cell_text(matrix.shape)
     trace = go.Heatmap(
         z=matrix.to_numpy(dtype=float), x=[str(c) for c in matrix.columns], y=[str(i) for i in matrix.index],
         colorscale=colorscale, zmin=zmin, zmax=zmax, zmid=zmid, colorbar=dict(title=dict(text=colorbar)),
         hovertemplate=f"{y_title or 'row'} %{{y}}<br>{x_title or 'column'} %{{x}}<br>{hover} = %{{z:.4g}}<extra></extra>",
-        texttemplate="%{z:.2f}" if small else None, hoverongaps=False, xgap=1, ygap=1,
+        texttemplate=template, textfont=dict(size=font_size), hoverongaps=False, xgap=1, ygap=1,
     )
     fig = go.Figure(trace)
     fig.update_yaxes(autorange="reversed", title=y_title, type="category")

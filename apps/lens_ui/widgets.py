@@ -6,13 +6,24 @@ import functools
 import os
 import shutil
 import threading
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import plotly.graph_objects as go
 import streamlit as st
 import torch
 
-from lens_ui.data import SELECTION_KEY, ModelHandle, RunTables, all_runs, describe_error, load_model, selected_paths
+from lens_ui.data import (
+    SELECTION_KEY,
+    SHOWN_KEY,
+    ModelHandle,
+    RunTables,
+    all_runs,
+    describe_error,
+    load_model,
+    selected_paths,
+)
+from lens_ui.text import plain
 
 PLOTLY_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
 
@@ -37,24 +48,39 @@ def _select(paths: list[str]) -> None:
     st.session_state[SELECTION_KEY] = list(paths)
 
 
+UNREADABLE = "it is not among the readable runs of this folder"  # why a page without a run filter leaves one out
+
+
 def _starting_choice(runs: list[RunTables], fallback: int, max_runs: Optional[int],
-                     prefer: Optional[Callable[[RunTables], bool]] = None) -> list[str]:
-    """The selected runs this page can show, else the first `fallback` (preferred) runs, which then become the
-    selection, so the sidebar always names the runs on the page."""
+                     prefer: Optional[Callable[[RunTables], bool]] = None,
+                     unshowable: str = UNREADABLE) -> list[str]:
+    """The selected runs this page can show, else the first `fallback` (preferred) runs. With nothing selected these
+    become the selection, so the sidebar names the runs on the page; a selection the page cannot show is kept (it
+    changes only when the user picks) and the page says why (`unshowable`) and which runs it shows instead."""
     by_path = {run.path: run for run in runs}
-    chosen = [path for path in selected_paths() if path in by_path]
+    selected = selected_paths()
+    chosen = [path for path in selected if path in by_path]
+    left_out = [plain(Path(path).name) for path in selected if path not in by_path]
     if not chosen:
         preferred = [run.path for run in runs if prefer is None or prefer(run)] or [run.path for run in runs]
         chosen = preferred[:fallback]
-        _select(chosen)
-    return chosen[:max_runs] if max_runs else chosen
+        if not selected:
+            _select(chosen)
+    chosen = chosen[:max_runs] if max_runs else chosen
+    if left_out:
+        shown = ", ".join(plain(by_path[path].name) for path in chosen)
+        st.info(f"Selected run{'s' if len(left_out) > 1 else ''} {', '.join(left_out)} not shown here: {unshowable}. "
+                f"Showing {shown}; pick below to change the selection.", icon=":material/info:")
+    st.session_state[SHOWN_KEY] = chosen
+    return chosen
 
 
 def pick_runs(runs: list[RunTables], key: str, max_runs: Optional[int] = 2, label: str = "Runs",
-              fallback: int = 1) -> list[RunTables]:
-    """A multiselect over `runs`, showing (and changing) the selection; with none, the first `fallback` runs."""
+              fallback: int = 1, unshowable: str = UNREADABLE) -> list[RunTables]:
+    """A multiselect over `runs`, showing (and changing) the selection; with none, the first `fallback` runs.
+    `unshowable`: why a selected run missing from `runs` is not shown (the page says so)."""
     by_path = {run.path: run for run in runs}
-    st.session_state[key] = _starting_choice(runs, fallback, max_runs)  # the widget follows the selection
+    st.session_state[key] = _starting_choice(runs, fallback, max_runs, unshowable=unshowable)  # the widget follows
     chosen = st.multiselect(label, list(by_path), key=key, max_selections=max_runs,
                             format_func=lambda path: by_path[path].label,
                             on_change=lambda: _select(st.session_state[key]))
@@ -77,13 +103,13 @@ def pick_run(runs: list[RunTables], key: str, label: str = "Run",
 def pick_model(run: RunTables, key: str) -> Optional[ModelHandle]:
     """Checkpoint selectbox, then the cached model; an error message (and None) if it cannot be loaded."""
     if not run.checkpoints:
-        st.warning(f"Run {run.name} has no checkpoint yet, so nothing can be computed with its model.")
+        st.warning(f"Run {plain(run.name)} has no checkpoint yet, so nothing can be computed with its model.")
         return None
     checkpoint = st.selectbox("Checkpoint", run.checkpoints, key=key,
                               help="latest / best (lowest eval loss) or a kept checkpoint")
     handle, error = load_model(run, checkpoint)
     if error:
-        st.error(f"Cannot load checkpoint {checkpoint!r} of {run.name}: {error}")
+        st.error(f"Cannot load checkpoint {plain(repr(checkpoint))} of {plain(run.name)}: {plain(error)}")
     return handle
 
 
@@ -115,7 +141,7 @@ def computed_on_demand(page: str, key: tuple, button: str, compute: Callable[[Ca
             with _STORE_LOCK:
                 store[full_key] = result
         except Exception as err:  # noqa: BLE001 - a bad checkpoint or task config becomes a message
-            st.error(f"{failure}: {describe_error(err)}")
+            st.error(f"{failure}: {plain(describe_error(err))}")
         bar.empty()
     with _STORE_LOCK:  # sessions run in threads of one server
         found = full_key in store
@@ -152,7 +178,7 @@ def token_input(run: RunTables, handle: ModelHandle, key: str) -> Optional[torch
     try:
         return handle.model.to_tokens(text).cpu()
     except ValueError as err:
-        st.error(f"Invalid token ids: {err}")
+        st.error(f"Invalid token ids: {plain(err)}")
         return None
 
 

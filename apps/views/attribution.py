@@ -28,8 +28,10 @@ from attnres_lens.analysis.attribution_report import (
     timeline_figure,
 )
 from attnres_lens.analysis.induction import task_probe
+from attnres_lens.analysis.run import ATTRIBUTE_SAMPLES
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 from lens_ui.data import ModelHandle, RunTables, no_records_message, task_batch
+from lens_ui.text import plain
 from lens_ui.widgets import COMPUTED_KEEP, computed_on_demand, loadable_runs, pick_model, pick_run, show_figure
 
 st.title("Attribution")
@@ -39,7 +41,7 @@ st.caption("Which sources a prediction reads, and whether through the value a so
 
 runs = loadable_runs()
 run = pick_run(runs, key="attribution-run", prefer=lambda r: r.model_config.residual == "attnres")
-st.caption(run.variant)
+st.caption(plain(run.variant))
 
 
 def compute(run: RunTables, handle: ModelHandle, samples: int, prompt: torch.Tensor,
@@ -61,7 +63,7 @@ def prompt_input(run: RunTables, handle: ModelHandle, samples: int) -> Optional[
     try:
         tokens = handle.model.to_tokens(text).cpu()
     except ValueError as err:
-        st.error(f"Invalid token ids: {err}")
+        st.error(f"Invalid token ids: {plain(err)}")
         return None
     if tokens.shape[1] < 2:
         st.error("Invalid token ids: give at least 2 (each position is attributed against the next token).")
@@ -78,14 +80,17 @@ else:
     changes = fastest_changes(timeline)
     show_figure(timeline_figure(timeline, changes), key="attribution-timeline")
     with st.expander("Step of the fastest change, per series and consumer"):
-        st.dataframe(changes, hide_index=True)
+        # the label names the consumer (a sublayer, the final readout, or the whole model for loss and induction);
+        # the model-wide rows, the ones the dotted lines mark, come first
+        rows = changes.sort_values("consumer", key=lambda consumer: consumer >= 0, kind="stable")
+        st.dataframe(rows.drop(columns="consumer").rename(columns={"consumer_label": "consumer"}), hide_index=True)
 
 # ---------------------------------------------------------------------------- from a checkpoint
 st.header("At a checkpoint")
 handle = pick_model(run, key="attribution-checkpoint")
 if handle is None:
     st.stop()
-samples = int(st.number_input("Held-out sequences", 2, 128, 8, key="attribution-samples",
+samples = int(st.number_input("Held-out sequences", 2, 128, ATTRIBUTE_SAMPLES, key="attribution-samples",
                               help="the routing audit's bootstrap and the corrupted patch need at least 2"))
 prompt = prompt_input(run, handle, samples)
 if prompt is None:
@@ -93,7 +98,7 @@ if prompt is None:
 tables = computed_on_demand(
     "attribution", (handle.key, samples, tuple(prompt[0].tolist())), "Compute attribution",
     lambda progress: compute(run, handle, samples, prompt, progress),
-    failure=f"Attribution of {run.name} failed",
+    failure=f"Attribution of {plain(run.name)} failed",
     waiting="A few seconds for a small model (the exact knockouts and the audit take longest); kept for this "
             f"checkpoint, sample count and prompt while it is among the {COMPUTED_KEEP} results shown last.")
 
@@ -108,8 +113,8 @@ with lens_tab:
     show_figure(lens_summary_figure(tables["logit_lens_summary"]), key="attribution-lens-summary")
 with edge_tab:
     if "edge_attribution" not in tables:
-        st.info(f"Run {run.name} has a {run.model_config.residual} residual: no depth attention, so no edges "
-                "to attribute (its depth DLA treats e and every f_j as sources).")
+        st.info(f"Run {plain(run.name)} has a {plain(run.model_config.residual)} residual: no depth attention, so "
+                "no edges to attribute (its depth DLA treats e and every f_j as sources).")
     else:
         column = st.radio("Path", list(EDGE_COLUMNS), horizontal=True, key="attribution-edge-path",
                           format_func=lambda c: EDGE_COLUMNS[c])
@@ -120,10 +125,13 @@ with edge_tab:
         st.dataframe(tables["edge_agreement"], hide_index=True)
 with audit_tab:
     if "routing_audit_consumers" not in tables:
-        st.info(f"Run {run.name} has no depth attention to audit.")
+        st.info(f"Run {plain(run.name)} has no depth attention to audit.")
     else:
         show_figure(audit_figure(tables["routing_audit_consumers"]), key="attribution-audit")
         st.dataframe(tables["routing_audit_consumers"], hide_index=True)
 with kv_tab:
-    show_figure(kv_shift_bars(tables["kv_shift"]), key="attribution-kv")
-    st.dataframe(tables["kv_shift"], hide_index=True)
+    if run.model_config.attention != "kv_shift":  # its table would only say α1 = β1 = 1, α2 = β2 = 0 per head
+        st.info(f"Run {plain(run.name)} uses standard attention: it has no KV shift to decompose.")
+    else:
+        show_figure(kv_shift_bars(tables["kv_shift"]), key="attribution-kv")
+        st.dataframe(tables["kv_shift"], hide_index=True)

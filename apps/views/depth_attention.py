@@ -9,6 +9,7 @@ import streamlit as st
 from attnres_lens.analysis.depth import depth_weights, depth_weights_per_token
 from lens_ui.data import ModelHandle, RunTables, describe_error, load_model, no_records_message, task_batch
 from lens_ui.figures import KIND_TITLES, depth_heatmap, per_token_heatmap
+from lens_ui.text import figure_text, plain
 from lens_ui.widgets import loadable_runs, pick_model, pick_runs, show_figure, token_input
 
 st.title("Depth attention")
@@ -18,12 +19,11 @@ st.caption("Each AttnRes sublayer reads a softmax mix α over earlier sources (e
 
 runs = loadable_runs(lambda run: run.model_config.residual == "attnres",
                      "No AttnRes run in this folder: depth attention exists only with `residual=attnres`.")
-chosen = pick_runs(runs, key="depth-runs", label="Runs (one or two, shown side by side)",
-                  fallback=2)
+chosen = pick_runs(runs, key="depth-runs", label="Runs (one or two, shown side by side)", fallback=2,
+                   unshowable="depth attention exists only in AttnRes runs (`residual=attnres`)")
 if not chosen:
     st.info("Pick a run.")
     st.stop()
-
 
 
 @st.cache_data(show_spinner="Computing depth weights from the checkpoint…", max_entries=16)
@@ -44,7 +44,7 @@ for run in chosen:
         except Exception as err:  # noqa: BLE001 - e.g. a task whose token file moved
             error = describe_error(err)
         if error:
-            st.error(f"Cannot compute the depth weights of {run.name}: {error}")
+            st.error(f"Cannot compute the depth weights of {plain(run.name)}: {plain(error)}")
     elif recorded[run.path].empty:
         st.warning(no_records_message(run, "recorded depth weights", "records/depth_weights.parquet"))
 chosen = [run for run in chosen if not recorded[run.path].empty]
@@ -71,19 +71,20 @@ columns = st.columns(len(chosen))
 for column, run in zip(columns, chosen):
     at, frame = snapshots[run.path]
     with column:
-        st.subheader(run.name)
-        st.caption(f"{run.variant} · " + ("imported checkpoint" if run.imported else f"step {at}"))
+        st.subheader(plain(run.name))
+        st.caption(f"{plain(run.variant)} · " + ("imported checkpoint" if run.imported else f"step {at}"))
         for kind in KIND_TITLES:
             if (frame["kind"] == kind).any():
                 where = "imported checkpoint" if run.imported else f"step {at}"
-                show_figure(depth_heatmap(frame, kind, where, zmax, run.name),
+                show_figure(depth_heatmap(frame, kind, where, zmax, figure_text(run.name)),
                             key=f"depth-{run.name}-{kind}")
 
 st.divider()
 st.header("Per-token view")
 st.caption("α at every position of one input, from the model at the chosen checkpoint.")
 names = [run.name for run in chosen]
-run = chosen[names.index(st.radio("Run", names, horizontal=True, key="depth-token-run"))] if len(chosen) > 1 else chosen[0]
+run = chosen[names.index(st.radio("Run", names, horizontal=True, key="depth-token-run", format_func=plain))] \
+    if len(chosen) > 1 else chosen[0]
 handle = pick_model(run, key="depth-token-checkpoint")
 if handle is None:
     st.stop()
@@ -97,6 +98,6 @@ consumer = st.selectbox("Consumer", consumers, index=len(consumers) - 1, format_
 
 with handle.lock:
     per_token = depth_weights_per_token(model, tokens)
-show_figure(per_token_heatmap(per_token, consumer, f"α of {model.sublayer_name(consumer)} per token"
-                                                   f"<br><sup>{run.name} · {handle.checkpoint}</sup>"),
+show_figure(per_token_heatmap(per_token, consumer, f"α of {model.sublayer_name(consumer)} per token<br><sup>"
+                                                   f"{figure_text(run.name)} · {figure_text(handle.checkpoint)}</sup>"),
             key=f"depth-per-token-{run.name}")

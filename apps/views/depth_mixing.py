@@ -9,6 +9,7 @@ import streamlit as st
 from attnres_lens.analysis.depth import depth_mixing_matrix, mixing_matrix_from_weights
 from lens_ui.data import describe_error, no_records_message, task_batch
 from lens_ui.figures import mixing_heatmap
+from lens_ui.text import figure_text, plain
 from lens_ui.widgets import loadable_runs, pick_model, pick_runs, show_figure
 
 st.title("Depth-mixing matrix")
@@ -46,7 +47,7 @@ for run in chosen:
         weights = None  # no M recorded (an older run): the standard residual's, all ones, comes from the model
     handle = None
     if weights is None or ("sublayer" not in weights and not weights.empty):  # a recorded M needs no model
-        with st.expander(f"{run.name}: checkpoint", expanded=False):
+        with st.expander(f"{plain(run.name)}: checkpoint", expanded=False):
             handle = pick_model(run, key=f"mixing-checkpoint-{run.name}")
         if handle is None:
             continue
@@ -73,13 +74,14 @@ for run in chosen:
             where = handle.checkpoint
         matrices[run.name] = (run, where, matrix)
     except Exception as err:  # noqa: BLE001 - e.g. a run whose task config no longer builds
-        st.error(f"Cannot compute the mixing matrix of {run.name}: {describe_error(err)}")
+        st.error(f"Cannot compute the mixing matrix of {plain(run.name)}: {plain(describe_error(err))}")
 
 if matrices:
     zmax = max(float(frame["weight"].max()) for _, _, frame in matrices.values())
     zmin = min(0.0, *(float(frame["weight"].min()) for _, _, frame in matrices.values()))
     for column, (name, (run, where, frame)) in zip(st.columns(len(matrices)), matrices.items()):
         with column:
-            st.subheader(name)
-            st.caption(f"{run.variant} · {where}")
-            show_figure(mixing_heatmap(frame, f"{name} · M ({where})", zmax, zmin), key=f"mixing-{name}")
+            st.subheader(plain(name))
+            st.caption(f"{plain(run.variant)} · {plain(where)}")
+            show_figure(mixing_heatmap(frame, f"{figure_text(name)} · M ({figure_text(where)})", zmax, zmin),
+                        key=f"mixing-{name}")

@@ -12,6 +12,7 @@ from attnres_lens.analysis.induction import induction_head_scores, task_probe
 from attnres_lens.tasks.base import Task
 from lens_ui.data import ModelHandle, no_records_message
 from lens_ui.figures import kv_shift_figure, layer_head_heatmap, pattern_heatmap, score_over_training
+from lens_ui.text import figure_text, plain
 from lens_ui.widgets import loadable_runs, pick_model, pick_run, repeated_tokens_input, show_figure
 
 # column: (menu name, colour-bar title with its scale, zmin, zmax, signed)
@@ -34,7 +35,8 @@ st.caption("Scores on repeated random tokens [BOS, r, r]. The prefix score and T
 
 runs = loadable_runs()
 run = pick_run(runs, key="induction-run", prefer=lambda r: r.model_config.attention == "kv_shift")
-st.caption(run.variant)
+st.caption(plain(run.variant))
+run_title = figure_text(run.name)  # in figure titles: Plotly reads them as HTML
 
 
 @st.cache_data(show_spinner=False, max_entries=32)
@@ -59,10 +61,12 @@ if metric == RECORDED:
         left, right = st.columns(2)
         with left:
             show_figure(layer_head_heatmap(scores[scores["step"] == step], "prefix_score",
-                                           f"prefix score @ step {step}<br><sup>{run.name}</sup>", colorbar, zmin, zmax, signed),
+                                           f"prefix score @ step {step}<br><sup>{run_title}</sup>", colorbar, zmin,
+                                           zmax, signed),
                         key=f"induction-recorded-{run.name}")
         with right:
-            show_figure(score_over_training(scores, "prefix_score", f"prefix score over training<br><sup>{run.name}</sup>",
+            show_figure(score_over_training(scores, "prefix_score",
+                                            f"prefix score over training<br><sup>{run_title}</sup>",
                                             "prefix score (ceiling ≈ 1)"), key=f"induction-training-{run.name}")
 else:
     handle = pick_model(run, key="induction-checkpoint")
@@ -72,8 +76,9 @@ else:
             task = run.build_task()
             scores = live_scores(handle, handle.key, n_samples, task)
         name, colorbar, zmin, zmax, signed = METRICS[metric]
-        show_figure(layer_head_heatmap(scores, metric, f"{name}<br><sup>{run.name} · {handle.checkpoint}</sup>", colorbar, zmin,
-                                       zmax, signed), key=f"induction-live-{run.name}-{metric}")
+        show_figure(layer_head_heatmap(scores, metric,
+                                       f"{name}<br><sup>{run_title} · {figure_text(handle.checkpoint)}</sup>",
+                                       colorbar, zmin, zmax, signed), key=f"induction-live-{run.name}-{metric}")
         with st.expander("All scores as a table"):
             st.dataframe(scores, hide_index=True)
 
@@ -97,18 +102,19 @@ if handle is not None:
         _, cache = model.run_with_cache(tokens, names_filter=lambda name: name == hook)
     pattern = cache[hook][0, head].float().cpu().numpy()
     show_figure(pattern_heatmap(pattern, tokens[0].tolist(), f"L{layer}H{head} attention on [BOS, r, r]"
-                                                             f"<br><sup>{run.name} · {handle.checkpoint}</sup>"), key=f"induction-pattern-{run.name}")
+                                f"<br><sup>{run_title} · {figure_text(handle.checkpoint)}</sup>"),
+                key=f"induction-pattern-{run.name}")
     st.caption("An induction head attends from each second-half token to the token after its first occurrence: "
                "the stripe L−1 below the diagonal.")
 
 st.divider()
 st.header("KV-shift coefficients over training")
 if run.model_config.attention != "kv_shift":
-    st.info(f"Run {run.name} uses standard attention: it has no KV-shift coefficients.")
+    st.info(f"Run {plain(run.name)} uses standard attention: it has no KV-shift coefficients.")
 else:
     kv = run.record("kv_shift")
     if kv.empty:
         st.warning(no_records_message(run, "recorded KV-shift coefficients", "records/kv_shift.parquet"))
     else:
         st.caption("K̂_t = α1·K_t + α2·K_{t−1}, V̂_t = β1·V_t + β2·V_{t−1}, per head.")
-        show_figure(kv_shift_figure(kv, f"{run.name} · KV-shift coefficients"), key=f"induction-kv-{run.name}")
+        show_figure(kv_shift_figure(kv, f"{run_title} · KV-shift coefficients"), key=f"induction-kv-{run.name}")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import pandas as pd
 import streamlit as st
 
 from attnres_lens.analysis.report import prune_report_html
-from attnres_lens.analysis.run import REMOVAL_TOLERANCE, prune_summary, prune_tables
+from attnres_lens.analysis.run import PRUNE_SAMPLES, REMOVAL_TOLERANCE, prune_summary, prune_tables
 from lens_ui.data import ModelHandle, RunTables, task_batch
+from lens_ui.text import plain
 from lens_ui.widgets import COMPUTED_KEEP, computed_on_demand, loadable_runs, pick_model, pick_run
 
 st.title("Layer pruning")
@@ -20,40 +20,35 @@ st.caption("Δloss and Δaccuracy when each sublayer is removed, mean-ablated or
 
 
 def compute_report(run: RunTables, handle: ModelHandle, samples: int, metric: str,
-                   progress: Callable[[float, str], Any]) -> tuple[dict[str, pd.DataFrame], str]:
-    """The library's pruning tables (reporting each stage to `progress`), then its HTML report."""
+                   progress: Callable[[float, str], Any]) -> str:
+    """The library's pruning tables (reporting each stage to `progress`), as its HTML report."""
     with handle.lock:
         tables = prune_tables(handle.model, task_batch(run, samples), metric, on_stage=progress)
     header = {"run": run.name, "checkpoint": handle.checkpoint, "variant": run.variant, "samples": samples,
               "metric": metric}
     summary = prune_summary(tables, header)
-    return tables, prune_report_html(tables, summary, metric, REMOVAL_TOLERANCE)
+    return prune_report_html(tables, summary, metric, REMOVAL_TOLERANCE)
 
 
 runs = loadable_runs()
 run = pick_run(runs, key="pruning-run")
-st.caption(run.variant)
+st.caption(plain(run.variant))
 handle = pick_model(run, key="pruning-checkpoint")
 if handle is None:
     st.stop()
 left, right = st.columns(2)
-samples = int(left.number_input("Held-out sequences", 2, 256, 16, key="pruning-samples"))
+samples = int(left.number_input("Held-out sequences", 2, 256, PRUNE_SAMPLES, key="pruning-samples"))
 metric = right.radio("Order removals by", ["loss", "accuracy"], horizontal=True, key="pruning-metric")
 
-tables, report = computed_on_demand(
+report = computed_on_demand(
     "pruning", (handle.key, samples, metric), "Compute pruning report",
     lambda progress: compute_report(run, handle, samples, metric, progress),
-    failure=f"The pruning report of {run.name} failed",
+    failure=f"The pruning report of {plain(run.name)} failed",
     waiting=f"The report takes a few seconds to a minute; it is kept for this checkpoint while it is among the "
             f"{COMPUTED_KEEP} results shown last.")
 
 st.download_button("⬇ Report (HTML)", report, file_name=f"prune_report_{run.name}.html", mime="text/html",
-                   key="pruning-download", on_click="ignore")
-summary_left, summary_right = st.columns(2)
-with summary_left:
-    st.subheader(f"Removable within +{REMOVAL_TOLERANCE:.0%} loss")
-    st.dataframe(tables["removable"], hide_index=True)
-with summary_right:
-    st.subheader("Cheap metrics vs measured Δloss (Spearman)")
-    st.dataframe(tables["metric_correlations"], hide_index=True)
-st.iframe(report, height=2400)  # our own report (names escaped by the library), not user HTML
+                   key="pruning-download", on_click="ignore", help="The same report as a standalone file (offline)")
+# The report holds the summary tables and every figure once; the frame takes the report's own height (measured by
+# the browser), so nothing is cut whatever the model's depth. Our own report (names escaped by the library).
+st.iframe(report, height="content")

@@ -8,6 +8,7 @@ import streamlit as st
 
 from lens_ui.data import no_records_message
 from lens_ui.figures import by_depth_lines, curves, depth_step_heatmap, last_step_by_depth
+from lens_ui.text import figure_text, plain
 from lens_ui.widgets import loadable_runs, pick_runs, show_figure
 
 st.title("Training dynamics")
@@ -19,15 +20,16 @@ if not chosen:
     st.stop()
 
 log_loss = st.toggle("Log-scale loss", value=False, key="dynamics-log-loss")
-series = [(run.name, run.metrics) for run in chosen if not run.metrics.empty]
+series = [(figure_text(run.name), run.metrics) for run in chosen if not run.metrics.empty]
 for run in chosen:
     if run.metrics.empty:
         st.warning(no_records_message(run, "training curves", "metrics.jsonl is missing or empty"))
 if series:
     left, right = st.columns(2)
     with left:
-        show_figure(curves(series, [("loss", "train"), ("eval_loss", "eval")], "Loss", "cross-entropy (nats)",
-                           log_y=log_loss), key="dynamics-loss")
+        show_figure(curves(series, [("loss", "train, all positions"), ("eval_loss", "eval, all positions"),
+                                    ("eval_answer_loss", "eval, answer positions")],  # newer runs log the last
+                           "Loss", "cross-entropy (nats)", log_y=log_loss), key="dynamics-loss")
     with right:
         show_figure(curves(series, [("eval_accuracy", "eval")], "Accuracy (answer positions)", "accuracy"),
                     key="dynamics-accuracy")
@@ -64,18 +66,22 @@ for run in chosen:
     else:
         frames[run.name] = depth_frame(run.record(table))
 if len(frames) > 1:
-    show_figure(last_step_by_depth(list(frames.items()), x, x_labels, value, f"{metric}<br><sup>last recorded step, runs overlaid</sup>", unit,
-                                   log_y=log_depth), key="dynamics-overlay")
+    overlaid = [(figure_text(name), frame) for name, frame in frames.items()]  # trace names: Plotly reads HTML
+    show_figure(last_step_by_depth(overlaid, x, x_labels, value,
+                                   f"{metric}<br><sup>last recorded step, runs overlaid</sup>", unit, log_y=log_depth),
+                key="dynamics-overlay")
 for run in chosen:
     if run.name not in frames:
         continue
     frame = frames[run.name]
-    st.subheader(run.name)
-    st.caption(run.variant)
+    st.subheader(plain(run.name))
+    st.caption(plain(run.variant))
+    run_title = figure_text(run.name)
     left, right = st.columns(2)
     with left:
-        show_figure(by_depth_lines(frame, x, x_labels, value, f"{metric}<br><sup>{run.name}, a line per recorded step</sup>", unit, log_y=log_depth),
-                    key=f"dynamics-lines-{run.name}")
+        show_figure(by_depth_lines(frame, x, x_labels, value,
+                                   f"{metric}<br><sup>{run_title}, a line per recorded step</sup>", unit,
+                                   log_y=log_depth), key=f"dynamics-lines-{run.name}")
     with right:
-        show_figure(depth_step_heatmap(frame, x, x_labels, value, f"{metric}<br><sup>{run.name}, depth × step</sup>", unit,
-                                       log_z=log_depth), key=f"dynamics-heatmap-{run.name}")
+        show_figure(depth_step_heatmap(frame, x, x_labels, value, f"{metric}<br><sup>{run_title}, depth × step</sup>",
+                                       unit, log_z=log_depth), key=f"dynamics-heatmap-{run.name}")

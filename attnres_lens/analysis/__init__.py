@@ -12,7 +12,7 @@
 * `engine`: running a model under interventions (`capture`, `evaluate`, and `evaluate_many`, which shares the
   computation interventions have in common); `workers` its worker threads and forked jobs; `session` the work
   analyses of one unchanged model share;
-* `run`: `analyze_run` and `prune_run`, behind `attnres-lens analyze` and `attnres-lens prune`.
+* `run`: `analyze_run`, `prune_run` and `attribute_run`, behind `attnres-lens analyze`, `prune` and `attribute`.
 """
 
 from attnres_lens.analysis.attribution import (
@@ -46,13 +46,14 @@ from attnres_lens.analysis.pruning import (
     spearman,
 )
 from attnres_lens.analysis.routing import causal_routing, routing_correlations, routing_disagreements
-from attnres_lens.analysis.run import analyze_run, prune_run, prune_tables
+from attnres_lens.analysis.run import analyze_run, attribute_run, prune_run, prune_tables
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 
 __all__ = [
     "StateCache",
     "analyze_run",
     "angular_distance_matrix",
+    "attribute_run",
     "audit_summary",
     "causal_routing",
     "cheap_metrics",

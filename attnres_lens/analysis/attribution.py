@@ -39,11 +39,11 @@ from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.attnres import EMBEDDING
 from attnres_lens.mixing import basis_index, mixing_coefficients
 from attnres_lens.model import HookedTransformer
-from attnres_lens.tasks.base import IGNORE_INDEX, Batch, next_token_targets
+from attnres_lens.tasks.base import IGNORE_INDEX, Batch, check_scored_batch, check_target_ids, next_token_targets
 
 BatchLike = Union[Batch, torch.Tensor]
 # residual kinds whose inputs are weighted sums of e and every f_i with weights from `attnres_lens.mixing`
-MIXED_RESIDUALS = ("denseformer", "hyper")
+MIXED_RESIDUALS = ("denseformer", "mhc")
 
 
 # ---------------------------------------------------------------------------- one clean pass, through hooks
@@ -160,7 +160,7 @@ def _detached(terms: DepthTerms) -> DepthTerms:
 def _as_batch(model: HookedTransformer, batch: BatchLike) -> Batch:
     """A Batch as given, or tokens with next-token targets at every position but the last (all of them answers)."""
     if isinstance(batch, Batch):
-        return batch.to(model.embed.W_E.device)
+        return check_scored_batch(batch.to(model.embed.W_E.device), model.cfg.d_vocab)
     tokens = model.to_tokens(batch)
     targets = next_token_targets(tokens)
     return Batch(tokens, targets, targets != IGNORE_INDEX)
@@ -170,17 +170,7 @@ def _target_ids(model: HookedTransformer, tokens: torch.Tensor, targets: Optiona
                 ) -> torch.Tensor:
     if targets is None:
         return next_token_targets(tokens)
-    targets = torch.as_tensor(targets, device=tokens.device)
-    if targets.dtype == torch.bool or targets.is_floating_point() or targets.is_complex():
-        raise ValueError(f"{what} must hold integer token ids, got dtype {targets.dtype}; pass a long tensor "
-                         f"(use {IGNORE_INDEX} to skip a position)")
-    if targets.shape != tokens.shape:
-        raise ValueError(f"{what} must have the tokens' shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")
-    bad = targets[(targets != IGNORE_INDEX) & ((targets < 0) | (targets >= model.cfg.d_vocab))]
-    if len(bad):
-        raise ValueError(f"{what} holds token id {int(bad[0])}, out of range for d_vocab={model.cfg.d_vocab} "
-                         f"(use {IGNORE_INDEX} to skip a position)")
-    return targets.long()
+    return check_target_ids(targets, tokens.shape, model.cfg.d_vocab, what).to(tokens.device)
 
 
 def _source_info(model: HookedTransformer, consumer: int) -> list[dict[str, Any]]:
@@ -529,7 +519,7 @@ def routing_audit(model: HookedTransformer, batch: Batch, n_boot: int = 1000, se
     _check_single_head_mix(model, "routing_audit")
     if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 10:
         raise ValueError(f"n_boot must be an integer >= 10, got {n_boot!r}")
-    batch = batch.to(model.embed.W_E.device)
+    batch = _as_batch(model, batch)
     n_seq = batch.tokens.shape[0]
     if n_seq < 2:
         raise ValueError("a bootstrap over sequences needs at least 2 sequences")

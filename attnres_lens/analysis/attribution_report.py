@@ -1,5 +1,6 @@
-"""`attnres-lens attribute`: attribution through depth for a run directory (docs/analysis.md §11), as tables and
-one offline HTML report, and the figures the report and the dashboard's Attribution page share.
+"""Attribution through depth (docs/analysis.md §11) as tables and one offline HTML report, and the figures the
+report and the dashboard's Attribution page share; `attnres-lens attribute` runs it on a run directory
+(`attnres_lens.analysis.run.attribute_run`).
 
 Data: the run's held-out set (`task.eval_batch(samples)`, scored on its answer positions where it has them),
 one prompt for the per-position views (`--prompt`, default the first held-out sequence), the repeated-tokens
@@ -26,23 +27,13 @@ from attnres_lens.analysis.attribution import (
     routing_audit,
     source_logit_lens,
 )
-from attnres_lens.analysis.induction import default_half_len, repeated_batch, task_probe
+from attnres_lens.analysis.induction import default_half_len, repeated_batch
 from attnres_lens.analysis.kv_shift import kv_shift_decomposition
 from attnres_lens.analysis.report import STYLE
 from attnres_lens.analysis.routing import causal_routing
-from attnres_lens.analysis.run import (
-    AnalysisResult,
-    _check_fits,
-    _check_out,
-    _check_samples,
-    _json_safe,
-    _run_header,
-    output_dir,
-    write_tables,
-)
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
+from attnres_lens.analysis_options import plural
 from attnres_lens.model import HookedTransformer
-from attnres_lens.rundir import PathLike, atomic_write_bytes, atomic_write_json, load_run
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch
 
 if TYPE_CHECKING:
@@ -156,31 +147,6 @@ def parse_prompt(model: HookedTransformer, prompt: Union[str, torch.Tensor, None
     if tokens.shape[1] < 2:
         raise ValueError("--prompt needs at least 2 tokens (each position is attributed against the next token)")
     return tokens
-
-
-def attribute_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples: int = 16,
-                  prompt: Optional[str] = None, out: Optional[PathLike] = None, n_boot: int = 1000,
-                  progress: bool = True) -> AnalysisResult:
-    """Attribution tables, `attribution_summary.json` and `attribution_report.html` under `out` (default
-    RUN/analysis/)."""
-    _check_samples(samples, 2)  # the bootstrap and the corrupted patch need two sequences
-    _check_out(out, path)
-    run = load_run(path, checkpoint=str(checkpoint))
-    task = run.config.build_task()
-    model = run.model
-    batch = task.eval_batch(samples)
-    _check_fits(model, batch)
-    prompt_tokens = parse_prompt(model, prompt, batch)
-    probe = task_probe(model, task, samples)
-    tables = attribution_tables(model, batch, prompt_tokens, run.records, run.metrics, probe, n_boot, progress)
-    header = {**_run_header(run, samples), "prompt": " ".join(map(str, prompt_tokens[0].tolist()))}
-    summary = _json_safe(attribution_summary(tables, header))
-    out_dir = output_dir(run, out)
-    write_tables(tables, out_dir)
-    atomic_write_json(out_dir / "attribution_summary.json", summary)
-    report_path = out_dir / "attribution_report.html"
-    atomic_write_bytes(report_path, attribution_report_html(tables, summary).encode())
-    return AnalysisResult(tables, summary, report_path)
 
 
 # ---------------------------------------------------------------------------- figures (pure functions of tables)
@@ -357,33 +323,60 @@ TIMELINE_PANELS = (("loss", "eval_loss"), ("induction_score",), ("routing_entrop
                    ("embedding_weight",))
 
 
+# model-wide series: Okabe–Ito colours (colour-blind safe), apart from the per-consumer Viridis ramp
+MODEL_WIDE_COLOURS = {"loss": "#000000", "eval_loss": "#E69F00", "induction_score": "#D55E00"}
+KIND_DASHES = {"attn": "solid", "mlp": "dash", "final": "dot"}
+
+
+def consumer_styles(timeline: pd.DataFrame) -> dict[int, dict[str, str]]:
+    """{consumer: line style}: colour by depth (Viridis from the first consumer to the final readout) and dash by
+    sublayer kind (attn solid, mlp dashed, final dotted), so every consumer's line is told apart however many there
+    are; Plotly's ten default colours repeat from the eleventh."""
+    from plotly.colors import sample_colorscale
+
+    labels = timeline.loc[timeline["consumer"] >= 0, ["consumer", "consumer_label"]].drop_duplicates("consumer")
+    labels = labels.sort_values("consumer")
+    colours = sample_colorscale(SEQUENTIAL, [0.85 * i / max(len(labels) - 1, 1) for i in range(len(labels))])
+    return {int(consumer): dict(color=colour, dash=KIND_DASHES.get(str(label).rsplit(".", 1)[-1], "dashdot"))
+            for (consumer, label), colour in zip(labels.itertuples(index=False), colours)}
+
+
 def timeline_figure(timeline: pd.DataFrame, changes: pd.DataFrame) -> "go.Figure":
     """Loss, the induction score and per-consumer routing statistics over training, on one step axis; a dotted
-    line marks where the loss and the induction score change fastest."""
+    line marks where the loss and the induction score change fastest, labelled inside that series' own panel (two
+    labels never share a row, so they cannot overlap)."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     panels = [panel for panel in TIMELINE_PANELS if timeline["series"].isin(panel).any()]
-    figure = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.04,
+    figure = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.05,
                            subplot_titles=[" / ".join(panel) for panel in panels])
+    styles, in_legend = consumer_styles(timeline), set()
     for row, panel in enumerate(panels, start=1):
         for series in panel:
             frame = timeline[timeline["series"] == series]
             for (consumer, label), curve in frame.groupby(["consumer", "consumer_label"], sort=True):
-                figure.add_trace(go.Scatter(x=curve["step"], y=curve["value"], mode="lines",
-                                            name=label or series, legendgroup=label or series,
-                                            showlegend=row == 3 or consumer < 0,
-                                            hovertemplate=f"{label or series}<br>step %{{x}}<br>%{{y:.4g}}<extra></extra>"),
+                name = label if consumer >= 0 else series  # one legend entry per consumer, toggling every panel
+                line = styles[consumer] if consumer >= 0 else dict(color=MODEL_WIDE_COLOURS.get(series, "#555555"))
+                figure.add_trace(go.Scatter(x=curve["step"], y=curve["value"], mode="lines", name=name,
+                                            legendgroup=name, showlegend=name not in in_legend, line=line,
+                                            hovertemplate=f"{name}<br>step %{{x}}<br>%{{y:.4g}}<extra></extra>"),
                                  row=row, col=1)
+                in_legend.add(name)
+    first, last = int(timeline["step"].min()), int(timeline["step"].max())
     for series in ("loss", "induction_score"):
         hit = changes[(changes["series"] == series) & (changes["consumer"] < 0)]
-        if len(hit):
+        row = next((row for row, panel in enumerate(panels, start=1) if series in panel), None)
+        if len(hit) and row is not None:
             step = int(hit["step"].iloc[0])
             figure.add_vline(x=step, line_dash="dot", line_color="#888")
-            figure.add_annotation(x=step, y=1.0, yref="paper", yanchor="bottom", yshift=24, showarrow=False,
-                                  text=f"fastest {series.replace('_', ' ')}: step {step}", font=dict(size=11))
+            right_half = step > (first + last) / 2  # the label reads away from the nearer edge
+            figure.add_annotation(x=step, y=1.0, xref="x", yref="y domain", row=row, col=1, showarrow=False,
+                                  xanchor="right" if right_half else "left", yanchor="top", xshift=-4 if right_half else 4,
+                                  text=f"fastest {series.replace('_', ' ')}: step {step}", font=dict(size=11),
+                                  bgcolor="rgba(255,255,255,0.85)")
     figure.update_xaxes(title="step", row=len(panels), col=1)
-    return _layout(figure, "Training timeline", 170 * len(panels) + 120, margin=dict(l=10, r=10, t=110, b=10))
+    return _layout(figure, "Training timeline", 180 * len(panels) + 120, margin=dict(l=10, r=10, t=80, b=10))
 
 
 # ---------------------------------------------------------------------------- the HTML report
@@ -425,7 +418,7 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
             ("Edge attribution: value and routing paths",
              f"First-order estimates from one forward and one backward pass (buttons: total, value path, routing "
              f"path), against the exact knockouts: Spearman {number('spearman', 3)} over "
-             f"{agreement.get('n_edges')} edges ({number('spearman_within_consumer', 3)} within consumers; n/a "
+             f"{plural(agreement.get('n_edges', 0), 'edge')} ({number('spearman_within_consumer', 3)} within consumers; n/a "
              f"where no consumer reads three sources), sign agreement {number('sign_agreement', 2)}. First order fails "
              "where a softmax is saturated (max α near 1); the largest disagreements are listed.",
              [edge_heatmap_with_toggle(tables["edge_attribution"]),

@@ -128,7 +128,7 @@ def mixing_diagnostics(model: HookedTransformer, tokens: Optional[torch.Tensor] 
     (exp of the entropy of p: how many outputs it really reads), max_weight (the largest share: 1 = collapse onto one
     output), embedding_mass (the embedding's share); for mHC also stream_dominance (`mixing.stream_dominance`)."""
     matrix = mixing_coefficients(model, tokens).mean(dim=(0, 1))
-    dominance = stream_dominance(model, tokens) if model.cfg.residual == "hyper" else {}
+    dominance = stream_dominance(model, tokens) if model.cfg.residual == "mhc" else {}
     rows = []
     for consumer in range(model.cfg.n_sublayers + 1):
         shares = matrix[consumer, : consumer + 1].abs()

@@ -55,9 +55,9 @@ def evaluate(model: HookedTransformer, batch: Batch, fwd_hooks: Sequence[Hook] =
 
 
 # Stacks hold up to this many elements per activation (d_model x tokens; 4 MB in fp32) unless `max_sequences` says:
-# the tables of a prune of the 12-layer d_model-64 Full model (32 sequences of 65 tokens, 2 workers) took 0.87-0.91x
-# the time in stacks of 128-512 sequences as in stacks of 64 (analyses/reports/bench_stack_size.md; docs/analysis.md
-# §11); a budget in elements keeps the stacks of wide or long models from growing with them.
+# the tables of a prune of the 12-layer d_model-64 Full model (32 sequences of 65 tokens, 2 workers) took less time
+# in stacks of 128-512 sequences than in stacks of 64 (docs/analysis.md §11); a budget in elements keeps the stacks
+# of wide or long models from growing with them.
 STACK_ELEMENTS = 1 << 20
 
 
@@ -104,7 +104,7 @@ def _default_stack(model: HookedTransformer, batch: Batch) -> int:
     """Sequences a stack holds by default: whole copies of the batch within `STACK_ELEMENTS` per activation (a
     hyper-connection stream's state holds its n streams of d_model per token), at least one."""
     cfg = model.cfg
-    width = cfg.d_model * (cfg.hyper_streams if cfg.residual == "hyper" else 1)
+    width = cfg.d_model * (cfg.mhc_streams if cfg.residual == "mhc" else 1)
     return batch.tokens.shape[0] * max(1, STACK_ELEMENTS // (batch.tokens.numel() * width))
 
 

@@ -128,15 +128,18 @@ def _copying_scores(model: HookedTransformer, batch: Batch, clean: dict[str, tor
     cfg = model.cfg
     answers = batch.answer_mask & (batch.targets != IGNORE_INDEX)
     targets = batch.targets[answers]  # [n_answers]
-    scale = clean["ln_final.hook_scale"][answers]  # [n_answers, 1]
-    unembed = model.ln_final.w[:, None] * model.unembed.W_U  # gain folded into W_U: [d_model, d_vocab]
+    # in at least float32 whatever the model's dtype: the readout weights come in float32 or wider, and a bf16
+    # difference of logits would keep ~3 significant digits
+    dtype = torch.promote_types(model.unembed.W_U.dtype, torch.float32)
+    scale = clean["ln_final.hook_scale"][answers].to(dtype)  # [n_answers, 1]
+    unembed = (model.ln_final.w[:, None] * model.unembed.W_U).to(dtype)  # gain folded into W_U: [d_model, d_vocab]
     scores = torch.zeros(cfg.n_layers, cfg.n_heads)
     readout = mixing_coefficients(model, batch.tokens, per_group=True)[..., cfg.n_sublayers, :]  # [b, p, groups, J+1]
     readout = readout.to(scale.device)
     for layer, block in enumerate(model.blocks):
-        z = clean[get_act_name("z", layer)][answers]  # [n_answers, head, d_head]
-        head_out = torch.einsum("nhd,hdm->nhm", z, block.attn.W_O) / scale[:, None]
-        head_out = head_out * _direct_path_weight(model, layer, readout, answers)[:, None, :]
+        z = clean[get_act_name("z", layer)][answers].to(dtype)  # [n_answers, head, d_head]
+        head_out = torch.einsum("nhd,hdm->nhm", z, block.attn.W_O.to(dtype)) / scale[:, None]
+        head_out = head_out * _direct_path_weight(model, layer, readout, answers).to(dtype)[:, None, :]
         logits = head_out @ unembed  # [n_answers, head, d_vocab]
         correct = logits.gather(-1, targets[:, None, None].expand(-1, cfg.n_heads, 1)).squeeze(-1)
         scores[layer] = (correct - logits.mean(-1)).float().mean(0).cpu()

@@ -41,11 +41,11 @@ from attnres_lens.analysis.engine import StateCache, capture, evaluate, evaluate
 from attnres_lens.analysis.interventions import removal_hooks, replace_hook, resample_permutation
 from attnres_lens.analysis.session import clean_result
 from attnres_lens.analysis.workers import analysis_workers
+from attnres_lens.analysis_options import check_metric
 from attnres_lens.evaluation import Evaluation
 from attnres_lens.model import HookedTransformer
 from attnres_lens.tasks.base import Batch
 
-METRICS = ("loss", "accuracy")
 CHEAP_METRICS = ("block_influence", "angular_distance_next", "relative_output_norm", "routing_mass")
 
 
@@ -53,11 +53,6 @@ def spearman(a: Iterable[float], b: Iterable[float]) -> float:
     """Spearman rank correlation (Pearson correlation of average ranks); NaN if either side is constant."""
     a, b = pd.Series(list(a), dtype=float), pd.Series(list(b), dtype=float)
     return float(a.rank().corr(b.rank()))
-
-
-def check_metric(metric: str) -> None:
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
 
 
 # ---------------------------------------------------------------------------- clean-run geometry

@@ -1,11 +1,15 @@
-"""The self-contained pruning report: one HTML file, plotly.js embedded once, no network needed to open it."""
+"""The self-contained HTML reports of `prune` and `analyze`: one file each, plotly.js embedded once, no network
+needed to open it."""
 
 from __future__ import annotations
 
 import html
 from typing import Any, Optional
 
+import numpy as np
 import pandas as pd
+
+from attnres_lens.analysis_options import plural
 
 MODE_NAMES = {"remove": "remove", "mean": "mean-ablate", "resample": "resample-ablate"}
 STYLE = """
@@ -15,6 +19,17 @@ th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
 th { background: #f3f3f3; }
 .note { color: #555; font-size: 0.9em; }
 """
+
+
+def padded_range(values: np.ndarray, margin: float = 0.06) -> Optional[list[float]]:
+    """[low, high] around the finite `values` with `margin` of their span on each side (of the value itself when
+    they are all equal), so no curve or marker touches the frame; None (autorange) without finite values."""
+    finite = values[np.isfinite(values)]
+    if not len(finite):
+        return None
+    low, high = float(finite.min()), float(finite.max())
+    pad = margin * ((high - low) or abs(high) or 1.0)
+    return [low - pad, high + pad]
 
 
 def _figures(tables: dict[str, pd.DataFrame], metric: str, tolerance: float) -> list[tuple[str, Any, str]]:
@@ -30,10 +45,14 @@ def _figures(tables: dict[str, pd.DataFrame], metric: str, tolerance: float) -> 
     cumulative = go.Figure([go.Scatter(name=strategy, x=curve["n_removed"], y=curve[value], mode="lines+markers")
                             for strategy, curve in curves.groupby("strategy", sort=False)])
     base = curves.loc[curves["n_removed"] == 0, "loss"].iloc[0]
+    shown = [curves[value].to_numpy(dtype=float)]
     if metric == "loss":
-        cumulative.add_hline(y=base * (1 + tolerance), line_dash="dot",
+        threshold = base * (1 + tolerance)
+        cumulative.add_hline(y=threshold, line_dash="dot",
                              annotation_text=f"+{tolerance:.0%} loss", annotation_position="top left")
-    cumulative.update_layout(xaxis_title="sublayers removed", yaxis_title=value, height=460)
+        shown.append(np.array([threshold]))
+    cumulative.update_layout(xaxis_title="sublayers removed", yaxis_title=value, height=460,
+                             yaxis_range=padded_range(np.concatenate(shown)))
 
     grid = distances.pivot(index="start_label", columns="n", values="distance")
     grid = grid.reindex(distances.drop_duplicates("start")["start_label"])
@@ -92,6 +111,83 @@ def prune_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, Any], 
         # An explicit template: importing streamlit changes Plotly's default one.
         figure.update_layout(template="plotly_white")
         # plotly.js goes inline with the first figure only; later figures reuse it.
+        body = figure.to_html(full_html=False, include_plotlyjs=index == 0, config={"displaylogo": False})
+        parts += [f"<h2>{html.escape(heading)}</h2>", f"<p class=\"note\">{html.escape(note)}</p>", body]
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------- the analyze report
+def _heatmap(matrix: pd.DataFrame, colorbar: str, x_title: str, y_title: str, **trace: Any) -> Any:
+    import plotly.graph_objects as go
+
+    figure = go.Figure(go.Heatmap(z=matrix.to_numpy(dtype=float), x=[str(c) for c in matrix.columns],
+                                  y=[str(i) for i in matrix.index], colorbar_title=colorbar, hoverongaps=False,
+                                  xgap=1, ygap=1, **trace))
+    figure.update_xaxes(title=x_title, type="category")
+    figure.update_yaxes(title=y_title, type="category", autorange="reversed")
+    figure.update_layout(height=max(300, 80 + 26 * len(matrix.index)))
+    return figure
+
+
+def _analysis_figures(tables: dict[str, pd.DataFrame]) -> list[tuple[str, Any, str]]:
+    import plotly.graph_objects as go
+
+    heads = tables["induction_heads"].pivot(index="layer", columns="head", values="prefix_score")
+    icl = tables["icl_per_position"]
+    loss = go.Figure(go.Scatter(x=icl["position"], y=icl["loss"], mode="lines"))
+    loss.update_layout(xaxis_title="position t (predicting token t+1)", yaxis_title="mean loss (nats)", height=380)
+    mixing = tables["depth_mixing"]
+    grid = mixing.pivot_table(index=["consumer", "consumer_label"], columns=["sublayer", "sublayer_label"],
+                              values="weight").sort_index().droplevel("consumer")
+    grid = grid.sort_index(axis=1).droplevel("sublayer", axis=1)
+    figures = [
+        ("Induction heads: prefix-matching score", _heatmap(heads, "prefix score", "head", "layer",
+                                                            colorscale="Viridis", zmin=0.0, zmax=1.0),
+         "Attention from the second copy of a repeated sequence to the token after the earlier copy of the current "
+         "token (docs/analysis.md §2)."),
+        ("Loss per position (in-context learning)", loss,
+         "Mean next-token loss over the held-out sequences; falling with position = the context helps (§3)."),
+    ]
+    if "depth_weights" in tables:
+        weights = tables["depth_weights"]
+        for kind, name in (("attn", "pre-attention"), ("mlp", "pre-MLP"), ("final", "final readout")):
+            panel = weights[weights["kind"] == kind]
+            if panel.empty:
+                continue
+            order = panel.groupby("source_label")["source"].min()
+            columns = sorted(order.index, key=lambda label: (label == "partial", order[label], label))
+            matrix = panel.pivot_table(index=["consumer", "consumer_label"], columns="source_label",
+                                       values="weight").sort_index().droplevel("consumer").reindex(columns=columns)
+            figures.append((f"Depth attention α, {name} consumers", _heatmap(
+                matrix, "α (token mean)", "source", "consumer", colorscale="Viridis", zmin=0.0),
+                "Token-averaged weight each consumer puts on each earlier source (§4)."))
+    figures.append(("Depth-mixing matrix M", _heatmap(grid, "M", "sublayer output (emb = e)", "sublayer input",
+                                                      colorscale="RdBu_r", zmid=0.0),
+                    "Effective weight of each sublayer output in each sublayer input, token-averaged; standard "
+                    "residual: all ones below the diagonal (§5)."))
+    return figures
+
+
+def analysis_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, Any], title: Optional[str] = None) -> str:
+    """`attnres-lens analyze`'s report as one HTML string: headline numbers, top induction heads, depth summary and
+    the figures (induction scores, loss per position, depth maps); plotly.js embedded once, so it opens offline."""
+    title = title or f"Analysis: {summary.get('run', '')}"
+    heads = pd.DataFrame(summary["top_induction_heads"])
+    parts = [
+        "<!DOCTYPE html>", "<html><head><meta charset=\"utf-8\">", f"<title>{html.escape(title)}</title>",
+        f"<style>{STYLE}</style></head><body>", f"<h1>{html.escape(title)}</h1>",
+        f"<p>Model {html.escape(str(summary.get('variant')))}, checkpoint {html.escape(str(summary.get('checkpoint')))}, "
+        f"{plural(summary['samples'], 'held-out sequence')} of the run's task. In-context-learning score "
+        f"{summary['icl_score']:.4f} ({html.escape(summary['icl_score_definition'])}).</p>",
+        "<h2>Top induction heads</h2>", _table(heads),
+    ]
+    if "depth_summary" in tables:
+        parts += ["<h2>Depth attention per consumer</h2>",
+                  _table(tables["depth_summary"][["consumer_label", "n_sources", "normalized_entropy", "sink_label",
+                                                  "sink_score", "embedding_weight"]])]
+    for index, (heading, figure, note) in enumerate(_analysis_figures(tables)):
+        figure.update_layout(template="plotly_white")  # explicit: importing streamlit changes Plotly's default
         body = figure.to_html(full_html=False, include_plotlyjs=index == 0, config={"displaylogo": False})
         parts += [f"<h2>{html.escape(heading)}</h2>", f"<p class=\"note\">{html.escape(note)}</p>", body]
     parts.append("</body></html>")

@@ -1,5 +1,7 @@
-"""Analyses of a run directory: what `attnres-lens analyze` and `attnres-lens prune` compute and write.
+"""Analyses of a run directory: what `attnres-lens analyze`, `prune` and `attribute` compute and write.
 
+`analyze_run`, `prune_run` and `attribute_run` share their leading signature (`path, *, checkpoint, samples, out,
+progress`) and return an `AnalysisResult`: tables, summary (also written as JSON) and an offline HTML report.
 Tables go to `RUN/analysis/` (or `--out`) as CSV and Parquet with the same stem. Evaluation data is the run's
 own task: its fixed held-out set (`task.eval_batch(samples)`), so numbers are comparable across checkpoints.
 """
@@ -14,6 +16,12 @@ from typing import Any, Callable, Optional, Union
 import pandas as pd
 import torch
 
+from attnres_lens.analysis.attribution_report import (
+    attribution_report_html,
+    attribution_summary,
+    attribution_tables,
+    parse_prompt,
+)
 from attnres_lens.analysis.depth import (
     depth_mixing_matrix,
     depth_summary,
@@ -29,21 +37,34 @@ from attnres_lens.analysis.induction import (
 )
 from attnres_lens.analysis.pruning import (
     angular_distance_matrix,
-    check_metric,
     cumulative_pruning,
     metric_correlations,
     pruning_sensitivity,
     removable_within,
 )
-from attnres_lens.analysis.report import prune_report_html
+from attnres_lens.analysis.report import analysis_report_html, prune_report_html
 from attnres_lens.analysis.routing import causal_routing, routing_correlations, routing_disagreements
 from attnres_lens.analysis.session import analysis_session
 from attnres_lens.analysis.workers import ForkedJob, fork_available
+from attnres_lens.analysis_options import (
+    ANALYZE_SAMPLES,
+    ATTRIBUTE_SAMPLES,
+    MIN_SAMPLES,
+    PRUNE_SAMPLES,
+    check_metric,
+    check_samples,
+)
 from attnres_lens.model import HookedTransformer
+from attnres_lens.resources import available_memory
 from attnres_lens.rundir import PathLike, Run, RunDir, atomic_write_bytes, atomic_write_json, atomic_write_parquet, load_run
 from attnres_lens.tasks.base import Batch, Task
 
 REMOVAL_TOLERANCE = 0.05  # "how many sublayers can go for < 5% loss increase"
+# What `icl_score` in analysis_summary.json means (docs/analysis.md §3), written beside it.
+ICL_SCORE_DEFINITION = ("mean next-token loss over the last tenth of the context minus the mean over 10-20% of it "
+                        "(nats); negative = later context lowers the loss")
+TOP_HEADS = 5  # induction heads listed in analysis_summary.json and printed by `analyze`
+TOP_SOURCES = 2  # depth sources listed per consumer
 
 
 def open_run(path: PathLike, checkpoint: Union[str, int] = "latest") -> tuple[Run, Task]:
@@ -52,38 +73,16 @@ def open_run(path: PathLike, checkpoint: Union[str, int] = "latest") -> tuple[Ru
     return run, run.config.build_task()
 
 
-def _check_samples(samples: int, minimum: int) -> None:
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < minimum:
-        raise ValueError(f"samples must be an integer >= {minimum}, got {samples!r}")
 
 
-def available_memory(device: torch.device) -> Optional[int]:
-    """Bytes this process can still allocate on `device`, or None where it cannot tell: on a GPU what torch reports
-    free; on Linux the kernel's MemAvailable, or less when a cgroup limit is nearer."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-        available = int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:"))) * 1024
-    except (OSError, StopIteration, ValueError):
-        return None
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            available = min(available, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
-    return available
-
-
-def _check_fits(model: HookedTransformer, batch: Batch) -> None:
-    """Before any work: a `samples` whose one forward pass cannot fit gets an error, not a process killed without
-    a word. The bound is a floor, so it never refuses what would fit: the residual stream's tensors at the final
-    readout (every source it reads for AttnRes, else one) and the logits."""
+def _check_fits(model: HookedTransformer, n_sequences: int, n_positions: int) -> None:
+    """Before any work, the batch included: a `samples` whose one forward pass cannot fit gets an error, not a
+    process killed without a word. The bound is a floor, so it never refuses what would fit: the residual stream's
+    tensors at the final readout (every source it reads for AttnRes, else one) and the logits."""
     available = available_memory(model.embed.W_E.device)
     if available is None:
         return
-    cfg, (n_sequences, n_positions) = model.cfg, batch.tokens.shape
+    cfg = model.cfg
     n_tensors = len(model.sources(cfg.n_sublayers)) if cfg.residual == "attnres" else 1
     per_sequence = n_positions * (n_tensors * cfg.d_model + cfg.d_vocab) * model.embed.W_E.element_size()
     if n_sequences * per_sequence > available:
@@ -153,20 +152,46 @@ def _run_header(run: Run, samples: int) -> dict[str, Any]:
                 residual=run.model_config.residual, samples=samples)
 
 
-def analyze_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples: int = 16,
-                progress: bool = True, out: Optional[PathLike] = None) -> dict[str, pd.DataFrame]:
+@dataclass
+class AnalysisResult:
+    """What a run-level analysis computed and wrote: its tables, summary (also as JSON) and HTML report."""
+
+    tables: dict[str, pd.DataFrame]
+    summary: dict[str, Any]
+    report_path: Path
+
+
+def _prepare(path: PathLike, command: str, checkpoint: Union[str, int], samples: int,
+             out: Optional[PathLike]) -> tuple[Run, Task, Batch]:
+    """The checks every run-level analysis makes before any work, then its run, task and held-out batch."""
+    check_samples(samples, MIN_SAMPLES[command])
+    _check_out(out, path)
+    run, task = open_run(path, checkpoint)
+    _check_fits(run.model, samples, task.seq_len)  # before the batch: it alone may not fit
+    return run, task, task.eval_batch(samples)
+
+
+def _write(tables: dict[str, pd.DataFrame], summary: dict[str, Any], html: str, out_dir: Path,
+           name: str) -> AnalysisResult:
+    """The tables, `{name}_summary.json` and `{name}_report.html` under `out_dir`."""
+    summary = _json_safe(summary)
+    write_tables(tables, out_dir)
+    atomic_write_json(out_dir / f"{name}_summary.json", summary)
+    report_path = out_dir / f"{name}_report.html"
+    atomic_write_bytes(report_path, html.encode())
+    return AnalysisResult(tables, summary, report_path)
+
+
+def analyze_run(path: PathLike, *, checkpoint: Union[str, int] = "latest", samples: int = ANALYZE_SAMPLES,
+                out: Optional[PathLike] = None, progress: bool = True) -> AnalysisResult:
     """Induction heads, in-context learning and depth maps of a run, written under `out` (default RUN/analysis/).
 
     Tables: induction_heads, icl_per_position, depth_mixing, mixing_diagnostics; for AttnRes models also depth_weights,
     depth_summary and depth_weights_tokens (per-token α of the first evaluation sequence); plus
-    analysis_summary.json.
+    analysis_summary.json and analysis_report.html (docs/analysis.md §10).
     """
-    _check_samples(samples, 1)
-    _check_out(out, path)
-    run, task = open_run(path, checkpoint)
+    run, task, batch = _prepare(path, "analyze", checkpoint, samples, out)
     model = run.model
-    batch = task.eval_batch(samples)
-    _check_fits(model, batch)
     probe = task_probe(model, task, samples)
     icl = per_position_loss(model, batch.tokens)
     tables = {
@@ -179,25 +204,29 @@ def analyze_run(path: PathLike, checkpoint: Union[str, int] = "latest", samples:
         tables["depth_weights"] = depth_weights(model, batch.tokens)
         tables["depth_summary"] = depth_summary(model, batch.tokens)
         tables["depth_weights_tokens"] = depth_weights_per_token(model, batch.tokens[:1])
-    out_dir = output_dir(run, out)
-    write_tables(tables, out_dir)
-    heads = tables["induction_heads"]
-    best = heads.loc[heads["prefix_score"].idxmax()]
-    summary = {**_run_header(run, samples), "icl_score": in_context_learning_score(icl),
-               "top_induction_head": dict(layer=int(best["layer"]), head=int(best["head"]),
-                                          prefix_score=float(best["prefix_score"]),
-                                          tl_induction_score=float(best["tl_induction_score"]))}
-    atomic_write_json(out_dir / "analysis_summary.json", _json_safe(summary))
-    return tables
+    summary = analysis_summary(tables, _run_header(run, samples))
+    return _write(tables, summary, analysis_report_html(tables, summary), output_dir(run, out), "analysis")
 
 
-@dataclass
-class AnalysisResult:
-    """What a run-level analysis command computed and wrote: its tables, summary and HTML report."""
-
-    tables: dict[str, pd.DataFrame]
-    summary: dict[str, Any]
-    report_path: Path
+def analysis_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers of `analyze_run`'s tables after `header`: the ICL score with its definition, the top
+    induction heads by prefix score (the first also as `top_induction_head`), and for AttnRes models each
+    consumer's largest depth sources."""
+    heads = tables["induction_heads"].sort_values("prefix_score", ascending=False, kind="stable")
+    top_heads = [{"layer": int(row.layer), "head": int(row.head), "prefix_score": float(row.prefix_score),
+                  "tl_induction_score": float(row.tl_induction_score)} for row in heads.head(TOP_HEADS).itertuples()]
+    summary = {**header, "icl_score": in_context_learning_score(tables["icl_per_position"]),
+               "icl_score_definition": ICL_SCORE_DEFINITION,
+               "top_induction_head": top_heads[0], "top_induction_heads": top_heads}
+    if "depth_weights" in tables:
+        weights = tables["depth_weights"].sort_values(["consumer", "weight"], ascending=[True, False], kind="stable")
+        summary["top_depth_sources"] = [
+            {"consumer": int(consumer), "consumer_label": group["consumer_label"].iloc[0],
+             "sources": [{"source_label": label, "weight": float(weight)}
+                         for label, weight in zip(group["source_label"].head(TOP_SOURCES),
+                                                  group["weight"].head(TOP_SOURCES))]}
+            for consumer, group in weights.groupby("consumer", sort=True)]
+    return summary
 
 
 def prune_tables(model: HookedTransformer, batch: Batch, metric: str = "loss", progress: bool = False,
@@ -271,23 +300,31 @@ def prune_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) -> di
     return summary
 
 
-def prune_run(path: PathLike, out: Optional[PathLike] = None, metric: str = "loss", samples: int = 8,
-              checkpoint: Union[str, int] = "latest", progress: bool = True,
+def prune_run(path: PathLike, *, checkpoint: Union[str, int] = "latest", samples: int = PRUNE_SAMPLES,
+              out: Optional[PathLike] = None, progress: bool = True, metric: str = "loss",
               fork_routing: bool = False) -> AnalysisResult:
-    """Layer-pruning sensitivity of a run: tables and `prune_report.html` under `out` (default RUN/analysis).
-    `fork_routing`: as `prune_tables` (the `attnres-lens prune` command sets it)."""
+    """Layer-pruning sensitivity of a run: tables, `prune_summary.json` and `prune_report.html` under `out` (default
+    RUN/analysis). `metric` orders and plots the removal curves; `fork_routing`: as `prune_tables` (the
+    `attnres-lens prune` command sets it)."""
     check_metric(metric)
-    _check_samples(samples, 2)  # resample ablation swaps activations between sequences
-    _check_out(out, path)
-    run, task = open_run(path, checkpoint)
-    batch = task.eval_batch(samples)
-    _check_fits(run.model, batch)
+    run, _, batch = _prepare(path, "prune", checkpoint, samples, out)
     tables = prune_tables(run.model, batch, metric, progress, fork_routing=fork_routing)
     summary = prune_summary(tables, {**_run_header(run, samples), "metric": metric})
-    out_dir = output_dir(run, out)
-    write_tables(tables, out_dir)
-    atomic_write_json(out_dir / "prune_summary.json", _json_safe(summary))
-    report_path = out_dir / "prune_report.html"
     html = prune_report_html(tables, summary, metric, REMOVAL_TOLERANCE)
-    atomic_write_bytes(report_path, html.encode())
-    return AnalysisResult(tables, summary, report_path)
+    return _write(tables, summary, html, output_dir(run, out), "prune")
+
+
+def attribute_run(path: PathLike, *, checkpoint: Union[str, int] = "latest", samples: int = ATTRIBUTE_SAMPLES,
+                  out: Optional[PathLike] = None, progress: bool = True, prompt: Optional[str] = None,
+                  n_boot: int = 1000) -> AnalysisResult:
+    """Attribution through depth of a run (docs/analysis.md §11): tables, `attribution_summary.json` and
+    `attribution_report.html` under `out` (default RUN/analysis/). `prompt`: space-separated token ids for the
+    per-position views (default the first held-out sequence); `n_boot`: the routing audit's bootstrap resamples."""
+    run, task, batch = _prepare(path, "attribute", checkpoint, samples, out)
+    model = run.model
+    prompt_tokens = parse_prompt(model, prompt, batch)
+    probe = task_probe(model, task, samples)
+    tables = attribution_tables(model, batch, prompt_tokens, run.records, run.metrics, probe, n_boot, progress)
+    header = {**_run_header(run, samples), "prompt": " ".join(map(str, prompt_tokens[0].tolist()))}
+    summary = attribution_summary(tables, header)
+    return _write(tables, summary, attribution_report_html(tables, summary), output_dir(run, out), "attribution")

@@ -14,10 +14,14 @@ import pandas as pd
 
 CONSUMER_SERIES = ("routing_entropy", "max_weight", "embedding_weight")
 MODEL_SERIES = ("induction_score", "loss", "eval_loss")
+# The consumer column of a model-wide series: no sublayer reads it. −2, not −1, which reads as "the last consumer"
+# (the final readout is a consumer with its own index, labelled "final").
+MODEL_WIDE, MODEL_WIDE_LABEL = -2, "whole model"
 
 
 def training_timeline(records: dict[str, pd.DataFrame], metrics: pd.DataFrame) -> pd.DataFrame:
-    """Long table: series, consumer (−2 for model-wide series), consumer_label ("" for those), step, value."""
+    """Long table: series, consumer (`MODEL_WIDE`, −2, for model-wide series), consumer_label (`MODEL_WIDE_LABEL`,
+    "whole model", for those), step, value."""
     frames = []
     weights = records.get("depth_weights", pd.DataFrame())
     if len(weights):
@@ -42,8 +46,10 @@ def training_timeline(records: dict[str, pd.DataFrame], metrics: pd.DataFrame) -
     if not frames:
         return pd.DataFrame(columns=["series", "consumer", "consumer_label", "step", "value"])
     timeline = pd.concat(frames, ignore_index=True)
-    timeline["consumer"] = timeline["consumer"].fillna(-2).astype(int) if "consumer" in timeline else -2
-    timeline["consumer_label"] = timeline["consumer_label"].fillna("") if "consumer_label" in timeline else ""
+    timeline["consumer"] = timeline["consumer"].fillna(MODEL_WIDE).astype(int) if "consumer" in timeline \
+        else MODEL_WIDE
+    timeline["consumer_label"] = timeline["consumer_label"].fillna(MODEL_WIDE_LABEL) if "consumer_label" in timeline \
+        else MODEL_WIDE_LABEL
     timeline["step"] = timeline["step"].astype(int)
     return timeline[["series", "consumer", "consumer_label", "step", "value"]].sort_values(
         ["series", "consumer", "step"], ignore_index=True)

@@ -57,6 +57,38 @@ class Batch:
         )
 
 
+def check_target_ids(targets: Any, shape: torch.Size, d_vocab: int, what: str = "targets") -> torch.Tensor:
+    """`targets` as int64 token ids of `shape`, each in [0, d_vocab) or IGNORE_INDEX; anything else (floats or
+    booleans, which would be truncated or read as ids 0/1, another shape, an id out of range) is a ValueError
+    naming `what`."""
+    targets = torch.as_tensor(targets)
+    if targets.dtype == torch.bool or targets.is_floating_point() or targets.is_complex():
+        raise ValueError(f"{what} must hold integer token ids, got dtype {targets.dtype}; pass a long tensor "
+                         f"(use {IGNORE_INDEX} to skip a position)")
+    if targets.shape != shape:
+        raise ValueError(f"{what} must have the tokens' shape {tuple(shape)}, got {tuple(targets.shape)}")
+    bad = targets[(targets != IGNORE_INDEX) & ((targets < 0) | (targets >= d_vocab))]
+    if len(bad):
+        raise ValueError(f"{what} holds token id {int(bad[0])}, out of range for d_vocab={d_vocab} "
+                         f"(use {IGNORE_INDEX} to skip a position)")
+    return targets.long()
+
+
+def check_scored_batch(batch: Batch, d_vocab: int) -> Batch:
+    """`batch` checked for an analysis that scores it: targets as `check_target_ids`, an answer mask of booleans
+    of the tokens' shape, and at least one position with a target (an all-IGNORE batch, e.g. of one-token
+    sequences, would give a table of NaN effects). Returns it with int64 targets."""
+    targets = check_target_ids(batch.targets, batch.tokens.shape, d_vocab, "batch.targets")
+    mask = torch.as_tensor(batch.answer_mask)
+    if mask.dtype != torch.bool or mask.shape != batch.tokens.shape:
+        raise ValueError(f"batch.answer_mask must be booleans of the tokens' shape {tuple(batch.tokens.shape)}, got "
+                         f"{mask.dtype} of shape {tuple(mask.shape)}")
+    if not (targets != IGNORE_INDEX).any():
+        raise ValueError("the batch has no position with a target (every target is "
+                         f"{IGNORE_INDEX}, e.g. one-token sequences): there is nothing to score")
+    return dataclasses.replace(batch, targets=targets.to(batch.tokens.device), answer_mask=mask)
+
+
 def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:
     """Targets for `tokens` [B, T]: shifted left by one, IGNORE_INDEX at the last position."""
     targets = torch.full_like(tokens, IGNORE_INDEX)

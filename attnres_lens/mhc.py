@@ -27,6 +27,8 @@ from attnres_lens.streams import ResidualStream
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation without a gain, as DeepSeek V4 normalises the flattened streams: the linear map after it
+    (`fn`) has its own scale, so a gain would only duplicate it."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
@@ -44,7 +46,7 @@ def sinkhorn(matrix: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return matrix
 
 
-class HyperConnection(nn.Module):
+class MHCConnection(nn.Module):
     """Read, write and stream-mix weights of one sublayer, computed from the streams it reads."""
 
     def __init__(self, n_streams: int, d_model: int, norm_eps: float, eps: float, sinkhorn_iters: int,
@@ -74,7 +76,7 @@ class HyperConnection(nn.Module):
         return h, post, comb
 
 
-class HyperHead(nn.Module):
+class MHCHead(nn.Module):
     """The final collapse of the streams into one vector, before the final norm."""
 
     def __init__(self, n_streams: int, d_model: int, norm_eps: float, eps: float, init_range: float):
@@ -86,6 +88,7 @@ class HyperHead(nn.Module):
         self.hook_read_weights = HookPoint()  # [batch, pos, n]
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        """The final norm's input [batch, pos, d] from streams [batch, pos, n, d], weighted by the head's reads."""
         dtype = _compute_dtype(streams)
         flat = unweighted_rms_norm(streams.flatten(-2).to(dtype), self.norm_eps)
         pre = torch.sigmoid(F.linear(flat, self.hc_fn.to(dtype)) * self.hc_scale.to(dtype) + self.hc_base.to(dtype))
@@ -93,14 +96,14 @@ class HyperHead(nn.Module):
         return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
 
 
-class HyperStream(ResidualStream):
+class MHCStream(ResidualStream):
     """n residual streams; each sublayer reads a weighted sum of them and writes into all of them."""
 
     def __init__(self, embedding: torch.Tensor, n_streams: int):
         self.state = embedding.unsqueeze(-2).expand(*embedding.shape[:-1], n_streams, embedding.shape[-1])
         self._update: tuple[torch.Tensor, torch.Tensor] | None = None  # (post, comb) of the sublayer being run
 
-    def read(self, mixer: HyperConnection) -> torch.Tensor:
+    def read(self, mixer: MHCConnection) -> torch.Tensor:
         h, post, comb = mixer(self.state)
         self._update = (post, comb)
         return h
@@ -110,5 +113,5 @@ class HyperStream(ResidualStream):
         dtype = self.state.dtype
         self.state = post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ self.state
 
-    def readout(self, mixer: HyperHead) -> torch.Tensor:
+    def readout(self, mixer: MHCHead) -> torch.Tensor:
         return mixer(self.state)

@@ -1,0 +1,52 @@
+"""What the machine can give a model: memory, checked before anything large is allocated (docs/run_directory.md §13).
+
+A config or a file can ask for any size; a model or batch that cannot fit must be an error naming what asked for
+it, not a process the kernel kills without a word, or one that pages for hours.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from attnres_lens.config import ModelConfig
+
+
+def available_memory(device: torch.device) -> Optional[int]:
+    """Bytes this process can still allocate on `device`, or None where it cannot tell: on a GPU what torch reports
+    free; on Linux the kernel's MemAvailable, or less when a cgroup limit is nearer."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        available = int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:"))) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_model_fits(cfg: ModelConfig) -> None:
+    """Before a model is built: refuse a config whose parameters and buffers cannot fit in the memory left, naming
+    the fields that ask for most of it. The bound is a floor (`ModelConfig.allocation_floor`), so it never refuses
+    a model that would fit."""
+    device = torch.device(cfg.device or "cpu")
+    if device.type == "meta":
+        return
+    parts = cfg.allocation_floor()
+    needed = sum(parts.values())
+    available = available_memory(device)
+    if available is None or needed <= available:
+        return
+    largest = sorted(parts.items(), key=lambda item: -item[1])[:2]
+    raise ValueError(f"this model needs at least {needed / 2**30:.3g} GiB for its weights and tables "
+                     f"(mostly {' and '.join(f'{what}: {size / 2**30:.3g} GiB' for what, size in largest)}), but "
+                     f"{available / 2**30:.3g} GiB are available on {device}; check those fields")
