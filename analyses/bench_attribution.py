@@ -41,12 +41,12 @@ from attnres_lens.analysis import (
     causal_routing,
     edge_agreement,
     edge_attribution,
-    interventions,
     prune_tables,
     pruning,
     routing,
 )
-from attnres_lens.analysis.interventions import StagedForward
+from attnres_lens.analysis import engine as library_engine
+from attnres_lens.analysis.engine import StagedForward
 from attnres_lens.config import apply_overrides
 from attnres_lens.evaluation import score_logits
 from attnres_lens.presets import get_preset
@@ -74,7 +74,7 @@ def stacked_full_passes(model, batch, interventions_, max_sequences=64, progress
             for slot, hooks in enumerate(group):
                 for name, hook in hooks:
                     by_name[name].append((slot, hook))
-            fwd_hooks = [(name, interventions._on_copies(n_batch, hooks)) for name, hooks in by_name.items()]
+            fwd_hooks = [(name, library_engine._on_copies(n_batch, hooks)) for name, hooks in by_name.items()]
             logits = model.run_with_hooks(batch.tokens.repeat(len(group), 1), fwd_hooks=fwd_hooks)
             results += [score(part, batch) for part in logits.split(n_batch)]
     return results
@@ -84,7 +84,7 @@ def stacked_full_passes(model, batch, interventions_, max_sequences=64, progress
 def engine(evaluate_many: Optional[Callable]) -> Iterator[list[int]]:
     """Run the pruning code with another `evaluate_many` (None: the library's), counting interventions."""
     count = [0]
-    inner = evaluate_many or interventions.evaluate_many
+    inner = evaluate_many or library_engine.evaluate_many
 
     def counted(model, batch, interventions_, *args, **kwargs):
         count[0] += len(interventions_)

@@ -8,7 +8,7 @@ Depth-attention paths compared:
 * `eager`: the readable path of `attnres_lens/attnres.py` (what runs when a hook watches the weights);
 * `reference`: `kernels.depth_attention(backend="reference")`, plain autograd;
 * `torch`: plain-PyTorch fast path (gain folded into the query, rstd once per source, hand-written backward);
-* `cpu`: the fused C kernel (`kernels/cpu_fused.c`), what `auto` picks on a CPU with a C compiler.
+* `cpu`: the fused C kernels (`kernels/cpu_depth.c` and the other `cpu_*.c`), what `auto` picks on a CPU with a C compiler.
 The standing benchmark measures the `cpu` path (what ships); the others stay for a by-hand comparison through `bench`.
 
     python -m analyses.benchmarks bench_cpu_step

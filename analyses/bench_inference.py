@@ -29,7 +29,7 @@ from analyses.common import BENCH_VOCAB, model_dims_and_tokens, within_rounds
 from analyses.kernel_traffic import DEPTH_MIX_KERNELS, copy_bandwidth, counted_calls
 from attnres_lens import HookedTransformer, ModelConfig, components
 from attnres_lens.kernels.backends import attention_runs_cpu_kernel
-from attnres_lens.kernels.cpu_fused import causal_attention_cpu
+from attnres_lens.kernels.cpu_attention import causal_attention_cpu
 
 VARIANTS = {
     "standard": dict(residual="standard"),
@@ -130,7 +130,7 @@ ATTENTION_OP_SHAPES = [(64, 65, 4, 16), (12, 64, 4, 32), (8, 128, 8, 32), (2, 25
 
 
 def attention_op_rows(shapes: list[tuple[int, int, int, int]], repeats: int) -> list[dict]:
-    """The causal attention op alone (no gradient): `cpu_fused.causal_attention_cpu` against PyTorch's SDPA on the
+    """The causal attention op alone (no gradient): `cpu_attention.causal_attention_cpu` against PyTorch's SDPA on the
     same tensors, interleaved, whatever `attention_runs_cpu_kernel` would choose."""
     rows = []
     for shape in shapes:

@@ -15,14 +15,14 @@ from typing import Callable, Iterator
 
 import torch
 
-from attnres_lens.kernels import cpu_fused
+from attnres_lens.kernels import cpu_build
 
 DEPTH_MIX_KERNELS = ("depth_attention_forward", "depth_attention_backward", "depth_attention_multi",
                      "depth_attention_multi_backward")
 
 
 def kernel_bytes(name: str, args: tuple, element: int) -> int:
-    """Bytes the C kernel `name` must move for one call with ctypes arguments `args` (in `cpu_fused._bind`'s order)
+    """Bytes the C kernel `name` must move for one call with ctypes arguments `args` (in `cpu_build._bind`'s order)
     of `element`-byte reals: sources, inputs and outputs once each, per-token statistics included; [D] parameters
     and tables left out."""
     if name == "depth_attention_forward":
@@ -70,7 +70,7 @@ def kernel_bytes(name: str, args: tuple, element: int) -> int:
 
 
 class CountingLibrary:
-    """A C library (`cpu_fused.cpu_library`'s) with each kernel call timed and its bytes counted: `totals` maps a
+    """A C library (`cpu_build.cpu_library`'s) with each kernel call timed and its bytes counted: `totals` maps a
     kernel's name to `[calls, seconds, bytes]`."""
 
     def __init__(self, library: object, element: int = torch.float32.itemsize):
@@ -99,18 +99,18 @@ class CountingLibrary:
 
 @contextlib.contextmanager
 def kernels_from(library: object) -> Iterator[None]:
-    """Every C call of `cpu_fused` goes to `library`."""
-    shipped = cpu_fused.cpu_library
-    cpu_fused.cpu_library = lambda dtype: library
+    """Every C call of the kernels goes to `library`."""
+    shipped = cpu_build.cpu_library
+    cpu_build.cpu_library = lambda dtype: library
     try:
         yield
     finally:
-        cpu_fused.cpu_library = shipped
+        cpu_build.cpu_library = shipped
 
 
 def counted_calls(call: Callable[[], object], dtype: torch.dtype = torch.float32) -> CountingLibrary:
-    """Run `call` with every C call of `cpu_fused` (the `dtype` library) timed and counted."""
-    counting = CountingLibrary(cpu_fused.cpu_library(dtype), dtype.itemsize)
+    """Run `call` with every C call of the kernels (the `dtype` library) timed and counted."""
+    counting = CountingLibrary(cpu_build.cpu_library(dtype), dtype.itemsize)
     with kernels_from(counting):
         call()
     return counting

@@ -10,7 +10,7 @@ The small shape of `bench_cpu_step.py` (4 layers, d_model 128, n_ctx 64, batch 1
   8-token steps a round, their median), and each step is split into forward, backward and optimizer. A last row
   steps the standard model with PyTorch's per-tensor AdamW loop (its CPU default) instead of the fused optimizer
   `train` uses.
-* **The C kernels inside the step, and the floor.** Every call of the C library (`kernels/cpu_fused.c`) in a
+* **The C kernels inside the step, and the floor.** Every call of the C library (`kernels/cpu_*.c`) in a
   few training steps of each variant is timed and the bytes it must move counted from its arguments (sources,
   inputs and outputs once each), beside torch's copy bandwidth measured in the same process: a kernel at or above
   copy bandwidth moves its bytes as fast as this machine moves any. Each variant's excess over the standard step
@@ -46,7 +46,7 @@ from analyses.bench_cpu_step import SHAPES, TARGETS, Stepper, variants
 from analyses.common import command_line, emit_report, provenance, within_rounds
 from analyses.kernel_traffic import copy_bandwidth, counted_calls
 from attnres_lens import HookedTransformer, ModelConfig, cpu_settings, param_groups
-from attnres_lens.kernels import cpu_fused
+from attnres_lens.kernels import cpu_depth
 
 PROFILED = ("standard", "block4", "full")
 TINY_STEPS = 5  # 8-token steps per variant and round
@@ -215,24 +215,24 @@ def mix_layers(rounds: int) -> list[str]:
     with torch.no_grad():  # the kernel's own inputs and saved statistics, as the autograd.Function passes them
         plain = [source.detach() for source in sources]
         factors = (query.detach(), gain.detach())
-        h, stats, y, norm_rstd = cpu_fused._run_forward(plain, factors[0], None, eps, norm_weight, norm_eps, False,
+        h, stats, y, norm_rstd = cpu_depth._run_forward(plain, factors[0], None, eps, norm_weight, norm_eps, False,
                                                         factors[1])
         saved_norm = (h, norm_weight.detach(), norm_rstd, grad_out)
 
     def run_forward():
         with torch.no_grad():
-            return cpu_fused._run_forward(plain, factors[0], None, eps, norm_weight, norm_eps, False, factors[1])
+            return cpu_depth._run_forward(plain, factors[0], None, eps, norm_weight, norm_eps, False, factors[1])
 
     def run_backward():
         with torch.no_grad():
-            return cpu_fused._run_backward(plain, None, stats, None, None, saved_norm, factors)
+            return cpu_depth._run_backward(plain, None, stats, None, None, saved_norm, factors)
 
     timed = _TimedCalls({
         "norm": lambda: pre_norm(x),
         "norm+backward": lambda: backward(pre_norm(x), norm_leaves),
         "mix": mix,
         "mix+backward": lambda: backward(mix(), mix_leaves),
-        "function": lambda: cpu_fused.fused_mix_and_norm(sources, query, gain, eps, norm_weight, norm_eps, False),
+        "function": lambda: cpu_depth.fused_mix_and_norm(sources, query, gain, eps, norm_weight, norm_eps, False),
         "run_forward": run_forward,
         "run_backward": run_backward,
     }).run(rounds)
@@ -275,7 +275,7 @@ def mix_layers(rounds: int) -> list[str]:
 
 def is_depth_op(key: str) -> bool:
     """Profiler events of the fused C depth kernel: its eager autograd.Functions (forward and backward, with the
-    sublayer's pre-norm fused or not) or, when compiled, its custom ops (kernels/cpu_fused.py)."""
+    sublayer's pre-norm fused or not) or, when compiled, its custom ops (kernels/cpu_depth.py)."""
     return key.startswith(("_EagerDepthAttention", "_EagerNormedDepthAttention", "attnres_lens::depth_attention_cpu"))
 
 

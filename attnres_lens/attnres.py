@@ -30,8 +30,8 @@ from attnres_lens.components import RMSNorm, any_hooked, is_hooked, module_hooke
 from attnres_lens.kernels import BlockStats, block_phase1, depth_attention, merge_partial
 from attnres_lens.kernels._common import builds_no_graph
 from attnres_lens.kernels.backends import elementwise_runs_cpu_kernel, stream_two_phase_backend
-from attnres_lens.kernels.cpu_fused import (depth_attention_copies_cpu, depth_attention_multi_cpu, fused_mix_and_norm,
-                                            share_gradient)
+from attnres_lens.kernels.cpu_autograd import share_gradient
+from attnres_lens.kernels.cpu_depth import depth_attention_copies_cpu, depth_attention_multi_cpu, fused_mix_and_norm
 from attnres_lens.kernels.reference import depth_logits, mix_sources
 from attnres_lens.streams import ResidualStream
 
@@ -243,7 +243,7 @@ class DepthStream(ResidualStream):
                          ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None]:
         """A consumer's mix of stacked copies (`stacked_from`) whose leading sources every copy shares, each copy
         with its own logit bias (a knockout), reading the shared sources once for all copies
-        (`cpu_fused.depth_attention_copies_cpu`), as `_one_pass` returns it (with `norm`, `(h, norm(h))`, the norm
+        (`cpu_depth.depth_attention_copies_cpu`), as `_one_pass` returns it (with `norm`, `(h, norm(h))`, the norm
         fused unless something watches it); None where the one-pass mix must run: an autograd that could see it
         (`builds_no_graph`), a hook that watches the mix (`observed`) or the module, a window, another backend, or
         a shared source since replaced."""
@@ -273,7 +273,7 @@ class DepthStream(ResidualStream):
 
     def _shares_gradients(self, module: "DepthAttention", fused: bool = False) -> bool:
         """Whether this consumer's C backward adds its source gradients into buffers the completed blocks share
-        (`kernels.cpu_fused.SharedGradient`; docs/kernels.md §5): with a gradient, on the C kernel, for sources
+        (`kernels.cpu_autograd.SharedGradient`; docs/kernels.md §5): with a gradient, on the C kernel, for sources
         of `MIN_SHARED_GRADIENT_ELEMENTS` or more, when nothing hooked on the mix could see the blocks' shared
         views (a module hook sees its inputs). `fused`: the consumer's `fused_with_norm` allowed its fused call,
         which answers the rest."""

@@ -13,7 +13,8 @@ from transformer_lens.hook_points import HookPoint
 
 from attnres_lens.config import ModelConfig
 from attnres_lens.kernels.backends import attention_runs_cpu_kernel, elementwise_runs_cpu_kernel
-from attnres_lens.kernels.cpu_fused import causal_attention_cpu, kv_shift_cpu, rms_norm_cpu, rotary_cpu
+from attnres_lens.kernels.cpu_attention import causal_attention_cpu
+from attnres_lens.kernels.cpu_elementwise import kv_shift_cpu, rms_norm_cpu, rotary_cpu
 
 
 def normal_init(shape: tuple[int, ...], std: float, divisor: float = 1.0) -> torch.Tensor:

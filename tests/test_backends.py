@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import attnres_lens.kernels as kernels
-from attnres_lens.kernels import backends, cpu_fused, depth_attention
+from attnres_lens.kernels import backends, cpu_attention, cpu_build, cpu_depth, cpu_elementwise, depth_attention
 from tests.helpers import float32_chain_length, randomize_depth_parameters, reordering_bound
 from tests.kernel_cases import make_inputs
 
@@ -75,7 +75,7 @@ def test_the_c_attention_runs_only_where_it_measured_faster(monkeypatch):
         assert not runs(1, MAX_CPU_ATTENTION_KEYS // 64 + 1, 1, 64)  # a long head: PyTorch's flash kernel
         torch.set_num_threads(2)
         assert runs(1, 65, 2, 16) and not runs(1, 65, 1, 16)  # one pair would leave a thread idle
-        monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype: SimpleNamespace(thread_pool=False))
+        monkeypatch.setattr(cpu_build, "cpu_library", lambda dtype: SimpleNamespace(thread_pool=False))
         assert not runs(4, 65, 4, 16)  # a build without OpenMP runs it on one thread: SDPA uses both
     finally:
         torch.set_num_threads(previous)
@@ -91,7 +91,7 @@ def test_the_models_attention_runs_the_kernel_exactly_where_no_gradient_is_neede
     from attnres_lens import HookedTransformer, ModelConfig, components
 
     calls = []
-    kernel = cpu_fused.causal_attention_cpu
+    kernel = cpu_attention.causal_attention_cpu
     monkeypatch.setattr(components, "causal_attention_cpu", lambda *args: calls.append(1) or kernel(*args))
     tokens = torch.randint(0, 32, (3, 11), generator=torch.Generator().manual_seed(0))
     for extra in (dict(), dict(attention="kv_shift"), dict(residual="attnres", attnres_block_size=2),
@@ -140,7 +140,7 @@ def test_a_model_runs_each_elementwise_kernel_only_on_the_cpu_backend(kernel, mo
 
     options, expected_calls, compared = _MODEL_KERNELS[kernel]
     calls = []
-    real = getattr(cpu_fused, kernel)
+    real = getattr(cpu_depth if kernel == "fused_mix_and_norm" else cpu_elementwise, kernel)
     caller = "attnres" if kernel == "fused_mix_and_norm" else "components"
     monkeypatch.setattr(f"attnres_lens.{caller}.{kernel}",
                         lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))

@@ -258,7 +258,7 @@ def test_kernel_traffic_counts_the_depth_mix_bytes_its_source_layouts_imply(bloc
     assert counted == 4 * ((rows + added) * n_tokens * cfg.d_model + stats * n_tokens)
     assert (added > 0) == (batch == 8)
     assert not {"rms_norm_forward", "rms_norm_backward"} & set(counting.totals)  # no norm runs on its own
-    assert cpu_fused_library_restored()
+    assert cpu_library_restored()
 
 
 @pytest.mark.parametrize("with_prior", [False, True])
@@ -267,7 +267,7 @@ def test_kernel_traffic_counts_the_two_phase_bytes_its_arguments_imply(with_prio
     query's mix and lse written, the prior read; backward, the sources read and their gradients written, each
     query's dh read (one query's left out here: its mix unused), the prior read and its gradient written, the
     lse read, dlse read where given, dl written."""
-    from attnres_lens.kernels import cpu_fused
+    from attnres_lens.kernels import cpu_depth
 
     traffic = load("kernel_traffic")
     n_sources, n_queries, n_tokens, d_model = 5, 3, 12, 16
@@ -280,7 +280,7 @@ def test_kernel_traffic_counts_the_two_phase_bytes_its_arguments_imply(with_prio
                  torch.randn(n_queries, n_tokens, generator=generator).requires_grad_())
 
     def step():
-        mix, lse = cpu_fused.depth_attention_multi_cpu(sources, queries, 1e-6, prior=prior)
+        mix, lse = cpu_depth.depth_attention_multi_cpu(sources, queries, 1e-6, prior=prior)
         (mix[0].sum() + mix[2].sum() + lse[1].sum()).backward()
 
     counting = traffic.counted_calls(step)
@@ -292,7 +292,7 @@ def test_kernel_traffic_counts_the_two_phase_bytes_its_arguments_imply(with_prio
     rows = 2 * n_sources + 2 + 2 * n_queries * with_prior  # two queries' dh
     per_token = n_queries * (1 + 2 * with_prior) + 1  # one query's dlse
     assert backward == 4 * (rows * n_tokens * d_model + per_token * n_tokens)
-    assert cpu_fused_library_restored()
+    assert cpu_library_restored()
 
 
 @pytest.mark.slow
@@ -332,7 +332,7 @@ def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     for row in floors.values():  # the excess splits into fixed + kernels + rest, and the floor is 1 + (fixed + kernels)
         assert float(row[2]) == pytest.approx(float(row[3]) + float(row[4]) + float(row[5]), abs=0.02)
     assert floors["block4"][7].startswith("≤ 1.05: floor ")
-    assert cpu_fused_library_restored()
+    assert cpu_library_restored()
     assert [line for line in lines if line.startswith("### standard:")]
     # the layers of one mix: each pass's layers add up to the pass, and the C calls are timed on their own
     start = lines.index("| layer | standard pre-norm (us) | Block consumer, 3 sources (us) |")
@@ -352,10 +352,10 @@ def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     assert both[0] == pytest.approx(layers["forward, all"][0] + layers["backward, all"][0], abs=0.2)
 
 
-def cpu_fused_library_restored() -> bool:
-    from attnres_lens.kernels import cpu_fused
+def cpu_library_restored() -> bool:
+    from attnres_lens.kernels import cpu_build
 
-    return cpu_fused.cpu_library.__name__ == "cpu_library"
+    return cpu_build.cpu_library.__name__ == "cpu_library"
 
 
 def test_step_benchmark_takes_each_ratio_within_its_round(monkeypatch):

@@ -77,7 +77,7 @@ def test_compiled_token_range_check_still_fires():
 
 def test_the_cpu_kernel_ops_pass_torch_library_checks():
     """torch.library.opcheck: schema, fake (shape-only) rule, autograd registration and dispatch agree."""
-    from attnres_lens.kernels import cpu_fused
+    from attnres_lens.kernels import cpu_depth
 
     generator = torch.Generator().manual_seed(1)
     sources = [torch.randn(6, 8, generator=generator, requires_grad=True) for _ in range(3)]
@@ -85,4 +85,4 @@ def test_the_cpu_kernel_ops_pass_torch_library_checks():
     bias = torch.zeros(3, 6)
     bias[1, :2] = float("-inf")
     for args in ((sources, query, None, 1e-6), (sources, query, bias, 1e-6)):
-        torch.library.opcheck(cpu_fused._forward_op, args)
+        torch.library.opcheck(cpu_depth._forward_op, args)

@@ -1,5 +1,5 @@
 """The shared-prefix evaluation of many interventions (docs/analysis.md): the staged forward pass, `evaluate_many`,
-its state cache, stacked copies and worker threads (attnres_lens/analysis/interventions.py).
+its state cache, stacked copies and worker threads (attnres_lens/analysis/engine.py, workers.py, session.py).
 
 Ground truth is independent of the code under test: one full forward pass per intervention (the model's own
 `run_with_hooks`) and the model's own forward pass, which the stages must compose to exactly.
@@ -19,22 +19,17 @@ from attnres_lens.analysis import (
     causal_routing,
     cumulative_pruning,
     evaluate_many,
-    interventions,
     pruning_sensitivity,
     removal_hooks,
+    session,
     source_mask_hooks,
 )
-from attnres_lens.analysis.interventions import (
-    EMBEDDING_STAGE,
-    StagedForward,
-    analysis_workers,
-    hook_stages,
-    model_replica,
-    replace_hook,
-    slice_state,
-)
+from attnres_lens.analysis.engine import EMBEDDING_STAGE, StagedForward, hook_stages, slice_state
+from attnres_lens.analysis.interventions import replace_hook
 from attnres_lens.analysis.pruning import CHEAP_METRICS
 from attnres_lens.analysis.run import prune_tables
+from attnres_lens.analysis.session import model_replica
+from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.evaluation import score_logits
 
 from .helpers import (
@@ -236,7 +231,7 @@ def test_stacked_knockouts_take_a_half_precision_bias_as_one_pass_does():
 def test_a_shared_source_replaced_after_stacking_is_mixed_as_it_now_is():
     """The copies' shared sources are known by identity: a stream whose shared block was replaced after stacking
     mixes what it now holds (the one-pass path), as does a consumer whose weights a hook watches."""
-    from attnres_lens.analysis.interventions import concat_states
+    from attnres_lens.analysis.engine import concat_states
     from attnres_lens.components import RMSNorm
 
     generator = torch.Generator().manual_seed(3)
@@ -371,7 +366,7 @@ def test_the_analyses_give_the_same_numbers_on_worker_threads(residual, block_si
     # One session: the clean passes (their outputs' means, the base loss) run once, on this thread at one torch
     # thread; on some processors (AMD EPYC) torch's own small reductions round differently at three threads
     # (the mHC stream mix's sums).
-    with interventions.analysis_session():
+    with session.analysis_session():
         serial = tables()
         torch.set_num_threads(3)  # analysis_workers gives one worker per torch thread
         try:
@@ -404,8 +399,8 @@ def test_an_analysis_session_keeps_the_workers_replicas_and_notices_new_hooks(mo
     batch = copy_batch(3)
     serial = prune_tables(model, batch)
     made = [0]
-    inner = interventions.model_replica
-    monkeypatch.setattr(interventions, "model_replica", lambda m: made.__setitem__(0, made[0] + 1) or inner(m))
+    inner = session.model_replica
+    monkeypatch.setattr(session, "model_replica", lambda m: made.__setitem__(0, made[0] + 1) or inner(m))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -416,7 +411,7 @@ def test_an_analysis_session_keeps_the_workers_replicas_and_notices_new_hooks(mo
         seen = []
         # the knockouts part at consumer 2, so sublayer 4 (where the new hook is) runs on the workers only
         knockouts = [source_mask_hooks(model, 2, [source]) for source in range(3)]
-        with interventions.analysis_session():
+        with session.analysis_session():
             first = evaluate_many(model, batch, knockouts, workers=2)
             model.blocks[2].hook_resid_pre.add_hook(lambda tensor, hook: seen.append(1))
             try:

@@ -12,7 +12,15 @@ import torch
 from torch.autograd import forward_ad
 
 from attnres_lens import components
-from attnres_lens.kernels import backends, cpu_fused, depth_attention
+from attnres_lens.kernels import (
+    backends,
+    cpu_attention,
+    cpu_autograd,
+    cpu_build,
+    cpu_depth,
+    cpu_elementwise,
+    depth_attention,
+)
 from tests.helpers import randomize_depth_parameters
 from tests.kernel_cases import SHAPES, assert_close, make_inputs, oracle
 
@@ -22,8 +30,8 @@ pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 @pytest.fixture
 def many_threads(monkeypatch):
     """Split even tiny inputs over 4 kernel threads, more than some inputs have rows."""
-    monkeypatch.setattr(cpu_fused, "MIN_ELEMENTS_PER_THREAD", 1)
-    monkeypatch.setattr(cpu_fused, "PTHREAD_MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_build, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_build, "PTHREAD_MIN_ELEMENTS_PER_THREAD", 1)
     previous = torch.get_num_threads()
     torch.set_num_threads(4)
     yield
@@ -64,7 +72,7 @@ def test_repeated_runs_are_bitwise_identical(many_threads):
 def test_the_kernel_threads_are_torchs_openmp_pool():
     """The shipped build runs its row split on OpenMP, and its OpenMP runtime is the one torch loaded: its thread
     count follows torch.set_num_threads (a second runtime would keep its own count and its own threads)."""
-    library = cpu_fused.cpu_library(torch.float32)
+    library = cpu_build.cpu_library(torch.float32)
     if not library.thread_pool:
         pytest.skip("this C compiler builds the kernel without OpenMP (the pthread form)")
     previous = torch.get_num_threads()
@@ -81,22 +89,22 @@ def test_the_kernel_threads_are_torchs_openmp_pool():
 def test_the_pthread_build_splits_rows_as_the_openmp_build(many_threads, tmp_path, monkeypatch, n_tokens):
     """A compiler without OpenMP builds the pthread form of the split: the same ranges and the same per-thread
     sums reduced in the same order, so forward and backward equal the OpenMP build's bit for bit (and float64)."""
-    shipped = cpu_fused.cpu_library(torch.float32)
+    shipped = cpu_build.cpu_library(torch.float32)
     if not shipped.thread_pool:
         pytest.skip("this C compiler builds the kernel without OpenMP: there is no OpenMP build to compare with")
-    monkeypatch.setenv(cpu_fused.CACHE_ENV_VAR, str(tmp_path))
-    monkeypatch.setattr(cpu_fused, "THREAD_FLAGS", ([],))
-    pthreads = cpu_fused._build_library("float")
+    monkeypatch.setenv(cpu_build.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(cpu_build, "THREAD_FLAGS", ([],))
+    pthreads = cpu_build._build_library("float")
     assert shipped.openmp_threads() == 4 and pthreads.openmp_threads() == 0
     sources, query, gain = make_inputs(7, (n_tokens,), 40, seed=14)
     results = {}
     for name, library in (("openmp", shipped), ("pthreads", pthreads)):
-        monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype, library=library: library)
+        monkeypatch.setattr(cpu_build, "cpu_library", lambda dtype, library=library: library)
         results[name] = forward_backward(sources, query, gain)
     q, k, v = (torch.randn(2, n_tokens, 3, 16, generator=torch.Generator().manual_seed(seed)) for seed in range(3))
-    monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype: shipped)
-    results["attention"] = cpu_fused.causal_attention_cpu(q, k, v, 0.25)
-    monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype: pthreads)
+    monkeypatch.setattr(cpu_build, "cpu_library", lambda dtype: shipped)
+    results["attention"] = cpu_attention.causal_attention_cpu(q, k, v, 0.25)
+    monkeypatch.setattr(cpu_build, "cpu_library", lambda dtype: pthreads)
     expected_h, expected_weights, _ = oracle(sources, query, gain)
     assert_close(results["pthreads"][0], expected_h, torch.float32)
     assert_close(results["pthreads"][1], expected_weights, torch.float32)
@@ -105,24 +113,24 @@ def test_the_pthread_build_splits_rows_as_the_openmp_build(many_threads, tmp_pat
         assert torch.equal(got, want)
     # the causal attention's (batch, head) pairs run on one thread there, the same arithmetic
     q, k, v = (torch.randn(2, n_tokens, 3, 16, generator=torch.Generator().manual_seed(seed)) for seed in range(3))
-    assert torch.equal(cpu_fused.causal_attention_cpu(q, k, v, 0.25), results["attention"])
+    assert torch.equal(cpu_attention.causal_attention_cpu(q, k, v, 0.25), results["attention"])
 
 
 @pytest.mark.slow
 def test_the_forward_reads_a_tile_in_either_order_to_the_same_bits(tmp_path, monkeypatch):
     """Below GROUPED_FORWARD_MIN_SOURCES the forward reads a tile token row by token row, from it on source group
-    by source group (cpu_fused.c): a build that reads by groups at every source count gives the shipped build's
+    by source group (cpu_depth.c): a build that reads by groups at every source count gives the shipped build's
     outputs and gradients bit for bit where the shipped one reads by rows (the same group_sums, only in another
     order), and both the float64 oracle's."""
-    shipped = cpu_fused.cpu_library(torch.float32)
-    monkeypatch.setenv(cpu_fused.CACHE_ENV_VAR, str(tmp_path))
-    monkeypatch.setattr(cpu_fused, "ARCH_FLAGS", ([*cpu_fused.ARCH_FLAGS[0], "-DGROUPED_FORWARD_MIN_SOURCES=1"],))
-    grouped = cpu_fused._build_library("float")
+    shipped = cpu_build.cpu_library(torch.float32)
+    monkeypatch.setenv(cpu_build.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(cpu_build, "ARCH_FLAGS", ([*cpu_build.ARCH_FLAGS[0], "-DGROUPED_FORWARD_MIN_SOURCES=1"],))
+    grouped = cpu_build._build_library("float")
     for n_sources in (1, 3, 6):  # all below the shipped threshold; 6: a group of four and a short one
         sources, query, gain = make_inputs(n_sources, (37,), 40, seed=n_sources)  # a short last tile, odd width
         results = []
         for library in (shipped, grouped):
-            monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype, library=library: library)
+            monkeypatch.setattr(cpu_build, "cpu_library", lambda dtype, library=library: library)
             results.append(forward_backward(sources, query, gain))
         expected_h, expected_weights, _ = oracle(sources, query, gain)
         assert_close(results[0][0], expected_h, torch.float32)
@@ -142,7 +150,7 @@ def test_non_contiguous_sources_and_leading_dims():
 def test_non_cpu_tensors_are_refused():
     sources = [torch.empty(3, 4, device="meta")]
     with pytest.raises(ValueError, match="cpu backend needs CPU tensors.*meta"):
-        cpu_fused.depth_attention_cpu(sources, torch.empty(4, device="meta"), torch.empty(4, device="meta"), 1e-6)
+        cpu_depth.depth_attention_cpu(sources, torch.empty(4, device="meta"), torch.empty(4, device="meta"), 1e-6)
 
 
 def _run_in_fresh_process(tmp_path, compiler: str, backend: str) -> subprocess.CompletedProcess:
@@ -156,7 +164,7 @@ def _run_in_fresh_process(tmp_path, compiler: str, backend: str) -> subprocess.C
         print("ok", h.sum().item())
         """
     )
-    env = {**os.environ, "CC": compiler, cpu_fused.CACHE_ENV_VAR: str(tmp_path / "cache")}
+    env = {**os.environ, "CC": compiler, cpu_build.CACHE_ENV_VAR: str(tmp_path / "cache")}
     env.pop(backends.BACKEND_ENV_VAR, None)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
 
@@ -184,23 +192,56 @@ def test_failed_build_reports_the_compiler_output(tmp_path):
 
 @pytest.mark.slow
 def test_library_is_cached_per_element_type(tmp_path, monkeypatch):
-    monkeypatch.setenv(cpu_fused.CACHE_ENV_VAR, str(tmp_path))
-    cpu_fused._library.cache_clear()
+    monkeypatch.setenv(cpu_build.CACHE_ENV_VAR, str(tmp_path))
+    cpu_build._library.cache_clear()
     try:
-        cpu_fused.cpu_library(torch.float32)
-        cpu_fused.cpu_library(torch.float64)
+        cpu_build.cpu_library(torch.float32)
+        cpu_build.cpu_library(torch.float64)
         built = sorted(path.name for path in tmp_path.iterdir())
         assert len(built) == 2 and built[0].startswith("depth_attention_double_") and built[1].startswith(
             "depth_attention_float_"
         )
-        cpu_fused._library.cache_clear()
-        cpu_fused.cpu_library(torch.float32)  # a second process finds the built file instead of compiling
+        cpu_build._library.cache_clear()
+        cpu_build.cpu_library(torch.float32)  # a second process finds the built file instead of compiling
         assert sorted(path.name for path in tmp_path.iterdir()) == built
     finally:
-        cpu_fused._library.cache_clear()
+        cpu_build._library.cache_clear()
 
 
 @pytest.mark.slow
+def test_an_edit_to_any_kernel_source_rebuilds_the_library(tmp_path, monkeypatch):
+    """The C files compile into one library whose cache key covers every one of them and their shared header: an
+    edit to any file builds a new library (a stale cached one would run the old code), unchanged files load the
+    cached one, and the library runs the edited code. Unoptimised builds of copies of the sources, for speed."""
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    for path in (*cpu_build.SOURCES, *cpu_build.HEADERS):
+        (folder / path.name).write_text(path.read_text())
+    sources = tuple(folder / path.name for path in cpu_build.SOURCES)
+    monkeypatch.setattr(cpu_build, "SOURCES", sources)
+    monkeypatch.setattr(cpu_build, "HEADERS", tuple(folder / path.name for path in cpu_build.HEADERS))
+    monkeypatch.setattr(cpu_build, "_BASE_FLAGS", [*(flag for flag in cpu_build._BASE_FLAGS if flag != "-O3"), "-O0"])
+    monkeypatch.setattr(cpu_build, "ARCH_FLAGS", ([],))
+    monkeypatch.setattr(cpu_build, "THREAD_FLAGS", ([],))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(cpu_build.CACHE_ENV_VAR, str(cache))
+    assert len(sources) > 1 and cpu_build.HEADERS  # several files: the point of the test
+    cpu_build._build_library("float")
+    built = set(cache.glob("*.so"))
+    cpu_build._build_library("float")
+    assert set(cache.glob("*.so")) == built and len(built) == 1  # nothing changed: the cached library
+    for path in (*cpu_build.SOURCES, *cpu_build.HEADERS):
+        path.write_text(path.read_text() + "\n/* edited */\n")
+        cpu_build._build_library("float")
+        now = set(cache.glob("*.so"))
+        assert len(now - built) == 1, f"an edit to {path.name} did not rebuild the library"
+        built = now
+    shipped = "int vector_sums(void) { return VECTOR_SUMS; }"
+    (build_source,) = (path for path in sources if shipped in path.read_text())
+    build_source.write_text(build_source.read_text().replace(shipped, "int vector_sums(void) { return 7; }"))
+    assert cpu_build._build_library("float").vector_sums() == 7  # the edited code is what runs
+
+
 def test_damaged_cached_library_is_rebuilt(tmp_path):
     # fresh interpreters: dlopen hands a process the library it already loaded from a path, whatever the file holds
     first = _run_in_fresh_process(tmp_path, os.environ.get("CC") or "cc", "cpu")
@@ -272,7 +313,7 @@ def _check_kv_shift(shape, dtype, rotary, seed: int) -> None:
     k, v, grad_k, grad_v = (torch.randn(*shape, generator=generator).to(dtype) for _ in range(4))
     k.requires_grad_(), v.requires_grad_()
     coefficients = torch.randn(shape[2], 4, generator=generator).to(dtype).requires_grad_()
-    shifted_k, shifted_v = cpu_fused.kv_shift_cpu(k, v, coefficients, rotary)
+    shifted_k, shifted_v = cpu_elementwise.kv_shift_cpu(k, v, coefficients, rotary)
     ((shifted_k * grad_k).sum() + (shifted_v * grad_v).sum()).backward()
     k64, v64, c64 = (t.detach().double().requires_grad_() for t in (k, v, coefficients))
     expected_k, expected_v = _shift_oracle(k64, c64[:, :2]), _shift_oracle(v64, c64[:, 2:])
@@ -313,15 +354,15 @@ def test_kv_shift_with_rotary_passes_gradcheck_and_equals_the_two_kernels_in_tur
     k, v = (torch.randn(2, 6, 3, 4, dtype=torch.float64, generator=generator, requires_grad=True) for _ in range(2))
     coefficients = torch.randn(3, 4, dtype=torch.float64, generator=generator, requires_grad=True)
     cos, sin = rotary_tables(8, 4, 10000.0)
-    assert torch.autograd.gradcheck(lambda *x: cpu_fused.kv_shift_cpu(*x, (cos, sin)), (k, v, coefficients))
-    shifted_k, shifted_v = cpu_fused.kv_shift_cpu(k, v, coefficients)
-    fused_k, fused_v = cpu_fused.kv_shift_cpu(k, v, coefficients, (cos, sin))
-    torch.testing.assert_close(fused_k, cpu_fused.rotary_cpu(shifted_k, cos, sin), rtol=1e-14, atol=1e-14)
+    assert torch.autograd.gradcheck(lambda *x: cpu_elementwise.kv_shift_cpu(*x, (cos, sin)), (k, v, coefficients))
+    shifted_k, shifted_v = cpu_elementwise.kv_shift_cpu(k, v, coefficients)
+    fused_k, fused_v = cpu_elementwise.kv_shift_cpu(k, v, coefficients, (cos, sin))
+    torch.testing.assert_close(fused_k, cpu_elementwise.rotary_cpu(shifted_k, cos, sin), rtol=1e-14, atol=1e-14)
     assert torch.equal(fused_v, shifted_v)
     with pytest.raises(ValueError, match="kv_shift_cpu's rotary embedding needs an even last dim"):
-        cpu_fused.kv_shift_cpu(k[..., :3], v[..., :3], coefficients, (cos[:, :3], sin[:, :3]))
+        cpu_elementwise.kv_shift_cpu(k[..., :3], v[..., :3], coefficients, (cos[:, :3], sin[:, :3]))
     with pytest.raises(ValueError, match=r"n_ctx >= 6, 4\] tables, got \(5, 4\)"):
-        cpu_fused.kv_shift_cpu(k, v, coefficients, (cos[:5], sin[:5]))
+        cpu_elementwise.kv_shift_cpu(k, v, coefficients, (cos[:5], sin[:5]))
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 2), (2, 5, 3, 8), (3, 17, 2, 16)])  # 1 row: fewer rows than threads
@@ -340,10 +381,10 @@ def test_elementwise_kernels_split_rows_over_threads(many_threads, shape):
 
     def run() -> list[torch.Tensor]:
         leaves = [t.clone().requires_grad_() for t in (k, v, coefficients, rows, gain)]
-        shifted_k, shifted_v = cpu_fused.kv_shift_cpu(*leaves[:3])
-        rotated = cpu_fused.rotary_cpu(leaves[0], cos, sin)
-        normed = cpu_fused.rms_norm_cpu(leaves[3], leaves[4], 1e-5)
-        shifted_rotated_k, _ = cpu_fused.kv_shift_cpu(*leaves[:3], (cos, sin))
+        shifted_k, shifted_v = cpu_elementwise.kv_shift_cpu(*leaves[:3])
+        rotated = cpu_elementwise.rotary_cpu(leaves[0], cos, sin)
+        normed = cpu_elementwise.rms_norm_cpu(leaves[3], leaves[4], 1e-5)
+        shifted_rotated_k, _ = cpu_elementwise.kv_shift_cpu(*leaves[:3], (cos, sin))
         outputs = [shifted_k, shifted_v, rotated, normed, shifted_rotated_k]
         torch.autograd.backward(outputs, [grad_k, grad_v, grad_v, torch.ones_like(normed), grad_v])
         return [*(output.detach() for output in outputs), *(leaf.grad for leaf in leaves)]
@@ -369,10 +410,11 @@ def test_kv_shift_kernel_passes_gradcheck_and_agrees_with_the_torch_twin():
     generator = torch.Generator().manual_seed(5)
     k, v = (torch.randn(2, 6, 3, 4, dtype=torch.float64, generator=generator, requires_grad=True) for _ in range(2))
     coefficients = torch.randn(3, 5, dtype=torch.float64, generator=generator, requires_grad=True)[:, 1:]  # a view
-    assert torch.autograd.gradcheck(cpu_fused.kv_shift_cpu, (k, v, coefficients))
+    assert torch.autograd.gradcheck(cpu_elementwise.kv_shift_cpu, (k, v, coefficients))
     twin = TokenShiftMix.apply(k, coefficients[:, :2]), TokenShiftMix.apply(v, coefficients[:, 2:])
     strided = k.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, not contiguous
-    for got in (cpu_fused.kv_shift_cpu(k, v, coefficients), cpu_fused.kv_shift_cpu(strided, v, coefficients)):
+    shift = cpu_elementwise.kv_shift_cpu
+    for got in (shift(k, v, coefficients), shift(strided, v, coefficients)):
         for a, b in zip(got, twin):
             torch.testing.assert_close(a, b)
 
@@ -380,17 +422,17 @@ def test_kv_shift_kernel_passes_gradcheck_and_agrees_with_the_torch_twin():
 def test_kv_shift_kernel_refuses_what_it_cannot_run():
     x = torch.randn(2, 3, 4, 5)
     with pytest.raises(ValueError, match="4-D fp32/fp64 CPU tensors, got k 3-D"):
-        cpu_fused.kv_shift_cpu(x[0], x[0], torch.rand(4, 4))
+        cpu_elementwise.kv_shift_cpu(x[0], x[0], torch.rand(4, 4))
     with pytest.raises(ValueError, match="got v 4-D torch.bfloat16"):
-        cpu_fused.kv_shift_cpu(x, x.bfloat16(), torch.rand(4, 4))
+        cpu_elementwise.kv_shift_cpu(x, x.bfloat16(), torch.rand(4, 4))
     with pytest.raises(ValueError, match="k and v must match"):
-        cpu_fused.kv_shift_cpu(x, x[:, :2], torch.rand(4, 4))
+        cpu_elementwise.kv_shift_cpu(x, x[:, :2], torch.rand(4, 4))
     with pytest.raises(ValueError, match=r"coefficients must be a CPU tensor \[heads, 4\] = \[4, 4\], got \[4, 2\]"):
-        cpu_fused.kv_shift_cpu(x, x, torch.rand(4, 2))
+        cpu_elementwise.kv_shift_cpu(x, x, torch.rand(4, 2))
     with pytest.raises(ValueError, match="got \\[4, 4\\] on meta"):
-        cpu_fused.kv_shift_cpu(x, x, torch.rand(4, 4, device="meta"))
+        cpu_elementwise.kv_shift_cpu(x, x, torch.rand(4, 4, device="meta"))
     k = x.clone().requires_grad_()
-    (shifted, _) = cpu_fused.kv_shift_cpu(k, x, torch.rand(4, 4))
+    (shifted, _) = cpu_elementwise.kv_shift_cpu(k, x, torch.rand(4, 4))
     (grad,) = torch.autograd.grad(shifted.square().sum(), k, create_graph=True)
     with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
         grad.sum().backward()  # no second derivative through the C backward, rather than a silent zero
@@ -417,7 +459,7 @@ def test_causal_attention_kernel_matches_float64(shape, dtype):
     generator = torch.Generator().manual_seed(sum(shape))
     q, k, v = (torch.randn(*shape, generator=generator).mul(2).to(dtype) for _ in range(3))
     scale = shape[-1] ** -0.5
-    got = cpu_fused.causal_attention_cpu(q, k, v, scale)
+    got = cpu_attention.causal_attention_cpu(q, k, v, scale)
     assert got.dtype == dtype and got.shape == q.shape
     # float32: the scores' rounding, amplified by the softmax (values up to ~6 here)
     tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
@@ -426,11 +468,11 @@ def test_causal_attention_kernel_matches_float64(shape, dtype):
 
 def test_causal_attention_kernel_splits_heads_over_threads_bitwise(many_threads):
     q, k, v = (torch.randn(3, 40, 5, 16, generator=torch.Generator().manual_seed(seed)) for seed in range(3))
-    threaded = cpu_fused.causal_attention_cpu(q, k, v, 0.25)  # 15 (batch, head) pairs over 4 threads
+    threaded = cpu_attention.causal_attention_cpu(q, k, v, 0.25)  # 15 (batch, head) pairs over 4 threads
     torch.set_num_threads(1)
-    assert torch.equal(threaded, cpu_fused.causal_attention_cpu(q, k, v, 0.25))
+    assert torch.equal(threaded, cpu_attention.causal_attention_cpu(q, k, v, 0.25))
     strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, not contiguous
-    assert torch.equal(cpu_fused.causal_attention_cpu(strided, k, v, 0.25), threaded)
+    assert torch.equal(cpu_attention.causal_attention_cpu(strided, k, v, 0.25), threaded)
 
 
 def test_causal_attention_kernel_softmax_survives_large_and_equal_scores():
@@ -438,10 +480,10 @@ def test_causal_attention_kernel_softmax_survives_large_and_equal_scores():
     q = torch.zeros(1, 9, 1, 8)
     k = torch.zeros(1, 9, 1, 8)
     v = torch.arange(9.0).view(1, 9, 1, 1).expand(1, 9, 1, 8).contiguous()
-    uniform = cpu_fused.causal_attention_cpu(q, k, v, 1.0)
+    uniform = cpu_attention.causal_attention_cpu(q, k, v, 1.0)
     torch.testing.assert_close(uniform[0, :, 0, 0], torch.arange(9.0) / 2)  # mean of 0 … t
     q[..., 0], k[0, 4, 0, 0] = 1.0, 1e3  # key 4 dominates every query that sees it
-    peaked = cpu_fused.causal_attention_cpu(q, k, v, 1.0)
+    peaked = cpu_attention.causal_attention_cpu(q, k, v, 1.0)
     torch.testing.assert_close(peaked[0, 4:, 0, 0], torch.full((5,), 4.0))
     torch.testing.assert_close(peaked[0, :4, 0, 0], torch.arange(4.0) / 2)
 
@@ -449,16 +491,16 @@ def test_causal_attention_kernel_softmax_survives_large_and_equal_scores():
 def test_causal_attention_kernel_refuses_what_it_cannot_run():
     x = torch.randn(2, 3, 4, 8)
     with pytest.raises(ValueError, match="4-D fp32/fp64 CPU tensors, got q 3-D"):
-        cpu_fused.causal_attention_cpu(x[0], x[0], x[0], 1.0)
+        cpu_attention.causal_attention_cpu(x[0], x[0], x[0], 1.0)
     with pytest.raises(ValueError, match="got v 4-D torch.bfloat16"):
-        cpu_fused.causal_attention_cpu(x, x, x.bfloat16(), 1.0)
+        cpu_attention.causal_attention_cpu(x, x, x.bfloat16(), 1.0)
     with pytest.raises(ValueError, match=r"must agree in shape and dtype, got \[2, 3, 4, 8\] torch.float32 and k"):
-        cpu_fused.causal_attention_cpu(x, x[:, :2], x, 1.0)
+        cpu_attention.causal_attention_cpu(x, x[:, :2], x, 1.0)
     with pytest.raises(ValueError, match="has no derivative, but q requires a gradient"):
-        cpu_fused.causal_attention_cpu(x.clone().requires_grad_(), x, x, 1.0)
+        cpu_attention.causal_attention_cpu(x.clone().requires_grad_(), x, x, 1.0)
     with torch.no_grad():  # no gradient is needed there
-        cpu_fused.causal_attention_cpu(x.clone().requires_grad_(), x, x, 1.0)
-    assert cpu_fused.causal_attention_cpu(x[:0], x[:0], x[:0], 1.0).shape == (0, 3, 4, 8)  # nothing to attend
+        cpu_attention.causal_attention_cpu(x.clone().requires_grad_(), x, x, 1.0)
+    assert cpu_attention.causal_attention_cpu(x[:0], x[:0], x[:0], 1.0).shape == (0, 3, 4, 8)  # nothing to attend
 
 
 def test_the_forward_softmax_matches_float64_across_the_whole_range_of_logits():
@@ -468,7 +510,7 @@ def test_the_forward_softmax_matches_float64_across_the_whole_range_of_logits():
     n_tokens, d_model = len(gaps), 64  # 204 tokens: not a multiple of the 16-token tile
     bias = torch.stack([torch.zeros(n_tokens), gaps])
     sources = [torch.randn(n_tokens, d_model) for _ in range(2)]
-    _, (_, logits, weights) = cpu_fused._forward_kernel(sources, torch.zeros(d_model), bias, 1e-6)
+    _, (_, logits, weights) = cpu_depth._forward_kernel(sources, torch.zeros(d_model), bias, 1e-6)
     assert torch.equal(logits, torch.zeros_like(logits))
     expected = torch.softmax(bias.double(), dim=0)
     # within ~2.5 ulp (exp, the division, the rounding), or below float's normal range
@@ -501,7 +543,7 @@ def test_several_queries_at_once_match_float64(many_threads, n_sources, token_sh
     if with_prior:  # a part over other sources, its lse spread around the sources' logits
         prior = (torch.randn(n_queries, *token_shape, d_model, generator=generator).to(dtype),
                  (2 * torch.randn(n_queries, *token_shape, generator=generator)).to(dtype))
-    mix, lse = cpu_fused.depth_attention_multi_cpu(sources, folded, 1e-6, prior=prior)
+    mix, lse = cpu_depth.depth_attention_multi_cpu(sources, folded, 1e-6, prior=prior)
     expected_mix, expected_lse = _several_queries_oracle(sources, folded, 1e-6, prior)
     assert mix.shape == (n_queries, *token_shape, d_model) and lse.shape == (n_queries, *token_shape)
     assert_close(mix, expected_mix, dtype)
@@ -519,7 +561,7 @@ def test_a_prior_for_one_copy_of_a_stacked_batch_serves_every_copy(many_threads,
     folded = torch.stack([query * gain, gain + 0.1 * torch.randn(d_model, generator=generator)]).to(dtype)
     prior = (torch.randn(2, batch, *rest, d_model, generator=generator).to(dtype),
              (2 * torch.randn(2, batch, *rest, generator=generator)).to(dtype))
-    mix, lse = cpu_fused.depth_attention_multi_cpu(sources, folded, 1e-6, prior=prior)
+    mix, lse = cpu_depth.depth_attention_multi_cpu(sources, folded, 1e-6, prior=prior)
     stacked = (prior[0].repeat(1, copies, *[1] * len(rest), 1), prior[1].repeat(1, copies, *[1] * len(rest)))
     expected_mix, expected_lse = _several_queries_oracle(sources, folded, 1e-6, stacked)
     assert_close(mix, expected_mix, dtype)
@@ -536,26 +578,26 @@ def test_kernels_without_a_jvp_refuse_a_forward_mode_tangent_instead_of_dropping
     folded = torch.stack([query * gain, gain])
     x = torch.randn(2, 65, 4, 16, dtype=torch.float64)
     shared, stacked, q, g, bias = _copies_inputs((3, 2, 8, 16, 2, 1), torch.float64)
-    plain_mix, plain_lse = cpu_fused.depth_attention_multi_cpu(sources, folded, 1e-6)
+    plain_mix, plain_lse = cpu_depth.depth_attention_multi_cpu(sources, folded, 1e-6)
     for grad_mode in (False, True):
         with torch.set_grad_enabled(grad_mode), forward_ad.dual_level():
             dual = forward_ad.make_dual(sources[0], torch.ones_like(sources[0]))
             with pytest.raises(NotImplementedError, match="jvp"):
-                cpu_fused.depth_attention_multi_cpu([dual, *sources[1:]], folded, 1e-6)
+                cpu_depth.depth_attention_multi_cpu([dual, *sources[1:]], folded, 1e-6)
             with pytest.raises(NotImplementedError, match="jvp"):
-                cpu_fused.depth_attention_multi_cpu(sources, forward_ad.make_dual(folded, folded), 1e-6)
-            mix, lse = cpu_fused.depth_attention_multi_cpu(sources, folded, 1e-6)  # no tangent: as outside
+                cpu_depth.depth_attention_multi_cpu(sources, forward_ad.make_dual(folded, folded), 1e-6)
+            mix, lse = cpu_depth.depth_attention_multi_cpu(sources, folded, 1e-6)  # no tangent: as outside
             assert torch.equal(mix, plain_mix) and torch.equal(lse, plain_lse)
             dual_x = forward_ad.make_dual(x, torch.ones_like(x))
             with pytest.raises(ValueError, match="carries a forward-mode tangent"):
-                cpu_fused.causal_attention_cpu(x, dual_x, x, 1.0)
+                cpu_attention.causal_attention_cpu(x, dual_x, x, 1.0)
             assert not attention_runs_cpu_kernel("cpu", x, x, dual_x)  # the model's attention takes SDPA there
             with pytest.raises(ValueError, match="no backward or forward-mode derivative"):
-                cpu_fused.depth_attention_copies_cpu([forward_ad.make_dual(shared[0], shared[0]), shared[1]],
+                cpu_depth.depth_attention_copies_cpu([forward_ad.make_dual(shared[0], shared[0]), shared[1]],
                                                      stacked, 3, q, g, 1e-6)
             one_copy = (plain_mix[:, :1], plain_lse[:, :1])  # a prior for the first of two stacked copies
             with pytest.raises(ValueError, match="one copy of stacked sources .*forward-mode derivative"):
-                cpu_fused.depth_attention_multi_cpu([dual, *sources[1:]], folded, 1e-6, prior=one_copy)
+                cpu_depth.depth_attention_multi_cpu([dual, *sources[1:]], folded, 1e-6, prior=one_copy)
 
 
 def test_a_prior_that_covers_no_whole_copy_is_refused():
@@ -563,10 +605,10 @@ def test_a_prior_that_covers_no_whole_copy_is_refused():
     folded = (query * gain)[None]
     for batch in (4, 12):  # 4 does not divide 6; 12 is more than the sources hold
         with pytest.raises(ValueError, match="prior must be .*divisor"):
-            cpu_fused.depth_attention_multi_cpu(sources, folded, 1e-6,
+            cpu_depth.depth_attention_multi_cpu(sources, folded, 1e-6,
                                                 prior=(torch.zeros(1, batch, 5, 8), torch.zeros(1, batch, 5)))
     with pytest.raises(ValueError, match="prior must be"):  # lse of another shape
-        cpu_fused.depth_attention_multi_cpu(sources, folded, 1e-6, prior=(torch.zeros(1, 3, 5, 8), torch.zeros(1, 3)))
+        cpu_depth.depth_attention_multi_cpu(sources, folded, 1e-6, prior=(torch.zeros(1, 3, 5, 8), torch.zeros(1, 3)))
 
 
 # (copies, batch, pos, d_model, shared sources, stacked sources): tokens per copy on both sides of a TILE of 16 and
@@ -601,23 +643,23 @@ def test_stacked_copies_with_their_own_bias_read_shared_sources_once(many_thread
     n_copies = case[0]
     shared, stacked, query, gain, bias = _copies_inputs(case, dtype)
     with torch.no_grad():
-        got = cpu_fused.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6, bias)
+        got = cpu_depth.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6, bias)
         repeated = [source.repeat(n_copies, 1, 1) for source in shared] + stacked
         want = depth_attention([source.double() for source in repeated], query.double(), gain.double(), 1e-6,
                                backend="reference", logit_bias=bias.double())
         assert got.dtype == dtype and got.shape == repeated[0].shape
         assert_close(got, want, dtype)
         torch.set_num_threads(1)
-        assert torch.equal(got, cpu_fused.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6,
+        assert torch.equal(got, cpu_depth.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6,
                                                                      bias))
         if shared[0][..., 0].numel() % 16 == 0:
             assert torch.equal(got, depth_attention(repeated, query, gain, 1e-6, backend="cpu", logit_bias=bias))
-        unbiased = cpu_fused.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6)
+        unbiased = cpu_depth.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6)
         assert_close(unbiased, depth_attention([source.double() for source in repeated], query.double(),
                                                gain.double(), 1e-6, backend="reference"), dtype)
         # the consumer's pre-norm fused: RMSNorm(h) * w of the float64 mix; a half-precision bias converted
         weight = torch.linspace(0.5, 1.5, query.shape[0]).to(dtype)
-        h, y = cpu_fused.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6,
+        h, y = cpu_depth.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6,
                                                     bias.to(torch.bfloat16), norm=(weight, 1e-5))
         want = depth_attention([source.double() for source in repeated], query.double(), gain.double(), 1e-6,
                                backend="reference", logit_bias=bias.to(torch.bfloat16).double())
@@ -627,7 +669,7 @@ def test_stacked_copies_with_their_own_bias_read_shared_sources_once(many_thread
 
 def test_stacked_copies_refuse_what_they_cannot_mix():
     shared, stacked, query, gain, bias = _copies_inputs((3, 2, 8, 16, 2, 1), torch.float32)
-    run = cpu_fused.depth_attention_copies_cpu
+    run = cpu_depth.depth_attention_copies_cpu
     with pytest.raises(ValueError, match="at least one shared source"):
         run([], stacked, 3, query, gain, 1e-6)
     with pytest.raises(ValueError, match="n_copies must be a positive integer, got 0"):
@@ -674,7 +716,7 @@ def test_several_queries_backward_matches_float64(many_threads, n_sources, token
 
     leaves = [t.detach().clone().requires_grad_() for t in (*sources, folded, *(prior or ()))]
     n_prior = len(prior or ())
-    mix, lse = cpu_fused.depth_attention_multi_cpu(leaves[:n_sources], leaves[n_sources],
+    mix, lse = cpu_depth.depth_attention_multi_cpu(leaves[:n_sources], leaves[n_sources],
                                                    1e-6, prior=tuple(leaves[n_sources + 1:]) or None)
     assert isinstance(mix, tuple) and len(mix) == n_queries and mix[0].shape == (*token_shape, d_model)
     got = torch.autograd.grad(loss(mix, lse), leaves, allow_unused=True)
@@ -694,8 +736,8 @@ def test_several_queries_sum_a_shared_source_gradient_in_place(many_threads):
     folded = torch.stack([query * gain, gain, -query]).double()
 
     def loss(views, pool):
-        mix, lse = cpu_fused.depth_attention_multi_cpu(views, folded, 1e-6)
-        merged, _ = cpu_fused.depth_attention_multi_cpu(views[4:], folded[1:2], 1e-6,
+        mix, lse = cpu_depth.depth_attention_multi_cpu(views, folded, 1e-6)
+        merged, _ = cpu_depth.depth_attention_multi_cpu(views[4:], folded[1:2], 1e-6,
                                                         prior=(mix[1][None], lse[1][None]))
         one_pass = depth_attention(views, query, gain, backend="cpu")
         return (mix[0] * pool[0]).sum() + (merged[0] * pool[1]).sum() + (lse[2] * pool[2]).sum() + \
@@ -706,7 +748,7 @@ def test_several_queries_sum_a_shared_source_gradient_in_place(many_threads):
         [torch.randn(37, generator=generator, dtype=torch.float64),
          torch.randn(37, 24, generator=generator, dtype=torch.float64)]
     leaves = [s.requires_grad_() for s in sources]
-    got = torch.autograd.grad(loss([cpu_fused.share_gradient(leaf) for leaf in leaves], pool), leaves)
+    got = torch.autograd.grad(loss([cpu_autograd.share_gradient(leaf) for leaf in leaves], pool), leaves)
     want = torch.autograd.grad(loss(leaves, pool), leaves)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
@@ -718,7 +760,7 @@ def test_several_queries_with_a_gradient_give_tensors_a_consumer_may_edit_in_pla
     sources, query, gain = make_inputs(4, (9,), 16, torch.float64)
     leaves = [t.requires_grad_() for t in sources]
     folded = torch.stack([query * gain, gain]).double()
-    mix, _ = cpu_fused.depth_attention_multi_cpu(leaves, folded, 1e-6)
+    mix, _ = cpu_depth.depth_attention_multi_cpu(leaves, folded, 1e-6)
     mix[1][:, 0] = 0.0
     got = torch.autograd.grad((mix[0] * 2 + mix[1]).sum(), leaves)
     oracle_leaves = [t.detach().requires_grad_() for t in leaves]
@@ -735,9 +777,9 @@ def test_several_queries_refuse_a_gradient_through_a_prior_for_one_copy():
     prior = (torch.zeros(1, 3, 5, 8), torch.zeros(1, 3, 5))  # one copy of 3 rows for sources of 6
     sources[1].requires_grad_()
     with pytest.raises(ValueError, match="one copy of stacked sources .*no backward"):
-        cpu_fused.depth_attention_multi_cpu(sources, (query * gain)[None], 1e-6, prior=prior)
+        cpu_depth.depth_attention_multi_cpu(sources, (query * gain)[None], 1e-6, prior=prior)
     with torch.no_grad():
-        cpu_fused.depth_attention_multi_cpu(sources, (query * gain)[None], 1e-6, prior=prior)
+        cpu_depth.depth_attention_multi_cpu(sources, (query * gain)[None], 1e-6, prior=prior)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 2), (2, 5, 3, 8), (3, 17, 2, 16), (1, 33, 5, 10)])
@@ -750,27 +792,27 @@ def test_rotary_kernel_matches_its_twin_and_gradients(shape, dtype):
     x = torch.randn(shape, generator=generator, dtype=torch.float64).requires_grad_()
     n_pos = shape[1]
     expected = apply_rotary(x, cos[:n_pos, None].double(), sin[:n_pos, None].double())
-    got = cpu_fused.rotary_cpu(x.detach().to(dtype).requires_grad_(), cos, sin)  # output NaN-poisoned
+    got = cpu_elementwise.rotary_cpu(x.detach().to(dtype).requires_grad_(), cos, sin)  # output NaN-poisoned
     assert_close(got, expected, dtype)
     grad = torch.randn(shape, generator=generator, dtype=torch.float64)
     (expected_grad,) = torch.autograd.grad(expected, x, grad)
     leaf = x.detach().to(dtype).requires_grad_()
-    (got_grad,) = torch.autograd.grad(cpu_fused.rotary_cpu(leaf, cos, sin), leaf, grad.to(dtype))
+    (got_grad,) = torch.autograd.grad(cpu_elementwise.rotary_cpu(leaf, cos, sin), leaf, grad.to(dtype))
     assert_close(got_grad, expected_grad, dtype)
     if dtype == torch.float64:
-        assert torch.autograd.gradcheck(lambda t: cpu_fused.rotary_cpu(t, cos, sin), (x,))
+        assert torch.autograd.gradcheck(lambda t: cpu_elementwise.rotary_cpu(t, cos, sin), (x,))
 
 
 def test_rotary_kernel_refuses_what_it_cannot_run():
     cos, sin = torch.ones(8, 4), torch.zeros(8, 4)
     with pytest.raises(ValueError, match="even last dim"):
-        cpu_fused.rotary_cpu(torch.zeros(1, 2, 1, 3), torch.ones(8, 3), torch.zeros(8, 3))
+        cpu_elementwise.rotary_cpu(torch.zeros(1, 2, 1, 3), torch.ones(8, 3), torch.zeros(8, 3))
     with pytest.raises(ValueError, match="4-D fp32/fp64"):
-        cpu_fused.rotary_cpu(torch.zeros(2, 1, 4).bfloat16(), cos, sin)
+        cpu_elementwise.rotary_cpu(torch.zeros(2, 1, 4).bfloat16(), cos, sin)
     with pytest.raises(ValueError, match=r"n_ctx >= 9"):
-        cpu_fused.rotary_cpu(torch.zeros(1, 9, 1, 4), cos, sin)
+        cpu_elementwise.rotary_cpu(torch.zeros(1, 9, 1, 4), cos, sin)
     with pytest.raises(ValueError, match="must not require grad"):
-        cpu_fused.rotary_cpu(torch.zeros(1, 2, 1, 4), cos.requires_grad_(), sin)
+        cpu_elementwise.rotary_cpu(torch.zeros(1, 2, 1, 4), cos.requires_grad_(), sin)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7, 33), (2, 17, 64), (5, 130)])
@@ -781,23 +823,23 @@ def test_rms_norm_kernel_matches_float64_and_gradients(shape, dtype):
     w = (1 + 0.3 * torch.randn(shape[-1], generator=generator, dtype=torch.float64)).requires_grad_()
     expected = x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * w  # the definition, float64
     leaves = [t.detach().to(dtype).requires_grad_() for t in (x, w)]
-    got = cpu_fused.rms_norm_cpu(*leaves, 1e-5)  # outputs NaN-poisoned
+    got = cpu_elementwise.rms_norm_cpu(*leaves, 1e-5)  # outputs NaN-poisoned
     assert_close(got, expected, dtype)
     grad = torch.randn(shape, generator=generator, dtype=torch.float64)
     for got_grad, expected_grad in zip(torch.autograd.grad(got, leaves, grad.to(dtype)),
                                        torch.autograd.grad(expected, (x, w), grad)):
         assert_close(got_grad, expected_grad, dtype, scale=10)  # dw sums over rows
     if dtype == torch.float64:
-        assert torch.autograd.gradcheck(lambda a, b: cpu_fused.rms_norm_cpu(a, b, 1e-5), (x, w))
+        assert torch.autograd.gradcheck(lambda a, b: cpu_elementwise.rms_norm_cpu(a, b, 1e-5), (x, w))
 
 
 def test_rms_norm_kernel_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="fp32/fp64 CPU tensor"):
-        cpu_fused.rms_norm_cpu(torch.zeros(2, 4).bfloat16(), torch.ones(4), 1e-5)
+        cpu_elementwise.rms_norm_cpu(torch.zeros(2, 4).bfloat16(), torch.ones(4), 1e-5)
     with pytest.raises(ValueError, match=r"gain must be \[4\]"):
-        cpu_fused.rms_norm_cpu(torch.zeros(2, 4), torch.ones(5), 1e-5)
+        cpu_elementwise.rms_norm_cpu(torch.zeros(2, 4), torch.ones(5), 1e-5)
     with pytest.raises(ValueError, match="gain must be"):
-        cpu_fused.rms_norm_cpu(torch.zeros(2, 4), torch.ones(4, dtype=torch.float64), 1e-5)
+        cpu_elementwise.rms_norm_cpu(torch.zeros(2, 4), torch.ones(4, dtype=torch.float64), 1e-5)
 
 
 def test_two_phase_on_the_cpu_folds_low_precision_queries_in_fp32():
@@ -826,7 +868,7 @@ def test_a_kv_shift_model_rotates_k_in_the_shift_unless_a_hook_reads_the_shifted
 
     calls = []
     monkeypatch.setattr("attnres_lens.components.rotary_cpu",
-                        lambda *args: calls.append(1) or cpu_fused.rotary_cpu(*args))
+                        lambda *args: calls.append(1) or cpu_elementwise.rotary_cpu(*args))
     cfg = ModelConfig(d_model=16, n_heads=4, n_key_value_heads=2, n_layers=2, d_vocab=32, n_ctx=9,
                       attention="kv_shift", depth_attention_backend="cpu", dtype=torch.float64, seed=2)
     model = HookedTransformer(cfg)
@@ -867,7 +909,7 @@ def test_the_mix_with_its_pre_norm_fused_matches_the_mix_then_the_norm(dtype, n_
     leaves = [*sources, query, gain, norm_weight]
     tolerance = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
     for use_y, use_h in ((True, False), (True, True), (False, True)):
-        h, y = cpu_fused.depth_attention_normed_cpu(sources, query, gain, 1e-6, norm_weight, 1e-5)
+        h, y = cpu_depth.depth_attention_normed_cpu(sources, query, gain, 1e-6, norm_weight, 1e-5)
         want_h = depth_attention(sources, query, gain, 1e-6, backend="reference")
         want_y = torch.nn.functional.rms_norm(want_h, (d_model,), norm_weight, 1e-5)
         torch.testing.assert_close(h, want_h, **tolerance)
@@ -886,7 +928,7 @@ def test_the_mix_with_its_pre_norm_fused_matches_the_mix_then_the_norm(dtype, n_
                 torch.testing.assert_close(a, b, **tolerance, msg=name)
     if dtype == torch.float64 and n_sources < 10:
         def fused(*tensors):
-            return cpu_fused.depth_attention_normed_cpu(list(tensors[:n_sources]), *tensors[n_sources:n_sources + 2],
+            return cpu_depth.depth_attention_normed_cpu(list(tensors[:n_sources]), *tensors[n_sources:n_sources + 2],
                                                         1e-6, tensors[-1], 1e-5)
         assert torch.autograd.gradcheck(fused, tuple(leaves))
 
@@ -896,7 +938,7 @@ def test_the_fused_pre_norm_writes_every_output(many_threads):
     count, 33 sources (the tiled backward), split over threads."""
     sources = [torch.randn(37, 24, requires_grad=True) for _ in range(33)]
     query, gain, norm_weight = (torch.randn(24, requires_grad=True) for _ in range(3))
-    h, y = cpu_fused.depth_attention_normed_cpu(sources, query, gain, 1e-6, norm_weight, 1e-5)
+    h, y = cpu_depth.depth_attention_normed_cpu(sources, query, gain, 1e-6, norm_weight, 1e-5)
     assert torch.isfinite(h).all() and torch.isfinite(y).all()
     grads = torch.autograd.grad(y.square().sum() + h.sum(), [*sources, query, gain, norm_weight])
     assert all(torch.isfinite(grad).all() for grad in grads)
@@ -916,7 +958,7 @@ def test_a_fused_mix_that_leaves_h_out_gives_the_same_y_and_gradients(many_threa
 
     def run(keep_h: bool):
         leaves = [t.clone().requires_grad_() for t in (*sources, *parameters)]
-        h, y = cpu_fused.fused_mix_and_norm(leaves[:-3], leaves[-3], leaves[-2], 1e-6, leaves[-1], 1e-5, keep_h)
+        h, y = cpu_depth.fused_mix_and_norm(leaves[:-3], leaves[-3], leaves[-2], 1e-6, leaves[-1], 1e-5, keep_h)
         y.backward(grad_y)
         return h, y.detach(), [leaf.grad for leaf in leaves]
 
@@ -929,9 +971,9 @@ def test_a_fused_mix_that_leaves_h_out_gives_the_same_y_and_gradients(many_threa
     if dtype == torch.float64 and n_sources == 3 and width == 24:
         leaves = tuple(t.clone().requires_grad_() for t in (*sources, *parameters))
         assert torch.autograd.gradcheck(
-            lambda *t: cpu_fused.fused_mix_and_norm(list(t[:-3]), t[-3], t[-2], 1e-6, t[-1], 1e-5, False)[1], leaves)
+            lambda *t: cpu_depth.fused_mix_and_norm(list(t[:-3]), t[-3], t[-2], 1e-6, t[-1], 1e-5, False)[1], leaves)
     with pytest.raises(ValueError, match="only a mix with its pre-norm fused can leave h out"):
-        cpu_fused._run_forward(sources, parameters[0], None, 1e-6, keep_h=False)
+        cpu_depth._run_forward(sources, parameters[0], None, 1e-6, keep_h=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -944,14 +986,14 @@ def test_the_kernel_folds_the_query_as_torch_does(dtype, width):
     query, gain, norm_weight = (torch.randn(width, dtype=dtype, generator=generator) for _ in range(3))
     grad_y = torch.randn(3, 7, width, dtype=dtype, generator=generator)
     folded = (query * gain).contiguous()
-    given = cpu_fused._run_forward(sources, folded, None, 1e-6, norm_weight, 1e-5, True)
-    taken = cpu_fused._run_forward(sources, query, None, 1e-6, norm_weight, 1e-5, True, gain)
+    given = cpu_depth._run_forward(sources, folded, None, 1e-6, norm_weight, 1e-5, True)
+    taken = cpu_depth._run_forward(sources, query, None, 1e-6, norm_weight, 1e-5, True, gain)
     for a, b in zip(given, taken, strict=True):
         assert torch.equal(a, b)
     _h, stats, _y, norm_rstd = taken
     norm = (None, norm_weight, norm_rstd, grad_y)
-    given = cpu_fused._run_backward(sources, folded, stats, None, None, norm, (query, gain))
-    taken = cpu_fused._run_backward(sources, None, stats, None, None, norm, (query, gain))
+    given = cpu_depth._run_backward(sources, folded, stats, None, None, norm, (query, gain))
+    taken = cpu_depth._run_backward(sources, None, stats, None, None, norm, (query, gain))
     for a, b in zip([*given[0], *given[1:]], [*taken[0], *taken[1:]], strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(taken[1], taken[2])  # dw = du * g and dg = du * w, not one product twice
@@ -963,12 +1005,12 @@ def test_sums_added_in_place_equal_each_threads_own_sums(many_threads, tmp_path,
     cannot be had it adds in place, in the caller's [threads, D] block (the build with -DSHARED_THREAD_SUMS takes
     that path every time). Both give the same sums bit for bit: the depth mix's query and fused gain gradients
     (both backward loops), RMSNorm's gain and the KV shift's coefficients, split over threads."""
-    shipped = cpu_fused.cpu_library(torch.float32)
+    shipped = cpu_build.cpu_library(torch.float32)
     if not shipped.thread_pool:
         pytest.skip("this C compiler builds the kernel without OpenMP: one thread, no per-thread sums to place")
-    monkeypatch.setenv(cpu_fused.CACHE_ENV_VAR, str(tmp_path))
-    monkeypatch.setattr(cpu_fused, "ARCH_FLAGS", ([*cpu_fused.ARCH_FLAGS[0], "-DSHARED_THREAD_SUMS"],))
-    in_place = cpu_fused._build_library("float")
+    monkeypatch.setenv(cpu_build.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(cpu_build, "ARCH_FLAGS", ([*cpu_build.ARCH_FLAGS[0], "-DSHARED_THREAD_SUMS"],))
+    in_place = cpu_build._build_library("float")
     generator = torch.Generator().manual_seed(21)
     k, v, grad_kv = (torch.randn(3, 17, 2, 16, generator=generator) for _ in range(3))
     coefficients = torch.randn(2, 4, generator=generator)
@@ -980,17 +1022,17 @@ def test_sums_added_in_place_equal_each_threads_own_sums(many_threads, tmp_path,
         found = []
         for sources in cases:
             leaves = [t.clone().requires_grad_() for t in (*sources, *parameters)]
-            h, y = cpu_fused.depth_attention_normed_cpu(leaves[:-3], leaves[-3], leaves[-2], 1e-6, leaves[-1], 1e-5)
+            h, y = cpu_depth.depth_attention_normed_cpu(leaves[:-3], leaves[-3], leaves[-2], 1e-6, leaves[-1], 1e-5)
             (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
             found += [leaf.grad for leaf in leaves]
         leaves = [t.clone().requires_grad_() for t in (k, v, coefficients, rows, gain)]
-        shifted_k, shifted_v = cpu_fused.kv_shift_cpu(*leaves[:3])
-        normed = cpu_fused.rms_norm_cpu(leaves[3], leaves[4], 1e-5)
+        shifted_k, shifted_v = cpu_elementwise.kv_shift_cpu(*leaves[:3])
+        normed = cpu_elementwise.rms_norm_cpu(leaves[3], leaves[4], 1e-5)
         torch.autograd.backward([shifted_k, shifted_v, normed], [grad_kv, grad_kv, torch.ones_like(normed)])
         return found + [leaf.grad for leaf in leaves]
 
     expected = gradients()
-    monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype: in_place)
+    monkeypatch.setattr(cpu_build, "cpu_library", lambda dtype: in_place)
     for got, want in zip(gradients(), expected, strict=True):
         assert torch.equal(got, want)
 
@@ -1012,9 +1054,9 @@ def test_a_hook_that_changes_the_width_is_refused_by_the_mix(backend):
 def test_the_fused_pre_norm_refuses_what_it_cannot_run():
     sources = [torch.randn(2, 8) for _ in range(2)]
     with pytest.raises(ValueError, match=r"norm_weight must be \[8\] torch.float32"):
-        cpu_fused.depth_attention_normed_cpu(sources, torch.zeros(8), torch.ones(8), 1e-6, torch.ones(8).double(), 1e-5)
+        cpu_depth.depth_attention_normed_cpu(sources, torch.zeros(8), torch.ones(8), 1e-6, torch.ones(8).double(), 1e-5)
     with pytest.raises(ValueError, match="fp32/fp64 CPU tensors, got torch.bfloat16"):
-        cpu_fused.depth_attention_normed_cpu([s.bfloat16() for s in sources], torch.zeros(8), torch.ones(8), 1e-6,
+        cpu_depth.depth_attention_normed_cpu([s.bfloat16() for s in sources], torch.zeros(8), torch.ones(8), 1e-6,
                                              torch.ones(8), 1e-5)
 
 
@@ -1030,7 +1072,7 @@ def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
     from attnres_lens import HookedTransformer, ModelConfig
 
     calls = []
-    real = cpu_fused.fused_mix_and_norm
+    real = cpu_depth.fused_mix_and_norm
     monkeypatch.setattr("attnres_lens.attnres.fused_mix_and_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
     models = {}
     for backend in ("cpu", "reference"):
@@ -1076,7 +1118,7 @@ def _shared_gradient_case(dtype: torch.dtype, n_tokens: int = 7, d_model: int = 
         a non-C backend (whose gradient reaches the shared view through autograd), another plain C mix."""
         h0 = depth_attention(sources, queries[0], gain, 1e-6, backend=backend)
         if backend == "cpu":
-            h1, y1 = cpu_fused.depth_attention_normed_cpu(sources, queries[1], gain, 1e-6, norm_weight, 1e-5)
+            h1, y1 = cpu_depth.depth_attention_normed_cpu(sources, queries[1], gain, 1e-6, norm_weight, 1e-5)
         else:
             h1 = depth_attention(sources, queries[1], gain, 1e-6, backend=backend)
             y1 = torch.nn.functional.rms_norm(h1, (d_model,), norm_weight, 1e-5)
@@ -1096,7 +1138,7 @@ def test_consumers_sum_a_shared_source_gradient_in_place(many_threads, dtype, n_
     leaves, loss = _shared_gradient_case(dtype, n_sources=n_sources)
     tolerance = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
     calls = {True: 0, False: 0}
-    target = cpu_fused.SharedGradient.target
+    target = cpu_autograd.SharedGradient.target
 
     def counted(self, like):
         buffer, accumulate = target(self, like)
@@ -1104,8 +1146,8 @@ def test_consumers_sum_a_shared_source_gradient_in_place(many_threads, dtype, n_
         return buffer, accumulate
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_fused.SharedGradient, "target", counted)
-        got = torch.autograd.grad(loss([cpu_fused.share_gradient(leaf) for leaf in leaves]), leaves)
+        patch.setattr(cpu_autograd.SharedGradient, "target", counted)
+        got = torch.autograd.grad(loss([cpu_autograd.share_gradient(leaf) for leaf in leaves]), leaves)
     want = torch.autograd.grad(loss(leaves, backend="reference"), leaves)
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, **tolerance, msg=f"source {i}")
@@ -1119,12 +1161,12 @@ def test_a_shared_source_gradient_survives_retained_graphs_and_partial_backwards
     (that its buffers are freed at its end is checked by the next test)."""
     leaves, loss = _shared_gradient_case(torch.float64)
     want = torch.autograd.grad(loss(leaves, backend="reference"), leaves)
-    total = loss([cpu_fused.share_gradient(leaf) for leaf in leaves])
+    total = loss([cpu_autograd.share_gradient(leaf) for leaf in leaves])
     for _ in range(2):
         got = torch.autograd.grad(total, leaves, retain_graph=True)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    views = [cpu_fused.share_gradient(leaf) for leaf in leaves]
+    views = [cpu_autograd.share_gradient(leaf) for leaf in leaves]
     query = torch.randn(leaves[0].shape[-1], dtype=torch.float64, requires_grad=True)
     stopped = (depth_attention(views, query, torch.ones_like(query), 1e-6, backend="cpu") ** 2).sum()
     torch.autograd.grad(stopped, [query], retain_graph=True)  # runs the mix's backward, not the shared nodes'
@@ -1143,7 +1185,7 @@ def test_a_model_shares_source_gradients_only_where_nothing_can_see_them(block_s
     from attnres_lens import HookedTransformer, ModelConfig
 
     shared = []
-    real = cpu_fused.share_gradient
+    real = cpu_autograd.share_gradient
     monkeypatch.setattr("attnres_lens.attnres.share_gradient", lambda source: shared.append(1) or real(source))
     tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
     model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=3, d_vocab=32, n_ctx=9, residual="attnres",
@@ -1176,23 +1218,23 @@ def test_the_portable_build_and_the_vector_sums_agree_with_float64(tmp_path, mon
     file's portable loops, the default build its AVX2 vector sums where the processor has them: in each, one mix
     forward and backward against float64, the several-query kernel against the float64 oracle, gradients summed
     into shared buffers against the readable path; and the two builds agree."""
-    native = cpu_fused.cpu_library(torch.float32)  # as shipped, before the flags change
-    monkeypatch.setenv(cpu_fused.CACHE_ENV_VAR, str(tmp_path))
-    monkeypatch.setattr(cpu_fused, "ARCH_FLAGS", ([],))
-    portable = cpu_fused._build_library("float")
+    native = cpu_build.cpu_library(torch.float32)  # as shipped, before the flags change
+    monkeypatch.setenv(cpu_build.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(cpu_build, "ARCH_FLAGS", ([],))
+    portable = cpu_build._build_library("float")
     flags = next((line.split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
     assert native.vector_sums() == ("avx2" in flags and "fma" in flags) and portable.vector_sums() == 0
     results = {}
     for name, library in (("portable", portable), ("native", native)):
-        monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype, library=library: library)
+        monkeypatch.setattr(cpu_build, "cpu_library", lambda dtype, library=library: library)
         outputs = []
         for n_sources, token_shape, d_model in SHAPES:
             sources, query, gain = make_inputs(n_sources, token_shape, d_model)
             leaves, loss = _shared_gradient_case(torch.float32, n_tokens=int(torch.tensor(token_shape).prod()),
                                                  d_model=d_model, n_sources=max(2, n_sources))
             with torch.no_grad():
-                mix, _ = cpu_fused.depth_attention_multi_cpu(sources, torch.stack([query * gain, gain]), 1e-6)
-            shared = torch.autograd.grad(loss([cpu_fused.share_gradient(leaf) for leaf in leaves]), leaves)
+                mix, _ = cpu_depth.depth_attention_multi_cpu(sources, torch.stack([query * gain, gain]), 1e-6)
+            shared = torch.autograd.grad(loss([cpu_autograd.share_gradient(leaf) for leaf in leaves]), leaves)
             grad_output = torch.linspace(-1, 1, mix[0].numel()).view(*token_shape, d_model)
             plain = _gradients("cpu", sources, query, gain, grad_output)
             want_plain = _gradients("reference", [s.double() for s in sources], query.double(), gain.double(),
@@ -1209,10 +1251,10 @@ def test_the_portable_build_and_the_vector_sums_agree_with_float64(tmp_path, mon
     for portable_case, native_case in zip(results["portable"], results["native"]):
         for a, b in zip(portable_case, native_case):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    monkeypatch.setattr(cpu_fused, "cpu_library", lambda dtype: portable)  # its causal attention: portable loops
+    monkeypatch.setattr(cpu_build, "cpu_library", lambda dtype: portable)  # its causal attention: portable loops
     for shape in ATTENTION_SHAPES:
         q, k, v = (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) for seed in range(3))
-        torch.testing.assert_close(cpu_fused.causal_attention_cpu(q, k, v, 0.3).double(),
+        torch.testing.assert_close(cpu_attention.causal_attention_cpu(q, k, v, 0.3).double(),
                                    _attention_oracle(q, k, v, 0.3), rtol=1e-5, atol=1e-5)
 
 
@@ -1246,7 +1288,7 @@ def test_concurrent_and_reentrant_backwards_keep_their_own_sums():
 
     leaves, loss = _shared_gradient_case(torch.float64, n_tokens=512, d_model=64, n_sources=6)
     want = torch.autograd.grad(loss(leaves, backend="reference"), leaves)
-    views = [cpu_fused.share_gradient(leaf) for leaf in leaves]
+    views = [cpu_autograd.share_gradient(leaf) for leaf in leaves]
     total = loss(views)
     results: list = []
     threads = [threading.Thread(target=lambda: results.append(torch.autograd.grad(total, leaves, retain_graph=True)))
@@ -1283,8 +1325,8 @@ def test_concurrent_and_reentrant_backwards_keep_their_own_sums():
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # forward AD's first use
 def test_without_grad_mode_every_eager_kernel_gives_the_same_bits_and_builds_no_node(monkeypatch):
-    """Under no_grad (inference, exact interventions) `cpu_fused._apply` runs a kernel's forward without its
-    autograd.Function: the outputs equal the grad-mode call's bit for bit, with parameters that require a gradient,
+    """Under no_grad (inference, exact interventions) `cpu_autograd.apply_function` runs a kernel's forward without
+    its autograd.Function: the outputs equal the grad-mode call's bit for bit, with parameters that require a gradient,
     and no Function is applied (no node, no saved tensors)."""
     generator = torch.Generator().manual_seed(5)
     sources = [torch.randn(2, 7, 16, generator=generator) for _ in range(3)]
@@ -1293,11 +1335,11 @@ def test_without_grad_mode_every_eager_kernel_gives_the_same_bits_and_builds_no_
     coefficients = torch.randn(3, 4, generator=generator).requires_grad_()
     cos, sin = components.rotary_tables(7, 8, 10000.0)
     calls = {
-        "depth_attention_cpu": lambda: cpu_fused.depth_attention_cpu(sources, query, gain, 1e-6),
-        "fused_mix_and_norm": lambda: cpu_fused.fused_mix_and_norm(sources, query, gain, 1e-6, norm_weight, 1e-5),
-        "kv_shift_cpu": lambda: cpu_fused.kv_shift_cpu(k, v, coefficients, (cos, sin)),
-        "rotary_cpu": lambda: cpu_fused.rotary_cpu(k, cos, sin),
-        "rms_norm_cpu": lambda: cpu_fused.rms_norm_cpu(sources[0], norm_weight, 1e-5),
+        "depth_attention_cpu": lambda: cpu_depth.depth_attention_cpu(sources, query, gain, 1e-6),
+        "fused_mix_and_norm": lambda: cpu_depth.fused_mix_and_norm(sources, query, gain, 1e-6, norm_weight, 1e-5),
+        "kv_shift_cpu": lambda: cpu_elementwise.kv_shift_cpu(k, v, coefficients, (cos, sin)),
+        "rotary_cpu": lambda: cpu_elementwise.rotary_cpu(k, cos, sin),
+        "rms_norm_cpu": lambda: cpu_elementwise.rms_norm_cpu(sources[0], norm_weight, 1e-5),
     }
     with_grad = {name: call() for name, call in calls.items()}
     applied = []
@@ -1321,10 +1363,10 @@ def test_without_grad_mode_every_eager_kernel_gives_the_same_bits_and_builds_no_
     with torch.no_grad(), forward_ad.dual_level():
         dual = forward_ad.make_dual(sources[0], torch.ones_like(sources[0]))
         with pytest.raises(NotImplementedError):
-            cpu_fused.rms_norm_cpu(dual, norm_weight, 1e-5)
+            cpu_elementwise.rms_norm_cpu(dual, norm_weight, 1e-5)
     assert applied == ["_EagerRMSNorm"]
     # under a torch.func transform too: its error names what the Function lacks, where the forward alone would
     # fail on a wrapped tensor's missing storage
     with torch.no_grad(), pytest.raises(RuntimeError, match="functorch transforms"):
-        torch.func.vmap(lambda x: cpu_fused.rms_norm_cpu(x, norm_weight, 1e-5))(sources[0])
+        torch.func.vmap(lambda x: cpu_elementwise.rms_norm_cpu(x, norm_weight, 1e-5))(sources[0])
     assert applied == ["_EagerRMSNorm"] * 2

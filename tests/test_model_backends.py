@@ -12,7 +12,7 @@ from torch.autograd import forward_ad
 
 from analyses.bench_depth_scaling import saved_activation_bytes
 from attnres_lens import HookedTransformer, attnres
-from attnres_lens.analysis.interventions import concat_states
+from attnres_lens.analysis.engine import concat_states
 from attnres_lens.attnres import DepthAttention, DepthStream
 from attnres_lens.kernels import depth_attention, triton_available
 from tests.helpers import float32_chain_length, randomize_depth_parameters, reordering_bound, small_config
@@ -284,16 +284,16 @@ def test_saved_activations_grow_linearly_with_depth(backend, block_size):
 
 
 def _count_two_phase_calls(monkeypatch) -> list[int]:
-    from attnres_lens.kernels import cpu_fused
+    from attnres_lens.kernels import cpu_depth
 
     calls = [0]
-    inner = cpu_fused.depth_attention_multi_cpu
+    inner = cpu_depth.depth_attention_multi_cpu
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_fused, "depth_attention_multi_cpu", counted)
+    monkeypatch.setattr(cpu_depth, "depth_attention_multi_cpu", counted)
     return calls
 
 

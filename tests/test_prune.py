@@ -298,7 +298,7 @@ def test_angular_distances_equal_the_pairwise_definition():
 def test_prune_tables_shares_its_clean_passes(monkeypatch):
     """Inside prune_tables the clean evaluation and the residual-state capture run once each (three times each
     before), and the tables equal those of the functions called one by one."""
-    from attnres_lens.analysis import depth, interventions, pruning
+    from attnres_lens.analysis import depth, engine, pruning
 
     model = HookedTransformer(small_config("attnres", 1)).eval()
     randomize_depth_parameters(model)
@@ -315,7 +315,7 @@ def test_prune_tables_shares_its_clean_passes(monkeypatch):
 
         monkeypatch.setattr(module, name, counted)
 
-    counting(interventions, "evaluate_many", "evaluate", only_clean=True)
+    counting(engine, "evaluate_many", "evaluate", only_clean=True)
     counting(pruning, "capture", "states")
     counting(depth, "capture", "weights")
     tables = prune_tables(model, batch)
@@ -385,10 +385,10 @@ def test_a_forked_table_that_fails_or_dies_raises_here(two_threads, monkeypatch)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork_routing forks (Linux)")
 def test_a_forked_job_is_cancelled_when_this_process_fails(two_threads, monkeypatch):
     """A table of this process that fails while the child computes routing ends the child (no orphan)."""
-    from attnres_lens.analysis import interventions
+    from attnres_lens.analysis import workers
 
     started = []
-    original = interventions.ForkedJob
+    original = workers.ForkedJob
 
     class Recorded(original):
         def __init__(self, compute):
@@ -409,7 +409,7 @@ def test_a_forked_job_runs_after_this_process_used_several_threads_and_reports_w
     """The child runs one thread: GNU OpenMP's pool does not survive a fork, and a child opening a parallel region
     of two or more threads after this process used its pool waited forever. A result that cannot be pickled comes
     back as the child's traceback; the child closes its copy of the pipe's reading end."""
-    from attnres_lens.analysis.interventions import ForkedJob
+    from attnres_lens.analysis.workers import ForkedJob
 
     previous = torch.get_num_threads()
     torch.set_num_threads(4)
@@ -445,7 +445,7 @@ def test_fork_routing_forks_only_at_two_threads(monkeypatch):
 def test_a_session_keeps_clean_results_apart_from_hooked_runs_and_other_targets():
     """Inside analysis_session a clean result is reused only for the same model state (no hook added) and the
     same batch tensors: an evaluation under a hook, or of a batch with other targets or answer mask, is its own."""
-    from attnres_lens.analysis.interventions import analysis_session
+    from attnres_lens.analysis.session import analysis_session
     from attnres_lens.tasks.base import Batch
 
     model = HookedTransformer(small_config("attnres", 1)).eval()

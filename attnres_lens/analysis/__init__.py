@@ -8,8 +8,10 @@
   first-order edge attribution with value and routing paths, the routing audit);
 * `kv_shift`: KV-shift-aware induction analysis (current- vs shifted-key scores and values);
 * `timeline`: routing statistics over training next to the induction-score jump and the loss curve;
-* `interventions`: the hook-based removal / ablation / masking machinery they share, and `evaluate_many`, which
-  shares the computation interventions have in common;
+* `interventions`: what an intervention is: the hooks that remove sublayers, replace activations or mask sources;
+* `engine`: running a model under interventions (`capture`, `evaluate`, and `evaluate_many`, which shares the
+  computation interventions have in common); `workers` its worker threads and forked jobs; `session` the work
+  analyses of one unchanged model share;
 * `run`: `analyze_run`, `prune_run` and `attribute_run`, behind `attnres-lens analyze`, `prune` and `attribute`.
 """
 
@@ -25,13 +27,14 @@ from attnres_lens.analysis.attribution import (
     source_logit_lens,
 )
 from attnres_lens.analysis.depth import depth_mixing_matrix, depth_summary, depth_weights, depth_weights_per_token
+from attnres_lens.analysis.engine import StateCache, evaluate, evaluate_many
 from attnres_lens.analysis.induction import (
     in_context_learning_score,
     induction_head_scores,
     per_position_loss,
     repeated_batch,
 )
-from attnres_lens.analysis.interventions import StateCache, evaluate, evaluate_many, removal_hooks, source_mask_hooks
+from attnres_lens.analysis.interventions import removal_hooks, source_mask_hooks
 from attnres_lens.analysis.kv_shift import kv_shift_decomposition, kv_shift_parts
 from attnres_lens.analysis.pruning import (
     angular_distance_matrix,

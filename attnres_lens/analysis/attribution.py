@@ -32,8 +32,10 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from attnres_lens.analysis.interventions import Hook, analysis_workers, evaluate_many, replace_hook, source_mask_hooks
+from attnres_lens.analysis.engine import evaluate_many
+from attnres_lens.analysis.interventions import Hook, replace_hook, source_mask_hooks
 from attnres_lens.analysis.pruning import spearman
+from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.attnres import EMBEDDING
 from attnres_lens.mixing import basis_index, mixing_coefficients
 from attnres_lens.model import HookedTransformer

@@ -13,7 +13,8 @@ from typing import Optional
 import pandas as pd
 import torch
 
-from attnres_lens.analysis.interventions import capture, clean_result
+from attnres_lens.analysis.engine import capture
+from attnres_lens.analysis.session import clean_result
 from attnres_lens.attnres import EMBEDDING
 from attnres_lens.mixing import mixing_coefficients, mixing_rows, stream_dominance
 from attnres_lens.model import HookedTransformer

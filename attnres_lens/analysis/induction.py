@@ -32,7 +32,9 @@ import torch
 from transformer_lens.head_detector import detect_head
 from transformer_lens.utilities import get_act_name
 
-from attnres_lens.analysis.interventions import analysis_workers, capture, evaluate, evaluate_many, replace_hook
+from attnres_lens.analysis.engine import capture, evaluate, evaluate_many
+from attnres_lens.analysis.interventions import replace_hook
+from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.mixing import basis_index, mixing_coefficients
 from attnres_lens.model import HookedTransformer, next_token_loss
 from attnres_lens.recorder import prefix_matching_score

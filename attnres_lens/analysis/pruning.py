@@ -37,19 +37,12 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from attnres_lens.analysis.depth import depth_mixing_matrix
-from attnres_lens.analysis.interventions import (
-    Evaluation,
-    StateCache,
-    analysis_workers,
-    capture,
-    clean_result,
-    evaluate,
-    evaluate_many,
-    removal_hooks,
-    replace_hook,
-    resample_permutation,
-)
+from attnres_lens.analysis.engine import StateCache, capture, evaluate, evaluate_many
+from attnres_lens.analysis.interventions import removal_hooks, replace_hook, resample_permutation
+from attnres_lens.analysis.session import clean_result
+from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.analysis_options import check_metric
+from attnres_lens.evaluation import Evaluation
 from attnres_lens.model import HookedTransformer
 from attnres_lens.tasks.base import Batch
 

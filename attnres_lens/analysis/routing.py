@@ -12,8 +12,10 @@ from __future__ import annotations
 import pandas as pd
 
 from attnres_lens.analysis.depth import depth_weights_by_consumer
-from attnres_lens.analysis.interventions import analysis_workers, evaluate, evaluate_many, source_mask_hooks
+from attnres_lens.analysis.engine import evaluate, evaluate_many
+from attnres_lens.analysis.interventions import source_mask_hooks
 from attnres_lens.analysis.pruning import spearman
+from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.model import HookedTransformer
 from attnres_lens.tasks.base import Batch, check_scored_batch
 

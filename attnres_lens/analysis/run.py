@@ -35,7 +35,6 @@ from attnres_lens.analysis.induction import (
     per_position_loss,
     task_probe,
 )
-from attnres_lens.analysis.interventions import ForkedJob, analysis_session, fork_available
 from attnres_lens.analysis.pruning import (
     angular_distance_matrix,
     cumulative_pruning,
@@ -43,8 +42,10 @@ from attnres_lens.analysis.pruning import (
     pruning_sensitivity,
     removable_within,
 )
-from attnres_lens.analysis.routing import causal_routing, routing_correlations, routing_disagreements
 from attnres_lens.analysis.report import analysis_report_html, prune_report_html
+from attnres_lens.analysis.routing import causal_routing, routing_correlations, routing_disagreements
+from attnres_lens.analysis.session import analysis_session
+from attnres_lens.analysis.workers import ForkedJob, fork_available
 from attnres_lens.analysis_options import (
     ANALYZE_SAMPLES,
     ATTRIBUTE_SAMPLES,
@@ -235,7 +236,7 @@ def prune_tables(model: HookedTransformer, batch: Batch, metric: str = "loss", p
 
     `on_stage(fraction_done, description)` is called before each stage (a UI's progress bar). `fork_routing`: on
     Linux at two torch threads, compute the causal-routing table in a forked child process on one of them while
-    this process computes the others on the other (`interventions.ForkedJob`: for command-line processes; the same
+    this process computes the others on the other (`workers.ForkedJob`: for command-line processes; the same
     numbers as in one process). The child runs one thread, so at more threads the split would leave this process
     idle while the child works on: there the tables run on worker threads as without it.
     """

@@ -5,8 +5,8 @@
 
 * ``reference`` (``reference.py``): readable PyTorch, the ground truth; exact in float64; fully differentiable.
 * ``torch`` (``torch_fast.py``): plain PyTorch with a hand-derived backward (any device, no compiler needed).
-* ``cpu`` (``cpu_fused.c`` via ``cpu_fused.py``): fused C forward and backward for CPU tensors, one pass per source,
-  compiled with the system C compiler on first use.
+* ``cpu`` (``cpu_depth.c`` via ``cpu_depth.py``; built and loaded by ``cpu_build.py``): fused C forward and backward
+  for CPU tensors, one pass per source, compiled with the system C compiler on first use.
 * ``triton`` (``triton_fused.py``): fused forward and backward kernels for CUDA (or the CPU interpreter).
 
 Which backend ``auto`` picks, and when Block AttnRes runs two-phase, is decided in ``backends.py``. Only torch is
@@ -21,7 +21,7 @@ import torch
 
 from attnres_lens.kernels._common import Sources, check_logit_bias, check_sources, check_vector
 from attnres_lens.kernels.backends import BACKEND_ENV_VAR, BACKENDS, resolve_backend, triton_available
-from attnres_lens.kernels.cpu_fused import depth_attention_cpu
+from attnres_lens.kernels.cpu_depth import depth_attention_cpu
 from attnres_lens.kernels.reference import depth_attention_reference
 from attnres_lens.kernels.torch_fast import depth_attention_torch
 from attnres_lens.kernels.two_phase import BlockStats, block_phase1, merge_partial

@@ -126,7 +126,7 @@ MAX_CPU_ATTENTION_KEYS = 1 << 11
 
 
 def attention_runs_cpu_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether a layer's causal attention runs the C kernel (`cpu_fused.causal_attention_cpu`): where its
+    """Whether a layer's causal attention runs the C kernel (`cpu_attention.causal_attention_cpu`): where its
     elementwise ops do, no gradient or forward-mode tangent flows through q, k or v (the kernel has neither), a
     head's keys fit in `MAX_CPU_ATTENTION_KEYS` values, and its (batch, head) pairs can keep torch's threads busy
     (they are what it splits over torch's OpenMP pool; a build without OpenMP runs them on one thread, so only at
@@ -139,7 +139,7 @@ def attention_runs_cpu_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v:
     threads = torch.get_num_threads()
     if threads == 1:
         return True
-    from attnres_lens.kernels.cpu_fused import cpu_library
+    from attnres_lens.kernels.cpu_build import cpu_library
 
     return cpu_library(q.dtype).thread_pool and batch * heads >= threads
 
@@ -157,7 +157,7 @@ def _cpu_kernel_builds() -> bool:
             # C compiler itself, so the kernel is assumed to build; the op builds it when the graph first runs and
             # raises CpuKernelUnavailable (which names the fix) if it cannot.
             return True
-        from attnres_lens.kernels.cpu_fused import CpuKernelUnavailable, cpu_library
+        from attnres_lens.kernels.cpu_build import CpuKernelUnavailable, cpu_library
 
         with _CPU_KERNEL_LOCK:
             if not _CPU_KERNEL_STATE:

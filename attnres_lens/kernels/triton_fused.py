@@ -15,6 +15,7 @@ reduced on the host in a fixed order: deterministic, no atomics.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton
@@ -154,6 +155,7 @@ def _depth_attention_bwd_kernel(
 
 
 def interpreting() -> bool:
+    """Whether Triton runs on its CPU interpreter (TRITON_INTERPRET=1, the tests' mode), where tiles are numpy ops."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -166,10 +168,13 @@ def default_block_rows(d_model: int) -> int:
 
 
 def num_warps(block_rows: int, block_d: int) -> int:
+    """Warps per program: more for larger tiles, so each thread keeps a few elements in registers."""
     return 4 if block_rows * block_d <= 2048 else 8
 
 
 def max_programs(device: torch.device) -> int:
+    """Programs of a backward launch: a few per multiprocessor, each looping over tiles and summing its own
+    query-gradient row, so the host reduction stays small (a handful on the interpreter)."""
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 8
@@ -196,6 +201,7 @@ def pointer_table(sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def check_device(tensor: torch.Tensor) -> None:
+    """Refuse tensors the kernels cannot reach: off CUDA, unless Triton interprets on the CPU."""
     if tensor.device.type != "cuda" and not interpreting():
         raise ValueError(
             "the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is first imported "
@@ -211,7 +217,7 @@ class TritonDepthAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         query: torch.Tensor,
         key_norm_weight: torch.Tensor,
         eps: float,
@@ -219,7 +225,7 @@ class TritonDepthAttentionFunction(torch.autograd.Function):
         block_rows: int,
         stacked: bool,
         *sources: torch.Tensor,
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         first = sources[0][0] if stacked else sources[0]
         n_sources = sources[0].shape[0] if stacked else len(sources)
         n_tokens, d_model = first.shape
@@ -247,7 +253,8 @@ class TritonDepthAttentionFunction(torch.autograd.Function):
         return h, lse, logits
 
     @staticmethod
-    def backward(ctx, grad_h: torch.Tensor, _grad_lse: torch.Tensor, _grad_logits: torch.Tensor):
+    def backward(ctx: Any, grad_h: torch.Tensor, _grad_lse: torch.Tensor, _grad_logits: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, ...]:
         query, key_norm_weight, folded_query, h, lse, *sources = ctx.saved_tensors
         n_tokens, d_model = h.shape
         block_rows = ctx.block_rows

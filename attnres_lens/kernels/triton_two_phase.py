@@ -1,13 +1,15 @@
-"""Two-phase Block AttnRes in Triton (paper Alg. 1, docs/kernels.md §7), forward and backward. Reference: ``two_phase.py``.
+"""Two-phase Block AttnRes in Triton (paper Alg. 1, docs/kernels.md §7), forward and backward. Reference:
+``two_phase.py``.
 
-Phase 1 (``_phase1_fwd_kernel``): one program owns ``BLOCK_ROWS`` tokens and scores *all* ``n_q`` pseudo-queries of a
-block against each completed-block source as it streams past, so every source is read once for the whole block.
+Phase 1 (``_phase1_fwd_kernel``): one program owns ``BLOCK_ROWS`` tokens and scores *all* ``n_q`` pseudo-queries of
+a block against each completed-block source as it streams past, so every source is read once for the whole block.
 Per query it keeps an online softmax (running max, sum and un-normalised mix, fp32) and writes the normalised mix
-``h1_q`` (fp32) and ``lse1_q = m + log l``. Queries sit on a padded leading axis ``BLOCK_Q`` (a power of two); the rows of
-padding queries are computed and never stored.
+``h1_q`` (fp32) and ``lse1_q = m + log l``. Queries sit on a padded leading axis ``BLOCK_Q`` (a power of two); the
+rows of padding queries are computed and never stored.
 
 Phase 2 (``_merge_fwd_kernel``): each sublayer merges its own partial sum ``p`` (one source) into its phase-1 part.
-With ``(lse1, h1)`` for the completed sources and ``lp = u . RMSNorm(p)``, the online-softmax merge (docs/kernels.md §7) reads
+With ``(lse1, h1)`` for the completed sources and ``lp = u . RMSNorm(p)``, the online-softmax merge
+(docs/kernels.md §7) reads
 
     a = e^{lse1 - L},  b = e^{lp - L},  L = log(e^{lse1} + e^{lp}),  h = a h1 + b p.
 
@@ -22,6 +24,8 @@ Query gradients are summed per program into ``[programs, ...]`` buffers and redu
 """
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import torch
 import triton
@@ -246,6 +250,7 @@ def _merge_bwd_kernel(
 
 
 def _block_q(n_queries: int) -> int:
+    """The padded query axis of phase 1's programs: a power of two, as `tl.arange` needs."""
     return max(2, triton.next_power_of_2(n_queries))  # tl.arange needs at least 2 elements on older Triton
 
 
@@ -255,7 +260,8 @@ def _phase1_block_rows(n_queries: int, d_model: int) -> int:
     return max(1, rows // _block_q(n_queries)) if rows > 1 else rows
 
 
-def _query_grads(grad_folded: torch.Tensor, queries: torch.Tensor, gains: torch.Tensor):
+def _query_grads(grad_folded: torch.Tensor, queries: torch.Tensor, gains: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``d/dw`` and ``d/dg`` from the gradient of ``u = w * g``."""
     return (grad_folded * gains.float()).to(queries.dtype), (grad_folded * queries.float()).to(gains.dtype)
 
@@ -264,7 +270,8 @@ class TritonPhase1Function(torch.autograd.Function):
     """``(h1 [n_q, N, D], lse1 [n_q, N], logits [n_q, S, N] or empty)`` from ``S`` sources ``[N, D]``."""
 
     @staticmethod
-    def forward(ctx, queries, key_norm_weights, eps, store_logits, block_rows, *sources):
+    def forward(ctx: Any, queries: torch.Tensor, key_norm_weights: torch.Tensor, eps: float, store_logits: bool,
+                block_rows: int, *sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n_tokens, d_model = sources[0].shape
         n_queries, n_sources = queries.shape[0], len(sources)
         device = sources[0].device
@@ -285,7 +292,8 @@ class TritonPhase1Function(torch.autograd.Function):
         return h1, lse1, logits
 
     @staticmethod
-    def backward(ctx, grad_h1, grad_lse1, _grad_logits):
+    def backward(ctx: Any, grad_h1: Optional[torch.Tensor], grad_lse1: Optional[torch.Tensor],
+                 _grad_logits: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
         queries, key_norm_weights, folded, h1, lse1, *sources = ctx.saved_tensors
         n_queries, n_tokens, d_model = h1.shape
         grad_h1 = torch.zeros_like(h1) if grad_h1 is None else grad_h1.contiguous()
@@ -309,7 +317,9 @@ class TritonMergeFunction(torch.autograd.Function):
     """``(h [N, D], partial logit [N] or empty)``: phase 2 for one sublayer."""
 
     @staticmethod
-    def forward(ctx, query, key_norm_weight, eps, store_logits, block_rows, h1, lse1, partial):
+    def forward(ctx: Any, query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float, store_logits: bool,
+                block_rows: int, h1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         n_tokens, d_model = partial.shape
         folded = (query.float() * key_norm_weight.float()).contiguous()
         h = new_output((n_tokens, d_model), partial.dtype, partial.device)
@@ -327,7 +337,8 @@ class TritonMergeFunction(torch.autograd.Function):
         return h, partial_logit
 
     @staticmethod
-    def backward(ctx, grad_h, _grad_partial_logit):
+    def backward(ctx: Any, grad_h: torch.Tensor, _grad_partial_logit: Optional[torch.Tensor]
+                 ) -> tuple[Optional[torch.Tensor], ...]:
         query, key_norm_weight, folded, h1, lse1, partial, lse = ctx.saved_tensors
         n_tokens, d_model = partial.shape
         block_rows, block_d = ctx.block_rows, triton.next_power_of_2(d_model)

@@ -1,5 +1,5 @@
 """Two-phase AttnRes (paper Alg. 1, docs/kernels.md §7): readable PyTorch here, fused Triton in
-``triton_two_phase.py``, fused C in ``cpu_fused.c`` (``depth_attention_multi`` and its backward).
+``triton_two_phase.py``, fused C in ``cpu_depth.c`` (``depth_attention_multi`` and its backward).
 
 Pseudo-queries do not depend on the input, so every sublayer of a block can score the completed-block sources
 ``[b_0, ..., b_{n-1}]`` together as soon as the block starts (phase 1): each source is read once for all queries,
@@ -79,7 +79,7 @@ def block_phase1(
                              f"{vectors.dtype} on {vectors.device}")
     chosen = two_phase_backend(backend, source_list[0].device, return_logits)
     if chosen == "cpu":
-        from attnres_lens.kernels.cpu_fused import depth_attention_multi_cpu
+        from attnres_lens.kernels.cpu_depth import depth_attention_multi_cpu
 
         dtype = compute_dtype(source_list[0].dtype)  # fold u = w * g as the single-pass kernel does
         mix, lse = depth_attention_multi_cpu(source_list, queries.to(dtype) * key_norm_weights.to(dtype), eps)
@@ -122,7 +122,7 @@ def merge_partial(
     (empty for the consumer phase 1 started at). Returns ``h`` in the sources' dtype, followed by the depth
     weights and/or logits over ``[completed..., partial...]`` (``[..., n_sources]``) when asked; those need
     phase-1 logits. Phase 2 runs where phase 1 ran. After the C kernel's phase 1 with a gradient, ``stats.mix``
-    and ``stats.lse`` hold one tensor per query (`cpu_fused.depth_attention_multi_cpu`)."""
+    and ``stats.lse`` hold one tensor per query (`cpu_depth.depth_attention_multi_cpu`)."""
     n_queries = stats.queries.shape[0]
     if not 0 <= index < n_queries:
         raise ValueError(f"index must be in 0..{n_queries - 1}, got {index}")
@@ -151,7 +151,7 @@ def merge_partial(
                                          completed_logits is not None)
             new_logits = None if new_logits is None else new_logits[..., None]
         elif stats.backend == "cpu":
-            from attnres_lens.kernels.cpu_fused import depth_attention_multi_cpu
+            from attnres_lens.kernels.cpu_depth import depth_attention_multi_cpu
 
             folded = query.to(mix.dtype) * gain.to(mix.dtype)
             merged, _ = depth_attention_multi_cpu(new_sources, folded[None], stats.eps,

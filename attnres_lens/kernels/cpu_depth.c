@@ -1,8 +1,8 @@
-/* Fused depth attention for CPU tensors (docs/kernels.md §4-§5). Readable reference: reference.py; math: torch_fast.py.
- * Also the KV token shift (docs/model.md §5; readable twin: components.TokenShiftMix), the rotary embedding
- * (docs/model.md §6; twin: components.apply_rotary) and RMSNorm (twin: components.RMSNorm), at the end of the file.
+/* Fused depth attention for CPU tensors (docs/kernels.md §4-§5). Readable reference: reference.py; math:
+ * torch_fast.py.
+ * One mix with its backward (optionally with the consumer's pre-norm fused), the mix of stacked copies of a batch,
+ * and the multi-query mix of two-phase AttnRes with its backward; wrapped by cpu_depth.py.
  *
- * Compiled on first use by cpu_fused.py, once per element type, with -DREAL=float or -DREAL=double.
  * Each tile of token rows (one row, or TILE of them) is finished before the next one starts: its rows of every
  * source stay in L1/L2, so each source is read from memory once in the forward and once in the backward, and each
  * gradient is written once. The torch path needs ~10 passes over every source for the same work.
@@ -11,26 +11,7 @@
  * weights) and the optional logit bias are [S, N]; the folded-query gradient is summed per thread, and the threads'
  * sums added in thread order after the split (deterministic for a given thread count, no atomics).
  */
-#include <pthread.h>
-#include <stdint.h>
-#ifdef _OPENMP
-/* Only GCC's OpenMP runtime is torch's (libgomp, docs/kernels.md §6): clang's -fopenmp links LLVM's libomp, a second
- * pool competing for the cores, so a clang build takes the pthread form (the build without -fopenmp follows). */
-#if defined(__clang__)
-#error "the OpenMP form of this kernel needs GCC's libgomp; clang builds the pthread form"
-#endif
-#include <omp.h>
-#endif
-#include <stdlib.h>
-#include <string.h>
-#include <tgmath.h> /* sqrt/exp in the element type, not double */
-
-#ifndef REAL
-#error "compile with -DREAL=float or -DREAL=double"
-#endif
-typedef REAL real;
-
-#define MAX_THREADS 64 /* cpu_fused.py caps its thread count at the same number */
+#include "cpu_kernels.h"
 
 typedef struct {
     const real *const *sources; /* S pointers, each to [N, D] */
@@ -67,48 +48,12 @@ typedef struct {
  * streams) or, with few sources, token row by token row (tile_sums), and its softmax statistics are computed for
  * its tokens at once (see forward_rows). Backward: token
  * rows in tiles of TILE, each source read as one contiguous TILE x D block (a stream the prefetcher follows) while
- * the tile's dh rows stay in L1; row-at-a-time it hopped between 2S streams per token and at 49 sources ran 3x
- * slower, but with few sources row-at-a-time is faster, so the backward reads by blocks only from 9 sources on
+ * the tile's dh rows stay in L1; row-at-a-time it hops between 2S streams per token, much slower at many sources,
+ * but with few sources row-at-a-time is faster, so the backward reads by blocks only from 9 sources on
  * (see backward_rows). One source at a time was slower for the forward's reads too (docs/kernels.md
  * §6): a single stream does not keep enough reads in flight. Results are the same sums, only interleaved. */
 #define TILE 16
 #define GROUP 4
-#define INLINE static inline __attribute__((always_inline))
-
-static inline void row_sums(const real *v, const real *u, int64_t D, real *square_sum, real *dot) {
-    real q = 0, p = 0;
-#pragma omp simd reduction(+ : q, p)
-    for (int64_t d = 0; d < D; ++d) {
-        q += v[d] * v[d];
-        p += v[d] * u[d];
-    }
-    *square_sum = q;
-    *dot = p;
-}
-
-/* The float build on a processor with AVX2 and FMA (-march=native) sums the lanes of four vector accumulators at
- * once (three horizontal adds): the compiler's own lowering of a `omp simd` reduction stores each accumulator and
- * adds its eight lanes one after the other, which at d_model 64 cost about as much as the row's FMAs (perf,
- * docs/kernels.md §6). The same sums, in another order; the double build keeps the portable loops, and so does
- * -DNO_VECTOR_SUMS (analyses/bench_cpu_kernels.py's baseline). */
-#define FLOAT_BUILD_float 1
-#define PASTE(a, b) a##b
-#define EXPAND_PASTE(a, b) PASTE(a, b)
-#if defined(__AVX2__) && defined(__FMA__) && EXPAND_PASTE(FLOAT_BUILD_, REAL) && !defined(NO_VECTOR_SUMS)
-#define VECTOR_SUMS 1
-#include <immintrin.h>
-
-/* [lane sum of a0, of a1, of a2, of a3] */
-INLINE __m128 lane_sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-#else
-#define VECTOR_SUMS 0
-#endif
-
-/* Whether this build runs the vector sums (tests tell the builds apart by it). */
-int vector_sums(void) { return VECTOR_SUMS; }
 
 /* v_i . a_i and v_i . b_i for four rows v0..v3: eight independent FMA chains. Inlined, a vector passed for several
  * rows is loaded once (the same address): group_sums dots each row with itself and one query, group_dot_pairs
@@ -199,60 +144,6 @@ INLINE void tile_dots(const real *v, const real *g, int64_t D, int64_t T, real *
     }
 }
 
-/* exp(x) for x <= 0 (a softmax's logit minus its maximum) in the float build, in a form the compiler vectorises
- * across tokens: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (truncation < 1e-8, below
- * half an ulp), times 2^n built in the exponent bits; exp(x) < 2^-126 (x < -87.34, a -inf bias included) gives 0.
- * Token by token, libm's scalar expf with the other statistics cost more than the row sums (docs/kernels.md §6).
- * NaN stays NaN.
- * The double build (tests, float64 oracles) keeps libm's exp. */
-INLINE real exp_nonpositive(real x) {
-    if (sizeof(real) != sizeof(float)) return exp(x);
-    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits */
-    const float shifted = fmaf((float)x, 1.44269504088896341f, magic);
-    const float n = shifted - magic;
-    /* x - n ln2, the exact high part of ln2 first (n * hi has no rounding error for |n| < 512), then the rest */
-    const float r = fmaf(n, -1.428606765330187e-06f, fmaf(n, -0.693145751953125f, (float)x));
-    float p = 1.0f / 5040.0f;
-    p = fmaf(p, r, 1.0f / 720.0f);
-    p = fmaf(p, r, 1.0f / 120.0f);
-    p = fmaf(p, r, 1.0f / 24.0f);
-    p = fmaf(p, r, 1.0f / 6.0f);
-    p = fmaf(p, r, 0.5f);
-    p = fmaf(p, r, 1.0f);
-    p = fmaf(p, r, 1.0f);
-    uint32_t bits; /* unsigned: the shift is defined for every input, NaN and the zeroed range included */
-    memcpy(&bits, &shifted, sizeof bits);
-    bits = (bits - 0x4B400000u + 127u) << 23; /* 0x4B400000: the bits of magic, so this is (n + 127) << 23 */
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return (float)x < -87.33654475f ? 0.0f : p * scale; /* below ln(2^-126) e^x is not a normal float */
-}
-
-#if VECTOR_SUMS
-/* exp_nonpositive on eight lanes: the same operations in the same order, so the same bits */
-INLINE __m256 exp_nonpositive8(__m256 x) {
-    const __m256 magic = _mm256_set1_ps(12582912.0f);
-    const __m256 shifted = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
-    const __m256 n = _mm256_sub_ps(shifted, magic);
-    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-1.428606765330187e-06f),
-                                     _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f), x));
-    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_sub_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(0x4B400000)),
-                         _mm256_set1_epi32(127)), 23);
-    /* not (x < ln 2^-126): NaN keeps its NaN, as the scalar form's comparison does */
-    const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654475f), _CMP_NLT_UQ);
-    return _mm256_and_ps(normal, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
-#endif
-
 /* Software prefetch of one token row of every source, PREFETCH_ROWS tokens ahead: a mix reads S streams at once,
  * more than the hardware prefetchers follow, and at depth the sources come from memory (docs/kernels.md §6). */
 #ifndef PREFETCH_ROWS /* analyses/bench_cold_mix.py builds it with others */
@@ -309,38 +200,10 @@ INLINE void mix_row(real *h, const real *const *src, int64_t S, int64_t row, int
 #endif
 }
 
-/* RMSNorm of one row (docs/model.md §6): r = 1 / sqrt(mean(x^2) + eps), y = x r w; returns r */
-INLINE real norm_row(const real *x, const real *w, int64_t D, real eps, real *y) {
-    real square = 0;
-#pragma omp simd reduction(+ : square)
-    for (int64_t d = 0; d < D; ++d) square += x[d] * x[d];
-    const real r = (real)1 / sqrt(square / (real)D + eps);
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) y[d] = x[d] * r * w[d];
-    return r;
-}
-
-/* Its backward for the output gradient g: dx = r (g w) - x r^3 / D * sum_d (g w x) (plus `extra`, the input's
- * gradient from elsewhere, when not NULL); dw += g x r, summed over rows in double */
-INLINE void norm_row_backward(const real *x, const real *w, real r, const real *g, const real *extra, int64_t D,
-                              real *dx, double *grad_w) {
-    real dot = 0;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t d = 0; d < D; ++d) dot += g[d] * w[d] * x[d];
-    const real coefficient = dot * r * r * r / (real)D;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) {
-        dx[d] = r * g[d] * w[d] - coefficient * x[d] + (extra ? extra[d] : 0);
-        grad_w[d] += (double)(g[d] * x[d] * r);
-    }
-}
-
 /* Which order the forward's pass 1 reads a tile in. From this many sources on, source group by source group (four
  * streams of TILE x D contiguous values at a time); below it, token row by token row (row t of every source, then
- * row t + 1: S streams at once) with software prefetch. With sources from memory, by groups measured 1.1-1.8x
- * faster at 9 and 48 sources on an AMD EPYC (2026-12-04) and row by row 1.1-1.2x faster at 3-9 sources on an
- * Intel Xeon (2026-12-05), with 3-5 sources as fast or faster row by row on both (bench_cold_mix.md, docs/kernels.md
- * §11). */
+ * row t + 1: S streams at once) with software prefetch. With sources from memory, many sources read faster by
+ * groups and a few row by row; where the switch lies was measured on two processors (docs/kernels.md §11). */
 #ifndef GROUPED_FORWARD_MIN_SOURCES /* analyses/bench_cold_mix.py builds it with others */
 #define GROUPED_FORWARD_MIN_SOURCES 8
 #endif
@@ -522,7 +385,7 @@ INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
             for (int64_t n = 0; n < T; ++n) delta[n] += a->weights[s * N + t0 + n] * dots[s * TILE + n];
         }
         /* the gradients, GROUP sources side by side: each token row of four sources, then the next row (four
-         * streams of gradient rows read and written; one source's tile after another measured 1.1x slower) */
+         * streams of gradient rows read and written; one source's tile after another measured slower) */
         for (int64_t s0 = 0; s0 < S; s0 += GROUP)
             for (int64_t n = 0; n < T; ++n)
                 for (int64_t s = s0; s < S && s < s0 + GROUP; ++s) {
@@ -543,10 +406,7 @@ INLINE void backward_by_tile(const depth_args *a, int64_t begin, int64_t end, re
 }
 
 /* Below this many sources the by-token loop is faster (its 2S streams still prefetch well); from it on the tiled
- * one, whose remix of h (mixed_tile) reads by source groups: measured 1.1-1.3x faster at 9-25 sources and 1.1x at 47
- * (d_model 64-256, 1024 tokens, sources in cache or from memory), 1.1-1.2x slower at 3-7 sources from memory
- * (AMD EPYC, 2026-12-04: timings of _run_backward, and bench_cold_mix.md). With h remixed token by token the
- * switch was at 33. */
+ * one, whose remix of h (mixed_tile) reads by source groups (the measurements: docs/kernels.md §6 and §11). */
 #ifndef TILED_BACKWARD_MIN_SOURCES /* analyses/bench_cold_mix.py builds it with others */
 #define TILED_BACKWARD_MIN_SOURCES 9
 #endif
@@ -559,7 +419,7 @@ INLINE void backward_rows_d(const depth_args *a, int64_t begin, int64_t end, rea
 
 /* The backward is inlined into one copy per common d_model, where the width is a compile-time constant, and a
  * generic copy: with the trip count known the compiler unrolls the vector loops and keeps the accumulators in
- * registers, 1.1-1.2x faster at d_model 64 and at few sources of 128 (the same sums, bit for bit). The forward
+ * registers, faster at d_model 64 and at few sources of 128 (the same sums, bit for bit). The forward
  * measured no gain from it (docs/kernels.md §6). */
 static void backward_rows(const depth_args *a, int64_t begin, int64_t end, real *grad_u, double *grad_norm) {
     switch (a->d_model) {
@@ -575,40 +435,6 @@ static void *forward_worker(void *arg) {
     const row_range *range = arg;
     forward_rows((const depth_args *)range->args, range->row_begin, range->row_end);
     return NULL;
-}
-
-/* A thread's running sums over its rows (a parameter's gradient), zeroed, in memory of its own: whole pages from the
- * heap, which the thread adds into row after row and copies into its row of the caller's [threads, n] block once at
- * the end (`release_thread_sums`). Added into that block in place, the rows of two threads lie side by side, and
- * the second thread's half of a depth-mix backward took 1.7x as long as the first's when both ran (each alone took
- * the same), so the call at two threads took 0.7x its one-thread time, not 0.5x (docs/kernels.md §11). NULL if the
- * pages cannot be had, and always with -DSHARED_THREAD_SUMS (analyses/bench_cpu_kernels.py's baseline, and the
- * tests' check of this path): the caller then adds into its row in place (slower, the same sums). */
-static void *own_thread_sums(size_t bytes) {
-#ifdef SHARED_THREAD_SUMS
-    (void)bytes;
-    return NULL;
-#else
-    const size_t page = 4096;
-    void *sums = aligned_alloc(page, (bytes + page - 1) / page * page);
-    if (sums != NULL) memset(sums, 0, bytes);
-    return sums;
-#endif
-}
-
-/* Where a thread adds its sums: its own pages, or `row` (zeroed here) when they cannot be had. */
-static void *thread_sums(void *row, size_t bytes) {
-    void *own = own_thread_sums(bytes);
-    if (own != NULL) return own;
-    memset(row, 0, bytes);
-    return row;
-}
-
-/* Copies a thread's sums into its row of the caller's block and frees its pages (nothing when it added in place). */
-static void release_thread_sums(void *sums, void *row, size_t bytes) {
-    if (sums == row) return;
-    memcpy(row, sums, bytes);
-    free(sums);
 }
 
 static void *backward_worker(void *arg) {
@@ -628,8 +454,9 @@ static void *backward_worker(void *arg) {
 /* Split the rows into n_threads contiguous ranges and run each on its own thread, the calling thread included.
  * Built with OpenMP (docs/kernels.md §6), the threads are those of torch's own OpenMP pool: the library's libgomp
  * is the one torch loaded (same soname), whose threads are awake between torch's ops, so a split pays from tens
- * of thousands of elements; a pthread started per call costs 50-100 us and paid only from ~1M. Without OpenMP,
- * pthreads: a thread that cannot be started has its range run here, so the result never depends on it. */
+ * of thousands of elements; a pthread started per call costs far more and pays only from about a million.
+ * Without OpenMP, pthreads: a thread that cannot be started has its range run here, so the result never depends
+ * on it. */
 static void run_rows(void *(*worker)(void *), const void *a, int64_t n_tokens, int n_threads) {
     if (n_threads < 1) n_threads = 1;
     if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
@@ -660,16 +487,6 @@ static void run_rows(void *(*worker)(void *), const void *a, int64_t n_tokens, i
         if (started[t]) pthread_join(threads[t], NULL);
         else worker(&ranges[t]);
     }
-#endif
-}
-
-/* The OpenMP runtime's thread count for the calling thread, 0 in a build without OpenMP: with torch's runtime
- * shared, it follows torch.set_num_threads (tests tell the builds apart, and the runtimes, by it). */
-int openmp_threads(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 0;
 #endif
 }
 
@@ -821,7 +638,7 @@ int depth_attention_backward(const real *const *sources, int64_t n_sources, int6
  * Layouts: queries [Q, D]; mix and lse Q pointers each, to [N, D] and [N]; prior_mix [Q, P, D] and prior_lse [Q, P] for
  * P prior tokens, a divisor of N: token n takes prior row n mod P, so sources that stack N / P copies of a batch
  * along their leading dim take one copy's prior (sources the copies share, mixed once: docs/kernels.md §7). */
-#define MAX_QUERIES 8 /* cpu_fused.py splits larger query sets */
+#define MAX_QUERIES 8 /* cpu_depth.py splits larger query sets */
 
 /* One token row n of every source: each row's square sum and its dots with every u_q and (grad_mix not NULL) dh_q,
  * four source rows at a time (group_sums, group_dot_pairs), into square, z and g at token t of their [S, TILE] and
@@ -945,7 +762,7 @@ static void *multi_worker(void *arg) {
 void depth_attention_multi(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
                            const real *queries, int64_t n_queries, const real *prior_mix, const real *prior_lse,
                            int64_t prior_tokens, double eps, real *const *mix, real *const *lse, int n_threads) {
-    /* cpu_fused.py never asks for these: it splits query sets and checks that P divides N */
+    /* cpu_depth.py never asks for these: it splits query sets and checks that P divides N */
     if (n_queries < 1 || n_queries > MAX_QUERIES || prior_tokens < 1 || n_tokens % prior_tokens != 0) return;
     const multi_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
                           .n_queries = n_queries, .prior_tokens = prior_tokens, .queries = queries, .prior_mix = prior_mix,
@@ -1176,7 +993,7 @@ static void *multi_backward_worker(void *arg) {
 
 /* grad_queries [Q, D] gets du_q (the threads' sums added in thread order); grad_prior_mix and grad_prior_lse are
  * written where prior_mix is given. Returns 0, -1 when the threads' sums cannot be allocated (nothing written), -2
- * for a query count outside 1..MAX_QUERIES (cpu_fused.py splits larger sets). */
+ * for a query count outside 1..MAX_QUERIES (cpu_depth.py splits larger sets). */
 int depth_attention_multi_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
                                    const real *queries, int64_t n_queries, const real *prior_mix,
                                    const real *prior_lse, double eps, const real *const *lse,
@@ -1203,388 +1020,4 @@ int depth_attention_multi_backward(const real *const *sources, int64_t n_sources
     }
     free(sums);
     return 0;
-}
-
-/* The elementwise kernels below (KV shift, rotary, RMSNorm) split their rows over n_threads of torch's OpenMP pool
- * in the OpenMP build (docs/kernels.md §6), each thread a contiguous range of rows as `schedule(static)` deals them;
- * the pthread build runs them on the calling thread (a thread started per call costs more than these passes). A
- * sum over rows (a parameter's gradient) is summed per thread, in double, and the threads' sums are added in
- * thread order: deterministic for a given thread count, and on one thread the same sums as a plain loop. */
-#ifdef _OPENMP
-#define THREAD_INDEX omp_get_thread_num()
-#define THREAD_COUNT omp_get_num_threads()
-#else
-#define THREAD_INDEX 0
-#define THREAD_COUNT 1
-#endif
-
-/* KV token shift, x [B, P, H, Dh] contiguous; per head h the pair (c1, c2) = coefficients[h * stride + {0, 1}]
- * (a layer's [H, 4] parameter holds K's pair and V's side by side, so both read it in place):
- *   y_t = c1 x_t + c2 x_{t-1}   (x_{-1} = 0)
- * Backward for the output gradient dy (sums over batch, position and d_head, per head; written with the same
- * stride):
- *   dx_t = c1 dy_t + c2 dy_{t+1}   (dy_P = 0),   dc1 = sum dy_t . x_t,   dc2 = sum dy_t . x_{t-1}
- * One pass over x each way (and dy in the backward), where PyTorch ops take one pass per product and sum. Each
- * row's dots run in the element type, their sum over rows in double.
- * With rotary tables (cos_table not NULL; the layout of rotary_forward below), K's rotary embedding is applied in
- * the same pass: y_t = R_t (c1 x_t + c2 x_{t-1}), each row rotated in L1 after it is mixed, and the backward first
- * rotates dy_t and dy_{t+1} back (R_t^T, the rotation by minus the angle) and then runs the shift's backward on
- * them. A separate rotary call reads and writes K once more each way (docs/kernels.md §2). */
-/* One head's row of rotary_forward (below): y = the rotation of x's pairs by sign x the angles; y may be x */
-INLINE void rotate_row(const real *x, real *y, const real *c, const real *s, int64_t half, real sign) {
-#pragma omp simd
-    for (int64_t d = 0; d < half; ++d) {
-        const real x1 = x[d], x2 = x[d + half], sd = sign * s[d];
-        y[d] = x1 * c[d] - x2 * sd;
-        y[d + half] = x2 * c[d] + x1 * sd;
-    }
-}
-
-void token_shift_forward(const real *x, const real *coefficients, int64_t stride, int64_t B, int64_t P, int64_t H,
-                         int64_t Dh, const real *cos_table, const real *sin_table, int64_t table_stride, real *y,
-                         int n_threads) {
-    const int64_t row = H * Dh;
-#pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1)
-    for (int64_t r = 0; r < B * P; ++r) {
-        const int64_t t = r % P, offset = r * row;
-        for (int64_t h = 0; h < H; ++h) {
-            const real c1 = coefficients[h * stride], c2 = coefficients[h * stride + 1];
-            const real *now = x + offset + h * Dh, *before = t > 0 ? now - row : now;
-            real *out = y + offset + h * Dh;
-            if (t == 0) {
-#pragma omp simd
-                for (int64_t d = 0; d < Dh; ++d) out[d] = c1 * now[d];
-            } else {
-#pragma omp simd
-                for (int64_t d = 0; d < Dh; ++d) out[d] = c1 * now[d] + c2 * before[d];
-            }
-            if (cos_table) rotate_row(out, out, cos_table + t * table_stride, sin_table + t * table_stride, Dh / 2, 1);
-        }
-    }
-}
-
-/* dy_t (position t of row r's head h) rotated back into `into` where the forward rotated, else dy_t in place */
-INLINE const real *unrotated(const real *dy, int64_t t, int64_t Dh, const real *cos_table, const real *sin_table,
-                             int64_t table_stride, real *into) {
-    if (!cos_table) return dy;
-    rotate_row(dy, into, cos_table + t * table_stride, sin_table + t * table_stride, Dh / 2, -1);
-    return into;
-}
-
-void token_shift_backward(const real *x, const real *coefficients, int64_t stride, const real *grad_y, int64_t B,
-                          int64_t P, int64_t H, int64_t Dh, const real *cos_table, const real *sin_table,
-                          int64_t table_stride, real *grad_x, real *grad_coefficients, int n_threads) {
-    const int64_t row = H * Dh;
-    if (n_threads < 1) n_threads = 1;
-    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
-    double sums[n_threads * 2 * H]; /* per thread: (dc1, dc2) of every head */
-    int used = 1;
-#pragma omp parallel num_threads(n_threads) if (n_threads > 1)
-    {
-        double *slot = sums + THREAD_INDEX * 2 * H, *mine = thread_sums(slot, (size_t)(2 * H) * sizeof(double));
-        real now_rows[cos_table ? Dh : 1], next_rows[cos_table ? Dh : 1]; /* dy_t, dy_{t+1} rotated back */
-#pragma omp single
-        used = THREAD_COUNT;
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < B * P; ++r) {
-            const int64_t t = r % P, offset = r * row;
-            for (int64_t h = 0; h < H; ++h) {
-                const real c1 = coefficients[h * stride], c2 = coefficients[h * stride + 1];
-                const real *dy = unrotated(grad_y + offset + h * Dh, t, Dh, cos_table, sin_table, table_stride,
-                                           now_rows);
-                const real *dy_next = t + 1 < P ? unrotated(grad_y + offset + row + h * Dh, t + 1, Dh, cos_table,
-                                                            sin_table, table_stride, next_rows)
-                                                : dy;
-                const real *now = x + offset + h * Dh, *before = t > 0 ? now - row : now;
-                real *dx = grad_x + offset + h * Dh;
-                real current = 0, previous = 0;
-                if (t + 1 < P) {
-#pragma omp simd reduction(+ : current)
-                    for (int64_t d = 0; d < Dh; ++d) {
-                        dx[d] = c1 * dy[d] + c2 * dy_next[d];
-                        current += dy[d] * now[d];
-                    }
-                } else {
-#pragma omp simd reduction(+ : current)
-                    for (int64_t d = 0; d < Dh; ++d) {
-                        dx[d] = c1 * dy[d];
-                        current += dy[d] * now[d];
-                    }
-                }
-                if (t > 0) {
-#pragma omp simd reduction(+ : previous)
-                    for (int64_t d = 0; d < Dh; ++d) previous += dy[d] * before[d];
-                }
-                mine[2 * h] += current;
-                mine[2 * h + 1] += previous;
-            }
-        }
-        release_thread_sums(mine, slot, (size_t)(2 * H) * sizeof(double));
-    }
-    for (int64_t h = 0; h < H; ++h) {
-        double current = 0, previous = 0;
-        for (int thread = 0; thread < used; ++thread)
-            current += sums[thread * 2 * H + 2 * h], previous += sums[thread * 2 * H + 2 * h + 1];
-        grad_coefficients[h * stride] = (real)current;
-        grad_coefficients[h * stride + 1] = (real)previous;
-    }
-}
-
-/* Rotate-half rotary embedding (docs/model.md §6; readable twin: components.apply_rotary) of x [B, P, H, Dh]
- * contiguous, Dh even, with half = Dh / 2 and per position t the angles' cos c and sin s ([P, ·] tables with row
- * stride `table_stride`; the first half of a row is read, rotary_tables repeats it in the second):
- *   y_d = x_d c_d - x_{d+half} s_d,   y_{d+half} = x_{d+half} c_d + x_d s_d        (d < half)
- * The map is a rotation of each pair (x_d, x_{d+half}) by the angle, so its backward is the rotation by minus the
- * angle: the same rotate_row with `sign` = -1 on the output gradient. One pass over x, where the PyTorch form makes
- * three (x * cos, roll, addcmul). */
-void rotary_forward(const real *x, const real *cos_table, const real *sin_table, int64_t table_stride, int64_t B,
-                    int64_t P, int64_t H, int64_t Dh, double sign, real *y, int n_threads) {
-    const int64_t half = Dh / 2;
-#pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1)
-    for (int64_t r = 0; r < B * P; ++r) {
-        const int64_t t = r % P;
-        const real *c = cos_table + t * table_stride, *s = sin_table + t * table_stride;
-        for (int64_t h = 0; h < H; ++h) {
-            const int64_t offset = (r * H + h) * Dh;
-            rotate_row(x + offset, y + offset, c, s, half, (real)sign);
-        }
-    }
-}
-
-/* RMSNorm (docs/model.md §6; readable twin: components.RMSNorm's hooked path) of N rows of D, gain w:
- *   r = 1 / sqrt(mean(x^2) + eps),   y = x r w
- * Backward for the output gradient g (per row; dw sums over rows, in double):
- *   dx = r (g w) - x r^3 / D * sum_d (g w x),   dw = sum_rows g x r
- * One pass over x forward (r kept for the backward), one over x and g back, where PyTorch's CPU rms_norm takes
- * six (pow, mean, add, rsqrt, two products). The backward's per-thread sums of dw are [threads, D] in double on
- * the heap (D may be large). Returns 0, or -1 where that buffer could not be allocated (nothing written). */
-void rms_norm_forward(const real *x, const real *w, int64_t N, int64_t D, double eps, real *y, real *rstd,
-                      int n_threads) {
-#pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1)
-    for (int64_t n = 0; n < N; ++n) rstd[n] = norm_row(x + n * D, w, D, (real)eps, y + n * D);
-}
-
-int rms_norm_backward(const real *x, const real *w, const real *rstd, const real *grad_y, int64_t N, int64_t D,
-                      real *grad_x, real *grad_w, int n_threads) {
-    if (n_threads < 1) n_threads = 1;
-    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
-    double *sums = calloc((size_t)n_threads * (size_t)D, sizeof(double));
-    if (sums == NULL) return -1;
-    int used = 1;
-#pragma omp parallel num_threads(n_threads) if (n_threads > 1)
-    {
-        double *slot = sums + THREAD_INDEX * D, *mine = thread_sums(slot, (size_t)D * sizeof(double));
-#pragma omp single
-        used = THREAD_COUNT;
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; ++n)
-            norm_row_backward(x + n * D, w, rstd[n], grad_y + n * D, NULL, D, grad_x + n * D, mine);
-        release_thread_sums(mine, slot, (size_t)D * sizeof(double));
-    }
-    for (int64_t d = 0; d < D; ++d) {
-        double total = 0;
-        for (int thread = 0; thread < used; ++thread) total += sums[thread * D + d];
-        grad_w[d] = (real)total;
-    }
-    free(sums);
-    return 0;
-}
-
-
-/* Causal softmax attention without a gradient (docs/kernels.md §2; readable twin: components.Attention's explicit
- * path). q, k, v and the output z are [B, P, H, Dh] contiguous (the model's layout, no transposes); per batch
- * row b, head h and query t, over keys j <= t:
- *   s_j = q_t . (scale k_j),   z_t = sum_j e^{s_j - m} v_j / sum_j e^{s_j - m},   m = max_j s_j
- * Each (b, h) copies its keys, scaled and transposed, into a [Dh, P'] block (P' = P rounded up to KEY_CHUNK) that
- * stays in L1/L2 while every query reads it: a query's scores are then Dh broadcast FMAs per KEY_CHUNK keys, with
- * independent accumulators, where PyTorch's flash kernel for the CPU works in blocks sized for long heads (it takes
- * 1.2-1.4x this kernel's time at d_head 16 and 65 tokens; longer heads go to it, docs/kernels.md §2). Keys past t in
- * the last chunk get -inf, weight 0 (the float build's exp, exp_nonpositive, gives 0 there). (b, h) pairs are
- * split over threads; returns 0, or -1 when a thread's block could not be allocated (the output is incomplete). */
-#define KEY_CHUNK 16
-
-INLINE void attention_scores(const real *qt, const real *kt, int64_t Tp, int64_t Dh, int64_t np, real *s) {
-#if VECTOR_SUMS
-    int64_t j0 = 0;
-    for (; j0 + 32 <= np; j0 += 32) { /* two d per step: eight chains, so the FMAs' latency overlaps */
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-        int64_t d = 0;
-        for (; d + 2 <= Dh; d += 2) {
-            const __m256 q0 = _mm256_set1_ps(qt[d]), q1 = _mm256_set1_ps(qt[d + 1]);
-            const real *kd = kt + d * Tp + j0;
-            a0 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd), a0);
-            a1 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd + 8), a1);
-            a2 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd + 16), a2);
-            a3 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd + 24), a3);
-            b0 = _mm256_fmadd_ps(q1, _mm256_load_ps(kd + Tp), b0);
-            b1 = _mm256_fmadd_ps(q1, _mm256_load_ps(kd + Tp + 8), b1);
-            b2 = _mm256_fmadd_ps(q1, _mm256_load_ps(kd + Tp + 16), b2);
-            b3 = _mm256_fmadd_ps(q1, _mm256_load_ps(kd + Tp + 24), b3);
-        }
-        for (; d < Dh; ++d) {
-            const __m256 q0 = _mm256_set1_ps(qt[d]);
-            const real *kd = kt + d * Tp + j0;
-            a0 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd), a0);
-            a1 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd + 8), a1);
-            a2 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd + 16), a2);
-            a3 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd + 24), a3);
-        }
-        _mm256_store_ps(s + j0, _mm256_add_ps(a0, b0));
-        _mm256_store_ps(s + j0 + 8, _mm256_add_ps(a1, b1));
-        _mm256_store_ps(s + j0 + 16, _mm256_add_ps(a2, b2));
-        _mm256_store_ps(s + j0 + 24, _mm256_add_ps(a3, b3));
-    }
-    if (j0 < np) { /* one chunk of 16 left */
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
-        int64_t d = 0;
-        for (; d + 2 <= Dh; d += 2) { /* two d per step: four chains instead of two */
-            const real *kd = kt + d * Tp + j0;
-            const __m256 q0 = _mm256_set1_ps(qt[d]), q1 = _mm256_set1_ps(qt[d + 1]);
-            a0 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd), a0);
-            a1 = _mm256_fmadd_ps(q0, _mm256_load_ps(kd + 8), a1);
-            b0 = _mm256_fmadd_ps(q1, _mm256_load_ps(kd + Tp), b0);
-            b1 = _mm256_fmadd_ps(q1, _mm256_load_ps(kd + Tp + 8), b1);
-        }
-        for (; d < Dh; ++d) {
-            const __m256 q0 = _mm256_set1_ps(qt[d]);
-            a0 = _mm256_fmadd_ps(q0, _mm256_load_ps(kt + d * Tp + j0), a0);
-            a1 = _mm256_fmadd_ps(q0, _mm256_load_ps(kt + d * Tp + j0 + 8), a1);
-        }
-        _mm256_store_ps(s + j0, _mm256_add_ps(a0, b0));
-        _mm256_store_ps(s + j0 + 8, _mm256_add_ps(a1, b1));
-    }
-#else
-    for (int64_t j = 0; j < np; ++j) s[j] = 0;
-    for (int64_t d = 0; d < Dh; ++d) {
-        const real qd = qt[d];
-        const real *kd = kt + d * Tp;
-#pragma omp simd
-        for (int64_t j = 0; j < np; ++j) s[j] += qd * kd[j];
-    }
-#endif
-}
-
-/* out[0..Dh) = sum_{j < n} p_j v_j * inv, v_j the row at v + j * row */
-INLINE void attention_values(const real *p, const real *v, int64_t row, int64_t n, int64_t Dh, real inv, real *out) {
-    int64_t d0 = 0;
-#if VECTOR_SUMS
-    for (; d0 + 16 <= Dh; d0 += 16) { /* four keys per step: eight independent chains */
-        __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-        int64_t j = 0;
-        for (; j + 4 <= n; j += 4) {
-            const real *vj = v + j * row + d0;
-            const __m256 p0 = _mm256_set1_ps(p[j]), p1 = _mm256_set1_ps(p[j + 1]);
-            const __m256 p2 = _mm256_set1_ps(p[j + 2]), p3 = _mm256_set1_ps(p[j + 3]);
-            c0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vj), c0);
-            c1 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vj + 8), c1);
-            c2 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vj + row), c2);
-            c3 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vj + row + 8), c3);
-            c4 = _mm256_fmadd_ps(p2, _mm256_loadu_ps(vj + 2 * row), c4);
-            c5 = _mm256_fmadd_ps(p2, _mm256_loadu_ps(vj + 2 * row + 8), c5);
-            c6 = _mm256_fmadd_ps(p3, _mm256_loadu_ps(vj + 3 * row), c6);
-            c7 = _mm256_fmadd_ps(p3, _mm256_loadu_ps(vj + 3 * row + 8), c7);
-        }
-        for (; j < n; ++j) {
-            const __m256 p0 = _mm256_set1_ps(p[j]);
-            c0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + j * row + d0), c0);
-            c1 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + j * row + d0 + 8), c1);
-        }
-        const __m256 w = _mm256_set1_ps(inv);
-        _mm256_storeu_ps(out + d0, _mm256_mul_ps(_mm256_add_ps(_mm256_add_ps(c0, c2), _mm256_add_ps(c4, c6)), w));
-        _mm256_storeu_ps(out + d0 + 8, _mm256_mul_ps(_mm256_add_ps(_mm256_add_ps(c1, c3), _mm256_add_ps(c5, c7)), w));
-    }
-#endif
-    if (d0 < Dh) { /* the portable form, and the columns past the last 16 */
-        const int64_t width = Dh - d0;
-        real acc[width];
-        for (int64_t d = 0; d < width; ++d) acc[d] = 0;
-        for (int64_t j = 0; j < n; ++j) {
-            const real pj = p[j], *vj = v + j * row + d0;
-#pragma omp simd
-            for (int64_t d = 0; d < width; ++d) acc[d] += pj * vj[d];
-        }
-        for (int64_t d = 0; d < width; ++d) out[d0 + d] = acc[d] * inv;
-    }
-}
-
-/* softmax over the scores s of keys j < n (s holds np >= n, a multiple of KEY_CHUNK, 32-byte aligned) and the mix of
- * values; the keys past n are masked in registers. The float build with AVX2 keeps the running max and sum in
- * registers: the compiler's lowering of these `omp simd` reductions spills the accumulator and reloads it across
- * the scalar remainder, a store the processor cannot forward (a stall per row: a fifth of this kernel's time in
- * perf, docs/kernels.md §2). */
-INLINE void attention_softmax_values(real *s, const real *v, int64_t row, int64_t n, int64_t np, int64_t Dh,
-                                     real *out) {
-#if VECTOR_SUMS
-    const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), minus_inf = _mm256_set1_ps(-INFINITY);
-    const __m256 last = _mm256_set1_ps((float)(n - 1)); /* lanes j <= n - 1 are keys (exact: n < 2^24) */
-    __m256 mv = minus_inf;
-    for (int64_t j = 0; j < np; j += 8) {
-        const __m256 key = _mm256_cmp_ps(_mm256_add_ps(lanes, _mm256_set1_ps((float)j)), last, _CMP_LE_OQ);
-        mv = _mm256_max_ps(mv, _mm256_blendv_ps(minus_inf, _mm256_load_ps(s + j), key));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(m4));
-    __m256 lv = _mm256_setzero_ps();
-    for (int64_t j = 0; j < np; j += 8) {
-        const __m256 key = _mm256_cmp_ps(_mm256_add_ps(lanes, _mm256_set1_ps((float)j)), last, _CMP_LE_OQ);
-        const __m256 e = _mm256_and_ps(key, exp_nonpositive8(_mm256_sub_ps(_mm256_load_ps(s + j), m)));
-        _mm256_store_ps(s + j, e);
-        lv = _mm256_add_ps(lv, e);
-    }
-    const real l = _mm_cvtss_f32(lane_sums4(lv, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()));
-#else
-    real m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < np; ++j) {
-        const real x = j < n ? s[j] : -INFINITY;
-        m = x > m ? x : m;
-    }
-    real l = 0;
-#pragma omp simd reduction(+ : l)
-    for (int64_t j = 0; j < np; ++j) {
-        const real e = j < n ? exp_nonpositive(s[j] - m) : 0;
-        s[j] = e;
-        l += e;
-    }
-#endif
-    attention_values(s, v, row, n, Dh, 1 / l, out);
-}
-
-static void attention_head(const real *q, const real *k, const real *v, int64_t T, int64_t row, int64_t Dh,
-                           real scale, real *out, real *kt, real *s, int64_t Tp) {
-    for (int64_t d = 0; d < Dh; ++d) {
-        for (int64_t j = 0; j < T; ++j) kt[d * Tp + j] = k[j * row + d] * scale;
-        for (int64_t j = T; j < Tp; ++j) kt[d * Tp + j] = 0;
-    }
-    for (int64_t t = 0; t < T; ++t) {
-        const int64_t n = t + 1, np = (n + KEY_CHUNK - 1) / KEY_CHUNK * KEY_CHUNK;
-        attention_scores(q + t * row, kt, Tp, Dh, np, s);
-        attention_softmax_values(s, v, row, n, np, Dh, out + t * row);
-    }
-}
-
-int causal_attention_forward(const real *q, const real *k, const real *v, int64_t B, int64_t T, int64_t H,
-                             int64_t Dh, double scale, real *out, int n_threads) {
-    const int64_t Tp = (T + KEY_CHUNK - 1) / KEY_CHUNK * KEY_CHUNK, row = H * Dh;
-    int failed = 0;
-#pragma omp parallel num_threads(n_threads > 1 ? n_threads : 1)
-    {
-        /* a [Dh, Tp] key block and Tp scores per thread; 64-byte aligned (Tp * sizeof(real) is a multiple of 64) */
-        real *block = aligned_alloc(64, (size_t)(Dh + 1) * (size_t)Tp * sizeof(real));
-        if (block == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < B * H; ++bh) {
-            if (block == NULL) continue;
-            const int64_t offset = (bh / H) * T * row + (bh % H) * Dh;
-            attention_head(q + offset, k + offset, v + offset, T, row, Dh, (real)scale, out + offset, block,
-                           block + Dh * Tp, Tp);
-        }
-        free(block);
-    }
-    return failed ? -1 : 0;
 }
