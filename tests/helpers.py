@@ -41,6 +41,21 @@ def reordering_bound(n_terms: int, scale: float) -> float:
     return n_terms * FLOAT32_UNIT_ROUNDOFF * scale
 
 
+def assert_same_step(model: HookedTransformer, tokens: torch.Tensor, loss: torch.Tensor,
+                     grads: dict[str, torch.Tensor], expected_loss: torch.Tensor,
+                     expected_grads: dict[str, torch.Tensor]) -> None:
+    """Two float32 training steps that sum the same terms in other orders (two backends, or a compiled graph and
+    the eager step): the loss and each gradient entry within the reordering bound of the chain of sums behind it
+    (`float32_chain_length` terms in all), its terms of the size of the tensor's largest entry (softmax and RMSNorm
+    backwards cancel larger ones: counting every term covers them)."""
+    n = float32_chain_length(model.cfg, tokens)
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=reordering_bound(n, expected_loss.abs().item()))
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        bound = reordering_bound(n, expected_grads[name].abs().max().item())
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=0, atol=bound, msg=name)
+
+
 def copy_batch(n: int, vocab: int = 20, seq_len: int = 24):
     """`n` held-out sequences of the copy task, sized for `small_config` models."""
     return make_task("copy", vocab_size=vocab, seq_len=seq_len, min_len=4, max_len=8).eval_batch(n)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnres_lens import HookedTransformer
-from tests.helpers import float32_chain_length, randomize_depth_parameters, reordering_bound, small_config
+from tests.helpers import assert_same_step, randomize_depth_parameters, small_config
 
 VARIANTS = {
     "standard": dict(),
@@ -53,16 +53,9 @@ def test_a_training_step_compiles_into_one_graph(name):
     compiled = torch.compile(lambda t: model(t, return_type="loss"), fullgraph=True, backend="aot_eager")
     loss, grads = loss_and_grads(model, compiled, tokens)  # fullgraph: any graph break raises here
     expected_loss, expected_grads = loss_and_grads(model, lambda t: model(t, return_type="loss"), tokens)
-    # Both steps compute the same float32 sums in other orders (the compiled graph runs the torch twins of the C
-    # kernels and aot_autograd's backward): a reordered sum of n terms moves by at most n·u·Σ|terms| (u = 2^-24). Each
-    # gradient entry is a chain of such sums, n = float32_chain_length terms in all, whose terms are of the size of the
-    # tensor's largest entry (softmax and RMSNorm backwards cancel larger ones: counting every term covers them).
-    n = float32_chain_length(model.cfg, tokens)
-    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=reordering_bound(n, expected_loss.abs().item()))
-    assert grads.keys() == expected_grads.keys()
-    for key in grads:
-        bound = reordering_bound(n, expected_grads[key].abs().max().item())
-        torch.testing.assert_close(grads[key], expected_grads[key], rtol=0, atol=bound, msg=key)
+    # the same float32 sums in other orders: the compiled graph runs the torch twins of the C kernels and
+    # aot_autograd's backward
+    assert_same_step(model, tokens, loss, grads, expected_loss, expected_grads)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from attnres_lens import HookedTransformer, attnres
 from attnres_lens.analysis.engine import concat_states
 from attnres_lens.attnres import DepthAttention, DepthStream
 from attnres_lens.kernels import depth_attention, triton_available
-from tests.helpers import float32_chain_length, randomize_depth_parameters, reordering_bound, small_config
+from tests.helpers import assert_same_step, randomize_depth_parameters, small_config
 
 BACKENDS = ["reference", "torch", "cpu", pytest.param("triton", marks=pytest.mark.triton)]
 
@@ -25,17 +25,6 @@ def loss_and_grads(model: HookedTransformer, tokens: torch.Tensor) -> tuple[torc
     loss = model(tokens, return_type="loss")
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_same_step(model: HookedTransformer, tokens: torch.Tensor, loss, grads, expected_loss, expected_grads):
-    """Two backends' float32 steps sum the same terms in other orders: each entry within the reordering bound of
-    the chain of sums behind it, its terms of the size of the tensor's largest entry (as in test_compile.py)."""
-    n = float32_chain_length(model.cfg, tokens)
-    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=reordering_bound(n, expected_loss.abs().item()))
-    assert grads.keys() == expected_grads.keys()
-    for name in grads:
-        bound = reordering_bound(n, expected_grads[name].abs().max().item())
-        torch.testing.assert_close(grads[name], expected_grads[name], rtol=0, atol=bound, msg=name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
