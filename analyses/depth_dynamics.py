@@ -119,6 +119,7 @@ def write_report(jobs: list[Job], report_dir: Path, seconds: float) -> None:
         f"* Final held-out loss: standard {s.final_eval_loss:.3f}, Full {f.final_eval_loss:.3f}, Block {b.final_eval_loss:.3f}.",
     ]
     config = runs[(PRESETS[0], seed0)].config
+    task = config.task.params
     text = f"""# Depth dynamics: PreNorm vs Full vs Block AttnRes
 
 Generated {provenance()}, by `{command_line()}`.
@@ -127,7 +128,7 @@ Training took {sum(training_minutes(job.out) for job in jobs):.1f} min of wall t
 
 Models: {config.model.n_layers} layers with MLPs (24 sublayers), d_model {config.model.d_model},
 d_mlp {config.model.d_mlp}, RoPE, RMSNorm PreNorm; Block AttnRes uses S = 4 (two layers per block).
-Task: mixed (3-gram text with copied segments), vocab {config.task['vocab_size']}, length {config.task['seq_len']}.
+Task: mixed (3-gram text with copied segments), vocab {task['vocab_size']}, length {task['seq_len']}.
 {config.train.steps} steps of batch {config.train.batch_size}, AdamW {config.train.lr}, one torch thread per process.
 Magnitudes come from the recorder (docs/run_directory.md §5) on a fixed held-out batch: hidden state = RMS of a sublayer's input,
 output = RMS of its output f_j, gradient = ‖∂loss/∂f_j‖ averaged over tokens. Seeds: {sorted({j.seed for j in jobs})}.

@@ -196,7 +196,7 @@ run was reused).
 
 Setup: {config.model.n_layers} layers with MLPs ({config.model.n_sublayers} sublayers), d_model {config.model.d_model},
 d_mlp {config.model.d_mlp}, {config.model.n_heads} heads, RoPE; the mixed task (3-gram text with copied segments, vocab
-{config.task['vocab_size']}, length {config.task['seq_len']}); {config.train.steps} steps of batch
+{config.task.params['vocab_size']}, length {config.task.params['seq_len']}); {config.train.steps} steps of batch
 {config.train.batch_size}, AdamW {config.train.lr}, warm-up {config.train.warmup_steps}, cosine decay. Eval loss: the
 last held-out evaluation ({config.train.eval_size} fixed sequences). Seeds: {args.seeds}. CI: 95% Student-t over
 seeds. The paper's values are its 16-layer models' validation losses; only the ordering is comparable. Step time:

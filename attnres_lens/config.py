@@ -3,6 +3,7 @@
 * `ModelConfig` extends TransformerLens's `TransformerLensConfig`, so `model.cfg` satisfies the
   `TransformerLensModel` protocol that TL utilities (`head_detector`, `ActivationCache`) rely on;
 * `TrainConfig`: optimiser, schedule, evaluation, recording and checkpoint cadence;
+* `TaskConfig`: the task's name and the parameters given, checked by the task class itself;
 * `RunConfig`: model + task + train, what `config.json` of a run directory holds, and the task it builds;
 * `apply_overrides`: `--set section.field=value` on a `RunConfig`.
 
@@ -18,6 +19,7 @@ import functools
 import json
 import math
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -441,6 +443,15 @@ class TrainConfig:
         if self.record_size > self.eval_size:
             raise ValueError(f"train.record_size={self.record_size} must be <= train.eval_size={self.eval_size}")
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+        """config.json's `train` section, strictly: an unknown field is an error naming the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown train field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
     def lr_at(self, step: int) -> float:
         """Linear warm-up over `warmup_steps`, then cosine down to `lr * min_lr_ratio` at `steps`."""
         if step < self.warmup_steps:
@@ -449,18 +460,79 @@ class TrainConfig:
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+@dataclass(frozen=True)
+class TaskConfig:
+    """The task of a run (config.json's `task` section): the task's `name` and the parameters given for it, exactly as
+    given (a preset lists only those it changes; the task's own defaults fill the rest when it is built).
+
+    The task class `TASKS[name]` owns its parameters and their checks (docs/tasks.md), so construction builds it once
+    to check: an unknown name is refused listing the known tasks, an unknown parameter naming it and the task's
+    parameters, a bad value with the task's own message. config.json stores it flat, `{"name": …, **params}`
+    (`from_dict` / `to_dict`, docs/run_directory.md §2).
+    """
+
+    name: str
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from attnres_lens.tasks import TASKS
+
+        if not isinstance(self.name, str):
+            raise ValueError(f"the task name must be a string, one of {sorted(TASKS)}; got {self.name!r}")
+        if not isinstance(self.params, Mapping) or not all(isinstance(key, str) for key in self.params):
+            raise ValueError(f"task parameters must be a mapping of parameter names to values, got {self.params!r}")
+        if "name" in self.params:
+            raise ValueError(f"'name' is the task's name, not a parameter: give TaskConfig({self.params['name']!r}, "
+                             "params) or TaskConfig.from_dict({'name': …, **params})")
+        object.__setattr__(self, "params", dict(self.params))  # a copy: the caller's dict cannot change it later
+        self.build()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TaskConfig":
+        """From config.json's flat form `{"name": …, **params}`."""
+        from attnres_lens.tasks import TASKS
+
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a task section must be an object {{\"name\": …, **parameters}}, got {data!r}")
+        params = dict(data)
+        if "name" not in params:
+            raise ValueError(f"the task has no 'name'; give one of {sorted(TASKS)}")
+        return cls(params.pop("name"), params)
+
+    def to_dict(self) -> dict[str, Any]:
+        """config.json's flat form `{"name": …, **params}`, what `make_task` takes."""
+        return {"name": self.name, **self.params}
+
+    def build(self) -> "Task":
+        """A new task built from this config (the task's defaults fill the parameters not given)."""
+        from attnres_lens.tasks import make_task
+
+        return make_task(self.name, **self.params)
+
+
 @dataclass
 class RunConfig:
     """What config.json holds: model, task and train sections (and where an imported model came from). It fully
-    determines a run, so resuming or reloading one rebuilds the same model and task (docs/run_directory.md §2)."""
+    determines a run, so resuming or reloading one rebuilds the same model and task (docs/run_directory.md §2).
+
+    `task` is a `TaskConfig`; a mapping in config.json's form `{"name": …, **parameters}` is accepted too and
+    converted on construction (`TaskConfig.from_dict`), so `RunConfig(model, {"name": "copy"}, train)` works and the
+    attribute is always a checked `TaskConfig`."""
 
     model: ModelConfig
-    task: dict[str, Any]  # {"name": ..., **task parameters}
+    task: TaskConfig
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     preset: Optional[str] = None
     # Where a model that was not trained here came from ({"source": "flash-linear-attention", "path", …}); None for
     # runs trained by attnres_lens. An imported run has one checkpoint and no training records (docs/interop.md §4).
     provenance: Optional[dict[str, Any]] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.task, Mapping):
+            self.task = TaskConfig.from_dict(self.task)
+        elif not isinstance(self.task, TaskConfig):
+            raise ValueError(f"a run config's task must be a TaskConfig or a mapping {{\"name\": …, **parameters}}, "
+                             f"got {self.task!r}")
 
     @property
     def imported(self) -> bool:
@@ -470,7 +542,7 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         out = {
             "model": self.model.to_dict(),
-            "task": dict(self.task),
+            "task": self.task.to_dict(),
             "train": dataclasses.asdict(self.train),
             "preset": self.preset,
             "seed": self.train.seed,
@@ -487,24 +559,15 @@ class RunConfig:
         for section in ("model", "task", "train"):
             if not isinstance(data.get(section), dict):
                 raise ValueError(f"a run config needs a '{section}' object, got {data.get(section)!r}")
-        train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-        unknown = sorted(set(data["train"]) - train_fields)
-        if unknown:
-            raise ValueError(f"unknown train field(s) {unknown}; known fields: {sorted(train_fields)}")
         provenance = data.get("provenance")
         if provenance is not None and not isinstance(provenance, dict):
             raise ValueError(f"a run config's 'provenance' must be an object or absent, got {provenance!r}")
-        return cls(ModelConfig.from_stored(data["model"]), dict(data["task"]), TrainConfig(**data["train"]),
-                   data.get("preset"), provenance)
+        model, train = ModelConfig.from_stored(data["model"]), TrainConfig.from_dict(data["train"])
+        return cls(model, TaskConfig.from_dict(data["task"]), train, data.get("preset"), provenance)
 
     def build_task(self) -> "Task":
-        """The run's task, built from `task` ({"name": …, **parameters})."""
-        from attnres_lens.tasks import TASKS, make_task
-
-        params = dict(self.task)
-        if "name" not in params:
-            raise ValueError(f"the task has no 'name'; give one of {sorted(TASKS)}")
-        return make_task(params.pop("name"), **params)
+        """The run's task, built from `task` (a new one each call)."""
+        return self.task.build()
 
 
 def task_fields(task: dict[str, Any]) -> set[str]:
@@ -517,7 +580,8 @@ def task_fields(task: dict[str, Any]) -> set[str]:
 def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
     """Apply `key=value` settings: `model.n_layers=4`, `train.lr=1e-3`, `task.vocab_size=48`, or an
     unqualified field name when exactly one section has it. Values are parsed as JSON (else a string)."""
-    sections = {"model": config.model.settings(), "task": dict(config.task), "train": dataclasses.asdict(config.train)}
+    sections = {"model": config.model.settings(), "task": config.task.to_dict(),
+                "train": dataclasses.asdict(config.train)}
     given_task_fields, given_model_fields = set(), set()
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
@@ -554,7 +618,7 @@ def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
         for name, default in RESIDUAL_OWN_FIELDS.get(old_residual, {}).items():
             if name not in given_model_fields:
                 sections["model"][name] = default
-    if sections["task"].get("name") != config.task.get("name"):
+    if sections["task"].get("name") != config.task.name:
         # another task keeps the parameters it shares with the old one (vocab_size, seq_len, seed …); the old task's
         # own parameters, which the new one would refuse, go unless they were given here
         shared = task_fields(sections["task"])
@@ -564,6 +628,5 @@ def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
         model = ModelConfig.from_dict(sections["model"])
     except TypeError as err:
         raise ValueError(str(err)) from err
-    updated = RunConfig(model, sections["task"], train, config.preset, config.provenance)
-    updated.build_task()  # validate task parameters now, not after the run has started
-    return updated
+    # TaskConfig checks the task parameters now, not after the run has started
+    return RunConfig(model, TaskConfig.from_dict(sections["task"]), train, config.preset, config.provenance)

@@ -520,17 +520,17 @@ def import_fla_run(source: Any, out: PathLike, task: Optional[Mapping[str, Any]]
     import importlib.metadata
 
     import attnres_lens
-    from attnres_lens.config import RunConfig
+    from attnres_lens.config import RunConfig, TaskConfig
     from attnres_lens.evaluation import evaluate_model
 
     model, provenance = import_fla(source, dtype)
     cfg = model.cfg
-    run_config = RunConfig(cfg, dict(task) if task is not None else default_task(cfg),
-                           imported_train_config(eval_sequences))
     try:
-        built = run_config.build_task()
+        task_config = TaskConfig.from_dict(task if task is not None else default_task(cfg))
     except ValueError as err:
         raise FlaInteropError(f"the evaluation task does not fit this model: {err}") from err
+    run_config = RunConfig(cfg, task_config, imported_train_config(eval_sequences))
+    built = run_config.build_task()
     if built.vocab_size > cfg.d_vocab or built.seq_len > cfg.n_ctx:
         raise FlaInteropError(f"the task needs vocab {built.vocab_size} and length {built.seq_len}, but the model has "
                               f"d_vocab={cfg.d_vocab} and n_ctx={cfg.n_ctx}; set task.vocab_size / task.seq_len within "

@@ -36,7 +36,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from attnres_lens.config import ModelConfig, RunConfig
+from attnres_lens.config import ModelConfig, RunConfig, TaskConfig, TrainConfig
 
 if TYPE_CHECKING:  # the model module imports transformer_lens; load it only when a model is built
     from attnres_lens.model import HookedTransformer
@@ -411,9 +411,11 @@ class RunDir:
         try:
             ModelConfig.from_stored(raw["model"])
             section = "train"
-            config = RunConfig.from_dict(raw)
+            TrainConfig.from_dict(raw["train"])
             section = "task"
-            config.build_task()
+            TaskConfig.from_dict(raw["task"])
+            section = "provenance"  # all that is left to check
+            config = RunConfig.from_dict(raw)
         except (TypeError, ValueError) as err:
             raise RunDirError(f"{self.config_path} has an invalid {section} section: {err}") from err
         return config

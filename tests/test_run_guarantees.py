@@ -20,12 +20,14 @@ import pandas as pd
 import pytest
 import torch
 
+import attnres_lens
 from attnres_lens import HookedTransformer, ModelConfig, RunDirError, load_run
 from attnres_lens.cli import main as cli_main
-from attnres_lens.config import TrainConfig, apply_overrides
+from attnres_lens.config import TaskConfig, TrainConfig, apply_overrides
 from attnres_lens.model import next_token_loss
 from attnres_lens.presets import get_preset
 from attnres_lens.rundir import RunDir, atomic_save_safetensors, read_safetensors
+from attnres_lens.tasks import make_task
 from attnres_lens.training import TrainingDiverged, resume, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -205,7 +207,11 @@ def test_damaged_files_give_one_error_naming_the_file(smoke_run, tmp_path):
 
     for name, edit, message in [
         ("noname", lambda c: c["task"].pop("name"), "invalid task section: the task has no 'name'"),
+        ("taskvalue", lambda c: c["task"].update(min_len=0), "invalid task section: copy: min_len must be >= 2"),
         ("betas", lambda c: c["train"].update(betas=[0.9]), "invalid train section: train.betas must be"),
+        ("trainfield", lambda c: c["train"].update(lrr=0.1), r"invalid train section: unknown train field.*'lrr'"),
+        ("provenance", lambda c: c.update(provenance=["fla"]),
+         "invalid provenance section: a run config's 'provenance' must be an object or absent"),
     ]:
         run = copy_run(smoke_run, tmp_path, name)
         config = json.loads((run / "config.json").read_text())
@@ -568,6 +574,37 @@ def test_runs_written_by_earlier_versions_still_load_and_resume(tmp_path):
     assert loaded.model.cfg.attnres_eps == 1e-6
     assert cli_main(["train", "--resume", str(run), "--steps", "15", "--no-progress"]) == 0
     assert metric_lines(run)[-1]["step"] == 15
+
+
+STORED_CONFIGS = sorted((REPO / "tests" / "stored_configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("stored", STORED_CONFIGS, ids=[path.stem for path in STORED_CONFIGS])
+def test_a_config_json_written_before_the_task_section_was_typed_reads_and_writes_back_byte_for_byte(stored, tmp_path):
+    """tests/stored_configs holds config.json files that version 0.2.0 wrote while `RunConfig.task` was a plain dict (a
+    preset, a `--set task.name=…` switch, an imported model's provenance, a task given by name only): read as a typed
+    `RunConfig` and written again, each is the same bytes but for the package version it is stamped with."""
+    text = stored.read_text()
+    raw = json.loads(text)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(text)
+    config = RunDir(run).read_config()
+    assert isinstance(config.task, TaskConfig)
+    assert config.build_task().config() == make_task(**raw["task"]).config()
+    RunDir(run).write_config(config)
+    stamp = f'"version": "{raw["version"]}"'
+    assert text.count(stamp) == 1
+    assert (run / "config.json").read_text() == text.replace(stamp, f'"version": "{attnres_lens.__version__}"')
+
+
+def test_the_demo_runs_task_sections_read_and_write_back_unchanged():
+    demo_configs = sorted((REPO / "data" / "demo_runs").glob("*/config.json"))
+    if not demo_configs:
+        pytest.skip("no demo runs in data/demo_runs (`make demo` writes them)")
+    for path in demo_configs:
+        stored_task = json.loads(path.read_text())["task"]
+        assert RunDir(path.parent).read_config().to_dict()["task"] == stored_task, path
 
 
 def test_a_resume_from_a_checkpoint_a_crash_left_unindexed_keeps_it(tmp_path):

@@ -6,11 +6,13 @@ they share no code with the vectorised generators.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, defaultdict
 
 import pytest
 import torch
 
+from attnres_lens.config import ModelConfig, RunConfig, TaskConfig
 from attnres_lens.tasks import (
     BOS,
     IGNORE_INDEX,
@@ -391,6 +393,58 @@ def test_unknown_task_or_parameter_lists_the_choices() -> None:
         make_task("copy", segment_len=8)
     with pytest.raises(ValueError, match=r"batch_size must be >= 1"):
         make_task("copy").sample(0, torch.Generator())
+
+
+@pytest.mark.parametrize("name, params", tasks_under_test())
+def test_a_task_config_keeps_what_was_given_and_builds_that_task(name: str, params: dict) -> None:
+    stored = {"name": name, **params}
+    config = TaskConfig.from_dict(stored)
+    assert (config.name, config.params) == (name, params)
+    assert config.to_dict() == stored  # config.json's form, without the defaults the task fills in
+    built = config.build()
+    assert type(built) is TASKS[name] and built.config() == make_task(name, **params).config()
+    assert config.build() is not built  # a new task each time
+
+
+def test_a_task_config_is_checked_by_the_task_it_names() -> None:
+    with pytest.raises(ValueError, match=r"unknown task 'kopy'; choose one of \['copy', 'induction', 'mixed'"):
+        TaskConfig("kopy")
+    with pytest.raises(ValueError, match=r"task 'copy' has no parameter segment_len; its parameters are "
+                                         r"\['vocab_size', 'seq_len', 'seed', 'min_len', 'max_len'\]"):
+        TaskConfig("copy", {"segment_len": 8})
+    with pytest.raises(ValueError, match=r"copy: min_len must be >= 2, got 1"):  # the task's own check
+        TaskConfig("copy", {"min_len": 1})
+    with pytest.raises(ValueError, match=r"the task has no 'name'; give one of \['copy'"):
+        TaskConfig.from_dict({"vocab_size": 32})
+    with pytest.raises(ValueError, match=r"'name' is the task's name, not a parameter"):
+        TaskConfig("copy", {"name": "induction"})
+    with pytest.raises(ValueError, match=r"the task name must be a string.*got \['copy'\]"):
+        TaskConfig(["copy"])
+    with pytest.raises(ValueError, match=r"task parameters must be a mapping.*got \[\('seq_len', 33\)\]"):
+        TaskConfig("copy", [("seq_len", 33)])
+    with pytest.raises(ValueError, match=r"a task section must be an object.*got 'copy'"):
+        TaskConfig.from_dict("copy")
+
+
+def test_a_task_config_cannot_change_after_it_was_checked() -> None:
+    params = {"vocab_size": 40, "seq_len": 41}
+    config = TaskConfig("copy", params)
+    params["min_len"] = 0  # the caller's dict is not the config's
+    assert config.params == {"vocab_size": 40, "seq_len": 41}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.name = "induction"
+
+
+def test_a_run_config_holds_a_task_config_given_one_or_its_mapping() -> None:
+    model = ModelConfig(d_model=32, n_heads=2, n_layers=1, n_ctx=41, d_vocab=40)
+    given = TaskConfig("copy", {"vocab_size": 40, "seq_len": 41})
+    from_mapping = RunConfig(model, {"name": "copy", "vocab_size": 40, "seq_len": 41})
+    assert from_mapping.task == given and RunConfig(model, given).task is given
+    assert from_mapping.build_task().config() == given.build().config()
+    with pytest.raises(ValueError, match=r"copy: seq_len must be an int, got '41'"):
+        RunConfig(model, {"name": "copy", "seq_len": "41"})
+    with pytest.raises(ValueError, match=r"task must be a TaskConfig or a mapping.*got 'copy'"):
+        RunConfig(model, "copy")
 
 
 def test_repeated_is_marked_as_a_probe() -> None:

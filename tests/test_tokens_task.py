@@ -90,6 +90,6 @@ def test_switching_the_task_by_override_keeps_only_shared_parameters(text):
 
     smoke = get_preset("smoke")
     switched = apply_overrides(smoke, ["task.name=tokens", f"task.path={text / 'ids.npy'}", "task.vocab_size=50"])
-    assert switched.task["seq_len"] == smoke.task["seq_len"] and "max_len" not in switched.task
+    assert switched.task.params["seq_len"] == smoke.task.params["seq_len"] and "max_len" not in switched.task.params
     with pytest.raises(ValueError, match="has no parameter max_len"):  # given explicitly: still refused
         apply_overrides(smoke, ["task.name=tokens", f"task.path={text / 'ids.npy'}", "task.max_len=4"])

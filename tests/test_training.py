@@ -243,7 +243,7 @@ def test_cli_refuses_to_overwrite_a_run(smoke_run, capsys):
 def test_overrides_reach_the_config():
     config = apply_overrides(get_preset("smoke"), ["model.n_layers=3", "train.lr=0.001", "vocab_size=20",
                                                    "model.d_vocab=20", "residual=standard"])
-    assert config.model.n_layers == 3 and config.train.lr == 0.001 and config.task["vocab_size"] == 20
+    assert config.model.n_layers == 3 and config.train.lr == 0.001 and config.task.params["vocab_size"] == 20
     assert config.model.residual == "standard"
     # the preset's Block AttnRes size goes with its residual kind; given with another kind, it is refused
     assert config.model.attnres_block_size == 1 and get_preset("smoke").model.attnres_block_size == 2

@@ -48,7 +48,7 @@ class RunTables:
 
     @property
     def task(self) -> str:
-        return str(self.config.task["name"])
+        return self.config.task.name
 
     def build_task(self) -> Task:
         return self.config.build_task()
