@@ -61,7 +61,7 @@ def test_dashboard_pages_start_from_the_commands_defaults():
                                         ("views/attribution.py", "attribution-samples", ATTRIBUTE_SAMPLES,
                                          "attribute")):
         app = AppTest.from_file(str(REPO_ROOT / "apps" / "app.py"), default_timeout=180)
-        app.session_state["runs_dir"] = str(DEMO_RUNS)
+        app.session_state["served_dir"] = str(DEMO_RUNS)  # as `dashboard --runs` serves it
         app.run()
         app.switch_page(page).run()
         assert not app.exception, [element.value for element in app.exception]

@@ -499,7 +499,7 @@ def test_the_dashboard_opens_an_imported_run_and_says_what_it_lacks(tmp_path):
     runs = tmp_path / "runs"
     import_fla_run(tmp_path / "fla", runs / "imported")
     app = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "apps" / "app.py"), default_timeout=180)
-    app.session_state["runs_dir"] = str(runs)
+    app.session_state["served_dir"] = str(runs)  # as `dashboard --runs RUNS` serves it
     app.run()
     assert not app.exception and not app.error
     assert list(app.dataframe[0].value["steps"]) == ["imported"]
