@@ -153,16 +153,19 @@ class Attention(nn.Module):
         q = self.hook_q(_project_heads(x, self.W_Q))
         k = self.hook_k(_project_heads(x, self.W_K))
         v = self.hook_v(_project_heads(x, self.W_V))
-        rotary = self.cfg.positional_embedding_type == "rotary"
+        rope = self.cfg.positional_embedding_type == "rotary"
+        cos, sin = (self.rotary_cos, self.rotary_sin) if rope else (None, None)
+        backend = self.cfg.depth_attention_backend  # the model's: its C kernels include these ops
         k_rotated = False  # K's rotary embedding applied already, in the KV shift's pass
         if self.cfg.attention == "kv_shift":
             # the shift may rotate K too where no hook reads K̂ before it is rotated (the hook point is then the
             # identity)
-            tables = (self.rotary_cos, self.rotary_sin) if rotary and not is_hooked(self.hook_k_shifted) else None
-            k, v, k_rotated = kv_shift(k, v, self.kv_shift, self.cfg.depth_attention_backend, tables)
+            tables = (cos, sin) if rope and not is_hooked(self.hook_k_shifted) else None
+            k, v, k_rotated = kv_shift(k, v, self.kv_shift, backend, tables)
             k, v = (k if k_rotated else self.hook_k_shifted(k)), self.hook_v_shifted(v)
-        if rotary:
-            q, k = self.hook_rot_q(self._rotate(q)), self.hook_rot_k(k if k_rotated else self._rotate(k))
+        if rope:
+            q = self.hook_rot_q(rotary(q, cos, sin, backend))
+            k = self.hook_rot_k(k if k_rotated else rotary(k, cos, sin, backend))
         group = self.cfg.n_heads // self.cfg.n_key_value_heads
         if group > 1:
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
@@ -175,13 +178,9 @@ class Attention(nn.Module):
             pattern = self.hook_pattern(self.hook_attn_scores(scores).softmax(dim=-1))
             z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
         else:  # nothing watches the scores: a fused op computes the same softmax without materialising it
-            z = causal_attention(q, k, v, 1 / math.sqrt(self.cfg.d_head), self.cfg.depth_attention_backend)
+            z = causal_attention(q, k, v, 1 / math.sqrt(self.cfg.d_head), backend)
         z = self.hook_z(z)
         return z.flatten(-2) @ self.W_O.flatten(0, 1)
-
-    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """RoPE of q or k [batch, pos, heads, d_head]."""
-        return rotary(x, self.rotary_cos, self.rotary_sin, self.cfg.depth_attention_backend)
 
     # hook points whose hooks make the attention compute its scores explicitly (interventions stack copies by them)
     path_hooks = ("hook_attn_scores", "hook_pattern")
