@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from analyses.bench_cpu_step import SHAPES
 from analyses.common import BENCH_VOCAB, model_dims_and_tokens, within_rounds
 from analyses.kernel_traffic import DEPTH_MIX_KERNELS, copy_bandwidth, counted_calls
-from attnres_lens import HookedTransformer, ModelConfig, components
+from attnres_lens import HookedTransformer, ModelConfig
+from attnres_lens.kernels import layer_ops
 from attnres_lens.kernels.backends import attention_runs_cpu_kernel
 from attnres_lens.kernels.cpu_attention import causal_attention_cpu
 
@@ -94,13 +95,13 @@ PRUNE_SHAPE = dict(n_layers=12, d_model=64, n_heads=4, d_mlp=128, n_ctx=65, batc
 def attention_kernel(enabled: bool) -> Iterator[None]:
     """The token attention as shipped (its C kernel where the policy picks it) or, with `enabled` false, on PyTorch's
     SDPA everywhere."""
-    shipped = components.attention_runs_cpu_kernel
+    shipped = layer_ops.attention_runs_cpu_kernel
     if not enabled:
-        components.attention_runs_cpu_kernel = lambda *args: False
+        layer_ops.attention_runs_cpu_kernel = lambda *args: False
     try:
         yield
     finally:
-        components.attention_runs_cpu_kernel = shipped
+        layer_ops.attention_runs_cpu_kernel = shipped
 
 
 def attention_rows(shapes: dict[str, dict], repeats: int) -> list[dict]:

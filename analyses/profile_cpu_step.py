@@ -19,7 +19,7 @@ The small shape of `bench_cpu_step.py` (4 layers, d_model 128, n_ctx 64, batch 1
   fixed + kernels is what the step costs before anything else slows, the floor of this design (one eager
   autograd node per sublayer, each mix reading its sources once).
 * **One mix, layer by layer** (the first thread count). Where a consumer's fixed cost goes: one Block (S = 4)
-  consumer of three sources at 8 tokens through each layer of its fused path (`DepthAttention.mix_and_norm`'s
+  consumer of three sources at 8 tokens through each layer of its fused path (`depth_execution.mix_and_norm`'s
   checks, the autograd.Function, the Python around the C call, the C call), forward and backward, beside the
   standard sublayer's pre-norm it replaces; times the consumers of a step, that is the 8-token excess above (the
   timing loop runs warm, where a step's Python objects are cold: a step pays more per layer than this table).
@@ -45,7 +45,7 @@ from torch.profiler import ProfilerActivity, profile
 from analyses.bench_cpu_step import SHAPES, TARGETS, Stepper, variants
 from analyses.common import command_line, emit_report, provenance, within_rounds
 from analyses.kernel_traffic import copy_bandwidth, counted_calls
-from attnres_lens import HookedTransformer, ModelConfig, cpu_settings, param_groups
+from attnres_lens import HookedTransformer, ModelConfig, cpu_settings, depth_execution, param_groups
 from attnres_lens.kernels import cpu_depth
 
 PROFILED = ("standard", "block4", "full")
@@ -203,7 +203,7 @@ def mix_layers(rounds: int) -> list[str]:
     eps, norm_eps = mixer.key_norm.eps, mix_norm.eps
 
     def mix() -> torch.Tensor:
-        return mixer.mix_and_norm(sources, mix_norm, keep_h=False)[1]
+        return depth_execution.mix_and_norm(mixer, sources, mix_norm, keep_h=False)[1]
 
     def backward(output: torch.Tensor, leaves: list[torch.Tensor]) -> None:
         for tensor in leaves:
@@ -244,7 +244,7 @@ def mix_layers(rounds: int) -> list[str]:
     norm_fw, mix_fw = timed.us("norm"), timed.us("mix")
     norm_bw, mix_bw = timed.us("norm+backward") - norm_fw, timed.us("mix+backward") - mix_fw
     rows = [
-        ("forward: checks (`DepthAttention.fused_with_norm`: hooks, dtypes, widths, backend)", None,
+        ("forward: checks (`depth_execution.fused_with_norm`: hooks, dtypes, widths, backend)", None,
          mix_fw - timed.us("function")),
         ("forward: the autograd.Function (apply, saved tensors, shared-gradient lookup)", None,
          timed.us("function") - timed.us("run_forward")),

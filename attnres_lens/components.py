@@ -8,13 +8,11 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as torch_module  # its global hooks (register_module_*_hook)
 from transformer_lens.hook_points import HookPoint
 
 from attnres_lens.config import ModelConfig
-from attnres_lens.kernels.backends import attention_runs_cpu_kernel, elementwise_runs_cpu_kernel
-from attnres_lens.kernels.cpu_attention import causal_attention_cpu
-from attnres_lens.kernels.cpu_elementwise import kv_shift_cpu, rms_norm_cpu, rotary_cpu
+from attnres_lens.hook_checks import any_hooked, is_hooked, module_hooked
+from attnres_lens.kernels import causal_attention, kv_shift, rms_norm, rotary
 
 
 def normal_init(shape: tuple[int, ...], std: float, divisor: float = 1.0) -> torch.Tensor:
@@ -26,40 +24,6 @@ def normal_init(shape: tuple[int, ...], std: float, divisor: float = 1.0) -> tor
         return torch.empty(shape)
     weight = torch.randn(shape).mul_(std)
     return weight if divisor == 1.0 else weight.div_(divisor)
-
-
-def is_hooked(point: HookPoint) -> bool:
-    """`point.has_hooks()` with its defaults (any forward or backward hook, permanent ones included), without
-    the closures that builds per call: asked several times per sublayer on every forward (docs/kernels.md §11)."""
-    return bool(point.fwd_hooks or point.bwd_hooks)
-
-
-def any_hooked(module: nn.Module, names: tuple[str, ...]) -> bool:
-    """Whether any of `module`'s hook points `names` `is_hooked`, read from its submodules directly: nn.Module's
-    attribute fallback is slow for a question each sublayer asks several times per forward (docs/kernels.md §11)."""
-    points = module._modules
-    for name in names:  # a loop, not any(generator): asked for every consumer of every step
-        point = points[name]
-        if point.fwd_hooks or point.bwd_hooks:  # is_hooked, inlined
-            return True
-    return False
-
-
-def parameter(module: nn.Module, name: str) -> torch.Tensor:
-    """`getattr(module, name)` for a parameter, read from `module._parameters` where it is a plain one: nn.Module's
-    attribute fallback is slow, and each depth-mix consumer reads three per forward (docs/kernels.md §11). A
-    parametrized parameter (`torch.nn.utils.parametrize`) is not there, and is computed as usual."""
-    value = module._parameters.get(name)
-    return value if value is not None else getattr(module, name)
-
-
-def module_hooked(module: nn.Module) -> bool:
-    """Whether a PyTorch hook would see a call of `module`: one of its own (TransformerLens's hooks on a hook point
-    are such hooks) or a global module hook. A fused path that skips the call must not run then."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or torch_module._global_forward_hooks
-                or torch_module._global_forward_pre_hooks or torch_module._global_backward_hooks
-                or torch_module._global_backward_pre_hooks)
 
 
 class RMSNorm(nn.Module):
@@ -89,21 +53,10 @@ class RMSNorm(nn.Module):
         return self.observed() or module_hooked(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.observed():
-            # nothing watches the scale: one C pass each way on the cpu backend, else PyTorch's fused norm (one
-            # pass instead of several on CUDA); docs/kernels.md §2
-            if elementwise_runs_cpu_kernel(self.backend, x) and self.w.dtype == x.dtype:
-                return rms_norm_cpu(x, self.w, self.eps)
-            return F.rms_norm(x, x.shape[-1:], self.w, self.eps)
+        if not self.observed():  # nothing watches the scale: the fused op (docs/kernels.md §2)
+            return rms_norm(x, self.w, self.eps, self.backend)
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.hook_normalized(x / scale * self.w)
-
-
-def norm_fuses_into(norm: nn.Module, dtype: torch.dtype) -> bool:
-    """Whether a C depth mix of `dtype` may compute `norm` inside its kernel: it is the model's `RMSNorm` (a module
-    a user put in its place runs on its own), nothing watches it, and its gain has the mix's dtype (docs/kernels.md
-    §4)."""
-    return isinstance(norm, RMSNorm) and not norm.watched() and parameter(norm, "w").dtype == dtype
 
 
 class Embed(nn.Module):
@@ -200,18 +153,19 @@ class Attention(nn.Module):
         q = self.hook_q(_project_heads(x, self.W_Q))
         k = self.hook_k(_project_heads(x, self.W_K))
         v = self.hook_v(_project_heads(x, self.W_V))
-        rotary = self.cfg.positional_embedding_type == "rotary"
+        rope = self.cfg.positional_embedding_type == "rotary"
+        cos, sin = (self.rotary_cos, self.rotary_sin) if rope else (None, None)
+        backend = self.cfg.depth_attention_backend  # the model's: its C kernels include these ops
         k_rotated = False  # K's rotary embedding applied already, in the KV shift's pass
         if self.cfg.attention == "kv_shift":
-            if elementwise_runs_cpu_kernel(self.cfg.depth_attention_backend, k, v):  # both in one fused op
-                # with K's rotary too where no hook reads K̂ before it is rotated (the hook point is then the identity)
-                k_rotated = rotary and not is_hooked(self.hook_k_shifted)
-                k, v = kv_shift_cpu(k, v, self.kv_shift, (self.rotary_cos, self.rotary_sin) if k_rotated else None)
-            else:
-                k, v = TokenShiftMix.apply(k, self.kv_shift[:, :2]), TokenShiftMix.apply(v, self.kv_shift[:, 2:])
+            # the shift may rotate K too where no hook reads K̂ before it is rotated (the hook point is then the
+            # identity)
+            tables = (cos, sin) if rope and not is_hooked(self.hook_k_shifted) else None
+            k, v, k_rotated = kv_shift(k, v, self.kv_shift, backend, tables)
             k, v = (k if k_rotated else self.hook_k_shifted(k)), self.hook_v_shifted(v)
-        if rotary:
-            q, k = self.hook_rot_q(self._rotate(q)), self.hook_rot_k(k if k_rotated else self._rotate(k))
+        if rope:
+            q = self.hook_rot_q(rotary(q, cos, sin, backend))
+            k = self.hook_rot_k(k if k_rotated else rotary(k, cos, sin, backend))
         group = self.cfg.n_heads // self.cfg.n_key_value_heads
         if group > 1:
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
@@ -223,20 +177,10 @@ class Attention(nn.Module):
             scores = scores.masked_fill(future, float("-inf"))
             pattern = self.hook_pattern(self.hook_attn_scores(scores).softmax(dim=-1))
             z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
-        elif attention_runs_cpu_kernel(self.cfg.depth_attention_backend, q, k, v):  # no gradient: one C pass
-            z = causal_attention_cpu(q, k, v, 1 / math.sqrt(self.cfg.d_head))
-        else:  # nothing watches the scores: the fused kernel computes the same softmax without materialising it
-            z = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True, scale=1 / math.sqrt(self.cfg.d_head)).transpose(1, 2)
+        else:  # nothing watches the scores: a fused op computes the same softmax without materialising it
+            z = causal_attention(q, k, v, 1 / math.sqrt(self.cfg.d_head), backend)
         z = self.hook_z(z)
         return z.flatten(-2) @ self.W_O.flatten(0, 1)
-
-    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """RoPE of q or k [batch, pos, heads, d_head]: one C pass where the cpu backend runs, else the torch form."""
-        if elementwise_runs_cpu_kernel(self.cfg.depth_attention_backend, x):
-            return rotary_cpu(x, self.rotary_cos, self.rotary_sin)
-        n_pos = x.shape[1]
-        return apply_rotary(x, self.rotary_cos[:n_pos, None, :], self.rotary_sin[:n_pos, None, :])
 
     # hook points whose hooks make the attention compute its scores explicitly (interventions stack copies by them)
     path_hooks = ("hook_attn_scores", "hook_pattern")
@@ -295,34 +239,6 @@ def _affine(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor])
     return F.linear(x, weight.t(), bias)
 
 
-class TokenShiftMix(torch.autograd.Function):
-    """`c1 ⊙ x_t + c2 ⊙ x_{t−1}` per head (x_{−1} = 0), x [batch, pos, heads, d_head], coefficients [heads, 2]:
-    the KV shift (docs/model.md §5) in two ops each way, where autograd's graph of mul, pad and add takes about ten
-    memory-bound passes per tensor.
-
-    Backward (dy the output gradient, sums over batch, position and d_head):
-        dx_t = c1 dy_t + c2 dy_{t+1} (dy_P = 0),   dc1 = Σ dy_t · x_t,   dc2 = Σ dy_t · x_{t−1}
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
-        current, previous = coefficients.to(x.dtype).unbind(-1)
-        y = x * current[:, None]
-        y[:, 1:].addcmul_(x[:, :-1], previous[:, None])
-        ctx.save_for_backward(x, coefficients)
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, coefficients = ctx.saved_tensors
-        current, previous = coefficients.to(x.dtype).unbind(-1)
-        dx = dy * current[:, None]
-        dx[:, :-1].addcmul_(dy[:, 1:], previous[:, None])
-        d_current = (dy * x).sum(dim=(0, 1, 3))
-        d_previous = (dy[:, 1:] * x[:, :-1]).sum(dim=(0, 1, 3))
-        return dx, torch.stack([d_current, d_previous], dim=-1).to(coefficients.dtype)
-
-
 def shift_one_position(x: torch.Tensor) -> torch.Tensor:
     """`x[:, t-1]` at position t, zeros at t = 0 (x is [batch, pos, ...]); one pad, not zeros and a concatenation."""
     return F.pad(x[:, :-1], (0, 0) * (x.ndim - 2) + (1, 0))
@@ -338,11 +254,3 @@ def rotary_tables(n_ctx: int, d_head: int, base: float) -> tuple[torch.Tensor, t
     angles = torch.arange(n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x * cos + rotate_half(x) * sin` with rotate_half(x) = [−x₂, x₁] for the halves x₁, x₂ of the last dim,
-    written as `roll(x) * [−sin₁, sin₂]`: one copy of x instead of a negation and a concatenation."""
-    half = x.shape[-1] // 2
-    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # [pos, 1, d_head]: small
-    return torch.addcmul(x * cos, x.roll(half, dims=-1), signed_sin)

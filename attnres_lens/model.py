@@ -20,7 +20,7 @@ from attnres_lens.attnres import EMBEDDING, DepthAttention, DepthStream, source_
 from attnres_lens.components import MLP, Attention, Embed, PosEmbed, RMSNorm, Unembed
 from attnres_lens.config import ModelConfig
 from attnres_lens.denseformer import DenseStream, DepthWeightedAverage
-from attnres_lens.kernels.backends import model_runs_two_phase
+from attnres_lens.kernels import model_runs_two_phase
 from attnres_lens.mhc import MHCConnection, MHCHead, MHCStream
 from attnres_lens.resources import check_model_fits
 from attnres_lens.streams import ResidualStream, SumStream

@@ -88,11 +88,12 @@ def test_the_models_attention_runs_the_kernel_exactly_where_no_gradient_is_neede
     """Without a gradient (inference, exact interventions) every variant's attention runs the C kernel, with one
     SDPA: the same logits to float rounding; with a gradient, under a hook on the scores, or for another backend,
     it does not run."""
-    from attnres_lens import HookedTransformer, ModelConfig, components
+    from attnres_lens import HookedTransformer, ModelConfig
+    from attnres_lens.kernels import layer_ops
 
     calls = []
     kernel = cpu_attention.causal_attention_cpu
-    monkeypatch.setattr(components, "causal_attention_cpu", lambda *args: calls.append(1) or kernel(*args))
+    monkeypatch.setattr(layer_ops, "causal_attention_cpu", lambda *args: calls.append(1) or kernel(*args))
     tokens = torch.randint(0, 32, (3, 11), generator=torch.Generator().manual_seed(0))
     for extra in (dict(), dict(attention="kv_shift"), dict(residual="attnres", attnres_block_size=2),
                   dict(n_key_value_heads=1)):
@@ -141,7 +142,7 @@ def test_a_model_runs_each_elementwise_kernel_only_on_the_cpu_backend(kernel, mo
     options, expected_calls, compared = _MODEL_KERNELS[kernel]
     calls = []
     real = getattr(cpu_depth if kernel == "fused_mix_and_norm" else cpu_elementwise, kernel)
-    caller = "attnres" if kernel == "fused_mix_and_norm" else "components"
+    caller = "depth_execution" if kernel == "fused_mix_and_norm" else "kernels.layer_ops"
     monkeypatch.setattr(f"attnres_lens.{caller}.{kernel}",
                         lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
     tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))

@@ -121,10 +121,10 @@ def test_inference_rows_split_each_variants_excess(tmp_path):
     assert [(shape, variant) for shape, variant, _ in ops] == [
         ("2 x 8 x 2 x 4 (pos × d_head 32)", "policy runs C kernel"),
         ("1 x 600 x 1 x 32 (pos × d_head 19200)", "policy runs SDPA")]
-    from attnres_lens import components
+    from attnres_lens.kernels import layer_ops
     from attnres_lens.kernels.backends import attention_runs_cpu_kernel
 
-    assert components.attention_runs_cpu_kernel is attention_runs_cpu_kernel  # the shipped policy, restored
+    assert layer_ops.attention_runs_cpu_kernel is attention_runs_cpu_kernel  # the shipped policy, restored
 
 
 @pytest.mark.slow

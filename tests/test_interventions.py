@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attnres_lens.model as model_module
-from attnres_lens import HookedTransformer, attnres
+from attnres_lens import HookedTransformer, attnres, depth_execution
 from attnres_lens.analysis import (
     StateCache,
     angular_distance_matrix,
@@ -142,7 +142,7 @@ def test_stacked_copies_mix_the_blocks_they_share_once(monkeypatch):
     interventions = [source_mask_hooks(model, consumer, [source]) for consumer in (9, 10) for source in (0, 4, 8)]
     interventions += [[(late_output, replace_hook(noise))], [(late_output, lambda tensor, hook: tensor * 2)]]
     shared_windows: list[tuple[int, int, int]] = []  # (sources read, of them shared, copies) per window
-    inner = attnres.DepthStream._phase1_over_copies
+    inner = depth_execution.DepthExecution._phase1_over_copies
 
     def spied(self, shared, queries, gains, eps):
         stats = inner(self, shared, queries, gains, eps)
@@ -150,7 +150,7 @@ def test_stacked_copies_mix_the_blocks_they_share_once(monkeypatch):
             shared_windows.append((len(shared), len(self._copies.originals), self._copies.n_copies))
         return stats
 
-    monkeypatch.setattr(attnres.DepthStream, "_phase1_over_copies", spied)
+    monkeypatch.setattr(depth_execution.DepthExecution, "_phase1_over_copies", spied)
     got = evaluate_many(model, batch, interventions, max_sequences=3 * len(interventions))
     for single, together in zip(one_pass_each(model, batch, interventions), got):
         assert together.loss == pytest.approx(single.loss, abs=1e-6)
@@ -183,13 +183,13 @@ def test_knockouts_of_stacked_copies_read_the_shared_sources_once(monkeypatch, b
     randomize_depth_parameters(model)
     batch = copy_batch(3)
     mixed: list[tuple[int, int, int]] = []  # (shared, stacked, copies) per mix over copies
-    inner = attnres.depth_attention_copies_cpu
+    inner = depth_execution.depth_attention_copies_cpu
 
     def spied(shared, stacked, n_copies, *rest, **options):
         mixed.append((len(shared), len(stacked), n_copies))
         return inner(shared, stacked, n_copies, *rest, **options)
 
-    monkeypatch.setattr(attnres, "depth_attention_copies_cpu", spied)
+    monkeypatch.setattr(depth_execution, "depth_attention_copies_cpu", spied)
     consumer = 5
     n_sources = len(model.sources(consumer))
     interventions = [source_mask_hooks(model, consumer, [source]) for source in range(n_sources)]
@@ -348,9 +348,9 @@ def test_the_analyses_give_the_same_numbers_on_worker_threads(residual, block_si
     # AttnRes mixes two-phase here, and a window's phase-1 statistics belong to one batch: stacking or slicing a
     # stream must drop them. Full AttnRes on the C kernel from the first shared source (in this small model no
     # window would open otherwise); Block AttnRes on the readable two-phase, as it runs where Triton does.
-    monkeypatch.setattr(attnres, "MIN_SHARED_SOURCES", 1)
+    monkeypatch.setattr(depth_execution, "MIN_SHARED_SOURCES", 1)
     if block_size > 1:
-        monkeypatch.setattr(attnres, "stream_two_phase_backend", lambda *args: "torch")
+        monkeypatch.setattr(depth_execution, "stream_two_phase_backend", lambda *args: "torch")
         monkeypatch.setattr(model_module, "model_runs_two_phase", lambda *args: True)
     model = HookedTransformer(small_config(residual, block_size)).eval()
     randomize_depth_parameters(model)

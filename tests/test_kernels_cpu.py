@@ -405,7 +405,7 @@ def test_elementwise_kernels_split_rows_over_threads(many_threads, shape):
 
 
 def test_kv_shift_kernel_passes_gradcheck_and_agrees_with_the_torch_twin():
-    from attnres_lens.components import TokenShiftMix
+    from attnres_lens.kernels import TokenShiftMix
 
     generator = torch.Generator().manual_seed(5)
     k, v = (torch.randn(2, 6, 3, 4, dtype=torch.float64, generator=generator, requires_grad=True) for _ in range(2))
@@ -785,7 +785,8 @@ def test_several_queries_refuse_a_gradient_through_a_prior_for_one_copy():
 @pytest.mark.parametrize("shape", [(1, 1, 1, 2), (2, 5, 3, 8), (3, 17, 2, 16), (1, 33, 5, 10)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rotary_kernel_matches_its_twin_and_gradients(shape, dtype):
-    from attnres_lens.components import apply_rotary, rotary_tables
+    from attnres_lens.components import rotary_tables
+    from attnres_lens.kernels import apply_rotary
 
     cos, sin = rotary_tables(40, shape[-1], 10000.0)  # more positions than the input has: rows are strided reads
     generator = torch.Generator().manual_seed(2)
@@ -867,7 +868,7 @@ def test_a_kv_shift_model_rotates_k_in_the_shift_unless_a_hook_reads_the_shifted
     from attnres_lens import HookedTransformer, ModelConfig
 
     calls = []
-    monkeypatch.setattr("attnres_lens.components.rotary_cpu",
+    monkeypatch.setattr("attnres_lens.kernels.layer_ops.rotary_cpu",
                         lambda *args: calls.append(1) or cpu_elementwise.rotary_cpu(*args))
     cfg = ModelConfig(d_model=16, n_heads=4, n_key_value_heads=2, n_layers=2, d_vocab=32, n_ctx=9,
                       attention="kv_shift", depth_attention_backend="cpu", dtype=torch.float64, seed=2)
@@ -1073,7 +1074,7 @@ def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
 
     calls = []
     real = cpu_depth.fused_mix_and_norm
-    monkeypatch.setattr("attnres_lens.attnres.fused_mix_and_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr("attnres_lens.depth_execution.fused_mix_and_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
     models = {}
     for backend in ("cpu", "reference"):
         models[backend] = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=2, d_vocab=32, n_ctx=8,
@@ -1186,13 +1187,13 @@ def test_a_model_shares_source_gradients_only_where_nothing_can_see_them(block_s
 
     shared = []
     real = cpu_autograd.share_gradient
-    monkeypatch.setattr("attnres_lens.attnres.share_gradient", lambda source: shared.append(1) or real(source))
+    monkeypatch.setattr("attnres_lens.depth_execution.share_gradient", lambda source: shared.append(1) or real(source))
     tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
     model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=3, d_vocab=32, n_ctx=9, residual="attnres",
                                           depth_attention_backend="cpu"))
     model(tokens, return_type="loss").backward()
     assert not shared  # sources of 288 elements: below MIN_SHARED_GRADIENT_ELEMENTS, autograd adds
-    monkeypatch.setattr("attnres_lens.attnres.MIN_SHARED_GRADIENT_ELEMENTS", 0)
+    monkeypatch.setattr("attnres_lens.depth_execution.MIN_SHARED_GRADIENT_ELEMENTS", 0)
     results = {}
     for backend in ("cpu", "reference"):
         model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=3, d_vocab=32, n_ctx=9,
@@ -1263,7 +1264,7 @@ def test_a_shared_source_gradient_refuses_a_second_derivative(monkeypatch):
     a consumer whose incoming gradient builds one returns fresh gradients that `once_differentiable` guards)."""
     from attnres_lens import HookedTransformer, ModelConfig
 
-    monkeypatch.setattr("attnres_lens.attnres.MIN_SHARED_GRADIENT_ELEMENTS", 0)
+    monkeypatch.setattr("attnres_lens.depth_execution.MIN_SHARED_GRADIENT_ELEMENTS", 0)
 
     model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=2, d_vocab=32, n_ctx=9, residual="attnres",
                                           depth_attention_backend="cpu", dtype=torch.float64, seed=1))

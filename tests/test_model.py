@@ -12,7 +12,9 @@ from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities import get_act_name
 
 from attnres_lens import HookedTransformer, ModelConfig, adamw, param_groups
-from attnres_lens.components import apply_rotary, is_hooked, normal_init, rotary_tables
+from attnres_lens.components import normal_init, rotary_tables
+from attnres_lens.hook_checks import is_hooked
+from attnres_lens.kernels import apply_rotary
 from tests.helpers import VARIANTS, randomize_depth_parameters, reference_logits, small_config
 
 
@@ -407,7 +409,8 @@ def test_inference_mode_then_training():
 
 
 def test_token_shift_mix_matches_autograd_of_its_definition():
-    from attnres_lens.components import TokenShiftMix, shift_one_position
+    from attnres_lens.components import shift_one_position
+    from attnres_lens.kernels import TokenShiftMix
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 3, 4, dtype=torch.float64, generator=generator, requires_grad=True)

@@ -11,7 +11,7 @@ import torch
 from torch.autograd import forward_ad
 
 from analyses.bench_depth_scaling import saved_activation_bytes
-from attnres_lens import HookedTransformer, attnres
+from attnres_lens import HookedTransformer, depth_execution
 from attnres_lens.analysis.engine import concat_states
 from attnres_lens.attnres import DepthAttention, DepthStream
 from attnres_lens.kernels import depth_attention, triton_available
@@ -329,9 +329,9 @@ def test_full_attnres_trained_through_two_phase_windows_on_the_cpu_equals_the_re
     expected_loss.backward()
     model = HookedTransformer(dataclasses.replace(base.cfg, depth_attention_backend="cpu"))
     model.load_state_dict(base.state_dict())
-    monkeypatch.setattr(attnres, "MIN_SHARED_SOURCES_WITH_GRAD", 8)
+    monkeypatch.setattr(depth_execution, "MIN_SHARED_SOURCES_WITH_GRAD", 8)
     if shared_gradients:
-        monkeypatch.setattr(attnres, "MIN_SHARED_GRADIENT_ELEMENTS", 0)
+        monkeypatch.setattr(depth_execution, "MIN_SHARED_GRADIENT_ELEMENTS", 0)
     calls = _count_two_phase_calls(monkeypatch)
     with model.hooks(fwd_hooks=hooks):
         loss = model(tokens, return_type="loss")
@@ -418,7 +418,7 @@ WATCHED_EDITS = {  # hook point, and the hook: each reads, or edits its tensor o
 @pytest.mark.parametrize("block_size", [1, 2])
 def test_without_a_gradient_a_watched_mix_runs_the_kernel_and_honours_every_edit(edit, block_size, monkeypatch):
     """Under no_grad on the C kernel, hooks on a consumer's logits or weights fire on the kernel's own
-    (`DepthAttention._watched_kernel_mix`): what they see and the model's logits equal the readable path's (the
+    (`depth_execution.watched_kernel_mix`): what they see and the model's logits equal the readable path's (the
     reference backend) for a hook that only reads and for each way to edit, in place, through `.data` (which no
     version counter sees) or by returning a new tensor. With a gradient the readable path runs, as it must for a
     gradient through the weights."""
@@ -434,9 +434,9 @@ def test_without_a_gradient_a_watched_mix_runs_the_kernel_and_honours_every_edit
     names = [f"blocks.0.attn_res.{point}", f"blocks.1.attn_res.{point}", f"blocks.2.mlp_res.{point}",
              f"final_res.{point}"]
     kernel_calls = []
-    watched = DepthAttention._watched_kernel_mix
-    monkeypatch.setattr(DepthAttention, "_watched_kernel_mix",
-                        lambda self, *args: kernel_calls.append(1) or watched(self, *args))
+    watched = depth_execution.watched_kernel_mix
+    monkeypatch.setattr(depth_execution, "watched_kernel_mix",
+                        lambda mixer, *args: kernel_calls.append(1) or watched(mixer, *args))
 
     def run(model: HookedTransformer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         seen = {}
@@ -480,9 +480,9 @@ def test_a_watched_kernel_mix_serves_a_cache_and_a_source_a_hook_edits(block_siz
     reference.load_state_dict(base.state_dict())
     tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(5))
     kernel_calls = []
-    watched = DepthAttention._watched_kernel_mix
-    monkeypatch.setattr(DepthAttention, "_watched_kernel_mix",
-                        lambda self, *args: kernel_calls.append(1) or watched(self, *args))
+    watched = depth_execution.watched_kernel_mix
+    monkeypatch.setattr(depth_execution, "watched_kernel_mix",
+                        lambda mixer, *args: kernel_calls.append(1) or watched(mixer, *args))
     with torch.no_grad():
         expected, expected_cache = reference.run_with_cache(tokens)
         got, cache = base.run_with_cache(tokens)

@@ -25,8 +25,8 @@ from attnres_lens.analysis.interventions import Hook
 from attnres_lens.analysis.session import clean_result
 from attnres_lens.analysis.workers import WorkerPool, parallel_problem
 from attnres_lens.attnres import DepthStream
-from attnres_lens.components import module_hooked
 from attnres_lens.evaluation import Evaluation, score_logits
+from attnres_lens.hook_checks import module_hooked
 from attnres_lens.model import HookedTransformer
 from attnres_lens.streams import ResidualStream, SumStream
 from attnres_lens.tasks.base import Batch

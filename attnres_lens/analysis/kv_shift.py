@@ -25,7 +25,8 @@ from transformer_lens.utilities import get_act_name
 
 from attnres_lens.analysis.engine import capture
 from attnres_lens.analysis.induction import _check_repeated, default_half_len, repeated_batch
-from attnres_lens.components import apply_rotary, shift_one_position
+from attnres_lens.components import shift_one_position
+from attnres_lens.kernels import apply_rotary
 from attnres_lens.model import HookedTransformer
 from attnres_lens.tasks.base import Batch
 

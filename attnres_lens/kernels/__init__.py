@@ -19,10 +19,25 @@ from typing import Optional
 
 import torch
 
-from attnres_lens.kernels._common import Sources, check_logit_bias, check_sources, check_vector
-from attnres_lens.kernels.backends import BACKEND_ENV_VAR, BACKENDS, resolve_backend, triton_available
-from attnres_lens.kernels.cpu_depth import depth_attention_cpu
-from attnres_lens.kernels.reference import depth_attention_reference
+from attnres_lens.kernels._common import Sources, builds_no_graph, check_logit_bias, check_sources, check_vector
+from attnres_lens.kernels.backends import (
+    BACKEND_ENV_VAR,
+    BACKENDS,
+    elementwise_runs_cpu_kernel,
+    model_runs_two_phase,
+    resolve_backend,
+    stream_two_phase_backend,
+    triton_available,
+)
+from attnres_lens.kernels.cpu_autograd import share_gradient
+from attnres_lens.kernels.cpu_depth import (
+    depth_attention_copies_cpu,
+    depth_attention_cpu,
+    depth_attention_multi_cpu,
+    fused_mix_and_norm,
+)
+from attnres_lens.kernels.layer_ops import TokenShiftMix, apply_rotary, causal_attention, kv_shift, rms_norm, rotary
+from attnres_lens.kernels.reference import depth_attention_reference, depth_logits, mix_sources
 from attnres_lens.kernels.torch_fast import depth_attention_torch
 from attnres_lens.kernels.two_phase import BlockStats, block_phase1, merge_partial
 
@@ -30,10 +45,26 @@ __all__ = [
     "BACKENDS",
     "BACKEND_ENV_VAR",
     "BlockStats",
+    "TokenShiftMix",
+    "apply_rotary",
     "block_phase1",
+    "builds_no_graph",
+    "causal_attention",
     "depth_attention",
+    "depth_attention_copies_cpu",
+    "depth_attention_multi_cpu",
+    "depth_logits",
+    "elementwise_runs_cpu_kernel",
+    "fused_mix_and_norm",
+    "kv_shift",
     "merge_partial",
+    "mix_sources",
+    "model_runs_two_phase",
     "resolve_backend",
+    "rms_norm",
+    "rotary",
+    "share_gradient",
+    "stream_two_phase_backend",
     "triton_available",
 ]
 

@@ -11,8 +11,8 @@ Every decision of that kind is made here (docs/kernels.md §2):
   logits are asked for, and its readable PyTorch version everywhere else;
 * ``model_runs_two_phase`` / ``stream_two_phase_backend``: Block AttnRes mixes two-phase under Triton; on the CPU
   Full AttnRes does (one read of the shared sources per window of consumers; the stream opens a window from 8
-  shared sources without a gradient and from 16 with one, `attnres.MIN_SHARED_SOURCES*`); Block AttnRes on the
-  CPU one fused pass per sublayer (its few block sources sit in cache);
+  shared sources without a gradient and from 16 with one, `depth_execution.MIN_SHARED_SOURCES*`); Block AttnRes
+  on the CPU one fused pass per sublayer (its few block sources sit in cache);
 * ``elementwise_runs_cpu_kernel``: the KV shift, the rotary embedding and RMSNorm run their C kernels wherever the model's
   depth-attention backend resolves to ``cpu``, for fp32/fp64 tensors outside torch.compile (which fuses the
   PyTorch versions itself);

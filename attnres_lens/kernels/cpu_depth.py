@@ -279,9 +279,9 @@ def depth_attention_normed_cpu(sources: list[torch.Tensor], query: torch.Tensor,
 def fused_mix_and_norm(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
                        norm_weight: torch.Tensor, norm_eps: float, keep_h: bool = True
                        ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-    """`depth_attention_normed_cpu` without its checks, for a caller that made them: `DepthAttention.fused_with_norm`
+    """`depth_attention_normed_cpu` without its checks, for a caller that made them: `depth_execution.fused_with_norm`
     (sources of one shape and dtype on the CPU, outside torch.compile, parameters of the sources' dtype and width),
-    which the depth stream and `DepthAttention.mix_and_norm` ask before calling this; checking twice costs a
+    which the depth stream and `depth_execution.mix_and_norm` ask before calling this; checking twice costs a
     sizeable part of a small sublayer's mix (docs/kernels.md §11). Without ``keep_h``, ``(None, y)``: h is neither
     written nor read back (a model's sublayer reads y alone)."""
     return cpu_autograd.apply_function(_EagerNormedDepthAttention, keep_h, query, key_norm_weight,

@@ -1,5 +1,5 @@
-/* The elementwise kernels of a layer: the KV token shift (docs/model.md §5; readable twin: components.TokenShiftMix),
- * optionally with K's rotary embedding, the rotary embedding (docs/model.md §6; twin: components.apply_rotary) and
+/* The elementwise kernels of a layer: the KV token shift (docs/model.md §5; readable twin: layer_ops.TokenShiftMix),
+ * optionally with K's rotary embedding, the rotary embedding (docs/model.md §6; twin: layer_ops.apply_rotary) and
  * RMSNorm (twin: components.RMSNorm), each one pass over its tensor each way; wrapped by cpu_elementwise.py. */
 #include "cpu_kernels.h"
 
@@ -128,7 +128,7 @@ void token_shift_backward(const real *x, const real *coefficients, int64_t strid
     }
 }
 
-/* Rotate-half rotary embedding (docs/model.md §6; readable twin: components.apply_rotary) of x [B, P, H, Dh]
+/* Rotate-half rotary embedding (docs/model.md §6; readable twin: layer_ops.apply_rotary) of x [B, P, H, Dh]
  * contiguous, Dh even, with half = Dh / 2 and per position t the angles' cos c and sin s ([P, ·] tables with row
  * stride `table_stride`; the first half of a row is read, rotary_tables repeats it in the second):
  *   y_d = x_d c_d - x_{d+half} s_d,   y_{d+half} = x_{d+half} c_d + x_d s_d        (d < half)

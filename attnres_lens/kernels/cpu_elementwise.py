@@ -1,6 +1,7 @@
 """A layer's elementwise ops on the C kernels (``cpu_elementwise.c``): the KV shift (optionally with K's rotary
 embedding in the same pass), the rotary embedding and RMSNorm, each one autograd node and one pass over its tensor
-each way where PyTorch takes a pass per product and sum (docs/kernels.md §2). Readable twins: `components`.
+each way where PyTorch takes a pass per product and sum (docs/kernels.md §2). Readable twins, and the ops that
+choose between them and these: `layer_ops`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _elementwise_threads(n_elements: int, library: ctypes.CDLL) -> int:
 
 
 class _EagerKVShift(torch.autograd.Function):
-    """`components.TokenShiftMix` (the KV shift, its formulas there) of a layer's K and V in one autograd node,
+    """`layer_ops.TokenShiftMix` (the KV shift, its formulas there) of a layer's K and V in one autograd node,
     one C pass over each tensor each way; k, v [B, P, H, Dh], coefficients [H, 4] = (K's pair, V's pair). With
     rotary tables (cos, sin: x's dtype, contiguous; else None) the shifted K comes out rotated, in the same pass."""
 
@@ -92,7 +93,7 @@ def kv_shift_cpu(k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor,
 
 
 class _EagerRotary(torch.autograd.Function):
-    """`components.apply_rotary` in one C pass each way (the backward rotates the gradient back: the same kernel
+    """`layer_ops.apply_rotary` in one C pass each way (the backward rotates the gradient back: the same kernel
     with the sine negated); x [B, P, H, Dh], cos and sin [≥ P, Dh] tables whose two halves are equal."""
 
     @staticmethod
@@ -131,7 +132,7 @@ def _rotary_tables_for(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ca
 
 def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE of ``x`` ``[B, P, H, Dh]`` (fp32/fp64, CPU) with ``rotary_tables``' ``cos`` and ``sin``
-    (``[n_ctx, Dh]``, n_ctx >= P; cast to x's dtype), differentiable in ``x``; equals `components.apply_rotary`."""
+    (``[n_ctx, Dh]``, n_ctx >= P; cast to x's dtype), differentiable in ``x``; equals `layer_ops.apply_rotary`."""
     if x.dim() != 4 or x.device.type != "cpu" or x.dtype not in REAL_TYPES:
         raise ValueError(f"rotary_cpu needs a 4-D fp32/fp64 CPU tensor, got {x.dim()}-D {x.dtype} on {x.device} of "
                          f"shape {tuple(x.shape)}")
