@@ -11,7 +11,7 @@ Full and Block (S = 4) models step interleaved, medians over repeats. Per step i
   counts them (forward: every source it reads, plus y or h; backward: every source and its gradient, plus dy or
   dh), over those calls' time, next to `copy_` of a 256 MB buffer (read + write) on the same core.
 Saved activations must grow linearly in depth (no stacked copies of the sources are kept). Full AttnRes mixes one
-pass per consumer below `attnres.MIN_SHARED_SOURCES_WITH_GRAD` shared sources and in two-phase windows from there
+pass per consumer below `depth_execution.MIN_SHARED_SOURCES_WITH_GRAD` shared sources and in two-phase windows from there
 (docs/kernels.md §7).
 
     python -m analyses.benchmarks bench_depth_scaling

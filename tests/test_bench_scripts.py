@@ -234,7 +234,7 @@ def test_kernel_traffic_counts_the_depth_mix_bytes_its_source_layouts_imply(bloc
     reader of a completed block beyond its first, where the gradients are summed in shared buffers (at 64K
     elements a source, batch 8, and not below it, batch 1)."""
     from attnres_lens import HookedTransformer, ModelConfig
-    from attnres_lens.attnres import MIN_SHARED_GRADIENT_ELEMENTS
+    from attnres_lens.depth_execution import MIN_SHARED_GRADIENT_ELEMENTS
 
     traffic = load("kernel_traffic")
     cfg = ModelConfig(n_layers=2, d_model=128, n_heads=4, n_ctx=64, d_vocab=32, residual="attnres",
