@@ -8,7 +8,7 @@ CHROMIUM  := /usr/bin/chromium
 DEMO_RUNS := data/demo_runs
 PORT      ?= 8501
 
-.PHONY: setup test test-fast demo clean
+.PHONY: setup test test-fast lint format demo clean
 
 setup: $(STAMP) $(CHROMIUM)
 
@@ -30,13 +30,22 @@ $(CHROMIUM):
 		echo "warning: cannot install Debian's chromium (needs apt-get as root); the browser test will be skipped"; \
 	fi
 
-# The whole suite (what CI runs), with its 25 slowest tests listed at the end.
-test: setup
+# The whole suite (what CI runs), after the linter and the formatter's check, with its 25 slowest tests listed.
+test: setup lint
 	$(PY) -m pytest -q --durations=25
+
+# ruff's rules and format (pyproject.toml); `make format` applies both.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 # The edit-test loop: every module, without the end-to-end trainings, benchmark scripts, browser, torch.compile,
 # data-parallel, C-kernel rebuild and Triton-interpreter tests (markers in pyproject.toml); about a minute on 2 cores.
-test-fast: setup
+test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow and not triton" --durations=10
 
 # Demo runs ship in data/demo_runs; any missing one is trained first (about 15 minutes for all seven on a 2-core CPU, with progress bars).

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import json
 import math
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -333,8 +334,13 @@ def _describe(expected: Any) -> str:
     return names.get(expected, getattr(expected, "__name__", str(expected)))
 
 
+def _is_union(expected: Any) -> bool:
+    """`Optional[X]` / `Union[X, Y]` and their `X | None` spelling (a `types.UnionType`)."""
+    return typing.get_origin(expected) in (typing.Union, types.UnionType)
+
+
 def _matches(value: Any, expected: Any) -> bool:
-    if typing.get_origin(expected) is typing.Union:  # Optional[X]
+    if _is_union(expected):
         return any(_matches(value, option) for option in typing.get_args(expected))
     if expected is type(None):
         return value is None
@@ -360,7 +366,7 @@ def check_field_types(config: Any, prefix: str = "") -> None:
             continue
         value = getattr(config, name)
         if not _matches(value, expected):
-            optional = typing.get_origin(expected) is typing.Union and type(None) in typing.get_args(expected)
+            optional = _is_union(expected) and type(None) in typing.get_args(expected)
             wanted = _describe(next(a for a in typing.get_args(expected) if a is not type(None)) if optional
                                else expected) + (" or null" if optional else "")
             raise ValueError(f"{prefix}{name} must be {wanted}, got {value!r}")
