@@ -29,9 +29,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
 
 import pandas as pd
 import torch
@@ -55,14 +55,34 @@ from attnres_lens.training import train
 
 
 # ---------------------------------------------------------------------------- the old engines, inline
-def one_pass_per_intervention(model, batch, interventions_, max_sequences=None, progress=False, desc="", cache=None,
-                              score=score_logits, workers=1, remember=None):
+def one_pass_per_intervention(
+    model,
+    batch,
+    interventions_,
+    max_sequences=None,
+    progress=False,
+    desc="",
+    cache=None,
+    score=score_logits,
+    workers=1,
+    remember=None,
+):
     with torch.no_grad():
         return [score(model.run_with_hooks(batch.tokens, fwd_hooks=list(hooks)), batch) for hooks in interventions_]
 
 
-def stacked_full_passes(model, batch, interventions_, max_sequences=64, progress=False, desc="", cache=None,
-                        score=score_logits, workers=1, remember=None):
+def stacked_full_passes(
+    model,
+    batch,
+    interventions_,
+    max_sequences=64,
+    progress=False,
+    desc="",
+    cache=None,
+    score=score_logits,
+    workers=1,
+    remember=None,
+):
     """The previous `evaluate_many`: copies of the batch in full passes of up to 64 sequences."""
     n_batch = batch.tokens.shape[0]
     per_pass = max(1, max_sequences // n_batch)
@@ -81,7 +101,7 @@ def stacked_full_passes(model, batch, interventions_, max_sequences=64, progress
 
 
 @contextmanager
-def engine(evaluate_many: Optional[Callable]) -> Iterator[list[int]]:
+def engine(evaluate_many: Callable | None) -> Iterator[list[int]]:
     """Run the pruning code with another `evaluate_many` (None: the library's), counting interventions."""
     count = [0]
     inner = evaluate_many or library_engine.evaluate_many
@@ -118,6 +138,7 @@ def counting_sublayers(model) -> Iterator[list[int]]:
         def run(module, x, *args, **kwargs):
             count[0] += x.shape[0]
             return original(module, x, *args, **kwargs)
+
         return run
 
     for cls in classes:
@@ -164,8 +185,14 @@ def clean_pass_time(model, tokens: torch.Tensor, repeats: int = 10) -> float:
 
 
 # ---------------------------------------------------------------------------- the rows
-def measure(preset: str = "depth-full", steps: int = 300, samples: int = 32, overrides: Sequence[str] = (),
-            skip_one_pass: bool = False, cli_repeats: int = 2) -> list[dict]:
+def measure(
+    preset: str = "depth-full",
+    steps: int = 300,
+    samples: int = 32,
+    overrides: Sequence[str] = (),
+    skip_one_pass: bool = False,
+    cli_repeats: int = 2,
+) -> list[dict]:
     """Rows of the comparison: the model of `preset` with `overrides` trained `steps` steps (300: past the untrained
     start, where every removal is harmless and each cumulative curve runs to the end), `samples` held-out sequences
     (as `prune --samples`); the prune command `cli_repeats` times per setting; `skip_one_pass` leaves out the slowest
@@ -176,9 +203,17 @@ def measure(preset: str = "depth-full", steps: int = 300, samples: int = 32, ove
     load_before = os.getloadavg()[0]  # the machine is shared: wall times carry other processes' load
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / preset
-        config = apply_overrides(get_preset(preset), [
-            f"train.steps={steps}", f"train.eval_every={steps}", f"train.record_every={steps}",
-            f"train.checkpoint_every={steps}", "train.threads=1", *overrides])
+        config = apply_overrides(
+            get_preset(preset),
+            [
+                f"train.steps={steps}",
+                f"train.eval_every={steps}",
+                f"train.record_every={steps}",
+                f"train.checkpoint_every={steps}",
+                "train.threads=1",
+                *overrides,
+            ],
+        )
         _, train_wall, _ = timed(lambda: train(config, run_dir, progress=False))
         run = load_run(run_dir)
         model, batch = run.model, run.config.build_task().eval_batch(samples)
@@ -186,8 +221,11 @@ def measure(preset: str = "depth-full", steps: int = 300, samples: int = 32, ove
         cores = os.cpu_count() or 1
         parallel = f"shared prefixes, {cores} workers"
         forked = f"shared prefixes, {cores} threads, routing in a forked process (as `prune` runs)"
-        paths = [("shared prefixes", None, 1, False), (parallel, None, cores, False),
-                 ("stacked full passes", stacked_full_passes, 1, False)]
+        paths = [
+            ("shared prefixes", None, 1, False),
+            (parallel, None, cores, False),
+            ("stacked full passes", stacked_full_passes, 1, False),
+        ]
         if not skip_one_pass:
             paths.append(("one pass per intervention", one_pass_per_intervention, 1, False))
         paths += [(f"{parallel} (again)", None, cores, False), (forked, None, cores, True)]
@@ -201,15 +239,29 @@ def measure(preset: str = "depth-full", steps: int = 300, samples: int = 32, ove
             cpu += (after.ru_utime + after.ru_stime) - (children.ru_utime + children.ru_stime)  # a forked table's
             passes = work[0] / (model.cfg.n_sublayers * batch.tokens.shape[0])  # in full passes over the batch
             # a forked child's interventions and work are not counted here
-            measured[label] = dict(tables=tables, wall=wall, cpu=cpu, interventions=None if fork else count[0],
-                                   passes=None if fork else passes, threads=threads)
+            measured[label] = dict(
+                tables=tables,
+                wall=wall,
+                cpu=cpu,
+                interventions=None if fork else count[0],
+                passes=None if fork else passes,
+                threads=threads,
+            )
             print(f"{label}: {wall:.1f} s wall, {cpu:.1f} s CPU", file=sys.stderr)
         torch.set_num_threads(1)
         reference = measured["shared prefixes"]["tables"]
         differences = {label: max_difference(reference, entry["tables"]) for label, entry in measured.items()}
 
-        command = [str(Path(sys.executable).parent / "attnres-lens"), "prune", str(run_dir), "--samples",
-                   str(samples), "--no-progress", "--out", str(Path(tmp) / "prune")]
+        command = [
+            str(Path(sys.executable).parent / "attnres-lens"),
+            "prune",
+            str(run_dir),
+            "--samples",
+            str(samples),
+            "--no-progress",
+            "--out",
+            str(Path(tmp) / "prune"),
+        ]
         cli_walls: dict[str, list[float]] = {"as shipped": [], "--threads 1": []}
         for _ in range(cli_repeats):
             for label, extra in (("as shipped", []), ("--threads 1", ["--threads", "1"])):
@@ -228,38 +280,54 @@ def measure(preset: str = "depth-full", steps: int = 300, samples: int = 32, ove
     load_after = os.getloadavg()[0]
 
     cfg = model.cfg
-    shape = (f"preset {preset}{''.join(' ' + override for override in overrides)} ({cfg.n_layers} layers, d_model "
-             f"{cfg.d_model}), {steps} steps, {samples} samples")
+    shape = (
+        f"preset {preset}{''.join(' ' + override for override in overrides)} ({cfg.n_layers} layers, d_model "
+        f"{cfg.d_model}), {steps} steps, {samples} samples"
+    )
     rows = []
     for label, entry in measured.items():
         common = dict(shape=shape, variant=label, threads=entry["threads"])
-        rows += [dict(common, metric="prune_tables wall", value=entry["wall"], unit="s"),
-                 dict(common, metric="prune_tables CPU", value=entry["cpu"], unit="s"),
-                 dict(common, metric="max |Δ| vs shared prefixes", value=differences[label][0], unit="abs"),
-                 dict(common, metric="rank entries that differ", value=differences[label][1], unit="count")]
+        rows += [
+            dict(common, metric="prune_tables wall", value=entry["wall"], unit="s"),
+            dict(common, metric="prune_tables CPU", value=entry["cpu"], unit="s"),
+            dict(common, metric="max |Δ| vs shared prefixes", value=differences[label][0], unit="abs"),
+            dict(common, metric="rank entries that differ", value=differences[label][1], unit="count"),
+        ]
         if entry["interventions"] is not None:  # a forked child's work is not seen here
-            rows += [dict(common, metric="interventions", value=entry["interventions"], unit="count"),
-                     dict(common, metric="work", value=entry["passes"], unit="full passes")]
+            rows += [
+                dict(common, metric="interventions", value=entry["interventions"], unit="count"),
+                dict(common, metric="work", value=entry["passes"], unit="full passes"),
+            ]
     for label, walls in cli_walls.items():  # the best of the alternating runs: the least disturbed
-        rows.append(dict(metric="prune end to end", shape=shape, variant=label, threads=None, value=min(walls),
-                         unit="s"))
+        rows.append(
+            dict(metric="prune end to end", shape=shape, variant=label, threads=None, value=min(walls), unit="s")
+        )
     common = dict(shape=shape, threads=1)
-    rows += [dict(common, metric="load average (1 min)", variant="before", value=load_before, unit="processes"),
-             dict(common, metric="load average (1 min)", variant="after", value=load_after, unit="processes"),
-             dict(common, metric="package import", variant="attnres_lens.analysis.run", value=import_wall, unit="s"),
-             dict(common, metric="clean forward pass", variant="no hooks", value=1e3 * pass_wall, unit="ms"),
-             dict(common, metric="edge attribution", variant="first order", value=edge_wall, unit="s"),
-             dict(common, metric="edge attribution", variant="exact knockouts", value=exact_wall, unit="s"),
-             *(dict(common, metric=f"edge attribution {name}", variant="first order vs exact", value=agreement[name],
-                    unit="")
-               for name in ("spearman", "spearman_within_consumer", "sign_agreement"))]
+    rows += [
+        dict(common, metric="load average (1 min)", variant="before", value=load_before, unit="processes"),
+        dict(common, metric="load average (1 min)", variant="after", value=load_after, unit="processes"),
+        dict(common, metric="package import", variant="attnres_lens.analysis.run", value=import_wall, unit="s"),
+        dict(common, metric="clean forward pass", variant="no hooks", value=1e3 * pass_wall, unit="ms"),
+        dict(common, metric="edge attribution", variant="first order", value=edge_wall, unit="s"),
+        dict(common, metric="edge attribution", variant="exact knockouts", value=exact_wall, unit="s"),
+        *(
+            dict(
+                common,
+                metric=f"edge attribution {name}",
+                variant="first order vs exact",
+                value=agreement[name],
+                unit="",
+            )
+            for name in ("spearman", "spearman_within_consumer", "sign_agreement")
+        ),
+    ]
     return rows
 
 
 TINY = dict(steps=2, samples=2, overrides=["model.n_layers=1"], skip_one_pass=True)
 
 
-def run(repeats: Optional[int] = None, tiny: bool = False) -> list[dict]:
+def run(repeats: int | None = None, tiny: bool = False) -> list[dict]:
     """Exact interventions' engines on a 12-layer Full AttnRes model; `prune` end to end; edge attribution."""
     settings = TINY if tiny else dict(steps=300, samples=32, overrides=[], skip_one_pass=False)
     return measure(**settings, cli_repeats=repeats or (1 if tiny else 2))

@@ -39,8 +39,16 @@ def synchronize(device: str) -> None:
 
 
 def build(shape: dict, overrides: dict, device: str):
-    cfg = ModelConfig(d_vocab=shape["d_vocab"], n_layers=shape["n_layers"], d_model=shape["d_model"],
-                      n_heads=shape["n_heads"], n_ctx=shape["n_ctx"], device=device, seed=0, **overrides)
+    cfg = ModelConfig(
+        d_vocab=shape["d_vocab"],
+        n_layers=shape["n_layers"],
+        d_model=shape["d_model"],
+        n_heads=shape["n_heads"],
+        n_ctx=shape["n_ctx"],
+        device=device,
+        seed=0,
+        **overrides,
+    )
     model = HookedTransformer(cfg)
     optimizer = adamw(model, 1e-4, 0.1)
     tokens = torch.randint(0, cfg.d_vocab, (shape["batch"], cfg.n_ctx), device=device)
@@ -84,8 +92,14 @@ def measure(argv: list[str] | None = None) -> tuple[list[str], list[dict]]:
         if not torch.cuda.is_available():
             raise SystemExit("timings need a CUDA GPU; use --dry-run to check the script on the CPU")
         device = "cuda"
-        shape = dict(n_layers=args.layers, d_model=args.d_model, n_heads=args.d_model // 64, n_ctx=args.n_ctx,
-                     batch=args.batch, d_vocab=32768)
+        shape = dict(
+            n_layers=args.layers,
+            d_model=args.d_model,
+            n_heads=args.d_model // 64,
+            n_ctx=args.n_ctx,
+            batch=args.batch,
+            d_vocab=32768,
+        )
     steps = {name: build(shape, overrides, device) for name, overrides in variants(args.block_size).items()}
     for step in steps.values():  # warm-up: kernel compilation, allocator
         for _ in range(2):
@@ -107,15 +121,19 @@ def measure(argv: list[str] | None = None) -> tuple[list[str], list[dict]]:
         "|---|---|---|",
     ]
     rows = []
-    described = (f"{shape['n_layers']} layers, d_model {shape['d_model']}, n_ctx {shape['n_ctx']}, batch "
-                 f"{shape['batch']}, bf16 autocast")
+    described = (
+        f"{shape['n_layers']} layers, d_model {shape['d_model']}, n_ctx {shape['n_ctx']}, batch "
+        f"{shape['batch']}, bf16 autocast"
+    )
     for name, samples in times.items():
         median = statistics.median(samples)
         lines.append(f"| {name} | {1000 * median:.1f} | {median / base:.3f} |")
         common = dict(metric="step ratio", shape=described, variant=name, threads=None)
         target = TARGET if name.startswith("block") else None
-        rows += [dict(common, value=median / base, unit="× standard", target=target),
-                 dict(common, metric="step time", value=1000 * median, unit="ms")]
+        rows += [
+            dict(common, value=median / base, unit="× standard", target=target),
+            dict(common, metric="step time", value=1000 * median, unit="ms"),
+        ]
     print("\n".join(lines))
     return lines, rows
 

@@ -14,7 +14,7 @@ import copy
 import statistics
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -58,8 +58,13 @@ def build(overrides: dict, shape: dict, backend: str) -> tuple[Stepper, Stepper,
 TINY = dict(n_layers=1, d_model=32, n_heads=4, n_ctx=16, batch=2)
 
 
-def measure(repeats: int = 20, threads: int = 1, backend: str = "inductor", names: Sequence[str] = tuple(VARIANTS),
-            shape: Optional[dict] = None) -> list[dict]:
+def measure(
+    repeats: int = 20,
+    threads: int = 1,
+    backend: str = "inductor",
+    names: Sequence[str] = tuple(VARIANTS),
+    shape: dict | None = None,
+) -> list[dict]:
     """Rows per variant (the standard one always, first): eager and compiled step medians over `repeats`
     interleaved steps, compiled / eager, compiled × the eager standard step, and the first compiled step's seconds."""
     torch.set_num_threads(threads)
@@ -81,21 +86,25 @@ def measure(repeats: int = 20, threads: int = 1, backend: str = "inductor", name
             times[name][1].append(compiled.step())
     medians = {name: (statistics.median(e), statistics.median(c)) for name, (e, c) in times.items()}
     base = medians["standard"][0]
-    described = (f"{shape['n_layers']} layers, d_model {shape['d_model']}, n_ctx {shape['n_ctx']}, batch "
-                 f"{shape['batch']}, backend {backend}")
+    described = (
+        f"{shape['n_layers']} layers, d_model {shape['d_model']}, n_ctx {shape['n_ctx']}, batch "
+        f"{shape['batch']}, backend {backend}"
+    )
     rows = []
     for name, (eager, compiled) in medians.items():
         common = dict(shape=described, variant=name, threads=threads)
-        rows += [dict(common, metric="eager step", value=1e3 * eager, unit="ms"),
-                 dict(common, metric="compiled step", value=1e3 * compiled, unit="ms"),
-                 dict(common, metric="compiled / eager", value=compiled / eager, unit="× eager"),
-                 dict(common, metric="eager step ratio", value=eager / base, unit="× standard"),
-                 dict(common, metric="compiled step ratio", value=compiled / base, unit="× eager standard"),
-                 dict(common, metric="first compiled step", value=compile_seconds[name], unit="s")]
+        rows += [
+            dict(common, metric="eager step", value=1e3 * eager, unit="ms"),
+            dict(common, metric="compiled step", value=1e3 * compiled, unit="ms"),
+            dict(common, metric="compiled / eager", value=compiled / eager, unit="× eager"),
+            dict(common, metric="eager step ratio", value=eager / base, unit="× standard"),
+            dict(common, metric="compiled step ratio", value=compiled / base, unit="× eager standard"),
+            dict(common, metric="first compiled step", value=compile_seconds[name], unit="s"),
+        ]
     return rows
 
 
-def run(repeats: Optional[int] = None, tiny: bool = False) -> list[dict]:
+def run(repeats: int | None = None, tiny: bool = False) -> list[dict]:
     """Eager vs torch.compile (inductor, fullgraph) CPU training step per variant, 4 layers, d_model 128."""
     if tiny:  # aot_eager: the graph capture without inductor's minutes of C++ code generation
         return measure(repeats or 2, backend="aot_eager", names=["standard", "full [cpu kernel]"], shape=TINY)

@@ -20,7 +20,6 @@ import random
 import statistics
 import sys
 import time
-from typing import Optional
 
 import torch
 
@@ -99,7 +98,7 @@ def bench_times(shape: dict, threads: int, repeats: int, paths: list[str]) -> di
     return times
 
 
-def bench(shape_name: str, threads: int, repeats: int, paths: list[str], shape: Optional[dict] = None) -> list[dict]:
+def bench(shape_name: str, threads: int, repeats: int, paths: list[str], shape: dict | None = None) -> list[dict]:
     """One row per variant: median step (ms), ratio to the standard step within rounds, target; `shape` (default
     `SHAPES[shape_name]`) as in SHAPES."""
     times = bench_times(shape or SHAPES[shape_name], threads, repeats, paths)
@@ -107,15 +106,23 @@ def bench(shape_name: str, threads: int, repeats: int, paths: list[str], shape: 
     for label, samples in times.items():
         ratio = within_rounds(samples, times["standard"])
         name = label.split(" [")[0]
-        rows.append(dict(shape=shape_name, threads=threads, variant=label, ms=1000 * statistics.median(samples),
-                         ratio=ratio, target=TARGETS.get(name)))
+        rows.append(
+            dict(
+                shape=shape_name,
+                threads=threads,
+                variant=label,
+                ms=1000 * statistics.median(samples),
+                ratio=ratio,
+                target=TARGETS.get(name),
+            )
+        )
     return rows
 
 
 TINY = dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2)
 
 
-def run(repeats: Optional[int] = None, tiny: bool = False) -> list[dict]:
+def run(repeats: int | None = None, tiny: bool = False) -> list[dict]:
     """CPU training-step ratios to the standard model, small and medium shapes, 1 and 2 threads (target per variant)."""
     shapes = {"tiny": TINY} if tiny else SHAPES
     rows = []
@@ -123,8 +130,9 @@ def run(repeats: Optional[int] = None, tiny: bool = False) -> list[dict]:
         for threads in [1] if tiny else [1, 2]:
             for row in bench(shape_name, threads, repeats or (2 if tiny else 30), ["cpu"], shape):
                 common = dict(shape=shape_name, variant=row["variant"], threads=threads)
-                rows += [dict(common, metric="step ratio", value=row["ratio"], unit="× standard", target=row["target"]),
-                         dict(common, metric="step time", value=row["ms"], unit="ms")]
+                rows += [
+                    dict(common, metric="step ratio", value=row["ratio"], unit="× standard", target=row["target"]),
+                    dict(common, metric="step time", value=row["ms"], unit="ms"),
+                ]
             print(f"done: {shape_name}, {threads} thread(s)", file=sys.stderr)
     return rows
-

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-from typing import Optional
 
 import torch
 
@@ -30,8 +29,11 @@ from analyses.common import within_rounds
 from analyses.kernel_traffic import DEPTH_MIX_KERNELS, copy_bandwidth, counted_calls
 from attnres_lens import HookedTransformer
 
-VARIANTS = {"standard": dict(residual="standard"), "full": dict(residual="attnres", attnres_block_size=1),
-            "block4": dict(residual="attnres", attnres_block_size=4)}
+VARIANTS = {
+    "standard": dict(residual="standard"),
+    "full": dict(residual="attnres", attnres_block_size=1),
+    "block4": dict(residual="attnres", attnres_block_size=4),
+}
 
 
 class Stepper(bench_cpu_step.Stepper):
@@ -74,8 +76,9 @@ def saved_activation_bytes(model: HookedTransformer, tokens: torch.Tensor) -> in
 def measure(depths: list[int], n_ctx: int, d_model: int, batch: int, repeats: int, bandwidth: float) -> list[dict]:
     rows = []
     for sublayers in depths:
-        steppers = {name: Stepper(overrides, sublayers // 2, d_model, n_ctx, batch)
-                    for name, overrides in VARIANTS.items()}
+        steppers = {
+            name: Stepper(overrides, sublayers // 2, d_model, n_ctx, batch) for name, overrides in VARIANTS.items()
+        }
         for stepper in steppers.values():
             stepper.step(), stepper.step()
         times = {name: [] for name in steppers}
@@ -84,15 +87,21 @@ def measure(depths: list[int], n_ctx: int, d_model: int, batch: int, repeats: in
                 times[name].append(stepper.step())
         base = statistics.median(times["standard"])
         for name, stepper in steppers.items():
-            row = dict(sublayers=sublayers, n_ctx=n_ctx, variant=name, ms=1e3 * statistics.median(times[name]),
-                       spread=(1e3 * min(times[name]), 1e3 * max(times[name])),
-                       ratio=within_rounds(times[name], times["standard"]),
-                       saved_mb=stepper.saved_activation_bytes() / 2**20)
+            row = dict(
+                sublayers=sublayers,
+                n_ctx=n_ctx,
+                variant=name,
+                ms=1e3 * statistics.median(times[name]),
+                spread=(1e3 * min(times[name]), 1e3 * max(times[name])),
+                ratio=within_rounds(times[name], times["standard"]),
+                saved_mb=stepper.saved_activation_bytes() / 2**20,
+            )
             if name != "standard":
                 seconds, nbytes = stepper.depth_mix_traffic()
                 # the floor: the standard step plus the mix's bytes at copy bandwidth, which no kernel beats
-                row.update(mix_ms=1e3 * seconds, mix_gbs=nbytes / seconds / 1e9,
-                           floor=1 + nbytes / (bandwidth * 1e9) / base)
+                row.update(
+                    mix_ms=1e3 * seconds, mix_gbs=nbytes / seconds / 1e9, floor=1 + nbytes / (bandwidth * 1e9) / base
+                )
             rows.append(row)
         print(f"done: {sublayers} sublayers, n_ctx {n_ctx}", file=sys.stderr)
     return rows
@@ -102,27 +111,35 @@ DEPTHS, CONTEXTS, N_CTX, D_MODEL, BATCH = [6, 12, 24, 48], [64, 256], 128, 128, 
 TINY = dict(depths=[2, 4], contexts=[8], n_ctx=16, d_model=16, batch=2)
 
 
-def run(repeats: Optional[int] = None, tiny: bool = False) -> list[dict]:
+def run(repeats: int | None = None, tiny: bool = False) -> list[dict]:
     """CPU training step against depth (6-48 sublayers) and sequence length: ratios, saved activations, mix GB/s."""
     depths, contexts, n_ctx, d_model, batch = (
-        (TINY["depths"], TINY["contexts"], TINY["n_ctx"], TINY["d_model"], TINY["batch"]) if tiny
-        else (DEPTHS, CONTEXTS, N_CTX, D_MODEL, BATCH))
+        (TINY["depths"], TINY["contexts"], TINY["n_ctx"], TINY["d_model"], TINY["batch"])
+        if tiny
+        else (DEPTHS, CONTEXTS, N_CTX, D_MODEL, BATCH)
+    )
     repeats = repeats or (1 if tiny else 9)
     torch.set_num_threads(1)
     bandwidth = copy_bandwidth()
     measured = measure(depths, n_ctx, d_model, batch, repeats, bandwidth)
     at = depths[min(1, len(depths) - 1)]  # the sequence lengths are measured at the second depth
     measured += [row for context in contexts for row in measure([at], context, d_model, batch, repeats, bandwidth)]
-    rows = [dict(metric="copy bandwidth", shape="copy_ of 256 MB", variant="", threads=1, value=bandwidth,
-                 unit="GB/s")]
+    rows = [dict(metric="copy bandwidth", shape="copy_ of 256 MB", variant="", threads=1, value=bandwidth, unit="GB/s")]
     for row in measured:
-        common = dict(shape=f"{row['sublayers']} sublayers, n_ctx {row['n_ctx']}, d_model {d_model}, batch {batch}",
-                      variant=row["variant"], threads=1)
-        rows += [dict(common, metric="step ratio", value=row["ratio"], unit="× standard"),
-                 dict(common, metric="step time", value=row["ms"], unit="ms"),
-                 dict(common, metric="saved activations", value=row["saved_mb"], unit="MiB")]
+        common = dict(
+            shape=f"{row['sublayers']} sublayers, n_ctx {row['n_ctx']}, d_model {d_model}, batch {batch}",
+            variant=row["variant"],
+            threads=1,
+        )
+        rows += [
+            dict(common, metric="step ratio", value=row["ratio"], unit="× standard"),
+            dict(common, metric="step time", value=row["ms"], unit="ms"),
+            dict(common, metric="saved activations", value=row["saved_mb"], unit="MiB"),
+        ]
         if "mix_ms" in row:
             # the floor: the standard step plus the mix's bytes at copy bandwidth, which no kernel beats
-            rows += [dict(common, metric="depth mix bandwidth", value=row["mix_gbs"], unit="GB/s"),
-                     dict(common, metric="bandwidth floor", value=row["floor"], unit="× standard")]
+            rows += [
+                dict(common, metric="depth mix bandwidth", value=row["mix_gbs"], unit="GB/s"),
+                dict(common, metric="bandwidth floor", value=row["floor"], unit="× standard"),
+            ]
     return rows

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -53,8 +53,13 @@ INFERENCE_SHAPES = {**SHAPES, "wide": dict(n_layers=4, d_model=1024, n_heads=16,
 TRAFFIC_ROUNDS = 10  # interleaved rounds of one forward pass per variant with every C kernel call timed
 
 
-def excess_rows(shape_name: str, models: dict[str, HookedTransformer], tokens: torch.Tensor,
-                ratios: dict[str, float], standard_ms: float) -> list[dict]:
+def excess_rows(
+    shape_name: str,
+    models: dict[str, HookedTransformer],
+    tokens: torch.Tensor,
+    ratios: dict[str, float],
+    standard_ms: float,
+) -> list[dict]:
     """Each variant's forward excess over the standard model's (`ratios`, of `standard_ms`) split into its C kernels'
     time beyond the standard's (the median over interleaved rounds of the difference within the round) and the
     rest, with the depth mix's time (median), bytes and bandwidth per forward pass."""
@@ -75,15 +80,19 @@ def excess_rows(shape_name: str, models: dict[str, HookedTransformer], tokens: t
         excess = (ratios[name] - 1) * standard_ms
         kernels = within_rounds(kernel_ms[name], kernel_ms["standard"], "difference")
         common = dict(shape=shape_name, variant=name, threads=1)
-        rows += [dict(common, metric="forward excess", value=excess, unit="ms"),
-                 dict(common, metric="C kernels' excess", value=kernels, unit="ms"),
-                 dict(common, metric="the rest of the excess", value=excess - kernels, unit="ms"),
-                 dict(common, metric="kernels alone", value=1 + kernels / standard_ms, unit="× standard")]
+        rows += [
+            dict(common, metric="forward excess", value=excess, unit="ms"),
+            dict(common, metric="C kernels' excess", value=kernels, unit="ms"),
+            dict(common, metric="the rest of the excess", value=excess - kernels, unit="ms"),
+            dict(common, metric="kernels alone", value=1 + kernels / standard_ms, unit="× standard"),
+        ]
         if mix_bytes[name]:
             mix = statistics.median(mix_ms[name])
-            rows += [dict(common, metric="depth mix time", value=mix, unit="ms"),
-                     dict(common, metric="depth mix bytes", value=mix_bytes[name] / 1e6, unit="MB"),
-                     dict(common, metric="depth mix bandwidth", value=mix_bytes[name] / mix / 1e6, unit="GB/s")]
+            rows += [
+                dict(common, metric="depth mix time", value=mix, unit="ms"),
+                dict(common, metric="depth mix bytes", value=mix_bytes[name] / 1e6, unit="MB"),
+                dict(common, metric="depth mix bandwidth", value=mix_bytes[name] / mix / 1e6, unit="GB/s"),
+            ]
     return rows
 
 
@@ -119,15 +128,30 @@ def attention_rows(shapes: dict[str, dict], repeats: int) -> list[dict]:
                             model(tokens)
                             times[enabled].append(time.perf_counter() - start)
             kernel, sdpa = times[True][2:], times[False][2:]
-            rows.append(dict(metric="forward with the attention kernel", shape=shape_name, variant=name, threads=1,
-                             value=within_rounds(kernel, sdpa), unit="× SDPA"))
+            rows.append(
+                dict(
+                    metric="forward with the attention kernel",
+                    shape=shape_name,
+                    variant=name,
+                    threads=1,
+                    value=within_rounds(kernel, sdpa),
+                    unit="× SDPA",
+                )
+            )
     return rows
 
 
 # (batch, pos, heads, d_head) of the op alone: prune's stacked pass, the small and medium training shapes, and
 # longer heads, on both sides of backends.MAX_CPU_ATTENTION_KEYS (pos x d_head)
-ATTENTION_OP_SHAPES = [(64, 65, 4, 16), (12, 64, 4, 32), (8, 128, 8, 32), (2, 256, 4, 64), (1, 512, 4, 64),
-                       (1, 1024, 4, 64), (1, 512, 8, 128)]
+ATTENTION_OP_SHAPES = [
+    (64, 65, 4, 16),
+    (12, 64, 4, 32),
+    (8, 128, 8, 32),
+    (2, 256, 4, 64),
+    (1, 512, 4, 64),
+    (1, 1024, 4, 64),
+    (1, 512, 8, 128),
+]
 
 
 def attention_op_rows(shapes: list[tuple[int, int, int, int]], repeats: int) -> list[dict]:
@@ -140,8 +164,9 @@ def attention_op_rows(shapes: list[tuple[int, int, int, int]], repeats: int) -> 
         scale = shape[-1] ** -0.5
         functions = {
             "kernel": lambda: causal_attention_cpu(q, k, v, scale),
-            "sdpa": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                           is_causal=True, scale=scale),
+            "sdpa": lambda: F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+            ),
         }
         times: dict[str, list[float]] = {name: [] for name in functions}
         for _ in range(repeats + 2):  # two warm-up rounds
@@ -151,9 +176,16 @@ def attention_op_rows(shapes: list[tuple[int, int, int, int]], repeats: int) -> 
                 times[name].append(time.perf_counter() - start)
         kernel, sdpa = times["kernel"][2:], times["sdpa"][2:]
         runs = "C kernel" if attention_runs_cpu_kernel("cpu", q, k, v) else "SDPA"
-        rows.append(dict(metric="attention op, C kernel", shape=f"{' x '.join(map(str, shape))} (pos × d_head "
-                         f"{shape[1] * shape[3]})", variant=f"policy runs {runs}", threads=1,
-                         value=within_rounds(kernel, sdpa), unit="× SDPA"))
+        rows.append(
+            dict(
+                metric="attention op, C kernel",
+                shape=f"{' x '.join(map(str, shape))} (pos × d_head {shape[1] * shape[3]})",
+                variant=f"policy runs {runs}",
+                threads=1,
+                value=within_rounds(kernel, sdpa),
+                unit="× SDPA",
+            )
+        )
     return rows
 
 
@@ -161,13 +193,16 @@ TINY = dict(n_layers=1, d_model=16, n_heads=4, n_ctx=8, batch=2)
 TINY_OPS = [(2, 8, 2, 4), (1, 600, 1, 32)]  # one shape on each side of MAX_CPU_ATTENTION_KEYS
 
 
-def run(repeats: Optional[int] = None, tiny: bool = False) -> list[dict]:
+def run(repeats: int | None = None, tiny: bool = False) -> list[dict]:
     """Forward-only latency to the standard model (small, medium, wide), hooked and not; excess split; C attention."""
     shapes = {"tiny": TINY} if tiny else INFERENCE_SHAPES
     repeats = repeats or (2 if tiny else 30)
     torch.set_num_threads(1)
-    rows = [dict(metric="copy bandwidth", shape="copy_ of 256 MB", variant="", threads=1, value=copy_bandwidth(),
-                 unit="GB/s")]
+    rows = [
+        dict(
+            metric="copy bandwidth", shape="copy_ of 256 MB", variant="", threads=1, value=copy_bandwidth(), unit="GB/s"
+        )
+    ]
     for shape_name, shape in shapes.items():
         shape, tokens = model_dims_and_tokens(shape)
         models = {}
@@ -192,16 +227,26 @@ def run(repeats: Optional[int] = None, tiny: bool = False) -> list[dict]:
         ratios = {name: within_rounds(times[(name, 0)], base) for name in models}
         for name in models:
             common = dict(shape=shape_name, variant=name, threads=1)
-            rows += [dict(common, metric="forward ratio", value=ratios[name], unit="× standard"),
-                     dict(common, metric="forward time", value=1e3 * statistics.median(times[(name, 0)]), unit="ms")]
+            rows += [
+                dict(common, metric="forward ratio", value=ratios[name], unit="× standard"),
+                dict(common, metric="forward time", value=1e3 * statistics.median(times[(name, 0)]), unit="ms"),
+            ]
             if not name.startswith("standard"):  # the hooks watch depth weights: none in a standard model
-                rows.append(dict(common, metric="hooked forward ratio", value=within_rounds(times[(name, 1)], base),
-                                 unit="× standard"))
-        rows += excess_rows(shape_name, {name: pair[0] for name, pair in models.items()}, tokens, ratios,
-                            1e3 * statistics.median(base))
+                rows.append(
+                    dict(
+                        common,
+                        metric="hooked forward ratio",
+                        value=within_rounds(times[(name, 1)], base),
+                        unit="× standard",
+                    )
+                )
+        rows += excess_rows(
+            shape_name, {name: pair[0] for name, pair in models.items()}, tokens, ratios, 1e3 * statistics.median(base)
+        )
     # the wide shape's heads (128 x 64) run SDPA either way
     attention_shapes = ({"tiny": TINY} if tiny else {name: SHAPES[name] for name in SHAPES}) | {
-        "prune": TINY if tiny else PRUNE_SHAPE}
+        "prune": TINY if tiny else PRUNE_SHAPE
+    }
     rows += attention_rows(attention_shapes, repeats)
     rows += attention_op_rows(TINY_OPS if tiny else ATTENTION_OP_SHAPES, repeats)
     return rows

@@ -116,7 +116,12 @@ def block_inputs(tokens: int, d_model: int, n_completed: int, n_queries: int, dt
 
     completed = [tensor(tokens, d_model).to(dtype).detach().requires_grad_() for _ in range(n_completed)]
     partials = [tensor(tokens, d_model).to(dtype).detach().requires_grad_() for _ in range(n_queries)]
-    return completed, partials, tensor(n_queries, d_model, scale=d_model**-0.5), tensor(n_queries, d_model, scale=0.1, offset=1.0)
+    return (
+        completed,
+        partials,
+        tensor(n_queries, d_model, scale=d_model**-0.5),
+        tensor(n_queries, d_model, scale=0.1, offset=1.0),
+    )
 
 
 def block_forward(two_phase: bool, completed, partials, queries, gains) -> list[torch.Tensor]:
@@ -139,7 +144,11 @@ def block_forward_backward(two_phase: bool, completed, partials, queries, gains)
 def two_phase_dry_run() -> list[str]:
     """Two-phase against single-pass on tiny blocks (interpreter): outputs and gradients must agree."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    lines = ["", "| tokens | d_model | completed | S | max abs err h | max abs err grads | status |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "| tokens | d_model | completed | S | max abs err h | max abs err grads | status |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for tokens, d_model, n_completed, n_queries in [(37, 24, 2, 2), (50, 40, 4, 4)]:
         inputs = block_inputs(tokens, d_model, n_completed, n_queries, torch.float32, device)
         single_h, single_grads = block_forward_backward(False, *inputs)
@@ -147,7 +156,9 @@ def two_phase_dry_run() -> list[str]:
         h_err = max((a - b).abs().max().item() for a, b in zip(two_h, single_h))
         grad_err = max((a - b).abs().max().item() for a, b in zip(two_grads, single_grads))
         status = "ok" if h_err < 1e-4 and grad_err < 1e-3 else "MISMATCH"
-        lines.append(f"| {tokens} | {d_model} | {n_completed} | {n_queries} | {h_err:.2e} | {grad_err:.2e} | {status} |")
+        lines.append(
+            f"| {tokens} | {d_model} | {n_completed} | {n_queries} | {h_err:.2e} | {grad_err:.2e} | {status} |"
+        )
         if status != "ok":
             raise AssertionError("\n".join(lines))
     return lines

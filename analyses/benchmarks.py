@@ -19,15 +19,15 @@ import datetime
 import shlex
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 from analyses import bench_attribution, bench_compile, bench_cpu_step, bench_depth_scaling, bench_inference, gpu_check
 from analyses.common import git_state, machine
 from analyses.results import RESULTS, RESULTS_PAGE, append_rows, stamped, write_page
 from attnres_lens import cpu_settings
 
-Benchmark = Callable[[Optional[int], bool], list[dict]]
+Benchmark = Callable[[int | None, bool], list[dict]]
 
 BENCHMARKS: dict[str, Benchmark] = {
     "bench_cpu_step": bench_cpu_step.run,
@@ -40,37 +40,56 @@ BENCHMARKS: dict[str, Benchmark] = {
 RENDER = "render"
 
 
-def reproduce(name: str, repeats: Optional[int], tiny: bool) -> str:
+def reproduce(name: str, repeats: int | None, tiny: bool) -> str:
     """The command line that runs benchmark `name` alone with these settings."""
     args = [name, *(["--repeats", str(repeats)] if repeats is not None else []), *(["--tiny"] if tiny else [])]
     return "python -m analyses.benchmarks " + " ".join(shlex.quote(arg) for arg in args)
 
 
-def run_benchmark(name: str, repeats: Optional[int] = None, tiny: bool = False, results: Path = RESULTS) -> list[dict]:
+def run_benchmark(name: str, repeats: int | None = None, tiny: bool = False, results: Path = RESULTS) -> list[dict]:
     """Run one registered benchmark and append its stamped rows to `results`; returns the rows."""
     if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; the registered ones are {', '.join(BENCHMARKS)} "
-                         "(python -m analyses.benchmarks --list)")
+        raise ValueError(
+            f"unknown benchmark {name!r}; the registered ones are {', '.join(BENCHMARKS)} "
+            "(python -m analyses.benchmarks --list)"
+        )
     commit, dirty = git_state()  # before the run: the code that ran is the code at its start
-    started = datetime.datetime.now(datetime.timezone.utc)
-    return record(name, BENCHMARKS[name](repeats, tiny), reproduce(name, repeats, tiny), results, commit, dirty,
-                  started)
+    started = datetime.datetime.now(datetime.UTC)
+    return record(
+        name, BENCHMARKS[name](repeats, tiny), reproduce(name, repeats, tiny), results, commit, dirty, started
+    )
 
 
-def record(name: str, rows: list[dict], command: str, results: Path = RESULTS, commit: Optional[str] = None,
-           dirty: Optional[bool] = None, started: Optional[datetime.datetime] = None) -> list[dict]:
+def record(
+    name: str,
+    rows: list[dict],
+    command: str,
+    results: Path = RESULTS,
+    commit: str | None = None,
+    dirty: bool | None = None,
+    started: datetime.datetime | None = None,
+) -> list[dict]:
     """Stamp benchmark `name`'s rows with the commit and dirty flag (now, unless given), the UTC start, the machine
     and `command`, and append them to `results`; returns the stamped rows."""
     if commit is None or dirty is None:
         commit, dirty = git_state()
-    started = started or datetime.datetime.now(datetime.timezone.utc)
-    rows = stamped(rows, dict(bench=name, commit=commit, dirty=dirty, utc=f"{started:%Y-%m-%dT%H:%M:%SZ}",
-                              machine=machine(), command=command))
+    started = started or datetime.datetime.now(datetime.UTC)
+    rows = stamped(
+        rows,
+        dict(
+            bench=name,
+            commit=commit,
+            dirty=dirty,
+            utc=f"{started:%Y-%m-%dT%H:%M:%SZ}",
+            machine=machine(),
+            command=command,
+        ),
+    )
     append_rows(rows, results)
     return rows
 
 
-def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
+def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run, or {RENDER!r}")
     parser.add_argument("--list", action="store_true", help="list the registered benchmarks")
@@ -99,8 +118,10 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     for name in args.names:
         start = time.perf_counter()
         rows += (new := run_benchmark(name, args.repeats, args.tiny, args.results))
-        print(f"{name}: {len(new)} rows appended to {args.results} in {time.perf_counter() - start:.0f} s",
-              file=sys.stderr)
+        print(
+            f"{name}: {len(new)} rows appended to {args.results} in {time.perf_counter() - start:.0f} s",
+            file=sys.stderr,
+        )
     return rows
 
 

@@ -13,9 +13,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -90,8 +90,18 @@ def machine() -> dict:
     """The facts that make timings comparable: CPU model, logical cores, GPU (None without CUDA). Every benchmark row
     and report header takes the machine from here (docs/architecture.md, owners table)."""
     cpuinfo = Path("/proc/cpuinfo")
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                if line.startswith("model name")), "") if cpuinfo.exists() else ""
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in cpuinfo.read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "",
+        )
+        if cpuinfo.exists()
+        else ""
+    )
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return dict(cpu=cpu or platform.processor() or platform.machine(), cores=os.cpu_count(), gpu=gpu)
 
@@ -102,16 +112,20 @@ NOT_DIRTYING = ("analyses/results.jsonl", "docs/results.md")  # written by the b
 def git_state() -> tuple[str, bool]:
     """(commit hash of HEAD, whether tracked files differ from it). The results file and its rendered page are left
     out of the dirty check: appending one benchmark's rows must not mark the next benchmark's rows dirty."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout
 
     try:
         commit = git("rev-parse", "HEAD").strip()
-        changes = git("status", "--porcelain", "--untracked-files=no", "--", ".",
-                      *(f":!{path}" for path in NOT_DIRTYING))
+        changes = git(
+            "status", "--porcelain", "--untracked-files=no", "--", ".", *(f":!{path}" for path in NOT_DIRTYING)
+        )
     except (OSError, subprocess.CalledProcessError) as error:
-        raise RuntimeError(f"benchmark rows record the git commit, but git failed in {REPO}: {error}; run from a git "
-                           "checkout of the repository") from error
+        raise RuntimeError(
+            f"benchmark rows record the git commit, but git failed in {REPO}: {error}; run from a git "
+            "checkout of the repository"
+        ) from error
     return commit, bool(changes.strip())
 
 
@@ -119,16 +133,20 @@ def machine_info() -> str:
     """`machine()` as one line for a study's report header, with the software versions."""
     facts = machine()
     gpu = f", {facts['gpu']}" if facts["gpu"] else ""
-    return (f"{facts['cpu']}, {facts['cores']} cores{gpu}, {platform.system()} {platform.release()}; "
-            f"Python {platform.python_version()}, torch {torch.__version__}")
+    return (
+        f"{facts['cpu']}, {facts['cores']} cores{gpu}, {platform.system()} {platform.release()}; "
+        f"Python {platform.python_version()}, torch {torch.__version__}"
+    )
 
 
 def provenance() -> str:
     """When, at which commit and on what a report was made, for the reports that stay Markdown (benchmark rows
     carry the same facts as fields, `analyses.benchmarks`)."""
     commit, dirty = git_state()
-    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} at commit {commit[:7]}"
-            f"{' with uncommitted changes' if dirty else ''} on {machine_info()}")
+    return (
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC} at commit {commit[:7]}"
+        f"{' with uncommitted changes' if dirty else ''} on {machine_info()}"
+    )
 
 
 def command_line() -> str:
@@ -137,7 +155,7 @@ def command_line() -> str:
     return "python -m " + " ".join(shlex.quote(arg) for arg in [module, *sys.argv[1:]])
 
 
-def steps_to_threshold(steps, values, threshold: float) -> Optional[int]:
+def steps_to_threshold(steps, values, threshold: float) -> int | None:
     """First step at which `values` reaches `threshold`, or None."""
     for step, value in zip(steps, values):
         if value >= threshold:
@@ -145,8 +163,9 @@ def steps_to_threshold(steps, values, threshold: float) -> Optional[int]:
     return None
 
 
-def reproduction_jobs(description: str, presets: list[str], default_seeds: list[int],
-                      name: str) -> tuple[list[Job], argparse.Namespace]:
+def reproduction_jobs(
+    description: str, presets: list[str], default_seeds: list[int], name: str
+) -> tuple[list[Job], argparse.Namespace]:
     """Parse a reproduction's command line and list its runs: one per preset and seed, under --runs-dir."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--seeds", type=int, nargs="+", default=default_seeds)
@@ -156,8 +175,9 @@ def reproduction_jobs(description: str, presets: list[str], default_seeds: list[
     parser.add_argument("--report-dir", type=Path, default=REPO / "analyses" / "reports")
     args = parser.parse_args()
     overrides = (f"train.steps={args.steps}",) if args.steps else ()
-    jobs = [Job(preset, seed, args.runs_dir / f"{preset}-s{seed}", overrides)
-            for preset in presets for seed in args.seeds]
+    jobs = [
+        Job(preset, seed, args.runs_dir / f"{preset}-s{seed}", overrides) for preset in presets for seed in args.seeds
+    ]
     return jobs, args
 
 
@@ -175,7 +195,7 @@ def within_rounds(samples: Sequence[float], base: Sequence[float], compare: str 
     raise ValueError(f"compare must be 'ratio' or 'difference', got {compare!r}")
 
 
-def emit_report(text: str, out: Optional[Path]) -> None:
+def emit_report(text: str, out: Path | None) -> None:
     """Print a markdown report and, when `out` is given, write it there."""
     print(text)
     if out:

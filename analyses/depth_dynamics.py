@@ -48,13 +48,25 @@ def write_report(jobs: list[Job], report_dir: Path, seconds: float) -> None:
     for (preset, seed), run in runs.items():
         profile = depth_profile(run.records["magnitudes"])
         evals = run.metrics.dropna(subset=["eval_loss"])
-        hidden, output, grad = profile["input_rms"].to_numpy(), profile["output_rms"].to_numpy(), profile["grad_norm"].to_numpy()
-        rows.append(dict(
-            preset=preset, seed=seed, final_eval_loss=evals["eval_loss"].iloc[-1], final_accuracy=evals["eval_accuracy"].iloc[-1],
-            hidden_growth=hidden[-1] / hidden[1],  # last sublayer input vs the first one that mixes (sublayer 0 reads e)
-            hidden_max=hidden.max(), output_max_over_min=output.max() / output.min(),
-            grad_max_over_min=grad.max() / grad.min(), grad_cv=grad.std() / grad.mean(),
-        ))
+        hidden, output, grad = (
+            profile["input_rms"].to_numpy(),
+            profile["output_rms"].to_numpy(),
+            profile["grad_norm"].to_numpy(),
+        )
+        rows.append(
+            dict(
+                preset=preset,
+                seed=seed,
+                final_eval_loss=evals["eval_loss"].iloc[-1],
+                final_accuracy=evals["eval_accuracy"].iloc[-1],
+                hidden_growth=hidden[-1]
+                / hidden[1],  # last sublayer input vs the first one that mixes (sublayer 0 reads e)
+                hidden_max=hidden.max(),
+                output_max_over_min=output.max() / output.min(),
+                grad_max_over_min=grad.max() / grad.min(),
+                grad_cv=grad.std() / grad.mean(),
+            )
+        )
     table = pd.DataFrame(rows)
     table.to_csv(report_dir / "depth_dynamics.csv", index=False)
 
@@ -64,7 +76,9 @@ def write_report(jobs: list[Job], report_dir: Path, seconds: float) -> None:
         axes[0].plot(profile["sublayer"], profile["input_rms"], color=COLORS[preset], label=preset)
         axes[1].plot(profile["sublayer"], profile["output_rms"], color=COLORS[preset], label=preset)
         axes[2].plot(profile["sublayer"], profile["grad_norm"], color=COLORS[preset], label=preset)
-    for ax, title in zip(axes, ["hidden-state RMS (sublayer input)", "sublayer output RMS", "‖∂loss/∂f_j‖ (token mean)"]):
+    for ax, title in zip(
+        axes, ["hidden-state RMS (sublayer input)", "sublayer output RMS", "‖∂loss/∂f_j‖ (token mean)"]
+    ):
         ax.set(xlabel="sublayer j (attn_0, mlp_0, attn_1, …)", title=title)
         ax.set_yscale("log")
         ax.legend()
@@ -99,9 +113,13 @@ def write_report(jobs: list[Job], report_dir: Path, seconds: float) -> None:
     fig.savefig(heatmap_png, dpi=90)
 
     summary = table.groupby("preset", sort=False).mean(numeric_only=True).reindex(PRESETS)
-    lines = [f"| {p} | {r.final_eval_loss:.3f} | {r.final_accuracy:.1%} | {r.hidden_growth:.2f}× | "
-             f"{r.output_max_over_min:.1f} | {r.grad_max_over_min:.1f} | {r.grad_cv:.2f} |" for p, r in summary.iterrows()]
+    lines = [
+        f"| {p} | {r.final_eval_loss:.3f} | {r.final_accuracy:.1%} | {r.hidden_growth:.2f}× | "
+        f"{r.output_max_over_min:.1f} | {r.grad_max_over_min:.1f} | {r.grad_cv:.2f} |"
+        for p, r in summary.iterrows()
+    ]
     s, f, b = (summary.loc[p] for p in PRESETS)
+
     def compare(name: str, attnres_value: float, standard_value: float, smaller_is: str) -> str:
         return f"{name} {attnres_value:.1f} ({smaller_is if attnres_value < standard_value else 'not ' + smaller_is})"
 
@@ -128,7 +146,7 @@ Training took {sum(training_minutes(job.out) for job in jobs):.1f} min of wall t
 
 Models: {config.model.n_layers} layers with MLPs (24 sublayers), d_model {config.model.d_model},
 d_mlp {config.model.d_mlp}, RoPE, RMSNorm PreNorm; Block AttnRes uses S = 4 (two layers per block).
-Task: mixed (3-gram text with copied segments), vocab {task['vocab_size']}, length {task['seq_len']}.
+Task: mixed (3-gram text with copied segments), vocab {task["vocab_size"]}, length {task["seq_len"]}.
 {config.train.steps} steps of batch {config.train.batch_size}, AdamW {config.train.lr}, one torch thread per process.
 Magnitudes come from the recorder (docs/run_directory.md §5) on a fixed held-out batch: hidden state = RMS of a sublayer's input,
 output = RMS of its output f_j, gradient = ‖∂loss/∂f_j‖ averaged over tokens. Seeds: {sorted({j.seed for j in jobs})}.

@@ -24,16 +24,53 @@ from analyses.common import REPO, Job, command_line, emit_report, provenance, ru
 
 # The paper's Table 4 (16-layer model, validation loss; lower is better) for the variants that have a row there.
 PAPER_LOSS = {
-    "depth-standard": 1.766, "depth-denseformer": 1.767, "depth-mhc": 1.747, "depth-full": 1.737,
-    "depth-full-input-query": 1.731, "depth-full-scalar": 1.749, "depth-block": 1.746, "depth-full-sigmoid": 1.741,
-    "depth-full-no-keynorm": 1.743, "depth-block-no-keynorm": 1.750, "depth-full-heads16": 1.752,
+    "depth-standard": 1.766,
+    "depth-denseformer": 1.767,
+    "depth-mhc": 1.747,
+    "depth-full": 1.737,
+    "depth-full-input-query": 1.731,
+    "depth-full-scalar": 1.749,
+    "depth-block": 1.746,
+    "depth-full-sigmoid": 1.741,
+    "depth-full-no-keynorm": 1.743,
+    "depth-block-no-keynorm": 1.750,
+    "depth-full-heads16": 1.752,
     "depth-full-window8": 1.764,
 }
 # two-sided 95% Student-t quantiles by degrees of freedom (n - 1), for CIs over a handful of seeds; beyond the
 # table, the Cornish-Fisher expansion of t in z = 1.95996 (within 2e-4 of the quantile from 30 degrees of freedom)
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
-       21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042}
+T95 = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    11: 2.201,
+    12: 2.179,
+    13: 2.160,
+    14: 2.145,
+    15: 2.131,
+    16: 2.120,
+    17: 2.110,
+    18: 2.101,
+    19: 2.093,
+    20: 2.086,
+    21: 2.080,
+    22: 2.074,
+    23: 2.069,
+    24: 2.064,
+    25: 2.060,
+    26: 2.056,
+    27: 2.052,
+    28: 2.048,
+    29: 2.045,
+    30: 2.042,
+}
 
 
 def t95(df: int) -> float:
@@ -41,10 +78,21 @@ def t95(df: int) -> float:
     if df in T95:
         return T95[df]
     z = 1.959964
-    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2) \
-        + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3)
-STUDY_SIZE = ["model.n_layers=6", "train.eval_every=100", "train.record_every=100", "train.log_every=50",
-              "train.keep_checkpoints=1"]
+    return (
+        z
+        + (z**3 + z) / (4 * df)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
+    )
+
+
+STUDY_SIZE = [
+    "model.n_layers=6",
+    "train.eval_every=100",
+    "train.record_every=100",
+    "train.log_every=50",
+    "train.keep_checkpoints=1",
+]
 
 
 def parse_args() -> argparse.Namespace:
@@ -117,7 +165,7 @@ def mixing_figures(runs: dict, variants: list[str], report_dir: Path) -> tuple[P
         ax.set(title=name.removeprefix("depth-"), xlabel="output (0 = e)", ylabel="input of sublayer")
         fig.colorbar(image, ax=ax, fraction=0.046)
         diagnostics[name] = mixing_diagnostics(run.model, tokens)
-    for ax in list(axes.flat)[len(variants):]:
+    for ax in list(axes.flat)[len(variants) :]:
         ax.axis("off")
     fig.suptitle("Depth-mixing matrix M (coefficient of each output in each sublayer input), seed of the first run")
     fig.tight_layout()
@@ -129,8 +177,9 @@ def mixing_figures(runs: dict, variants: list[str], report_dir: Path) -> tuple[P
     for name, frame in diagnostics.items():
         for ax, column in zip(axes, ["effective_sources", "max_weight", "embedding_mass"]):
             ax.plot(frame["consumer"], frame[column], label=name.removeprefix("depth-"), marker=".")
-    for ax, title in zip(axes, ["effective number of outputs read (exp entropy)", "largest share (collapse)",
-                                "embedding's share"]):
+    for ax, title in zip(
+        axes, ["effective number of outputs read (exp entropy)", "largest share (collapse)", "embedding's share"]
+    ):
         ax.set(title=title, xlabel="consumer (sublayer; last = final readout)")
     axes[0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -173,20 +222,28 @@ def main() -> None:
     matrix_png, diagnostics_png = mixing_figures(runs, variants, args.report_dir)
 
     standard = table.set_index("variant").loc["depth-standard", "mean"]
-    beats = [row.variant for row in table.itertuples() if row.variant != "depth-standard"
-             and row.mean + row.ci < standard]
-    lines = [f"| {r.variant} | {DEPTH_MIXING_VARIANTS[r.variant][0]} | {r.mean:.4f} ± {r.ci:.4f} | {o} | {r.paper:.3f} | "
-             f"{p} | {r.ratio:.2f}× |" for r, o, p in zip(table.itertuples(), ours_rank, paper_rank)]
+    beats = [
+        row.variant for row in table.itertuples() if row.variant != "depth-standard" and row.mean + row.ci < standard
+    ]
+    lines = [
+        f"| {r.variant} | {DEPTH_MIXING_VARIANTS[r.variant][0]} | {r.mean:.4f} ± {r.ci:.4f} | {o} | {r.paper:.3f} | "
+        f"{p} | {r.ratio:.2f}× |"
+        for r, o, p in zip(table.itertuples(), ours_rank, paper_rank)
+    ]
     config = runs["depth-standard"].config
     if len(beats) < (len(table) - 1) / 2:
-        agreement = (f"Only {len(beats)} of {len(table) - 1} variants are separated from the standard model beyond seed "
-                     "noise at this size, so most of the ordering (and its correlation with the paper's) carries little "
-                     "information; more steps or seeds would be needed to test the paper's gaps.")
+        agreement = (
+            f"Only {len(beats)} of {len(table) - 1} variants are separated from the standard model beyond seed "
+            "noise at this size, so most of the ordering (and its correlation with the paper's) carries little "
+            "information; more steps or seeds would be needed to test the paper's gaps."
+        )
     elif rho >= 0.5:
         agreement = "Most variants separate from the standard model beyond seed noise, and the ordering broadly follows the paper's."
     else:
-        agreement = ("Most variants separate from the standard model beyond seed noise, but the ordering does not follow "
-                     "the paper's at this scale (its gaps are measured on 16-layer models trained far longer).")
+        agreement = (
+            "Most variants separate from the standard model beyond seed noise, but the ordering does not follow "
+            "the paper's at this scale (its gaps are measured on 16-layer models trained far longer)."
+        )
     text = f"""# Depth-mixing rules side by side (AttnRes paper Table 4, at CPU scale)
 
 Generated {provenance()}, by `{command_line()}`.
@@ -196,7 +253,7 @@ run was reused).
 
 Setup: {config.model.n_layers} layers with MLPs ({config.model.n_sublayers} sublayers), d_model {config.model.d_model},
 d_mlp {config.model.d_mlp}, {config.model.n_heads} heads, RoPE; the mixed task (3-gram text with copied segments, vocab
-{config.task.params['vocab_size']}, length {config.task.params['seq_len']}); {config.train.steps} steps of batch
+{config.task.params["vocab_size"]}, length {config.task.params["seq_len"]}); {config.train.steps} steps of batch
 {config.train.batch_size}, AdamW {config.train.lr}, warm-up {config.train.warmup_steps}, cosine decay. Eval loss: the
 last held-out evaluation ({config.train.eval_size} fixed sequences). Seeds: {args.seeds}. CI: 95% Student-t over
 seeds. The paper's values are its 16-layer models' validation losses; only the ordering is comparable. Step time:
@@ -211,13 +268,13 @@ window; default Full/Block AttnRes and the window run the fused CPU kernel).
 Spearman rank correlation between our ordering and the paper's: **{rho:.2f}** over {len(table)} variants.
 
 What agrees and what does not (read off the table above, not tuned toward the paper):
-* Variants whose whole CI lies below the standard model's mean: {', '.join(v.removeprefix('depth-') for v in beats) or 'none'}.
-* The paper's best three are {', '.join(table.nsmallest(3, 'paper')['variant'].str.removeprefix('depth-'))}; ours are
-  {', '.join(table.nsmallest(3, 'mean')['variant'].str.removeprefix('depth-'))}.
-* The paper's worst three are {', '.join(table.nlargest(3, 'paper')['variant'].str.removeprefix('depth-'))}; ours are
-  {', '.join(table.nlargest(3, 'mean')['variant'].str.removeprefix('depth-'))}.
-* Spread of the variant means: {table['mean'].max() - table['mean'].min():.4f}; median 95% CI half-width
-  {table['ci'].median():.4f}. {agreement}
+* Variants whose whole CI lies below the standard model's mean: {", ".join(v.removeprefix("depth-") for v in beats) or "none"}.
+* The paper's best three are {", ".join(table.nsmallest(3, "paper")["variant"].str.removeprefix("depth-"))}; ours are
+  {", ".join(table.nsmallest(3, "mean")["variant"].str.removeprefix("depth-"))}.
+* The paper's worst three are {", ".join(table.nlargest(3, "paper")["variant"].str.removeprefix("depth-"))}; ours are
+  {", ".join(table.nlargest(3, "mean")["variant"].str.removeprefix("depth-"))}.
+* Spread of the variant means: {table["mean"].max() - table["mean"].min():.4f}; median 95% CI half-width
+  {table["ci"].median():.4f}. {agreement}
 
 ![depth-mixing matrices]({matrix_png.name})
 

@@ -23,7 +23,6 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -43,10 +42,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def build_fla(args: argparse.Namespace):
     from fla.models import TransformerConfig, TransformerForCausalLM
 
-    config = TransformerConfig(hidden_size=args.width, num_hidden_layers=args.layers, num_heads=args.heads,
-                               num_kv_heads=args.kv_heads, vocab_size=args.vocab, max_position_embeddings=args.ctx,
-                               attnres_block_size=args.block_size, intermediate_size=2 * args.width,
-                               fuse_cross_entropy=False)
+    config = TransformerConfig(
+        hidden_size=args.width,
+        num_hidden_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=args.ctx,
+        attnres_block_size=args.block_size,
+        intermediate_size=2 * args.width,
+        fuse_cross_entropy=False,
+    )
     torch.manual_seed(args.seed)
     with fla_runtime(DEVICE):
         return TransformerForCausalLM(config).to(DEVICE)
@@ -114,6 +120,7 @@ def bf16_comparison(fla_dir: Path, ours, tokens: torch.Tensor) -> list[str]:
 
     try:
         import flash_attn  # noqa: F401
+
         flash = True
     except ImportError:
         flash = False
@@ -124,14 +131,18 @@ def bf16_comparison(fla_dir: Path, ours, tokens: torch.Tensor) -> list[str]:
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         ours_bf16 = ours(tokens.to(DEVICE))
     attention = "flash-attn" if flash else "PyTorch SDPA (flash-attn is not installed)"
-    return [f"bf16 on {torch.cuda.get_device_name()}: FLA's fused `fused_attnres`, norm and SwiGLU kernels; token "
-            f"attention through {attention}. Reference: this toolkit's fp32 model.", "",
-            "| comparison | max abs diff | relative to max logit | same argmax |", "|---|---|---|---|",
-            agreement("FLA bf16 vs ours fp32", fla_bf16, reference),
-            agreement("ours bf16 autocast vs ours fp32", ours_bf16, reference)]
+    return [
+        f"bf16 on {torch.cuda.get_device_name()}: FLA's fused `fused_attnres`, norm and SwiGLU kernels; token "
+        f"attention through {attention}. Reference: this toolkit's fp32 model.",
+        "",
+        "| comparison | max abs diff | relative to max logit | same argmax |",
+        "|---|---|---|---|",
+        agreement("FLA bf16 vs ours fp32", fla_bf16, reference),
+        agreement("ours bf16 autocast vs ours fp32", ours_bf16, reference),
+    ]
 
 
-def main(argv: Optional[list[str]] = None) -> list[str]:
+def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=64)
@@ -150,39 +161,61 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
         parser.error(f"--out {args.out} is not empty; give a new folder")
     torch.set_num_threads(1)
 
-    lines = ["# An FLA AttnRes model, analysed here and sent back", "",
-             f"`{command_line()}`, {provenance()}.", ""]
+    lines = ["# An FLA AttnRes model, analysed here and sent back", "", f"`{command_line()}`, {provenance()}.", ""]
     fla = build_fla(args)
     if args.train_steps:
         lines += train_in_fla(fla, args)
     else:
         randomise_depth_attention(fla, args.seed)
-        lines.append("Untrained FLA model; its pseudo-queries and key-norm gains drawn at random (an untrained model's "
-                     "are 0 and 1: uniform depth weights).")
+        lines.append(
+            "Untrained FLA model; its pseudo-queries and key-norm gains drawn at random (an untrained model's "
+            "are 0 and 1: uniform depth weights)."
+        )
     fla.eval()
     fla_dir = args.out / "fla"
     fla.save_pretrained(fla_dir)
-    lines += ["", f"FLA `TransformerForCausalLM`: {args.layers} layers, width {args.width}, {args.heads} heads "
-              f"({args.kv_heads} KV), `attnres_block_size={args.block_size}`; saved to `{shown(fla_dir)}`.", ""]
+    lines += [
+        "",
+        f"FLA `TransformerForCausalLM`: {args.layers} layers, width {args.width}, {args.heads} heads "
+        f"({args.kv_heads} KV), `attnres_block_size={args.block_size}`; saved to `{shown(fla_dir)}`.",
+        "",
+    ]
 
     run, loss = import_fla_run(fla_dir, args.out / "run")
     tables = analyze_run(run, samples=args.samples, progress=False).tables
-    lines += [f"## Imported as run `{shown(run)}`", "",
-              f"Held-out loss on the default evaluation task (copy, vocab {args.vocab}, length {args.ctx}): "
-              f"{loss:.3f}. Depth attention, α averaged over {args.samples} held-out sequences "
-              "(`RUN/analysis/depth_weights.csv`; the dashboard draws it as a heatmap):", ""]
+    lines += [
+        f"## Imported as run `{shown(run)}`",
+        "",
+        f"Held-out loss on the default evaluation task (copy, vocab {args.vocab}, length {args.ctx}): "
+        f"{loss:.3f}. Depth attention, α averaged over {args.samples} held-out sequences "
+        "(`RUN/analysis/depth_weights.csv`; the dashboard draws it as a heatmap):",
+        "",
+    ]
     for kind in ("attn", "mlp", "final"):
         lines += [f"**{kind} consumers**", "", *heatmap_table(tables["depth_weights"], kind), ""]
 
     pruned = prune_run(run, samples=args.samples, progress=False)
     worst = pruned.tables["pruning_sensitivity"].nlargest(3, "dloss_remove")
-    lines += ["## Prune report", "", f"`{shown(pruned.report_path)}`; base loss {pruned.summary['base_loss']:.3f}.", "",
-              "| removal order | sublayers removable within +5% loss |", "|---|---|"]
+    lines += [
+        "## Prune report",
+        "",
+        f"`{shown(pruned.report_path)}`; base loss {pruned.summary['base_loss']:.3f}.",
+        "",
+        "| removal order | sublayers removable within +5% loss |",
+        "|---|---|",
+    ]
     lines += [f"| {row['strategy']} | {row['n_removable']} |" for row in pruned.summary["removable"]]
-    lines += ["", "Most damaging single removals:", "", "| sublayer | Δloss removed | Δloss mean-ablated | block influence |",
-              "|---|---|---|---|"]
-    lines += [f"| {row.label} | {row.dloss_remove:+.3f} | {row.dloss_mean:+.3f} | {row.block_influence:.3f} |"
-              for row in worst.itertuples()]
+    lines += [
+        "",
+        "Most damaging single removals:",
+        "",
+        "| sublayer | Δloss removed | Δloss mean-ablated | block influence |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {row.label} | {row.dloss_remove:+.3f} | {row.dloss_mean:+.3f} | {row.block_influence:.3f} |"
+        for row in worst.itertuples()
+    ]
     lines.append("")
 
     export_fla_run(run, args.out / "back")
@@ -192,22 +225,35 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
         back = TransformerForCausalLM.from_pretrained(args.out / "back").to(DEVICE).eval()
     original, exported = fla.state_dict(), back.state_dict()
     identical = set(original) == set(exported) and all(torch.equal(original[k], exported[k]) for k in original)
-    tokens = make_task("copy", vocab_size=args.vocab, seq_len=args.ctx, min_len=4,
-                       max_len=min(8, (args.ctx - 1) // 2)).eval_batch(args.samples).tokens
+    tokens = (
+        make_task("copy", vocab_size=args.vocab, seq_len=args.ctx, min_len=4, max_len=min(8, (args.ctx - 1) // 2))
+        .eval_batch(args.samples)
+        .tokens
+    )
     ours = load_run(run).model
     reference = fla_logits(fla, tokens)
     where = "FLA's Triton kernels under the interpreter" if DEVICE == "cpu" else "FLA's Triton kernels on the GPU"
-    lines += ["## Logit agreement, fp32", "",
-              f"{args.samples} sequences of {args.ctx} tokens; FLA runs {where}, token attention through PyTorch SDPA.",
-              "", "| comparison | max abs diff | relative to max logit | same argmax |", "|---|---|---|---|",
-              agreement("ours (imported) vs FLA", ours(tokens), reference),
-              agreement("ours, hooked path vs FLA", ours.run_with_cache(tokens)[0], reference),
-              agreement("FLA re-exported vs FLA", fla_logits(back, tokens), reference),
-              agreement("from_fla(in-memory model) vs FLA", from_fla(fla.cpu())(tokens), reference), "",
-              f"Exported state dict identical to the original, tensor for tensor: {identical}.", ""]
+    lines += [
+        "## Logit agreement, fp32",
+        "",
+        f"{args.samples} sequences of {args.ctx} tokens; FLA runs {where}, token attention through PyTorch SDPA.",
+        "",
+        "| comparison | max abs diff | relative to max logit | same argmax |",
+        "|---|---|---|---|",
+        agreement("ours (imported) vs FLA", ours(tokens), reference),
+        agreement("ours, hooked path vs FLA", ours.run_with_cache(tokens)[0], reference),
+        agreement("FLA re-exported vs FLA", fla_logits(back, tokens), reference),
+        agreement("from_fla(in-memory model) vs FLA", from_fla(fla.cpu())(tokens), reference),
+        "",
+        f"Exported state dict identical to the original, tensor for tensor: {identical}.",
+        "",
+    ]
     lines += ["## bf16 with FLA's fused kernels", ""]
-    lines += bf16_comparison(fla_dir, ours, tokens) if DEVICE == "cuda" else \
-        ["Skipped: no CUDA device here (FLA's fused kernels need one). Run this script on a GPU for it."]
+    lines += (
+        bf16_comparison(fla_dir, ours, tokens)
+        if DEVICE == "cuda"
+        else ["Skipped: no CUDA device here (FLA's fused kernels need one). Run this script on a GPU for it."]
+    )
     emit_report("\n".join(lines) + "\n", args.report)
     return lines
 

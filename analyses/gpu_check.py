@@ -24,7 +24,6 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Optional
 
 from analyses import bench_kernels_gpu as kernels
 from analyses.results import RESULTS
@@ -37,9 +36,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU interpreter: the plumbing only")
     parser.add_argument("--out", type=Path, default=REPORTS / "gpu_check.md", help="the markdown report")
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip sections that would start after this")
-    parser.add_argument("--results", type=Path,
-                        help="append the training step's rows here (default: analyses/results.jsonl, except on a "
-                             "dry run, whose rows go nowhere unless this is given)")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        help="append the training step's rows here (default: analyses/results.jsonl, except on a "
+        "dry run, whose rows go nowhere unless this is given)",
+    )
     args = parser.parse_args(argv)
     args.argv = argv
     return args
@@ -75,8 +77,11 @@ def main(argv: list[str] | None = None) -> list[str]:
     return lines
 
 
-def check(dry_run: bool, budget_s: float = 480.0, command: str = "python -m analyses.benchmarks gpu_check",
-          ) -> tuple[list[str], list[dict]]:
+def check(
+    dry_run: bool,
+    budget_s: float = 480.0,
+    command: str = "python -m analyses.benchmarks gpu_check",
+) -> tuple[list[str], list[dict]]:
     """(the report's lines, the training step's rows: `bench_block_step_gpu`'s, with Block's target)."""
     import torch
 
@@ -84,20 +89,30 @@ def check(dry_run: bool, budget_s: float = 480.0, command: str = "python -m anal
         raise SystemExit("the GPU check needs a CUDA GPU; use --dry-run to check the script on the CPU")
     started = time.perf_counter()
     tiny = ["--dry-run"] if dry_run else []
-    kernel_args = kernels.parse_args([*tiny, "--tokens", "8192,65536", "--d-model", "1024,4096", "--sources", "3,9,17",
-                                      "--reps", "10"])
+    kernel_args = kernels.parse_args(
+        [*tiny, "--tokens", "8192,65536", "--d-model", "1024,4096", "--sources", "3,9,17", "--reps", "10"]
+    )
     lines = [f"# GPU check{' (dry run: tiny shapes, CPU interpreter, no timings)' if dry_run else ''}", ""]
     lines += [line for line in kernels.header(kernel_args) if not line.startswith("# ")]
     lines[-2] = f"* command: `{command}`"
-    lines += section("1. Correctness against the float64 reference (fp32, bf16)", lambda: kernels.dry_run(kernel_args),
-                     started, budget_s)
+    lines += section(
+        "1. Correctness against the float64 reference (fp32, bf16)",
+        lambda: kernels.dry_run(kernel_args),
+        started,
+        budget_s,
+    )
     if dry_run:
         lines += section("3. Two-phase Block AttnRes vs single pass", kernels.two_phase_dry_run, started, budget_s)
     else:
-        lines += section("2. Fused forward+backward: time and bandwidth vs copy, eager, compile, fla",
-                         lambda: kernels.timed_run(kernel_args), started, budget_s)
-        lines += section("3. Two-phase Block AttnRes vs single pass", lambda: kernels.two_phase_timed(kernel_args),
-                         started, budget_s)
+        lines += section(
+            "2. Fused forward+backward: time and bandwidth vs copy, eager, compile, fla",
+            lambda: kernels.timed_run(kernel_args),
+            started,
+            budget_s,
+        )
+        lines += section(
+            "3. Two-phase Block AttnRes vs single pass", lambda: kernels.two_phase_timed(kernel_args), started, budget_s
+        )
     rows: list[dict] = []
 
     def training_step() -> list[str]:
@@ -112,13 +127,14 @@ def check(dry_run: bool, budget_s: float = 480.0, command: str = "python -m anal
     return lines, rows
 
 
-def run(repeats: Optional[int] = None, tiny: bool = False) -> list[dict]:
+def run(repeats: int | None = None, tiny: bool = False) -> list[dict]:
     """The one GPU check (kernels, bandwidth, two-phase, 24-layer step); rows: the step ratios. Tiny: a CPU dry run."""
     lines, rows = check(dry_run=tiny, command=f"python -m analyses.benchmarks gpu_check{' --tiny' if tiny else ''}")
     if not tiny:  # the report stays markdown beside the rows; a dry run's is not worth keeping
         REPORTS.mkdir(parents=True, exist_ok=True)
         (REPORTS / "gpu_check.md").write_text("\n".join(lines) + "\n")
     return rows
+
 
 if __name__ == "__main__":
     main()

@@ -11,14 +11,18 @@ import contextlib
 import math
 import statistics
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from attnres_lens.kernels import cpu_build
 
-DEPTH_MIX_KERNELS = ("depth_attention_forward", "depth_attention_backward", "depth_attention_multi",
-                     "depth_attention_multi_backward")
+DEPTH_MIX_KERNELS = (
+    "depth_attention_forward",
+    "depth_attention_backward",
+    "depth_attention_multi",
+    "depth_attention_multi_backward",
+)
 
 
 def kernel_bytes(name: str, args: tuple, element: int) -> int:
@@ -40,10 +44,20 @@ def kernel_bytes(name: str, args: tuple, element: int) -> int:
         rows = 2 * n_sources + added + h + norm + grad_h
         return element * (rows * n_tokens * d_model + (3 * n_sources + norm) * n_tokens)
     if name == "depth_attention_multi":
-        n_sources, n_tokens, d_model, n_queries, prior, prior_tokens = args[1], args[2], args[3], args[5], args[6], args[8]
+        n_sources, n_tokens, d_model, n_queries, prior, prior_tokens = (
+            args[1],
+            args[2],
+            args[3],
+            args[5],
+            args[6],
+            args[8],
+        )
         # every source read, each query's mix and log-sum-exp written, its prior's read
-        return element * ((n_sources + n_queries) * n_tokens * d_model + n_queries * n_tokens
-                          + (n_queries * prior_tokens * (d_model + 1) if prior is not None else 0))
+        return element * (
+            (n_sources + n_queries) * n_tokens * d_model
+            + n_queries * n_tokens
+            + (n_queries * prior_tokens * (d_model + 1) if prior is not None else 0)
+        )
     if name == "depth_attention_multi_backward":
         n_sources, n_tokens, d_model, n_queries, prior = args[1], args[2], args[3], args[5], args[6] is not None
         grad_mix, grad_lse, accumulate = args[10], args[11], args[13]
@@ -89,6 +103,7 @@ class CountingLibrary:
             total[1] += time.perf_counter() - start
             total[2] += kernel_bytes(name, args, self._element)
             return result
+
         return timed
 
     def summed(self, names: tuple[str, ...]) -> tuple[int, float, int]:

@@ -36,8 +36,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import NamedTuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -56,6 +57,7 @@ LOOPED_ADAMW = "standard, per-tensor AdamW"  # what `train` ran on the CPU befor
 
 class Excess(NamedTuple):
     """A variant's small-shape step against the standard one's (ratio, ms beyond it) and its 8-token excess (ms)."""
+
     ratio: float
     small_ms: float
     fixed_ms: float
@@ -65,8 +67,11 @@ def fixed_costs(repeats: int) -> tuple[list[str], dict[str, Excess], float]:
     """The table of step times at the small shape and at 8 tokens, every variant, interleaved; each variant's
     `Excess`; the standard small step (ms)."""
     shapes = {"small": SHAPES["small"], "8 tokens": dict(SHAPES["small"], batch=1, n_ctx=8)}
-    steppers = {(variant, shape): Stepper(dims, overrides, eager=False)
-                for variant, overrides in variants("cpu").items() for shape, dims in shapes.items()}
+    steppers = {
+        (variant, shape): Stepper(dims, overrides, eager=False)
+        for variant, overrides in variants("cpu").items()
+        for shape, dims in shapes.items()
+    }
     for shape, dims in shapes.items():  # the standard model under PyTorch's CPU default: a loop over tensors
         looped = steppers[(LOOPED_ADAMW, shape)] = Stepper(dims, variants("cpu")["standard"], eager=False)
         looped.optimizer = torch.optim.AdamW(param_groups(looped.model, 0.1), lr=1e-4, foreach=False)
@@ -89,9 +94,11 @@ def fixed_costs(repeats: int) -> tuple[list[str], dict[str, Excess], float]:
         steps, base = [row[0] for row in samples[key]], [row[0] for row in samples[("standard", key[1])]]
         return within_rounds(steps, base), 1000 * within_rounds(steps, base, "difference")
 
-    lines = ["| variant | small step (ms) | × standard | + standard (ms) | 8-token step (ms) | + standard (ms) | "
-             "8 tokens: forward / backward / optimizer (ms) | fixed share of the overhead |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | small step (ms) | × standard | + standard (ms) | 8-token step (ms) | + standard (ms) | "
+        "8 tokens: forward / backward / optimizer (ms) | fixed share of the overhead |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     excess = {}
     for variant in [*variants("cpu"), LOOPED_ADAMW]:
         small, tiny = samples[(variant, "small")], samples[(variant, "8 tokens")]
@@ -100,8 +107,10 @@ def fixed_costs(repeats: int) -> tuple[list[str], dict[str, Excess], float]:
         excess[variant] = Excess(ratio, extra_small, extra_tiny)
         share = f"{extra_tiny / extra_small:.0%}" if extra_small > 0.5 else "(no overhead)"
         phases = " / ".join(f"{median_ms(column):.1f}" for column in list(zip(*tiny))[1:])
-        lines.append(f"| {variant} | {median_ms(row[0] for row in small):.1f} | {ratio:.3f} | {extra_small:+.1f} | "
-                     f"{median_ms(row[0] for row in tiny):.1f} | {extra_tiny:+.1f} | {phases} | {share} |")
+        lines.append(
+            f"| {variant} | {median_ms(row[0] for row in small):.1f} | {ratio:.3f} | {extra_small:+.1f} | "
+            f"{median_ms(row[0] for row in tiny):.1f} | {extra_tiny:+.1f} | {phases} | {share} |"
+        )
     return lines, excess, median_ms(row[0] for row in samples[("standard", "small")])
 
 
@@ -114,8 +123,9 @@ def kernel_traffic(steps: int) -> dict[str, dict[str, tuple[float, float, float]
         for _ in range(3):
             stepper.step()
         counting = counted_calls(lambda: [stepper.step() for _ in range(steps)])
-        traffic[variant] = {name: tuple(value / steps for value in total)
-                            for name, total in sorted(counting.totals.items())}
+        traffic[variant] = {
+            name: tuple(value / steps for value in total) for name, total in sorted(counting.totals.items())
+        }
     return traffic
 
 
@@ -124,18 +134,25 @@ def floor_sections(excess: dict[str, Excess], standard_ms: float, steps: int) ->
     kernels and the rest, at the current torch thread count."""
     bandwidth = copy_bandwidth()
     traffic = kernel_traffic(steps)
-    kernel_lines = ["| variant | C kernel | calls per step | ms per step | MB per step | GB/s | × copy bandwidth |",
-                    "|---|---|---|---|---|---|---|"]
+    kernel_lines = [
+        "| variant | C kernel | calls per step | ms per step | MB per step | GB/s | × copy bandwidth |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for variant, kernels in traffic.items():
         for name, (calls, seconds, nbytes) in kernels.items():
             rate = nbytes / seconds / 1e9
-            kernel_lines.append(f"| {variant} | {name} | {calls:.0f} | {1e3 * seconds:.3f} | {nbytes / 1e6:.2f} | "
-                                f"{rate:.1f} | {rate / bandwidth:.2f} |")
-    kernel_ms = {variant: 1e3 * sum(seconds for _, seconds, _ in kernels.values())
-                 for variant, kernels in traffic.items()}
-    floor_lines = ["| variant | × standard | + standard (ms) | fixed: 8-token excess (ms) | C kernels beyond the "
-                   "standard's (ms) | the rest (ms) | fixed + kernels, × standard | target |",
-                   "|---|---|---|---|---|---|---|---|"]
+            kernel_lines.append(
+                f"| {variant} | {name} | {calls:.0f} | {1e3 * seconds:.3f} | {nbytes / 1e6:.2f} | "
+                f"{rate:.1f} | {rate / bandwidth:.2f} |"
+            )
+    kernel_ms = {
+        variant: 1e3 * sum(seconds for _, seconds, _ in kernels.values()) for variant, kernels in traffic.items()
+    }
+    floor_lines = [
+        "| variant | × standard | + standard (ms) | fixed: 8-token excess (ms) | C kernels beyond the "
+        "standard's (ms) | the rest (ms) | fixed + kernels, × standard | target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for variant in traffic:
         if variant == "standard":
             continue
@@ -143,12 +160,19 @@ def floor_sections(excess: dict[str, Excess], standard_ms: float, steps: int) ->
         floor = 1 + (measured.fixed_ms + kernels) / standard_ms
         target = TARGETS.get(variant)
         verdict = "" if target is None else f"≤ {target:.2f}: floor {'below' if floor <= target else 'ABOVE'}"
-        floor_lines.append(f"| {variant} | {measured.ratio:.3f} | {measured.small_ms:+.2f} | "
-                           f"{measured.fixed_ms:+.2f} | {kernels:+.2f} | "
-                           f"{measured.small_ms - measured.fixed_ms - kernels:+.2f} | {floor:.3f} | "
-                           f"{verdict} |")
-    return [f"Copy bandwidth (torch `copy_` of 256 MB, read + write, at this thread count): **{bandwidth:.1f} GB/s**.",
-            "", *kernel_lines, "", *floor_lines]
+        floor_lines.append(
+            f"| {variant} | {measured.ratio:.3f} | {measured.small_ms:+.2f} | "
+            f"{measured.fixed_ms:+.2f} | {kernels:+.2f} | "
+            f"{measured.small_ms - measured.fixed_ms - kernels:+.2f} | {floor:.3f} | "
+            f"{verdict} |"
+        )
+    return [
+        f"Copy bandwidth (torch `copy_` of 256 MB, read + write, at this thread count): **{bandwidth:.1f} GB/s**.",
+        "",
+        *kernel_lines,
+        "",
+        *floor_lines,
+    ]
 
 
 class _TimedCalls:
@@ -158,7 +182,7 @@ class _TimedCalls:
     def __init__(self, calls: dict[str, Callable[[], object]]):
         self.calls, self.samples = calls, {name: [] for name in calls}
 
-    def run(self, rounds: int) -> "_TimedCalls":
+    def run(self, rounds: int) -> _TimedCalls:
         for call in self.calls.values():  # warm-up: first-call dispatch, allocator
             for _ in range(LAYER_CALLS // 4):
                 call()
@@ -215,8 +239,9 @@ def mix_layers(rounds: int) -> list[str]:
     with torch.no_grad():  # the kernel's own inputs and saved statistics, as the autograd.Function passes them
         plain = [source.detach() for source in sources]
         factors = (query.detach(), gain.detach())
-        h, stats, y, norm_rstd = cpu_depth._run_forward(plain, factors[0], None, eps, norm_weight, norm_eps, False,
-                                                        factors[1])
+        h, stats, y, norm_rstd = cpu_depth._run_forward(
+            plain, factors[0], None, eps, norm_weight, norm_eps, False, factors[1]
+        )
         saved_norm = (h, norm_weight.detach(), norm_rstd, grad_out)
 
     def run_forward():
@@ -227,36 +252,57 @@ def mix_layers(rounds: int) -> list[str]:
         with torch.no_grad():
             return cpu_depth._run_backward(plain, None, stats, None, None, saved_norm, factors)
 
-    timed = _TimedCalls({
-        "norm": lambda: pre_norm(x),
-        "norm+backward": lambda: backward(pre_norm(x), norm_leaves),
-        "mix": mix,
-        "mix+backward": lambda: backward(mix(), mix_leaves),
-        "function": lambda: cpu_depth.fused_mix_and_norm(sources, query, gain, eps, norm_weight, norm_eps, False),
-        "run_forward": run_forward,
-        "run_backward": run_backward,
-    }).run(rounds)
-    kernel = {**c_call_us(lambda: backward(pre_norm(x), norm_leaves)),
-              **c_call_us(lambda: backward(mix(), mix_leaves))}
+    timed = _TimedCalls(
+        {
+            "norm": lambda: pre_norm(x),
+            "norm+backward": lambda: backward(pre_norm(x), norm_leaves),
+            "mix": mix,
+            "mix+backward": lambda: backward(mix(), mix_leaves),
+            "function": lambda: cpu_depth.fused_mix_and_norm(sources, query, gain, eps, norm_weight, norm_eps, False),
+            "run_forward": run_forward,
+            "run_backward": run_backward,
+        }
+    ).run(rounds)
+    kernel = {**c_call_us(lambda: backward(pre_norm(x), norm_leaves)), **c_call_us(lambda: backward(mix(), mix_leaves))}
     if set(kernel) != {"rms_norm_forward", "rms_norm_backward", "depth_attention_forward", "depth_attention_backward"}:
-        raise RuntimeError(f"the pre-norm and the mix ran the C kernels {sorted(kernel)}, not one norm and one fused "
-                           "mix each way: the paths measured here have changed")
+        raise RuntimeError(
+            f"the pre-norm and the mix ran the C kernels {sorted(kernel)}, not one norm and one fused "
+            "mix each way: the paths measured here have changed"
+        )
     norm_fw, mix_fw = timed.us("norm"), timed.us("mix")
     norm_bw, mix_bw = timed.us("norm+backward") - norm_fw, timed.us("mix+backward") - mix_fw
     rows = [
-        ("forward: checks (`depth_execution.fused_with_norm`: hooks, dtypes, widths, backend)", None,
-         mix_fw - timed.us("function")),
-        ("forward: the autograd.Function (apply, saved tensors, shared-gradient lookup)", None,
-         timed.us("function") - timed.us("run_forward")),
-        ("forward: Python around the C call (output allocation, pointer arrays)", None,
-         timed.us("run_forward") - kernel["depth_attention_forward"]),
-        ("forward: the C call (ctypes' argument conversion included)", kernel["rms_norm_forward"],
-         kernel["depth_attention_forward"]),
+        (
+            "forward: checks (`depth_execution.fused_with_norm`: hooks, dtypes, widths, backend)",
+            None,
+            mix_fw - timed.us("function"),
+        ),
+        (
+            "forward: the autograd.Function (apply, saved tensors, shared-gradient lookup)",
+            None,
+            timed.us("function") - timed.us("run_forward"),
+        ),
+        (
+            "forward: Python around the C call (output allocation, pointer arrays)",
+            None,
+            timed.us("run_forward") - kernel["depth_attention_forward"],
+        ),
+        (
+            "forward: the C call (ctypes' argument conversion included)",
+            kernel["rms_norm_forward"],
+            kernel["depth_attention_forward"],
+        ),
         ("forward, all", norm_fw, mix_fw),
-        ("backward: autograd (the engine's node, saved tensors, parameter and input gradients)", None,
-         mix_bw - timed.us("run_backward")),
-        ("backward: Python around the C call (gradient buffers, pointer arrays)", None,
-         timed.us("run_backward") - kernel["depth_attention_backward"]),
+        (
+            "backward: autograd (the engine's node, saved tensors, parameter and input gradients)",
+            None,
+            mix_bw - timed.us("run_backward"),
+        ),
+        (
+            "backward: Python around the C call (gradient buffers, pointer arrays)",
+            None,
+            timed.us("run_backward") - kernel["depth_attention_backward"],
+        ),
         ("backward: the C call", kernel["rms_norm_backward"], kernel["depth_attention_backward"]),
         ("backward, all", norm_bw, mix_bw),
         ("forward + backward", norm_fw + norm_bw, mix_fw + mix_bw),
@@ -267,10 +313,14 @@ def mix_layers(rounds: int) -> list[str]:
         lines.append(f"| {label} | {norm_cell} | {mix_us:.1f} |")
     excess = mix_fw + mix_bw - norm_fw - norm_bw
     consumers = 2 * SHAPES["small"]["n_layers"] + 1
-    return [*lines, "", f"Excess of one consumer over the pre-norm it replaces, forward + backward: **{excess:.1f} us**;"
-            f" × {consumers} consumers (every sublayer's and the final readout's) ≈ {consumers * excess / 1000:.2f} "
-            "ms per step, to hold against block4's 8-token excess in the fixed-cost table at this thread count "
-            "(which also holds the optimizer's update of the depth parameters)."]
+    return [
+        *lines,
+        "",
+        f"Excess of one consumer over the pre-norm it replaces, forward + backward: **{excess:.1f} us**;"
+        f" × {consumers} consumers (every sublayer's and the final readout's) ≈ {consumers * excess / 1000:.2f} "
+        "ms per step, to hold against block4's 8-token excess in the fixed-cost table at this thread count "
+        "(which also holds the optimizer's update of the depth parameters).",
+    ]
 
 
 def is_depth_op(key: str) -> bool:
@@ -289,14 +339,24 @@ def profile_section(name: str, steps: int) -> list[str]:
     events = prof.key_averages()
     per_step = sum(event.self_cpu_time_total for event in events) / steps / 1000
     depth = {event.key: event.cpu_time_total / steps / 1000 for event in events if is_depth_op(event.key)}
-    rows = [f"| {event.key} | {event.self_cpu_time_total / steps / 1000:.2f} | {event.count // steps} |"
-            for event in sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]]
+    rows = [
+        f"| {event.key} | {event.self_cpu_time_total / steps / 1000:.2f} | {event.count // steps} |"
+        for event in sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]
+    ]
     depth_lines = [f"* {key}: {ms:.2f} ms per step (with children)" for key, ms in depth.items()]
-    return [f"### {name}: {per_step:.1f} ms of profiled CPU time per step", "", *depth_lines, "",
-            "| op | self ms per step | calls per step |", "|---|---|---|", *rows, ""]
+    return [
+        f"### {name}: {per_step:.1f} ms of profiled CPU time per step",
+        "",
+        *depth_lines,
+        "",
+        "| op | self ms per step | calls per step |",
+        "|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> list[str]:
+def main(argv: Sequence[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30, help="interleaved steps per variant and shape")
     parser.add_argument("--steps", type=int, default=20, help="profiled and kernel-timed steps per variant")
@@ -305,42 +365,58 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     args = parser.parse_args(argv)
     previous = torch.get_num_threads()
     lines = [
-        "# Where a CPU training step's time goes", "",
-        f"Measured {provenance()}, by `{command_line()}`.", "",
+        "# Where a CPU training step's time goes",
+        "",
+        f"Measured {provenance()}, by `{command_line()}`.",
+        "",
     ]
     try:
         for threads in args.threads:
             torch.set_num_threads(threads)
             fixed_lines, excess, standard_ms = fixed_costs(args.repeats)
             lines += [
-                f"## {threads} torch thread{'s' if threads > 1 else ''}", "",
-                "### Fixed cost per step", "",
+                f"## {threads} torch thread{'s' if threads > 1 else ''}",
+                "",
+                "### Fixed cost per step",
+                "",
                 f"{args.repeats} interleaved rounds: each variant stepped at the small shape and at 8 tokens (batch 1, "
                 "n_ctx 8, same layers and widths), where the arithmetic is negligible: the 8-token step is the cost "
                 "of Python, dispatch, allocation and autograd bookkeeping per step (the median of "
                 f"{TINY_STEPS} per round). Step times are medians; "
                 "× standard and + standard the medians over rounds of the ratio and difference to the standard step "
                 "of the same round. The last column is the 8-token excess as a share of the small-shape excess: the "
-                "part of each variant's overhead that does not shrink with faster kernels or fewer bytes.", "",
-                *fixed_lines, "",
-                "### The C kernels inside the step, and the floor", "",
+                "part of each variant's overhead that does not shrink with faster kernels or fewer bytes.",
+                "",
+                *fixed_lines,
+                "",
+                "### The C kernels inside the step, and the floor",
+                "",
                 f"Every C kernel call of {args.steps} small-shape training steps per variant, timed one by one, with "
                 "the bytes it must move (sources, inputs and outputs once each). Then each variant's excess over the "
                 "standard step (from the table above): the fixed cost, its C kernels' time beyond the standard "
                 "model's (RMSNorm, rotary), and the rest; `fixed + kernels` is the step before anything else slows, "
                 "with kernels at about copy bandwidth or above: the floor of this design, one eager autograd node per "
-                "sublayer and each mix reading its sources once.", "",
-                *floor_sections(excess, standard_ms, args.steps), "",
+                "sublayer and each mix reading its sources once.",
+                "",
+                *floor_sections(excess, standard_ms, args.steps),
+                "",
             ]
         torch.set_num_threads(args.threads[0])
-        lines += [f"## One mix at 8 tokens, layer by layer, {args.threads[0]} torch thread"
-                  f"{'s' if args.threads[0] > 1 else ''}", "",
-                  f"Medians over {args.repeats} interleaved rounds of {LAYER_CALLS} calls each (us per call); a layer's "
-                  "time is the difference between two entry points of the path, the C call's is timed call by call. "
-                  "The C calls at 8 tokens are the kernels' fixed cost, not their arithmetic.", "",
-                  *mix_layers(args.repeats), ""]
-        lines += [f"## Profile at the small shape, {args.threads[0]} torch thread{'s' if args.threads[0] > 1 else ''}",
-                  ""]
+        lines += [
+            f"## One mix at 8 tokens, layer by layer, {args.threads[0]} torch thread"
+            f"{'s' if args.threads[0] > 1 else ''}",
+            "",
+            f"Medians over {args.repeats} interleaved rounds of {LAYER_CALLS} calls each (us per call); a layer's "
+            "time is the difference between two entry points of the path, the C call's is timed call by call. "
+            "The C calls at 8 tokens are the kernels' fixed cost, not their arithmetic.",
+            "",
+            *mix_layers(args.repeats),
+            "",
+        ]
+        lines += [
+            f"## Profile at the small shape, {args.threads[0]} torch thread{'s' if args.threads[0] > 1 else ''}",
+            "",
+        ]
         for name in PROFILED:
             lines += profile_section(name, args.steps)
     finally:

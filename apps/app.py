@@ -13,7 +13,6 @@ if str(APP_DIR) not in sys.path:  # page modules import lens_ui, wherever stream
     sys.path.insert(0, str(APP_DIR))
 
 import streamlit as st  # noqa: E402
-
 from lens_ui.data import (  # noqa: E402
     DEFAULT_RUNS_DIR,
     SERVED_KEY,

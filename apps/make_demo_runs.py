@@ -24,10 +24,25 @@ DEFAULT_OUT = REPO_ROOT / "data" / "demo_runs"
 # depth runs the preset's whole budget at 6 layers; frequent records give the step sliders snapshots to scrub.
 # One kept checkpoint (plus the best) keeps the folder within a few MB. One torch thread: on a busy 2-core machine a
 # second thread makes steps many times slower, on a quiet one it saves little at these sizes.
-INDUCTION_OVERRIDES = ["train.steps=6000", "train.eval_every=100", "train.record_every=250", "train.log_every=50",
-                       "train.checkpoint_every=1000", "train.keep_checkpoints=1", "train.threads=1"]
-DEPTH_OVERRIDES = ["model.n_layers=6", "train.steps=1500", "train.eval_every=100", "train.record_every=100",
-                   "train.log_every=25", "train.checkpoint_every=500", "train.keep_checkpoints=1", "train.threads=1"]
+INDUCTION_OVERRIDES = [
+    "train.steps=6000",
+    "train.eval_every=100",
+    "train.record_every=250",
+    "train.log_every=50",
+    "train.checkpoint_every=1000",
+    "train.keep_checkpoints=1",
+    "train.threads=1",
+]
+DEPTH_OVERRIDES = [
+    "model.n_layers=6",
+    "train.steps=1500",
+    "train.eval_every=100",
+    "train.record_every=100",
+    "train.log_every=25",
+    "train.checkpoint_every=500",
+    "train.keep_checkpoints=1",
+    "train.threads=1",
+]
 
 DEMO_RUNS: dict[str, tuple[str, list[str]]] = {
     "induction-1l-vanilla": ("induction-1l-vanilla", INDUCTION_OVERRIDES),

@@ -34,20 +34,32 @@ def render(run: Path, out: Path) -> None:
     run_dir = RunDir(run)
     records = run_dir.record_path("depth_weights")
     if not records.is_file():
-        raise SystemExit(f"{records} does not exist: --run must be an AttnRes run directory with recorded depth "
-                         "weights, e.g. data/demo_runs/depth-block-6l")
+        raise SystemExit(
+            f"{records} does not exist: --run must be an AttnRes run directory with recorded depth "
+            "weights, e.g. data/demo_runs/depth-block-6l"
+        )
     weights = pd.read_parquet(records)
     step = checkpoint_step(run_dir.resolve_checkpoint("latest"))
     snapshot = weights[weights["step"] == step]
     if snapshot.empty:
-        raise SystemExit(f"{run} recorded no depth weights at its final checkpoint (step {step}); "
-                         f"recorded steps: {sorted(weights['step'].unique())}")
+        raise SystemExit(
+            f"{run} recorded no depth weights at its final checkpoint (step {step}); "
+            f"recorded steps: {sorted(weights['step'].unique())}"
+        )
     # One matrix over every consumer, in forward order: the pre-attention, pre-MLP and final-readout panels of the
     # Depth attention page stacked into one.
     matrix = depth_matrix(snapshot.assign(kind="all"), "all")
-    fig = heatmap(matrix, f"Depth attention of {run.name} at step {step}<br><sup>token-averaged α: each row (a "
-                  "consumer) reads a softmax mix over its sources</sup>", "α (token mean)", 0.0, 1.0,
-                  x_title="source", y_title="consumer", hover="α")
+    fig = heatmap(
+        matrix,
+        f"Depth attention of {run.name} at step {step}<br><sup>token-averaged α: each row (a "
+        "consumer) reads a softmax mix over its sources</sup>",
+        "α (token mean)",
+        0.0,
+        1.0,
+        x_title="source",
+        y_title="consumer",
+        hover="α",
+    )
     fig.update_layout(width=WIDTH)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Pillow's lossless re-encoding keeps the repository's copy small (about a fifth less than kaleido's PNG).

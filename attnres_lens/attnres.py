@@ -20,8 +20,6 @@ shared gradients, stacked copies) is `depth_execution.py`'s; kernel ops come fro
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
@@ -46,7 +44,7 @@ def block_start(consumer: int, n_sublayers: int, block_size: int) -> int:
     return (min(consumer, n_sublayers - 1) // block_size) * block_size
 
 
-def source_layout(consumer: int, n_sublayers: int, block_size: int, window: Optional[int] = None) -> list[list[int]]:
+def source_layout(consumer: int, n_sublayers: int, block_size: int, window: int | None = None) -> list[list[int]]:
     """Which sublayer outputs are summed into each source read by `consumer`.
 
     `consumer` is a sublayer index in 0 … J−1, or J for the final readout. Each source is a list of
@@ -66,7 +64,7 @@ def source_layout(consumer: int, n_sublayers: int, block_size: int, window: Opti
     return windowed(sources, window)
 
 
-def windowed(sources: list, window: Optional[int]) -> list:
+def windowed(sources: list, window: int | None) -> list:
     """The embedding (always first) plus the last `window` other sources; all of them when `window` is None."""
     return sources if window is None else sources[:1] + sources[1:][-window:]
 
@@ -81,29 +79,35 @@ class DepthStream(DepthExecution, ResidualStream):
     `depth_execution.DepthExecution`'s (`_mix`): every way computes the mix `DepthAttention` states.
     """
 
-    def __init__(self, embedding: torch.Tensor, block_size: int, consumers: Optional[list["DepthAttention"]] = None,
-                 window: Optional[int] = None):
+    def __init__(
+        self,
+        embedding: torch.Tensor,
+        block_size: int,
+        consumers: list[DepthAttention] | None = None,
+        window: int | None = None,
+    ):
         super().__init__(consumers)
         self.block_size = block_size
         self.window = window
         self.blocks: list[torch.Tensor] = [embedding]  # b_0 = e, then completed blocks b_1, b_2, …
-        self.partial: Optional[torch.Tensor] = None  # sum of the current block's outputs so far
+        self.partial: torch.Tensor | None = None  # sum of the current block's outputs so far
         self.n_written = 0  # index of the next sublayer
 
     @property
-    def state(self) -> Optional[torch.Tensor]:
+    def state(self) -> torch.Tensor | None:
         return self.partial
 
     @state.setter
     def state(self, value: torch.Tensor) -> None:
         self.partial = value
 
-    def read(self, mixer: "DepthAttention") -> torch.Tensor:
+    def read(self, mixer: DepthAttention) -> torch.Tensor:
         self._close_block()
         return self._mix(mixer, self.n_written)
 
-    def read_normed(self, mixer: "DepthAttention", hook_in: HookPoint, norm: RMSNorm
-                    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    def read_normed(
+        self, mixer: DepthAttention, hook_in: HookPoint, norm: RMSNorm
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """As `ResidualStream.read_normed`; x is None where the C kernel mixed and normed in one call: nothing
         reads it (this stream's `write` ignores the sublayer's input, and a hook on it takes the path below)."""
         if module_hooked(hook_in):  # a hook may see or edit x: the norm must read what it returns
@@ -122,19 +126,19 @@ class DepthStream(DepthExecution, ResidualStream):
             self.blocks.append(self.partial)
             self.partial = None
 
-    def write(self, output: torch.Tensor, input: Optional[torch.Tensor] = None) -> None:
+    def write(self, output: torch.Tensor, input: torch.Tensor | None = None) -> None:
         self.partial = output if self.partial is None else self.partial + output
         self.n_written += 1
 
-    def readout(self, mixer: "DepthAttention") -> torch.Tensor:
+    def readout(self, mixer: DepthAttention) -> torch.Tensor:
         return self._mix(mixer, self.n_written)
 
-    def readout_normed(self, mixer: "DepthAttention", norm: nn.Module) -> torch.Tensor:
+    def readout_normed(self, mixer: DepthAttention, norm: nn.Module) -> torch.Tensor:
         """As `ResidualStream.readout_normed`: the final readout is a consumer like a sublayer, its norm fused into
         the mix on the same terms as a sublayer's pre-norm (no hook on the mix, the norm or its hook points)."""
         return self._mix(mixer, self.n_written, norm)[1]
 
-    def sources(self, blocks: Optional[list[torch.Tensor]] = None) -> list[torch.Tensor]:
+    def sources(self, blocks: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The sources the next consumer reads (after `read` has closed a completed block); with `blocks`, those
         in place of the completed blocks (their views that share a gradient)."""
         blocks = self.blocks if blocks is None else blocks
@@ -170,8 +174,18 @@ class DepthAttention(nn.Module):
     (`depth_execution.watched_kernel_mix`).
     """
 
-    def __init__(self, d_model: int, eps: float, backend: str = "auto", score: str = "softmax", key_norm: bool = True,
-                 query: str = "static", heads: int = 1, mixing: str = "attention", n_sources: Optional[int] = None):
+    def __init__(
+        self,
+        d_model: int,
+        eps: float,
+        backend: str = "auto",
+        score: str = "softmax",
+        key_norm: bool = True,
+        query: str = "static",
+        heads: int = 1,
+        mixing: str = "attention",
+        n_sources: int | None = None,
+    ):
         super().__init__()
         self.backend = backend
         self.score, self.query_kind, self.heads, self.mixing, self.eps = score, query, heads, mixing, eps
@@ -193,8 +207,13 @@ class DepthAttention(nn.Module):
     def fusable(self) -> bool:
         """Whether the fused kernels compute this mix (the paper's default method only). Asked by every consumer
         on every forward: the key norm is looked up in `_modules`, not through nn.Module's attribute fallback."""
-        return (self.score == "softmax" and self.mixing == "attention" and self.query_kind == "static"
-                and self.heads == 1 and "key_norm" in self._modules)
+        return (
+            self.score == "softmax"
+            and self.mixing == "attention"
+            and self.query_kind == "static"
+            and self.heads == 1
+            and "key_norm" in self._modules
+        )
 
     # hook points whose hooks send the mix down the readable path (interventions stack copies by them)
     path_hooks = ("hook_logits", "hook_weights")
@@ -212,8 +231,9 @@ class DepthAttention(nn.Module):
         sources = common_dtype(sources)
         bias = self.logit_bias(sources)
         if self.fusable and not self.observed() and (bias is None or not bias.requires_grad):
-            return depth_attention(sources, self.query, self.key_norm.w, self.key_norm.eps, backend=self.backend,
-                                   logit_bias=bias)
+            return depth_attention(
+                sources, self.query, self.key_norm.w, self.key_norm.eps, backend=self.backend, logit_bias=bias
+            )
         if self.fusable and kernel_serves_hooks(self, sources):  # no autograd sees it: hooks fire on the kernel's
             return depth_execution.watched_kernel_mix(self, sources, bias)
         logits = self.logits(sources)
@@ -229,7 +249,7 @@ class DepthAttention(nn.Module):
         grouped = [v.unflatten(-1, (self.heads, -1)) for v in sources]  # [..., heads, d_model / heads]
         return mix_sources(weights, grouped).flatten(-2)
 
-    def logit_bias(self, sources: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    def logit_bias(self, sources: list[torch.Tensor]) -> torch.Tensor | None:
         """`hook_logit_bias`'s output [..., n_sources] when it is hooked (it then fires on zeros), else None."""
         if not is_hooked(self.hook_logit_bias):
             return None

@@ -6,9 +6,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Optional, Sequence
 
 # Both import nothing heavy: arguments are checked before torch and transformer_lens load (seconds).
 from attnres_lens.analysis_options import (
@@ -40,75 +40,137 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--preset", help="preset name (see `attnres-lens presets`)")
     source.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     train.add_argument("--out", metavar="DIR", help="run directory to create (required with --preset)")
-    train.add_argument("--steps", type=int,
-                       help="total training steps (overrides the preset; with --resume, a larger total extends the run)")
+    train.add_argument(
+        "--steps",
+        type=int,
+        help="total training steps (overrides the preset; with --resume, a larger total extends the run)",
+    )
     train.add_argument("--seed", type=int, help="seed for model init and data (train.seed and task.seed)")
-    train.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to train (default: the preset's, auto; with --resume: the run's)")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config field, e.g. --set model.n_layers=3 --set train.lr=1e-3 (repeatable)")
-    train.add_argument("--checkpoint", help="with --resume: continue from this checkpoint ('latest', 'best', a step "
-                       "or a name; default latest), e.g. when the latest one is damaged")
+    train.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        help="where to train (default: the preset's, auto; with --resume: the run's)",
+    )
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set model.n_layers=3 --set train.lr=1e-3 (repeatable)",
+    )
+    train.add_argument(
+        "--checkpoint",
+        help="with --resume: continue from this checkpoint ('latest', 'best', a step "
+        "or a name; default latest), e.g. when the latest one is damaged",
+    )
     train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     analyze = commands.add_parser("analyze", help="induction heads, in-context learning and depth maps of a run")
     analyze.add_argument("run", metavar="RUN", help="run directory")
-    analyze.add_argument("--samples", type=int, default=ANALYZE_SAMPLES,
-                         help=f"evaluation sequences (default: {ANALYZE_SAMPLES})")
+    analyze.add_argument(
+        "--samples", type=int, default=ANALYZE_SAMPLES, help=f"evaluation sequences (default: {ANALYZE_SAMPLES})"
+    )
     analyze.add_argument("--out", metavar="DIR", help="output folder (default: RUN/analysis)")
 
     prune = commands.add_parser("prune", help="layer-pruning sensitivity report of a run (tables + HTML)")
     prune.add_argument("run", metavar="RUN", help="run directory")
-    prune.add_argument("--metric", default="loss",
-                       help=f"order and plot by {' or '.join(map(repr, PRUNE_METRICS))} (default: loss)")
+    prune.add_argument(
+        "--metric", default="loss", help=f"order and plot by {' or '.join(map(repr, PRUNE_METRICS))} (default: loss)"
+    )
     prune.add_argument("--out", metavar="DIR", help="output folder (default: RUN/analysis)")
-    prune.add_argument("--samples", type=int, default=PRUNE_SAMPLES,
-                       help=f"evaluation sequences (default: {PRUNE_SAMPLES}; at least {MIN_SAMPLES['prune']})")
-    attribute = commands.add_parser("attribute", help="attribution through depth: which sources a prediction uses, "
-                                    "and through which path (tables + HTML)")
+    prune.add_argument(
+        "--samples",
+        type=int,
+        default=PRUNE_SAMPLES,
+        help=f"evaluation sequences (default: {PRUNE_SAMPLES}; at least {MIN_SAMPLES['prune']})",
+    )
+    attribute = commands.add_parser(
+        "attribute",
+        help="attribution through depth: which sources a prediction uses, and through which path (tables + HTML)",
+    )
     attribute.add_argument("run", metavar="RUN", help="run directory")
-    attribute.add_argument("--samples", type=int, default=ATTRIBUTE_SAMPLES,
-                           help=f"held-out sequences (default: {ATTRIBUTE_SAMPLES}; at least {MIN_SAMPLES['attribute']})")
-    attribute.add_argument("--prompt", metavar="IDS", help="space-separated token ids for the per-position views "
-                           "(default: the first held-out sequence)")
+    attribute.add_argument(
+        "--samples",
+        type=int,
+        default=ATTRIBUTE_SAMPLES,
+        help=f"held-out sequences (default: {ATTRIBUTE_SAMPLES}; at least {MIN_SAMPLES['attribute']})",
+    )
+    attribute.add_argument(
+        "--prompt",
+        metavar="IDS",
+        help="space-separated token ids for the per-position views (default: the first held-out sequence)",
+    )
     attribute.add_argument("--out", metavar="DIR", help="output folder (default: RUN/analysis)")
     for command in (analyze, prune, attribute):
-        command.add_argument("--checkpoint", default="latest", help="'latest', 'best' or a step number (default: latest)")
+        command.add_argument(
+            "--checkpoint", default="latest", help="'latest', 'best' or a step number (default: latest)"
+        )
         command.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-        command.add_argument("--threads", type=int, default=0,
-                             help="torch threads (default 0: one per core; interventions run stacked and use them)")
+        command.add_argument(
+            "--threads",
+            type=int,
+            default=0,
+            help="torch threads (default 0: one per core; interventions run stacked and use them)",
+        )
 
     import_fla = commands.add_parser("import-fla", help="open a flash-linear-attention Transformer as a run directory")
     import_fla.add_argument("path", metavar="PATH", help="FLA model directory (config.json + model.safetensors)")
     import_fla.add_argument("--out", metavar="RUN", required=True, help="run directory to create")
     evaluation = import_fla.add_mutually_exclusive_group()
-    evaluation.add_argument("--task", metavar="NAME", help="the analyses' evaluation task, at the model's vocabulary "
-                            "and context (default: copy)")
-    evaluation.add_argument("--tokens", metavar="FILE", help="evaluate on windows of a token-id file instead "
-                            "(uint16/uint32 raw or .npy; task 'tokens')")
+    evaluation.add_argument(
+        "--task",
+        metavar="NAME",
+        help="the analyses' evaluation task, at the model's vocabulary and context (default: copy)",
+    )
+    evaluation.add_argument(
+        "--tokens",
+        metavar="FILE",
+        help="evaluate on windows of a token-id file instead (uint16/uint32 raw or .npy; task 'tokens')",
+    )
     import_fla.add_argument("--tokens-dtype", choices=["uint16", "uint32"], help="dtype of a raw --tokens file")
-    import_fla.add_argument("--set", dest="overrides", action="append", default=[], metavar="task.KEY=VALUE",
-                            help="override a task parameter, e.g. --set task.seq_len=129 (repeatable)")
-    import_fla.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
-                            help="dtype of the imported model (default float32; bf16 weights upcast exactly)")
+    import_fla.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="task.KEY=VALUE",
+        help="override a task parameter, e.g. --set task.seq_len=129 (repeatable)",
+    )
+    import_fla.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float64", "bfloat16"],
+        help="dtype of the imported model (default float32; bf16 weights upcast exactly)",
+    )
 
     export_fla = commands.add_parser("export-fla", help="write a run's model as a flash-linear-attention directory")
     export_fla.add_argument("run", metavar="RUN", help="run directory")
     export_fla.add_argument("--out", metavar="DIR", required=True, help="new folder for the FLA model")
-    export_fla.add_argument("--checkpoint", default="latest", help="'latest', 'best' or a step number (default: latest)")
-    export_fla.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"],
-                            help="dtype of the written weights (default: the model's; for a run imported from FLA, "
-                            "the dtype it came in)")
+    export_fla.add_argument(
+        "--checkpoint", default="latest", help="'latest', 'best' or a step number (default: latest)"
+    )
+    export_fla.add_argument(
+        "--dtype",
+        choices=["float32", "float64", "bfloat16", "float16"],
+        help="dtype of the written weights (default: the model's; for a run imported from FLA, the dtype it came in)",
+    )
 
     dashboard = commands.add_parser("dashboard", help="open the Streamlit dashboard on a folder of runs")
-    dashboard.add_argument("--runs", metavar="DIR", default=str(REPO_ROOT / "data" / "demo_runs"),
-                           help="a run directory or a folder of them (default: data/demo_runs)")
+    dashboard.add_argument(
+        "--runs",
+        metavar="DIR",
+        default=str(REPO_ROOT / "data" / "demo_runs"),
+        help="a run directory or a folder of them (default: data/demo_runs)",
+    )
     dashboard.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
-    dashboard.add_argument("--host", default="127.0.0.1",
-                           help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
+    dashboard.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network)"
+    )
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status (bad input is a one-line error, not a traceback)."""
     args = build_parser().parse_args(argv)
     if args.command == "dashboard":  # the dashboard process does its own imports
@@ -147,8 +209,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     run = args.resume if args.command == "train" else getattr(args, "run", None)
     if run is not None and not Path(run).is_dir():
         what = "is a file, not a folder" if Path(run).exists() else "does not exist"
-        raise ValueError(f"run directory {run} {what}; give a folder that holds a run (one `attnres-lens train "
-                         "--out DIR` wrote)")
+        raise ValueError(
+            f"run directory {run} {what}; give a folder that holds a run (one `attnres-lens train --out DIR` wrote)"
+        )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -162,10 +225,17 @@ def _train(args: argparse.Namespace) -> int:
     try:
         if args.resume:
             if args.out or args.overrides or args.seed is not None:
-                raise ValueError("--resume continues a run with its own config; only --steps, --checkpoint and "
-                                 "--device may be given with it")
-            trainer = resume(args.resume, progress=not args.no_progress, steps=args.steps,
-                             checkpoint=args.checkpoint or "latest", device=args.device)
+                raise ValueError(
+                    "--resume continues a run with its own config; only --steps, --checkpoint and "
+                    "--device may be given with it"
+                )
+            trainer = resume(
+                args.resume,
+                progress=not args.no_progress,
+                steps=args.steps,
+                checkpoint=args.checkpoint or "latest",
+                device=args.device,
+            )
         else:
             if not args.out:
                 raise ValueError("--out DIR is required with --preset")
@@ -186,8 +256,11 @@ def _train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         run_dir = RunDir(args.resume or args.out)
         latest = run_dir.read_index().latest if run_dir.holds_run() else None
-        where = (f"the latest checkpoint is {latest}; continue with `attnres-lens train --resume {run_dir.path}`"
-                 if latest else f"no checkpoint was written yet; remove {run_dir.path} and train again")
+        where = (
+            f"the latest checkpoint is {latest}; continue with `attnres-lens train --resume {run_dir.path}`"
+            if latest
+            else f"no checkpoint was written yet; remove {run_dir.path} and train again"
+        )
         print(f"\nattnres-lens: interrupted: {where}", file=sys.stderr)
         return 130
     if trainer.rank == 0:
@@ -216,39 +289,50 @@ def _analysis(args: argparse.Namespace) -> int:
     except (ValueError, RunDirError) as err:
         print(f"attnres-lens: error: {err}", file=sys.stderr)
         return 2
-    print({"analyze": _analyze_lines, "prune": _prune_lines, "attribute": _attribute_lines}[args.command](result.summary))
+    print(
+        {"analyze": _analyze_lines, "prune": _prune_lines, "attribute": _attribute_lines}[args.command](result.summary)
+    )
     print(f"tables in {result.report_path.parent}/; report: {result.report_path}")
     return 0
 
 
-def _number(value: Optional[float], spec: str) -> str:
+def _number(value: float | None, spec: str) -> str:
     """`value` formatted by `spec`; "n/a" where the JSON summary holds null (a NaN: e.g. no answer positions)."""
     return "n/a" if value is None else format(value, spec)
 
 
 def _analyze_lines(summary: dict) -> str:
-    heads = ", ".join(f"L{row['layer']}H{row['head']} {_number(row['prefix_score'], '.3f')}"
-                      for row in summary["top_induction_heads"])
+    heads = ", ".join(
+        f"L{row['layer']}H{row['head']} {_number(row['prefix_score'], '.3f')}" for row in summary["top_induction_heads"]
+    )
     best = summary["top_induction_head"]
-    lines = [f"top induction heads (prefix-matching score): {heads}",
-             f"best head L{best['layer']}H{best['head']}: prefix score {_number(best['prefix_score'], '.3f')}, "
-             f"TransformerLens induction score {_number(best['tl_induction_score'], '.3f')}",
-             f"in-context learning score {_number(summary['icl_score'], '+.4f')} ({summary['icl_score_definition']})"]
+    lines = [
+        f"top induction heads (prefix-matching score): {heads}",
+        f"best head L{best['layer']}H{best['head']}: prefix score {_number(best['prefix_score'], '.3f')}, "
+        f"TransformerLens induction score {_number(best['tl_induction_score'], '.3f')}",
+        f"in-context learning score {_number(summary['icl_score'], '+.4f')} ({summary['icl_score_definition']})",
+    ]
     if "top_depth_sources" in summary:
         lines.append("top depth sources per consumer (token-mean α):")
         width = max(len(row["consumer_label"]) for row in summary["top_depth_sources"])
-        lines += [f"  {row['consumer_label']:>{width}}: " + ", ".join(
-            f"{source['source_label']} {_number(source['weight'], '.2f')}" for source in row["sources"])
-            for row in summary["top_depth_sources"]]
+        lines += [
+            f"  {row['consumer_label']:>{width}}: "
+            + ", ".join(f"{source['source_label']} {_number(source['weight'], '.2f')}" for source in row["sources"])
+            for row in summary["top_depth_sources"]
+        ]
     return "\n".join(lines)
 
 
 def _prune_lines(summary: dict) -> str:
-    lines = [f"clean loss {_number(summary['base_loss'], '.4f')} over all positions, accuracy "
-             f"{_number(summary['base_accuracy'], '.1%')} over answer positions "
-             f"({plural(summary['samples'], 'held-out sequence')})"]
-    lines += [f"{row['strategy']:>22}: {plural(row['n_removable'], 'sublayer')} removable within +5% loss"
-              for row in summary["removable"]]
+    lines = [
+        f"clean loss {_number(summary['base_loss'], '.4f')} over all positions, accuracy "
+        f"{_number(summary['base_accuracy'], '.1%')} over answer positions "
+        f"({plural(summary['samples'], 'held-out sequence')})"
+    ]
+    lines += [
+        f"{row['strategy']:>22}: {plural(row['n_removable'], 'sublayer')} removable within +5% loss"
+        for row in summary["removable"]
+    ]
     return "\n".join(lines)
 
 
@@ -257,8 +341,10 @@ def _attribute_lines(summary: dict) -> str:
     lines = [f"correct-token logit carried by: {top}"]
     if "edge_agreement" in summary:
         agreement = summary["edge_agreement"]
-        lines.append(f"edge estimates vs exact knockouts: Spearman {_number(agreement['spearman'], '.3f')} over "
-                     f"{plural(agreement['n_edges'], 'edge')}")
+        lines.append(
+            f"edge estimates vs exact knockouts: Spearman {_number(agreement['spearman'], '.3f')} over "
+            f"{plural(agreement['n_edges'], 'edge')}"
+        )
     return "\n".join(lines)
 
 
@@ -273,20 +359,24 @@ def _fla(args: argparse.Namespace) -> int:
     try:
         if args.command == "export-fla":
             out = interop.export_fla_run(args.run, args.out, args.checkpoint, args.dtype)
-            print(f"wrote {out}/config.json and {out}/{interop.WEIGHTS_FILE} (open with FLA's "
-                  "TransformerForCausalLM.from_pretrained)")
+            print(
+                f"wrote {out}/config.json and {out}/{interop.WEIGHTS_FILE} (open with FLA's "
+                "TransformerForCausalLM.from_pretrained)"
+            )
             return 0
         task = _import_task(args, interop)
         run, loss = interop.import_fla_run(args.path, args.out, task, dtype=args.dtype)
-        print(f"imported {args.path} as run {run} (eval loss {loss:.4g} on task {task['name'] if task else 'copy'}); "
-              f"next: attnres-lens analyze {run}")
+        print(
+            f"imported {args.path} as run {run} (eval loss {loss:.4g} on task {task['name'] if task else 'copy'}); "
+            f"next: attnres-lens analyze {run}"
+        )
     except (ValueError, RunDirError, OSError) as err:
         print(f"attnres-lens: error: {err}", file=sys.stderr)
         return 2
     return 0
 
 
-def _import_task(args: argparse.Namespace, interop: ModuleType) -> Optional[dict]:
+def _import_task(args: argparse.Namespace, interop: ModuleType) -> dict | None:
     """The task section of an imported run: --task NAME or --tokens FILE at the model's vocabulary and context, with
     --set task.KEY=VALUE on top; None for the default (copy)."""
     if args.tokens_dtype and not args.tokens:
@@ -295,8 +385,12 @@ def _import_task(args: argparse.Namespace, interop: ModuleType) -> Optional[dict
         return None
     cfg = interop.model_config_from_fla(interop.read_fla_config(args.path), dtype=args.dtype)
     if args.tokens:
-        task = {"name": "tokens", "path": str(Path(args.tokens).resolve()), "vocab_size": cfg.d_vocab,
-                "seq_len": cfg.n_ctx}
+        task = {
+            "name": "tokens",
+            "path": str(Path(args.tokens).resolve()),
+            "vocab_size": cfg.d_vocab,
+            "seq_len": cfg.n_ctx,
+        }
         if args.tokens_dtype:
             task["dtype"] = args.tokens_dtype
     else:
@@ -304,12 +398,13 @@ def _import_task(args: argparse.Namespace, interop: ModuleType) -> Optional[dict
     for assignment in args.overrides:
         key, sep, raw = assignment.partition("=")
         if not sep or not key.startswith("task.") or len(key) == len("task."):
-            raise ValueError(f"--set takes task.KEY=VALUE here (the model comes from the FLA directory), got "
-                             f"{assignment!r}")
+            raise ValueError(
+                f"--set takes task.KEY=VALUE here (the model comes from the FLA directory), got {assignment!r}"
+            )
         try:
-            task[key[len("task."):]] = json.loads(raw)
+            task[key[len("task.") :]] = json.loads(raw)
         except json.JSONDecodeError:
-            task[key[len("task."):]] = raw
+            task[key[len("task.") :]] = raw
     return task
 
 
@@ -318,8 +413,10 @@ def _dashboard(args: argparse.Namespace) -> int:
     runs = Path(args.runs).expanduser().resolve()
     problem = None
     if not DASHBOARD_APP.is_file():
-        problem = (f"the dashboard app {DASHBOARD_APP} is missing; it ships with the source tree, so install "
-                   "attnres_lens from a clone with `pip install -e .`")
+        problem = (
+            f"the dashboard app {DASHBOARD_APP} is missing; it ships with the source tree, so install "
+            "attnres_lens from a clone with `pip install -e .`"
+        )
     elif not runs.is_dir():
         what = "is a file, not a folder of runs" if runs.exists() else "no such folder"
         problem = f"--runs {args.runs}: {what} (train a run with `attnres-lens train`, or run `make demo`)"
@@ -328,10 +425,26 @@ def _dashboard(args: argparse.Namespace) -> int:
     if problem:
         print(f"attnres-lens: error: {problem}", file=sys.stderr)
         return 2
-    command = [sys.executable, "-m", "streamlit", "run", str(DASHBOARD_APP),
-               "--server.address", args.host, "--server.port", str(args.port), "--server.headless", "true",
-               "--browser.gatherUsageStats", "false", "--client.toolbarMode", "minimal",
-               "--", "--runs", str(runs)]
+    command = [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(DASHBOARD_APP),
+        "--server.address",
+        args.host,
+        "--server.port",
+        str(args.port),
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+        "--client.toolbarMode",
+        "minimal",
+        "--",
+        "--runs",
+        str(runs),
+    ]
     print(f"attnres-lens dashboard: http://{args.host}:{args.port}  (runs: {runs}; Ctrl+C stops it)", flush=True)
     os.execv(sys.executable, command)
     return 0  # not reached: execv does not return

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +85,7 @@ class Unembed(nn.Module):
     """`x @ W_U (+ b_U)`. Tied (`tie_word_embeddings`): `W_U` is the token embedding's `W_E` transposed, no
     parameter of its own; `embed` is then that embedding."""
 
-    def __init__(self, cfg: ModelConfig, embed: Optional[Embed] = None):
+    def __init__(self, cfg: ModelConfig, embed: Embed | None = None):
         super().__init__()
         if cfg.tie_word_embeddings:
             if embed is None:
@@ -228,7 +228,7 @@ class MLP(nn.Module):
         return _affine(post, self.W_out, self.b_out)
 
 
-def _affine(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ weight + bias`, the bias added inside the matmul (one pass over the output instead of two). Under
     autocast the sum keeps its own form: there a linear would round the fp32 bias and the output to the autocast
     dtype."""

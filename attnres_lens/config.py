@@ -22,7 +22,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformer_lens.config import TransformerLensConfig
@@ -38,20 +38,30 @@ ATTNRES_SCORES = ("softmax", "sigmoid")
 ATTNRES_QUERIES = ("static", "input")
 ATTNRES_MIXINGS = ("attention", "scalar")
 # AttnRes options (the paper's Table 4 ablations) and their defaults, today's AttnRes (docs/model.md §11).
-ATTNRES_OPTION_DEFAULTS: dict[str, Any] = {"attnres_score": "softmax", "attnres_key_norm": True,
-                                           "attnres_query": "static", "attnres_heads": 1, "attnres_window": None,
-                                           "attnres_mixing": "attention"}
+ATTNRES_OPTION_DEFAULTS: dict[str, Any] = {
+    "attnres_score": "softmax",
+    "attnres_key_norm": True,
+    "attnres_query": "static",
+    "attnres_heads": 1,
+    "attnres_window": None,
+    "attnres_mixing": "attention",
+}
 MAX_SINKHORN_ITERS = 1000
 MHC_DEFAULTS: dict[str, Any] = {"mhc_streams": 4, "mhc_sinkhorn_iters": 20, "mhc_eps": 1e-6}
 # Names earlier versions wrote: mHC was residual="hyper" with hyper_* fields. A stored config (config.json, a
 # checkpoint's metadata) is read with the new names; a new setting with an old name is refused naming the new one
 # (docs/run_directory.md §2, compatibility).
 RENAMED_RESIDUALS = {"hyper": "mhc"}
-RENAMED_MODEL_FIELDS = {"hyper_streams": "mhc_streams", "hyper_sinkhorn_iters": "mhc_sinkhorn_iters",
-                        "hyper_eps": "mhc_eps"}
+RENAMED_MODEL_FIELDS = {
+    "hyper_streams": "mhc_streams",
+    "hyper_sinkhorn_iters": "mhc_sinkhorn_iters",
+    "hyper_eps": "mhc_eps",
+}
 # the fields only one residual kind reads, with their defaults: any other kind refuses them changed
 RESIDUAL_OWN_FIELDS: dict[str, dict[str, Any]] = {
-    "attnres": {"attnres_block_size": 1, "attnres_eps": 1e-6, **ATTNRES_OPTION_DEFAULTS}, "mhc": MHC_DEFAULTS}
+    "attnres": {"attnres_block_size": 1, "attnres_eps": 1e-6, **ATTNRES_OPTION_DEFAULTS},
+    "mhc": MHC_DEFAULTS,
+}
 ATTENTION_KINDS = ("standard", "kv_shift")
 POSITIONAL_KINDS = ("rotary", "standard")  # "standard" = learned absolute positions, as in TL
 ACT_FNS = ("gelu", "relu", "silu")
@@ -76,7 +86,7 @@ class ModelConfig(TransformerLensConfig):
     n_ctx: int = 128
     n_heads: int = 4
     d_vocab: int = 64
-    d_mlp: Optional[int] = None  # None: 4 * d_model
+    d_mlp: int | None = None  # None: 4 * d_model
     act_fn: str = "gelu"
     gated_mlp: bool = False  # True: act(x W_gate + b_gate) * (x W_in + b_in), then W_out (act_fn="silu": SwiGLU)
     use_bias: bool = True  # MLP and unembedding biases (b_in, b_gate, b_out, b_U); False: bias-free projections
@@ -84,11 +94,11 @@ class ModelConfig(TransformerLensConfig):
     attn_only: bool = False
     positional_embedding_type: str = "rotary"
     rotary_base: float = 10000.0
-    normalization_type: Optional[str] = "RMS"
+    normalization_type: str | None = "RMS"
     uses_rms_norm: bool = True
     eps: float = 1e-5  # RMSNorm epsilon of the sublayer pre-norms and the final norm
     init_range: float = 0.02
-    seed: Optional[int] = None
+    seed: int | None = None
 
     residual: str = "standard"
     attnres_block_size: int = 1  # sublayers per block (attention and MLP count separately); 1 = Full AttnRes
@@ -97,7 +107,7 @@ class ModelConfig(TransformerLensConfig):
     attnres_key_norm: bool = True  # False: keys are the raw sources (no RMSNorm, no gain)
     attnres_query: str = "static"  # or "input": q_j = RMSNorm(most recent source) @ W_j, W_j zero-initialised
     attnres_heads: int = 1  # H channel groups, each with its own query slice, key norm and softmax
-    attnres_window: Optional[int] = None  # W: read the embedding plus only the last W sources
+    attnres_window: int | None = None  # W: read the embedding plus only the last W sources
     attnres_mixing: str = "attention"  # or "scalar": learned input-independent weights over the same sources
     mhc_streams: int = 4  # mHC: residual streams n
     mhc_sinkhorn_iters: int = 20  # mHC: Sinkhorn-Knopp iterations making the stream mix doubly stochastic
@@ -112,11 +122,15 @@ class ModelConfig(TransformerLensConfig):
         check_field_types(self)
         for name, supported in UNIMPLEMENTED_TL_FIELDS.items():
             if getattr(self, name) != supported:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not implemented by attnres_lens models "
-                                 f"(only {name}={supported!r}); remove the setting")
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not implemented by attnres_lens models "
+                    f"(only {name}={supported!r}); remove the setting"
+                )
         if self.residual in RENAMED_RESIDUALS:
-            raise ValueError(f"residual={self.residual!r} was renamed {RENAMED_RESIDUALS[self.residual]!r}; "
-                             f"set residual={RENAMED_RESIDUALS[self.residual]!r}")
+            raise ValueError(
+                f"residual={self.residual!r} was renamed {RENAMED_RESIDUALS[self.residual]!r}; "
+                f"set residual={RENAMED_RESIDUALS[self.residual]!r}"
+            )
         _check_choice("residual", self.residual, RESIDUAL_KINDS)
         _check_choice("attention", self.attention, ATTENTION_KINDS)
         _check_choice("positional_embedding_type", self.positional_embedding_type, POSITIONAL_KINDS)
@@ -171,9 +185,11 @@ class ModelConfig(TransformerLensConfig):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.mhc_sinkhorn_iters > MAX_SINKHORN_ITERS:
-            raise ValueError(f"mhc_sinkhorn_iters={self.mhc_sinkhorn_iters} is more than {MAX_SINKHORN_ITERS}: the "
-                             "Sinkhorn-Knopp normalisation converges geometrically (mHC uses 20), and each iteration "
-                             "is a sequential step of every forward pass")
+            raise ValueError(
+                f"mhc_sinkhorn_iters={self.mhc_sinkhorn_iters} is more than {MAX_SINKHORN_ITERS}: the "
+                "Sinkhorn-Knopp normalisation converges geometrically (mHC uses 20), and each iteration "
+                "is a sequential step of every forward pass"
+            )
         if self.attnres_window is not None and self.attnres_window < 1:
             raise ValueError(f"attnres_window must be None (every source) or >= 1, got {self.attnres_window!r}")
         if not self.mhc_eps > 0:
@@ -181,22 +197,32 @@ class ModelConfig(TransformerLensConfig):
         for kind, fields in RESIDUAL_OWN_FIELDS.items():
             changed = [name for name, default in fields.items() if getattr(self, name) != default]
             if changed and self.residual != kind:
-                raise ValueError(f"{', '.join(changed)} only appl{'y' if len(changed) > 1 else 'ies'} to "
-                                 f"residual={kind!r}, got residual={self.residual!r}")
+                raise ValueError(
+                    f"{', '.join(changed)} only appl{'y' if len(changed) > 1 else 'ies'} to "
+                    f"residual={kind!r}, got residual={self.residual!r}"
+                )
         if self.d_model % self.attnres_heads:
             raise ValueError(f"attnres_heads={self.attnres_heads} must divide d_model={self.d_model}")
         if self.attnres_mixing == "scalar":
-            conflicts = [name for name in ("attnres_score", "attnres_key_norm", "attnres_query", "attnres_heads")
-                         if getattr(self, name) != ATTNRES_OPTION_DEFAULTS[name]]
+            conflicts = [
+                name
+                for name in ("attnres_score", "attnres_key_norm", "attnres_query", "attnres_heads")
+                if getattr(self, name) != ATTNRES_OPTION_DEFAULTS[name]
+            ]
             if conflicts:
-                raise ValueError(f"attnres_mixing='scalar' has no query or keys (softmax over learned weights), so "
-                                 f"{', '.join(conflicts)} cannot be changed with it")
+                raise ValueError(
+                    f"attnres_mixing='scalar' has no query or keys (softmax over learned weights), so "
+                    f"{', '.join(conflicts)} cannot be changed with it"
+                )
 
     @property
     def attnres_options(self) -> dict[str, Any]:
         """The AttnRes options that differ from their defaults (empty for today's AttnRes)."""
-        return {name: getattr(self, name) for name, default in ATTNRES_OPTION_DEFAULTS.items()
-                if getattr(self, name) != default}
+        return {
+            name: getattr(self, name)
+            for name, default in ATTNRES_OPTION_DEFAULTS.items()
+            if getattr(self, name) != default
+        }
 
     # ------------------------------------------------------------------ structure
     def allocation_floor(self) -> dict[str, int]:
@@ -274,17 +300,18 @@ class ModelConfig(TransformerLensConfig):
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, config_dict: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, config_dict: dict[str, Any]) -> ModelConfig:
         """Strict inverse of `to_dict`: unknown keys are errors, not silently dropped (unlike TL's)."""
         known = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(config_dict) - known)
         if unknown:
-            raise ValueError(f"unknown ModelConfig field(s) {unknown}{_renamed_hint(unknown)}; known fields: "
-                             f"{sorted(known)}")
+            raise ValueError(
+                f"unknown ModelConfig field(s) {unknown}{_renamed_hint(unknown)}; known fields: {sorted(known)}"
+            )
         return cls(**config_dict)
 
     @classmethod
-    def from_stored(cls, config_dict: dict[str, Any]) -> "ModelConfig":
+    def from_stored(cls, config_dict: dict[str, Any]) -> ModelConfig:
         """`from_dict` for a config read back from a run (config.json, a checkpoint's metadata): the fields of a
         residual kind the model is not, which it never reads and which earlier versions recorded (e.g. a preset's
         block size after `--set model.residual=standard`), return to their defaults instead of being refused; the
@@ -303,7 +330,7 @@ class ModelConfig(TransformerLensConfig):
         return cls.from_dict(data)
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelConfig":
+    def from_json(cls, text: str) -> ModelConfig:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
@@ -315,20 +342,31 @@ class ModelConfig(TransformerLensConfig):
 
 # TransformerLens config fields the model does not implement: only these values are accepted.
 UNIMPLEMENTED_TL_FIELDS: dict[str, Any] = {
-    "use_attn_result": False, "use_split_qkv_input": False, "default_prepend_bos": True,
-    "uses_rms_norm": True, "layer_norm_folding": False, "normalization_type": "RMS", "num_experts": None,
-    "experts_per_token": None, "final_rms": False,
+    "use_attn_result": False,
+    "use_split_qkv_input": False,
+    "default_prepend_bos": True,
+    "uses_rms_norm": True,
+    "layer_norm_folding": False,
+    "normalization_type": "RMS",
+    "num_experts": None,
+    "experts_per_token": None,
+    "final_rms": False,
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
 def _describe(expected: Any) -> str:
-    names = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string",
-             torch.dtype: f"one of {list(DTYPES)}"}
+    names = {
+        bool: "true or false",
+        int: "an integer",
+        float: "a finite number",
+        str: "a string",
+        torch.dtype: f"one of {list(DTYPES)}",
+    }
     if typing.get_origin(expected) is tuple:
         return f"a list of {len(typing.get_args(expected))} numbers"
     return names.get(expected, getattr(expected, "__name__", str(expected)))
@@ -367,17 +405,23 @@ def check_field_types(config: Any, prefix: str = "") -> None:
         value = getattr(config, name)
         if not _matches(value, expected):
             optional = _is_union(expected) and type(None) in typing.get_args(expected)
-            wanted = _describe(next(a for a in typing.get_args(expected) if a is not type(None)) if optional
-                               else expected) + (" or null" if optional else "")
+            wanted = _describe(
+                next(a for a in typing.get_args(expected) if a is not type(None)) if optional else expected
+            ) + (" or null" if optional else "")
             raise ValueError(f"{prefix}{name} must be {wanted}, got {value!r}")
 
 
 def _option_tag(name: str, value: Any) -> str:
     """A short tag for a non-default AttnRes option: 'sigmoid', 'no-keynorm', 'input-query', 'heads8', 'window8',
     'scalar'."""
-    return {"attnres_score": str(value), "attnres_key_norm": "no-keynorm", "attnres_query": f"{value}-query",
-            "attnres_heads": f"heads{value}", "attnres_window": f"window{value}",
-            "attnres_mixing": str(value)}[name]
+    return {
+        "attnres_score": str(value),
+        "attnres_key_norm": "no-keynorm",
+        "attnres_query": f"{value}-query",
+        "attnres_heads": f"heads{value}",
+        "attnres_window": f"window{value}",
+        "attnres_mixing": str(value),
+    }[name]
 
 
 def _renamed_hint(fields: list[str]) -> str:
@@ -424,12 +468,21 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_field_types(self, "train.")
         self.betas = tuple(self.betas)
-        for name in ("steps", "batch_size", "eval_every", "eval_size", "record_every", "record_size",
-                     "checkpoint_every", "keep_checkpoints", "log_every"):
+        for name in (
+            "steps",
+            "batch_size",
+            "eval_every",
+            "eval_size",
+            "record_every",
+            "record_size",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "log_every",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name} must be an integer >= 1, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"train.seed must be an integer in [0, 2**63), got {self.seed!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
             raise ValueError(f"train.threads must be an integer >= 0 (0 = one per core), got {self.threads!r}")
@@ -440,8 +493,9 @@ class TrainConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
-            raise ValueError(f"train.betas must be two numbers in [0, 1) (AdamW's moment decays), got "
-                             f"{list(self.betas)!r}")
+            raise ValueError(
+                f"train.betas must be two numbers in [0, 1) (AdamW's moment decays), got {list(self.betas)!r}"
+            )
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("train.weight_decay and train.grad_clip must be >= 0")
         if self.device not in DEVICES:
@@ -450,7 +504,7 @@ class TrainConfig:
             raise ValueError(f"train.record_size={self.record_size} must be <= train.eval_size={self.eval_size}")
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
         """config.json's `train` section, strictly: an unknown field is an error naming the known ones."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
@@ -488,18 +542,20 @@ class TaskConfig:
         if not isinstance(self.params, Mapping) or not all(isinstance(key, str) for key in self.params):
             raise ValueError(f"task parameters must be a mapping of parameter names to values, got {self.params!r}")
         if "name" in self.params:
-            raise ValueError(f"'name' is the task's name, not a parameter: give TaskConfig({self.params['name']!r}, "
-                             "params) or TaskConfig.from_dict({'name': …, **params})")
+            raise ValueError(
+                f"'name' is the task's name, not a parameter: give TaskConfig({self.params['name']!r}, "
+                "params) or TaskConfig.from_dict({'name': …, **params})"
+            )
         object.__setattr__(self, "params", dict(self.params))  # a copy: the caller's dict cannot change it later
         self.build()
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "TaskConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> TaskConfig:
         """From config.json's flat form `{"name": …, **params}`."""
         from attnres_lens.tasks import TASKS
 
         if not isinstance(data, Mapping):
-            raise ValueError(f"a task section must be an object {{\"name\": …, **parameters}}, got {data!r}")
+            raise ValueError(f'a task section must be an object {{"name": …, **parameters}}, got {data!r}')
         params = dict(data)
         if "name" not in params:
             raise ValueError(f"the task has no 'name'; give one of {sorted(TASKS)}")
@@ -509,7 +565,7 @@ class TaskConfig:
         """config.json's flat form `{"name": …, **params}`, what `make_task` takes."""
         return {"name": self.name, **self.params}
 
-    def build(self) -> "Task":
+    def build(self) -> Task:
         """A new task built from this config (the task's defaults fill the parameters not given)."""
         from attnres_lens.tasks import make_task
 
@@ -528,17 +584,18 @@ class RunConfig:
     model: ModelConfig
     task: TaskConfig
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
-    preset: Optional[str] = None
+    preset: str | None = None
     # Where a model that was not trained here came from ({"source": "flash-linear-attention", "path", …}); None for
     # runs trained by attnres_lens. An imported run has one checkpoint and no training records (docs/interop.md §4).
-    provenance: Optional[dict[str, Any]] = None
+    provenance: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.task, Mapping):
             self.task = TaskConfig.from_dict(self.task)
         elif not isinstance(self.task, TaskConfig):
-            raise ValueError(f"a run config's task must be a TaskConfig or a mapping {{\"name\": …, **parameters}}, "
-                             f"got {self.task!r}")
+            raise ValueError(
+                f'a run config\'s task must be a TaskConfig or a mapping {{"name": …, **parameters}}, got {self.task!r}'
+            )
 
     @property
     def imported(self) -> bool:
@@ -559,7 +616,7 @@ class RunConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         """Inverse of `to_dict`, strict (unknown train fields are errors); the model section goes through
         `ModelConfig.from_stored`, which reads what earlier versions wrote."""
         for section in ("model", "task", "train"):
@@ -571,7 +628,7 @@ class RunConfig:
         model, train = ModelConfig.from_stored(data["model"]), TrainConfig.from_dict(data["train"])
         return cls(model, TaskConfig.from_dict(data["task"]), train, data.get("preset"), provenance)
 
-    def build_task(self) -> "Task":
+    def build_task(self) -> Task:
         """The run's task, built from `task` (a new one each call)."""
         return self.task.build()
 
@@ -586,8 +643,11 @@ def task_fields(task: dict[str, Any]) -> set[str]:
 def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
     """Apply `key=value` settings: `model.n_layers=4`, `train.lr=1e-3`, `task.vocab_size=48`, or an
     unqualified field name when exactly one section has it. Values are parsed as JSON (else a string)."""
-    sections = {"model": config.model.settings(), "task": config.task.to_dict(),
-                "train": dataclasses.asdict(config.train)}
+    sections = {
+        "model": config.model.settings(),
+        "task": config.task.to_dict(),
+        "train": dataclasses.asdict(config.train),
+    }
     given_task_fields, given_model_fields = set(), set()
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
@@ -598,16 +658,20 @@ def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
             owners = [name for name, values in sections.items() if field in values and name != "task"]
             owners += ["task"] if field in task_fields(sections["task"]) else []
             if len(owners) != 1:
-                where = (f"it is in {owners}; write section.{field}" if owners
-                         else f"no section has it{_renamed_hint([field])}")
+                where = (
+                    f"it is in {owners}; write section.{field}"
+                    if owners
+                    else f"no section has it{_renamed_hint([field])}"
+                )
                 raise ValueError(f"cannot set {key!r}: {where} (sections: model, task, train)")
             section = owners[0]
         if section not in sections:
             raise ValueError(f"unknown section {section!r} in {assignment!r}; use model., task. or train.")
         # Task parameters are checked by the task itself (a preset lists only the ones it changes).
         if section != "task" and field not in sections[section]:
-            raise ValueError(f"unknown {section} field {field!r}{_renamed_hint([field])}; known: "
-                             f"{sorted(sections[section])}")
+            raise ValueError(
+                f"unknown {section} field {field!r}{_renamed_hint([field])}; known: {sorted(sections[section])}"
+            )
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:

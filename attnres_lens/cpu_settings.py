@@ -43,7 +43,7 @@ def configure(threads: int = 0) -> None:
     _freeze_imports()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _freeze_imports() -> None:
     """Once per process (cyclic garbage alive at that moment is never freed, so repeated calls would keep more)."""
     gc.freeze()
@@ -60,13 +60,15 @@ def set_threads(threads: int) -> None:
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be a whole number >= 0 (0 = one per core), got {threads!r}")
     if threads > max_threads():
-        raise ValueError(f"threads={threads} is more than this machine can run ({os.cpu_count()} cores; at most "
-                         f"{max_threads()}); use 0 for one per core")
+        raise ValueError(
+            f"threads={threads} is more than this machine can run ({os.cpu_count()} cores; at most "
+            f"{max_threads()}); use 0 for one per core"
+        )
     if threads:
         torch.set_num_threads(threads)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed blocks up to 32 MB for reuse instead of returning them to the system.
     True if applied; False where the C library is not glibc (nothing to tune, nothing changed)."""
@@ -74,4 +76,6 @@ def keep_freed_memory() -> bool:
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     # mallopt returns 1 on success; 0 means glibc refused the value, which leaves its default in place
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM))
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM)
+    )

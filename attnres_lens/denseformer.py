@@ -8,8 +8,6 @@ initialised `a_{k,k} = 1` and the others 0, so at step 0 the model is exactly th
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
@@ -39,7 +37,7 @@ class DenseStream(ResidualStream):
         self.outputs = [embedding]  # X_0 = e, then X_1, X_2, …
         self.state = embedding  # within a block: Y_{k−1} plus the block's outputs so far; after it: Y_k
 
-    def read(self, mixer: Optional[nn.Module] = None) -> torch.Tensor:
+    def read(self, mixer: nn.Module | None = None) -> torch.Tensor:
         return self.state
 
     def write(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -49,5 +47,5 @@ class DenseStream(ResidualStream):
         self.outputs.append(self.state)  # X_k
         self.state = dwa(self.outputs)  # Y_k
 
-    def readout(self, mixer: Optional[nn.Module] = None) -> torch.Tensor:
+    def readout(self, mixer: nn.Module | None = None) -> torch.Tensor:
         return self.state

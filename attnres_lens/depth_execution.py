@@ -19,7 +19,7 @@ Each strategy steps aside for the readable path wherever a hook, an autograd or 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -75,8 +75,9 @@ def norm_fuses_into(norm: nn.Module, dtype: torch.dtype) -> bool:
     return isinstance(norm, RMSNorm) and not norm.watched() and parameter(norm, "w").dtype == dtype
 
 
-def fused_with_norm(mixer: "DepthAttention", sources: list[torch.Tensor], norm: nn.Module
-                    ) -> Optional[tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, float]]:
+def fused_with_norm(
+    mixer: DepthAttention, sources: list[torch.Tensor], norm: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, float] | None:
     """`fused_mix_and_norm`'s arguments after the sources, `(query, key-norm gain, eps, norm gain, norm eps)`,
     where `mixer`'s mix of `sources` and `norm` may run as one C kernel call: the mix would run the C kernel
     (sources of one shape and dtype, fp32 or fp64, on the CPU, outside torch.compile), its parameters and the
@@ -86,19 +87,27 @@ def fused_with_norm(mixer: "DepthAttention", sources: list[torch.Tensor], norm: 
     read from the modules' dicts where they are plain parameters (`hook_checks.parameter`)."""
     first = sources[0]
     dtype, width = first.dtype, first.shape[-1:]
-    if (not mixer.fusable or module_hooked(mixer) or any_hooked(mixer, mixer.hook_points)
-            or not norm_fuses_into(norm, dtype)):
+    if (
+        not mixer.fusable
+        or module_hooked(mixer)
+        or any_hooked(mixer, mixer.hook_points)
+        or not norm_fuses_into(norm, dtype)
+    ):
         return None
     key_norm = mixer._modules["key_norm"]
     query, gain, norm_weight = parameter(mixer, "query"), parameter(key_norm, "w"), parameter(norm, "w")
-    if (query.dtype == gain.dtype == dtype and query.shape == gain.shape == norm_weight.shape == width
-            and elementwise_runs_cpu_kernel(mixer.backend, *sources)):
+    if (
+        query.dtype == gain.dtype == dtype
+        and query.shape == gain.shape == norm_weight.shape == width
+        and elementwise_runs_cpu_kernel(mixer.backend, *sources)
+    ):
         return query, gain, key_norm.eps, norm_weight, norm.eps
     return None
 
 
-def mix_and_norm(mixer: "DepthAttention", sources: list[torch.Tensor], norm: RMSNorm, keep_h: bool = True
-                 ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+def mix_and_norm(
+    mixer: DepthAttention, sources: list[torch.Tensor], norm: RMSNorm, keep_h: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """`(h, norm(h))` for `mixer`'s mix h of `sources` (a consumer and its pre-norm): one C kernel call each way
     where `fused_with_norm` allows it (docs/kernels.md §4). Without `keep_h` that kernel leaves h out,
     `(None, norm(h))`: h is neither written nor read back."""
@@ -110,14 +119,13 @@ def mix_and_norm(mixer: "DepthAttention", sources: list[torch.Tensor], norm: RMS
     return h, norm(h)
 
 
-def kernel_serves_hooks(mixer: "DepthAttention", sources: list[torch.Tensor]) -> bool:
+def kernel_serves_hooks(mixer: DepthAttention, sources: list[torch.Tensor]) -> bool:
     """Whether `watched_kernel_mix` may fire `mixer`'s hooks on the C kernel's logits and weights: no autograd can
     see the call and the C kernel runs on `sources`."""
     return builds_no_graph() and elementwise_runs_cpu_kernel(mixer.backend, *sources)
 
 
-def watched_kernel_mix(mixer: "DepthAttention", sources: list[torch.Tensor], bias: Optional[torch.Tensor]
-                       ) -> torch.Tensor:
+def watched_kernel_mix(mixer: DepthAttention, sources: list[torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
     """The readable path's hooks, fired on the C kernel's logits (bias added) and weights where no autograd
     sees the call (`kernel_serves_hooks`: inference, the analyses' reads of α, `run_with_cache` under no_grad);
     the mix then runs after them, from what they left, as the readable path's does. Left as they were (same dtype
@@ -126,8 +134,16 @@ def watched_kernel_mix(mixer: "DepthAttention", sources: list[torch.Tensor], bia
     through `.data` or a NumPy view (which no version counter sees) takes effect there too. Edited, the mix
     goes on from the hooked tensors in PyTorch. The kernel computes the same logits and softmax in the same
     dtype, to rounding; its two passes replace the readable path's ~4S (docs/kernels.md §11)."""
-    _, weights, logits = depth_attention(sources, mixer.query, mixer.key_norm.w, mixer.key_norm.eps, backend="cpu",
-                                         return_weights=True, return_logits=True, logit_bias=bias)
+    _, weights, logits = depth_attention(
+        sources,
+        mixer.query,
+        mixer.key_norm.w,
+        mixer.key_norm.eps,
+        backend="cpu",
+        return_weights=True,
+        return_logits=True,
+        logit_bias=bias,
+    )
     # each hook gets a contiguous copy of its own, in the readable path's layout, held against the kernel's
     seen = mixer.hook_logits(logits.clone(memory_format=torch.contiguous_format))
     if not _unchanged(seen, logits):
@@ -135,8 +151,9 @@ def watched_kernel_mix(mixer: "DepthAttention", sources: list[torch.Tensor], bia
     seen = mixer.hook_weights(weights.clone(memory_format=torch.contiguous_format))
     if not _unchanged(seen, weights):
         return mix_sources(seen, sources)
-    h = depth_attention(sources, torch.zeros_like(mixer.query), mixer.key_norm.w, mixer.key_norm.eps,
-                        backend="cpu", logit_bias=logits)
+    h = depth_attention(
+        sources, torch.zeros_like(mixer.query), mixer.key_norm.w, mixer.key_norm.eps, backend="cpu", logit_bias=logits
+    )
     if not bool(h.sum().isfinite()):
         # an inf or NaN a hook wrote into a source spreads over its token through the key norm the second
         # pass recomputes (0 · NaN); the readable mix confines it to its channel, as the readable path does
@@ -150,10 +167,11 @@ def _unchanged(seen: torch.Tensor, kept: torch.Tensor) -> bool:
     return seen.dtype == kept.dtype and seen.device == kept.device and torch.equal(seen, kept)
 
 
-def _any_requires_grad(sources: list[torch.Tensor], modules: list["DepthAttention"]) -> bool:
+def _any_requires_grad(sources: list[torch.Tensor], modules: list[DepthAttention]) -> bool:
     # the modules first: in training their parameters answer at once, without a look at every source
-    return (any(module.query.requires_grad or module.key_norm.w.requires_grad for module in modules)
-            or any(source.requires_grad for source in sources))
+    return any(module.query.requires_grad or module.key_norm.w.requires_grad for module in modules) or any(
+        source.requires_grad for source in sources
+    )
 
 
 class _Copies(NamedTuple):
@@ -191,31 +209,32 @@ class DepthExecution:
     # the stream's state that the strategies read; the stream also answers `sources(blocks)` and
     # `last_in_block(consumer)` (`attnres.DepthStream`)
     block_size: int
-    window: Optional[int]
+    window: int | None
     blocks: list[torch.Tensor]
-    partial: Optional[torch.Tensor]
+    partial: torch.Tensor | None
 
-    def __init__(self, consumers: Optional[list["DepthAttention"]]):
+    def __init__(self, consumers: list[DepthAttention] | None):
         self.consumers = consumers  # every sublayer's depth attention, then the final readout's: windows may open
-        self._phase1: Optional[_Phase1] = None
+        self._phase1: _Phase1 | None = None
         # set once the backend policy refused a window: it answers the same for the rest of this forward (grad
         # mode, backend and device do not change, and sources that need a gradient keep needing it), so the
         # later consumers of a training step skip the question
         self._one_pass_only = False
         self._shared: list[tuple[torch.Tensor, torch.Tensor]] = []  # (block, its share_gradient view), see _one_pass
-        self._copies: Optional[_Copies] = None  # see `stacked_from`
+        self._copies: _Copies | None = None  # see `stacked_from`
 
     def batch_changed(self) -> None:
         self._phase1 = None  # the window's phase-1 statistics were computed for the old batch
         self._shared = []  # views of the old batch's blocks
         self._copies = None
 
-    def stacked_from(self, states: list["DepthStream"]) -> None:
+    def stacked_from(self, states: list[DepthStream]) -> None:
         """Note that this stream is `states` stacked along the batch (exact interventions run branches so): the
         leading completed blocks that every state holds as the same tensor are one block repeated, so a window's
         phase 1 mixes those once, at one copy's batch, for every copy, and a consumer with a logit-bias hook reads
         them once for all its copies (docs/kernels.md §7)."""
-        def leading(state: "DepthStream") -> list[torch.Tensor]:
+
+        def leading(state: DepthStream) -> list[torch.Tensor]:
             # with S = 1 the partial sum is the last output, which the next read closes into a block unchanged
             return state.blocks + ([state.partial] if state.partial is not None and self.block_size == 1 else [])
 
@@ -225,29 +244,35 @@ class DepthExecution:
             if any(block is not column[0] for block in column):
                 break
             shared += 1
-        self._copies = (_Copies(sources[0][:shared], leading(self)[:shared], len(states))
-                        if shared and len(states) > 1 else None)
+        self._copies = (
+            _Copies(sources[0][:shared], leading(self)[:shared], len(states)) if shared and len(states) > 1 else None
+        )
 
-    def _mix(self, module: "DepthAttention", consumer: int, norm: Optional[RMSNorm] = None
-             ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def _mix(
+        self, module: DepthAttention, consumer: int, norm: RMSNorm | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The consumer's input h, or with `norm` (its pre-norm) `(h, norm(h))`."""
-        if (self.consumers is None or self._one_pass_only or module.hooked()
-                or (self.block_size == 1 and len(self.blocks) < MIN_SHARED_SOURCES)):  # too few for a Full window
+        if (
+            self.consumers is None
+            or self._one_pass_only
+            or module.hooked()
+            or (self.block_size == 1 and len(self.blocks) < MIN_SHARED_SOURCES)
+        ):  # too few for a Full window
             return self._one_pass(module, norm)
         # in training on the C kernel, the blocks' gradients are summed in place as in a one-pass mix
-        sources = common_dtype(self._gradient_shared_sources() if self._shares_gradients(module)
-                               else self.sources())
+        sources = common_dtype(self._gradient_shared_sources() if self._shares_gradients(module) else self.sources())
         phase1 = self._phase1
         if phase1 is None or not phase1.first <= consumer <= phase1.last:
             phase1 = self._phase1 = self._start_window(consumer, sources)
         if phase1 is None:
             return self._one_pass(module, norm)
-        unseen = [source.to(phase1.stats.out_dtype) for source in sources[phase1.n_sources:]]
+        unseen = [source.to(phase1.stats.out_dtype) for source in sources[phase1.n_sources :]]
         h = merge_partial(phase1.stats, consumer - phase1.first, unseen)
         return h if norm is None else (h, norm(h))
 
-    def _one_pass(self, module: "DepthAttention", norm: Optional[RMSNorm]
-                  ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def _one_pass(
+        self, module: DepthAttention, norm: RMSNorm | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self._copies is not None and (mixed := self._mix_over_copies(module, norm)) is not None:
             return mixed
         sources = self.sources()
@@ -259,29 +284,44 @@ class DepthExecution:
             return fused_mix_and_norm(sources, *fused, False)
         return module(sources) if norm is None else mix_and_norm(module, sources, norm, keep_h=False)
 
-    def _mix_over_copies(self, module: "DepthAttention", norm: Optional[RMSNorm]
-                         ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None]:
+    def _mix_over_copies(
+        self, module: DepthAttention, norm: RMSNorm | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """A consumer's mix of stacked copies (`stacked_from`) whose leading sources every copy shares, each copy
         with its own logit bias (a knockout), reading the shared sources once for all copies
         (`cpu_depth.depth_attention_copies_cpu`), as `_one_pass` returns it (with `norm`, `(h, norm(h))`, the norm
         fused unless something watches it); None where the one-pass mix must run: an autograd that could see it
         (`builds_no_graph`), a hook that watches the mix (`observed`) or the module, a window, another backend, or
         a shared source since replaced."""
-        if (not builds_no_graph() or self.window is not None or not module.fusable or module.observed()
-                or module_hooked(module)):
+        if (
+            not builds_no_graph()
+            or self.window is not None
+            or not module.fusable
+            or module.observed()
+            or module_hooked(module)
+        ):
             return None
         sources = self.sources()
         originals, _, n_copies = self._copies
         n_shared = min(len(originals), len(sources))  # the final readout may read fewer (a partial not closed)
-        if (not self._copies_intact(sources)
-                or not elementwise_runs_cpu_kernel(module.backend, *sources)
-                or any(source.dtype != sources[0].dtype for source in sources)):
+        if (
+            not self._copies_intact(sources)
+            or not elementwise_runs_cpu_kernel(module.backend, *sources)
+            or any(source.dtype != sources[0].dtype for source in sources)
+        ):
             return None
         bias = module.logit_bias(sources)
         fused = norm_fuses_into(norm, sources[0].dtype)
-        mixed = depth_attention_copies_cpu(originals[:n_shared], sources[n_shared:], n_copies, module.query,
-                                           module.key_norm.w, module.key_norm.eps, bias,
-                                           norm=(norm.w, norm.eps) if fused else None)
+        mixed = depth_attention_copies_cpu(
+            originals[:n_shared],
+            sources[n_shared:],
+            n_copies,
+            module.query,
+            module.key_norm.w,
+            module.key_norm.eps,
+            bias,
+            norm=(norm.w, norm.eps) if fused else None,
+        )
         if norm is None or fused:
             return mixed
         return mixed, norm(mixed)
@@ -291,7 +331,7 @@ class DepthExecution:
         the copies share a source: none was replaced since, so each still repeats its original."""
         return all(source is stacked for source, stacked in zip(sources, self._copies.stacked))
 
-    def _shares_gradients(self, module: "DepthAttention", fused: bool = False) -> bool:
+    def _shares_gradients(self, module: DepthAttention, fused: bool = False) -> bool:
         """Whether this consumer's C backward adds its source gradients into buffers the completed blocks share
         (`kernels.cpu_autograd.SharedGradient`; docs/kernels.md §5): with a gradient, on the C kernel, for sources
         of `MIN_SHARED_GRADIENT_ELEMENTS` or more, when nothing hooked on the mix could see the blocks' shared
@@ -299,19 +339,29 @@ class DepthExecution:
         which answers the rest."""
         # elementwise_runs_cpu_kernel: the C kernel's rule for these tensors (false under torch.compile, whose
         # custom ops take no shared buffers)
-        return (torch.is_grad_enabled() and self.blocks[0].numel() >= MIN_SHARED_GRADIENT_ELEMENTS
-                and (fused or (module.fusable and not module.hooked() and not module_hooked(module)
-                               and elementwise_runs_cpu_kernel(module.backend, self.blocks[0]))))
+        return (
+            torch.is_grad_enabled()
+            and self.blocks[0].numel() >= MIN_SHARED_GRADIENT_ELEMENTS
+            and (
+                fused
+                or (
+                    module.fusable
+                    and not module.hooked()
+                    and not module_hooked(module)
+                    and elementwise_runs_cpu_kernel(module.backend, self.blocks[0])
+                )
+            )
+        )
 
     def _gradient_shared_sources(self) -> list[torch.Tensor]:
         """`sources()` with every completed block seen through its `share_gradient` view (made once per block)."""
         for i, block in enumerate(self.blocks):
             if i == len(self._shared) or self._shared[i][0] is not block:  # new, or replaced (a copied stream)
                 self._shared[i:] = [(block, share_gradient(block))]
-        del self._shared[len(self.blocks):]
+        del self._shared[len(self.blocks) :]
         return self.sources([view for _, view in self._shared])
 
-    def _start_window(self, consumer: int, sources: list[torch.Tensor]) -> Optional[_Phase1]:
+    def _start_window(self, consumer: int, sources: list[torch.Tensor]) -> _Phase1 | None:
         """Phase 1 for the window that starts at `consumer`, or None where it mixes one pass per consumer."""
         shared = sources[: len(self.blocks)]  # the current partial sum changes within the window: merged later
         final = len(self.consumers) - 1
@@ -324,8 +374,9 @@ class DepthExecution:
         needs_grad = torch.is_grad_enabled() and _any_requires_grad(shared, members)
         backend = stream_two_phase_backend(self.block_size, module.backend, shared[0].device)
         self._one_pass_only = backend is None
-        if backend is None or (backend == "cpu" and len(shared) < (MIN_SHARED_SOURCES_WITH_GRAD if needs_grad
-                                                                   else MIN_SHARED_SOURCES)):
+        if backend is None or (
+            backend == "cpu" and len(shared) < (MIN_SHARED_SOURCES_WITH_GRAD if needs_grad else MIN_SHARED_SOURCES)
+        ):
             return None
         queries = torch.stack([member.query for member in members])
         gains = torch.stack([member.key_norm.w for member in members])
@@ -336,8 +387,9 @@ class DepthExecution:
             stats = block_phase1(shared, queries, gains, module.key_norm.eps, backend=backend)
         return _Phase1(consumer, last, len(shared), stats)
 
-    def _phase1_over_copies(self, shared: list[torch.Tensor], queries: torch.Tensor, gains: torch.Tensor,
-                            eps: float) -> Optional[BlockStats]:
+    def _phase1_over_copies(
+        self, shared: list[torch.Tensor], queries: torch.Tensor, gains: torch.Tensor, eps: float
+    ) -> BlockStats | None:
         """Phase 1 over `shared` (stacked copies of a batch, `stacked_from`) with the blocks the copies share
         mixed once at one copy's batch, that part then the prior of every copy's mix of the other blocks; None
         where too few blocks are shared to pay for the extra call, or a shared block was replaced since stacking."""
@@ -356,5 +408,5 @@ class DepthExecution:
             lse = once.lse.repeat(1, n_copies, *[1] * (once.lse.dim() - 2))
         else:
             folded = queries.to(once.mix.dtype) * gains.to(once.mix.dtype)  # as block_phase1 folds them
-            mix, lse = depth_attention_multi_cpu(shared[len(originals):], folded, eps, prior=(once.mix, once.lse))
+            mix, lse = depth_attention_multi_cpu(shared[len(originals) :], folded, eps, prior=(once.mix, once.lse))
         return once._replace(mix=mix, lse=lse)

@@ -37,8 +37,9 @@ class _Totals:
     correct: int = 0
 
     def add(self, logits: torch.Tensor, batch: Batch) -> None:
-        per_token = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX,
-                                    reduction="none").view(batch.targets.shape)
+        per_token = F.cross_entropy(
+            logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        ).view(batch.targets.shape)
         has_target = batch.targets != IGNORE_INDEX
         answers = batch.answer_mask & has_target
         self.loss += per_token[has_target].double().sum().item()

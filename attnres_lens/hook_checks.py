@@ -39,7 +39,13 @@ def parameter(module: nn.Module, name: str) -> torch.Tensor:
 def module_hooked(module: nn.Module) -> bool:
     """Whether a PyTorch hook would see a call of `module`: one of its own (TransformerLens's hooks on a hook point
     are such hooks) or a global module hook. A fused path that skips the call must not run then."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or torch_module._global_forward_hooks
-                or torch_module._global_forward_pre_hooks or torch_module._global_backward_hooks
-                or torch_module._global_backward_pre_hooks)
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or torch_module._global_forward_hooks
+        or torch_module._global_forward_pre_hooks
+        or torch_module._global_backward_hooks
+        or torch_module._global_backward_pre_hooks
+    )

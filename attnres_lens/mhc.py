@@ -49,8 +49,9 @@ def sinkhorn(matrix: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 class MHCConnection(nn.Module):
     """Read, write and stream-mix weights of one sublayer, computed from the streams it reads."""
 
-    def __init__(self, n_streams: int, d_model: int, norm_eps: float, eps: float, sinkhorn_iters: int,
-                 init_range: float):
+    def __init__(
+        self, n_streams: int, d_model: int, norm_eps: float, eps: float, sinkhorn_iters: int, init_range: float
+    ):
         super().__init__()
         self.n, self.norm_eps, self.eps, self.sinkhorn_iters = n_streams, norm_eps, eps, sinkhorn_iters
         self.fn = nn.Parameter(normal_init(((2 + n_streams) * n_streams, n_streams * d_model), init_range))

@@ -18,7 +18,7 @@ the model.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,8 +56,9 @@ def _capture(model: HookedTransformer, tokens: torch.Tensor, names: list[str]) -
     return saved
 
 
-def mixing_coefficients(model: HookedTransformer, tokens: Optional[torch.Tensor] = None,
-                        per_group: bool = False) -> torch.Tensor:
+def mixing_coefficients(
+    model: HookedTransformer, tokens: torch.Tensor | None = None, per_group: bool = False
+) -> torch.Tensor:
     """`[batch, pos, J+1, J+1]` (fp32; fp64 for a float64 model): the coefficient of e (column 0) and of each f_i
     (column 1+i) in the input of each consumer (row c; row J is the final norm's input). Zero above the diagonal
     (c reads e and f_i, i < c).
@@ -126,8 +127,11 @@ def _denseformer(model: HookedTransformer) -> torch.Tensor:
 def _mhc(model: HookedTransformer, tokens: torch.Tensor, n: int) -> torch.Tensor:
     modules = model.mixer_modules()
     names = [module.hook_read_weights.name for module in modules.values()]
-    names += [name for module in list(modules.values())[:-1]
-              for name in (module.hook_write_weights.name, module.hook_stream_mix.name)]
+    names += [
+        name
+        for module in list(modules.values())[:-1]
+        for name in (module.hook_write_weights.name, module.hook_stream_mix.name)
+    ]
     saved = _capture(model, tokens, names)
     n_streams = model.cfg.mhc_streams
     streams = torch.zeros(*tokens.shape, n_streams, n, **_like(model))  # each stream's coefficients
@@ -164,7 +168,13 @@ def mixing_rows(model: HookedTransformer, matrix: torch.Tensor) -> list[dict[str
     rows = []
     for consumer in range(model.cfg.n_sublayers + 1):
         for sublayer in [EMBEDDING, *range(consumer)]:
-            rows.append(dict(consumer=consumer, consumer_label=model.sublayer_name(consumer), sublayer=sublayer,
-                             sublayer_label="emb" if sublayer == EMBEDDING else model.sublayer_name(sublayer),
-                             weight=float(matrix[consumer, basis_index(sublayer)])))
+            rows.append(
+                dict(
+                    consumer=consumer,
+                    consumer_label=model.sublayer_name(consumer),
+                    sublayer=sublayer,
+                    sublayer_label="emb" if sublayer == EMBEDDING else model.sublayer_name(sublayer),
+                    weight=float(matrix[consumer, basis_index(sublayer)]),
+                )
+            )
     return rows

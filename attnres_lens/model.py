@@ -7,7 +7,8 @@ RMSNorm, RoPE (or learned positions), optional `attn_only`. Built on Transformer
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,25 +26,36 @@ from attnres_lens.mhc import MHCConnection, MHCHead, MHCStream
 from attnres_lens.resources import check_model_fits
 from attnres_lens.streams import ResidualStream, SumStream
 
-TokensLike = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], str]
+TokensLike = torch.Tensor | Sequence[int] | Sequence[Sequence[int]] | str
 
 
 # The hook showing each residual kind's post-layer state (docs/model.md §9).
-POST_LAYER_HOOK = {"standard": "hook_resid_post", "attnres": "hook_block_partial", "denseformer": "hook_dwa_out",
-                   "mhc": "hook_streams"}
+POST_LAYER_HOOK = {
+    "standard": "hook_resid_post",
+    "attnres": "hook_block_partial",
+    "denseformer": "hook_dwa_out",
+    "mhc": "hook_streams",
+}
 
 
 def depth_attention(cfg: ModelConfig, consumer: int) -> DepthAttention:
     """The depth attention of `consumer` (sublayer index, J = final readout) with the config's AttnRes options."""
     n_sources = len(source_layout(consumer, cfg.n_sublayers, cfg.attnres_block_size, cfg.attnres_window))
-    return DepthAttention(cfg.d_model, cfg.attnres_eps, cfg.depth_attention_backend, score=cfg.attnres_score,
-                          key_norm=cfg.attnres_key_norm, query=cfg.attnres_query, heads=cfg.attnres_heads,
-                          mixing=cfg.attnres_mixing, n_sources=n_sources)
+    return DepthAttention(
+        cfg.d_model,
+        cfg.attnres_eps,
+        cfg.depth_attention_backend,
+        score=cfg.attnres_score,
+        key_norm=cfg.attnres_key_norm,
+        query=cfg.attnres_query,
+        heads=cfg.attnres_heads,
+        mixing=cfg.attnres_mixing,
+        n_sources=n_sources,
+    )
 
 
 def mhc_connection(cfg: ModelConfig) -> MHCConnection:
-    return MHCConnection(cfg.mhc_streams, cfg.d_model, cfg.eps, cfg.mhc_eps, cfg.mhc_sinkhorn_iters,
-                           cfg.init_range)
+    return MHCConnection(cfg.mhc_streams, cfg.d_model, cfg.eps, cfg.mhc_eps, cfg.mhc_sinkhorn_iters, cfg.init_range)
 
 
 class TransformerBlock(nn.Module):
@@ -87,7 +99,7 @@ class TransformerBlock(nn.Module):
         # Y_k (DenseFormer); [batch, pos, n_streams, d_model]: the streams (mHC)
         setattr(self, POST_LAYER_HOOK[cfg.residual], HookPoint())
 
-    def mixers(self) -> tuple[Optional[nn.Module], Optional[nn.Module]]:
+    def mixers(self) -> tuple[nn.Module | None, nn.Module | None]:
         """The modules that mix the inputs of the attention and MLP sublayers (None for a plain residual)."""
         prefix = {"attnres": "res", "mhc": "hc"}.get(self.cfg.residual)
         if prefix is None:
@@ -104,8 +116,14 @@ class TransformerBlock(nn.Module):
         stream.state = getattr(self, POST_LAYER_HOOK[self.cfg.residual])(stream.state)
 
     @staticmethod
-    def _sublayer(stream: ResidualStream, mixer: Optional[nn.Module], hook_in: HookPoint, norm: RMSNorm,
-                  sublayer: nn.Module, hook_out: HookPoint) -> None:
+    def _sublayer(
+        stream: ResidualStream,
+        mixer: nn.Module | None,
+        hook_in: HookPoint,
+        norm: RMSNorm,
+        sublayer: nn.Module,
+        hook_out: HookPoint,
+    ) -> None:
         x, normed = stream.read_normed(mixer, hook_in, norm)
         stream.write(hook_out(sublayer(normed)), x)
 
@@ -184,7 +202,7 @@ class HookedTransformer(HookedRootModule):
     def forward(
         self,
         tokens: TokensLike,
-        return_type: Optional[Literal["logits", "loss", "both"]] = "logits",
+        return_type: Literal["logits", "loss", "both"] | None = "logits",
         loss_per_token: bool = False,
     ) -> Any:
         """Run the model on `tokens` ([batch, pos] ints, or anything `to_tokens` accepts).
@@ -213,30 +231,33 @@ class HookedTransformer(HookedRootModule):
     def _stream(self, embedding: torch.Tensor) -> ResidualStream:
         cfg = self.cfg
         if cfg.residual == "attnres":
-            return DepthStream(embedding, cfg.attnres_block_size, self._two_phase_consumers(embedding.device),
-                               cfg.attnres_window)
+            return DepthStream(
+                embedding, cfg.attnres_block_size, self._two_phase_consumers(embedding.device), cfg.attnres_window
+            )
         if cfg.residual == "denseformer":
             return DenseStream(embedding)
         if cfg.residual == "mhc":
             return MHCStream(embedding, cfg.mhc_streams)
         return SumStream(embedding)
 
-    def final_mixer(self) -> Optional[nn.Module]:
+    def final_mixer(self) -> nn.Module | None:
         """The module that mixes the final norm's input: `final_res` (AttnRes), `final_hc` (mHC), else None."""
         return getattr(self, "final_res", None) or getattr(self, "final_hc", None)
 
-    def _two_phase_consumers(self, device: torch.device) -> Optional[list[DepthAttention]]:
+    def _two_phase_consumers(self, device: torch.device) -> list[DepthAttention] | None:
         """The consumers a stream may mix two-phase (kernels.backends.model_runs_two_phase): Block AttnRes under
         Triton, and Full AttnRes on the C kernel (the stream decides per window). The ablation options (and a
         sliding window, whose sources differ per consumer) mix one sublayer at a time."""
-        if (self.cfg.attnres_options
-                or not model_runs_two_phase(self.cfg.attnres_block_size, self.cfg.depth_attention_backend, device)):
+        if self.cfg.attnres_options or not model_runs_two_phase(
+            self.cfg.attnres_block_size, self.cfg.depth_attention_backend, device
+        ):
             return None
         modules = self.depth_attention_modules()
         return [modules[consumer] for consumer in sorted(modules)]
 
-    def run_with_cache(self, *model_args: Any, remove_batch_dim: bool = False, **kwargs: Any
-                       ) -> tuple[Any, DepthActivationCache]:
+    def run_with_cache(
+        self, *model_args: Any, remove_batch_dim: bool = False, **kwargs: Any
+    ) -> tuple[Any, DepthActivationCache]:
         """Like TL's, but the cache is a `transformer_lens.ActivationCache` (`DepthActivationCache`), so
         `cache["pattern", l]` works, and its residual-stream helpers refuse AttnRes models instead of misreading them."""
         if model_args and not isinstance(model_args[0], torch.Tensor):
@@ -248,8 +269,10 @@ class HookedTransformer(HookedRootModule):
         """TransformerLens's protocol: the sum of the bias terms written into the residual stream before `layer`
         (its MLP input too when `mlp_input`). Attention has no output bias here, so only MLP `b_out` counts."""
         if self.cfg.residual != "standard":
-            raise ValueError("accumulated_bias describes a running-sum residual stream; this model's residual is "
-                             f"{self.cfg.residual!r}")
+            raise ValueError(
+                "accumulated_bias describes a running-sum residual stream; this model's residual is "
+                f"{self.cfg.residual!r}"
+            )
         total = torch.zeros(self.cfg.d_model, device=self.embed.W_E.device, dtype=self.embed.W_E.dtype)
         if include_mlp_biases and not self.cfg.attn_only and self.cfg.use_bias:
             for block in self.blocks[:layer]:
@@ -267,7 +290,9 @@ class HookedTransformer(HookedRootModule):
         if isinstance(tokens, (list, tuple)) and tokens and all(isinstance(t, str) for t in tokens):
             rows = [self.to_tokens(text)[0].tolist() for text in tokens]  # TL utilities pass lists of prompts
             if len({len(row) for row in rows}) > 1:
-                raise ValueError(f"strings of tokens must all have the same length to form a batch, got {[len(r) for r in rows]}")
+                raise ValueError(
+                    f"strings of tokens must all have the same length to form a batch, got {[len(r) for r in rows]}"
+                )
             tokens = rows
         if isinstance(tokens, str):
             try:
@@ -283,7 +308,9 @@ class HookedTransformer(HookedRootModule):
         if tokens.ndim == 1:
             tokens = tokens[None]
         if tokens.ndim != 2 or tokens.shape[-1] == 0 or tokens.shape[0] == 0:
-            raise ValueError(f"tokens must have shape [batch, pos] with batch >= 1 and pos >= 1, got {tuple(tokens.shape)}")
+            raise ValueError(
+                f"tokens must have shape [batch, pos] with batch >= 1 and pos >= 1, got {tuple(tokens.shape)}"
+            )
         if tokens.shape[-1] > self.cfg.n_ctx:
             raise ValueError(
                 f"sequence length {tokens.shape[-1]} exceeds n_ctx={self.cfg.n_ctx}; truncate the input or "
@@ -293,12 +320,16 @@ class HookedTransformer(HookedRootModule):
             # host values (`.item()`) would break a compiled graph: inside one the range check runs as an
             # assertion on the device, raising RuntimeError with this message when the step runs
             in_range = ((tokens >= 0) & (tokens < self.cfg.d_vocab)).all()
-            torch._assert_async(in_range, f"token ids must be in 0..{self.cfg.d_vocab - 1} (d_vocab={self.cfg.d_vocab})")
+            torch._assert_async(
+                in_range, f"token ids must be in 0..{self.cfg.d_vocab - 1} (d_vocab={self.cfg.d_vocab})"
+            )
             return tokens.to(device=self.embed.W_E.device, dtype=torch.long)
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= self.cfg.d_vocab:
             bad = low if low < 0 else high
-            raise ValueError(f"token id {bad} is out of range for d_vocab={self.cfg.d_vocab} (valid ids 0..{self.cfg.d_vocab - 1})")
+            raise ValueError(
+                f"token id {bad} is out of range for d_vocab={self.cfg.d_vocab} (valid ids 0..{self.cfg.d_vocab - 1})"
+            )
         return tokens.to(device=self.embed.W_E.device, dtype=torch.long)
 
     # ------------------------------------------------------------------ depth structure
@@ -410,14 +441,18 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
-def adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999)
-          ) -> torch.optim.AdamW:
+def adamw(
+    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999)
+) -> torch.optim.AdamW:
     """AdamW over `param_groups`, fused (one kernel call for all tensors) on the CPU and CUDA. PyTorch's default
     on the CPU is a Python loop of several ops per parameter tensor, and AttnRes adds two tensors per sublayer
     (docs/kernels.md §11 has the timings)."""
     first = next((p for p in model.parameters() if p.requires_grad), None)
     if first is None:
-        raise ValueError(f"adamw needs a model with trainable parameters; {type(model).__name__} has none "
-                         "(all frozen or none at all)")
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas,
-                             fused=first.device.type in ("cpu", "cuda"))
+        raise ValueError(
+            f"adamw needs a model with trainable parameters; {type(model).__name__} has none "
+            "(all frozen or none at all)"
+        )
+    return torch.optim.AdamW(
+        param_groups(model, weight_decay), lr=lr, betas=betas, fused=first.device.type in ("cpu", "cuda")
+    )

@@ -13,17 +13,35 @@ built, and `attnres_lens.config` imported, when a preset is asked for).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from attnres_lens.config import RunConfig
 
 INDUCTION_TASK = {"name": "copy", "vocab_size": 64, "seq_len": 65, "min_len": 8, "max_len": 16}
-INDUCTION_TRAIN = dict(steps=7000, batch_size=32, lr=3e-3, warmup_steps=100, eval_every=100, record_every=250,
-                       checkpoint_every=1000, log_every=50)
+INDUCTION_TRAIN = dict(
+    steps=7000,
+    batch_size=32,
+    lr=3e-3,
+    warmup_steps=100,
+    eval_every=100,
+    record_every=250,
+    checkpoint_every=1000,
+    log_every=50,
+)
 DEPTH_TASK = {"name": "mixed", "vocab_size": 64, "seq_len": 65}
-DEPTH_TRAIN = dict(steps=1500, batch_size=16, lr=3e-3, warmup_steps=100, eval_every=100, record_every=100,
-                   checkpoint_every=500, log_every=25, eval_size=128)
+DEPTH_TRAIN = dict(
+    steps=1500,
+    batch_size=16,
+    lr=3e-3,
+    warmup_steps=100,
+    eval_every=100,
+    record_every=100,
+    checkpoint_every=500,
+    log_every=25,
+    eval_size=128,
+)
 # flash-linear-attention's Transformer: a bias-free SwiGLU MLP and one epsilon for every norm (docs/interop.md §1)
 FLA_FORM = {"gated_mlp": True, "act_fn": "silu", "use_bias": False, "eps": 1e-5, "attnres_eps": 1e-5}
 
@@ -31,16 +49,26 @@ FLA_FORM = {"gated_mlp": True, "act_fn": "silu", "use_bias": False, "eps": 1e-5,
 def _induction(n_layers: int, attention: str) -> RunConfig:
     from attnres_lens.config import ModelConfig, RunConfig, TrainConfig
 
-    model = ModelConfig(d_model=64, n_heads=4, n_layers=n_layers, n_ctx=65, d_vocab=64, attn_only=True,
-                        attention=attention)
+    model = ModelConfig(
+        d_model=64, n_heads=4, n_layers=n_layers, n_ctx=65, d_vocab=64, attn_only=True, attention=attention
+    )
     return RunConfig(model, dict(INDUCTION_TASK), TrainConfig(**INDUCTION_TRAIN))
 
 
 def _depth(residual: str, block_size: int = 1, **options: Any) -> RunConfig:
     from attnres_lens.config import ModelConfig, RunConfig, TrainConfig
 
-    model = ModelConfig(d_model=64, n_heads=4, n_layers=12, n_ctx=65, d_vocab=64, d_mlp=128,
-                        residual=residual, attnres_block_size=block_size, **options)
+    model = ModelConfig(
+        d_model=64,
+        n_heads=4,
+        n_layers=12,
+        n_ctx=65,
+        d_vocab=64,
+        d_mlp=128,
+        residual=residual,
+        attnres_block_size=block_size,
+        **options,
+    )
     return RunConfig(model, dict(DEPTH_TASK), TrainConfig(**DEPTH_TRAIN))
 
 
@@ -55,41 +83,89 @@ DEPTH_MIXING_VARIANTS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
     "depth-full-sigmoid": ("Full AttnRes, sigmoid instead of softmax", "attnres", 1, {"attnres_score": "sigmoid"}),
     "depth-full-no-keynorm": ("Full AttnRes without key RMSNorm", "attnres", 1, {"attnres_key_norm": False}),
     "depth-block-no-keynorm": ("Block AttnRes (S = 4) without key RMSNorm", "attnres", 4, {"attnres_key_norm": False}),
-    "depth-full-input-query": ("Full AttnRes, input-dependent query from the most recent source", "attnres", 1,
-                               {"attnres_query": "input"}),
-    "depth-full-heads16": ("Full AttnRes, multi-head depth attention (H = 16 channel groups)", "attnres", 1,
-                           {"attnres_heads": 16}),
-    "depth-full-window8": ("Full AttnRes, sliding window (embedding + last 8 sources)", "attnres", 1,
-                           {"attnres_window": 8}),
-    "depth-full-scalar": ("Full AttnRes sources, input-independent scalar mixing", "attnres", 1,
-                          {"attnres_mixing": "scalar"}),
+    "depth-full-input-query": (
+        "Full AttnRes, input-dependent query from the most recent source",
+        "attnres",
+        1,
+        {"attnres_query": "input"},
+    ),
+    "depth-full-heads16": (
+        "Full AttnRes, multi-head depth attention (H = 16 channel groups)",
+        "attnres",
+        1,
+        {"attnres_heads": 16},
+    ),
+    "depth-full-window8": (
+        "Full AttnRes, sliding window (embedding + last 8 sources)",
+        "attnres",
+        1,
+        {"attnres_window": 8},
+    ),
+    "depth-full-scalar": (
+        "Full AttnRes sources, input-independent scalar mixing",
+        "attnres",
+        1,
+        {"attnres_mixing": "scalar"},
+    ),
 }
 
 
 def _smoke() -> RunConfig:
     from attnres_lens.config import ModelConfig, RunConfig, TrainConfig
 
-    model = ModelConfig(d_model=32, n_heads=2, n_layers=2, n_ctx=33, d_vocab=24, residual="attnres",
-                        attnres_block_size=2, attention="kv_shift")
-    train = TrainConfig(steps=40, batch_size=8, warmup_steps=5, eval_every=10, eval_size=32, record_every=10,
-                        record_size=8, checkpoint_every=20, log_every=5)
+    model = ModelConfig(
+        d_model=32,
+        n_heads=2,
+        n_layers=2,
+        n_ctx=33,
+        d_vocab=24,
+        residual="attnres",
+        attnres_block_size=2,
+        attention="kv_shift",
+    )
+    train = TrainConfig(
+        steps=40,
+        batch_size=8,
+        warmup_steps=5,
+        eval_every=10,
+        eval_size=32,
+        record_every=10,
+        record_size=8,
+        checkpoint_every=20,
+        log_every=5,
+    )
     return RunConfig(model, {"name": "copy", "vocab_size": 24, "seq_len": 33, "min_len": 4, "max_len": 8}, train)
 
 
 PRESETS: dict[str, tuple[str, Callable[[], RunConfig]]] = {
-    "induction-1l-vanilla": ("1-layer attention-only, standard attention, copy task (expected to fail)",
-                             lambda: _induction(1, "standard")),
-    "induction-2l-vanilla": ("2-layer attention-only, standard attention, copy task (late sharp transition)",
-                             lambda: _induction(2, "standard")),
-    "induction-1l-kvshift": ("1-layer attention-only, KV-shifting attention, copy task (solves it fast)",
-                             lambda: _induction(1, "kv_shift")),
-    "induction-2l-kvshift": ("2-layer attention-only, KV-shifting attention, copy task",
-                             lambda: _induction(2, "kv_shift")),
-    **{name: (f"12-layer model with MLPs, {description}, mixed task",
-              lambda residual=residual, block=block, options=options: _depth(residual, block, **options))
-       for name, (description, residual, block, options) in DEPTH_MIXING_VARIANTS.items()},
-    "fla-attnres-block": ("12-layer Block AttnRes (S = 4) in flash-linear-attention's form (SwiGLU, no biases, one "
-                          "norm epsilon), mixed task: `export-fla` writes it as trained", lambda: _depth("attnres", 4, **FLA_FORM)),
+    "induction-1l-vanilla": (
+        "1-layer attention-only, standard attention, copy task (expected to fail)",
+        lambda: _induction(1, "standard"),
+    ),
+    "induction-2l-vanilla": (
+        "2-layer attention-only, standard attention, copy task (late sharp transition)",
+        lambda: _induction(2, "standard"),
+    ),
+    "induction-1l-kvshift": (
+        "1-layer attention-only, KV-shifting attention, copy task (solves it fast)",
+        lambda: _induction(1, "kv_shift"),
+    ),
+    "induction-2l-kvshift": (
+        "2-layer attention-only, KV-shifting attention, copy task",
+        lambda: _induction(2, "kv_shift"),
+    ),
+    **{
+        name: (
+            f"12-layer model with MLPs, {description}, mixed task",
+            lambda residual=residual, block=block, options=options: _depth(residual, block, **options),
+        )
+        for name, (description, residual, block, options) in DEPTH_MIXING_VARIANTS.items()
+    },
+    "fla-attnres-block": (
+        "12-layer Block AttnRes (S = 4) in flash-linear-attention's form (SwiGLU, no biases, one "
+        "norm epsilon), mixed task: `export-fla` writes it as trained",
+        lambda: _depth("attnres", 4, **FLA_FORM),
+    ),
     "smoke": ("tiny Block AttnRes + KV-shift model, 40 steps: checks the pipeline end to end in seconds", _smoke),
 }
 
@@ -102,8 +178,9 @@ def check_preset(name: str) -> None:
     if name in RENAMED_PRESETS:
         raise ValueError(f"preset {name!r} was renamed {RENAMED_PRESETS[name]!r}; use --preset {RENAMED_PRESETS[name]}")
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)} (list them with "
-                         "`attnres-lens presets`)")
+        raise ValueError(
+            f"unknown preset {name!r}; choose one of {sorted(PRESETS)} (list them with `attnres-lens presets`)"
+        )
 
 
 def get_preset(name: str) -> RunConfig:

@@ -73,7 +73,9 @@ class Recorder:
 
         outputs = [model.sublayer_output_hook(j) for j, _ in self.sublayers]
         model.zero_grad(set_to_none=True)
-        with model.hooks(fwd_hooks=[(name, save_forward) for name in wanted], bwd_hooks=[(name, save_grad) for name in outputs]):
+        with model.hooks(
+            fwd_hooks=[(name, save_forward) for name in wanted], bwd_hooks=[(name, save_grad) for name in outputs]
+        ):
             logits = model(self.eval_batch.tokens)
             next_token_loss(logits, self.eval_batch.tokens).backward()
 
@@ -83,21 +85,42 @@ class Recorder:
             consumer_label = model.sublayer_name(consumer)
             kind = model.sublayer_kind(consumer)
             for source, (label, weight) in enumerate(zip(labels, weights.tolist())):
-                self.rows["depth_weights"].append(dict(step=step, consumer=consumer, consumer_label=consumer_label, kind=kind,
-                                                       source=source, source_label=label, weight=weight))
+                self.rows["depth_weights"].append(
+                    dict(
+                        step=step,
+                        consumer=consumer,
+                        consumer_label=consumer_label,
+                        kind=kind,
+                        source=source,
+                        source_label=label,
+                        weight=weight,
+                    )
+                )
         mixing = mixing_coefficients(model, self.eval_batch.tokens).mean(dim=(0, 1))
         self.rows["depth_mixing"] += [dict(step=step, **row) for row in mixing_rows(model, mixing)]
         for j, label in self.sublayers:
-            self.rows["magnitudes"].append(dict(
-                step=step, sublayer=j, label=label, kind=model.sublayer_kind(j),
-                output_rms=rms(forward[model.sublayer_output_hook(j)]),
-                input_rms=rms(forward[model.sublayer_input_hook(j)]),
-                grad_norm=grads[model.sublayer_output_hook(j)].float().norm(dim=-1).mean().item(),
-            ))
-        self.rows["magnitudes"].append(dict(
-            step=step, sublayer=model.cfg.n_sublayers, label="final", kind="final", output_rms=float("nan"),
-            input_rms=forward["ln_final.hook_scale"].float().mean().item(), grad_norm=float("nan"),
-        ))
+            self.rows["magnitudes"].append(
+                dict(
+                    step=step,
+                    sublayer=j,
+                    label=label,
+                    kind=model.sublayer_kind(j),
+                    output_rms=rms(forward[model.sublayer_output_hook(j)]),
+                    input_rms=rms(forward[model.sublayer_input_hook(j)]),
+                    grad_norm=grads[model.sublayer_output_hook(j)].float().norm(dim=-1).mean().item(),
+                )
+            )
+        self.rows["magnitudes"].append(
+            dict(
+                step=step,
+                sublayer=model.cfg.n_sublayers,
+                label="final",
+                kind="final",
+                output_rms=float("nan"),
+                input_rms=forward["ln_final.hook_scale"].float().mean().item(),
+                grad_norm=float("nan"),
+            )
+        )
         for block, params in parameter_blocks(model).items():
             squares = [p.grad.float().pow(2).sum() for p in params if p.grad is not None]
             norm = torch.stack(squares).sum().sqrt().item() if squares else 0.0
@@ -105,8 +128,14 @@ class Recorder:
 
     def _record_induction(self, step: int) -> None:
         patterns: dict[str, torch.Tensor] = {}
-        with torch.no_grad(), self.model.hooks(fwd_hooks=[(lambda name: name.endswith("hook_pattern"),
-                                                           lambda t, hook: patterns.__setitem__(hook.name, t))]):
+        with (
+            torch.no_grad(),
+            self.model.hooks(
+                fwd_hooks=[
+                    (lambda name: name.endswith("hook_pattern"), lambda t, hook: patterns.__setitem__(hook.name, t))
+                ]
+            ),
+        ):
             self.model(self.probe_tokens, return_type=None)
         half = (self.probe_tokens.shape[1] - 1) // 2
         for layer in range(self.model.cfg.n_layers):
@@ -119,7 +148,9 @@ class Recorder:
             return
         for layer, block in enumerate(self.model.blocks):
             for head, (a1, a2, b1, b2) in enumerate(block.attn.kv_shift.detach().float().tolist()):
-                self.rows["kv_shift"].append(dict(step=step, layer=layer, head=head, alpha1=a1, alpha2=a2, beta1=b1, beta2=b2))
+                self.rows["kv_shift"].append(
+                    dict(step=step, layer=layer, head=head, alpha1=a1, alpha2=a2, beta1=b1, beta2=b2)
+                )
 
     def tables(self) -> dict[str, pd.DataFrame]:
         return {name: pd.DataFrame(rows) for name, rows in self.rows.items()}

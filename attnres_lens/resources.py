@@ -7,7 +7,7 @@ it, not a process the kernel kills without a word, or one that pages for hours.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,14 +15,16 @@ if TYPE_CHECKING:
     from attnres_lens.config import ModelConfig
 
 
-def available_memory(device: torch.device) -> Optional[int]:
+def available_memory(device: torch.device) -> int | None:
     """Bytes this process can still allocate on `device`, or None where it cannot tell: on a GPU what torch reports
     free; on Linux the kernel's MemAvailable, or less when a cgroup limit is nearer."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
         meminfo = Path("/proc/meminfo").read_text()
-        available = int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:"))) * 1024
+        available = (
+            int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:"))) * 1024
+        )
     except (OSError, StopIteration, ValueError):
         return None
     try:
@@ -47,6 +49,8 @@ def check_model_fits(cfg: ModelConfig) -> None:
     if available is None or needed <= available:
         return
     largest = sorted(parts.items(), key=lambda item: -item[1])[:2]
-    raise ValueError(f"this model needs at least {needed / 2**30:.3g} GiB for its weights and tables "
-                     f"(mostly {' and '.join(f'{what}: {size / 2**30:.3g} GiB' for what, size in largest)}), but "
-                     f"{available / 2**30:.3g} GiB are available on {device}; check those fields")
+    raise ValueError(
+        f"this model needs at least {needed / 2**30:.3g} GiB for its weights and tables "
+        f"(mostly {' and '.join(f'{what}: {size / 2**30:.3g} GiB' for what, size in largest)}), but "
+        f"{available / 2**30:.3g} GiB are available on {device}; check those fields"
+    )

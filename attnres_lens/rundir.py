@@ -25,11 +25,12 @@ import os
 import shutil
 import socket
 import sys
-import time
 import tempfile
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -41,7 +42,7 @@ from attnres_lens.config import ModelConfig, RunConfig, TaskConfig, TrainConfig
 if TYPE_CHECKING:  # the model module imports transformer_lens; load it only when a model is built
     from attnres_lens.model import HookedTransformer
 
-PathLike = Union[str, Path]
+PathLike = str | Path
 # The columns of each records/ table (written by `attnres_lens.recorder`, long format, one row per step and item).
 RECORD_COLUMNS: dict[str, tuple[str, ...]] = {
     "depth_weights": ("step", "consumer", "consumer_label", "kind", "source", "source_label", "weight"),
@@ -72,9 +73,9 @@ class RunLock:
     def __init__(self, path: Path):
         self.path = path
         self.created = False  # whether this holder made the lock file
-        self._fd: Optional[int] = None
+        self._fd: int | None = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             try:
@@ -105,14 +106,17 @@ class RunLock:
             time.sleep(0.01)
         holder = holder or "another process"
         os.close(fd)
-        raise RunDirBusy(f"{self.path.parent} is being written by {holder}; a run directory has one writer at "
-                         "a time: wait for it to finish, or stop it and resume") from None
+        raise RunDirBusy(
+            f"{self.path.parent} is being written by {holder}; a run directory has one writer at "
+            "a time: wait for it to finish, or stop it and resume"
+        ) from None
 
-    def _name_holder(self, fd: int) -> "RunLock":
+    def _name_holder(self, fd: int) -> RunLock:
         command = " ".join(sys.argv)
         command = command if len(command) <= 300 else command[:299] + "…"  # the refusal reads 4096 bytes back
-        holder = (f"process {os.getpid()} on {socket.gethostname()} "
-                  f"(`{command}`, since {time.strftime('%Y-%m-%d %H:%M:%S')})")
+        holder = (
+            f"process {os.getpid()} on {socket.gethostname()} (`{command}`, since {time.strftime('%Y-%m-%d %H:%M:%S')})"
+        )
         os.ftruncate(fd, 0)
         os.pwrite(fd, holder.encode(), 0)
         self._fd = fd
@@ -132,7 +136,7 @@ class RunLock:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:
@@ -140,18 +144,20 @@ class RunLock:
 
 
 # ---------------------------------------------------------------------------- reads of text files
-def read_text_file(path: PathLike, error: Optional[type[ValueError]] = None) -> str:
+def read_text_file(path: PathLike, error: type[ValueError] | None = None) -> str:
     """A text file of a run or model folder, decoded as strict UTF-8: bytes that are not UTF-8 are an error naming
     the file (`error`, default `RunDirError`), not a UnicodeDecodeError from deep inside a parser."""
     path = Path(path)
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
-        raise (error or RunDirError)(f"{path} is not UTF-8 text (byte {err.start}: {err.reason}); it was not "
-                                     "written by attnres_lens or was damaged") from None
+        raise (error or RunDirError)(
+            f"{path} is not UTF-8 text (byte {err.start}: {err.reason}); it was not "
+            "written by attnres_lens or was damaged"
+        ) from None
 
 
-def read_json_file(path: PathLike, error: Optional[type[ValueError]] = None) -> Any:
+def read_json_file(path: PathLike, error: type[ValueError] | None = None) -> Any:
     """A JSON file, read by `read_text_file`; invalid JSON is an error naming the file."""
     text = read_text_file(path, error)
     try:
@@ -211,7 +217,7 @@ def checkpoint_name(step: int) -> str:
 
 def checkpoint_step(name: str) -> int:
     """The step of a checkpoint name such as "step_0000100" (the inverse of `checkpoint_name`)."""
-    return int(name[len("step_"):])
+    return int(name[len("step_") :])
 
 
 def read_safetensors(path: PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -232,8 +238,11 @@ def read_safetensors(path: PathLike) -> tuple[dict[str, torch.Tensor], dict[str,
 def _config_differences(written: ModelConfig, expected: ModelConfig) -> list[str]:
     """Fields on which a checkpoint's model config disagrees with the run's (device and seed are set per run)."""
     a, b = written.to_dict(), expected.to_dict()
-    return [f"{key}: checkpoint {a[key]!r}, config.json {b[key]!r}" for key in sorted(a)
-            if key not in ("device", "seed") and a[key] != b[key]]
+    return [
+        f"{key}: checkpoint {a[key]!r}, config.json {b[key]!r}"
+        for key in sorted(a)
+        if key not in ("device", "seed") and a[key] != b[key]
+    ]
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -246,7 +255,9 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
-def load_model_checkpoint(path: PathLike, expected: Optional[ModelConfig] = None) -> tuple["HookedTransformer", dict[str, str]]:
+def load_model_checkpoint(
+    path: PathLike, expected: ModelConfig | None = None
+) -> tuple[HookedTransformer, dict[str, str]]:
     """Rebuild a model from a weights checkpoint (its config is in the metadata).
 
     Nothing in the file is trusted before it is checked: the metadata config must agree with `expected` (the run's
@@ -256,21 +267,31 @@ def load_model_checkpoint(path: PathLike, expected: Optional[ModelConfig] = None
 
     tensors, metadata = read_safetensors(path)
     if "model_config" not in metadata:
-        raise RunDirError(f"checkpoint file {path} has no model_config in its metadata; it was not written by attnres_lens")
+        raise RunDirError(
+            f"checkpoint file {path} has no model_config in its metadata; it was not written by attnres_lens"
+        )
     try:
         cfg = ModelConfig.from_json(metadata["model_config"])
     except ValueError as err:
         raise RunDirError(f"checkpoint file {path} has an invalid model_config in its metadata: {err}") from err
     if expected is not None and (differences := _config_differences(cfg, expected)):
-        raise RunDirError(f"checkpoint file {path} was written for another model than config.json describes "
-                          f"({'; '.join(differences)}); the run directory is inconsistent")
+        raise RunDirError(
+            f"checkpoint file {path} was written for another model than config.json describes "
+            f"({'; '.join(differences)}); the run directory is inconsistent"
+        )
     shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
     wanted = _expected_shapes(cfg)
     if shapes != wanted:
         missing, unexpected = sorted(set(wanted) - set(shapes)), sorted(set(shapes) - set(wanted))
-        wrong = [f"{n} {shapes[n]} (expected {wanted[n]})" for n in sorted(set(shapes) & set(wanted)) if shapes[n] != wanted[n]]
-        raise RunDirError(f"checkpoint file {path} does not match its config: missing {missing}, unexpected "
-                          f"{unexpected}, wrong shapes {wrong}")
+        wrong = [
+            f"{n} {shapes[n]} (expected {wanted[n]})"
+            for n in sorted(set(shapes) & set(wanted))
+            if shapes[n] != wanted[n]
+        ]
+        raise RunDirError(
+            f"checkpoint file {path} does not match its config: missing {missing}, unexpected "
+            f"{unexpected}, wrong shapes {wrong}"
+        )
     cfg.device = "cpu"
     model = HookedTransformer(cfg)
     model.load_state_dict(tensors)
@@ -282,13 +303,13 @@ def load_model_checkpoint(path: PathLike, expected: Optional[ModelConfig] = None
 class CheckpointIndex:
     """checkpoints/index.json: the latest and best checkpoint names, the best eval loss, the kept names."""
 
-    latest: Optional[str] = None
-    best: Optional[str] = None
+    latest: str | None = None
+    best: str | None = None
     best_eval_loss: float = math.inf
     kept: list[str] = field(default_factory=list)
 
     def names(self) -> list[str]:
-        """"latest", "best" (those that exist), then the kept checkpoint names: what a user may pick."""
+        """ "latest", "best" (those that exist), then the kept checkpoint names: what a user may pick."""
         return [alias for alias in ("latest", "best") if getattr(self, alias)] + list(self.kept)
 
 
@@ -361,8 +382,13 @@ class RunDir:
     def remove_stale_temporaries(self) -> list[Path]:
         """Remove the temporary files of atomic writes that a killed writer left (`.NAME.*.tmp` in the run's folders);
         called by a writer holding the lock, so none of them is being written. Returns what it removed."""
-        stale = [path for folder in (self.path, self.checkpoints_dir, self.records_dir, self.analysis_dir)
-                 if folder.is_dir() for path in folder.glob(".*.tmp") if path.is_file()]
+        stale = [
+            path
+            for folder in (self.path, self.checkpoints_dir, self.records_dir, self.analysis_dir)
+            if folder.is_dir()
+            for path in folder.glob(".*.tmp")
+            if path.is_file()
+        ]
         for path in stale:
             path.unlink(missing_ok=True)
         return stale
@@ -394,8 +420,10 @@ class RunDir:
         """config.json as written, checked to have its model, task and train sections."""
         if not self.path.is_dir():
             what = "is a file, not a folder" if self.path.exists() else "does not exist"
-            raise RunDirError(f"run directory {self.path} {what}; give a folder that holds a run's "
-                              f"{self.CONFIG} (one `attnres-lens train --out DIR` wrote)")
+            raise RunDirError(
+                f"run directory {self.path} {what}; give a folder that holds a run's "
+                f"{self.CONFIG} (one `attnres-lens train --out DIR` wrote)"
+            )
         if not self.config_path.is_file():
             raise RunDirError(f"{self.path} is not a run directory: {self.CONFIG} is missing")
         config = read_json_file(self.config_path)
@@ -426,16 +454,22 @@ class RunDir:
             return CheckpointIndex()
         data = read_json_file(self.index_path)
         known = {f.name for f in dataclasses.fields(CheckpointIndex)}
-        valid = (isinstance(data, dict) and not set(data) - known
-                 and all(isinstance(data.get(key), (str, type(None))) for key in ("latest", "best"))
-                 and isinstance(data.get("kept", []), list) and all(isinstance(n, str) for n in data.get("kept", []))
-                 and isinstance(data.get("best_eval_loss", 0.0), (int, float)))
+        valid = (
+            isinstance(data, dict)
+            and not set(data) - known
+            and all(isinstance(data.get(key), (str, type(None))) for key in ("latest", "best"))
+            and isinstance(data.get("kept", []), list)
+            and all(isinstance(n, str) for n in data.get("kept", []))
+            and isinstance(data.get("best_eval_loss", 0.0), (int, float))
+        )
         if not valid:
-            raise RunDirError(f"{self.index_path} is not a checkpoint index (an object with latest and best names, "
-                              f"best_eval_loss and a kept list); got {json.dumps(data)[:120]}")
+            raise RunDirError(
+                f"{self.index_path} is not a checkpoint index (an object with latest and best names, "
+                f"best_eval_loss and a kept list); got {json.dumps(data)[:120]}"
+            )
         return CheckpointIndex(**data)
 
-    def resolve_checkpoint(self, checkpoint: Union[str, int] = "latest") -> str:
+    def resolve_checkpoint(self, checkpoint: str | int = "latest") -> str:
         """The checkpoint name meant by "latest", "best", a step number or a name such as "step_0000100"."""
         if checkpoint in ("latest", "best"):
             name = getattr(self.read_index(), checkpoint)
@@ -448,10 +482,13 @@ class RunDir:
             name = str(checkpoint)
         else:
             raise RunDirError(
-                f"checkpoint must be 'latest', 'best', a step number or a name like 'step_0000100', got {checkpoint!r}")
+                f"checkpoint must be 'latest', 'best', a step number or a name like 'step_0000100', got {checkpoint!r}"
+            )
         if not self.weights_path(name).is_file():
-            raise RunDirError(f"run directory {self.path} has no checkpoint {checkpoint!r}; it has: "
-                              f"{', '.join(self.read_index().names()) or 'none'}")
+            raise RunDirError(
+                f"run directory {self.path} has no checkpoint {checkpoint!r}; it has: "
+                f"{', '.join(self.read_index().names()) or 'none'}"
+            )
         return name
 
     def is_complete(self) -> bool:
@@ -483,8 +520,10 @@ class RunDir:
                     break
                 raise RunDirError(f"{self.metrics_path} line {number} is not valid JSON ({err})") from err
             if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
-                raise RunDirError(f"{self.metrics_path} line {number} is not a metrics record (a JSON object with an "
-                                  f"integer step): {line[:80]}")
+                raise RunDirError(
+                    f"{self.metrics_path} line {number} is not a metrics record (a JSON object with an "
+                    f"integer step): {line[:80]}"
+                )
             rows.append((line, row))
         return rows
 
@@ -503,12 +542,14 @@ class RunDir:
                     raise RunDirError(f"{table_path} is corrupt ({err})") from err
                 missing = [column for column in columns if column not in frame.columns]
                 if missing:
-                    raise RunDirError(f"{table_path} lacks the columns {missing} (it has {list(frame.columns)}); "
-                                      "it was not written by attnres_lens")
+                    raise RunDirError(
+                        f"{table_path} lacks the columns {missing} (it has {list(frame.columns)}); "
+                        "it was not written by attnres_lens"
+                    )
                 records[table] = frame
         return records
 
-    def load_model(self, checkpoint: Union[str, int] = "latest") -> tuple["HookedTransformer", str]:
+    def load_model(self, checkpoint: str | int = "latest") -> tuple[HookedTransformer, str]:
         """The model at `checkpoint` and the checkpoint's name."""
         name = self.resolve_checkpoint(checkpoint)
         model, _ = load_model_checkpoint(self.weights_path(name), expected=self.read_config().model)
@@ -524,10 +565,12 @@ class RunDir:
         if any(key in state for key in LOG_WINDOW_TENSORS):  # the open log window comes as a pair
             missing += [key for key in LOG_WINDOW_TENSORS if key not in state]
         if state_meta.get("format") != STATE_FORMAT or missing or not str(state_meta.get("step", "")).isdigit():
-            raise RunDirError(f"{path} is not a training state file (format {STATE_FORMAT}, tensors "
-                              f"{list(STATE_TENSORS)} and a step; missing {missing or 'none'}, format "
-                              f"{state_meta.get('format')!r}, step {state_meta.get('step')!r}); resume from another "
-                              "checkpoint with --checkpoint")
+            raise RunDirError(
+                f"{path} is not a training state file (format {STATE_FORMAT}, tensors "
+                f"{list(STATE_TENSORS)} and a step; missing {missing or 'none'}, format "
+                f"{state_meta.get('format')!r}, step {state_meta.get('step')!r}); resume from another "
+                "checkpoint with --checkpoint"
+            )
         return weights, state, state_meta
 
     def training_seconds(self) -> float:
@@ -559,9 +602,16 @@ class RunDir:
         for name, frame in tables.items():
             atomic_write_parquet(self.record_path(name), frame)
 
-    def save_checkpoint(self, step: int, weights: dict[str, torch.Tensor], weights_meta: dict[str, str],
-                        state: dict[str, torch.Tensor], state_meta: dict[str, str], eval_loss: float,
-                        keep_last: int) -> str:
+    def save_checkpoint(
+        self,
+        step: int,
+        weights: dict[str, torch.Tensor],
+        weights_meta: dict[str, str],
+        state: dict[str, torch.Tensor],
+        state_meta: dict[str, str],
+        eval_loss: float,
+        keep_last: int,
+    ) -> str:
         """Write checkpoint `step` and update the index: it becomes latest, best if its eval loss is the lowest,
         and only the last `keep_last` checkpoints plus the best stay on disk. Returns its name."""
         self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
@@ -589,18 +639,20 @@ class RunDir:
         remaining checkpoints' stored eval losses), then the later files go, with any left by a crash between an
         index write and its deletions."""
         index, step = self.read_index(), checkpoint_step(resumed_from)
-        kept = sorted({name for name in index.kept if checkpoint_step(name) <= step} | {resumed_from},
-                      key=checkpoint_step)
+        kept = sorted(
+            {name for name in index.kept if checkpoint_step(name) <= step} | {resumed_from}, key=checkpoint_step
+        )
         if kept != index.kept:
             losses = {name: self._stored_eval_loss(name) for name in kept}
             finite = {name: loss for name, loss in losses.items() if math.isfinite(loss)}
             best = min(finite, key=finite.__getitem__) if finite else None
-            index = CheckpointIndex(latest=resumed_from, best=best, best_eval_loss=finite[best] if best else math.inf,
-                                    kept=kept)
+            index = CheckpointIndex(
+                latest=resumed_from, best=best, best_eval_loss=finite[best] if best else math.inf, kept=kept
+            )
             atomic_write_json(self.index_path, dataclasses.asdict(index))
         for path in self.checkpoints_dir.glob("step_*.safetensors"):
             name = path.name.split(".")[0]
-            if name[len("step_"):].isdigit() and checkpoint_step(name) > step:
+            if name[len("step_") :].isdigit() and checkpoint_step(name) > step:
                 path.unlink(missing_ok=True)
 
     def _stored_eval_loss(self, name: str) -> float:
@@ -612,8 +664,9 @@ class RunDir:
         except (SafetensorError, OSError, ValueError):
             return math.nan
 
-    def write_imported(self, config: RunConfig, weights: dict[str, torch.Tensor], weights_meta: dict[str, str],
-                       eval_loss: float) -> str:
+    def write_imported(
+        self, config: RunConfig, weights: dict[str, torch.Tensor], weights_meta: dict[str, str], eval_loss: float
+    ) -> str:
         """A run holding a model trained elsewhere (docs/interop.md §4): one weights checkpoint at step 0 with no
         training state (there is nothing to resume), its index, then config.json with the provenance, written last so
         a folder with a config.json is whole. No metrics and no records. Returns the checkpoint's name."""
@@ -622,8 +675,9 @@ class RunDir:
         name = checkpoint_name(0)
         atomic_save_safetensors(self.weights_path(name), weights, {**weights_meta, "eval_loss": repr(eval_loss)})
         finite = math.isfinite(eval_loss)
-        index = CheckpointIndex(latest=name, best=name if finite else None,
-                                best_eval_loss=eval_loss if finite else math.inf, kept=[name])
+        index = CheckpointIndex(
+            latest=name, best=name if finite else None, best_eval_loss=eval_loss if finite else math.inf, kept=[name]
+        )
         atomic_write_json(self.index_path, dataclasses.asdict(index))
         self.write_config(config)
         return name
@@ -641,8 +695,8 @@ class Run:
 
     path: Path
     config: RunConfig
-    model: Optional["HookedTransformer"]
-    checkpoint: Optional[str]
+    model: HookedTransformer | None
+    checkpoint: str | None
     metrics: pd.DataFrame
     records: dict[str, pd.DataFrame] = field(default_factory=dict)
 
@@ -655,7 +709,7 @@ def run_is_complete(path: PathLike) -> bool:
     return RunDir(path).is_complete()
 
 
-def load_run(path: PathLike, checkpoint: Union[str, int] = "latest", load_model: bool = True) -> Run:
+def load_run(path: PathLike, checkpoint: str | int = "latest", load_model: bool = True) -> Run:
     """Load a run directory: typed config, model (from `checkpoint`), metrics and records as DataFrames.
 
     `checkpoint` is "latest", "best", a step number, or a checkpoint name such as "step_0000100".

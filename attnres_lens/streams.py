@@ -17,8 +17,6 @@ A forward pass drives a stream with three calls, in sublayer order:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -28,11 +26,12 @@ class ResidualStream:
 
     state: torch.Tensor
 
-    def read(self, mixer: Optional[nn.Module]) -> torch.Tensor:
+    def read(self, mixer: nn.Module | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def read_normed(self, mixer: Optional[nn.Module], hook_in: nn.Module, norm: nn.Module
-                    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    def read_normed(
+        self, mixer: nn.Module | None, hook_in: nn.Module, norm: nn.Module
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The next sublayer's input through its hook point and its pre-norm, `(x, norm(x))` (a stream may compute
         both in one kernel where nothing watches x, and leave x None where its `write` does not read it)."""
         x = hook_in(self.read(mixer))
@@ -41,22 +40,22 @@ class ResidualStream:
     def write(self, output: torch.Tensor, input: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def readout(self, mixer: Optional[nn.Module]) -> torch.Tensor:
+    def readout(self, mixer: nn.Module | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def readout_normed(self, mixer: Optional[nn.Module], norm: nn.Module) -> torch.Tensor:
+    def readout_normed(self, mixer: nn.Module | None, norm: nn.Module) -> torch.Tensor:
         """`norm(readout(mixer))`, the final norm's output (a stream may compute the readout and its norm in one
         kernel where nothing watches either)."""
         return norm(self.readout(mixer))
 
-    def end_layer(self, mixer: Optional[nn.Module]) -> None:
+    def end_layer(self, mixer: nn.Module | None) -> None:
         """After a layer's sublayers (DenseFormer's depth-weighted average happens here); nothing by default."""
 
     def batch_changed(self) -> None:
         """After this copy's tensors were sliced or stacked along the batch (interventions do): drop whatever was
         derived from the old batch; nothing by default."""
 
-    def stacked_from(self, states: list["ResidualStream"]) -> None:
+    def stacked_from(self, states: list[ResidualStream]) -> None:
         """After `batch_changed`, when this stream is `states` stacked along the batch: what a stream may learn
         from the copies' shared tensors (Full AttnRes mixes its shared sources once); nothing by default."""
 
@@ -70,11 +69,11 @@ class SumStream(ResidualStream):
     def __init__(self, embedding: torch.Tensor):
         self.state = embedding
 
-    def read(self, mixer: Optional[nn.Module] = None) -> torch.Tensor:
+    def read(self, mixer: nn.Module | None = None) -> torch.Tensor:
         return self.state
 
     def write(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self.state = input + output
 
-    def readout(self, mixer: Optional[nn.Module] = None) -> torch.Tensor:
+    def readout(self, mixer: nn.Module | None = None) -> torch.Tensor:
         return self.state

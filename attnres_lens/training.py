@@ -15,7 +15,6 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ from attnres_lens.recorder import Recorder
 from attnres_lens.rundir import LOG_WINDOW_TENSORS, STATE_FORMAT, RunDir, RunDirError
 from attnres_lens.tasks.base import Batch
 from attnres_lens.tasks.induction import repeated_tokens
+
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the run directory keeps its last good checkpoint."""
@@ -67,8 +67,10 @@ class Trainer:
             raise ValueError(f"train.batch_size={train_cfg.batch_size} must be divisible by the {self.world} processes")
         self.device = resolve_device(train_cfg.device)
         if self.device.type == "cpu" and config.model.dtype == torch.float16:
-            raise ValueError("model.dtype=float16 is not supported for training on the CPU (its half-precision "
-                             "arithmetic overflows within steps); use float32, or bfloat16")
+            raise ValueError(
+                "model.dtype=float16 is not supported for training on the CPU (its half-precision "
+                "arithmetic overflows within steps); use float32, or bfloat16"
+            )
         if self.device.type == "cpu":
             cpu_settings.set_threads(train_cfg.threads)
         if self.device.type == "cuda" and self.world > 1:
@@ -76,7 +78,9 @@ class Trainer:
 
         self.task = config.build_task()
         if not getattr(self.task, "for_training", True):
-            raise ValueError(f"task {self.task.name!r} is a scoring probe, not a training task (a positional head solves it)")
+            raise ValueError(
+                f"task {self.task.name!r} is a scoring probe, not a training task (a positional head solves it)"
+            )
         model_cfg = config.model
         if self.task.vocab_size > model_cfg.d_vocab or self.task.seq_len > model_cfg.n_ctx:
             raise ValueError(
@@ -89,11 +93,14 @@ class Trainer:
         self.data_generator = self.task.train_generator()
         self.eval_batch = self.task.eval_batch(train_cfg.eval_size).to(self.device)
         if not self.eval_batch.answer_mask.any():  # eval_accuracy would be NaN at every evaluation
-            raise ValueError(f"the held-out set of train.eval_size={train_cfg.eval_size} sequences has no answer "
-                             "position to score accuracy on; raise train.eval_size")
+            raise ValueError(
+                f"the held-out set of train.eval_size={train_cfg.eval_size} sequences has no answer "
+                "position to score accuracy on; raise train.eval_size"
+            )
         probe_half = (min(self.task.seq_len, model_cfg.n_ctx) - 1) // 2
-        probe = repeated_tokens(train_cfg.record_size, probe_half, self.task.vocab_size,
-                                torch.Generator().manual_seed(train_cfg.seed + 1))
+        probe = repeated_tokens(
+            train_cfg.record_size, probe_half, self.task.vocab_size, torch.Generator().manual_seed(train_cfg.seed + 1)
+        )
         self.recorder = Recorder(self.model, self._head(self.eval_batch, train_cfg.record_size), probe.to(self.device))
         self.step = 0
         self._log_window = {"loss": 0.0, "n": 0}  # training losses since the last metrics line
@@ -114,8 +121,14 @@ class Trainer:
                 self._evaluate_and_log(0, {})
                 self.recorder.record(0)
                 self._write_records()
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress or self.rank != 0,
-                   desc=self.out_dir.name, unit="step", dynamic_ncols=True)
+        bar = tqdm(
+            total=cfg.steps,
+            initial=self.step,
+            disable=not self.progress or self.rank != 0,
+            desc=self.out_dir.name,
+            unit="step",
+            dynamic_ncols=True,
+        )
         window = {**self._log_window, "tokens": 0, "time": time.perf_counter()}
         try:
             while self.step < cfg.steps:
@@ -129,8 +142,12 @@ class Trainer:
                     continue
                 if self.step % cfg.log_every == 0 or self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     elapsed = time.perf_counter() - window["time"]
-                    train_metrics = {"loss": window["loss"] / window["n"], "grad_norm": grad_norm,
-                                     "lr": cfg.lr_at(self.step - 1), "tokens_per_s": window["tokens"] / max(elapsed, 1e-9)}
+                    train_metrics = {
+                        "loss": window["loss"] / window["n"],
+                        "grad_norm": grad_norm,
+                        "lr": cfg.lr_at(self.step - 1),
+                        "tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
+                    }
                     self._evaluate_and_log(self.step, train_metrics)
                     bar.set_postfix(self._postfix(train_metrics))
                     window = {"loss": 0.0, "tokens": 0, "n": 0, "time": time.perf_counter()}
@@ -211,23 +228,41 @@ class Trainer:
     def _diverged(self, what: str) -> None:
         """Stop with a message that says which checkpoint, if any, is left (never a non-finite one)."""
         latest = self.run_dir.read_index().latest if self.rank == 0 else None
-        kept = (f"the last good checkpoint, {latest}, is kept in {self.run_dir.checkpoints_dir} (resume from it with "
-                f"`attnres-lens train --resume {self.run_dir.path}`)" if latest else
-                f"no checkpoint was written before it (the first was due at step {self.config.train.checkpoint_every})"
-                if self.rank == 0 else "rank 0 says which checkpoint is kept")
-        raise TrainingDiverged(f"{what}; training stopped and {kept}. Start a new run with a lower learning rate "
-                               "(--set train.lr=...) or a longer warm-up (--set train.warmup_steps=...)")
+        kept = (
+            f"the last good checkpoint, {latest}, is kept in {self.run_dir.checkpoints_dir} (resume from it with "
+            f"`attnres-lens train --resume {self.run_dir.path}`)"
+            if latest
+            else f"no checkpoint was written before it (the first was due at step {self.config.train.checkpoint_every})"
+            if self.rank == 0
+            else "rank 0 says which checkpoint is kept"
+        )
+        raise TrainingDiverged(
+            f"{what}; training stopped and {kept}. Start a new run with a lower learning rate "
+            "(--set train.lr=...) or a longer warm-up (--set train.warmup_steps=...)"
+        )
 
     def _save_checkpoint(self) -> None:
         eval_loss = self.evaluate()["eval_loss"]
         if not math.isfinite(eval_loss) or not all(torch.isfinite(p).all() for p in self.model.parameters()):
-            self._diverged(f"at step {self.step} the held-out loss is {eval_loss} (non-finite weights or outputs), "
-                           "so that checkpoint was not saved")
-        weights_meta = {"model_config": self.model.cfg.to_json(), "run_config": json.dumps(self.config.to_dict()),
-                        "step": str(self.step)}
+            self._diverged(
+                f"at step {self.step} the held-out loss is {eval_loss} (non-finite weights or outputs), "
+                "so that checkpoint was not saved"
+            )
+        weights_meta = {
+            "model_config": self.model.cfg.to_json(),
+            "run_config": json.dumps(self.config.to_dict()),
+            "step": str(self.step),
+        }
         state, state_meta = self._training_state()
-        self.run_dir.save_checkpoint(self.step, dict(self.model.state_dict()), weights_meta, state, state_meta,
-                                     eval_loss, self.config.train.keep_checkpoints)
+        self.run_dir.save_checkpoint(
+            self.step,
+            dict(self.model.state_dict()),
+            weights_meta,
+            state,
+            state_meta,
+            eval_loss,
+            self.config.train.keep_checkpoints,
+        )
 
     def _training_state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Optimiser moments, RNG states and counters as tensors + JSON metadata (no pickle)."""
@@ -255,7 +290,7 @@ class Trainer:
         params = dict(self.model.named_parameters())
         for key, value in state.items():
             if key.startswith("optim."):
-                param_name, _, slot = key[len("optim."):].rpartition(".")
+                param_name, _, slot = key[len("optim.") :].rpartition(".")
                 if param_name not in params:
                     raise RunDirError(f"checkpoint {name}: optimiser state for unknown parameter {param_name}")
                 self.optimizer.state[params[param_name]][slot] = value.to(self.device)
@@ -288,24 +323,32 @@ def _check_used(config: RunConfig) -> None:
     asked: runs of earlier versions may record one, and --resume cannot change it.)"""
     model, train_cfg = config.model, config.train
     if model.seed not in (None, train_cfg.seed):
-        raise ValueError(f"model.seed={model.seed} is not used by training, which seeds the model with "
-                         f"train.seed={train_cfg.seed}; set train.seed instead (and leave model.seed unset)")
+        raise ValueError(
+            f"model.seed={model.seed} is not used by training, which seeds the model with "
+            f"train.seed={train_cfg.seed}; set train.seed instead (and leave model.seed unset)"
+        )
     try:
         kind = torch.device(model.device).type
     except RuntimeError as err:
         raise ValueError(f"model.device={model.device!r} is not a device ({err}); set train.device instead") from err
     if kind != "cpu" and kind != resolve_device(train_cfg.device).type:
-        raise ValueError(f"model.device={model.device!r} is not used by training, which runs on "
-                         f"train.device={train_cfg.device!r}; set train.device instead")
+        raise ValueError(
+            f"model.device={model.device!r} is not used by training, which runs on "
+            f"train.device={train_cfg.device!r}; set train.device instead"
+        )
 
 
 def _check_new_folder(run_dir: RunDir) -> None:
     if run_dir.holds_run():
-        raise FileExistsError(f"{run_dir.path} already holds a run; resume it with `attnres-lens train --resume "
-                              f"{run_dir.path}` or choose another --out")
+        raise FileExistsError(
+            f"{run_dir.path} already holds a run; resume it with `attnres-lens train --resume "
+            f"{run_dir.path}` or choose another --out"
+        )
     if foreign := run_dir.foreign_entries():
-        raise FileExistsError(f"{run_dir.path} is not empty and holds no run ({', '.join(foreign[:5])}"
-                              f"{', …' if len(foreign) > 5 else ''}); a new run needs an empty or new folder")
+        raise FileExistsError(
+            f"{run_dir.path} is not empty and holds no run ({', '.join(foreign[:5])}"
+            f"{', …' if len(foreign) > 5 else ''}); a new run needs an empty or new folder"
+        )
 
 
 def _train_new(config: RunConfig, run_dir: RunDir, progress: bool) -> Trainer:
@@ -316,8 +359,13 @@ def _train_new(config: RunConfig, run_dir: RunDir, progress: bool) -> Trainer:
     return trainer
 
 
-def resume(out_dir: str | Path, progress: bool = True, steps: Optional[int] = None,
-           checkpoint: str = "latest", device: Optional[str] = None) -> Trainer:
+def resume(
+    out_dir: str | Path,
+    progress: bool = True,
+    steps: int | None = None,
+    checkpoint: str = "latest",
+    device: str | None = None,
+) -> Trainer:
     """Continue a run from a checkpoint (default its latest); the loss curve continues as if never interrupted.
 
     `steps` sets a new, larger total step budget (the cosine schedule then stretches to it); a run that has
@@ -333,24 +381,34 @@ def resume(out_dir: str | Path, progress: bool = True, steps: Optional[int] = No
             run_dir.remove_stale_temporaries()  # a killed writer's half-written files
         config = run_dir.read_config()
         if config.imported:
-            raise ValueError(f"{run_dir.path} holds a model imported from {config.provenance.get('source', 'elsewhere')}: "
-                             "it has no training state to resume (continue training it where it was trained, e.g. "
-                             "after `attnres-lens export-fla`)")
+            raise ValueError(
+                f"{run_dir.path} holds a model imported from {config.provenance.get('source', 'elsewhere')}: "
+                "it has no training state to resume (continue training it where it was trained, e.g. "
+                "after `attnres-lens export-fla`)"
+            )
         if steps is not None or device is not None:  # replace() validates them as a new config would
-            config.train = dataclasses.replace(config.train, **({} if steps is None else {"steps": steps}),
-                                               **({} if device is None else {"device": device}))
+            config.train = dataclasses.replace(
+                config.train,
+                **({} if steps is None else {"steps": steps}),
+                **({} if device is None else {"device": device}),
+            )
         if run_dir.read_index().latest is None:
-            raise RunDirError(f"{run_dir.path} has no checkpoint to resume from; remove it and start again with "
-                              "`attnres-lens train`")
+            raise RunDirError(
+                f"{run_dir.path} has no checkpoint to resume from; remove it and start again with `attnres-lens train`"
+            )
         name = run_dir.resolve_checkpoint(checkpoint)
         trainer = Trainer(config, run_dir.path, progress)
         trainer.load_training_state(name)
         if trainer.step >= config.train.steps:  # checked before fit() rewrites config.json
             if steps is None:
-                raise ValueError(f"{run_dir.path} is complete (step {trainer.step} of {config.train.steps}); to train "
-                                 f"further give a larger total with --steps N (N > {trainer.step})")
-            raise ValueError(f"--steps {steps} is not above the step of {run_dir.path}'s checkpoint {name} "
-                             f"({trainer.step}); give a larger total")
+                raise ValueError(
+                    f"{run_dir.path} is complete (step {trainer.step} of {config.train.steps}); to train "
+                    f"further give a larger total with --steps N (N > {trainer.step})"
+                )
+            raise ValueError(
+                f"--steps {steps} is not above the step of {run_dir.path}'s checkpoint {name} "
+                f"({trainer.step}); give a larger total"
+            )
         if trainer.rank == 0:
             run_dir.truncate_checkpoints(name)
             run_dir.truncate_metrics(trainer.step)

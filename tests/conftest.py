@@ -38,8 +38,11 @@ def _fingerprint(root: Path) -> dict[str, str]:
     own name into it (docs/run_directory.md), by design."""
     from attnres_lens.rundir import RunDir
 
-    return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(root.rglob("*")) if path.is_file() and path.name != RunDir.LOCK}
+    return {
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and path.name != RunDir.LOCK
+    }
 
 
 @pytest.fixture(scope="session")

@@ -18,20 +18,29 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set; FLA's kernels cannot run on "
-                           "the CPU in this process")
+        raise RuntimeError(
+            "triton was imported before TRITON_INTERPRET=1 was set; FLA's kernels cannot run on the CPU in this process"
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-def sdpa_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    window_size: tuple[int, int] = (-1, -1), softmax_scale: Any = None, **unused: Any) -> torch.Tensor:
+def sdpa_flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softmax_scale: Any = None,
+    **unused: Any,
+) -> torch.Tensor:
     """flash-attn's `flash_attn_func` for [batch, pos, heads, d_head] tensors, through PyTorch's SDPA."""
     if tuple(window_size) != (-1, -1) or unused.get("dropout_p", 0.0):
         raise NotImplementedError("the SDPA stand-in covers full causal attention without dropout only")
@@ -41,8 +50,9 @@ def sdpa_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     # flash-attn aligns the causal mask to the bottom right (the queries are the last n_queries positions, as in
     # cached decoding); SDPA's is_causal aligns it to the top left, the same only when the lengths are equal
     mask = torch.ones(n_queries, n_keys, dtype=torch.bool, device=q.device).tril(n_keys - n_queries) if causal else None
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                         scale=softmax_scale)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=softmax_scale
+    )
     return out.transpose(1, 2)
 
 
@@ -64,8 +74,9 @@ def fla_runtime(device: str = "cpu", flash_attention: bool = False) -> Iterator[
 
     on_cpu = torch.device(device).type == "cpu"
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("FLA's Triton kernels run on the CPU only under TRITON_INTERPRET=1, set before triton "
-                           "is first imported")
+        raise RuntimeError(
+            "FLA's Triton kernels run on the CPU only under TRITON_INTERPRET=1, set before triton is first imported"
+        )
     if flash_attention and fla_attn.flash_attn_func in (None, sdpa_flash_attn):
         raise RuntimeError("flash_attention=True needs flash-attn installed")
     saved = (Autotuner.prune_configs, fla_attn.flash_attn_func, fla_transformer.fused_attnres)

@@ -13,12 +13,14 @@ from attnres_lens.cli import main as cli_main
 from attnres_lens.tasks import make_task
 from tests.kernel_cases import oracle
 
-VARIANTS = list(itertools.product([("standard", 1), ("attnres", 1), ("attnres", 2), ("attnres", 4)],
-                                  ["standard", "kv_shift"]))
+VARIANTS = list(
+    itertools.product([("standard", 1), ("attnres", 1), ("attnres", 2), ("attnres", 4)], ["standard", "kv_shift"])
+)
 
 
-def small_config(residual: str = "standard", block_size: int = 1, attention: str = "standard",
-                 **overrides) -> ModelConfig:
+def small_config(
+    residual: str = "standard", block_size: int = 1, attention: str = "standard", **overrides
+) -> ModelConfig:
     params = dict(d_model=32, n_heads=4, n_layers=3, n_ctx=24, d_vocab=20, seed=0)
     params.update(overrides)
     return ModelConfig(residual=residual, attnres_block_size=block_size, attention=attention, **params)
@@ -41,9 +43,14 @@ def reordering_bound(n_terms: int, scale: float) -> float:
     return n_terms * FLOAT32_UNIT_ROUNDOFF * scale
 
 
-def assert_same_step(model: HookedTransformer, tokens: torch.Tensor, loss: torch.Tensor,
-                     grads: dict[str, torch.Tensor], expected_loss: torch.Tensor,
-                     expected_grads: dict[str, torch.Tensor]) -> None:
+def assert_same_step(
+    model: HookedTransformer,
+    tokens: torch.Tensor,
+    loss: torch.Tensor,
+    grads: dict[str, torch.Tensor],
+    expected_loss: torch.Tensor,
+    expected_grads: dict[str, torch.Tensor],
+) -> None:
     """Two float32 training steps that sum the same terms in other orders (two backends, or a compiled graph and
     the eager step): the loss and each gradient entry within the reordering bound of the chain of sums behind it
     (`float32_chain_length` terms in all), its terms of the size of the tensor's largest entry (softmax and RMSNorm
@@ -82,8 +89,9 @@ def depth_mix_float64(sources: list[torch.Tensor], query: torch.Tensor, gain: to
     return oracle(sources, query, gain, eps)[0]
 
 
-def block_sources(j: int, embedding: torch.Tensor, outputs: list[torch.Tensor], block_size: int,
-                  n_sublayers: int) -> list[torch.Tensor]:
+def block_sources(
+    j: int, embedding: torch.Tensor, outputs: list[torch.Tensor], block_size: int, n_sublayers: int
+) -> list[torch.Tensor]:
     """Sources of sublayer j (or the final readout, j = J) straight from the block definitions (docs/model.md §2)."""
     S = block_size
     if j == n_sublayers:  # final readout: every completed block and the last partial

@@ -47,7 +47,10 @@ def make_inputs(
 
 
 def oracle(
-    sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6,
+    sources: list[torch.Tensor],
+    query: torch.Tensor,
+    gain: torch.Tensor,
+    eps: float = 1e-6,
     logit_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The depth mix (docs/model.md §2) written out again in float64, independent of the package: ``(h, weights,

@@ -49,8 +49,17 @@ def hand_built_heads() -> HookedTransformer:
     W_U turn into its logit. Head 1: standard attention (α = β = (1, 0)) matching query position q to key
     position q − 1; its W_V and W_O are zero, so it writes nothing.
     """
-    cfg = ModelConfig(d_model=40, n_heads=2, n_layers=1, n_ctx=N_CTX, d_vocab=VOCAB, attn_only=True,
-                      attention="kv_shift", positional_embedding_type="standard", seed=0)
+    cfg = ModelConfig(
+        d_model=40,
+        n_heads=2,
+        n_layers=1,
+        n_ctx=N_CTX,
+        d_vocab=VOCAB,
+        attn_only=True,
+        attention="kv_shift",
+        positional_embedding_type="standard",
+        seed=0,
+    )
     model = HookedTransformer(cfg)
     scale = 2.5  # attention scores of 4.47·scale² ≈ 28 for a match: a near-hard argmax
     with torch.no_grad():
@@ -157,10 +166,19 @@ def induction_run(tmp_path_factory):
     """A 2-layer attention-only KV-shift model trained for 300 steps (~5 s): long enough that one head becomes
     an induction head (the 40-step smoke run leaves every head near-uniform, so its ranking is noise)."""
     out = tmp_path_factory.mktemp("analysis") / "induction"
-    config = apply_overrides(get_preset("smoke"), [
-        "model.attn_only=true", 'model.residual="standard"', "train.steps=300", "train.batch_size=16",
-        "train.lr=0.01", "train.eval_every=100", "train.record_every=300", "train.checkpoint_every=300",
-    ])
+    config = apply_overrides(
+        get_preset("smoke"),
+        [
+            "model.attn_only=true",
+            'model.residual="standard"',
+            "train.steps=300",
+            "train.batch_size=16",
+            "train.lr=0.01",
+            "train.eval_every=100",
+            "train.record_every=300",
+            "train.checkpoint_every=300",
+        ],
+    )
     train(config, out, progress=False)
     return out
 
@@ -182,8 +200,15 @@ def test_prefix_score_and_tl_detect_head_agree_in_ranking_on_a_trained_run(induc
 def test_analyze_run_writes_its_tables(smoke_run, tmp_path):
     run = shutil.copytree(smoke_run, tmp_path / "smoke")  # it writes into the run
     result = analyze_run(run, samples=4, progress=False)
-    for name in ("induction_heads", "icl_per_position", "depth_mixing", "mixing_diagnostics", "depth_weights",
-                 "depth_summary", "depth_weights_tokens"):
+    for name in (
+        "induction_heads",
+        "icl_per_position",
+        "depth_mixing",
+        "mixing_diagnostics",
+        "depth_weights",
+        "depth_summary",
+        "depth_weights_tokens",
+    ):
         assert (run / "analysis" / f"{name}.csv").is_file()
         written = pd.read_parquet(run / "analysis" / f"{name}.parquet")
         pd.testing.assert_frame_equal(written, result.tables[name].reset_index(drop=True), check_dtype=False)
@@ -199,14 +224,15 @@ def test_analysis_summary_states_and_follows_its_definitions(smoke_run, tmp_path
     assert json.loads((out / "analysis_summary.json").read_text()) == summary
     losses = pd.read_csv(out / "icl_per_position.csv")["loss"].to_numpy()
     n = len(losses)  # 32 predicted positions: late = the last tenth, early = 10-20% of them
-    late, early = losses[int(0.9 * n):].mean(), losses[int(0.1 * n):int(0.2 * n)].mean()
+    late, early = losses[int(0.9 * n) :].mean(), losses[int(0.1 * n) : int(0.2 * n)].mean()
     assert summary["icl_score"] == pytest.approx(late - early, abs=1e-6)
     definition = summary["icl_score_definition"]
     assert "last tenth" in definition and "minus" in definition
     assert "negative = later context lowers the loss" in definition
     heads = pd.read_csv(out / "induction_heads.csv").sort_values("prefix_score", ascending=False, kind="stable")
     assert [(h["layer"], h["head"]) for h in summary["top_induction_heads"]] == list(
-        zip(heads["layer"].head(5), heads["head"].head(5)))
+        zip(heads["layer"].head(5), heads["head"].head(5))
+    )
     assert summary["top_induction_head"] == summary["top_induction_heads"][0]
     weights = pd.read_csv(out / "depth_weights.csv")
     assert len(summary["top_depth_sources"]) == weights["consumer"].nunique()
@@ -220,9 +246,14 @@ def test_analyze_report_is_offline_and_holds_the_depth_maps(smoke_run, tmp_path)
     result = analyze_run(smoke_run, samples=2, progress=False, out=tmp_path / "a")
     html = result.report_path.read_text()
     assert re.findall(r"<script[^>]*\ssrc\s*=", html, flags=re.I) == [] and html.count("plotly.js v") == 1
-    for heading in ("Top induction heads", "Loss per position", "Depth attention α, pre-attention consumers",
-                    "Depth attention α, pre-MLP consumers", "Depth attention α, final readout consumers",
-                    "Depth-mixing matrix M"):
+    for heading in (
+        "Top induction heads",
+        "Loss per position",
+        "Depth attention α, pre-attention consumers",
+        "Depth attention α, pre-MLP consumers",
+        "Depth attention α, final readout consumers",
+        "Depth-mixing matrix M",
+    ):
         assert heading in html, heading
     assert f"{result.summary['icl_score']:.4f}" in html
 
@@ -338,7 +369,7 @@ def test_per_token_depth_weights_match_the_hooked_weights():
 def test_spearman_is_a_rank_correlation():
     values = [0.3, 1.0, 2.5, 7.0, 8.0]
     assert spearman(values, [math.exp(v) for v in values]) == pytest.approx(1)
-    assert spearman(values, [-v**3 for v in values]) == pytest.approx(-1)
+    assert spearman(values, [-(v**3) for v in values]) == pytest.approx(-1)
     assert spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(0.9486833)  # ties take average ranks
     assert math.isnan(spearman(values, [1.0] * 5))
 
@@ -363,8 +394,16 @@ def test_every_analysis_command_works_in_every_dtype_a_run_can_have(tmp_path, dt
     from attnres_lens.cli import main as cli_main
 
     run = tmp_path / "run"
-    config = apply_overrides(get_preset("smoke"), [f"model.dtype={dtype}", "train.steps=4", "train.eval_every=4",
-                                                   "train.log_every=4", "train.checkpoint_every=4"])
+    config = apply_overrides(
+        get_preset("smoke"),
+        [
+            f"model.dtype={dtype}",
+            "train.steps=4",
+            "train.eval_every=4",
+            "train.log_every=4",
+            "train.checkpoint_every=4",
+        ],
+    )
     train(config, run, progress=False)
     for command in (["analyze", "--samples", "4"], ["prune", "--samples", "2"], ["attribute", "--samples", "2"]):
         assert cli_main([command[0], str(run), "--no-progress", *command[1:], "--out", str(tmp_path / command[0])]) == 0

@@ -7,7 +7,7 @@ import torch
 
 from attnres_lens import HookedTransformer
 from attnres_lens.attnres import EMBEDDING, DepthAttention, source_layout
-from tests.helpers import depth_mix_float64, randomize_depth_parameters, reference_logits, small_config, block_sources
+from tests.helpers import block_sources, depth_mix_float64, randomize_depth_parameters, reference_logits, small_config
 
 E = EMBEDDING
 
@@ -58,7 +58,9 @@ def test_matches_fla_naive_attnres_oracle():
         captured = {}
         depth.hook_weights.add_hook(lambda w, hook: captured.setdefault("w", w))
         h = depth(sources)
-        expected_h, expected_w = naive(depth.query, sources, depth.key_norm.w, rms_eps=1e-6, scale=1.0, return_weights=True)
+        expected_h, expected_w = naive(
+            depth.query, sources, depth.key_norm.w, rms_eps=1e-6, scale=1.0, return_weights=True
+        )
         torch.testing.assert_close(h, expected_h, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(captured["w"], expected_w.movedim(0, -1), rtol=1e-5, atol=1e-6)
 
@@ -134,8 +136,10 @@ def test_aggregated_input_recomputed_from_hooks_in_float64(block_size):
     J = model.cfg.n_sublayers
     for consumer in range(J):
         layer, kind = divmod(consumer, 2)
-        sources = [cache["hook_embed"] if members == [E] else sum(outputs[i] for i in members)
-                   for members in source_layout(consumer, J, block_size)]
+        sources = [
+            cache["hook_embed"] if members == [E] else sum(outputs[i] for i in members)
+            for members in source_layout(consumer, J, block_size)
+        ]
         weights = cache[f"blocks.{layer}.{'mlp' if kind else 'attn'}_res.hook_weights"].double()
         assert weights.shape == (3, 10, len(sources))
         torch.testing.assert_close(weights.sum(-1), torch.ones(3, 10, dtype=torch.float64))

@@ -92,8 +92,9 @@ def test_standard_model_attribution_equals_transformer_lens_decomposition():
     finally:
         del model.tokens_to_residual_directions
     ours = depth_logit_attribution(model, tokens)
-    names = {"embed": "emb"} | {f"{j // 2}_{'attn' if j % 2 == 0 else 'mlp'}_out": model.sublayer_name(j)
-                                 for j in range(model.cfg.n_sublayers)}
+    names = {"embed": "emb"} | {
+        f"{j // 2}_{'attn' if j % 2 == 0 else 'mlp'}_out": model.sublayer_name(j) for j in range(model.cfg.n_sublayers)
+    }
     for component, label in enumerate(labels):
         mine = ours[ours["source_label"] == names[label]]
         theirs = tl[component][torch.tensor(mine["sequence"].to_numpy()), torch.tensor(mine["position"].to_numpy())]
@@ -178,6 +179,7 @@ def float64_loss(model: HookedTransformer, batch, fwd_hooks=(), pre_final=None) 
 
 def nudge(model: HookedTransformer, batch, consumer: int, direction: torch.Tensor, epsilon: float) -> float:
     """Central finite difference of the loss along `direction` added to consumer's input."""
+
     def loss(sign: float) -> float:
         shift = lambda h: h + sign * epsilon * direction  # noqa: E731
         if consumer == model.cfg.n_sublayers:
@@ -338,9 +340,15 @@ def test_the_mean_schedule_changes_nothing_when_routing_ignores_the_content():
 
 
 # ---------------------------------------------------------------------------- KV-shift decomposition
-@pytest.mark.parametrize("attention, extra", [("kv_shift", {}), ("standard", {}),
-                                              ("kv_shift", {"positional_embedding_type": "standard"}),
-                                              ("kv_shift", {"n_key_value_heads": 2})])
+@pytest.mark.parametrize(
+    "attention, extra",
+    [
+        ("kv_shift", {}),
+        ("standard", {}),
+        ("kv_shift", {"positional_embedding_type": "standard"}),
+        ("kv_shift", {"n_key_value_heads": 2}),
+    ],
+)
 def test_score_and_output_parts_sum_to_the_hooked_scores_and_z(attention, extra):
     model = HookedTransformer(small_config("standard", 1, attention, dtype=torch.float64, **extra)).eval()
     tokens = copy_batch(2).tokens
@@ -362,8 +370,17 @@ def two_layer_induction_circuit() -> HookedTransformer:
     token it finds to the logits: the two-layer previous-token + induction circuit."""
     vocab, n_ctx = VOCAB, N_CTX
     previous = range(vocab + n_ctx, 2 * vocab + n_ctx)
-    cfg = ModelConfig(d_model=2 * vocab + n_ctx, n_heads=2, n_layers=2, n_ctx=n_ctx, d_vocab=vocab, attn_only=True,
-                      positional_embedding_type="standard", seed=0, dtype=torch.float64)
+    cfg = ModelConfig(
+        d_model=2 * vocab + n_ctx,
+        n_heads=2,
+        n_layers=2,
+        n_ctx=n_ctx,
+        d_vocab=vocab,
+        attn_only=True,
+        positional_embedding_type="standard",
+        seed=0,
+        dtype=torch.float64,
+    )
     model = HookedTransformer(cfg)
     with torch.no_grad():
         for param in model.parameters():
@@ -405,13 +422,25 @@ def induction_runs(tmp_path_factory):
     """Short runs of the two mechanisms' presets at the smoke scale (a few seconds each): one-layer KV shift,
     which forms an induction head within 300 steps, and two-layer vanilla attention (too short to form one)."""
     runs = {}
-    for name, overrides in (("induction-1l-kvshift", ["model.n_layers=1", 'model.attention="kv_shift"']),
-                            ("induction-2l-vanilla", ["model.n_layers=2", 'model.attention="standard"'])):
+    for name, overrides in (
+        ("induction-1l-kvshift", ["model.n_layers=1", 'model.attention="kv_shift"']),
+        ("induction-2l-vanilla", ["model.n_layers=2", 'model.attention="standard"']),
+    ):
         out = tmp_path_factory.mktemp("attribution") / name
-        config = apply_overrides(get_preset("smoke"), [
-            "model.attn_only=true", 'model.residual="standard"', "train.steps=300", "train.batch_size=16",
-            "train.lr=0.01", "train.eval_every=100", "train.record_every=50", "train.checkpoint_every=300",
-            *overrides])
+        config = apply_overrides(
+            get_preset("smoke"),
+            [
+                "model.attn_only=true",
+                'model.residual="standard"',
+                "train.steps=300",
+                "train.batch_size=16",
+                "train.lr=0.01",
+                "train.eval_every=100",
+                "train.record_every=50",
+                "train.checkpoint_every=300",
+                *overrides,
+            ],
+        )
         train(config, out, progress=False)
         runs[name] = out
     return runs
@@ -427,13 +456,17 @@ def test_trained_runs_use_the_mechanism_their_architecture_allows(induction_runs
     assert (vanilla["shifted_key_advantage"] == 0).all() and (vanilla["shifted_key_induction_score"] == 0).all()
 
 
-@pytest.mark.skipif(not (Path(__file__).resolve().parents[1] / "data" / "demo_runs" / "induction-2l-vanilla").is_dir(),
-                    reason="demo runs missing (make demo)")
+@pytest.mark.skipif(
+    not (Path(__file__).resolve().parents[1] / "data" / "demo_runs" / "induction-2l-vanilla").is_dir(),
+    reason="demo runs missing (make demo)",
+)
 def test_the_shipped_induction_runs_tell_the_two_mechanisms_apart():
     demo = Path(__file__).resolve().parent.parent / "data" / "demo_runs"
     probe = repeated_batch(16, half_len=20, vocab_size=64, seed=3)
-    scores = {name: kv_shift_decomposition(load_run(demo / name).model, probe)
-              for name in ("induction-1l-kvshift", "induction-2l-vanilla")}
+    scores = {
+        name: kv_shift_decomposition(load_run(demo / name).model, probe)
+        for name in ("induction-1l-kvshift", "induction-2l-vanilla")
+    }
     for name, expected in (("induction-1l-kvshift", 1.0), ("induction-2l-vanilla", 0.0)):
         top = scores[name].loc[scores[name]["prefix_score"].idxmax()]
         assert top["prefix_score"] > 0.5, name
@@ -445,13 +478,20 @@ def test_the_shipped_induction_runs_tell_the_two_mechanisms_apart():
 
 # ---------------------------------------------------------------------------- training timeline
 def test_timeline_statistics_and_fastest_change_on_known_snapshots():
-    weights = pd.DataFrame([
-        dict(step=step, consumer=1, consumer_label="L0.mlp", kind="mlp", source=s, source_label=label, weight=w)
-        for step, alphas in ((0, (0.5, 0.5)), (10, (0.6, 0.4)), (20, (0.9, 0.1)), (30, (0.92, 0.08)))
-        for s, (label, w) in enumerate(zip(("emb", "L0.attn"), alphas))])
-    scores = pd.DataFrame([dict(step=step, layer=0, head=h, prefix_score=value)
-                           for step, values in ((0, (0.0, 0.1)), (10, (0.1, 0.2)), (20, (0.15, 0.8)), (30, (0.2, 0.85)))
-                           for h, value in enumerate(values)])
+    weights = pd.DataFrame(
+        [
+            dict(step=step, consumer=1, consumer_label="L0.mlp", kind="mlp", source=s, source_label=label, weight=w)
+            for step, alphas in ((0, (0.5, 0.5)), (10, (0.6, 0.4)), (20, (0.9, 0.1)), (30, (0.92, 0.08)))
+            for s, (label, w) in enumerate(zip(("emb", "L0.attn"), alphas))
+        ]
+    )
+    scores = pd.DataFrame(
+        [
+            dict(step=step, layer=0, head=h, prefix_score=value)
+            for step, values in ((0, (0.0, 0.1)), (10, (0.1, 0.2)), (20, (0.15, 0.8)), (30, (0.2, 0.85)))
+            for h, value in enumerate(values)
+        ]
+    )
     metrics = pd.DataFrame({"step": [0, 10, 20, 30], "loss": [3.0, 2.9, 1.5, 1.4], "eval_loss": [3.1, 3.0, 1.6, 1.5]})
     timeline = training_timeline({"depth_weights": weights, "induction_scores": scores}, metrics)
     entropy = timeline[timeline["series"] == "routing_entropy"].set_index("step")["value"]
@@ -493,16 +533,31 @@ def test_row_wise_spearman_matches_the_pandas_one_with_ties():
 
 
 # ---------------------------------------------------------------------------- the attribute command
-ATTRIBUTION_TABLES = ("depth_dla", "depth_dla_summary", "depth_inputs", "logit_lens", "logit_lens_summary",
-                      "edge_attribution", "edge_attribution_corrupted", "routing", "edge_agreement",
-                      "routing_audit_pairs", "routing_audit_consumers", "kv_shift", "timeline", "timeline_changes")
+ATTRIBUTION_TABLES = (
+    "depth_dla",
+    "depth_dla_summary",
+    "depth_inputs",
+    "logit_lens",
+    "logit_lens_summary",
+    "edge_attribution",
+    "edge_attribution_corrupted",
+    "routing",
+    "edge_agreement",
+    "routing_audit_pairs",
+    "routing_audit_consumers",
+    "kv_shift",
+    "timeline",
+    "timeline_changes",
+)
 
 
 @pytest.mark.slow
 def test_attribute_command_writes_tables_and_one_offline_report(smoke_run, tmp_path, capsys):
     out = tmp_path / "attribution"
-    code, stdout, _ = run_cli(["attribute", str(smoke_run), "--samples", "3", "--prompt", "0 3 5 7 3 5",
-                               "--out", str(out), "--no-progress"], capsys)
+    code, stdout, _ = run_cli(
+        ["attribute", str(smoke_run), "--samples", "3", "--prompt", "0 3 5 7 3 5", "--out", str(out), "--no-progress"],
+        capsys,
+    )
     assert code == 0 and "report:" in stdout and "Spearman" in stdout
     for name in ATTRIBUTION_TABLES:
         assert (out / f"{name}.csv").is_file() and (out / f"{name}.parquet").is_file(), name
@@ -521,10 +576,17 @@ def test_attribute_command_reports_an_undefined_within_consumer_spearman(tmp_pat
     """Two layers in one block of four: no consumer reads three sources, so the within-consumer Spearman is
     undefined (None in the JSON summary): the report says n/a instead of failing to format it."""
     run = tmp_path / "one_block"
-    train(apply_overrides(get_preset("smoke"), ["model.n_layers=2", "model.attnres_block_size=4", "train.steps=5",
-                                                "train.checkpoint_every=5"]), run, progress=False)
-    code, stdout, _ = run_cli(["attribute", str(run), "--samples", "3", "--out", str(tmp_path / "out"),
-                               "--no-progress"], capsys)
+    train(
+        apply_overrides(
+            get_preset("smoke"),
+            ["model.n_layers=2", "model.attnres_block_size=4", "train.steps=5", "train.checkpoint_every=5"],
+        ),
+        run,
+        progress=False,
+    )
+    code, stdout, _ = run_cli(
+        ["attribute", str(run), "--samples", "3", "--out", str(tmp_path / "out"), "--no-progress"], capsys
+    )
     assert code == 0 and "report:" in stdout
     summary = json.loads((tmp_path / "out" / "attribution_summary.json").read_text())
     assert summary["edge_agreement"]["spearman_within_consumer"] is None
@@ -559,8 +621,9 @@ def test_attribute_works_on_every_shipped_demo_run(tmp_path, capsys):
     runs = sorted(path for path in DEMO_RUNS.iterdir() if (path / "config.json").is_file())
     assert runs
     for run in runs:
-        code, stdout, err = run_cli(["attribute", str(run), "--samples", "2", "--out", str(tmp_path / run.name),
-                                     "--no-progress"], capsys)
+        code, stdout, err = run_cli(
+            ["attribute", str(run), "--samples", "2", "--out", str(tmp_path / run.name), "--no-progress"], capsys
+        )
         assert code == 0, (run.name, err)
         assert (tmp_path / run.name / "attribution_report.html").is_file()
 
@@ -592,16 +655,21 @@ def test_the_benchmark_runs_end_to_end_on_a_tiny_model(tmp_path):
     assert value[("max |Δ| vs shared prefixes", forked)] == 0  # the same tables
     assert ("work", forked) not in value  # the child's work is not seen here
     assert value[("prune end to end", "as shipped")] > 0 and value[("prune end to end", "--threads 1")] > 0
-    assert value[("clean forward pass", "no hooks")] > 0 and -1 <= value[("edge attribution spearman",
-                                                                          "first order vs exact")] <= 1
+    assert (
+        value[("clean forward pass", "no hooks")] > 0
+        and -1 <= value[("edge attribution spearman", "first order vs exact")] <= 1
+    )
 
 
 # ---------------------------------------------------------------------------- hostile batches (issue 41 item 11)
 def _analyses_of_a_batch():
     from attnres_lens.analysis import causal_routing, edge_attribution, routing_audit
 
-    return {"edge_attribution": edge_attribution, "causal_routing": causal_routing,
-            "routing_audit": lambda model, batch: routing_audit(model, batch, n_boot=10)}
+    return {
+        "edge_attribution": edge_attribution,
+        "causal_routing": causal_routing,
+        "routing_audit": lambda model, batch: routing_audit(model, batch, n_boot=10),
+    }
 
 
 @pytest.mark.parametrize("analysis", ["edge_attribution", "causal_routing", "routing_audit"])
@@ -615,8 +683,9 @@ def test_every_analysis_of_a_batch_checks_it_as_depth_logit_attribution_does(ana
     batch = copy_batch(3)
     cases = {
         "must hold integer token ids, got dtype torch.float32": dict(targets=batch.targets.float()),
-        "out of range for d_vocab=20": dict(targets=torch.where(batch.targets == IGNORE_INDEX, IGNORE_INDEX,
-                                                                batch.targets + 20)),
+        "out of range for d_vocab=20": dict(
+            targets=torch.where(batch.targets == IGNORE_INDEX, IGNORE_INDEX, batch.targets + 20)
+        ),
         "batch.targets must have the tokens' shape": dict(targets=batch.targets[:, :-1]),
         "answer_mask must be booleans of the tokens' shape": dict(answer_mask=batch.answer_mask.long()),
         "no position with a target": dict(targets=torch.full_like(batch.targets, IGNORE_INDEX)),
@@ -624,7 +693,11 @@ def test_every_analysis_of_a_batch_checks_it_as_depth_logit_attribution_does(ana
     for message, change in cases.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             run(model, dataclasses.replace(batch, **change))
-    one_token = dataclasses.replace(batch, tokens=batch.tokens[:, :1], targets=batch.targets[:, :1] * 0 + IGNORE_INDEX,
-                                    answer_mask=batch.answer_mask[:, :1])
+    one_token = dataclasses.replace(
+        batch,
+        tokens=batch.tokens[:, :1],
+        targets=batch.targets[:, :1] * 0 + IGNORE_INDEX,
+        answer_mask=batch.answer_mask[:, :1],
+    )
     with pytest.raises(ValueError, match="one-token sequences"):
         run(model, one_token)

@@ -95,8 +95,12 @@ def test_the_models_attention_runs_the_kernel_exactly_where_no_gradient_is_neede
     kernel = cpu_attention.causal_attention_cpu
     monkeypatch.setattr(layer_ops, "causal_attention_cpu", lambda *args: calls.append(1) or kernel(*args))
     tokens = torch.randint(0, 32, (3, 11), generator=torch.Generator().manual_seed(0))
-    for extra in (dict(), dict(attention="kv_shift"), dict(residual="attnres", attnres_block_size=2),
-                  dict(n_key_value_heads=1)):
+    for extra in (
+        dict(),
+        dict(attention="kv_shift"),
+        dict(residual="attnres", attnres_block_size=2),
+        dict(n_key_value_heads=1),
+    ):
         model = HookedTransformer(ModelConfig(d_model=32, n_heads=4, n_layers=2, d_vocab=32, n_ctx=16, seed=3, **extra))
         calls.clear()
         with_grad = model(tokens)
@@ -111,8 +115,9 @@ def test_the_models_attention_runs_the_kernel_exactly_where_no_gradient_is_neede
         with torch.no_grad(), model.hooks(fwd_hooks=[("blocks.0.attn.hook_pattern", lambda t, hook: t)]):
             model(tokens)
         assert len(calls) == model.cfg.n_layers - 1  # the watched layer computes its pattern explicitly
-    reference = HookedTransformer(ModelConfig(d_model=32, n_heads=4, n_layers=2, d_vocab=32, n_ctx=16,
-                                              depth_attention_backend="torch"))
+    reference = HookedTransformer(
+        ModelConfig(d_model=32, n_heads=4, n_layers=2, d_vocab=32, n_ctx=16, depth_attention_backend="torch")
+    )
     calls.clear()
     with torch.no_grad():
         reference(tokens)
@@ -124,12 +129,25 @@ _MODEL_KERNELS = {
     "kv_shift_cpu": (dict(attention="kv_shift", n_ctx=9), 2, ["blocks.0.attn.kv_shift", "blocks.1.attn.W_K"]),
     "rotary_cpu": (dict(n_ctx=12), 2 * 2, ["blocks.0.attn.W_Q", "blocks.1.attn.W_K"]),  # q and k of each layer
     # the standard model's norms: an AttnRes model's run inside its depth mixes (next entry)
-    "rms_norm_cpu": (dict(n_ctx=12, residual="standard"), 2 * 2 + 1, ["ln_final.w", "blocks.0.ln1.w",
-                                                                     "blocks.1.mlp.W_in"]),
+    "rms_norm_cpu": (
+        dict(n_ctx=12, residual="standard"),
+        2 * 2 + 1,
+        ["ln_final.w", "blocks.0.ln1.w", "blocks.1.mlp.W_in"],
+    ),
     # each sublayer's mix with its pre-norm, and the final readout's with the final norm
-    "fused_mix_and_norm": (dict(n_ctx=12), 2 * 2 + 1, ["blocks.0.ln1.w", "blocks.1.ln2.w", "ln_final.w",
-                                                       "blocks.0.attn_res.query", "blocks.1.mlp_res.key_norm.w",
-                                                       "final_res.query", "blocks.0.attn.W_Q"]),
+    "fused_mix_and_norm": (
+        dict(n_ctx=12),
+        2 * 2 + 1,
+        [
+            "blocks.0.ln1.w",
+            "blocks.1.ln2.w",
+            "ln_final.w",
+            "blocks.0.attn_res.query",
+            "blocks.1.mlp_res.key_norm.w",
+            "final_res.query",
+            "blocks.0.attn.W_Q",
+        ],
+    ),
 }
 
 
@@ -143,13 +161,27 @@ def test_a_model_runs_each_elementwise_kernel_only_on_the_cpu_backend(kernel, mo
     calls = []
     real = getattr(cpu_depth if kernel == "fused_mix_and_norm" else cpu_elementwise, kernel)
     caller = "depth_execution" if kernel == "fused_mix_and_norm" else "kernels.layer_ops"
-    monkeypatch.setattr(f"attnres_lens.{caller}.{kernel}",
-                        lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    monkeypatch.setattr(
+        f"attnres_lens.{caller}.{kernel}", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    )
     tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
     results = {}
     for backend in ("cpu", "reference"):
-        cfg = ModelConfig(**{**dict(d_model=16, n_heads=2, n_layers=2, d_vocab=32, residual="attnres",
-                                    depth_attention_backend=backend, dtype=torch.float64, seed=1), **options})
+        cfg = ModelConfig(
+            **{
+                **dict(
+                    d_model=16,
+                    n_heads=2,
+                    n_layers=2,
+                    d_vocab=32,
+                    residual="attnres",
+                    depth_attention_backend=backend,
+                    dtype=torch.float64,
+                    seed=1,
+                ),
+                **options,
+            }
+        )
         model = HookedTransformer(cfg)
         randomize_depth_parameters(model)  # non-uniform depth weights
         with torch.no_grad():  # and gains other than 1

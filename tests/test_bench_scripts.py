@@ -51,8 +51,9 @@ def test_every_row_carries_its_provenance_and_the_command_that_reproduces_it(tmp
     import subprocess
 
     rows = run_tiny("bench_cpu_step", tmp_path / "results.jsonl")
-    head = subprocess.run(["git", "-C", str(ANALYSES.parent), "rev-parse", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "-C", str(ANALYSES.parent), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     for row in rows:
         assert row["bench"] == "bench_cpu_step" and row["commit"] == head and isinstance(row["dirty"], bool)
         assert row["utc"].endswith("Z") and len(row["utc"]) == len("2026-12-07T09:00:00Z")
@@ -83,8 +84,11 @@ def test_depth_scaling_rows_grow_linearly_in_saved_activations(tmp_path):
     rows = run_tiny("bench_depth_scaling", tmp_path / "results.jsonl")
     saved = cells(rows, "saved activations")
     shape = "{} sublayers, n_ctx {}, d_model 16, batch 2"
-    assert {(shape.format(2, 16), "full", 1), (shape.format(4, 16), "block4", 1), (shape.format(4, 8), "standard", 1)} \
-        <= set(saved)
+    assert {
+        (shape.format(2, 16), "full", 1),
+        (shape.format(4, 16), "block4", 1),
+        (shape.format(4, 8), "standard", 1),
+    } <= set(saved)
     full = saved[(shape.format(4, 16), "full", 1)]["value"] / saved[(shape.format(2, 16), "full", 1)]["value"]
     assert 1.0 < full < 2.0  # twice the depth, less than twice the saved bytes (embedding and readout are fixed)
     ratios = cells(rows, "step ratio")
@@ -105,8 +109,9 @@ def test_inference_rows_split_each_variants_excess(tmp_path):
     assert ratios[("tiny", "standard", 1)]["value"] == 1.0
     hooked = cells(rows, "hooked forward ratio")  # no depth weights to watch in a standard model
     assert [variant for _, variant, _ in hooked] == ["full", "block2", "block4"]
-    excess, kernels, rest = (cells(rows, metric) for metric in ("forward excess", "C kernels' excess",
-                                                                 "the rest of the excess"))
+    excess, kernels, rest = (
+        cells(rows, metric) for metric in ("forward excess", "C kernels' excess", "the rest of the excess")
+    )
     assert list(excess) == [("tiny", name, 1) for name in VARIANTS if name != "standard"]
     for key, row in excess.items():  # the excess splits into the C kernels' share and the rest
         assert row["value"] == pytest.approx(kernels[key]["value"] + rest[key]["value"])
@@ -115,12 +120,17 @@ def test_inference_rows_split_each_variants_excess(tmp_path):
     # Full reads 1, 2 and 3 sources of [2, 8, 16] fp32 and writes y: more than a Block consumer's mix can
     assert mix[("tiny", "full", 1)]["value"] >= mix[("tiny", "block4", 1)]["value"] > 0
     attention = cells(rows, "forward with the attention kernel")
-    assert list(attention) == [("tiny", "standard", 1), ("tiny", "full", 1), ("prune", "standard", 1),
-                               ("prune", "full", 1)]
+    assert list(attention) == [
+        ("tiny", "standard", 1),
+        ("tiny", "full", 1),
+        ("prune", "standard", 1),
+        ("prune", "full", 1),
+    ]
     ops = cells(rows, "attention op, C kernel")
     assert [(shape, variant) for shape, variant, _ in ops] == [
         ("2 x 8 x 2 x 4 (pos × d_head 32)", "policy runs C kernel"),
-        ("1 x 600 x 1 x 32 (pos × d_head 19200)", "policy runs SDPA")]
+        ("1 x 600 x 1 x 32 (pos × d_head 19200)", "policy runs SDPA"),
+    ]
     from attnres_lens.kernels import layer_ops
     from attnres_lens.kernels.backends import attention_runs_cpu_kernel
 
@@ -143,11 +153,24 @@ def test_the_runner_lists_refuses_and_appends(tmp_path, capsys):
 
     benchmarks.main(["--list"])
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert listed == list(benchmarks.BENCHMARKS) == ["bench_cpu_step", "bench_depth_scaling", "bench_inference",
-                                                     "bench_attribution", "bench_compile", "gpu_check"]
-    for argv, message in ((["bench_cpu_stepp"], "unknown benchmark.*bench_cpu_stepp"), ([], "name one or more"),
-                          (["bench_cpu_step", "--repeats", "0"], "--repeats must be at least 1, got 0"),
-                          (["render", "bench_cpu_step"], "unknown benchmark.*'render'")):
+    assert (
+        listed
+        == list(benchmarks.BENCHMARKS)
+        == [
+            "bench_cpu_step",
+            "bench_depth_scaling",
+            "bench_inference",
+            "bench_attribution",
+            "bench_compile",
+            "gpu_check",
+        ]
+    )
+    for argv, message in (
+        (["bench_cpu_stepp"], "unknown benchmark.*bench_cpu_stepp"),
+        ([], "name one or more"),
+        (["bench_cpu_step", "--repeats", "0"], "--repeats must be at least 1, got 0"),
+        (["render", "bench_cpu_step"], "unknown benchmark.*'render'"),
+    ):
         with pytest.raises(SystemExit):
             benchmarks.main(argv)
         assert re.search(message, capsys.readouterr().err)
@@ -176,9 +199,21 @@ def test_the_results_page_shows_latest_range_and_targets_met(tmp_path):
 
     results = tmp_path / "results.jsonl"
     for bench, cpu, shape, variant, value, target, commit, utc in RENDER_ROWS:
-        row = dict(bench=bench, metric="step ratio", shape=shape, variant=variant, threads=1, value=value,
-                   unit="× standard" if bench == "bench_cpu_step" else "ms", target=target, commit=commit,
-                   dirty=commit.startswith("d"), utc=utc, machine=dict(cpu=cpu, cores=2, gpu=None), command="x")
+        row = dict(
+            bench=bench,
+            metric="step ratio",
+            shape=shape,
+            variant=variant,
+            threads=1,
+            value=value,
+            unit="× standard" if bench == "bench_cpu_step" else "ms",
+            target=target,
+            commit=commit,
+            dirty=commit.startswith("d"),
+            utc=utc,
+            machine=dict(cpu=cpu, cores=2, gpu=None),
+            command="x",
+        )
         if target is not None:
             row["met"] = value <= target
         append_rows([row], results)
@@ -186,20 +221,77 @@ def test_the_results_page_shows_latest_range_and_targets_met(tmp_path):
     benchmarks.main(["render", "--results", str(results), "--out", str(out)])
     page = out.read_text()
     assert [line for line in page.splitlines() if line.startswith("#")] == [
-        "# Benchmark results", "## bench_cpu_step", "### CPU A, 2 cores", "### CPU B, 2 cores", "## bench_compile",
-        "### CPU A, 2 cores"]
-    table = [[cell.strip() for cell in line.split("|")[1:-1]] for line in page.splitlines()
-             if line.startswith("| step ratio")]
+        "# Benchmark results",
+        "## bench_cpu_step",
+        "### CPU A, 2 cores",
+        "### CPU B, 2 cores",
+        "## bench_compile",
+        "### CPU A, 2 cores",
+    ]
+    table = [
+        [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in page.splitlines()
+        if line.startswith("| step ratio")
+    ]
     # CPU A's Full: latest by time is b (1.1004, misses ≤ 1.1 though it prints as 1.100); range over the three runs
     assert table == [
-        ["step ratio", "small", "full [cpu]", "1", "1.100", "× standard", "bbbbbbb", "2026-12-06T00:00:00Z",
-         "1.055–1.100", "3", "≤ 1.1", "2 of 3"],
-        ["step ratio", "small", "standard", "1", "1.000", "× standard", "aaaaaaa", "2026-12-05T12:06:00Z",
-         "1.000–1.000", "1", "", ""],
-        ["step ratio", "small", "full [cpu]", "1", "1.200", "× standard", "ddddddd+", "2026-12-01T10:00:00Z",
-         "1.200–1.200", "1", "≤ 1.1", "0 of 1"],
-        ["step ratio", "tiny", "standard", "1", "48.4", "ms", "eeeeeee", "2026-12-05T12:00:00Z", "48.4–48.4", "1",
-         "", ""]]
+        [
+            "step ratio",
+            "small",
+            "full [cpu]",
+            "1",
+            "1.100",
+            "× standard",
+            "bbbbbbb",
+            "2026-12-06T00:00:00Z",
+            "1.055–1.100",
+            "3",
+            "≤ 1.1",
+            "2 of 3",
+        ],
+        [
+            "step ratio",
+            "small",
+            "standard",
+            "1",
+            "1.000",
+            "× standard",
+            "aaaaaaa",
+            "2026-12-05T12:06:00Z",
+            "1.000–1.000",
+            "1",
+            "",
+            "",
+        ],
+        [
+            "step ratio",
+            "small",
+            "full [cpu]",
+            "1",
+            "1.200",
+            "× standard",
+            "ddddddd+",
+            "2026-12-01T10:00:00Z",
+            "1.200–1.200",
+            "1",
+            "≤ 1.1",
+            "0 of 1",
+        ],
+        [
+            "step ratio",
+            "tiny",
+            "standard",
+            "1",
+            "48.4",
+            "ms",
+            "eeeeeee",
+            "2026-12-05T12:00:00Z",
+            "48.4–48.4",
+            "1",
+            "",
+            "",
+        ],
+    ]
     assert "3 run(s)." in page.split("### CPU A, 2 cores")[1].split("###")[0]
     benchmarks.main(["render", "--results", str(results), "--out", str(tmp_path / "again.md")])
     assert (tmp_path / "again.md").read_text() == page  # deterministic
@@ -237,8 +329,16 @@ def test_kernel_traffic_counts_the_depth_mix_bytes_its_source_layouts_imply(bloc
     from attnres_lens.depth_execution import MIN_SHARED_GRADIENT_ELEMENTS
 
     traffic = load("kernel_traffic")
-    cfg = ModelConfig(n_layers=2, d_model=128, n_heads=4, n_ctx=64, d_vocab=32, residual="attnres",
-                      attnres_block_size=block_size, seed=0)
+    cfg = ModelConfig(
+        n_layers=2,
+        d_model=128,
+        n_heads=4,
+        n_ctx=64,
+        d_vocab=32,
+        residual="attnres",
+        attnres_block_size=block_size,
+        seed=0,
+    )
     model = HookedTransformer(cfg)
     tokens = torch.randint(0, cfg.d_vocab, (batch, cfg.n_ctx), generator=torch.Generator().manual_seed(0))
     counting = traffic.counted_calls(lambda: model(tokens, return_type="loss").backward())
@@ -276,8 +376,10 @@ def test_kernel_traffic_counts_the_two_phase_bytes_its_arguments_imply(with_prio
     queries = torch.randn(n_queries, d_model, generator=generator).requires_grad_()
     prior = None
     if with_prior:
-        prior = (torch.randn(n_queries, n_tokens, d_model, generator=generator).requires_grad_(),
-                 torch.randn(n_queries, n_tokens, generator=generator).requires_grad_())
+        prior = (
+            torch.randn(n_queries, n_tokens, d_model, generator=generator).requires_grad_(),
+            torch.randn(n_queries, n_tokens, generator=generator).requires_grad_(),
+        )
 
     def step():
         mix, lse = cpu_depth.depth_attention_multi_cpu(sources, queries, 1e-6, prior=prior)
@@ -285,7 +387,8 @@ def test_kernel_traffic_counts_the_two_phase_bytes_its_arguments_imply(with_prio
 
     counting = traffic.counted_calls(step)
     (forward_calls, _, forward), (backward_calls, _, backward) = (
-        counting.totals[name] for name in ("depth_attention_multi", "depth_attention_multi_backward"))
+        counting.totals[name] for name in ("depth_attention_multi", "depth_attention_multi_backward")
+    )
     assert forward_calls == backward_calls == 1
     rows, per_token = n_sources + n_queries + n_queries * with_prior, n_queries + n_queries * with_prior
     assert forward == 4 * (rows * n_tokens * d_model + per_token * n_tokens)
@@ -301,14 +404,17 @@ def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     monkeypatch.setitem(module.SHAPES, "small", dict(n_layers=1, d_model=16, n_heads=4, n_ctx=16, batch=2))
     lines = module.main(["--repeats", "1", "--steps", "1", "--threads", "1", "2"])
     assert [line for line in lines if line.startswith("## ")] == [
-        "## 1 torch thread", "## 2 torch threads", "## One mix at 8 tokens, layer by layer, 1 torch thread",
-        "## Profile at the small shape, 1 torch thread"]
-    one_thread = lines[lines.index("## 1 torch thread"):lines.index("## 2 torch threads")]
+        "## 1 torch thread",
+        "## 2 torch threads",
+        "## One mix at 8 tokens, layer by layer, 1 torch thread",
+        "## Profile at the small shape, 1 torch thread",
+    ]
+    one_thread = lines[lines.index("## 1 torch thread") : lines.index("## 2 torch threads")]
 
     def table(header: str) -> list[list[str]]:
         start = next(i for i, line in enumerate(one_thread) if line.startswith(header))
         rows = []
-        for line in one_thread[start + 2:]:
+        for line in one_thread[start + 2 :]:
             if not line.startswith("| "):
                 break
             rows.append([cell.strip() for cell in line.split("|")[1:-1]])
@@ -322,10 +428,15 @@ def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     kernels = table("| variant | C kernel")
     # each variant's own kernels: the depth mix (AttnRes), the KV shift, the rotary embedding and the norms
     assert {row[1] for row in kernels if row[0] == "full"} >= {"depth_attention_forward", "depth_attention_backward"}
-    assert {row[1] for row in kernels if row[0] == "standard+kv_shift"} >= {"token_shift_forward",
-                                                                            "token_shift_backward"}
-    assert {row[1] for row in kernels if row[0] == "standard"} == {"rms_norm_forward", "rms_norm_backward",
-                                                                   "rotary_forward"}
+    assert {row[1] for row in kernels if row[0] == "standard+kv_shift"} >= {
+        "token_shift_forward",
+        "token_shift_backward",
+    }
+    assert {row[1] for row in kernels if row[0] == "standard"} == {
+        "rms_norm_forward",
+        "rms_norm_backward",
+        "rotary_forward",
+    }
     assert all(float(row[3]) > 0 and float(row[5]) > 0 for row in kernels)  # ms and GB/s
     floors = {row[0]: row for row in table("| variant | × standard")}
     assert list(floors) == [name for name in module.variants("cpu") if name != "standard"]
@@ -337,7 +448,7 @@ def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
     # the layers of one mix: each pass's layers add up to the pass, and the C calls are timed on their own
     start = lines.index("| layer | standard pre-norm (us) | Block consumer, 3 sources (us) |")
     layers = {}
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("| "):
             break
         label, norm_us, mix_us = [cell.strip() for cell in line.split("|")[1:-1]]
@@ -346,8 +457,11 @@ def test_step_profile_reports_every_variant_at_both_shapes(monkeypatch):
         own = [mix for label, (_, mix) in layers.items() if label.startswith(f"{direction}: ")]
         assert len(own) == parts
         assert sum(own) == pytest.approx(layers[f"{direction}, all"][1], abs=0.1 * parts)
-    assert all(layers[label][0] > 0 and layers[label][1] > 0
-               for label in layers if label.endswith(("the C call", "(ctypes' argument conversion included)")))
+    assert all(
+        layers[label][0] > 0 and layers[label][1] > 0
+        for label in layers
+        if label.endswith(("the C call", "(ctypes' argument conversion included)"))
+    )
     both = layers["forward + backward"]
     assert both[0] == pytest.approx(layers["forward, all"][0] + layers["backward, all"][0], abs=0.2)
 
@@ -376,8 +490,14 @@ def test_step_benchmark_takes_each_ratio_within_its_round(monkeypatch):
 
     monkeypatch.setattr(module.Stepper, "step", fake_step)
     rows = module.bench("small", 1, 5, ["cpu"])
-    assert [row["variant"] for row in rows] == ["standard", "standard+kv_shift", "full [cpu]", "block2 [cpu]",
-                                                "block4 [cpu]", module.SECOND_STANDARD]
+    assert [row["variant"] for row in rows] == [
+        "standard",
+        "standard+kv_shift",
+        "full [cpu]",
+        "block2 [cpu]",
+        "block4 [cpu]",
+        module.SECOND_STANDARD,
+    ]
     assert [round(row["ratio"], 6) for row in rows] == [1.0, 1.1, 1.1, 1.1, 1.1, 1.0]
 
 
@@ -404,5 +524,5 @@ def test_the_ablation_confidence_intervals_use_student_t_quantiles(df):
     q = t95(df)
     x = torch.linspace(-q, q, 400_001, dtype=torch.float64)
     log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    density = torch.exp(log_norm - (df + 1) / 2 * torch.log1p(x ** 2 / df))
+    density = torch.exp(log_norm - (df + 1) / 2 * torch.log1p(x**2 / df))
     assert torch.trapezoid(density, x).item() == pytest.approx(0.95, abs=5e-5)  # the table has 3 decimals

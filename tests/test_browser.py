@@ -27,10 +27,14 @@ DEMO_RUNS = REPO_ROOT / "data" / "demo_runs"
 
 pytestmark = pytest.mark.slow
 if not Path(CHROMIUM).exists() and not os.environ.get("CI"):
-    pytest.skip(f"{CHROMIUM} is missing (install Debian's chromium, e.g. `make setup`); required in CI",
-                allow_module_level=True)
-playwright = pytest.importorskip("playwright.sync_api") if not os.environ.get("CI") else __import__(
-    "playwright.sync_api").sync_api
+    pytest.skip(
+        f"{CHROMIUM} is missing (install Debian's chromium, e.g. `make setup`); required in CI", allow_module_level=True
+    )
+playwright = (
+    pytest.importorskip("playwright.sync_api")
+    if not os.environ.get("CI")
+    else __import__("playwright.sync_api").sync_api
+)
 
 
 def free_port() -> int:
@@ -55,8 +59,10 @@ def wait_until_healthy(url: str, server: subprocess.Popen, timeout: float = 90) 
 
 # Markdown and HTML in a run file: shown as text, it is never an image the browser fetches (issue 41 item 3)
 TRACKER = "tracker.invalid"
-HOSTILE_KEY = (f"![pixel](http://{TRACKER}/p.png) <img src=http://{TRACKER}/q.png> www.{TRACKER} me@{TRACKER} "
-               "**bold** :red[red] :material/home: :streamlit: :smile: $x^2$ a -> b")
+HOSTILE_KEY = (
+    f"![pixel](http://{TRACKER}/p.png) <img src=http://{TRACKER}/q.png> www.{TRACKER} me@{TRACKER} "
+    "**bold** :red[red] :material/home: :streamlit: :smile: $x^2$ a -> b"
+)
 
 
 @pytest.fixture()
@@ -73,10 +79,17 @@ def served_runs(tmp_path) -> Path:
 @pytest.fixture()
 def dashboard_url(served_runs):
     port = free_port()
-    command = [str(Path(sys.executable).parent / "attnres-lens"), "dashboard", "--runs", str(served_runs),
-               "--port", str(port)]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
+    command = [
+        str(Path(sys.executable).parent / "attnres-lens"),
+        "dashboard",
+        "--runs",
+        str(served_runs),
+        "--port",
+        str(port),
+    ]
+    server = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(url, server)
@@ -92,8 +105,11 @@ def dashboard_url(served_runs):
 
 def wait_for_charts(page, count: int, timeout_ms: int = 90_000) -> None:
     """Plotly has drawn `count` charts, the script run has finished, and Streamlit shows no exception."""
-    page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot .main-svg').length > 0 && "
-                           f"document.querySelectorAll('.js-plotly-plot').length >= {count}", timeout=timeout_ms)
+    page.wait_for_function(
+        f"document.querySelectorAll('.js-plotly-plot .main-svg').length > 0 && "
+        f"document.querySelectorAll('.js-plotly-plot').length >= {count}",
+        timeout=timeout_ms,
+    )
     page.locator('[data-testid="stStatusWidget"]').wait_for(state="hidden", timeout=timeout_ms)
     assert page.locator('[data-testid="stException"]').count() == 0
 
@@ -179,5 +195,6 @@ def test_dashboard_in_chromium(dashboard_url, served_runs):
             page.screenshot(path=str(OUTPUT / "dashboard-pruning.png"), full_page=True)
         finally:
             browser.close()
-    assert requests and not [url for url in requests if not is_local(url)], [url for url in requests
-                                                                                 if not is_local(url)]
+    assert requests and not [url for url in requests if not is_local(url)], [
+        url for url in requests if not is_local(url)
+    ]

@@ -24,9 +24,11 @@ def test_commands_and_run_functions_share_one_sample_default_each(capsys):
     from attnres_lens.analysis import run
 
     parser = build_parser()
-    for command, function, default in (("analyze", run.analyze_run, run.ANALYZE_SAMPLES),
-                                       ("prune", run.prune_run, run.PRUNE_SAMPLES),
-                                       ("attribute", run.attribute_run, run.ATTRIBUTE_SAMPLES)):
+    for command, function, default in (
+        ("analyze", run.analyze_run, run.ANALYZE_SAMPLES),
+        ("prune", run.prune_run, run.PRUNE_SAMPLES),
+        ("attribute", run.attribute_run, run.ATTRIBUTE_SAMPLES),
+    ):
         assert parser.parse_args([command, "RUN"]).samples == default, command
         assert inspect.signature(function).parameters["samples"].default == default, command
         with pytest.raises(SystemExit):
@@ -49,17 +51,19 @@ def test_run_functions_share_their_leading_signature():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (DEMO_RUNS / "depth-full-6l" / "config.json").is_file(),
-                    reason="demo runs missing: run `make demo`")
+@pytest.mark.skipif(
+    not (DEMO_RUNS / "depth-full-6l" / "config.json").is_file(), reason="demo runs missing: run `make demo`"
+)
 def test_dashboard_pages_start_from_the_commands_defaults():
     from streamlit.testing.v1 import AppTest
 
     from attnres_lens.analysis.run import ATTRIBUTE_SAMPLES, PRUNE_SAMPLES
 
     parser = build_parser()
-    for page, key, default, command in (("views/pruning.py", "pruning-samples", PRUNE_SAMPLES, "prune"),
-                                        ("views/attribution.py", "attribution-samples", ATTRIBUTE_SAMPLES,
-                                         "attribute")):
+    for page, key, default, command in (
+        ("views/pruning.py", "pruning-samples", PRUNE_SAMPLES, "prune"),
+        ("views/attribution.py", "attribution-samples", ATTRIBUTE_SAMPLES, "attribute"),
+    ):
         app = AppTest.from_file(str(REPO_ROOT / "apps" / "app.py"), default_timeout=180)
         app.session_state["served_dir"] = str(DEMO_RUNS)  # as `dashboard --runs` serves it
         app.run()
@@ -97,8 +101,14 @@ def test_bad_arguments_are_refused_before_torch_is_imported(tmp_path):
         "print(json.dumps({'results': results, 'heavy': sorted(name for name in ('torch', 'transformer_lens')\n"
         "                                                     if name in sys.modules)}))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["heavy"] == []
@@ -109,15 +119,24 @@ def test_bad_arguments_are_refused_before_torch_is_imported(tmp_path):
 
 def test_counts_take_the_number_they_need():
     assert [plural(n, "sublayer") for n in (0, 1, 2)] == ["0 sublayers", "1 sublayer", "2 sublayers"]
-    removable = [{"strategy": "measured", "n_removable": 1}, {"strategy": "block_influence", "n_removable": 0},
-                 {"strategy": "last_first", "n_removable": 3}]
+    removable = [
+        {"strategy": "measured", "n_removable": 1},
+        {"strategy": "block_influence", "n_removable": 0},
+        {"strategy": "last_first", "n_removable": 3},
+    ]
     lines = _prune_lines({"base_loss": 1.0, "base_accuracy": 0.5, "samples": 1, "removable": removable}).splitlines()
     assert lines[0].endswith("(1 held-out sequence)")
-    assert [line.strip() for line in lines[1:]] == ["measured: 1 sublayer removable within +5% loss",
-                                                    "block_influence: 0 sublayers removable within +5% loss",
-                                                    "last_first: 3 sublayers removable within +5% loss"]
+    assert [line.strip() for line in lines[1:]] == [
+        "measured: 1 sublayer removable within +5% loss",
+        "block_influence: 0 sublayers removable within +5% loss",
+        "last_first: 3 sublayers removable within +5% loss",
+    ]
     no_answers = _prune_lines({"base_loss": 1.0, "base_accuracy": None, "samples": 2, "removable": []})  # NaN in JSON
-    assert no_answers == "clean loss 1.0000 over all positions, accuracy n/a over answer positions (2 held-out sequences)"
-    summary = {"top_logit_sources": [{"source_label": "emb", "share": 1.0}],
-               "edge_agreement": {"spearman": None, "n_edges": 1}}
+    assert (
+        no_answers == "clean loss 1.0000 over all positions, accuracy n/a over answer positions (2 held-out sequences)"
+    )
+    summary = {
+        "top_logit_sources": [{"source_label": "emb", "share": 1.0}],
+        "edge_agreement": {"spearman": None, "n_edges": 1},
+    }
     assert _attribute_lines(summary).splitlines()[1] == "edge estimates vs exact knockouts: Spearman n/a over 1 edge"

@@ -27,8 +27,9 @@ VARIANTS = {
     "scalar mixing": dict(residual="attnres", attnres_mixing="scalar"),
     "denseformer": dict(residual="denseformer"),
     "mhc": dict(residual="mhc", mhc_streams=2, mhc_sinkhorn_iters=3),
-    "gated, biased, tied": dict(residual="attnres", gated_mlp=True, act_fn="silu", use_bias=True,
-                                tie_word_embeddings=True),
+    "gated, biased, tied": dict(
+        residual="attnres", gated_mlp=True, act_fn="silu", use_bias=True, tie_word_embeddings=True
+    ),
 }
 
 

@@ -75,8 +75,10 @@ def test_keep_freed_memory_stops_repeated_page_faults():
 
 @pytest.mark.slow
 def test_configure_freezes_the_objects_alive_out_of_the_collector():
-    probe = ("import gc\nfrom attnres_lens import cpu_settings\nbefore = gc.get_freeze_count()\n"
-             "cpu_settings.configure(0)\nprint(before, gc.get_freeze_count())")
+    probe = (
+        "import gc\nfrom attnres_lens import cpu_settings\nbefore = gc.get_freeze_count()\n"
+        "cpu_settings.configure(0)\nprint(before, gc.get_freeze_count())"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     before, after = map(int, out.split())
     assert before == 0 and after > 10_000  # every object of the imports (torch alone has far more)

@@ -21,12 +21,20 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 APP = REPO_ROOT / "apps" / "app.py"
 DEMO_RUNS = REPO_ROOT / "data" / "demo_runs"
 MARKDOWN = MarkdownIt("commonmark").enable(["table", "strikethrough"])
-PAGES = ["views/runs.py", "views/depth_attention.py", "views/depth_mixing.py", "views/training_dynamics.py",
-         "views/induction.py", "views/pruning.py", "views/attribution.py"]
+PAGES = [
+    "views/runs.py",
+    "views/depth_attention.py",
+    "views/depth_mixing.py",
+    "views/training_dynamics.py",
+    "views/induction.py",
+    "views/pruning.py",
+    "views/attribution.py",
+]
 
 if not (DEMO_RUNS / "induction-1l-kvshift" / "config.json").is_file():
-    pytest.skip(f"demo runs missing in {DEMO_RUNS}: run `make demo` or `python apps/make_demo_runs.py`",
-                allow_module_level=True)
+    pytest.skip(
+        f"demo runs missing in {DEMO_RUNS}: run `make demo` or `python apps/make_demo_runs.py`", allow_module_level=True
+    )
 
 
 def open_page(page: str, runs: Path = DEMO_RUNS) -> AppTest:
@@ -50,8 +58,9 @@ def chart_specs(app: AppTest) -> list[dict]:
 
 
 # Each page takes seconds under AppTest: the fast lane (make test-fast) renders the runs page alone.
-@pytest.mark.parametrize("page", [pytest.param(page, marks=() if page == "views/runs.py" else pytest.mark.slow)
-                                  for page in PAGES])
+@pytest.mark.parametrize(
+    "page", [pytest.param(page, marks=() if page == "views/runs.py" else pytest.mark.slow) for page in PAGES]
+)
 def test_every_page_renders_on_the_demo_runs(page):
     app = open_page(page)
     assert_clean(app)
@@ -200,8 +209,11 @@ def test_heatmap_cells_print_values_by_grid_size(monkeypatch):
     app.session_state["selected_runs"] = [str(DEMO_RUNS / "depth-block-6l"), str(DEMO_RUNS / "depth-full-6l")]
     app.switch_page("views/depth_attention.py").run()
     assert_clean(app)
-    heatmaps = {spec["layout"]["title"]["text"]: spec["data"][0] for spec in chart_specs(app)
-                if spec["data"][0]["type"] == "heatmap" and "step" in spec["layout"]["title"]["text"]}
+    heatmaps = {
+        spec["layout"]["title"]["text"]: spec["data"][0]
+        for spec in chart_specs(app)
+        if spec["data"][0]["type"] == "heatmap" and "step" in spec["layout"]["title"]["text"]
+    }
     assert any("depth-full-6l" in title for title in heatmaps) and any("depth-block-6l" in title for title in heatmaps)
     for title, trace in heatmaps.items():
         assert trace.get("texttemplate") == "%{z:.2f}", title
@@ -222,10 +234,24 @@ def test_pruning_curve_axis_holds_every_point_with_a_margin(metric):
     from attnres_lens.analysis.report import _figures
 
     labels = ["L0.attn", "L0.mlp"]
-    sensitivity = pd.DataFrame({"label": labels, **{f"{column}_{mode}": [0.1, 0.2] for column in ("dloss", "dacc")
-                                                    for mode in ("remove", "mean", "resample")}})
-    curves = pd.DataFrame({"strategy": ["measured"] * 3 + ["drop_deepest"] * 3, "n_removed": [0, 1, 2] * 2,
-                           "loss": [1.8, 2.5, 9.7, 1.8, 1.85, 6.0], "accuracy": [0.9, 0.4, 0.02, 0.9, 0.88, 0.1]})
+    sensitivity = pd.DataFrame(
+        {
+            "label": labels,
+            **{
+                f"{column}_{mode}": [0.1, 0.2]
+                for column in ("dloss", "dacc")
+                for mode in ("remove", "mean", "resample")
+            },
+        }
+    )
+    curves = pd.DataFrame(
+        {
+            "strategy": ["measured"] * 3 + ["drop_deepest"] * 3,
+            "n_removed": [0, 1, 2] * 2,
+            "loss": [1.8, 2.5, 9.7, 1.8, 1.85, 6.0],
+            "accuracy": [0.9, 0.4, 0.02, 0.9, 0.88, 0.1],
+        }
+    )
     distances = pd.DataFrame({"start": [0, 0], "start_label": ["L0.attn"] * 2, "n": [1, 2], "distance": [0.1, 0.2]})
     tables = {"pruning_sensitivity": sensitivity, "pruning_curves": curves, "angular_distance": distances}
     figure = next(figure for heading, figure, _ in _figures(tables, metric, 0.05) if "removed" in heading)
@@ -311,8 +337,9 @@ def test_attribution_page_computes_and_toggles_the_edge_path():
     total = next(spec for spec in chart_specs(app) if spec["layout"]["title"]["text"].startswith("Edge attribution ("))
     app.radio(key="attribution-edge-path").set_value("routing_path").run()
     assert_clean(app)
-    routing = next(spec for spec in chart_specs(app)
-                   if spec["layout"]["title"]["text"].startswith("Edge attribution ("))
+    routing = next(
+        spec for spec in chart_specs(app) if spec["layout"]["title"]["text"].startswith("Edge attribution (")
+    )
     assert "routing path" in routing["layout"]["title"]["text"] and routing["data"][0]["z"] != total["data"][0]["z"]
 
 
@@ -355,21 +382,26 @@ def test_broken_run_directories_show_messages_not_tracebacks(tmp_path):
 
 # What the browser's renderer finds in parsed text, which markdown-it's CommonMark parser leaves as text: GFM's
 # extended autolinks (a URL, a "www." host, an e-mail address) and Streamlit's emoji, icons and directives
-FOUND_IN_TEXT = {"gfm_autolink": re.compile(r"(?i)https?://|\bwww\.|[\w.+-]@[\w-]+\.\w"),
-                 "streamlit_syntax": re.compile(r":(?:material/|streamlit:|[\w+-]+:|[a-z][a-z0-9-]*\[)")}
+FOUND_IN_TEXT = {
+    "gfm_autolink": re.compile(r"(?i)https?://|\bwww\.|[\w.+-]@[\w-]+\.\w"),
+    "streamlit_syntax": re.compile(r":(?:material/|streamlit:|[\w+-]+:|[a-z][a-z0-9-]*\[)"),
+}
 
 
 def rendered(markdown: str) -> tuple[str, set[str]]:
     """What a browser shows for Streamlit Markdown (CommonMark and GFM tables, strikethrough), as (text as it reads,
     the token types it becomes, with the `FOUND_IN_TEXT` kinds in its text): independent of the app's escaping."""
+
     def walk(tokens):
         for token in tokens:
             yield token
             yield from walk(token.children or [])
 
     tokens = list(walk(MARKDOWN.parse(markdown)))
-    text = "".join(token.content if token.type in ("text", "code_inline") else " " if "break" in token.type else ""
-                   for token in tokens)
+    text = "".join(
+        token.content if token.type in ("text", "code_inline") else " " if "break" in token.type else ""
+        for token in tokens
+    )
     kinds = {token.type for token in tokens} | {kind for kind, found in FOUND_IN_TEXT.items() if found.search(text)}
     visible = "".join(char for char in text if unicodedata.category(char) != "Cf")  # format characters are invisible
     return visible, kinds
@@ -378,12 +410,19 @@ def rendered(markdown: str) -> tuple[str, set[str]]:
 def page_markdown(app: AppTest) -> list[str]:
     """Every string on the page that Streamlit renders as Markdown: titles, headers, captions, messages, expander
     labels, radio options and help tooltips."""
-    texts = [element.value for kind in ("title", "header", "subheader", "caption", "markdown", "info", "warning",
-                                        "error", "success") for element in getattr(app, kind)]
+    texts = [
+        element.value
+        for kind in ("title", "header", "subheader", "caption", "markdown", "info", "warning", "error", "success")
+        for element in getattr(app, kind)
+    ]
     texts += [expander.label for expander in app.expander]
     texts += [option for radio in app.radio for option in radio.options]
-    texts += [element.proto.help for kind in ("text_input", "selectbox", "multiselect", "number_input", "radio")
-              for element in getattr(app, kind) if element.proto.help]
+    texts += [
+        element.proto.help
+        for kind in ("text_input", "selectbox", "multiselect", "number_input", "radio")
+        for element in getattr(app, kind)
+        if element.proto.help
+    ]
     return texts
 
 
@@ -415,12 +454,20 @@ def test_the_runs_folder_box_never_leaves_the_served_folder(tmp_path):
         assert "leads outside the folder this dashboard serves" in errors[link] and str(served) in errors[link], errors
     assert secret not in shown(app) and "private-run" not in shown(app)
 
-    for typed in (str(outside), str(outside / "private-run"), str(outside / "private-config"),
-                  str(served / "link-out"), str(served / "linked-run"), "../outside", "/"):
+    for typed in (
+        str(outside),
+        str(outside / "private-run"),
+        str(outside / "private-config"),
+        str(served / "link-out"),
+        str(served / "linked-run"),
+        "../outside",
+        "/",
+    ):
         app.text_input[0].input(typed).run()
         refusals = [rendered(error.value)[0] for error in app.error if "is outside the folder" in error.value]
-        assert len(refusals) == 1 and refusals[0].startswith(f"{typed} is outside the folder this dashboard serves, "
-                                                             f"{served};"), (typed, refusals)
+        assert len(refusals) == 1 and refusals[0].startswith(
+            f"{typed} is outside the folder this dashboard serves, {served};"
+        ), (typed, refusals)
         assert list(app.dataframe[0].value["run"]) == ["top-run"], typed  # still the served folder's runs
         assert secret not in shown(app), typed  # the refusal names the typed path, nothing read there
 
@@ -433,8 +480,10 @@ def test_the_runs_folder_box_never_leaves_the_served_folder(tmp_path):
     assert app.selectbox(key="induction-run").value == str(served / "group" / "inner-run")
 
 
-HOSTILE = ("![pixel](http://tracker.invalid/p.png) <img src=http://tracker.invalid/q.png> www.tracker.invalid "
-           "me@tracker.invalid **bold** :red[red] :material/home: :smile: $x$")
+HOSTILE = (
+    "![pixel](http://tracker.invalid/p.png) <img src=http://tracker.invalid/q.png> www.tracker.invalid "
+    "me@tracker.invalid **bold** :red[red] :material/home: :smile: $x$"
+)
 
 
 @pytest.mark.slow
@@ -502,8 +551,10 @@ def test_html_reports_show_run_text_as_text():
     header = {"run": hostile, "checkpoint": hostile, "variant": hostile, "samples": 2}
     pruning = prune_tables(run.model, batch)
     attribution = attribution_tables(run.model, batch, batch.tokens[:1], n_boot=10)
-    reports = {"pruning": prune_report_html(pruning, prune_summary(pruning, header), "loss", REMOVAL_TOLERANCE),
-               "attribution": attribution_report_html(attribution, attribution_summary(attribution, header))}
+    reports = {
+        "pruning": prune_report_html(pruning, prune_summary(pruning, header), "loss", REMOVAL_TOLERANCE),
+        "attribution": attribution_report_html(attribution, attribution_summary(attribution, header)),
+    }
     for name, report in reports.items():
         parsed = Elements()
         parsed.feed(report)
@@ -532,10 +583,16 @@ def test_every_residual_kind_renders_every_page(tmp_path):
     from attnres_lens.presets import get_preset
     from attnres_lens.training import train
 
-    for name, overrides in {"dense": ["model.residual=denseformer"], "mhc": ["model.residual=mhc"],
-                            "sigmoid": ["model.attnres_score=sigmoid"]}.items():
-        train(apply_overrides(get_preset("smoke"), [*overrides, "train.steps=10", "train.checkpoint_every=10"]),
-              tmp_path / name, progress=False)
+    for name, overrides in {
+        "dense": ["model.residual=denseformer"],
+        "mhc": ["model.residual=mhc"],
+        "sigmoid": ["model.attnres_score=sigmoid"],
+    }.items():
+        train(
+            apply_overrides(get_preset("smoke"), [*overrides, "train.steps=10", "train.checkpoint_every=10"]),
+            tmp_path / name,
+            progress=False,
+        )
     app = open_page("views/runs.py", runs=tmp_path)
     kinds = set(app.dataframe[0].value["residual"])
     assert {"DenseFormer", "mHC n=4", "Block AttnRes S=2 (sigmoid)"} <= kinds, kinds
@@ -597,9 +654,14 @@ def test_pages_score_what_the_commands_score_and_draw_recorded_mixing_without_a_
     from attnres_lens.training import train
 
     runs = tmp_path / "runs"
-    train(apply_overrides(get_preset("smoke"), ["train.seed=3", "task.seed=3", "train.steps=10",
-                                                "train.checkpoint_every=10", "train.record_every=10"]),
-          runs / "seed3", progress=False)
+    train(
+        apply_overrides(
+            get_preset("smoke"),
+            ["train.seed=3", "task.seed=3", "train.steps=10", "train.checkpoint_every=10", "train.record_every=10"],
+        ),
+        runs / "seed3",
+        progress=False,
+    )
     loaded = load_run(runs / "seed3")
     expected = induction_head_scores(loaded.model, task_probe(loaded.model, loaded.config.build_task(), 16))
     app = open_page("views/induction.py", runs=runs)
@@ -610,9 +672,14 @@ def test_pages_score_what_the_commands_score_and_draw_recorded_mixing_without_a_
     shown = sorted(np.frombuffer(base64.b64decode(z["bdata"]), dtype=z["dtype"]).tolist())
     assert shown == pytest.approx(sorted(expected["tl_induction_score"]), abs=1e-6)
 
-    train(apply_overrides(get_preset("smoke"), ["model.residual=standard", "train.steps=10",
-                                                "train.checkpoint_every=10", "train.record_every=10"]),
-          runs / "standard", progress=False)
+    train(
+        apply_overrides(
+            get_preset("smoke"),
+            ["model.residual=standard", "train.steps=10", "train.checkpoint_every=10", "train.record_every=10"],
+        ),
+        runs / "standard",
+        progress=False,
+    )
     for run in ("seed3", "standard"):  # AttnRes and the standard residual both record M
         shutil.copytree(runs / run, runs / f"{run}_no_checkpoint")
         shutil.rmtree(runs / f"{run}_no_checkpoint" / "checkpoints")

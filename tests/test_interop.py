@@ -53,8 +53,17 @@ with fla_runtime(DEVICE):
 def make_fla(seed: int = 0, **overrides) -> TransformerForCausalLM:
     """A small FLA Transformer with every weight drawn at a scale that makes logits O(1): a wrong head split,
     transpose or source order changes them far beyond the tolerance."""
-    params = dict(hidden_size=32, num_hidden_layers=3, num_heads=4, num_kv_heads=2, vocab_size=40,
-                  max_position_embeddings=24, intermediate_size=48, norm_eps=1e-5, attnres_block_size=2)
+    params = dict(
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=40,
+        max_position_embeddings=24,
+        intermediate_size=48,
+        norm_eps=1e-5,
+        attnres_block_size=2,
+    )
     params.update(overrides)
     torch.manual_seed(seed)
     with fla_runtime(DEVICE):
@@ -101,9 +110,16 @@ CASES = [
 @pytest.mark.parametrize("layers, width, heads, kv_heads, block_size, tied", CASES)
 @pytest.mark.slow
 def test_logits_match_fla_and_the_round_trip_is_exact(layers, width, heads, kv_heads, block_size, tied):
-    fla = make_fla(seed=layers * width + heads, hidden_size=width, num_hidden_layers=layers, num_heads=heads,
-                   num_kv_heads=kv_heads, attnres_block_size=block_size, tie_word_embeddings=tied,
-                   intermediate_size=width + 16)
+    fla = make_fla(
+        seed=layers * width + heads,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        attnres_block_size=block_size,
+        tie_word_embeddings=tied,
+        intermediate_size=width + 16,
+    )
     ids = tokens(40, seed=width)
     expected = fla_logits(fla, ids).cpu()
     assert expected.std() > 0.3  # logits far from zero: the comparison below can fail
@@ -141,8 +157,9 @@ def test_directories_round_trip_through_from_pretrained(tmp_path, tied):
         reloaded = TransformerForCausalLM.from_pretrained(tmp_path / "ours").eval().to(DEVICE)
     assert_same_state(reloaded.state_dict(), fla.state_dict())
     assert torch.equal(fla_logits(reloaded, ids), fla_logits(fla, ids))
-    assert_same_state(load_file(tmp_path / "ours" / "model.safetensors"),
-                      load_file(tmp_path / "fla" / "model.safetensors"))
+    assert_same_state(
+        load_file(tmp_path / "ours" / "model.safetensors"), load_file(tmp_path / "fla" / "model.safetensors")
+    )
 
 
 def test_a_bf16_directory_imports_upcast_and_exports_back_bit_for_bit(tmp_path):
@@ -153,10 +170,13 @@ def test_a_bf16_directory_imports_upcast_and_exports_back_bit_for_bit(tmp_path):
     run, _ = import_fla_run(tmp_path / "fla", tmp_path / "run")
     assert load_run(run).model.cfg.dtype == torch.float32  # upcast exactly for analysis
     export_fla_run(run, tmp_path / "back")  # in the dtype it came in, with the config it came with
-    assert_same_state(load_file(tmp_path / "back" / "model.safetensors"),
-                      load_file(tmp_path / "fla" / "model.safetensors"))
-    original, written = json.loads((tmp_path / "fla" / "config.json").read_text()), \
-        json.loads((tmp_path / "back" / "config.json").read_text())
+    assert_same_state(
+        load_file(tmp_path / "back" / "model.safetensors"), load_file(tmp_path / "fla" / "model.safetensors")
+    )
+    original, written = (
+        json.loads((tmp_path / "fla" / "config.json").read_text()),
+        json.loads((tmp_path / "back" / "config.json").read_text()),
+    )
     assert written == original
 
 
@@ -178,27 +198,51 @@ def test_a_sharded_directory_imports(tmp_path):
 
 
 # ---------------------------------------------------------------------------- refusals
-BASE = dict(model_type="transformer", hidden_size=32, num_hidden_layers=2, num_heads=4, vocab_size=40,
-            max_position_embeddings=24, attnres_block_size=2)
+BASE = dict(
+    model_type="transformer",
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_heads=4,
+    vocab_size=40,
+    max_position_embeddings=24,
+    attnres_block_size=2,
+)
 
 
-@pytest.mark.parametrize("option, value", [
-    ("qk_norm", True), ("qkv_bias", True), ("window_size", 16), ("hidden_act", "powlu"), ("rope_theta", None),
-    ("attnres_block_size", 3), ("attnres_block_size", 0), ("model_type", "gla"), ("num_heads", 5),
-])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("qk_norm", True),
+        ("qkv_bias", True),
+        ("window_size", 16),
+        ("hidden_act", "powlu"),
+        ("rope_theta", None),
+        ("attnres_block_size", 3),
+        ("attnres_block_size", 0),
+        ("model_type", "gla"),
+        ("num_heads", 5),
+    ],
+)
 def test_import_refuses_what_it_cannot_represent_naming_the_option(option, value):
     with pytest.raises(FlaInteropError, match=option):
         model_config_from_fla({**BASE, option: value})
 
 
-@pytest.mark.parametrize("change, named", [
-    (dict(hidden_size=None), "'hidden_size'"), (dict(num_heads=None), "'num_heads'"),
-    (dict(num_heads=0), "num_heads=0"),
-    (dict(intermediate_size=47.9), "intermediate_size=47.9"), (dict(vocab_size="40"), "vocab_size='40'"),
-    (dict(tie_word_embeddings="false"), "tie_word_embeddings='false'"), (dict(num_kv_heads=2.0), "num_kv_heads=2.0"),
-    (dict(rope_theta="x"), "rope_theta='x'"), (dict(norm_eps="1e-5"), "norm_eps='1e-5'"),
-    (dict(hidden_ratio="4"), "hidden_ratio='4'"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (dict(hidden_size=None), "'hidden_size'"),
+        (dict(num_heads=None), "'num_heads'"),
+        (dict(num_heads=0), "num_heads=0"),
+        (dict(intermediate_size=47.9), "intermediate_size=47.9"),
+        (dict(vocab_size="40"), "vocab_size='40'"),
+        (dict(tie_word_embeddings="false"), "tie_word_embeddings='false'"),
+        (dict(num_kv_heads=2.0), "num_kv_heads=2.0"),
+        (dict(rope_theta="x"), "rope_theta='x'"),
+        (dict(norm_eps="1e-5"), "norm_eps='1e-5'"),
+        (dict(hidden_ratio="4"), "hidden_ratio='4'"),
+    ],
+)
 def test_import_refuses_a_malformed_config_naming_the_field(change, named):
     """A missing, mistyped or zero field is an FlaInteropError (the CLI's one-line error), never a KeyError,
     ZeroDivisionError, a truncated float or a string read as true."""
@@ -282,7 +326,7 @@ def test_the_flash_attn_stand_in_aligns_the_causal_mask_bottom_right():
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, length, 4, 8, generator=generator, dtype=torch.float64) for length in (2, 5, 5))
     out = sdpa_flash_attn(q, k, v, causal=True)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 8 ** 0.5
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 8**0.5
     visible = torch.arange(5)[None, :] <= torch.arange(2)[:, None] + 3
     expected = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
     assert torch.allclose(out, expected, atol=1e-12)
@@ -305,21 +349,36 @@ def test_import_refuses_pickles_and_mismatched_weights(tmp_path):
 
 
 def exportable(**overrides) -> ModelConfig:
-    params = dict(d_model=32, n_heads=4, n_layers=2, n_ctx=24, d_vocab=40, gated_mlp=True, act_fn="silu",
-                  use_bias=False, residual="attnres", attnres_block_size=2, eps=1e-5, attnres_eps=1e-5)
+    params = dict(
+        d_model=32,
+        n_heads=4,
+        n_layers=2,
+        n_ctx=24,
+        d_vocab=40,
+        gated_mlp=True,
+        act_fn="silu",
+        use_bias=False,
+        residual="attnres",
+        attnres_block_size=2,
+        eps=1e-5,
+        attnres_eps=1e-5,
+    )
     return ModelConfig(**{**params, **overrides})
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (dict(attention="kv_shift"), "attention='kv_shift'"),
-    (dict(attnres_block_size=3), "attnres_block_size=3"),
-    (dict(attn_only=True, gated_mlp=False), "attn_only=True"),
-    (dict(positional_embedding_type="standard"), "positional_embedding_type='standard'"),
-    (dict(gated_mlp=False), "gated_mlp=False"),
-    (dict(act_fn="gelu"), "act_fn='gelu'"),
-    (dict(use_bias=True), "use_bias=True"),
-    (dict(attnres_eps=1e-6), "attnres_eps=1e-06"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (dict(attention="kv_shift"), "attention='kv_shift'"),
+        (dict(attnres_block_size=3), "attnres_block_size=3"),
+        (dict(attn_only=True, gated_mlp=False), "attn_only=True"),
+        (dict(positional_embedding_type="standard"), "positional_embedding_type='standard'"),
+        (dict(gated_mlp=False), "gated_mlp=False"),
+        (dict(act_fn="gelu"), "act_fn='gelu'"),
+        (dict(use_bias=True), "use_bias=True"),
+        (dict(attnres_eps=1e-6), "attnres_eps=1e-06"),
+    ],
+)
 def test_export_refuses_what_fla_lacks_naming_the_option(overrides, named):
     check_exportable(exportable())
     with pytest.raises(FlaInteropError, match=named.replace("(", r"\(").replace("[", r"\[")):
@@ -346,10 +405,13 @@ def test_exported_config_describes_the_same_model():
     fla = fla_config_dict(cfg)
     assert fla["attnres_block_size"] == 2 and fla["num_kv_heads"] == 2 and fla["rope_theta"] == 5e5
     back = model_config_from_fla(fla)
-    assert {k: v for k, v in back.to_dict().items() if k != "seed"} == \
-        {k: v for k, v in cfg.to_dict().items() if k != "seed"}
-    assert fla_config_dict(exportable(residual="standard", attnres_block_size=1, attnres_eps=1e-6)
-                           )["attnres_block_size"] is None
+    assert {k: v for k, v in back.to_dict().items() if k != "seed"} == {
+        k: v for k, v in cfg.to_dict().items() if k != "seed"
+    }
+    assert (
+        fla_config_dict(exportable(residual="standard", attnres_block_size=1, attnres_eps=1e-6))["attnres_block_size"]
+        is None
+    )
 
 
 # ---------------------------------------------------------------------------- run directories and the CLI
@@ -412,8 +474,10 @@ def test_cli_errors_are_one_line(tmp_path):
         (["import-fla", str(good), "--out", str(tmp_path / "full")], "is not empty"),
         (["import-fla", str(good), "--out", str(tmp_path / "r"), "--set", "model.d_model=8"], "task.KEY=VALUE"),
         (["import-fla", str(good), "--out", str(tmp_path / "r"), "--tokens", str(raw)], "does not record its dtype"),
-        (["import-fla", str(good), "--out", str(tmp_path / "r"), "--tokens", str(raw), "--tokens-dtype", "uint16"],
-         "out of range for vocab_size=40"),
+        (
+            ["import-fla", str(good), "--out", str(tmp_path / "r"), "--tokens", str(raw), "--tokens-dtype", "uint16"],
+            "out of range for vocab_size=40",
+        ),
         (["import-fla", str(good), "--out", str(tmp_path / "r"), "--task", "ngram9"], "unknown task"),
         (["export-fla", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")], "does not exist"),
     ]
@@ -445,9 +509,17 @@ def test_a_run_trained_here_in_fla_form_exports_and_fla_reproduces_it(tmp_path):
     from attnres_lens.presets import get_preset
     from attnres_lens.training import train
 
-    fla_form = ["model.gated_mlp=true", "model.act_fn=silu", "model.use_bias=false", "model.attention=standard",
-                "model.attnres_eps=1e-5", "model.tie_word_embeddings=true", "train.steps=3", "train.eval_size=4",
-                "train.record_size=4"]
+    fla_form = [
+        "model.gated_mlp=true",
+        "model.act_fn=silu",
+        "model.use_bias=false",
+        "model.attention=standard",
+        "model.attnres_eps=1e-5",
+        "model.tie_word_embeddings=true",
+        "train.steps=3",
+        "train.eval_size=4",
+        "train.record_size=4",
+    ]
     train(apply_overrides(get_preset("smoke"), fla_form), tmp_path / "run", progress=False)
     model = load_run(tmp_path / "run").model
     save_fla(model, tmp_path / "fla")
@@ -462,8 +534,20 @@ def test_the_fla_preset_trains_and_exports_as_trained(tmp_path):
     """`fla-attnres-block` is in FLA's form: a run trained from it exports with no --set flags, and FLA's forward
     of the export gives the run's logits."""
     run = tmp_path / "run"
-    result = cli("train", "--preset", "fla-attnres-block", "--out", str(run), "--steps", "2", "--no-progress",
-                 "--set", "train.eval_size=4", "--set", "train.record_size=4")  # the cadence only, not the model
+    result = cli(
+        "train",
+        "--preset",
+        "fla-attnres-block",
+        "--out",
+        str(run),
+        "--steps",
+        "2",
+        "--no-progress",
+        "--set",
+        "train.eval_size=4",
+        "--set",
+        "train.record_size=4",
+    )  # the cadence only, not the model
     assert result.returncode == 0, result.stderr
     result = cli("export-fla", str(run), "--out", str(tmp_path / "fla"))
     assert result.returncode == 0, result.stderr
@@ -476,8 +560,13 @@ def test_the_fla_preset_trains_and_exports_as_trained(tmp_path):
 
 
 def test_default_evaluation_task_fits_the_model():
-    assert default_task(exportable(n_ctx=2048, d_vocab=32000)) == \
-        {"name": "copy", "vocab_size": 32000, "seq_len": 2048, "min_len": 8, "max_len": 16}
+    assert default_task(exportable(n_ctx=2048, d_vocab=32000)) == {
+        "name": "copy",
+        "vocab_size": 32000,
+        "seq_len": 2048,
+        "min_len": 8,
+        "max_len": 16,
+    }
     short = default_task(exportable(n_ctx=13, d_vocab=40))
     assert short["max_len"] == 6 and short["min_len"] == 6
     small_vocab = default_task(exportable(n_ctx=128, d_vocab=20))
@@ -514,8 +603,13 @@ def test_the_dashboard_opens_an_imported_run_and_says_what_it_lacks(tmp_path):
         if page == "views/depth_attention.py":
             titles = [json.loads(chart.proto.spec)["layout"]["title"]["text"] for chart in app.get("plotly_chart")]
             assert any("imported checkpoint" in title for title in titles), titles
-    needs_records = {"views/depth_attention.py", "views/training_dynamics.py", "views/induction.py",
-                     "views/depth_mixing.py", "views/attribution.py"} & set(pages)
+    needs_records = {
+        "views/depth_attention.py",
+        "views/training_dynamics.py",
+        "views/induction.py",
+        "views/depth_mixing.py",
+        "views/attribution.py",
+    } & set(pages)
     for page in needs_records:
         assert "imported from flash-linear-attention" in said[page], (page, said[page])
     app.switch_page("views/pruning.py").run()
@@ -527,8 +621,22 @@ def test_the_dashboard_opens_an_imported_run_and_says_what_it_lacks(tmp_path):
 def test_the_worked_example_runs_and_reports_agreement(tmp_path):
     from analyses import fla_roundtrip
 
-    lines = fla_roundtrip.main(["--layers", "2", "--width", "32", "--block-size", "2", "--samples", "4",
-                                "--out", str(tmp_path / "work"), "--report", str(tmp_path / "report.md")])
+    lines = fla_roundtrip.main(
+        [
+            "--layers",
+            "2",
+            "--width",
+            "32",
+            "--block-size",
+            "2",
+            "--samples",
+            "4",
+            "--out",
+            str(tmp_path / "work"),
+            "--report",
+            str(tmp_path / "report.md"),
+        ]
+    )
     text = "\n".join(lines)
     assert "Exported state dict identical to the original, tensor for tensor: True." in text
     rows = [line for line in lines if line.startswith("| ours (imported) vs FLA")]
@@ -556,14 +664,20 @@ def edited_copy(saved: Path, tmp_path: Path, **config_changes) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("changes, named", [
-    (dict(hidden_ratio=float("inf"), intermediate_size=None), "hidden_ratio=inf"),
-    (dict(hidden_ratio=float("nan"), intermediate_size=None), "hidden_ratio=nan"),
-    (dict(hidden_ratio=1e300, intermediate_size=None), "hidden_ratio=1e+300"),
-    (dict(norm_eps=float("inf")), "norm_eps=inf"),
-    (dict(num_hidden_layers=10**6), "num_hidden_layers=1000000 in the FLA config, but its weights hold layers 0..1"),
-    (dict(max_position_embeddings=2**40), "n_ctx × d_head rotary tables"),
-])
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        (dict(hidden_ratio=float("inf"), intermediate_size=None), "hidden_ratio=inf"),
+        (dict(hidden_ratio=float("nan"), intermediate_size=None), "hidden_ratio=nan"),
+        (dict(hidden_ratio=1e300, intermediate_size=None), "hidden_ratio=1e+300"),
+        (dict(norm_eps=float("inf")), "norm_eps=inf"),
+        (
+            dict(num_hidden_layers=10**6),
+            "num_hidden_layers=1000000 in the FLA config, but its weights hold layers 0..1",
+        ),
+        (dict(max_position_embeddings=2**40), "n_ctx × d_head rotary tables"),
+    ],
+)
 def test_sizes_a_config_asks_for_are_bounded_before_anything_is_allocated(saved_fla, tmp_path, changes, named):
     """json.dumps writes inf/nan as Infinity/NaN, as a hostile config.json would hold them."""
     with pytest.raises(FlaInteropError if "rotary" not in named else ValueError, match=re.escape(named)):
@@ -577,11 +691,16 @@ def test_a_model_that_cannot_fit_is_refused_naming_what_asks_for_the_memory():
         HookedTransformer(ModelConfig(n_ctx=2**40, d_model=64, n_heads=4, n_layers=2, d_vocab=20))
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(), dict(tie_word_embeddings=True, gated_mlp=True, act_fn="silu", use_bias=False),
-    dict(positional_embedding_type="standard", attn_only=True), dict(n_key_value_heads=2, residual="attnres"),
-    dict(dtype="bfloat16"),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),
+        dict(tie_word_embeddings=True, gated_mlp=True, act_fn="silu", use_bias=False),
+        dict(positional_embedding_type="standard", attn_only=True),
+        dict(n_key_value_heads=2, residual="attnres"),
+        dict(dtype="bfloat16"),
+    ],
+)
 def test_the_allocation_floor_never_exceeds_what_a_model_allocates(overrides):
     """The memory check must never refuse a model that fits: its estimate is at most the bytes a built model's
     parameters and buffers hold (counted here from the model itself)."""
@@ -633,8 +752,11 @@ def test_folders_are_never_run_or_unpickled(saved_fla, tmp_path):
     shutil.copytree(saved_fla, pickled)
     torch.save({}, pickled / "pytorch_model.bin")
     (pickled / "model.safetensors").unlink()
-    with pytest.raises(FlaInteropError, match=r"pytorch_model\.bin are pickles, which are never loaded.*"
-                                              r"weights_only=True.*model\.safetensors"):
+    with pytest.raises(
+        FlaInteropError,
+        match=r"pytorch_model\.bin are pickles, which are never loaded.*"
+        r"weights_only=True.*model\.safetensors",
+    ):
         from_fla(pickled)
 
 

@@ -52,20 +52,27 @@ def _accepted(residual: str) -> bool:
 
 # every residual kind the model offers, each also attention-only with learned positions
 KINDS = VARIANTS + [((kind, 1), "standard") for kind in ("denseformer", "mhc") if _accepted(kind)]
-ALL_LAYOUTS = [(residual, attention, extra) for (residual, attention) in KINDS
-               for extra in ({}, {"attn_only": True, "positional_embedding_type": "standard"})]
+ALL_LAYOUTS = [
+    (residual, attention, extra)
+    for (residual, attention) in KINDS
+    for extra in ({}, {"attn_only": True, "positional_embedding_type": "standard"})
+]
 
 
 def one_pass_each(model: HookedTransformer, batch, interventions) -> list:
     """The reference: one full forward pass of the model per intervention."""
     with torch.no_grad():
-        return [score_logits(model.run_with_hooks(batch.tokens, fwd_hooks=list(hooks)), batch)
-                for hooks in interventions]
+        return [
+            score_logits(model.run_with_hooks(batch.tokens, fwd_hooks=list(hooks)), batch) for hooks in interventions
+        ]
 
 
 # ---------------------------------------------------------------------------- shared-prefix evaluation
-@pytest.mark.parametrize("residual, attention, extra", ALL_LAYOUTS,
-                         ids=[f"{r[0]}{r[1]}-{a}{'-attn_only' if e else ''}" for r, a, e in ALL_LAYOUTS])
+@pytest.mark.parametrize(
+    "residual, attention, extra",
+    ALL_LAYOUTS,
+    ids=[f"{r[0]}{r[1]}-{a}{'-attn_only' if e else ''}" for r, a, e in ALL_LAYOUTS],
+)
 def test_the_stages_compose_to_the_models_forward_pass_exactly(residual, attention, extra):
     model = HookedTransformer(small_config(residual[0], residual[1], attention, **extra)).eval()
     randomize_depth_parameters(model)
@@ -97,19 +104,28 @@ def mixed_interventions(model: HookedTransformer, batch) -> list:
     """Removal chains (nested sets), source knockouts, replacements, duplicates, an embedding and a final hook."""
     J = model.cfg.n_sublayers
     noise = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(3))
-    interventions = [[], removal_hooks(model, [J - 1]), removal_hooks(model, [1]), removal_hooks(model, [1, 3]),
-                     removal_hooks(model, [0, 1, 3]), removal_hooks(model, [1, 3]),  # a duplicate
-                     [(model.sublayer_output_hook(2), replace_hook(noise))],
-                     [("hook_embed", lambda t, hook: t * 0.5)],
-                     [("ln_final.hook_scale", lambda t, hook: t * 2)]]
+    interventions = [
+        [],
+        removal_hooks(model, [J - 1]),
+        removal_hooks(model, [1]),
+        removal_hooks(model, [1, 3]),
+        removal_hooks(model, [0, 1, 3]),
+        removal_hooks(model, [1, 3]),  # a duplicate
+        [(model.sublayer_output_hook(2), replace_hook(noise))],
+        [("hook_embed", lambda t, hook: t * 0.5)],
+        [("ln_final.hook_scale", lambda t, hook: t * 2)],
+    ]
     for consumer, module in model.depth_attention_modules().items():
         if len(model.sources(consumer)) > 1:
             interventions += [source_mask_hooks(model, consumer, [0]), source_mask_hooks(model, consumer, [1])]
     return interventions
 
 
-@pytest.mark.parametrize("residual, block_size", [("standard", 1), ("attnres", 1), ("attnres", 2)]
-                         + [(kind, 1) for kind in ("denseformer", "mhc") if _accepted(kind)])
+@pytest.mark.parametrize(
+    "residual, block_size",
+    [("standard", 1), ("attnres", 1), ("attnres", 2)]
+    + [(kind, 1) for kind in ("denseformer", "mhc") if _accepted(kind)],
+)
 @pytest.mark.parametrize("max_sequences", [4, 256])
 def test_shared_evaluation_equals_one_pass_per_intervention(residual, block_size, max_sequences):
     model = HookedTransformer(small_config(residual, block_size)).eval()
@@ -160,8 +176,10 @@ def test_stacked_copies_mix_the_blocks_they_share_once(monkeypatch):
     assert sorted(shared_windows) == [(11, 10, 3), (12, 11, 3), (12, 12, 2)]
     # branches that part at the final readout: the readout reads the blocks without closing the last partial sum,
     # which the copies share too (stacked before it was closed), so phase 1 covers one source fewer than shared
-    final_only = [[("ln_final.hook_normalized", lambda tensor, hook: tensor * 2)],
-                  [("ln_final.hook_normalized", lambda tensor, hook: tensor * 0.5)]]
+    final_only = [
+        [("ln_final.hook_normalized", lambda tensor, hook: tensor * 2)],
+        [("ln_final.hook_normalized", lambda tensor, hook: tensor * 0.5)],
+    ]
     shared_windows.clear()
     got = evaluate_many(model, batch, final_only, max_sequences=6)
     for single, together in zip(one_pass_each(model, batch, final_only), got):
@@ -342,8 +360,11 @@ def test_parallel_evaluation_restores_threads_and_hooks_and_reports_a_failing_ho
         evaluate_many(model, batch, interventions, workers=0)
 
 
-@pytest.mark.parametrize("residual, block_size", [("attnres", 1), ("attnres", 3), ("standard", 1)]
-                         + [(kind, 1) for kind in ("denseformer", "mhc") if _accepted(kind)])
+@pytest.mark.parametrize(
+    "residual, block_size",
+    [("attnres", 1), ("attnres", 3), ("standard", 1)]
+    + [(kind, 1) for kind in ("denseformer", "mhc") if _accepted(kind)],
+)
 def test_the_analyses_give_the_same_numbers_on_worker_threads(residual, block_size, monkeypatch):
     # AttnRes mixes two-phase here, and a window's phase-1 statistics belong to one batch: stacking or slicing a
     # stream must drop them. Full AttnRes on the C kernel from the first shared source (in this small model no

@@ -49,9 +49,7 @@ def test_hand_example(backend):
 @pytest.mark.parametrize("n_sources,token_shape,d_model", SHAPES)
 def test_forward_matches_float64_oracle(backend, dtype, n_sources, token_shape, d_model):
     sources, query, gain = make_inputs(n_sources, token_shape, d_model, dtype)
-    h, weights, logits = depth_attention(
-        sources, query, gain, backend=backend, return_weights=True, return_logits=True
-    )
+    h, weights, logits = depth_attention(sources, query, gain, backend=backend, return_weights=True, return_logits=True)
     expected_h, expected_weights, expected_logits = oracle(sources, query, gain)
     assert h.dtype == dtype and h.shape == sources[0].shape
     assert weights.shape == (*token_shape, n_sources) and logits.shape == weights.shape
@@ -160,8 +158,9 @@ def random_bias(token_shape: tuple[int, ...], n_sources: int, seed: int) -> torc
 def test_logit_bias_matches_float64_oracle(backend, dtype, n_sources, token_shape, d_model):
     sources, query, gain = make_inputs(n_sources, token_shape, d_model, dtype, seed=11)
     bias = random_bias(token_shape, n_sources, seed=12)
-    h, weights, logits = depth_attention(sources, query, gain, backend=backend, return_weights=True,
-                                         return_logits=True, logit_bias=bias)
+    h, weights, logits = depth_attention(
+        sources, query, gain, backend=backend, return_weights=True, return_logits=True, logit_bias=bias
+    )
     expected_h, expected_weights, expected_logits = oracle(sources, query, gain, logit_bias=bias)
     assert_close(h, expected_h, dtype)
     assert_close(weights, expected_weights, dtype)
@@ -325,7 +324,7 @@ def _block_attnres_stack(block_size: int, n_sublayers: int, two_phase: bool) -> 
     mixers.requires_grad_()
     # one query and gain per sublayer plus the final readout; random, not zero, so the softmax matters
     queries = torch.randn(n_sublayers + 1, d_model, generator=generator, dtype=torch.float64).requires_grad_()
-    gains = (1 + 0.3 * torch.randn(n_sublayers + 1, d_model, generator=generator, dtype=torch.float64))
+    gains = 1 + 0.3 * torch.randn(n_sublayers + 1, d_model, generator=generator, dtype=torch.float64)
     gains.requires_grad_()
 
     blocks, partial, stats, block_start = [embedding], None, None, 0

@@ -108,8 +108,9 @@ def test_the_pthread_build_splits_rows_as_the_openmp_build(many_threads, tmp_pat
     expected_h, expected_weights, _ = oracle(sources, query, gain)
     assert_close(results["pthreads"][0], expected_h, torch.float32)
     assert_close(results["pthreads"][1], expected_weights, torch.float32)
-    for got, want in zip([*results["pthreads"][:2], *results["pthreads"][2]],
-                         [*results["openmp"][:2], *results["openmp"][2]]):
+    for got, want in zip(
+        [*results["pthreads"][:2], *results["pthreads"][2]], [*results["openmp"][:2], *results["openmp"][2]]
+    ):
         assert torch.equal(got, want)
     # the causal attention's (batch, head) pairs run on one thread there, the same arithmetic
     q, k, v = (torch.randn(2, n_tokens, 3, 16, generator=torch.Generator().manual_seed(seed)) for seed in range(3))
@@ -198,8 +199,10 @@ def test_library_is_cached_per_element_type(tmp_path, monkeypatch):
         cpu_build.cpu_library(torch.float32)
         cpu_build.cpu_library(torch.float64)
         built = sorted(path.name for path in tmp_path.iterdir())
-        assert len(built) == 2 and built[0].startswith("depth_attention_double_") and built[1].startswith(
-            "depth_attention_float_"
+        assert (
+            len(built) == 2
+            and built[0].startswith("depth_attention_double_")
+            and built[1].startswith("depth_attention_float_")
         )
         cpu_build._library.cache_clear()
         cpu_build.cpu_library(torch.float32)  # a second process finds the built file instead of compiling
@@ -266,8 +269,9 @@ def _gradients(backend, sources, query, gain, grad_output):
 def test_every_specialised_width_matches_reference(d_model, n_sources):
     sources, query, gain = make_inputs(n_sources, (19,), d_model, torch.float64, seed=21)
     grad_output = torch.randn(19, d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(22))
-    for fused, expected in zip(_gradients("cpu", sources, query, gain, grad_output),
-                               _gradients("reference", sources, query, gain, grad_output)):
+    for fused, expected in zip(
+        _gradients("cpu", sources, query, gain, grad_output), _gradients("reference", sources, query, gain, grad_output)
+    ):
         torch.testing.assert_close(fused, expected, rtol=1e-10, atol=1e-10)
 
 
@@ -276,8 +280,9 @@ def test_every_specialised_width_matches_reference(d_model, n_sources):
 def test_many_sources_backward_matches_reference(n_sources, n_tokens):
     sources, query, gain = make_inputs(n_sources, (n_tokens,), 24, torch.float64, seed=13)
     grad_output = torch.randn(n_tokens, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
-    for fused, expected in zip(_gradients("cpu", sources, query, gain, grad_output),
-                               _gradients("reference", sources, query, gain, grad_output)):
+    for fused, expected in zip(
+        _gradients("cpu", sources, query, gain, grad_output), _gradients("reference", sources, query, gain, grad_output)
+    ):
         torch.testing.assert_close(fused, expected, rtol=1e-10, atol=1e-10)
 
 
@@ -321,8 +326,13 @@ def _check_kv_shift(shape, dtype, rotary, seed: int) -> None:
         expected_k = _rotary_oracle(expected_k, *rotary)
     ((expected_k * grad_k.double()).sum() + (expected_v * grad_v.double()).sum()).backward()
     tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
-    pairs = ((shifted_k, expected_k), (shifted_v, expected_v), (k.grad, k64.grad), (v.grad, v64.grad),
-             (coefficients.grad, c64.grad))
+    pairs = (
+        (shifted_k, expected_k),
+        (shifted_v, expected_v),
+        (k.grad, k64.grad),
+        (v.grad, v64.grad),
+        (coefficients.grad, c64.grad),
+    )
     for got, want in pairs:
         assert got.dtype == dtype
         torch.testing.assert_close(got.double(), want.detach(), **tolerance)
@@ -398,9 +408,11 @@ def test_elementwise_kernels_split_rows_over_threads(many_threads, shape):
         else:
             assert torch.equal(got, want), index
     c64 = coefficients.double().requires_grad_()
-    ((_shift_oracle(k.double(), c64[:, :2]) * grad_k.double()).sum()
-     + (_shift_oracle(v.double(), c64[:, 2:]) * grad_v.double()).sum()
-     + (_rotary_oracle(_shift_oracle(k.double(), c64[:, :2]), cos, sin) * grad_v.double()).sum()).backward()
+    (
+        (_shift_oracle(k.double(), c64[:, :2]) * grad_k.double()).sum()
+        + (_shift_oracle(v.double(), c64[:, 2:]) * grad_v.double()).sum()
+        + (_rotary_oracle(_shift_oracle(k.double(), c64[:, :2]), cos, sin) * grad_v.double()).sum()
+    ).backward()
     torch.testing.assert_close(threaded[7].double(), c64.grad, rtol=2e-5, atol=2e-5)
 
 
@@ -447,8 +459,15 @@ def _attention_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
 
 
-ATTENTION_SHAPES = [(1, 1, 1, 16), (2, 7, 3, 24), (3, 17, 2, 8), (2, 33, 4, 16), (2, 65, 2, 40), (1, 50, 1, 2),
-                    (2, 20, 2, 17)]
+ATTENTION_SHAPES = [
+    (1, 1, 1, 16),
+    (2, 7, 3, 24),
+    (3, 17, 2, 8),
+    (2, 33, 4, 16),
+    (2, 65, 2, 40),
+    (1, 50, 1, 2),
+    (2, 20, 2, 17),
+]
 
 
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
@@ -534,15 +553,18 @@ def _several_queries_oracle(sources, folded_queries, eps, prior=None):
 @pytest.mark.parametrize("n_queries", [1, 3, 9])  # 9 > MAX_QUERIES: split into two kernel calls
 @pytest.mark.parametrize("with_prior", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_several_queries_at_once_match_float64(many_threads, n_sources, token_shape, d_model, n_queries,
-                                               with_prior, dtype):
+def test_several_queries_at_once_match_float64(
+    many_threads, n_sources, token_shape, d_model, n_queries, with_prior, dtype
+):
     sources, query, gain = make_inputs(n_sources, token_shape, d_model, dtype)
     generator = torch.Generator().manual_seed(7)
-    folded = (query * gain + 0.5 * torch.randn(n_queries, d_model, generator=generator) / d_model ** 0.5).to(dtype)
+    folded = (query * gain + 0.5 * torch.randn(n_queries, d_model, generator=generator) / d_model**0.5).to(dtype)
     prior = None
     if with_prior:  # a part over other sources, its lse spread around the sources' logits
-        prior = (torch.randn(n_queries, *token_shape, d_model, generator=generator).to(dtype),
-                 (2 * torch.randn(n_queries, *token_shape, generator=generator)).to(dtype))
+        prior = (
+            torch.randn(n_queries, *token_shape, d_model, generator=generator).to(dtype),
+            (2 * torch.randn(n_queries, *token_shape, generator=generator)).to(dtype),
+        )
     mix, lse = cpu_depth.depth_attention_multi_cpu(sources, folded, 1e-6, prior=prior)
     expected_mix, expected_lse = _several_queries_oracle(sources, folded, 1e-6, prior)
     assert mix.shape == (n_queries, *token_shape, d_model) and lse.shape == (n_queries, *token_shape)
@@ -559,8 +581,10 @@ def test_a_prior_for_one_copy_of_a_stacked_batch_serves_every_copy(many_threads,
     sources, query, gain = make_inputs(6, (copies * batch, *rest), d_model, dtype)
     generator = torch.Generator().manual_seed(11)
     folded = torch.stack([query * gain, gain + 0.1 * torch.randn(d_model, generator=generator)]).to(dtype)
-    prior = (torch.randn(2, batch, *rest, d_model, generator=generator).to(dtype),
-             (2 * torch.randn(2, batch, *rest, generator=generator)).to(dtype))
+    prior = (
+        torch.randn(2, batch, *rest, d_model, generator=generator).to(dtype),
+        (2 * torch.randn(2, batch, *rest, generator=generator)).to(dtype),
+    )
     mix, lse = cpu_depth.depth_attention_multi_cpu(sources, folded, 1e-6, prior=prior)
     stacked = (prior[0].repeat(1, copies, *[1] * len(rest), 1), prior[1].repeat(1, copies, *[1] * len(rest)))
     expected_mix, expected_lse = _several_queries_oracle(sources, folded, 1e-6, stacked)
@@ -593,8 +617,9 @@ def test_kernels_without_a_jvp_refuse_a_forward_mode_tangent_instead_of_dropping
                 cpu_attention.causal_attention_cpu(x, dual_x, x, 1.0)
             assert not attention_runs_cpu_kernel("cpu", x, x, dual_x)  # the model's attention takes SDPA there
             with pytest.raises(ValueError, match="no backward or forward-mode derivative"):
-                cpu_depth.depth_attention_copies_cpu([forward_ad.make_dual(shared[0], shared[0]), shared[1]],
-                                                     stacked, 3, q, g, 1e-6)
+                cpu_depth.depth_attention_copies_cpu(
+                    [forward_ad.make_dual(shared[0], shared[0]), shared[1]], stacked, 3, q, g, 1e-6
+                )
             one_copy = (plain_mix[:, :1], plain_lse[:, :1])  # a prior for the first of two stacked copies
             with pytest.raises(ValueError, match="one copy of stacked sources .*forward-mode derivative"):
                 cpu_depth.depth_attention_multi_cpu([dual, *sources[1:]], folded, 1e-6, prior=one_copy)
@@ -605,16 +630,16 @@ def test_a_prior_that_covers_no_whole_copy_is_refused():
     folded = (query * gain)[None]
     for batch in (4, 12):  # 4 does not divide 6; 12 is more than the sources hold
         with pytest.raises(ValueError, match="prior must be .*divisor"):
-            cpu_depth.depth_attention_multi_cpu(sources, folded, 1e-6,
-                                                prior=(torch.zeros(1, batch, 5, 8), torch.zeros(1, batch, 5)))
+            cpu_depth.depth_attention_multi_cpu(
+                sources, folded, 1e-6, prior=(torch.zeros(1, batch, 5, 8), torch.zeros(1, batch, 5))
+            )
     with pytest.raises(ValueError, match="prior must be"):  # lse of another shape
         cpu_depth.depth_attention_multi_cpu(sources, folded, 1e-6, prior=(torch.zeros(1, 3, 5, 8), torch.zeros(1, 3)))
 
 
 # (copies, batch, pos, d_model, shared sources, stacked sources): tokens per copy on both sides of a TILE of 16 and
 # of a span of 64, widths past the last vector, no stacked source (knockouts where the copies part), one copy
-COPY_CASES = [(3, 2, 8, 64, 4, 2), (2, 1, 33, 24, 1, 0), (4, 3, 5, 70, 2, 3), (1, 2, 16, 8, 3, 1),
-              (5, 2, 40, 16, 6, 1)]
+COPY_CASES = [(3, 2, 8, 64, 4, 2), (2, 1, 33, 24, 1, 0), (4, 3, 5, 70, 2, 3), (1, 2, 16, 8, 3, 1), (5, 2, 40, 16, 6, 1)]
 
 
 def _copies_inputs(case, dtype):
@@ -645,24 +670,43 @@ def test_stacked_copies_with_their_own_bias_read_shared_sources_once(many_thread
     with torch.no_grad():
         got = cpu_depth.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6, bias)
         repeated = [source.repeat(n_copies, 1, 1) for source in shared] + stacked
-        want = depth_attention([source.double() for source in repeated], query.double(), gain.double(), 1e-6,
-                               backend="reference", logit_bias=bias.double())
+        want = depth_attention(
+            [source.double() for source in repeated],
+            query.double(),
+            gain.double(),
+            1e-6,
+            backend="reference",
+            logit_bias=bias.double(),
+        )
         assert got.dtype == dtype and got.shape == repeated[0].shape
         assert_close(got, want, dtype)
         torch.set_num_threads(1)
-        assert torch.equal(got, cpu_depth.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6,
-                                                                     bias))
+        assert torch.equal(
+            got, cpu_depth.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6, bias)
+        )
         if shared[0][..., 0].numel() % 16 == 0:
             assert torch.equal(got, depth_attention(repeated, query, gain, 1e-6, backend="cpu", logit_bias=bias))
         unbiased = cpu_depth.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6)
-        assert_close(unbiased, depth_attention([source.double() for source in repeated], query.double(),
-                                               gain.double(), 1e-6, backend="reference"), dtype)
+        assert_close(
+            unbiased,
+            depth_attention(
+                [source.double() for source in repeated], query.double(), gain.double(), 1e-6, backend="reference"
+            ),
+            dtype,
+        )
         # the consumer's pre-norm fused: RMSNorm(h) * w of the float64 mix; a half-precision bias converted
         weight = torch.linspace(0.5, 1.5, query.shape[0]).to(dtype)
-        h, y = cpu_depth.depth_attention_copies_cpu(shared, stacked, n_copies, query, gain, 1e-6,
-                                                    bias.to(torch.bfloat16), norm=(weight, 1e-5))
-        want = depth_attention([source.double() for source in repeated], query.double(), gain.double(), 1e-6,
-                               backend="reference", logit_bias=bias.to(torch.bfloat16).double())
+        h, y = cpu_depth.depth_attention_copies_cpu(
+            shared, stacked, n_copies, query, gain, 1e-6, bias.to(torch.bfloat16), norm=(weight, 1e-5)
+        )
+        want = depth_attention(
+            [source.double() for source in repeated],
+            query.double(),
+            gain.double(),
+            1e-6,
+            backend="reference",
+            logit_bias=bias.to(torch.bfloat16).double(),
+        )
         assert_close(h, want, dtype)
         assert_close(y, want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double(), dtype)
 
@@ -694,36 +738,43 @@ def test_stacked_copies_refuse_what_they_cannot_mix():
 @pytest.mark.parametrize("n_queries", [1, 4, 9])  # 4: the unrolled gradient rows' widest; 9: two kernel calls
 @pytest.mark.parametrize("with_prior", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_several_queries_backward_matches_float64(many_threads, n_sources, token_shape, d_model, n_queries,
-                                                  with_prior, dtype):
+def test_several_queries_backward_matches_float64(
+    many_threads, n_sources, token_shape, d_model, n_queries, with_prior, dtype
+):
     """The two-phase kernel's C backward: the gradients of the sources, the folded queries and the prior against
     float64 autograd through the oracle, with one query's mix and another's log-sum-exp unused (no gradient to
     give: their terms must vanish, not read garbage). Outputs and gradient buffers start NaN-poisoned."""
     sources, query, gain = make_inputs(n_sources, token_shape, d_model, dtype)
     generator = torch.Generator().manual_seed(7)
-    folded = (query * gain + 0.5 * torch.randn(n_queries, d_model, generator=generator) / d_model ** 0.5).to(dtype)
+    folded = (query * gain + 0.5 * torch.randn(n_queries, d_model, generator=generator) / d_model**0.5).to(dtype)
     prior = None
     if with_prior:
-        prior = (torch.randn(n_queries, *token_shape, d_model, generator=generator).to(dtype),
-                 (2 * torch.randn(n_queries, *token_shape, generator=generator)).to(dtype))
+        prior = (
+            torch.randn(n_queries, *token_shape, d_model, generator=generator).to(dtype),
+            (2 * torch.randn(n_queries, *token_shape, generator=generator)).to(dtype),
+        )
     mix_weights = torch.randn(n_queries, *token_shape, d_model, generator=generator, dtype=torch.float64)
     lse_weights = torch.randn(n_queries, *token_shape, generator=generator, dtype=torch.float64)
     unused_mix, unused_lse = (n_queries // 2, n_queries - 1) if n_queries > 1 else (None, None)
 
     def loss(mix, lse):
-        return sum((mix[q].double() * mix_weights[q]).sum() for q in range(n_queries) if q != unused_mix) \
-            + sum((lse[q].double() * lse_weights[q]).sum() for q in range(n_queries) if q != unused_lse)
+        return sum((mix[q].double() * mix_weights[q]).sum() for q in range(n_queries) if q != unused_mix) + sum(
+            (lse[q].double() * lse_weights[q]).sum() for q in range(n_queries) if q != unused_lse
+        )
 
     leaves = [t.detach().clone().requires_grad_() for t in (*sources, folded, *(prior or ()))]
     n_prior = len(prior or ())
-    mix, lse = cpu_depth.depth_attention_multi_cpu(leaves[:n_sources], leaves[n_sources],
-                                                   1e-6, prior=tuple(leaves[n_sources + 1:]) or None)
+    mix, lse = cpu_depth.depth_attention_multi_cpu(
+        leaves[:n_sources], leaves[n_sources], 1e-6, prior=tuple(leaves[n_sources + 1 :]) or None
+    )
     assert isinstance(mix, tuple) and len(mix) == n_queries and mix[0].shape == (*token_shape, d_model)
     got = torch.autograd.grad(loss(mix, lse), leaves, allow_unused=True)
     oracle_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    expected_prior = tuple(oracle_leaves[n_sources + 1:]) if n_prior else None
-    want = torch.autograd.grad(loss(*_several_queries_oracle(oracle_leaves[:n_sources], oracle_leaves[n_sources],
-                                                             1e-6, expected_prior)), oracle_leaves)
+    expected_prior = tuple(oracle_leaves[n_sources + 1 :]) if n_prior else None
+    want = torch.autograd.grad(
+        loss(*_several_queries_oracle(oracle_leaves[:n_sources], oracle_leaves[n_sources], 1e-6, expected_prior)),
+        oracle_leaves,
+    )
     for i, (a, b) in enumerate(zip(got, want)):
         assert a is not None, f"leaf {i} got no gradient"
         assert_close(a, b, dtype, scale=10)
@@ -737,16 +788,22 @@ def test_several_queries_sum_a_shared_source_gradient_in_place(many_threads):
 
     def loss(views, pool):
         mix, lse = cpu_depth.depth_attention_multi_cpu(views, folded, 1e-6)
-        merged, _ = cpu_depth.depth_attention_multi_cpu(views[4:], folded[1:2], 1e-6,
-                                                        prior=(mix[1][None], lse[1][None]))
+        merged, _ = cpu_depth.depth_attention_multi_cpu(
+            views[4:], folded[1:2], 1e-6, prior=(mix[1][None], lse[1][None])
+        )
         one_pass = depth_attention(views, query, gain, backend="cpu")
-        return (mix[0] * pool[0]).sum() + (merged[0] * pool[1]).sum() + (lse[2] * pool[2]).sum() + \
-            (one_pass * pool[3]).sum()
+        return (
+            (mix[0] * pool[0]).sum()
+            + (merged[0] * pool[1]).sum()
+            + (lse[2] * pool[2]).sum()
+            + (one_pass * pool[3]).sum()
+        )
 
     generator = torch.Generator().manual_seed(3)
-    pool = [torch.randn(37, 24, generator=generator, dtype=torch.float64) for _ in range(2)] + \
-        [torch.randn(37, generator=generator, dtype=torch.float64),
-         torch.randn(37, 24, generator=generator, dtype=torch.float64)]
+    pool = [torch.randn(37, 24, generator=generator, dtype=torch.float64) for _ in range(2)] + [
+        torch.randn(37, generator=generator, dtype=torch.float64),
+        torch.randn(37, 24, generator=generator, dtype=torch.float64),
+    ]
     leaves = [s.requires_grad_() for s in sources]
     got = torch.autograd.grad(loss([cpu_autograd.share_gradient(leaf) for leaf in leaves], pool), leaves)
     want = torch.autograd.grad(loss(leaves, pool), leaves)
@@ -827,8 +884,9 @@ def test_rms_norm_kernel_matches_float64_and_gradients(shape, dtype):
     got = cpu_elementwise.rms_norm_cpu(*leaves, 1e-5)  # outputs NaN-poisoned
     assert_close(got, expected, dtype)
     grad = torch.randn(shape, generator=generator, dtype=torch.float64)
-    for got_grad, expected_grad in zip(torch.autograd.grad(got, leaves, grad.to(dtype)),
-                                       torch.autograd.grad(expected, (x, w), grad)):
+    for got_grad, expected_grad in zip(
+        torch.autograd.grad(got, leaves, grad.to(dtype)), torch.autograd.grad(expected, (x, w), grad)
+    ):
         assert_close(got_grad, expected_grad, dtype, scale=10)  # dw sums over rows
     if dtype == torch.float64:
         assert torch.autograd.gradcheck(lambda a, b: cpu_elementwise.rms_norm_cpu(a, b, 1e-5), (x, w))
@@ -856,8 +914,9 @@ def test_two_phase_on_the_cpu_folds_low_precision_queries_in_fp32():
         readable = block_phase1(sources[:5], queries, gains, backend="torch")
         assert fused.backend == "cpu" and readable.backend == "torch"
         torch.testing.assert_close(fused.mix, readable.mix, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(merge_partial(fused, 1, [sources[5]]), merge_partial(readable, 1, [sources[5]]),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            merge_partial(fused, 1, [sources[5]]), merge_partial(readable, 1, [sources[5]]), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_a_kv_shift_model_rotates_k_in_the_shift_unless_a_hook_reads_the_shifted_k(monkeypatch):
@@ -868,10 +927,21 @@ def test_a_kv_shift_model_rotates_k_in_the_shift_unless_a_hook_reads_the_shifted
     from attnres_lens import HookedTransformer, ModelConfig
 
     calls = []
-    monkeypatch.setattr("attnres_lens.kernels.layer_ops.rotary_cpu",
-                        lambda *args: calls.append(1) or cpu_elementwise.rotary_cpu(*args))
-    cfg = ModelConfig(d_model=16, n_heads=4, n_key_value_heads=2, n_layers=2, d_vocab=32, n_ctx=9,
-                      attention="kv_shift", depth_attention_backend="cpu", dtype=torch.float64, seed=2)
+    monkeypatch.setattr(
+        "attnres_lens.kernels.layer_ops.rotary_cpu", lambda *args: calls.append(1) or cpu_elementwise.rotary_cpu(*args)
+    )
+    cfg = ModelConfig(
+        d_model=16,
+        n_heads=4,
+        n_key_value_heads=2,
+        n_layers=2,
+        d_vocab=32,
+        n_ctx=9,
+        attention="kv_shift",
+        depth_attention_backend="cpu",
+        dtype=torch.float64,
+        seed=2,
+    )
     model = HookedTransformer(cfg)
     with torch.no_grad():
         for block in model.blocks:
@@ -905,8 +975,9 @@ def test_the_mix_with_its_pre_norm_fused_matches_the_mix_then_the_norm(dtype, n_
     generator = torch.Generator().manual_seed(n_sources)
     d_model = shape[-1]
     sources = [torch.randn(*shape, generator=generator, dtype=dtype, requires_grad=True) for _ in range(n_sources)]
-    query, gain, norm_weight = (torch.randn(d_model, generator=generator, dtype=dtype, requires_grad=True)
-                                for _ in range(3))
+    query, gain, norm_weight = (
+        torch.randn(d_model, generator=generator, dtype=dtype, requires_grad=True) for _ in range(3)
+    )
     leaves = [*sources, query, gain, norm_weight]
     tolerance = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
     for use_y, use_h in ((True, False), (True, True), (False, True)):
@@ -928,9 +999,12 @@ def test_the_mix_with_its_pre_norm_fused_matches_the_mix_then_the_norm(dtype, n_
             else:
                 torch.testing.assert_close(a, b, **tolerance, msg=name)
     if dtype == torch.float64 and n_sources < 10:
+
         def fused(*tensors):
-            return cpu_depth.depth_attention_normed_cpu(list(tensors[:n_sources]), *tensors[n_sources:n_sources + 2],
-                                                        1e-6, tensors[-1], 1e-5)
+            return cpu_depth.depth_attention_normed_cpu(
+                list(tensors[:n_sources]), *tensors[n_sources : n_sources + 2], 1e-6, tensors[-1], 1e-5
+            )
+
         assert torch.autograd.gradcheck(fused, tuple(leaves))
 
 
@@ -972,7 +1046,8 @@ def test_a_fused_mix_that_leaves_h_out_gives_the_same_y_and_gradients(many_threa
     if dtype == torch.float64 and n_sources == 3 and width == 24:
         leaves = tuple(t.clone().requires_grad_() for t in (*sources, *parameters))
         assert torch.autograd.gradcheck(
-            lambda *t: cpu_depth.fused_mix_and_norm(list(t[:-3]), t[-3], t[-2], 1e-6, t[-1], 1e-5, False)[1], leaves)
+            lambda *t: cpu_depth.fused_mix_and_norm(list(t[:-3]), t[-3], t[-2], 1e-6, t[-1], 1e-5, False)[1], leaves
+        )
     with pytest.raises(ValueError, match="only a mix with its pre-norm fused can leave h out"):
         cpu_depth._run_forward(sources, parameters[0], None, 1e-6, keep_h=False)
 
@@ -1045,8 +1120,18 @@ def test_a_hook_that_changes_the_width_is_refused_by_the_mix(backend):
     it at the mix with an error naming the mismatch, instead of reading past the parameters."""
     from attnres_lens import HookedTransformer, ModelConfig
 
-    model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_vocab=32, n_ctx=8, residual="attnres",
-                                          depth_attention_backend=backend, seed=0))
+    model = HookedTransformer(
+        ModelConfig(
+            d_model=16,
+            n_heads=2,
+            n_layers=1,
+            d_vocab=32,
+            n_ctx=8,
+            residual="attnres",
+            depth_attention_backend=backend,
+            seed=0,
+        )
+    )
     tokens = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"query must have shape \[32\]"):
         model.run_with_hooks(tokens, fwd_hooks=[("hook_embed", lambda x, hook: torch.cat([x, x], -1))])
@@ -1057,13 +1142,25 @@ def test_the_fused_pre_norm_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match=r"norm_weight must be \[8\] torch.float32"):
         cpu_depth.depth_attention_normed_cpu(sources, torch.zeros(8), torch.ones(8), 1e-6, torch.ones(8).double(), 1e-5)
     with pytest.raises(ValueError, match="fp32/fp64 CPU tensors, got torch.bfloat16"):
-        cpu_depth.depth_attention_normed_cpu([s.bfloat16() for s in sources], torch.zeros(8), torch.ones(8), 1e-6,
-                                             torch.ones(8), 1e-5)
+        cpu_depth.depth_attention_normed_cpu(
+            [s.bfloat16() for s in sources], torch.zeros(8), torch.ones(8), 1e-6, torch.ones(8), 1e-5
+        )
 
 
-@pytest.mark.parametrize("watch", ["blocks.0.hook_resid_pre", "blocks.0.ln1.hook_normalized", "module blocks.0.ln1",
-                                   "module blocks.0.attn_res", "module blocks.0.hook_resid_pre", "global",
-                                   "ln_final.hook_normalized", "module ln_final", "module final_res"])
+@pytest.mark.parametrize(
+    "watch",
+    [
+        "blocks.0.hook_resid_pre",
+        "blocks.0.ln1.hook_normalized",
+        "module blocks.0.ln1",
+        "module blocks.0.attn_res",
+        "module blocks.0.hook_resid_pre",
+        "global",
+        "ln_final.hook_normalized",
+        "module ln_final",
+        "module final_res",
+    ],
+)
 def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
     """A hook on a sublayer's input or on its norm (TransformerLens hooks, PyTorch hooks on the norm, the depth
     attention or the input's hook point, or a global module hook) sends that sublayer down the unfused path, so
@@ -1074,11 +1171,23 @@ def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
 
     calls = []
     real = cpu_depth.fused_mix_and_norm
-    monkeypatch.setattr("attnres_lens.depth_execution.fused_mix_and_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        "attnres_lens.depth_execution.fused_mix_and_norm", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     models = {}
     for backend in ("cpu", "reference"):
-        models[backend] = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=2, d_vocab=32, n_ctx=8,
-                                                        residual="attnres", depth_attention_backend=backend, seed=0))
+        models[backend] = HookedTransformer(
+            ModelConfig(
+                d_model=16,
+                n_heads=2,
+                n_layers=2,
+                d_vocab=32,
+                n_ctx=8,
+                residual="attnres",
+                depth_attention_backend=backend,
+                seed=0,
+            )
+        )
         randomize_depth_parameters(models[backend])
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
     clean = models["cpu"](tokens)
@@ -1087,8 +1196,10 @@ def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
     def edited(model: HookedTransformer) -> torch.Tensor:
         shift = lambda tensor, hook=None: tensor + 0.5  # noqa: E731
         if watch == "global":  # shifts the first sublayer's input, through its hook point
+
             def on_input(module, args, output):
                 return shift(output) if module is model.blocks[0].hook_resid_pre else output
+
             handle = torch.nn.modules.module.register_module_forward_hook(on_input)
         elif watch.startswith("module "):
             handle = model.get_submodule(watch.split()[1]).register_forward_hook(lambda m, a, output: shift(output))
@@ -1108,8 +1219,9 @@ def test_a_watched_sublayer_input_or_norm_is_not_fused(watch, monkeypatch):
 
 def _shared_gradient_case(dtype: torch.dtype, n_tokens: int = 7, d_model: int = 24, n_sources: int = 5):
     generator = torch.Generator().manual_seed(n_sources)
-    leaves = [torch.randn(n_tokens, d_model, generator=generator, dtype=dtype, requires_grad=True)
-              for _ in range(n_sources)]
+    leaves = [
+        torch.randn(n_tokens, d_model, generator=generator, dtype=dtype, requires_grad=True) for _ in range(n_sources)
+    ]
     queries = [torch.randn(d_model, generator=generator, dtype=dtype) for _ in range(3)]
     gain, norm_weight = (torch.randn(d_model, generator=generator, dtype=dtype) for _ in range(2))
     probes = [torch.randn(n_tokens, d_model, generator=generator, dtype=dtype) for _ in range(4)]
@@ -1172,8 +1284,9 @@ def test_a_shared_source_gradient_survives_retained_graphs_and_partial_backwards
     stopped = (depth_attention(views, query, torch.ones_like(query), 1e-6, backend="cpu") ** 2).sum()
     torch.autograd.grad(stopped, [query], retain_graph=True)  # runs the mix's backward, not the shared nodes'
     got = torch.autograd.grad(stopped + loss(views), leaves)
-    extra = torch.autograd.grad((depth_attention(leaves, query, torch.ones_like(query), 1e-6,
-                                                 backend="reference") ** 2).sum(), leaves)
+    extra = torch.autograd.grad(
+        (depth_attention(leaves, query, torch.ones_like(query), 1e-6, backend="reference") ** 2).sum(), leaves
+    )
     for a, b, c in zip(got, want, extra):
         torch.testing.assert_close(a, b + c, rtol=1e-10, atol=1e-12)
 
@@ -1189,17 +1302,31 @@ def test_a_model_shares_source_gradients_only_where_nothing_can_see_them(block_s
     real = cpu_autograd.share_gradient
     monkeypatch.setattr("attnres_lens.depth_execution.share_gradient", lambda source: shared.append(1) or real(source))
     tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
-    model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=3, d_vocab=32, n_ctx=9, residual="attnres",
-                                          depth_attention_backend="cpu"))
+    model = HookedTransformer(
+        ModelConfig(
+            d_model=16, n_heads=2, n_layers=3, d_vocab=32, n_ctx=9, residual="attnres", depth_attention_backend="cpu"
+        )
+    )
     model(tokens, return_type="loss").backward()
     assert not shared  # sources of 288 elements: below MIN_SHARED_GRADIENT_ELEMENTS, autograd adds
     monkeypatch.setattr("attnres_lens.depth_execution.MIN_SHARED_GRADIENT_ELEMENTS", 0)
     results = {}
     for backend in ("cpu", "reference"):
-        model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=3, d_vocab=32, n_ctx=9,
-                                              residual="attnres", attnres_block_size=block_size,
-                                              attnres_window=window, depth_attention_backend=backend,
-                                              dtype=torch.float64, seed=1))
+        model = HookedTransformer(
+            ModelConfig(
+                d_model=16,
+                n_heads=2,
+                n_layers=3,
+                d_vocab=32,
+                n_ctx=9,
+                residual="attnres",
+                attnres_block_size=block_size,
+                attnres_window=window,
+                depth_attention_backend=backend,
+                dtype=torch.float64,
+                seed=1,
+            )
+        )
         randomize_depth_parameters(model)
         seen = []
         handle = model.blocks[2].mlp_res.register_forward_hook(lambda module, args, output: seen.extend(args[0]))
@@ -1231,15 +1358,20 @@ def test_the_portable_build_and_the_vector_sums_agree_with_float64(tmp_path, mon
         outputs = []
         for n_sources, token_shape, d_model in SHAPES:
             sources, query, gain = make_inputs(n_sources, token_shape, d_model)
-            leaves, loss = _shared_gradient_case(torch.float32, n_tokens=int(torch.tensor(token_shape).prod()),
-                                                 d_model=d_model, n_sources=max(2, n_sources))
+            leaves, loss = _shared_gradient_case(
+                torch.float32,
+                n_tokens=int(torch.tensor(token_shape).prod()),
+                d_model=d_model,
+                n_sources=max(2, n_sources),
+            )
             with torch.no_grad():
                 mix, _ = cpu_depth.depth_attention_multi_cpu(sources, torch.stack([query * gain, gain]), 1e-6)
             shared = torch.autograd.grad(loss([cpu_autograd.share_gradient(leaf) for leaf in leaves]), leaves)
             grad_output = torch.linspace(-1, 1, mix[0].numel()).view(*token_shape, d_model)
             plain = _gradients("cpu", sources, query, gain, grad_output)
-            want_plain = _gradients("reference", [s.double() for s in sources], query.double(), gain.double(),
-                                    grad_output.double())
+            want_plain = _gradients(
+                "reference", [s.double() for s in sources], query.double(), gain.double(), grad_output.double()
+            )
             for got, want in zip(plain, want_plain):
                 torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
             outputs.append((mix, *plain, *shared))
@@ -1255,8 +1387,12 @@ def test_the_portable_build_and_the_vector_sums_agree_with_float64(tmp_path, mon
     monkeypatch.setattr(cpu_build, "cpu_library", lambda dtype: portable)  # its causal attention: portable loops
     for shape in ATTENTION_SHAPES:
         q, k, v = (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) for seed in range(3))
-        torch.testing.assert_close(cpu_attention.causal_attention_cpu(q, k, v, 0.3).double(),
-                                   _attention_oracle(q, k, v, 0.3), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            cpu_attention.causal_attention_cpu(q, k, v, 0.3).double(),
+            _attention_oracle(q, k, v, 0.3),
+            rtol=1e-5,
+            atol=1e-5,
+        )
 
 
 def test_a_shared_source_gradient_refuses_a_second_derivative(monkeypatch):
@@ -1266,8 +1402,19 @@ def test_a_shared_source_gradient_refuses_a_second_derivative(monkeypatch):
 
     monkeypatch.setattr("attnres_lens.depth_execution.MIN_SHARED_GRADIENT_ELEMENTS", 0)
 
-    model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=2, d_vocab=32, n_ctx=9, residual="attnres",
-                                          depth_attention_backend="cpu", dtype=torch.float64, seed=1))
+    model = HookedTransformer(
+        ModelConfig(
+            d_model=16,
+            n_heads=2,
+            n_layers=2,
+            d_vocab=32,
+            n_ctx=9,
+            residual="attnres",
+            depth_attention_backend="cpu",
+            dtype=torch.float64,
+            seed=1,
+        )
+    )
     randomize_depth_parameters(model)
     saved = []
 
@@ -1292,8 +1439,10 @@ def test_concurrent_and_reentrant_backwards_keep_their_own_sums():
     views = [cpu_autograd.share_gradient(leaf) for leaf in leaves]
     total = loss(views)
     results: list = []
-    threads = [threading.Thread(target=lambda: results.append(torch.autograd.grad(total, leaves, retain_graph=True)))
-               for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: results.append(torch.autograd.grad(total, leaves, retain_graph=True)))
+        for _ in range(4)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -1305,14 +1454,16 @@ def test_concurrent_and_reentrant_backwards_keep_their_own_sums():
 
     query = torch.randn(64, dtype=torch.float64)
     inner_loss = (depth_attention(views, query, torch.ones_like(query), 1e-6, backend="cpu") * 2).sum()
-    want_inner = torch.autograd.grad((depth_attention(leaves, query, torch.ones_like(query), 1e-6,
-                                                      backend="reference") * 2).sum(), leaves)
+    want_inner = torch.autograd.grad(
+        (depth_attention(leaves, query, torch.ones_like(query), 1e-6, backend="reference") * 2).sum(), leaves
+    )
     inner = []
     probe = depth_attention(views, -query, torch.ones_like(query), 1e-6, backend="cpu")
     probe.register_hook(lambda grad: inner.append(torch.autograd.grad(inner_loss, leaves, retain_graph=True)))
     outer = torch.autograd.grad(total + probe.sum(), leaves, retain_graph=True)
-    want_probe = torch.autograd.grad(depth_attention(leaves, -query, torch.ones_like(query), 1e-6,
-                                                     backend="reference").sum(), leaves)
+    want_probe = torch.autograd.grad(
+        depth_attention(leaves, -query, torch.ones_like(query), 1e-6, backend="reference").sum(), leaves
+    )
     for a, b, c in zip(outer, want, want_probe):
         torch.testing.assert_close(a, b + c, rtol=1e-10, atol=1e-12)
     for a, b in zip(inner[0], want_inner):

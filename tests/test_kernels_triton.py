@@ -52,8 +52,11 @@ SHAPES = [
 def test_hand_example():
     sources = [torch.tensor([1.0, 0, 0, 0], device=DEVICE), torch.tensor([0, 1.0, 0, 0], device=DEVICE)]
     h, weights = depth_attention(
-        sources, torch.tensor([2.0, 0, 0, 0], device=DEVICE), torch.ones(4, device=DEVICE),
-        backend="triton", return_weights=True,
+        sources,
+        torch.tensor([2.0, 0, 0, 0], device=DEVICE),
+        torch.ones(4, device=DEVICE),
+        backend="triton",
+        return_weights=True,
     )
     assert h[0].item() == pytest.approx(0.9820138, abs=1e-6)
     assert weights.cpu().tolist() == pytest.approx([0.9820138, 0.0179862], abs=1e-6)
@@ -79,8 +82,9 @@ def test_forward_and_backward_match_reference(dtype, n_sources, token_shape, d_m
     assert_close(logits.t().reshape(*token_shape, n_sources), expected_logits, dtype, scale=4.0)
 
     reference_leaves = [t.detach().double().requires_grad_() for t in (*sources, query, gain)]
-    reference_h = depth_attention(reference_leaves[:-2], reference_leaves[-2], reference_leaves[-1],
-                                  backend="reference")
+    reference_h = depth_attention(
+        reference_leaves[:-2], reference_leaves[-2], reference_leaves[-1], backend="reference"
+    )
     (reference_h * grad_output.double()).sum().backward()
     for leaf, reference_leaf in zip(leaves, reference_leaves):
         assert leaf.grad.dtype == dtype
@@ -127,16 +131,21 @@ def test_gpu_check_dry_run(tmp_path):
     for title in ("## 1. Correctness", "## 3. Two-phase", "## 4. Training step"):
         assert title in report
     assert "FAILED" not in report and "MISMATCH" not in report and "skipped: " not in report
-    statuses = [line.rsplit("|", 2)[-2].strip() for line in lines if line.startswith("| ") and line.count("|") >= 8
-                and not line.startswith("| tokens")]
+    statuses = [
+        line.rsplit("|", 2)[-2].strip()
+        for line in lines
+        if line.startswith("| ") and line.count("|") >= 8 and not line.startswith("| tokens")
+    ]
     assert statuses and set(statuses) <= {"ok", "skipped (needs CUDA or fla)"}
     from analyses.results import read_rows
 
     ratios = {row["variant"]: row for row in read_rows(results) if row["metric"] == "step ratio"}
     assert list(ratios) == ["standard", "block S=2", "full"] and ratios["standard"]["value"] == 1.0
     assert ratios["block S=2"]["target"] == 1.03 and "met" in ratios["block S=2"] and "met" not in ratios["full"]
-    assert all(row["bench"] == "gpu_check" and row["command"].startswith("python -m analyses.gpu_check --dry-run")
-               for row in ratios.values())
+    assert all(
+        row["bench"] == "gpu_check" and row["command"].startswith("python -m analyses.gpu_check --dry-run")
+        for row in ratios.values()
+    )
 
 
 # --- two-phase Block AttnRes ---------------------------------------------------------------------------------

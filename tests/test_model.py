@@ -79,8 +79,15 @@ def test_hook_shapes_follow_the_hook_table():
 def test_hook_points_and_parameter_names():
     model = HookedTransformer(small_config("attnres", 1, "kv_shift", positional_embedding_type="standard"))
     params = dict(model.named_parameters())
-    for name in ["blocks.0.attn_res.query", "blocks.0.attn_res.key_norm.w", "blocks.2.mlp_res.query",
-                 "blocks.2.mlp_res.key_norm.w", "final_res.query", "final_res.key_norm.w", "pos_embed.W_pos"]:
+    for name in [
+        "blocks.0.attn_res.query",
+        "blocks.0.attn_res.key_norm.w",
+        "blocks.2.mlp_res.query",
+        "blocks.2.mlp_res.key_norm.w",
+        "final_res.query",
+        "final_res.key_norm.w",
+        "pos_embed.W_pos",
+    ]:
         assert name in params, name
     assert params["blocks.1.attn.kv_shift"].shape == (4, 4)
     assert "hook_pos_embed" in model.hook_dict
@@ -88,7 +95,9 @@ def test_hook_points_and_parameter_names():
     assert not any(part in name for name in standard.hook_dict for part in ("attn_res.", "mlp_res.", "final_res."))
     assert not any("kv_shift" in name for name, _ in standard.named_parameters())
     attn_only = HookedTransformer(small_config("attnres", 1, attn_only=True))
-    assert "blocks.0.hook_resid_mid" not in attn_only.hook_dict and "blocks.0.mlp_res.query" not in dict(attn_only.named_parameters())
+    assert "blocks.0.hook_resid_mid" not in attn_only.hook_dict and "blocks.0.mlp_res.query" not in dict(
+        attn_only.named_parameters()
+    )
 
 
 def test_hook_point_layer_parsing():
@@ -112,15 +121,21 @@ def test_kv_shift_with_identity_coefficients_equals_standard_attention():
 def test_kv_shift_reads_the_previous_token_with_zeros_at_t0():
     model = HookedTransformer(small_config(attention="kv_shift"))
     with torch.no_grad():
-        coefficients = torch.tensor([[0.0, 1.0, 0.3, 0.7], [1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 1.0, 0.0], [0.2, -0.4, 2.0, 0.1]])
+        coefficients = torch.tensor(
+            [[0.0, 1.0, 0.3, 0.7], [1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 1.0, 0.0], [0.2, -0.4, 2.0, 0.1]]
+        )
         model.blocks[0].attn.kv_shift.copy_(coefficients)
     _, cache = model.run_with_cache(torch.randint(0, 20, (2, 9)))
     k, v = cache["k", 0], cache["v", 0]
     k_prev = torch.cat([torch.zeros_like(k[:, :1]), k[:, :-1]], dim=1)
     v_prev = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
     for head, (a1, a2, b1, b2) in enumerate(coefficients.tolist()):
-        torch.testing.assert_close(cache["blocks.0.attn.hook_k_shifted"][:, :, head], a1 * k[:, :, head] + a2 * k_prev[:, :, head])
-        torch.testing.assert_close(cache["blocks.0.attn.hook_v_shifted"][:, :, head], b1 * v[:, :, head] + b2 * v_prev[:, :, head])
+        torch.testing.assert_close(
+            cache["blocks.0.attn.hook_k_shifted"][:, :, head], a1 * k[:, :, head] + a2 * k_prev[:, :, head]
+        )
+        torch.testing.assert_close(
+            cache["blocks.0.attn.hook_v_shifted"][:, :, head], b1 * v[:, :, head] + b2 * v_prev[:, :, head]
+        )
     # Pure shift (α = (0, 1)): position 0 sees a zero key.
     assert torch.equal(cache["blocks.0.attn.hook_k_shifted"][:, 0, 0], torch.zeros_like(k[:, 0, 0]))
 
@@ -143,7 +158,9 @@ def test_rope_is_applied_to_the_shifted_keys():
     shifted = cache["blocks.2.attn.hook_k_shifted"].double()
     half = shifted.shape[-1] // 2
     theta = 10000.0 ** (-torch.arange(half, dtype=torch.float64) * 2 / shifted.shape[-1])
-    rotation = torch.polar(torch.ones(pos, half, dtype=torch.float64), torch.arange(pos, dtype=torch.float64)[:, None] * theta)
+    rotation = torch.polar(
+        torch.ones(pos, half, dtype=torch.float64), torch.arange(pos, dtype=torch.float64)[:, None] * theta
+    )
     z = torch.complex(shifted[..., :half], shifted[..., half:]) * rotation[None, :, None, :]
     expected = torch.cat([z.real, z.imag], dim=-1)
     torch.testing.assert_close(cache["blocks.2.attn.hook_rot_k"].double(), expected, rtol=1e-5, atol=1e-6)
@@ -159,8 +176,14 @@ def test_param_groups_keep_scalars_queries_and_gains_out_of_weight_decay():
     decayed = {names[id(p)] for p in decay["params"]}
     kept = {names[id(p)] for p in no_decay["params"]}
     assert decayed.isdisjoint(kept) and decayed | kept == set(names.values())
-    for name in ["blocks.0.attn.kv_shift", "blocks.1.attn_res.query", "blocks.1.mlp_res.key_norm.w",
-                 "final_res.query", "blocks.0.ln1.w", "ln_final.w"]:
+    for name in [
+        "blocks.0.attn.kv_shift",
+        "blocks.1.attn_res.query",
+        "blocks.1.mlp_res.key_norm.w",
+        "final_res.query",
+        "blocks.0.ln1.w",
+        "ln_final.w",
+    ]:
         assert name in kept, name
     for name in ["blocks.0.attn.W_Q", "blocks.0.mlp.W_in", "embed.W_E", "unembed.W_U"]:
         assert name in decayed, name
@@ -181,8 +204,7 @@ def test_adamw_is_fused_on_the_cpu_and_steps_like_the_per_tensor_loop():
     fused = adamw(HookedTransformer(small_config()), 1e-2, 0.1, (0.9, 0.95))
     assert fused.defaults["fused"] and [g["weight_decay"] for g in fused.param_groups] == [0.1, 0.0]
     got = trained(lambda model: adamw(model, 1e-2, 0.1, (0.9, 0.95)))
-    want = trained(lambda model: torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.95),
-                                                   foreach=False))
+    want = trained(lambda model: torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.95), foreach=False))
     assert got.keys() == want.keys()
     for name in want:  # three steps of lr 1e-2 move every parameter; the two implementations agree to rounding
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -209,9 +231,25 @@ def test_run_with_cache_returns_activation_cache_and_tl_names_resolve():
     assert isinstance(cache, ActivationCache)
     assert cache["pattern", 1].shape == (2, 4, 6, 6)
     assert torch.equal(cache["pattern", 1], cache["blocks.1.attn.hook_pattern"])
-    for args in [("q", 0), ("k", 1), ("v", 2), ("z", 0), ("pattern", 1), ("attn_scores", 2), ("resid_pre", 0),
-                 ("resid_mid", 1), ("attn_out", 0), ("mlp_out", 1), ("pre", 0), ("post", 2),
-                 ("rot_q", 1), ("rot_k", 1), ("normalized", 0, "ln1"), ("scale", 2, "ln2"), ("embed",)]:
+    for args in [
+        ("q", 0),
+        ("k", 1),
+        ("v", 2),
+        ("z", 0),
+        ("pattern", 1),
+        ("attn_scores", 2),
+        ("resid_pre", 0),
+        ("resid_mid", 1),
+        ("attn_out", 0),
+        ("mlp_out", 1),
+        ("pre", 0),
+        ("post", 2),
+        ("rot_q", 1),
+        ("rot_k", 1),
+        ("normalized", 0, "ln1"),
+        ("scale", 2, "ln2"),
+        ("embed",),
+    ]:
         assert get_act_name(*args) in cache.cache_dict, args
     assert cache["pattern", -1].shape == (2, 4, 6, 6)
     _, single = model.run_with_cache([1, 2, 3], remove_batch_dim=True)
@@ -233,7 +271,13 @@ def test_forward_and_backward_hooks_fire_on_depth_attention():
     names = ["blocks.1.attn_res.hook_weights", "blocks.1.mlp_res.hook_logits", "final_res.hook_weights"]
     for name in names:
         model.add_hook(name, lambda t, hook: seen["fwd"].append(hook.name), dir="fwd")
-        model.add_hook(name, lambda g, hook: seen["bwd"].append((hook.name, g[0].shape) if isinstance(g, tuple) else (hook.name, g.shape)), dir="bwd")
+        model.add_hook(
+            name,
+            lambda g, hook: seen["bwd"].append(
+                (hook.name, g[0].shape) if isinstance(g, tuple) else (hook.name, g.shape)
+            ),
+            dir="bwd",
+        )
     loss = model(torch.randint(0, 20, (2, 6)), return_type="loss")
     loss.backward()
     model.reset_hooks()
@@ -256,20 +300,26 @@ def test_patching_a_depth_weight_hook_changes_the_output():
     torch.testing.assert_close(patched, expected)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (dict(residual="highway"), r"residual must be one of \['standard', 'attnres', 'denseformer', 'mhc'\], got 'highway'"),
-    (dict(attention="linear"), r"attention must be one of \['standard', 'kv_shift'\]"),
-    (dict(attnres_block_size=0), r"attnres_block_size must be an integer >= 1, got 0"),
-    (dict(d_model=30, n_heads=4), r"d_model=30 is not divisible into n_heads=4"),
-    (dict(d_model=32, n_heads=4, d_head=16), r"n_heads \* d_head must equal d_model"),
-    (dict(n_ctx=0), r"n_ctx must be an integer >= 1, got 0"),
-    (dict(d_vocab=-5), r"d_vocab must be an integer >= 1"),
-    (dict(n_key_value_heads=3), r"n_key_value_heads=3 must be >= 1 and divide n_heads=4"),
-    (dict(positional_embedding_type="alibi"), r"positional_embedding_type must be one of"),
-    (dict(attnres_eps=0.0), r"attnres_eps must be > 0"),
-    (dict(depth_attention_backend="cuda"), r"depth_attention_backend must be one of"),
-    (dict(dtype="float8"), r"dtype must be one of"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (
+            dict(residual="highway"),
+            r"residual must be one of \['standard', 'attnres', 'denseformer', 'mhc'\], got 'highway'",
+        ),
+        (dict(attention="linear"), r"attention must be one of \['standard', 'kv_shift'\]"),
+        (dict(attnres_block_size=0), r"attnres_block_size must be an integer >= 1, got 0"),
+        (dict(d_model=30, n_heads=4), r"d_model=30 is not divisible into n_heads=4"),
+        (dict(d_model=32, n_heads=4, d_head=16), r"n_heads \* d_head must equal d_model"),
+        (dict(n_ctx=0), r"n_ctx must be an integer >= 1, got 0"),
+        (dict(d_vocab=-5), r"d_vocab must be an integer >= 1"),
+        (dict(n_key_value_heads=3), r"n_key_value_heads=3 must be >= 1 and divide n_heads=4"),
+        (dict(positional_embedding_type="alibi"), r"positional_embedding_type must be one of"),
+        (dict(attnres_eps=0.0), r"attnres_eps must be > 0"),
+        (dict(depth_attention_backend="cuda"), r"depth_attention_backend must be one of"),
+        (dict(dtype="float8"), r"dtype must be one of"),
+    ],
+)
 def test_bad_config_values_raise_clear_errors(overrides, match):
     params = dict(d_model=32, n_heads=4)
     params.update(overrides)
@@ -341,8 +391,13 @@ def test_tl_residual_helpers_refuse_attnres(block_size):
     _, cache = model.run_with_cache(torch.randint(0, 20, (2, 6)))
     assert "blocks.0.hook_resid_post" not in cache.cache_dict  # the post-layer state has a truthful name
     assert cache["blocks.0.hook_block_partial"].shape == (2, 6, 32)
-    refused = [cache.accumulated_resid, cache.decompose_resid, cache.get_full_resid_decomposition, cache.logit_lens,
-               lambda: cache.stack_head_results(incl_remainder=True)]
+    refused = [
+        cache.accumulated_resid,
+        cache.decompose_resid,
+        cache.get_full_resid_decomposition,
+        cache.logit_lens,
+        lambda: cache.stack_head_results(incl_remainder=True),
+    ]
     for helper in refused:
         with pytest.raises(ValueError, match="running-sum residual stream.*'attnres'"):
             helper()
@@ -387,11 +442,14 @@ def test_default_models_keep_their_parameters():
     assert not {name for name in names if "W_gate" in name}
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(gated_mlp=True, attn_only=True), "gated_mlp=True needs MLP sublayers"),
-    (dict(use_bias="no"), "use_bias must be true or false"),
-    (dict(tie_word_embeddings=1), "tie_word_embeddings must be true or false"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(gated_mlp=True, attn_only=True), "gated_mlp=True needs MLP sublayers"),
+        (dict(use_bias="no"), "use_bias must be true or false"),
+        (dict(tie_word_embeddings=1), "tie_word_embeddings must be true or false"),
+    ],
+)
 def test_new_switches_are_validated(overrides, message):
     with pytest.raises(ValueError, match=message):
         small_config(**overrides)

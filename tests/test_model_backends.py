@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -199,8 +199,7 @@ def test_two_phase_stream_keeps_bf16_inputs_bf16():
         output = torch.tanh(mixed.float() * (sublayer + 1)).to(torch.bfloat16)
         two_phase.write(output)
         single.write(output)
-    torch.testing.assert_close(two_phase.readout(consumers[3]), single.readout(consumers[3]),
-                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(two_phase.readout(consumers[3]), single.readout(consumers[3]), rtol=2e-2, atol=2e-2)
 
 
 def _knockout(index: list[int]):
@@ -211,8 +210,9 @@ def _knockout(index: list[int]):
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", "cpu"])
-@pytest.mark.parametrize("block_size,overrides", [(1, {}), (2, {}), (1, dict(attnres_heads=2)),
-                                                   (2, dict(attnres_score="sigmoid"))])
+@pytest.mark.parametrize(
+    "block_size,overrides", [(1, {}), (2, {}), (1, dict(attnres_heads=2)), (2, dict(attnres_score="sigmoid"))]
+)
 def test_a_bias_knockout_equals_a_logit_knockout(backend, block_size, overrides):
     """Knocking sources out through `hook_logit_bias` (the fused path for the default method) gives the loss and
     gradients of the same knockout on `hook_logits` (the readable path, the ground truth)."""
@@ -240,9 +240,15 @@ def test_a_bias_hook_keeps_the_fused_kernel(monkeypatch):
         model(torch.randint(0, 20, (1, 5)))
 
 
-@pytest.mark.parametrize("attention,overrides", [("standard", {}), ("kv_shift", {}),
-                                                 ("standard", dict(n_key_value_heads=2)),
-                                                 ("kv_shift", dict(positional_embedding_type="standard"))])
+@pytest.mark.parametrize(
+    "attention,overrides",
+    [
+        ("standard", {}),
+        ("kv_shift", {}),
+        ("standard", dict(n_key_value_heads=2)),
+        ("kv_shift", dict(positional_embedding_type="standard")),
+    ],
+)
 def test_fused_attention_equals_the_explicit_softmax(attention, overrides):
     """Unhooked attention runs PyTorch's fused SDPA; a hook on the pattern computes scores, mask and softmax
     explicitly. Same outputs and gradients, in float64 to leave rounding out."""
@@ -264,9 +270,13 @@ def test_saved_activations_grow_linearly_with_depth(backend, block_size):
     copies of the sources alive would add a source's bytes per consumer per layer to each increment. Only the
     per-source statistics ([n_sources, tokens], 1/d_model of a source) may grow."""
     tokens = torch.randint(0, 20, (2, 16))
-    saved = [saved_activation_bytes(HookedTransformer(small_config("attnres", block_size, n_layers=n_layers,
-                                                                    depth_attention_backend=backend)), tokens)
-             for n_layers in (1, 2, 3, 4)]
+    saved = [
+        saved_activation_bytes(
+            HookedTransformer(small_config("attnres", block_size, n_layers=n_layers, depth_attention_backend=backend)),
+            tokens,
+        )
+        for n_layers in (1, 2, 3, 4)
+    ]
     increments = [later - earlier for earlier, later in zip(saved, saved[1:])]
     source_bytes = tokens.numel() * 32 * 4  # one [batch, pos, d_model] fp32 tensor
     assert all(abs(b - a) < source_bytes / 2 for a, b in zip(increments, increments[1:])), increments
@@ -308,14 +318,16 @@ def test_without_a_gradient_full_attnres_mixes_two_phase_on_the_cpu_and_agrees_w
 
 
 @pytest.mark.parametrize("shared_gradients, edited", [(False, None), (True, None), (True, 7), (True, 9)])
-def test_full_attnres_trained_through_two_phase_windows_on_the_cpu_equals_the_readable_path(monkeypatch,
-                                                                                          shared_gradients, edited):
+def test_full_attnres_trained_through_two_phase_windows_on_the_cpu_equals_the_readable_path(
+    monkeypatch, shared_gradients, edited
+):
     """Windows opened with a gradient from 8 shared sources (as without one), the C two-phase backward trains
     Full AttnRes to the `reference` backend's loss and gradients in float64, with the completed blocks' gradients
     summed in shared buffers or by autograd, and with a hook editing a sublayer's input in place (`edited`: the
     window's first consumer, whose input is phase 1's part that later merges keep, or a merging one)."""
-    base = HookedTransformer(small_config("attnres", 1, n_layers=6, dtype=torch.float64,
-                                          depth_attention_backend="reference"))
+    base = HookedTransformer(
+        small_config("attnres", 1, n_layers=6, dtype=torch.float64, depth_attention_backend="reference")
+    )
     randomize_depth_parameters(base)
     tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(5))
 
@@ -349,8 +361,9 @@ def test_a_stacked_stream_mixes_its_windows_with_a_gradient_without_the_no_grad_
     """Two streams holding the same 17 blocks, stacked (as exact interventions stack branches): with a gradient the
     window's phase 1 reads the stacked sources (the copies' shared-prior path has no backward) and equals the
     readable mix."""
-    model = HookedTransformer(small_config("attnres", 1, n_layers=10, dtype=torch.float64,
-                                           depth_attention_backend="cpu"))
+    model = HookedTransformer(
+        small_config("attnres", 1, n_layers=10, dtype=torch.float64, depth_attention_backend="cpu")
+    )
     randomize_depth_parameters(model)
     consumers = [module for _, module in sorted(model.depth_attention_modules().items())]
     generator = torch.Generator().manual_seed(2)
@@ -367,8 +380,13 @@ def test_a_stacked_stream_mixes_its_windows_with_a_gradient_without_the_no_grad_
     assert stacked._copies is not None
     with torch.enable_grad():
         h = stacked.read(consumers[17])
-    expected = depth_attention([torch.cat([s, s]) for s in [embedding, *outputs]], consumers[17].query,
-                               consumers[17].key_norm.w, consumers[17].key_norm.eps, backend="reference")
+    expected = depth_attention(
+        [torch.cat([s, s]) for s in [embedding, *outputs]],
+        consumers[17].query,
+        consumers[17].key_norm.w,
+        consumers[17].key_norm.eps,
+        backend="reference",
+    )
     assert h.requires_grad
     torch.testing.assert_close(h, expected, rtol=1e-10, atol=1e-12)
 
@@ -431,12 +449,17 @@ def test_without_a_gradient_a_watched_mix_runs_the_kernel_and_honours_every_edit
     reference = HookedTransformer(dataclasses.replace(base.cfg, depth_attention_backend="reference"))
     reference.load_state_dict(base.state_dict())
     tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(4))
-    names = [f"blocks.0.attn_res.{point}", f"blocks.1.attn_res.{point}", f"blocks.2.mlp_res.{point}",
-             f"final_res.{point}"]
+    names = [
+        f"blocks.0.attn_res.{point}",
+        f"blocks.1.attn_res.{point}",
+        f"blocks.2.mlp_res.{point}",
+        f"final_res.{point}",
+    ]
     kernel_calls = []
     watched = depth_execution.watched_kernel_mix
-    monkeypatch.setattr(depth_execution, "watched_kernel_mix",
-                        lambda mixer, *args: kernel_calls.append(1) or watched(mixer, *args))
+    monkeypatch.setattr(
+        depth_execution, "watched_kernel_mix", lambda mixer, *args: kernel_calls.append(1) or watched(mixer, *args)
+    )
 
     def run(model: HookedTransformer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         seen = {}
@@ -481,8 +504,9 @@ def test_a_watched_kernel_mix_serves_a_cache_and_a_source_a_hook_edits(block_siz
     tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(5))
     kernel_calls = []
     watched = depth_execution.watched_kernel_mix
-    monkeypatch.setattr(depth_execution, "watched_kernel_mix",
-                        lambda mixer, *args: kernel_calls.append(1) or watched(mixer, *args))
+    monkeypatch.setattr(
+        depth_execution, "watched_kernel_mix", lambda mixer, *args: kernel_calls.append(1) or watched(mixer, *args)
+    )
     with torch.no_grad():
         expected, expected_cache = reference.run_with_cache(tokens)
         got, cache = base.run_with_cache(tokens)
@@ -499,8 +523,10 @@ def test_a_watched_kernel_mix_serves_a_cache_and_a_source_a_hook_edits(block_siz
         def zero_it(weights, hook):  # returns None: the weights stay as they are
             zero(kept[0])
 
-        hooks = [("blocks.0.hook_attn_out", lambda x, hook: kept.append(x)),
-                 ("blocks.0.mlp_res.hook_weights", zero_it)]  # consumer 1 reads f0 itself
+        hooks = [
+            ("blocks.0.hook_attn_out", lambda x, hook: kept.append(x)),
+            ("blocks.0.mlp_res.hook_weights", zero_it),
+        ]  # consumer 1 reads f0 itself
         return model.run_with_hooks(tokens, fwd_hooks=hooks)
 
     def numpy_zero(x: torch.Tensor) -> None:
@@ -519,8 +545,11 @@ def test_a_watched_kernel_mix_serves_a_cache_and_a_source_a_hook_edits(block_siz
         def poison(weights, hook):  # returns None: the weights stay as they are
             kept[0][0, 2, 5] = value
 
-        hooks = [("blocks.0.hook_attn_out", lambda x, hook: kept.append(x)), ("blocks.1.attn_res.hook_weights", poison),
-                 ("blocks.1.hook_resid_pre", lambda h, hook: mixed.append(h.clone()))]
+        hooks = [
+            ("blocks.0.hook_attn_out", lambda x, hook: kept.append(x)),
+            ("blocks.1.attn_res.hook_weights", poison),
+            ("blocks.1.hook_resid_pre", lambda h, hook: mixed.append(h.clone())),
+        ]
         model.run_with_hooks(prompt, fwd_hooks=hooks)
         return mixed[0]
 

@@ -70,12 +70,17 @@ def reference_logits_after_removal(model: HookedTransformer, tokens: torch.Tenso
 
 
 CASES = [
-    ("standard", 1, {1}), ("standard", 1, {0, 3}),
-    ("attnres", 1, {2}), ("attnres", 1, {0, 4}), ("attnres", 1, {5}),  # Full: masking
+    ("standard", 1, {1}),
+    ("standard", 1, {0, 3}),
+    ("attnres", 1, {2}),
+    ("attnres", 1, {0, 4}),
+    ("attnres", 1, {5}),  # Full: masking
     ("attnres", 2, {2}),  # Block: alone in consumer 3's partial (masked there), part of b_2 later (subtracted)
     ("attnres", 2, {2, 3}),  # a whole block: masked everywhere
     ("attnres", 2, {1, 5}),  # subtracted from b_1, and from the final readout's last partial
-    ("attnres", 4, {1}), ("attnres", 4, {4}), ("attnres", 4, {4, 5}),
+    ("attnres", 4, {1}),
+    ("attnres", 4, {4}),
+    ("attnres", 4, {4, 5}),
 ]
 
 
@@ -98,8 +103,11 @@ def test_full_attnres_remove_is_masking_its_source_downstream_not_zeroing_it():
     tokens = torch.randint(0, model.cfg.d_vocab, (2, 12), generator=torch.Generator().manual_seed(1))
     j = 2
     removed = model.run_with_hooks(tokens, fwd_hooks=removal_hooks(model, [j]))
-    masked_downstream = [hook for consumer in range(j + 1, model.cfg.n_sublayers + 1)
-                         for hook in source_mask_hooks(model, consumer, [j + 1])]  # source j+1 holds f_j
+    masked_downstream = [
+        hook
+        for consumer in range(j + 1, model.cfg.n_sublayers + 1)
+        for hook in source_mask_hooks(model, consumer, [j + 1])
+    ]  # source j+1 holds f_j
     torch.testing.assert_close(removed, model.run_with_hooks(tokens, fwd_hooks=masked_downstream))
     zeroed = model.run_with_hooks(tokens, fwd_hooks=[(model.sublayer_output_hook(j), lambda t, hook: t * 0)])
     assert (removed - zeroed).abs().max() > 1e-3  # a zero source still takes softmax mass
@@ -145,11 +153,19 @@ def test_cumulative_curves_start_clean_and_end_with_everything_removed():
     randomize_depth_parameters(model)
     batch = copy_batch(6)
     sensitivity = pruning_sensitivity(model, batch)
-    curves = cumulative_pruning(model, batch, sensitivity, angular_distance_matrix(model, batch.tokens), "accuracy",
-                                stop_at=None)
+    curves = cumulative_pruning(
+        model, batch, sensitivity, angular_distance_matrix(model, batch.tokens), "accuracy", stop_at=None
+    )
     n_sublayers = model.cfg.n_sublayers
-    assert set(curves["strategy"]) == {"measured", "block_influence", "angular_distance_next", "relative_output_norm",
-                                       "routing_mass", "similar_block", "drop_deepest"}
+    assert set(curves["strategy"]) == {
+        "measured",
+        "block_influence",
+        "angular_distance_next",
+        "relative_output_norm",
+        "routing_mass",
+        "similar_block",
+        "drop_deepest",
+    }
     for _, curve in curves.groupby("strategy"):
         assert list(curve["n_removed"]) == list(range(n_sublayers + 1))
         assert curve["delta_loss"].iloc[0] == 0
@@ -173,8 +189,9 @@ def test_curves_that_stop_mid_round_match_evaluating_each_set_alone():
     distances = angular_distance_matrix(model, batch.tokens)
     orders = removal_orders(sensitivity, distances)
     base = evaluate(model, batch).loss
-    alone = {removed: evaluate(model, batch, removal_hooks(model, removed))
-             for sets in orders.values() for removed in sets}
+    alone = {
+        removed: evaluate(model, batch, removal_hooks(model, removed)) for sets in orders.values() for removed in sets
+    }
     increases = sorted(result.loss / base - 1 for result in alone.values())
     stop_at = increases[int(len(increases) * 0.95)]
     curves = cumulative_pruning(model, batch, sensitivity, distances, stop_at=stop_at)
@@ -192,14 +209,19 @@ def test_curves_that_stop_mid_round_match_evaluating_each_set_alone():
     # not vacuous: some curves stop inside the first round (steps 1-4), some run into the second
     assert min(lengths) < 4 < max(lengths), lengths
 
+
 # ---------------------------------------------------------------------------- runs and commands
 def test_causal_routing_lists_every_source_of_every_mixing_consumer(smoke_run):
     from attnres_lens.rundir import load_run
 
     model = load_run(smoke_run).model
     routing = causal_routing(model, copy_batch(4, model.cfg.d_vocab, model.cfg.n_ctx))
-    expected = {(c, s) for c in range(model.cfg.n_sublayers + 1) for s in range(len(model.sources(c)))
-                if len(model.sources(c)) > 1}
+    expected = {
+        (c, s)
+        for c in range(model.cfg.n_sublayers + 1)
+        for s in range(len(model.sources(c)))
+        if len(model.sources(c)) > 1
+    }
     assert set(zip(routing["consumer"], routing["source"])) == expected
     assert routing.groupby("consumer")["alpha_mass"].sum().to_numpy() == pytest.approx(1, abs=1e-5)
     assert routing["delta_loss"].abs().max() > 0
@@ -211,15 +233,26 @@ def test_causal_routing_lists_every_source_of_every_mixing_consumer(smoke_run):
 
 def test_prune_command_writes_tables_and_a_self_contained_report(smoke_run, tmp_path, capsys):
     out = tmp_path / "report"
-    assert cli_main(["prune", str(smoke_run), "--out", str(out), "--samples", "4", "--metric", "accuracy",
-                     "--no-progress"]) == 0
+    assert (
+        cli_main(
+            ["prune", str(smoke_run), "--out", str(out), "--samples", "4", "--metric", "accuracy", "--no-progress"]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     for row in json.loads((out / "prune_summary.json").read_text())["removable"]:  # "1 sublayer", "2 sublayers"
         count = row["n_removable"]
         assert f"{row['strategy']}: {count} sublayer{'' if count == 1 else 's'} removable within +5% loss" in printed
     assert f"report: {out / 'prune_report.html'}" in printed
-    for name in ("pruning_sensitivity", "pruning_curves", "angular_distance", "metric_correlations", "removable",
-                 "routing", "routing_disagreements"):
+    for name in (
+        "pruning_sensitivity",
+        "pruning_curves",
+        "angular_distance",
+        "metric_correlations",
+        "removable",
+        "routing",
+        "routing_disagreements",
+    ):
         assert (out / f"{name}.csv").is_file() and (out / f"{name}.parquet").is_file()
     sensitivity = pd.read_parquet(out / "pruning_sensitivity.parquet")
     assert list(sensitivity["label"]) == ["L0.attn", "L0.mlp", "L1.attn", "L1.mlp"]
@@ -270,9 +303,13 @@ def test_stacked_evaluation_gives_each_intervention_its_own_result():
     randomize_depth_parameters(model)
     batch = copy_batch(4)
     mean_output = torch.full((model.cfg.d_model,), 0.5)
-    interventions = [[], removal_hooks(model, [2]), removal_hooks(model, [0, 5]),
-                     [(model.sublayer_output_hook(1), lambda t, hook: mean_output.expand_as(t))],
-                     source_mask_hooks(model, model.cfg.n_sublayers, [0])]
+    interventions = [
+        [],
+        removal_hooks(model, [2]),
+        removal_hooks(model, [0, 5]),
+        [(model.sublayer_output_hook(1), lambda t, hook: mean_output.expand_as(t))],
+        source_mask_hooks(model, model.cfg.n_sublayers, [0]),
+    ]
     one_by_one = [evaluate(model, batch, hooks) for hooks in interventions]
     stacked = evaluate_many(model, batch, interventions, max_sequences=12)  # passes of 3, 2 interventions
     assert len({round(result.loss, 6) for result in one_by_one}) == len(interventions)

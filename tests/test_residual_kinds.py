@@ -22,12 +22,23 @@ from attnres_lens.mixing import basis_index, mixing_coefficients
 from attnres_lens.tasks import make_task
 from tests.helpers import block_sources, small_config
 
-OPTIONS = [dict(attnres_score="sigmoid"), dict(attnres_key_norm=False), dict(attnres_query="input"),
-           dict(attnres_heads=4), dict(attnres_window=2), dict(attnres_mixing="scalar"),
-           dict(attnres_heads=2, attnres_query="input", attnres_window=3)]
-KINDS = [dict(residual="standard"), dict(residual="denseformer"), dict(residual="mhc"),
-         dict(residual="mhc", mhc_streams=2, attn_only=True), dict(residual="attnres", attnres_block_size=1),
-         dict(residual="attnres", attnres_block_size=4)]
+OPTIONS = [
+    dict(attnres_score="sigmoid"),
+    dict(attnres_key_norm=False),
+    dict(attnres_query="input"),
+    dict(attnres_heads=4),
+    dict(attnres_window=2),
+    dict(attnres_mixing="scalar"),
+    dict(attnres_heads=2, attnres_query="input", attnres_window=3),
+]
+KINDS = [
+    dict(residual="standard"),
+    dict(residual="denseformer"),
+    dict(residual="mhc"),
+    dict(residual="mhc", mhc_streams=2, attn_only=True),
+    dict(residual="attnres", attnres_block_size=1),
+    dict(residual="attnres", attnres_block_size=4),
+]
 KINDS += [dict(residual="attnres", attnres_block_size=block, **option) for option in OPTIONS for block in (1, 2)]
 
 
@@ -100,8 +111,13 @@ def deepseek_config(model: HookedTransformer):
     from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
     cfg = model.cfg
-    return DeepseekV4Config(hidden_size=cfg.d_model, hc_mult=cfg.mhc_streams, hc_eps=cfg.mhc_eps,
-                            hc_sinkhorn_iters=cfg.mhc_sinkhorn_iters, rms_norm_eps=cfg.eps)
+    return DeepseekV4Config(
+        hidden_size=cfg.d_model,
+        hc_mult=cfg.mhc_streams,
+        hc_eps=cfg.mhc_eps,
+        hc_sinkhorn_iters=cfg.mhc_sinkhorn_iters,
+        rms_norm_eps=cfg.eps,
+    )
 
 
 def test_mhc_connection_and_head_match_deepseek_v4_in_float64():
@@ -200,8 +216,10 @@ def test_attnres_options_match_their_definitions_in_float64(option, block_size):
     torch.testing.assert_close(model.double()(tokens), attnres_options_float64(model, tokens), rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("option", [dict(attnres_query="input"), dict(attnres_mixing="scalar"),
-                                    dict(attnres_window=100), dict(attnres_heads=1)])
+@pytest.mark.parametrize(
+    "option",
+    [dict(attnres_query="input"), dict(attnres_mixing="scalar"), dict(attnres_window=100), dict(attnres_heads=1)],
+)
 def test_options_that_start_as_attnres_do(option):
     """Zero-initialised input queries and scalar logits give uniform weights like the zero pseudo-query, and a window
     wider than the depth reads every source: at initialisation each is exactly default AttnRes."""
@@ -227,19 +245,24 @@ def test_sliding_window_reads_the_embedding_and_the_last_sources():
     assert cache["final_res.hook_weights"].shape[-1] == 3
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(residual="standard", attnres_score="sigmoid"), "attnres_score only applies to residual='attnres'"),
-    (dict(residual="denseformer", mhc_streams=2), "mhc_streams only applies to residual='mhc'"),
-    (dict(residual="standard", block_size=4), "attnres_block_size only applies to residual='attnres'"),
-    (dict(residual="mhc", attnres_eps=1e-5), "attnres_eps only applies to residual='attnres'"),
-    (dict(residual="attnres", attnres_mixing="scalar", attnres_query="input"),
-     "attnres_mixing='scalar' has no query or keys.*attnres_query"),
-    (dict(residual="attnres", attnres_heads=5), "attnres_heads=5 must divide d_model=32"),
-    (dict(residual="attnres", attnres_window=0), "attnres_window must be None"),
-    (dict(residual="attnres", attnres_score="tanh"), "attnres_score must be one of"),
-    (dict(residual="mhc", mhc_streams=0), "mhc_streams must be an integer >= 1"),
-    (dict(residual="hyper"), "residual='hyper' was renamed 'mhc'; set residual='mhc'"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(residual="standard", attnres_score="sigmoid"), "attnres_score only applies to residual='attnres'"),
+        (dict(residual="denseformer", mhc_streams=2), "mhc_streams only applies to residual='mhc'"),
+        (dict(residual="standard", block_size=4), "attnres_block_size only applies to residual='attnres'"),
+        (dict(residual="mhc", attnres_eps=1e-5), "attnres_eps only applies to residual='attnres'"),
+        (
+            dict(residual="attnres", attnres_mixing="scalar", attnres_query="input"),
+            "attnres_mixing='scalar' has no query or keys.*attnres_query",
+        ),
+        (dict(residual="attnres", attnres_heads=5), "attnres_heads=5 must divide d_model=32"),
+        (dict(residual="attnres", attnres_window=0), "attnres_window must be None"),
+        (dict(residual="attnres", attnres_score="tanh"), "attnres_score must be one of"),
+        (dict(residual="mhc", mhc_streams=0), "mhc_streams must be an integer >= 1"),
+        (dict(residual="hyper"), "residual='hyper' was renamed 'mhc'; set residual='mhc'"),
+    ],
+)
 def test_invalid_combinations_name_the_fields(fields, message):
     with pytest.raises(ValueError, match=message):
         small_config(**fields)
@@ -251,8 +274,11 @@ def _freeze_and_perturb(model: HookedTransformer, tokens: torch.Tensor, target: 
     output `target` (EMBEDDING: the embedding) moved by `delta`: then each input is linear in the moved output."""
     outputs = ["hook_embed"] + [model.sublayer_output_hook(j) for j in range(model.cfg.n_sublayers)]
     inputs = [model.sublayer_input_hook(j) for j in range(model.cfg.n_sublayers)]
-    weights = [name for name in model.hook_dict if name.endswith(("hook_weights", "hook_read_weights",
-                                                                  "hook_write_weights", "hook_stream_mix"))]
+    weights = [
+        name
+        for name in model.hook_dict
+        if name.endswith(("hook_weights", "hook_read_weights", "hook_write_weights", "hook_stream_mix"))
+    ]
     _, clean = model.run_with_cache(tokens)
     moved = outputs[basis_index(target)]
     hooks = [(name, lambda t, hook: clean[hook.name]) for name in outputs + weights if name != moved]
@@ -294,8 +320,10 @@ def test_mixing_matrix_of_each_kind_at_initialisation():
     assert full["max_weight"].tolist() == pytest.approx([1 / n for n in range(1, 8)])
 
 
-@pytest.mark.parametrize("fields", [dict(residual="denseformer"), dict(residual="mhc"),
-                                    dict(residual="attnres", attnres_heads=2, attnres_window=2)])
+@pytest.mark.parametrize(
+    "fields",
+    [dict(residual="denseformer"), dict(residual="mhc"), dict(residual="attnres", attnres_heads=2, attnres_window=2)],
+)
 def test_pruning_runs_on_every_kind(fields):
     model = randomize(model_of(**fields))
     task = make_task("copy", vocab_size=20, seq_len=24, min_len=4, max_len=6)
@@ -306,8 +334,11 @@ def test_pruning_runs_on_every_kind(fields):
 
 
 # ---------------------------------------------------------------------------- end to end
-KIND_RUNS = {"denseformer": ["model.residual=denseformer"], "mhc": ["model.residual=mhc"],
-             "ablations": ["model.attnres_heads=2", "model.attnres_query=input", "model.attnres_window=2"]}
+KIND_RUNS = {
+    "denseformer": ["model.residual=denseformer"],
+    "mhc": ["model.residual=mhc"],
+    "ablations": ["model.attnres_heads=2", "model.attnres_query=input", "model.attnres_window=2"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -318,8 +349,11 @@ def kind_runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("kinds")
     for name, overrides in KIND_RUNS.items():
-        train(apply_overrides(get_preset("smoke"), [*overrides, "train.steps=20", "train.checkpoint_every=20"]),
-              root / name, progress=False)
+        train(
+            apply_overrides(get_preset("smoke"), [*overrides, "train.steps=20", "train.checkpoint_every=20"]),
+            root / name,
+            progress=False,
+        )
     return root
 
 
@@ -334,8 +368,9 @@ def test_every_kind_trains_records_and_analyses(kind_runs, name):
     last = recorded[recorded["step"] == 20].drop(columns="step").reset_index(drop=True)
     tokens = run.config.build_task().eval_batch(run.config.train.eval_size).tokens[: run.config.train.record_size]
     computed = depth_mixing_matrix(run.model, tokens)
-    torch.testing.assert_close(torch.tensor(last["weight"].to_numpy()), torch.tensor(computed["weight"].to_numpy()),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(last["weight"].to_numpy()), torch.tensor(computed["weight"].to_numpy()), rtol=1e-4, atol=1e-5
+    )
     analyzed = analyze_run(kind_runs / name, samples=4, progress=False)
     assert "depth_mixing" in analyzed.tables and analyzed.report_path.is_file()
     result = prune_run(kind_runs / name, samples=4, progress=False)
@@ -394,11 +429,14 @@ def test_a_run_written_with_the_old_mhc_names_loads_evaluates_and_resumes(kind_r
     assert rewritten["residual"] == "mhc" and "mhc_streams" in rewritten and "hyper_streams" not in rewritten
 
 
-@pytest.mark.parametrize("assignment, message", [
-    ("model.residual=hyper", "residual='hyper' was renamed 'mhc'; set residual='mhc'"),
-    ("model.hyper_streams=2", r"unknown model field 'hyper_streams' \(renamed: hyper_streams -> mhc_streams\)"),
-    ("hyper_eps=1e-5", r"no section has it \(renamed: hyper_eps -> mhc_eps\)"),
-])
+@pytest.mark.parametrize(
+    "assignment, message",
+    [
+        ("model.residual=hyper", "residual='hyper' was renamed 'mhc'; set residual='mhc'"),
+        ("model.hyper_streams=2", r"unknown model field 'hyper_streams' \(renamed: hyper_streams -> mhc_streams\)"),
+        ("hyper_eps=1e-5", r"no section has it \(renamed: hyper_eps -> mhc_eps\)"),
+    ],
+)
 def test_old_mhc_names_in_new_settings_are_refused_naming_the_new_ones(assignment, message):
     from attnres_lens.config import apply_overrides
     from attnres_lens.presets import get_preset
@@ -426,10 +464,15 @@ def test_depth_logit_attribution_is_exact_for_every_kind(fields):
     model = randomize(model_of(**fields)).double()
     tokens = tokens_for(model)
     table = depth_logit_attribution(model, tokens)
-    per_position = table.groupby(["sequence", "position"]).agg(total=("contribution", "sum"), logit=("logit", "first"),
-                                                               bias=("bias", "first"))
-    torch.testing.assert_close(torch.tensor((per_position["total"] + per_position["bias"]).to_numpy()),
-                               torch.tensor(per_position["logit"].to_numpy()), rtol=1e-9, atol=1e-9)
+    per_position = table.groupby(["sequence", "position"]).agg(
+        total=("contribution", "sum"), logit=("logit", "first"), bias=("bias", "first")
+    )
+    torch.testing.assert_close(
+        torch.tensor((per_position["total"] + per_position["bias"]).to_numpy()),
+        torch.tensor(per_position["logit"].to_numpy()),
+        rtol=1e-9,
+        atol=1e-9,
+    )
     assert len(depth_input_decomposition(model, tokens)) > 0
 
 
@@ -440,8 +483,13 @@ def test_attribute_runs_on_an_attnres_option_and_analysis_out_is_never_a_run(tmp
     from attnres_lens.training import train
 
     run = tmp_path / "sigmoid"
-    train(apply_overrides(get_preset("smoke"), ["model.attnres_score=sigmoid", "train.steps=10",
-                                                "train.checkpoint_every=10"]), run, progress=False)
+    train(
+        apply_overrides(
+            get_preset("smoke"), ["model.attnres_score=sigmoid", "train.steps=10", "train.checkpoint_every=10"]
+        ),
+        run,
+        progress=False,
+    )
     assert cli_main(["attribute", str(run), "--samples", "3", "--no-progress"]) == 0  # corrupted patching skipped
     capsys.readouterr()
     for command in ("attribute", "prune"):
@@ -454,12 +502,18 @@ def test_attribute_runs_on_an_attnres_option_and_analysis_out_is_never_a_run(tmp
         assert "is inside the run directory" in capsys.readouterr().err
     assert {path.name: path.read_bytes() for path in (run / "records").iterdir()} == records
     assert not (run / "checkpoints" / "new").exists()
-    assert cli_main(["analyze", str(run), "--samples", "3", "--out", str(run / "analysis" / "again"),
-                     "--no-progress"]) == 0
+    assert (
+        cli_main(["analyze", str(run), "--samples", "3", "--out", str(run / "analysis" / "again"), "--no-progress"])
+        == 0
+    )
     # another run's analysis folder would get this run's tables under that run's name
     shutil.copytree(run, tmp_path / "other")
-    assert cli_main(["analyze", str(run), "--samples", "3", "--out", str(tmp_path / "other" / "analysis"),
-                     "--no-progress"]) == 2
+    assert (
+        cli_main(
+            ["analyze", str(run), "--samples", "3", "--out", str(tmp_path / "other" / "analysis"), "--no-progress"]
+        )
+        == 2
+    )
     assert "is inside another run directory" in capsys.readouterr().err
 
 

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import pandas as pd
 import pytest
@@ -51,8 +50,14 @@ def cli_error(capsys, *argv: str, code: int = 2) -> str:
 
 def start_training(out: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([*CLI, "train", "--preset", "smoke", "--out", str(out), "--no-progress", *SLOW_SMOKE],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [*CLI, "train", "--preset", "smoke", "--out", str(out), "--no-progress", *SLOW_SMOKE],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(condition, timeout: float = 120.0) -> None:
@@ -122,15 +127,30 @@ def test_a_refused_new_run_leaves_no_folder_behind(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- divergence
 def test_divergence_without_any_checkpoint_says_so(tmp_path, capsys):
-    err = cli_error(capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "nan"), "--no-progress",
-                    "--set", "train.lr=1e6", "--set", "train.warmup_steps=0", "--set", "train.grad_clip=0", code=3)
+    err = cli_error(
+        capsys,
+        "train",
+        "--preset",
+        "smoke",
+        "--out",
+        str(tmp_path / "nan"),
+        "--no-progress",
+        "--set",
+        "train.lr=1e6",
+        "--set",
+        "train.warmup_steps=0",
+        "--set",
+        "train.grad_clip=0",
+        code=3,
+    )
     assert "no checkpoint was written before it" in err and "last good checkpoint" not in err
     assert RunDir(tmp_path / "nan").read_index().latest is None
 
 
 def test_a_non_finite_checkpoint_is_never_saved(tmp_path):
-    config = apply_overrides(get_preset("smoke"), ["train.lr=1e6", "train.warmup_steps=0", "train.grad_clip=0",
-                                                   "train.checkpoint_every=1"])
+    config = apply_overrides(
+        get_preset("smoke"), ["train.lr=1e6", "train.warmup_steps=0", "train.grad_clip=0", "train.checkpoint_every=1"]
+    )
     with pytest.raises(TrainingDiverged) as caught:
         train(config, tmp_path / "nan", progress=False)
     run_dir = RunDir(tmp_path / "nan")
@@ -146,30 +166,35 @@ def test_a_non_finite_checkpoint_is_never_saved(tmp_path):
 
 
 def test_float16_training_on_the_cpu_is_refused_up_front(tmp_path, capsys):
-    err = cli_error(capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "fp16"),
-                    "--set", "model.dtype=float16")
+    err = cli_error(
+        capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "fp16"), "--set", "model.dtype=float16"
+    )
     assert "float16 is not supported for training on the CPU" in err
 
 
 # ---------------------------------------------------------------------------- validated settings
-@pytest.mark.parametrize("setting, message", [
-    ("model.attn_only=no", "attn_only must be true or false, got 'no'"),
-    ("train.lr=true", "train.lr must be a finite number, got True"),
-    ("train.betas=[0.9]", "train.betas must be a list of 2 numbers, got [0.9]"),
-    ("train.steps=\"ten\"", "train.steps must be an integer, got 'ten'"),
-    ("model.d_mlp=1.5", "d_mlp must be an integer or null, got 1.5"),
-    ("model.init_range=Infinity", "init_range must be a finite number, got inf"),
-    ("model.normalization_type=LN", "normalization_type='LN' is not implemented"),
-    ("model.final_rms=true", "final_rms=True is not implemented"),  # gated_mlp is implemented (docs/model.md §6)
-    ("model.num_experts=4", "num_experts=4 is not implemented"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("model.attn_only=no", "attn_only must be true or false, got 'no'"),
+        ("train.lr=true", "train.lr must be a finite number, got True"),
+        ("train.betas=[0.9]", "train.betas must be a list of 2 numbers, got [0.9]"),
+        ('train.steps="ten"', "train.steps must be an integer, got 'ten'"),
+        ("model.d_mlp=1.5", "d_mlp must be an integer or null, got 1.5"),
+        ("model.init_range=Infinity", "init_range must be a finite number, got inf"),
+        ("model.normalization_type=LN", "normalization_type='LN' is not implemented"),
+        ("model.final_rms=true", "final_rms=True is not implemented"),  # gated_mlp is implemented (docs/model.md §6)
+        ("model.num_experts=4", "num_experts=4 is not implemented"),
+    ],
+)
 def test_settings_are_type_checked_not_coerced(setting, message, tmp_path, capsys):
     err = cli_error(capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "x"), "--set", setting)
     assert message in err
 
 
-@pytest.mark.parametrize("fields", [dict(d_mlp=1.5), dict(init_range=math.inf), dict(d_model="64"),
-                                    dict(attn_only=1), dict(eps=math.nan)])
+@pytest.mark.parametrize(
+    "fields", [dict(d_mlp=1.5), dict(init_range=math.inf), dict(d_model="64"), dict(attn_only=1), dict(eps=math.nan)]
+)
 def test_model_config_raises_value_error_never_type_error(fields):
     with pytest.raises(ValueError):
         ModelConfig(**fields)
@@ -210,8 +235,11 @@ def test_damaged_files_give_one_error_naming_the_file(smoke_run, tmp_path):
         ("taskvalue", lambda c: c["task"].update(min_len=0), "invalid task section: copy: min_len must be >= 2"),
         ("betas", lambda c: c["train"].update(betas=[0.9]), "invalid train section: train.betas must be"),
         ("trainfield", lambda c: c["train"].update(lrr=0.1), r"invalid train section: unknown train field.*'lrr'"),
-        ("provenance", lambda c: c.update(provenance=["fla"]),
-         "invalid provenance section: a run config's 'provenance' must be an object or absent"),
+        (
+            "provenance",
+            lambda c: c.update(provenance=["fla"]),
+            "invalid provenance section: a run config's 'provenance' must be an object or absent",
+        ),
     ]:
         run = copy_run(smoke_run, tmp_path, name)
         config = json.loads((run / "config.json").read_text())
@@ -244,8 +272,9 @@ def test_checkpoint_metadata_is_checked_before_anything_is_built(smoke_run, tmp_
 
     run = copy_run(smoke_run, tmp_path, "relu")
     relu = json.loads(meta["model_config"]) | {"act_fn": "relu"}
-    atomic_save_safetensors(RunDir(run).weights_path("step_0000040"), tensors,
-                            {**meta, "model_config": json.dumps(relu)})
+    atomic_save_safetensors(
+        RunDir(run).weights_path("step_0000040"), tensors, {**meta, "model_config": json.dumps(relu)}
+    )
     with pytest.raises(RunDirError, match="act_fn: checkpoint 'relu', config.json 'gelu'"):
         load_run(run)
 
@@ -278,8 +307,9 @@ def test_loading_a_run_stays_clear_of_torch_dynamo_and_sympy(smoke_run):
     """The shape check builds each preset's model on the meta device; a Python decomposition or a meta `randn`
     there would import torch._dynamo or sympy, 1.4 s and 0.5 s of every command (a fresh process: other tests
     import them)."""
-    out = subprocess.run([sys.executable, "-c", _DYNAMO_PROBE, str(smoke_run)], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _DYNAMO_PROBE, str(smoke_run)], capture_output=True, text=True, check=True
+    )
     assert out.stdout.split()[-2:] == ["False", "False"]
 
 
@@ -330,8 +360,11 @@ def test_resume_can_start_from_an_earlier_checkpoint(tmp_path, capsys):
     assert steps == sorted(set(steps)) and steps[-1] == 60
 
     def train_losses(path: Path) -> dict[int, float]:
-        return {r["step"]: r["loss"] for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())
-                if "loss" in r}
+        return {
+            r["step"]: r["loss"]
+            for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r
+        }
 
     expected, got = train_losses(reference), train_losses(run)
     assert set(got) == set(expected)
@@ -346,10 +379,16 @@ def test_nothing_in_the_package_unpickles():
 
     for path in (REPO / "attnres_lens").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                    and isinstance(node.func.value, ast.Name):
-                assert (node.func.value.id, node.func.attr) not in {("torch", "load"), ("pickle", "load"),
-                                                                     ("pickle", "loads")}, f"{path}:{node.lineno}"
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+            ):
+                assert (node.func.value.id, node.func.attr) not in {
+                    ("torch", "load"),
+                    ("pickle", "load"),
+                    ("pickle", "loads"),
+                }, f"{path}:{node.lineno}"
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [alias.name for alias in node.names] + [getattr(node, "module", None) or ""]
                 assert not any(name.split(".")[0] in ("pickle", "dill", "cloudpickle") for name in names), path
@@ -406,12 +445,19 @@ def metric_lines(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_resume_between_log_lines_logs_the_same_mean_loss_and_evaluations_keep_their_cadence(tmp_path,
-                                                                                                monkeypatch):
+def test_a_resume_between_log_lines_logs_the_same_mean_loss_and_evaluations_keep_their_cadence(tmp_path, monkeypatch):
     """Checkpoints every 7 steps, log lines every 5: a checkpoint carries the losses since the last line, so the
     line after a resume averages the same steps. Evaluations every 7 steps write their own lines."""
-    config = apply_overrides(get_preset("smoke"), ["train.steps=21", "train.log_every=5", "train.eval_every=7",
-                                                   "train.checkpoint_every=7", "train.keep_checkpoints=5"])
+    config = apply_overrides(
+        get_preset("smoke"),
+        [
+            "train.steps=21",
+            "train.log_every=5",
+            "train.eval_every=7",
+            "train.checkpoint_every=7",
+            "train.keep_checkpoints=5",
+        ],
+    )
     train(config, tmp_path / "reference", progress=False)
     crash_at(monkeypatch, 17)
     with pytest.raises(KeyboardInterrupt):
@@ -430,8 +476,9 @@ def test_a_resume_between_log_lines_logs_the_same_mean_loss_and_evaluations_keep
 
 @pytest.mark.slow
 def test_a_resume_from_an_earlier_checkpoint_forgets_the_later_branch(tmp_path, monkeypatch):
-    config = apply_overrides(get_preset("smoke"), ["train.steps=40", "train.checkpoint_every=10",
-                                                   "train.keep_checkpoints=5"])
+    config = apply_overrides(
+        get_preset("smoke"), ["train.steps=40", "train.checkpoint_every=10", "train.keep_checkpoints=5"]
+    )
     run = tmp_path / "run"
     train(config, run, progress=False)
     crash_at(monkeypatch, 15)  # the new branch from step 10 stops before its step-20 checkpoint
@@ -441,7 +488,9 @@ def test_a_resume_from_an_earlier_checkpoint_forgets_the_later_branch(tmp_path, 
     index = RunDir(run).read_index()
     assert index.latest == "step_0000010" and index.kept == ["step_0000010"] and index.best == "step_0000010"
     assert sorted(p.name for p in (run / "checkpoints").glob("*.safetensors")) == [
-        "step_0000010.safetensors", "step_0000010.state.safetensors"]
+        "step_0000010.safetensors",
+        "step_0000010.state.safetensors",
+    ]
     resume(run, progress=False)  # continues the step-10 branch, not the old run's step 40
     steps = [line["step"] for line in metric_lines(run)]
     assert steps == sorted(set(steps)) and steps[-1] == 60 and {15, 20, 40, 45} <= set(steps)
@@ -479,8 +528,9 @@ def test_a_state_file_that_is_not_one_is_an_error_naming_it(smoke_run, tmp_path,
     state, meta = read_safetensors(run_dir.state_path("step_0000040"))
     del state["log.loss_sum"]  # the open log window comes as a pair
     atomic_save_safetensors(run_dir.state_path("step_0000040"), state, meta)
-    assert "missing ['log.loss_sum']" in cli_error(capsys, "train", "--resume", str(run), "--steps", "50",
-                                                    "--no-progress")
+    assert "missing ['log.loss_sum']" in cli_error(
+        capsys, "train", "--resume", str(run), "--steps", "50", "--no-progress"
+    )
 
 
 def test_resume_may_move_the_run_to_another_device(smoke_run, tmp_path, capsys):
@@ -489,8 +539,9 @@ def test_resume_may_move_the_run_to_another_device(smoke_run, tmp_path, capsys):
     config["train"]["device"] = "cuda"  # trained on a GPU elsewhere
     (run / "config.json").write_text(json.dumps(config))
     if not torch.cuda.is_available():
-        assert "use --device cpu or auto" in cli_error(capsys, "train", "--resume", str(run), "--steps", "44",
-                                                       "--no-progress")
+        assert "use --device cpu or auto" in cli_error(
+            capsys, "train", "--resume", str(run), "--steps", "44", "--no-progress"
+        )
     assert cli_main(["train", "--resume", str(run), "--steps", "44", "--device", "cpu", "--no-progress"]) == 0
     assert json.loads((run / "config.json").read_text())["train"]["device"] == "cpu"
     assert metric_lines(run)[-1]["step"] == 44
@@ -503,11 +554,15 @@ def test_settings_training_would_not_use_are_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match="model.device='meta' is not used by training.*set train.device"):
         train(apply_overrides(smoke, ["model.device=meta"]), tmp_path / "b", progress=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
-    train(apply_overrides(smoke, ["model.seed=0", "train.steps=5", "train.checkpoint_every=5"]), tmp_path / "c",
-          progress=False)  # agreeing with train.seed is fine
-    for seed in ("-1", str(2 ** 63), "18446744073709551615"):
+    train(
+        apply_overrides(smoke, ["model.seed=0", "train.steps=5", "train.checkpoint_every=5"]),
+        tmp_path / "c",
+        progress=False,
+    )  # agreeing with train.seed is fine
+    for seed in ("-1", str(2**63), "18446744073709551615"):
         assert "train.seed must be an integer in [0, 2**63)" in cli_error(
-            capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "d"), "--set", f"train.seed={seed}")
+            capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "d"), "--set", f"train.seed={seed}"
+        )
     (tmp_path / "file").write_text("x")
     err = cli_error(capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "file" / "run"))
     assert "Not a directory" in err
@@ -522,12 +577,24 @@ def test_the_dashboard_command_refuses_what_it_cannot_serve(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------- data parallel (torchrun, gloo on CPU)
-def torchrun(out: Path, *args: str, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+def torchrun(out: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`attnres-lens train --preset smoke` on two torchrun ranks (tests/data_parallel_worker.py), 120 s at most:
     a rank left waiting in a collective would hang the run, which this turns into a failure."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               str(REPO / "tests" / "data_parallel_worker.py"), "train", "--preset", "smoke", "--out", str(out),
-               "--no-progress", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        str(REPO / "tests" / "data_parallel_worker.py"),
+        "train",
+        "--preset",
+        "smoke",
+        "--out",
+        str(out),
+        "--no-progress",
+        *args,
+    ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=120)
 
@@ -547,8 +614,9 @@ def test_data_parallel_training_matches_one_process_and_a_failure_on_one_rank_st
     diverged = torchrun(tmp_path / "inf", "--steps", "30", env={"INF_ON_RANK1_AT_STEP": "3"})
     assert diverged.stderr.count("the training loss became inf at step 3") == 2  # both ranks, from the mean
     assert "rank 0 says which checkpoint is kept" in diverged.stderr and diverged.returncode != 0
-    stopped = torchrun(tmp_path / "nan", "--steps", "30", "--set", "train.checkpoint_every=10",
-                       env={"NAN_EVAL_ON_RANK0_AT_STEP": "10"})
+    stopped = torchrun(
+        tmp_path / "nan", "--steps", "30", "--set", "train.checkpoint_every=10", env={"NAN_EVAL_ON_RANK0_AT_STEP": "10"}
+    )
     assert "at step 10 the held-out loss is nan" in stopped.stderr and stopped.returncode != 0
     assert RunDir(tmp_path / "nan").read_index().latest is None
 
@@ -557,8 +625,9 @@ def test_runs_written_by_earlier_versions_still_load_and_resume(tmp_path):
     """Earlier versions recorded fields a standard model never reads (a preset's block size kept through
     `--set model.residual=standard`, FLA's norm_eps as attnres_eps) and a model.seed training did not use: such a
     run loads, with those fields at their defaults, and resumes."""
-    config = apply_overrides(get_preset("smoke"), ["model.residual=standard", "train.steps=10",
-                                                   "train.checkpoint_every=10"])
+    config = apply_overrides(
+        get_preset("smoke"), ["model.residual=standard", "train.steps=10", "train.checkpoint_every=10"]
+    )
     run = tmp_path / "old"
     train(config, run, progress=False)
     recorded = {"attnres_block_size": 2, "attnres_eps": 1e-5}
@@ -608,8 +677,9 @@ def test_the_demo_runs_task_sections_read_and_write_back_unchanged():
 
 
 def test_a_resume_from_a_checkpoint_a_crash_left_unindexed_keeps_it(tmp_path):
-    config = apply_overrides(get_preset("smoke"), ["train.steps=20", "train.checkpoint_every=10",
-                                                   "train.keep_checkpoints=5"])
+    config = apply_overrides(
+        get_preset("smoke"), ["train.steps=20", "train.checkpoint_every=10", "train.keep_checkpoints=5"]
+    )
     run = tmp_path / "run"
     train(config, run, progress=False)
     index = json.loads(RunDir(run).index_path.read_text())  # step 10 on disk, no longer in the index
@@ -621,8 +691,9 @@ def test_a_resume_from_a_checkpoint_a_crash_left_unindexed_keeps_it(tmp_path):
 
 
 def test_a_damaged_earlier_checkpoint_does_not_stop_a_resume_from_a_later_one(tmp_path):
-    config = apply_overrides(get_preset("smoke"), ["train.steps=30", "train.checkpoint_every=10",
-                                                   "train.keep_checkpoints=5"])
+    config = apply_overrides(
+        get_preset("smoke"), ["train.steps=30", "train.checkpoint_every=10", "train.keep_checkpoints=5"]
+    )
     run = tmp_path / "run"
     train(config, run, progress=False)
     RunDir(run).weights_path("step_0000010").write_bytes(b"garbage")
@@ -670,8 +741,11 @@ def test_a_lock_taken_on_a_discarded_lock_file_is_taken_again(tmp_path, monkeypa
 
 def test_a_killed_writers_temporary_files_are_removed_on_resume(smoke_run, tmp_path):
     run = copy_run(smoke_run, tmp_path)
-    left = [run / "checkpoints" / ".step_0000040.state.safetensors.k2j1.tmp", run / ".metrics.jsonl.x9.tmp",
-            run / "records" / ".magnitudes.parquet.a1.tmp"]
+    left = [
+        run / "checkpoints" / ".step_0000040.state.safetensors.k2j1.tmp",
+        run / ".metrics.jsonl.x9.tmp",
+        run / "records" / ".magnitudes.parquet.a1.tmp",
+    ]
     for path in left:
         path.write_bytes(b"half a file")
     resume(run, progress=False, steps=45)
@@ -688,18 +762,22 @@ def test_non_utf8_bytes_in_a_run_file_are_an_error_naming_it(smoke_run, tmp_path
         load_run(run).metrics
 
 
-@pytest.mark.parametrize("setting, message", [
-    ("model.mhc_streams=1000000", "mostly mhc_streams² × d_model stream mixers"),
-    ("model.mhc_sinkhorn_iters=100000000", "mhc_sinkhorn_iters=100000000 is more than 1000"),
-    ("train.threads=100000", "threads=100000 is more than this machine can run"),
-    ("train.eval_size=1", "no answer position to score accuracy on"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("model.mhc_streams=1000000", "mostly mhc_streams² × d_model stream mixers"),
+        ("model.mhc_sinkhorn_iters=100000000", "mhc_sinkhorn_iters=100000000 is more than 1000"),
+        ("train.threads=100000", "threads=100000 is more than this machine can run"),
+        ("train.eval_size=1", "no answer position to score accuracy on"),
+    ],
+)
 def test_settings_that_would_crash_hang_or_mislead_are_refused_before_training(setting, message, tmp_path, capsys):
     """Each was accepted: a storage overflow, a run that trains forever, a segmentation fault, NaN accuracies."""
     extra = ["--set", "model.residual=mhc"] if setting.startswith("model.mhc") else []
     extra += ["--set", "train.record_size=1"] if setting == "train.eval_size=1" else []
-    err = cli_error(capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "run"), "--no-progress", *extra,
-                    "--set", setting)
+    err = cli_error(
+        capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "run"), "--no-progress", *extra, "--set", setting
+    )
     assert message in err
     assert not (tmp_path / "run").exists()
 

@@ -280,6 +280,7 @@ def test_ngram_answers_are_the_deterministic_contexts(params: dict) -> None:
     for tokens in batch.tokens.tolist():
         for t in range(2, len(tokens) - 1):
             followers[tokens[t - 1], tokens[t]][tokens[t + 1]] += 1
+
     def is_deterministic(a: int, b: int) -> bool:
         return bool(task.deterministic[a * task.vocab_size + b])
 
@@ -409,8 +410,11 @@ def test_a_task_config_keeps_what_was_given_and_builds_that_task(name: str, para
 def test_a_task_config_is_checked_by_the_task_it_names() -> None:
     with pytest.raises(ValueError, match=r"unknown task 'kopy'; choose one of \['copy', 'induction', 'mixed'"):
         TaskConfig("kopy")
-    with pytest.raises(ValueError, match=r"task 'copy' has no parameter segment_len; its parameters are "
-                                         r"\['vocab_size', 'seq_len', 'seed', 'min_len', 'max_len'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"task 'copy' has no parameter segment_len; its parameters are "
+        r"\['vocab_size', 'seq_len', 'seed', 'min_len', 'max_len'\]",
+    ):
         TaskConfig("copy", {"segment_len": 8})
     with pytest.raises(ValueError, match=r"copy: min_len must be >= 2, got 1"):  # the task's own check
         TaskConfig("copy", {"min_len": 1})

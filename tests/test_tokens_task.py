@@ -29,7 +29,7 @@ def test_windows_are_the_file_and_the_held_out_split_is_its_tail(text):
     starts = [int(np.flatnonzero(file[: split - 32] == row[0])[0]) for row in batch.tokens.tolist()]
     assert all(0 <= start <= split - 33 for start in starts)
     held_out = task.eval_batch(8)
-    assert torch.equal(held_out.tokens[0], torch.from_numpy(file[split:split + 33].astype(np.int64)))
+    assert torch.equal(held_out.tokens[0], torch.from_numpy(file[split : split + 33].astype(np.int64)))
     assert torch.equal(held_out.tokens[-1], torch.from_numpy(file[-33:].astype(np.int64)))
     assert torch.equal(held_out.tokens, make_task(**task.config()).eval_batch(8).tokens)
     # every position with a target is an answer: on text, accuracy is next-token accuracy
@@ -46,18 +46,21 @@ def test_npy_files_carry_their_dtype_and_match_raw_files(text):
     assert torch.equal(raw.sample(4, generator_a).tokens, npy.sample(4, generator_b).tokens)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d: dict(path=str(d / "ids.bin")), "does not record its dtype"),
-    (lambda d: dict(path=str(d / "ids.bin"), dtype="int32"), "dtype must be one of"),
-    (lambda d: dict(path=str(d / "odd.bin"), dtype="uint32"), "not a whole number of uint32 ids"),
-    (lambda d: dict(path=str(d / "int64.npy")), "holds int64 values"),
-    (lambda d: dict(path=str(d / "ids.npy"), dtype="uint16"), "holds uint32 ids but the task says"),
-    (lambda d: dict(path=str(d / "ids.npy"), vocab_size=40), "holds id 49, out of range for vocab_size=40"),
-    (lambda d: dict(path=str(d / "ids.npy"), seq_len=600), "too short for seq_len=600"),
-    (lambda d: dict(path=str(d / "missing.bin"), dtype="uint16"), "does not exist"),
-    (lambda d: dict(path=str(d / "ids.npy"), holdout=1.0), "holdout must be a fraction"),
-    (lambda d: dict(), "give the token file"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: dict(path=str(d / "ids.bin")), "does not record its dtype"),
+        (lambda d: dict(path=str(d / "ids.bin"), dtype="int32"), "dtype must be one of"),
+        (lambda d: dict(path=str(d / "odd.bin"), dtype="uint32"), "not a whole number of uint32 ids"),
+        (lambda d: dict(path=str(d / "int64.npy")), "holds int64 values"),
+        (lambda d: dict(path=str(d / "ids.npy"), dtype="uint16"), "holds uint32 ids but the task says"),
+        (lambda d: dict(path=str(d / "ids.npy"), vocab_size=40), "holds id 49, out of range for vocab_size=40"),
+        (lambda d: dict(path=str(d / "ids.npy"), seq_len=600), "too short for seq_len=600"),
+        (lambda d: dict(path=str(d / "missing.bin"), dtype="uint16"), "does not exist"),
+        (lambda d: dict(path=str(d / "ids.npy"), holdout=1.0), "holdout must be a fraction"),
+        (lambda d: dict(), "give the token file"),
+    ],
+)
 def test_bad_files_get_clear_errors(text, make, message):
     (text / "odd.bin").write_bytes(b"\x01\x00\x02")
     np.save(text / "int64.npy", np.arange(100, dtype=np.int64))
@@ -76,9 +79,18 @@ def test_a_model_trains_on_a_token_file(tmp_path):
     rng = np.random.default_rng(0)
     pattern = rng.integers(0, 24, 40)
     np.save(tmp_path / "ids.npy", np.tile(pattern, 200).astype(np.uint16))
-    config = apply_overrides(get_preset("smoke"), [
-        "task.name=tokens", f"task.path={tmp_path / 'ids.npy'}", "task.vocab_size=24", "task.seq_len=33",
-        "train.steps=30", "train.eval_size=8", "train.record_size=8"])
+    config = apply_overrides(
+        get_preset("smoke"),
+        [
+            "task.name=tokens",
+            f"task.path={tmp_path / 'ids.npy'}",
+            "task.vocab_size=24",
+            "task.seq_len=33",
+            "train.steps=30",
+            "train.eval_size=8",
+            "train.record_size=8",
+        ],
+    )
     train(config, tmp_path / "run", progress=False)
     metrics = load_run(tmp_path / "run", load_model=False).metrics.dropna(subset=["eval_loss"])
     assert metrics["eval_loss"].iloc[-1] < metrics["eval_loss"].iloc[0] - 0.5

@@ -213,15 +213,27 @@ def test_corrupt_and_missing_run_directories_give_clear_errors(smoke_run, tmp_pa
 def test_cli_presets_and_bad_input(capsys, tmp_path):
     assert cli_main(["presets"]) == 0
     listed = capsys.readouterr().out
-    for name in ["induction-1l-vanilla", "induction-2l-vanilla", "induction-1l-kvshift", "induction-2l-kvshift",
-                 "depth-standard", "depth-full", "depth-block", "smoke"]:
+    for name in [
+        "induction-1l-vanilla",
+        "induction-2l-vanilla",
+        "induction-1l-kvshift",
+        "induction-2l-kvshift",
+        "depth-standard",
+        "depth-full",
+        "depth-block",
+        "smoke",
+    ]:
         assert name in listed and name in PRESETS
     cases = [
         (["--preset", "nope", "--out", str(tmp_path / "a")], "unknown preset 'nope'"),
-        (["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "model.n_layerz=2"],
-         "unknown model field 'n_layerz'"),
-        (["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "model.residual=sideways"],
-         "residual must be one of"),
+        (
+            ["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "model.n_layerz=2"],
+            "unknown model field 'n_layerz'",
+        ),
+        (
+            ["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "model.residual=sideways"],
+            "residual must be one of",
+        ),
         (["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "train.lr=-1"], "train.lr must be a number > 0"),
         (["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "task.min_len=1"], "min_len must be >= 2"),
         (["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "seed=3"], "write section.seed"),
@@ -241,8 +253,10 @@ def test_cli_refuses_to_overwrite_a_run(smoke_run, capsys):
 
 
 def test_overrides_reach_the_config():
-    config = apply_overrides(get_preset("smoke"), ["model.n_layers=3", "train.lr=0.001", "vocab_size=20",
-                                                   "model.d_vocab=20", "residual=standard"])
+    config = apply_overrides(
+        get_preset("smoke"),
+        ["model.n_layers=3", "train.lr=0.001", "vocab_size=20", "model.d_vocab=20", "residual=standard"],
+    )
     assert config.model.n_layers == 3 and config.train.lr == 0.001 and config.task.params["vocab_size"] == 20
     assert config.model.residual == "standard"
     # the preset's Block AttnRes size goes with its residual kind; given with another kind, it is refused
@@ -271,8 +285,11 @@ def test_the_trainer_and_the_analyses_share_one_evaluation(smoke_run):
     trainer.model.load_state_dict(load_run(smoke_run).model.state_dict())
     reported = trainer.evaluate()
     analysed = evaluate(trainer.model, trainer.eval_batch)
-    assert reported == {"eval_loss": analysed.loss, "eval_answer_loss": analysed.answer_loss,
-                        "eval_accuracy": analysed.accuracy}
+    assert reported == {
+        "eval_loss": analysed.loss,
+        "eval_answer_loss": analysed.answer_loss,
+        "eval_accuracy": analysed.accuracy,
+    }
     logged = RunDir(smoke_run).read_metrics().dropna(subset=["eval_loss"]).iloc[-1]
     assert logged["eval_loss"] == pytest.approx(analysed.loss, rel=1e-6)
     # the answer loss covers exactly the positions the accuracy counts (cross-entropy at the answer mask); the
@@ -300,9 +317,28 @@ def test_two_process_gloo_run_matches_one_process(tmp_path):
     double = tmp_path / "double"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-         "attnres_lens.cli", "train", "--preset", "smoke", "--out", str(double), "--no-progress", *settings],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "attnres_lens.cli",
+            "train",
+            "--preset",
+            "smoke",
+            "--out",
+            str(double),
+            "--no-progress",
+            *settings,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     expected, got = losses(single), losses(double)
@@ -346,8 +382,12 @@ def test_the_progress_bar_names_the_positions_each_figure_covers(smoke_run):
     trainer = Trainer(RunDir(smoke_run).read_config(), smoke_run, progress=False)
     trainer.last_eval = {"eval_loss": 3.8, "eval_answer_loss": 0.01, "eval_accuracy": 0.999}
     postfix = trainer._postfix({"loss": 3.818, "tokens_per_s": 1000.0})
-    assert postfix == {"loss (train, all positions)": "3.818", "answer loss (eval)": "0.010",
-                       "answer acc (eval)": "99.9%", "tok/s": "1000"}
+    assert postfix == {
+        "loss (train, all positions)": "3.818",
+        "answer loss (eval)": "0.010",
+        "answer acc (eval)": "99.9%",
+        "tok/s": "1000",
+    }
 
 
 def test_a_run_written_before_the_answer_loss_existed_still_loads_and_resumes(smoke_run, tmp_path):
@@ -359,8 +399,9 @@ def test_a_run_written_before_the_answer_loss_existed_still_loads_and_resumes(sm
     shutil.copytree(smoke_run, old)
     lines = [json.loads(line) for line in (old / "metrics.jsonl").read_text().splitlines()]
     assert any("eval_answer_loss" in line for line in lines)
-    (old / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in line.items() if k != "eval_answer_loss"})
-                                               + "\n" for line in lines))
+    (old / "metrics.jsonl").write_text(
+        "".join(json.dumps({k: v for k, v in line.items() if k != "eval_answer_loss"}) + "\n" for line in lines)
+    )
     run = load_run(old)
     assert "eval_answer_loss" not in run.metrics and not training_timeline(run.records, run.metrics).empty
     assert cli_main(["train", "--resume", str(old), "--steps", "50", "--no-progress"]) == 0

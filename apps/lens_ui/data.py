@@ -12,16 +12,16 @@ import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pandas as pd
 import streamlit as st
+from lens_ui.text import plain
 
 from attnres_lens import HookedTransformer, ModelConfig, load_run
 from attnres_lens.config import RunConfig
 from attnres_lens.rundir import RunDir, RunDirError
 from attnres_lens.tasks.base import Batch, Task
-from lens_ui.text import plain
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RUNS_DIR = REPO_ROOT / "data" / "demo_runs"
@@ -68,8 +68,8 @@ class RunTables:
 
 @dataclass
 class LoadResult:
-    tables: Optional[RunTables] = None
-    error: Optional[str] = None
+    tables: RunTables | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -112,8 +112,10 @@ def folder_under_served(typed: str) -> Path:
     served = served_dir()
     folder = (served / Path(typed.strip()).expanduser()).resolve()
     if not folder.is_relative_to(served):
-        raise ValueError(f"{typed.strip()} is outside the folder this dashboard serves, {served}; give that folder or "
-                         "one under it (to serve another folder, start the dashboard with --runs DIR)")
+        raise ValueError(
+            f"{typed.strip()} is outside the folder this dashboard serves, {served}; give that folder or "
+            "one under it (to serve another folder, start the dashboard with --runs DIR)"
+        )
     return folder
 
 
@@ -123,8 +125,10 @@ def outside_files(path: Path) -> list[Path]:
 
 
 def outside_message(what: str) -> str:
-    return (f"{what} leads outside the folder this dashboard serves ({served_dir()}) through a symbolic link, so it "
-            f"is not read")
+    return (
+        f"{what} leads outside the folder this dashboard serves ({served_dir()}) through a symbolic link, so it "
+        f"is not read"
+    )
 
 
 def run_signature(path: Path) -> tuple:
@@ -168,7 +172,7 @@ def _load_model(path: str, checkpoint: str, signature: tuple) -> ModelHandle:
     return ModelHandle(run.model, run.checkpoint, (path, checkpoint, signature))
 
 
-def load_model(tables: RunTables, checkpoint: str) -> tuple[Optional[ModelHandle], Optional[str]]:
+def load_model(tables: RunTables, checkpoint: str) -> tuple[ModelHandle | None, str | None]:
     """The run's model at `checkpoint` ("latest", "best" or a name), or an error message."""
     path = Path(tables.path)
     try:
@@ -200,8 +204,10 @@ def no_records_message(run: RunTables, what: str, where: str) -> str:
     has none yet. Markdown: the run's name and provenance are escaped (`plain`)."""
     if run.imported:
         source = plain(run.config.provenance.get("source", "elsewhere"))
-        return (f"Run {plain(run.name)} was imported from {source} (trained elsewhere), so it has no training records "
-                f"and no {what}; the views computed from its checkpoint work.")
+        return (
+            f"Run {plain(run.name)} was imported from {source} (trained elsewhere), so it has no training records "
+            f"and no {what}; the views computed from its checkpoint work."
+        )
     return f"Run {plain(run.name)} has no {what} yet ({where})."
 
 
@@ -221,11 +227,17 @@ def summary_row(tables: RunTables) -> dict[str, Any]:
     total = tables.config.train.steps
     steps = "imported" if tables.imported else f"{last_step}/{total}"  # an imported run's train.steps never ran
     return {
-        "run": tables.name, "variant": tables.variant, "task": tables.task,
-        "residual": cfg.residual_label, "attention": cfg.attention_label, "layers": cfg.n_layers,
+        "run": tables.name,
+        "variant": tables.variant,
+        "task": tables.task,
+        "residual": cfg.residual_label,
+        "attention": cfg.attention_label,
+        "layers": cfg.n_layers,
         "steps": steps,
-        TRAIN_LOSS: last_value(metrics, "loss"), EVAL_LOSS: last_value(metrics, "eval_loss"),
-        ANSWER_LOSS: last_value(metrics, "eval_answer_loss"), ACCURACY: last_value(metrics, "eval_accuracy"),
+        TRAIN_LOSS: last_value(metrics, "loss"),
+        EVAL_LOSS: last_value(metrics, "eval_loss"),
+        ANSWER_LOSS: last_value(metrics, "eval_answer_loss"),
+        ACCURACY: last_value(metrics, "eval_accuracy"),
     }
 
 

@@ -6,7 +6,7 @@ zero for signed scores; every colour bar is titled with the quantity and its sca
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
@@ -20,8 +20,9 @@ KIND_TITLES = {"attn": "pre-attention", "mlp": "pre-MLP", "final": "final readou
 
 
 def _layout(fig: go.Figure, title: str, height: int = 420, **layout) -> go.Figure:
-    fig.update_layout(title=title, height=height, margin=dict(l=10, r=10, t=50, b=10), template="plotly_white",
-                      **layout)
+    fig.update_layout(
+        title=title, height=height, margin=dict(l=10, r=10, t=50, b=10), template="plotly_white", **layout
+    )
     return fig
 
 
@@ -31,7 +32,7 @@ def _layout(fig: go.Figure, title: str, height: int = 420, **layout) -> go.Figur
 CELL_TEXT_RULES = ((8, 120, 12), (16, 272, 9))  # (max columns, max cells, font size)
 
 
-def cell_text(shape: tuple[int, int]) -> tuple[Optional[str], int]:
+def cell_text(shape: tuple[int, int]) -> tuple[str | None, int]:
     """(texttemplate, font size) for a heatmap of `shape` (rows, columns): values to two decimals, or None."""
     rows, columns = shape
     for max_columns, max_cells, size in CELL_TEXT_RULES:
@@ -40,16 +41,36 @@ def cell_text(shape: tuple[int, int]) -> tuple[Optional[str], int]:
     return None, 12
 
 
-def heatmap(matrix: pd.DataFrame, title: str, colorbar: str, zmin: Optional[float] = None,
-            zmax: Optional[float] = None, colorscale: str = SEQUENTIAL, zmid: Optional[float] = None,
-            x_title: str = "", y_title: str = "", hover: str = "value", height: Optional[int] = None) -> go.Figure:
+def heatmap(
+    matrix: pd.DataFrame,
+    title: str,
+    colorbar: str,
+    zmin: float | None = None,
+    zmax: float | None = None,
+    colorscale: str = SEQUENTIAL,
+    zmid: float | None = None,
+    x_title: str = "",
+    y_title: str = "",
+    hover: str = "value",
+    height: int | None = None,
+) -> go.Figure:
     """A labelled heatmap of `matrix` (rows top to bottom), values printed in cells by `cell_text`'s rule."""
     template, font_size = cell_text(matrix.shape)
     trace = go.Heatmap(
-        z=matrix.to_numpy(dtype=float), x=[str(c) for c in matrix.columns], y=[str(i) for i in matrix.index],
-        colorscale=colorscale, zmin=zmin, zmax=zmax, zmid=zmid, colorbar=dict(title=dict(text=colorbar)),
+        z=matrix.to_numpy(dtype=float),
+        x=[str(c) for c in matrix.columns],
+        y=[str(i) for i in matrix.index],
+        colorscale=colorscale,
+        zmin=zmin,
+        zmax=zmax,
+        zmid=zmid,
+        colorbar=dict(title=dict(text=colorbar)),
         hovertemplate=f"{y_title or 'row'} %{{y}}<br>{x_title or 'column'} %{{x}}<br>{hover} = %{{z:.4g}}<extra></extra>",
-        texttemplate=template, textfont=dict(size=font_size), hoverongaps=False, xgap=1, ygap=1,
+        texttemplate=template,
+        textfont=dict(size=font_size),
+        hoverongaps=False,
+        xgap=1,
+        ygap=1,
     )
     fig = go.Figure(trace)
     fig.update_yaxes(autorange="reversed", title=y_title, type="category")
@@ -73,8 +94,16 @@ def depth_matrix(weights: pd.DataFrame, kind: str) -> pd.DataFrame:
 
 
 def depth_heatmap(weights: pd.DataFrame, kind: str, title: str, zmax: float, subtitle: str) -> go.Figure:
-    return heatmap(depth_matrix(weights, kind), f"{KIND_TITLES[kind]}, {title}<br><sup>{subtitle}</sup>",
-                   "α (token mean)", 0.0, zmax, x_title="source", y_title="consumer", hover="α")
+    return heatmap(
+        depth_matrix(weights, kind),
+        f"{KIND_TITLES[kind]}, {title}<br><sup>{subtitle}</sup>",
+        "α (token mean)",
+        0.0,
+        zmax,
+        x_title="source",
+        y_title="consumer",
+        hover="α",
+    )
 
 
 def per_token_heatmap(per_token: pd.DataFrame, consumer: int, title: str) -> go.Figure:
@@ -82,28 +111,61 @@ def per_token_heatmap(per_token: pd.DataFrame, consumer: int, title: str) -> go.
     rows = rows.assign(row=[f"{p}: {t}" for p, t in zip(rows["position"], rows["token"])])
     matrix = rows.pivot_table(index=["position", "row"], columns="source_label", values="weight")
     matrix = matrix.sort_index().droplevel("position").reindex(columns=source_order(rows))
-    return heatmap(matrix, title, "α", 0.0, 1.0, x_title="source", y_title="position: token", hover="α",
-                   height=max(320, 40 + 16 * len(matrix.index)))
+    return heatmap(
+        matrix,
+        title,
+        "α",
+        0.0,
+        1.0,
+        x_title="source",
+        y_title="position: token",
+        hover="α",
+        height=max(320, 40 + 16 * len(matrix.index)),
+    )
 
 
 def mixing_heatmap(mixing: pd.DataFrame, title: str, zmax: float, zmin: float = 0.0) -> go.Figure:
     """M as consumer × output; with a negative `zmin` (DenseFormer's weights are unconstrained) on the signed scale
     centred on zero, so a negative coefficient never shares the colour of zero."""
-    matrix = mixing.pivot_table(index=["consumer", "consumer_label"], columns=["sublayer", "sublayer_label"],
-                                values="weight")
+    matrix = mixing.pivot_table(
+        index=["consumer", "consumer_label"], columns=["sublayer", "sublayer_label"], values="weight"
+    )
     matrix = matrix.sort_index().droplevel("consumer")
     matrix = matrix.sort_index(axis=1).droplevel("sublayer", axis=1)
     if zmin < 0:
         bound = max(zmax, -zmin)
-        return heatmap(matrix, title, "effective weight M", -bound, bound, SIGNED, zmid=0.0,
-                       x_title="sublayer output (emb = e)", y_title="sublayer input", hover="M")
-    return heatmap(matrix, title, "effective weight M", 0.0, zmax, x_title="sublayer output (emb = e)",
-                   y_title="sublayer input", hover="M")
+        return heatmap(
+            matrix,
+            title,
+            "effective weight M",
+            -bound,
+            bound,
+            SIGNED,
+            zmid=0.0,
+            x_title="sublayer output (emb = e)",
+            y_title="sublayer input",
+            hover="M",
+        )
+    return heatmap(
+        matrix,
+        title,
+        "effective weight M",
+        0.0,
+        zmax,
+        x_title="sublayer output (emb = e)",
+        y_title="sublayer input",
+        hover="M",
+    )
 
 
 # ---------------------------------------------------------------------------- training dynamics
-def curves(series: Sequence[tuple[str, pd.DataFrame]], columns: Sequence[tuple[str, str]], title: str,
-           y_title: str, log_y: bool = False) -> go.Figure:
+def curves(
+    series: Sequence[tuple[str, pd.DataFrame]],
+    columns: Sequence[tuple[str, str]],
+    title: str,
+    y_title: str,
+    log_y: bool = False,
+) -> go.Figure:
     """Lines of `columns` [(column, name)] against step, one colour per run, one dash per column."""
     fig = go.Figure()
     colours = sample_colorscale(SEQUENTIAL, np.linspace(0, 0.9, max(len(series), 2)))
@@ -113,49 +175,79 @@ def curves(series: Sequence[tuple[str, pd.DataFrame]], columns: Sequence[tuple[s
             if column not in metrics:
                 continue
             rows = metrics[["step", column]].dropna()
-            fig.add_scatter(x=rows["step"], y=rows[column], mode="lines", name=f"{run_name} · {name}",
-                            line=dict(color=colour, dash=dash),
-                            hovertemplate=f"{run_name}<br>{name}<br>step %{{x}}: %{{y:.4g}}<extra></extra>")
+            fig.add_scatter(
+                x=rows["step"],
+                y=rows[column],
+                mode="lines",
+                name=f"{run_name} · {name}",
+                line=dict(color=colour, dash=dash),
+                hovertemplate=f"{run_name}<br>{name}<br>step %{{x}}: %{{y:.4g}}<extra></extra>",
+            )
     fig.update_xaxes(title="step")
     fig.update_yaxes(title=y_title, type="log" if log_y else "linear")
     return _layout(fig, title, showlegend=True, legend=dict(orientation="h", y=-0.25))
 
 
-def by_depth_lines(frame: pd.DataFrame, x: str, x_labels: str, value: str, title: str, y_title: str,
-                   log_y: bool = False) -> go.Figure:
+def by_depth_lines(
+    frame: pd.DataFrame, x: str, x_labels: str, value: str, title: str, y_title: str, log_y: bool = False
+) -> go.Figure:
     """`value` against depth, one line per recorded step, coloured from early (dark) to late (yellow)."""
     fig = go.Figure()
     steps = sorted(frame["step"].unique())
     colours = sample_colorscale(SEQUENTIAL, np.linspace(0, 1, max(len(steps), 2)))
     for step, colour in zip(steps, colours):
         rows = frame[frame["step"] == step].sort_values(x)
-        fig.add_scatter(x=rows[x_labels], y=rows[value], mode="lines+markers", name=f"step {step}",
-                        line=dict(color=colour), marker=dict(size=5),
-                        hovertemplate=f"step {step}<br>%{{x}}: %{{y:.4g}}<extra></extra>")
-    fig.update_xaxes(title="depth", type="category", categoryorder="array",
-                     categoryarray=list(frame.sort_values(x)[x_labels].drop_duplicates()))
+        fig.add_scatter(
+            x=rows[x_labels],
+            y=rows[value],
+            mode="lines+markers",
+            name=f"step {step}",
+            line=dict(color=colour),
+            marker=dict(size=5),
+            hovertemplate=f"step {step}<br>%{{x}}: %{{y:.4g}}<extra></extra>",
+        )
+    fig.update_xaxes(
+        title="depth",
+        type="category",
+        categoryorder="array",
+        categoryarray=list(frame.sort_values(x)[x_labels].drop_duplicates()),
+    )
     fig.update_yaxes(title=y_title, type="log" if log_y else "linear")
     return _layout(fig, title)
 
 
-def last_step_by_depth(series: Sequence[tuple[str, pd.DataFrame]], x: str, x_labels: str, value: str, title: str,
-                       y_title: str, log_y: bool = False) -> go.Figure:
+def last_step_by_depth(
+    series: Sequence[tuple[str, pd.DataFrame]],
+    x: str,
+    x_labels: str,
+    value: str,
+    title: str,
+    y_title: str,
+    log_y: bool = False,
+) -> go.Figure:
     """`value` against depth at each run's last recorded step, one line per run."""
     fig = go.Figure()
     colours = sample_colorscale(SEQUENTIAL, np.linspace(0, 0.9, max(len(series), 2)))
     for (run_name, frame), colour in zip(series, colours):
         step = frame["step"].max()
         rows = frame[frame["step"] == step].sort_values(x)
-        fig.add_scatter(x=rows[x], y=rows[value], mode="lines+markers", name=f"{run_name} (step {step})",
-                        line=dict(color=colour), customdata=rows[x_labels],
-                        hovertemplate=f"{run_name}<br>%{{customdata}}: %{{y:.4g}}<extra></extra>")
+        fig.add_scatter(
+            x=rows[x],
+            y=rows[value],
+            mode="lines+markers",
+            name=f"{run_name} (step {step})",
+            line=dict(color=colour),
+            customdata=rows[x_labels],
+            hovertemplate=f"{run_name}<br>%{{customdata}}: %{{y:.4g}}<extra></extra>",
+        )
     fig.update_xaxes(title="depth (sublayer or block index)")
     fig.update_yaxes(title=y_title, type="log" if log_y else "linear")
     return _layout(fig, title)
 
 
-def depth_step_heatmap(frame: pd.DataFrame, x: str, x_labels: str, value: str, title: str, colorbar: str,
-                       log_z: bool = False) -> go.Figure:
+def depth_step_heatmap(
+    frame: pd.DataFrame, x: str, x_labels: str, value: str, title: str, colorbar: str, log_z: bool = False
+) -> go.Figure:
     matrix = frame.pivot_table(index=[x, x_labels], columns="step", values=value).sort_index().droplevel(x)
     if log_z:
         matrix = np.log10(matrix.clip(lower=1e-12))
@@ -166,15 +258,17 @@ def depth_step_heatmap(frame: pd.DataFrame, x: str, x_labels: str, value: str, t
 
 
 # ---------------------------------------------------------------------------- induction heads
-def layer_head_heatmap(scores: pd.DataFrame, value: str, title: str, colorbar: str, zmin: Optional[float],
-                       zmax: Optional[float], signed: bool) -> go.Figure:
+def layer_head_heatmap(
+    scores: pd.DataFrame, value: str, title: str, colorbar: str, zmin: float | None, zmax: float | None, signed: bool
+) -> go.Figure:
     matrix = scores.pivot_table(index="layer", columns="head", values=value).sort_index()
     matrix.index = [f"L{layer}" for layer in matrix.index]
     matrix.columns = [f"H{head}" for head in matrix.columns]
     if signed:
         bound = float(np.nanmax(np.abs(matrix.to_numpy()))) or 1.0
-        return heatmap(matrix, title, colorbar, -bound, bound, SIGNED, zmid=0.0, x_title="head", y_title="layer",
-                       hover=value)
+        return heatmap(
+            matrix, title, colorbar, -bound, bound, SIGNED, zmid=0.0, x_title="head", y_title="layer", hover=value
+        )
     return heatmap(matrix, title, colorbar, zmin, zmax, x_title="head", y_title="layer", hover=value)
 
 
@@ -185,9 +279,15 @@ def score_over_training(scores: pd.DataFrame, value: str, title: str, y_title: s
     colours = sample_colorscale(SEQUENTIAL, np.linspace(0, 0.9, max(len(heads), 2)))
     for (layer, head), colour in zip(heads, colours):
         rows = scores[(scores["layer"] == layer) & (scores["head"] == head)].sort_values("step")
-        fig.add_scatter(x=rows["step"], y=rows[value], mode="lines+markers", name=f"L{layer}H{head}",
-                        line=dict(color=colour), marker=dict(size=4),
-                        hovertemplate=f"L{layer}H{head}<br>step %{{x}}: %{{y:.3f}}<extra></extra>")
+        fig.add_scatter(
+            x=rows["step"],
+            y=rows[value],
+            mode="lines+markers",
+            name=f"L{layer}H{head}",
+            line=dict(color=colour),
+            marker=dict(size=4),
+            hovertemplate=f"L{layer}H{head}<br>step %{{x}}: %{{y:.3f}}<extra></extra>",
+        )
     fig.update_xaxes(title="step")
     fig.update_yaxes(title=y_title)
     return _layout(fig, title)
@@ -196,25 +296,46 @@ def score_over_training(scores: pd.DataFrame, value: str, title: str, y_title: s
 def pattern_heatmap(pattern: np.ndarray, tokens: Sequence[int], title: str) -> go.Figure:
     labels = [f"{position}: {token}" for position, token in enumerate(tokens)]
     matrix = pd.DataFrame(pattern, index=labels, columns=labels)
-    fig = heatmap(matrix, title, "attention", 0.0, 1.0, x_title="key position: token",
-                  y_title="query position: token", hover="attention", height=max(420, 60 + 9 * len(labels)))
+    fig = heatmap(
+        matrix,
+        title,
+        "attention",
+        0.0,
+        1.0,
+        x_title="key position: token",
+        y_title="query position: token",
+        hover="attention",
+        height=max(420, 60 + 9 * len(labels)),
+    )
     fig.update_traces(texttemplate=None)
     return fig
 
 
 def kv_shift_figure(kv: pd.DataFrame, title: str) -> go.Figure:
-    coefficients = [("alpha1", "α1 (key, current)"), ("alpha2", "α2 (key, previous)"),
-                    ("beta1", "β1 (value, current)"), ("beta2", "β2 (value, previous)")]
+    coefficients = [
+        ("alpha1", "α1 (key, current)"),
+        ("alpha2", "α2 (key, previous)"),
+        ("beta1", "β1 (value, current)"),
+        ("beta2", "β2 (value, previous)"),
+    ]
     fig = make_subplots(rows=1, cols=4, subplot_titles=[name for _, name in coefficients], shared_yaxes=True)
     heads = list(kv[["layer", "head"]].drop_duplicates().sort_values(["layer", "head"]).itertuples(index=False))
     colours = sample_colorscale(SEQUENTIAL, np.linspace(0, 0.9, max(len(heads), 2)))
     for column, (coefficient, name) in enumerate(coefficients, start=1):
         for (layer, head), colour in zip(heads, colours):
             rows = kv[(kv["layer"] == layer) & (kv["head"] == head)].sort_values("step")
-            fig.add_scatter(x=rows["step"], y=rows[coefficient], mode="lines", name=f"L{layer}H{head}",
-                            legendgroup=f"L{layer}H{head}", showlegend=column == 1, line=dict(color=colour),
-                            hovertemplate=f"L{layer}H{head} {name}<br>step %{{x}}: %{{y:.3f}}<extra></extra>",
-                            row=1, col=column)
+            fig.add_scatter(
+                x=rows["step"],
+                y=rows[coefficient],
+                mode="lines",
+                name=f"L{layer}H{head}",
+                legendgroup=f"L{layer}H{head}",
+                showlegend=column == 1,
+                line=dict(color=colour),
+                hovertemplate=f"L{layer}H{head} {name}<br>step %{{x}}: %{{y:.3f}}<extra></extra>",
+                row=1,
+                col=column,
+            )
     fig.update_xaxes(title="step")
     fig = _layout(fig, title, height=400)
     fig.update_layout(margin=dict(t=90))  # room for the title above the subplot titles

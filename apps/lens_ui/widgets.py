@@ -6,13 +6,13 @@ import functools
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import plotly.graph_objects as go
 import streamlit as st
 import torch
-
 from lens_ui.data import (
     SELECTION_KEY,
     SHOWN_KEY,
@@ -29,8 +29,9 @@ PLOTLY_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png",
 
 
 # ---------------------------------------------------------------------------- runs
-def loadable_runs(predicate: Optional[Callable[[RunTables], bool]] = None,
-                  none_message: str = "No readable runs in this folder.") -> list[RunTables]:
+def loadable_runs(
+    predicate: Callable[[RunTables], bool] | None = None, none_message: str = "No readable runs in this folder."
+) -> list[RunTables]:
     """Loadable runs (optionally filtered); with none, `none_message` on the page and the page stops there."""
     runs, broken = all_runs()
     if broken:
@@ -51,9 +52,13 @@ def _select(paths: list[str]) -> None:
 UNREADABLE = "it is not among the readable runs of this folder"  # why a page without a run filter leaves one out
 
 
-def _starting_choice(runs: list[RunTables], fallback: int, max_runs: Optional[int],
-                     prefer: Optional[Callable[[RunTables], bool]] = None,
-                     unshowable: str = UNREADABLE) -> list[str]:
+def _starting_choice(
+    runs: list[RunTables],
+    fallback: int,
+    max_runs: int | None,
+    prefer: Callable[[RunTables], bool] | None = None,
+    unshowable: str = UNREADABLE,
+) -> list[str]:
     """The selected runs this page can show, else the first `fallback` (preferred) runs. With nothing selected these
     become the selection, so the sidebar names the runs on the page; a selection the page cannot show is kept (it
     changes only when the user picks) and the page says why (`unshowable`) and which runs it shows instead."""
@@ -69,26 +74,41 @@ def _starting_choice(runs: list[RunTables], fallback: int, max_runs: Optional[in
     chosen = chosen[:max_runs] if max_runs else chosen
     if left_out:
         shown = ", ".join(plain(by_path[path].name) for path in chosen)
-        st.info(f"Selected run{'s' if len(left_out) > 1 else ''} {', '.join(left_out)} not shown here: {unshowable}. "
-                f"Showing {shown}; pick below to change the selection.", icon=":material/info:")
+        st.info(
+            f"Selected run{'s' if len(left_out) > 1 else ''} {', '.join(left_out)} not shown here: {unshowable}. "
+            f"Showing {shown}; pick below to change the selection.",
+            icon=":material/info:",
+        )
     st.session_state[SHOWN_KEY] = chosen
     return chosen
 
 
-def pick_runs(runs: list[RunTables], key: str, max_runs: Optional[int] = 2, label: str = "Runs",
-              fallback: int = 1, unshowable: str = UNREADABLE) -> list[RunTables]:
+def pick_runs(
+    runs: list[RunTables],
+    key: str,
+    max_runs: int | None = 2,
+    label: str = "Runs",
+    fallback: int = 1,
+    unshowable: str = UNREADABLE,
+) -> list[RunTables]:
     """A multiselect over `runs`, showing (and changing) the selection; with none, the first `fallback` runs.
     `unshowable`: why a selected run missing from `runs` is not shown (the page says so)."""
     by_path = {run.path: run for run in runs}
     st.session_state[key] = _starting_choice(runs, fallback, max_runs, unshowable=unshowable)  # the widget follows
-    chosen = st.multiselect(label, list(by_path), key=key, max_selections=max_runs,
-                            format_func=lambda path: by_path[path].label,
-                            on_change=lambda: _select(st.session_state[key]))
+    chosen = st.multiselect(
+        label,
+        list(by_path),
+        key=key,
+        max_selections=max_runs,
+        format_func=lambda path: by_path[path].label,
+        on_change=lambda: _select(st.session_state[key]),
+    )
     return [by_path[path] for path in chosen]
 
 
-def pick_run(runs: list[RunTables], key: str, label: str = "Run",
-             prefer: Optional[Callable[[RunTables], bool]] = None) -> RunTables:
+def pick_run(
+    runs: list[RunTables], key: str, label: str = "Run", prefer: Callable[[RunTables], bool] | None = None
+) -> RunTables:
     """A selectbox over `runs`: the first selected run, else the first `prefer`red one; picking one selects it."""
     by_path = {run.path: run for run in runs}
     st.session_state[key] = _starting_choice(runs, 1, 1, prefer)[0]
@@ -100,13 +120,14 @@ def pick_run(runs: list[RunTables], key: str, label: str = "Run",
     return by_path[path]
 
 
-def pick_model(run: RunTables, key: str) -> Optional[ModelHandle]:
+def pick_model(run: RunTables, key: str) -> ModelHandle | None:
     """Checkpoint selectbox, then the cached model; an error message (and None) if it cannot be loaded."""
     if not run.checkpoints:
         st.warning(f"Run {plain(run.name)} has no checkpoint yet, so nothing can be computed with its model.")
         return None
-    checkpoint = st.selectbox("Checkpoint", run.checkpoints, key=key,
-                              help="latest / best (lowest eval loss) or a kept checkpoint")
+    checkpoint = st.selectbox(
+        "Checkpoint", run.checkpoints, key=key, help="latest / best (lowest eval loss) or a kept checkpoint"
+    )
     handle, error = load_model(run, checkpoint)
     if error:
         st.error(f"Cannot load checkpoint {plain(repr(checkpoint))} of {plain(run.name)}: {plain(error)}")
@@ -128,8 +149,14 @@ def _computed_results() -> dict[tuple, Any]:
     return {}
 
 
-def computed_on_demand(page: str, key: tuple, button: str, compute: Callable[[Callable[[float, str], Any]], Any],
-                       failure: str, waiting: str) -> Any:
+def computed_on_demand(
+    page: str,
+    key: tuple,
+    button: str,
+    compute: Callable[[Callable[[float, str], Any]], Any],
+    failure: str,
+    waiting: str,
+) -> Any:
     """The result of `compute(progress)` for `key`, computed when the user presses `button` (with a progress bar)
     and kept while it is among the `COMPUTED_KEEP` most recently shown; stops the page with `waiting` until then,
     and shows `failure: error` as a message instead of a traceback."""
@@ -168,13 +195,16 @@ def repeated_tokens_input(run: RunTables, key: str, max_len: int) -> torch.Tenso
     return repeated_batch(1, int(half_len), vocab, int(seed)).tokens
 
 
-def token_input(run: RunTables, handle: ModelHandle, key: str) -> Optional[torch.Tensor]:
+def token_input(run: RunTables, handle: ModelHandle, key: str) -> torch.Tensor | None:
     """Repeated random tokens, or ids the user types (validated by the model; errors shown on the page)."""
     source = st.radio("Input", ["repeated random tokens", "token ids I type"], horizontal=True, key=f"{key}-source")
     if source == "repeated random tokens":
         return repeated_tokens_input(run, key, handle.model.cfg.n_ctx)
-    text = st.text_input(f"Token ids, space-separated (0…{handle.model.cfg.d_vocab - 1}, at most "
-                         f"{handle.model.cfg.n_ctx})", "0 5 9 13 5 9", key=f"{key}-ids")
+    text = st.text_input(
+        f"Token ids, space-separated (0…{handle.model.cfg.d_vocab - 1}, at most {handle.model.cfg.n_ctx})",
+        "0 5 9 13 5 9",
+        key=f"{key}-ids",
+    )
     try:
         return handle.model.to_tokens(text).cpu()
     except ValueError as err:
@@ -187,14 +217,28 @@ def show_figure(fig: go.Figure, key: str) -> None:
     """The chart (hover values, modebar) and download buttons for standalone HTML and PNG."""
     st.plotly_chart(fig, key=f"chart-{key}", theme=None, config=PLOTLY_CONFIG)
     buttons = st.container(horizontal=True)
-    buttons.download_button("⬇ HTML", functools.partial(figure_html, fig), file_name=f"{key}.html",
-                                mime="text/html", key=f"html-{key}", on_click="ignore",
-                                help="Standalone HTML with plotly.js embedded (works offline)")
+    buttons.download_button(
+        "⬇ HTML",
+        functools.partial(figure_html, fig),
+        file_name=f"{key}.html",
+        mime="text/html",
+        key=f"html-{key}",
+        on_click="ignore",
+        help="Standalone HTML with plotly.js embedded (works offline)",
+    )
     chrome = png_browser()
-    buttons.download_button("⬇ PNG", functools.partial(figure_png, fig), file_name=f"{key}.png",
-                               mime="image/png", key=f"png-{key}", on_click="ignore", disabled=chrome is None,
-                               help="Rendered by kaleido with the local Chromium (takes a few seconds)" if chrome else
-                               "PNG export needs Chromium or Chrome for kaleido; use the camera icon above the chart")
+    buttons.download_button(
+        "⬇ PNG",
+        functools.partial(figure_png, fig),
+        file_name=f"{key}.png",
+        mime="image/png",
+        key=f"png-{key}",
+        on_click="ignore",
+        disabled=chrome is None,
+        help="Rendered by kaleido with the local Chromium (takes a few seconds)"
+        if chrome
+        else "PNG export needs Chromium or Chrome for kaleido; use the camera icon above the chart",
+    )
 
 
 def figure_html(fig: go.Figure) -> str:
@@ -207,12 +251,13 @@ def figure_png(fig: go.Figure) -> bytes:
     # mathjax=False: kaleido would otherwise add a CDN script tag; plotly.js comes from the plotly package.
     width = fig.layout.width or 900
     height = fig.layout.height or 500
-    return kaleido.calc_fig_sync(fig.to_dict(), opts={"format": "png", "width": width, "height": height, "scale": 2},
-                                 kopts={"mathjax": False})
+    return kaleido.calc_fig_sync(
+        fig.to_dict(), opts={"format": "png", "width": width, "height": height, "scale": 2}, kopts={"mathjax": False}
+    )
 
 
 @functools.cache
-def png_browser() -> Optional[str]:
+def png_browser() -> str | None:
     """The Chrome/Chromium kaleido will use, or None (PNG export then disabled)."""
     try:
         import kaleido  # noqa: F401

@@ -8,11 +8,15 @@ knockouts, the routing audit with bootstrap intervals, and the KV-shift decompos
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import pandas as pd
 import streamlit as st
 import torch
+from lens_ui.data import ModelHandle, RunTables, no_records_message, task_batch
+from lens_ui.text import plain
+from lens_ui.widgets import COMPUTED_KEEP, computed_on_demand, loadable_runs, pick_model, pick_run, show_figure
 
 from attnres_lens.analysis.attribution_report import (
     EDGE_COLUMNS,
@@ -30,36 +34,43 @@ from attnres_lens.analysis.attribution_report import (
 from attnres_lens.analysis.induction import task_probe
 from attnres_lens.analysis.run import ATTRIBUTE_SAMPLES
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
-from lens_ui.data import ModelHandle, RunTables, no_records_message, task_batch
-from lens_ui.text import plain
-from lens_ui.widgets import COMPUTED_KEEP, computed_on_demand, loadable_runs, pick_model, pick_run, show_figure
 
 st.title("Attribution")
-st.caption("Which sources a prediction reads, and whether through the value a source carries or the routing "
-           "weight it gets. Direct logit attribution is exact (final norm's scale frozen); edge attribution is a "
-           "first-order estimate from one backward pass, shown next to the exact knockouts it approximates.")
+st.caption(
+    "Which sources a prediction reads, and whether through the value a source carries or the routing "
+    "weight it gets. Direct logit attribution is exact (final norm's scale frozen); edge attribution is a "
+    "first-order estimate from one backward pass, shown next to the exact knockouts it approximates."
+)
 
 runs = loadable_runs()
 run = pick_run(runs, key="attribution-run", prefer=lambda r: r.model_config.residual == "attnres")
 st.caption(plain(run.variant))
 
 
-def compute(run: RunTables, handle: ModelHandle, samples: int, prompt: torch.Tensor,
-            progress: Callable[[float, str], Any]) -> dict[str, pd.DataFrame]:
+def compute(
+    run: RunTables, handle: ModelHandle, samples: int, prompt: torch.Tensor, progress: Callable[[float, str], Any]
+) -> dict[str, pd.DataFrame]:
     probe = task_probe(handle.model, run.build_task(), samples)  # the probe `attnres-lens attribute` scores
     with handle.lock:
         return attribution_tables(handle.model, task_batch(run, samples), prompt, probe=probe, on_stage=progress)
 
 
-def prompt_input(run: RunTables, handle: ModelHandle, samples: int) -> Optional[torch.Tensor]:
+def prompt_input(run: RunTables, handle: ModelHandle, samples: int) -> torch.Tensor | None:
     """[1, pos] tokens for the per-position views: a held-out sequence, or ids the user types."""
-    source = st.radio("Prompt for the per-position views", ["a held-out sequence", "token ids I type"],
-                      horizontal=True, key="attribution-prompt-source")
+    source = st.radio(
+        "Prompt for the per-position views",
+        ["a held-out sequence", "token ids I type"],
+        horizontal=True,
+        key="attribution-prompt-source",
+    )
     if source == "a held-out sequence":
         index = int(st.number_input("Held-out sequence", 0, samples - 1, 0, key="attribution-sequence"))
         return task_batch(run, samples).tokens[index : index + 1]
-    text = st.text_input(f"Token ids, space-separated (0…{handle.model.cfg.d_vocab - 1}, 2 to "
-                         f"{handle.model.cfg.n_ctx})", "0 5 9 13 5 9", key="attribution-ids")
+    text = st.text_input(
+        f"Token ids, space-separated (0…{handle.model.cfg.d_vocab - 1}, 2 to {handle.model.cfg.n_ctx})",
+        "0 5 9 13 5 9",
+        key="attribution-ids",
+    )
     try:
         tokens = handle.model.to_tokens(text).cpu()
     except ValueError as err:
@@ -90,20 +101,32 @@ st.header("At a checkpoint")
 handle = pick_model(run, key="attribution-checkpoint")
 if handle is None:
     st.stop()
-samples = int(st.number_input("Held-out sequences", 2, 128, ATTRIBUTE_SAMPLES, key="attribution-samples",
-                              help="the routing audit's bootstrap and the corrupted patch need at least 2"))
+samples = int(
+    st.number_input(
+        "Held-out sequences",
+        2,
+        128,
+        ATTRIBUTE_SAMPLES,
+        key="attribution-samples",
+        help="the routing audit's bootstrap and the corrupted patch need at least 2",
+    )
+)
 prompt = prompt_input(run, handle, samples)
 if prompt is None:
     st.stop()
 tables = computed_on_demand(
-    "attribution", (handle.key, samples, tuple(prompt[0].tolist())), "Compute attribution",
+    "attribution",
+    (handle.key, samples, tuple(prompt[0].tolist())),
+    "Compute attribution",
     lambda progress: compute(run, handle, samples, prompt, progress),
     failure=f"Attribution of {plain(run.name)} failed",
     waiting="A few seconds for a small model (the exact knockouts and the audit take longest); kept for this "
-            f"checkpoint, sample count and prompt while it is among the {COMPUTED_KEEP} results shown last.")
+    f"checkpoint, sample count and prompt while it is among the {COMPUTED_KEEP} results shown last.",
+)
 
 dla_tab, lens_tab, edge_tab, audit_tab, kv_tab = st.tabs(
-    ["Depth DLA", "Logit lens", "Edge attribution", "Routing audit", "KV shift"])
+    ["Depth DLA", "Logit lens", "Edge attribution", "Routing audit", "KV shift"]
+)
 with dla_tab:
     show_figure(dla_heatmap(tables["depth_dla"]), key="attribution-dla")
     show_figure(dla_summary_bars(tables["depth_dla_summary"]), key="attribution-dla-summary")
@@ -113,15 +136,24 @@ with lens_tab:
     show_figure(lens_summary_figure(tables["logit_lens_summary"]), key="attribution-lens-summary")
 with edge_tab:
     if "edge_attribution" not in tables:
-        st.info(f"Run {plain(run.name)} has a {plain(run.model_config.residual)} residual: no depth attention, so "
-                "no edges to attribute (its depth DLA treats e and every f_j as sources).")
+        st.info(
+            f"Run {plain(run.name)} has a {plain(run.model_config.residual)} residual: no depth attention, so "
+            "no edges to attribute (its depth DLA treats e and every f_j as sources)."
+        )
     else:
-        column = st.radio("Path", list(EDGE_COLUMNS), horizontal=True, key="attribution-edge-path",
-                          format_func=lambda c: EDGE_COLUMNS[c])
+        column = st.radio(
+            "Path",
+            list(EDGE_COLUMNS),
+            horizontal=True,
+            key="attribution-edge-path",
+            format_func=lambda c: EDGE_COLUMNS[c],
+        )
         show_figure(edge_heatmap(tables["edge_attribution"], column), key="attribution-edges")
         show_figure(agreement_scatter(tables["edge_attribution"], tables["routing"]), key="attribution-agreement")
-        st.caption("Largest disagreements between the estimate and the exact knockout (max α near 1: saturated "
-                   "softmax, where first order fails).")
+        st.caption(
+            "Largest disagreements between the estimate and the exact knockout (max α near 1: saturated "
+            "softmax, where first order fails)."
+        )
         st.dataframe(tables["edge_agreement"], hide_index=True)
 with audit_tab:
     if "routing_audit_consumers" not in tables:

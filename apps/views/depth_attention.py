@@ -5,22 +5,31 @@ from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
-
-from attnres_lens.analysis.depth import depth_weights, depth_weights_per_token
 from lens_ui.data import ModelHandle, RunTables, describe_error, load_model, no_records_message, task_batch
 from lens_ui.figures import KIND_TITLES, depth_heatmap, per_token_heatmap
 from lens_ui.text import figure_text, plain
 from lens_ui.widgets import loadable_runs, pick_model, pick_runs, show_figure, token_input
 
-st.title("Depth attention")
-st.caption("Each AttnRes sublayer reads a softmax mix α over earlier sources (embedding, sublayer outputs or block "
-           "sums). Rows: the consumer (the sublayer whose input is mixed); columns: its sources. Standard-residual "
-           "runs have no depth attention (every weight is 1; see the Depth-mixing matrix page).")
+from attnres_lens.analysis.depth import depth_weights, depth_weights_per_token
 
-runs = loadable_runs(lambda run: run.model_config.residual == "attnres",
-                     "No AttnRes run in this folder: depth attention exists only with `residual=attnres`.")
-chosen = pick_runs(runs, key="depth-runs", label="Runs (one or two, shown side by side)", fallback=2,
-                   unshowable="depth attention exists only in AttnRes runs (`residual=attnres`)")
+st.title("Depth attention")
+st.caption(
+    "Each AttnRes sublayer reads a softmax mix α over earlier sources (embedding, sublayer outputs or block "
+    "sums). Rows: the consumer (the sublayer whose input is mixed); columns: its sources. Standard-residual "
+    "runs have no depth attention (every weight is 1; see the Depth-mixing matrix page)."
+)
+
+runs = loadable_runs(
+    lambda run: run.model_config.residual == "attnres",
+    "No AttnRes run in this folder: depth attention exists only with `residual=attnres`.",
+)
+chosen = pick_runs(
+    runs,
+    key="depth-runs",
+    label="Runs (one or two, shown side by side)",
+    fallback=2,
+    unshowable="depth attention exists only in AttnRes runs (`residual=attnres`)",
+)
 if not chosen:
     st.info("Pick a run.")
     st.stop()
@@ -36,8 +45,10 @@ def checkpoint_weights(_handle: ModelHandle, key: tuple, _run: RunTables, n_sequ
 recorded = {run.path: run.record("depth_weights") for run in chosen}
 for run in chosen:
     if recorded[run.path].empty and run.imported:  # no snapshots will ever exist: measure its one checkpoint
-        st.info(no_records_message(run, "depth-weight snapshots", "records/depth_weights.parquet")
-                + " Its heatmap is computed now, on 16 held-out sequences of the run's task.")
+        st.info(
+            no_records_message(run, "depth-weight snapshots", "records/depth_weights.parquet")
+            + " Its heatmap is computed now, on 16 held-out sequences of the run's task."
+        )
         handle, error = load_model(run, "latest")
         try:
             recorded[run.path] = checkpoint_weights(handle, handle.key, run, 16) if handle else pd.DataFrame()
@@ -52,8 +63,13 @@ if not chosen:
     st.stop()
 
 steps = sorted(set().union(*(recorded[run.path]["step"].unique() for run in chosen)))
-step = st.select_slider("Training step (recorded snapshots)", options=[int(s) for s in steps], value=int(steps[-1]),
-                        key="depth-step") if len(steps) > 1 else int(steps[0])
+step = (
+    st.select_slider(
+        "Training step (recorded snapshots)", options=[int(s) for s in steps], value=int(steps[-1]), key="depth-step"
+    )
+    if len(steps) > 1
+    else int(steps[0])
+)
 
 
 def snapshot(run: RunTables) -> tuple[int, pd.DataFrame]:
@@ -76,15 +92,19 @@ for column, run in zip(columns, chosen):
         for kind in KIND_TITLES:
             if (frame["kind"] == kind).any():
                 where = "imported checkpoint" if run.imported else f"step {at}"
-                show_figure(depth_heatmap(frame, kind, where, zmax, figure_text(run.name)),
-                            key=f"depth-{run.name}-{kind}")
+                show_figure(
+                    depth_heatmap(frame, kind, where, zmax, figure_text(run.name)), key=f"depth-{run.name}-{kind}"
+                )
 
 st.divider()
 st.header("Per-token view")
 st.caption("α at every position of one input, from the model at the chosen checkpoint.")
 names = [run.name for run in chosen]
-run = chosen[names.index(st.radio("Run", names, horizontal=True, key="depth-token-run", format_func=plain))] \
-    if len(chosen) > 1 else chosen[0]
+run = (
+    chosen[names.index(st.radio("Run", names, horizontal=True, key="depth-token-run", format_func=plain))]
+    if len(chosen) > 1
+    else chosen[0]
+)
 handle = pick_model(run, key="depth-token-checkpoint")
 if handle is None:
     st.stop()
@@ -93,11 +113,18 @@ if tokens is None:
     st.stop()
 model = handle.model
 consumers = list(model.depth_attention_modules())
-consumer = st.selectbox("Consumer", consumers, index=len(consumers) - 1, format_func=model.sublayer_name,
-                        key="depth-token-consumer")
+consumer = st.selectbox(
+    "Consumer", consumers, index=len(consumers) - 1, format_func=model.sublayer_name, key="depth-token-consumer"
+)
 
 with handle.lock:
     per_token = depth_weights_per_token(model, tokens)
-show_figure(per_token_heatmap(per_token, consumer, f"α of {model.sublayer_name(consumer)} per token<br><sup>"
-                                                   f"{figure_text(run.name)} · {figure_text(handle.checkpoint)}</sup>"),
-            key=f"depth-per-token-{run.name}")
+show_figure(
+    per_token_heatmap(
+        per_token,
+        consumer,
+        f"α of {model.sublayer_name(consumer)} per token<br><sup>"
+        f"{figure_text(run.name)} · {figure_text(handle.checkpoint)}</sup>",
+    ),
+    key=f"depth-per-token-{run.name}",
+)

@@ -5,38 +5,53 @@ recorded depth-weight snapshots, of which M is a linear function) or compute it 
 from __future__ import annotations
 
 import streamlit as st
-
-from attnres_lens.analysis.depth import depth_mixing_matrix, mixing_matrix_from_weights
 from lens_ui.data import describe_error, no_records_message, task_batch
 from lens_ui.figures import mixing_heatmap
 from lens_ui.text import figure_text, plain
 from lens_ui.widgets import loadable_runs, pick_model, pick_runs, show_figure
 
+from attnres_lens.analysis.depth import depth_mixing_matrix, mixing_matrix_from_weights
+
 st.title("Depth-mixing matrix")
-st.caption("M[input c, output i] = Σ_s α_{c,s} · [f_i is summed into source s], averaged over the run's held-out "
-           "data: standard residual 1 below the diagonal; Full AttnRes the α themselves; Block AttnRes one block "
-           "weight shared by the block's members (so Full AttnRes rows sum to 1, Block AttnRes rows need not).")
+st.caption(
+    "M[input c, output i] = Σ_s α_{c,s} · [f_i is summed into source s], averaged over the run's held-out "
+    "data: standard residual 1 below the diagonal; Full AttnRes the α themselves; Block AttnRes one block "
+    "weight shared by the block's members (so Full AttnRes rows sum to 1, Block AttnRes rows need not)."
+)
 
 runs = loadable_runs()
-chosen = pick_runs(runs, key="mixing-runs", label="Runs (one or two, side by side on one colour scale)",
-                  fallback=2)
+chosen = pick_runs(runs, key="mixing-runs", label="Runs (one or two, side by side on one colour scale)", fallback=2)
 if not chosen:
     st.info("Pick a run.")
     st.stop()
-source = st.radio("Weights from", ["recorded snapshots (scrub through training)", "a checkpoint's model"],
-                  horizontal=True, key="mixing-source")
+source = st.radio(
+    "Weights from",
+    ["recorded snapshots (scrub through training)", "a checkpoint's model"],
+    horizontal=True,
+    key="mixing-source",
+)
 from_records = source.startswith("recorded")
 
 step = None
 if from_records:
     # M itself is recorded for every residual kind (records/depth_mixing); older AttnRes runs have only α, of which
     # M is a linear function (records/depth_weights)
-    recorded = {run.path: run.record("depth_mixing") if not run.record("depth_mixing").empty
-                else run.record("depth_weights") for run in chosen}
+    recorded = {
+        run.path: run.record("depth_mixing") if not run.record("depth_mixing").empty else run.record("depth_weights")
+        for run in chosen
+    }
     steps = sorted(set().union(*(frame["step"].unique() for frame in recorded.values() if not frame.empty)))
     if steps:
-        step = st.select_slider("Training step (recorded snapshots)", options=[int(s) for s in steps],
-                                value=int(steps[-1]), key="mixing-step") if len(steps) > 1 else int(steps[0])
+        step = (
+            st.select_slider(
+                "Training step (recorded snapshots)",
+                options=[int(s) for s in steps],
+                value=int(steps[-1]),
+                key="mixing-step",
+            )
+            if len(steps) > 1
+            else int(steps[0])
+        )
 else:
     n_sequences = st.slider("Held-out sequences to average over", 4, 128, 32, step=4, key="mixing-n")
 
@@ -54,11 +69,16 @@ for run in chosen:
     try:
         if weights is not None:
             if weights.empty:
-                st.warning(no_records_message(run, "recorded mixing weights", "records/depth_mixing.parquet")
-                           + " Choose “a checkpoint's model” above.")
+                st.warning(
+                    no_records_message(run, "recorded mixing weights", "records/depth_mixing.parquet")
+                    + " Choose “a checkpoint's model” above."
+                )
                 continue
-            at = int(weights["step"][weights["step"] <= step].max()) if (weights["step"] <= step).any() \
+            at = (
+                int(weights["step"][weights["step"] <= step].max())
+                if (weights["step"] <= step).any()
                 else int(weights["step"].min())
+            )
             snapshot = weights[weights["step"] == at]
             if "sublayer" in snapshot:  # a recorded M
                 matrix = snapshot.drop(columns="step").reset_index(drop=True)
@@ -83,5 +103,7 @@ if matrices:
         with column:
             st.subheader(plain(name))
             st.caption(f"{plain(run.variant)} · {plain(where)}")
-            show_figure(mixing_heatmap(frame, f"{figure_text(name)} · M ({figure_text(where)})", zmax, zmin),
-                        key=f"mixing-{name}")
+            show_figure(
+                mixing_heatmap(frame, f"{figure_text(name)} · M ({figure_text(where)})", zmax, zmin),
+                key=f"mixing-{name}",
+            )

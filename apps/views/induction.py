@@ -6,32 +6,44 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 import torch
-from transformer_lens.utilities import get_act_name
-
-from attnres_lens.analysis.induction import induction_head_scores, task_probe
-from attnres_lens.tasks.base import Task
 from lens_ui.data import ModelHandle, no_records_message
 from lens_ui.figures import kv_shift_figure, layer_head_heatmap, pattern_heatmap, score_over_training
 from lens_ui.text import figure_text, plain
 from lens_ui.widgets import loadable_runs, pick_model, pick_run, repeated_tokens_input, show_figure
+from transformer_lens.utilities import get_act_name
+
+from attnres_lens.analysis.induction import induction_head_scores, task_probe
+from attnres_lens.tasks.base import Task
 
 # column: (menu name, colour-bar title with its scale, zmin, zmax, signed)
 METRICS = {
     "prefix_score": ("prefix-matching score (ARENA/Olsson)", "prefix score<br>(ceiling ≈ 1)", 0.0, 1.0, False),
-    "tl_induction_score": ("TransformerLens detect_head induction score", "TL score<br>(ceiling ≈ 0.5)", 0.0, 0.5,
-                           False),
+    "tl_induction_score": (
+        "TransformerLens detect_head induction score",
+        "TL score<br>(ceiling ≈ 0.5)",
+        0.0,
+        0.5,
+        False,
+    ),
     "previous_token_score": ("previous-token score", "mean A[q, q−1]<br>(ceiling 1)", 0.0, 1.0, False),
-    "copying_score": ("copying score (direct logit effect of the OV path)", "logit of the<br>right token", None, None,
-                      True),
+    "copying_score": (
+        "copying score (direct logit effect of the OV path)",
+        "logit of the<br>right token",
+        None,
+        None,
+        True,
+    ),
     "ablation_zero_score": ("ablation score, head zeroed", "Δ loss (nats)", None, None, True),
     "ablation_mean_score": ("ablation score, head mean-ablated", "Δ loss (nats)", None, None, True),
 }
 RECORDED = "recorded: prefix-matching score over training"
 
 st.title("Induction heads")
-st.caption("Scores on repeated random tokens [BOS, r, r]. The prefix score and TransformerLens' detect_head use "
-           "different scales (ceilings ≈ 1 and ≈ 0.5): never compare one against the other's thresholds. A KV-shift "
-           "head's values mix two tokens, so check the copying and ablation scores, not only the pattern.")
+st.caption(
+    "Scores on repeated random tokens [BOS, r, r]. The prefix score and TransformerLens' detect_head use "
+    "different scales (ceilings ≈ 1 and ≈ 0.5): never compare one against the other's thresholds. A KV-shift "
+    "head's values mix two tokens, so check the copying and ablation scores, not only the pattern."
+)
 
 runs = loadable_runs()
 run = pick_run(runs, key="induction-run", prefer=lambda r: r.model_config.attention == "kv_shift")
@@ -46,28 +58,51 @@ def live_scores(_handle: ModelHandle, key: tuple, n_samples: int, _task: Task) -
         return induction_head_scores(_handle.model, task_probe(_handle.model, _task, n_samples))
 
 
-metric = st.selectbox("Metric", [RECORDED, *METRICS], key="induction-metric",
-                      format_func=lambda m: m if m == RECORDED else f"at a checkpoint: {METRICS[m][0]}")
+metric = st.selectbox(
+    "Metric",
+    [RECORDED, *METRICS],
+    key="induction-metric",
+    format_func=lambda m: m if m == RECORDED else f"at a checkpoint: {METRICS[m][0]}",
+)
 if metric == RECORDED:
     scores = run.record("induction_scores")
     if scores.empty:
-        st.warning(no_records_message(run, "recorded induction scores", "records/induction_scores.parquet")
-                   + " Pick a metric measured at a checkpoint.")
+        st.warning(
+            no_records_message(run, "recorded induction scores", "records/induction_scores.parquet")
+            + " Pick a metric measured at a checkpoint."
+        )
     else:
         steps = sorted(int(s) for s in scores["step"].unique())
-        step = st.select_slider("Training step", steps, value=steps[-1], key="induction-step") if len(steps) > 1 \
+        step = (
+            st.select_slider("Training step", steps, value=steps[-1], key="induction-step")
+            if len(steps) > 1
             else steps[0]
+        )
         name, colorbar, zmin, zmax, signed = METRICS["prefix_score"]
         left, right = st.columns(2)
         with left:
-            show_figure(layer_head_heatmap(scores[scores["step"] == step], "prefix_score",
-                                           f"prefix score @ step {step}<br><sup>{run_title}</sup>", colorbar, zmin,
-                                           zmax, signed),
-                        key=f"induction-recorded-{run.name}")
+            show_figure(
+                layer_head_heatmap(
+                    scores[scores["step"] == step],
+                    "prefix_score",
+                    f"prefix score @ step {step}<br><sup>{run_title}</sup>",
+                    colorbar,
+                    zmin,
+                    zmax,
+                    signed,
+                ),
+                key=f"induction-recorded-{run.name}",
+            )
         with right:
-            show_figure(score_over_training(scores, "prefix_score",
-                                            f"prefix score over training<br><sup>{run_title}</sup>",
-                                            "prefix score (ceiling ≈ 1)"), key=f"induction-training-{run.name}")
+            show_figure(
+                score_over_training(
+                    scores,
+                    "prefix_score",
+                    f"prefix score over training<br><sup>{run_title}</sup>",
+                    "prefix score (ceiling ≈ 1)",
+                ),
+                key=f"induction-training-{run.name}",
+            )
 else:
     handle = pick_model(run, key="induction-checkpoint")
     n_samples = st.slider("Repeated sequences", 4, 64, 16, step=4, key="induction-samples")
@@ -76,9 +111,18 @@ else:
             task = run.build_task()
             scores = live_scores(handle, handle.key, n_samples, task)
         name, colorbar, zmin, zmax, signed = METRICS[metric]
-        show_figure(layer_head_heatmap(scores, metric,
-                                       f"{name}<br><sup>{run_title} · {figure_text(handle.checkpoint)}</sup>",
-                                       colorbar, zmin, zmax, signed), key=f"induction-live-{run.name}-{metric}")
+        show_figure(
+            layer_head_heatmap(
+                scores,
+                metric,
+                f"{name}<br><sup>{run_title} · {figure_text(handle.checkpoint)}</sup>",
+                colorbar,
+                zmin,
+                zmax,
+                signed,
+            ),
+            key=f"induction-live-{run.name}-{metric}",
+        )
         with st.expander("All scores as a table"):
             st.dataframe(scores, hide_index=True)
 
@@ -101,11 +145,18 @@ if handle is not None:
     with handle.lock, torch.no_grad():
         _, cache = model.run_with_cache(tokens, names_filter=lambda name: name == hook)
     pattern = cache[hook][0, head].float().cpu().numpy()
-    show_figure(pattern_heatmap(pattern, tokens[0].tolist(), f"L{layer}H{head} attention on [BOS, r, r]"
-                                f"<br><sup>{run_title} · {figure_text(handle.checkpoint)}</sup>"),
-                key=f"induction-pattern-{run.name}")
-    st.caption("An induction head attends from each second-half token to the token after its first occurrence: "
-               "the stripe L−1 below the diagonal.")
+    show_figure(
+        pattern_heatmap(
+            pattern,
+            tokens[0].tolist(),
+            f"L{layer}H{head} attention on [BOS, r, r]<br><sup>{run_title} · {figure_text(handle.checkpoint)}</sup>",
+        ),
+        key=f"induction-pattern-{run.name}",
+    )
+    st.caption(
+        "An induction head attends from each second-half token to the token after its first occurrence: "
+        "the stripe L−1 below the diagonal."
+    )
 
 st.divider()
 st.header("KV-shift coefficients over training")

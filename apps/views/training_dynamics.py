@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
-
 from lens_ui.data import no_records_message
 from lens_ui.figures import by_depth_lines, curves, depth_step_heatmap, last_step_by_depth
 from lens_ui.text import figure_text, plain
@@ -27,12 +26,25 @@ for run in chosen:
 if series:
     left, right = st.columns(2)
     with left:
-        show_figure(curves(series, [("loss", "train, all positions"), ("eval_loss", "eval, all positions"),
-                                    ("eval_answer_loss", "eval, answer positions")],  # newer runs log the last
-                           "Loss", "cross-entropy (nats)", log_y=log_loss), key="dynamics-loss")
+        show_figure(
+            curves(
+                series,
+                [
+                    ("loss", "train, all positions"),
+                    ("eval_loss", "eval, all positions"),
+                    ("eval_answer_loss", "eval, answer positions"),
+                ],  # newer runs log the last
+                "Loss",
+                "cross-entropy (nats)",
+                log_y=log_loss,
+            ),
+            key="dynamics-loss",
+        )
     with right:
-        show_figure(curves(series, [("eval_accuracy", "eval")], "Accuracy (answer positions)", "accuracy"),
-                    key="dynamics-accuracy")
+        show_figure(
+            curves(series, [("eval_accuracy", "eval")], "Accuracy (answer positions)", "accuracy"),
+            key="dynamics-accuracy",
+        )
 
 st.divider()
 st.header("By depth")
@@ -67,9 +79,18 @@ for run in chosen:
         frames[run.name] = depth_frame(run.record(table))
 if len(frames) > 1:
     overlaid = [(figure_text(name), frame) for name, frame in frames.items()]  # trace names: Plotly reads HTML
-    show_figure(last_step_by_depth(overlaid, x, x_labels, value,
-                                   f"{metric}<br><sup>last recorded step, runs overlaid</sup>", unit, log_y=log_depth),
-                key="dynamics-overlay")
+    show_figure(
+        last_step_by_depth(
+            overlaid,
+            x,
+            x_labels,
+            value,
+            f"{metric}<br><sup>last recorded step, runs overlaid</sup>",
+            unit,
+            log_y=log_depth,
+        ),
+        key="dynamics-overlay",
+    )
 for run in chosen:
     if run.name not in frames:
         continue
@@ -79,9 +100,22 @@ for run in chosen:
     run_title = figure_text(run.name)
     left, right = st.columns(2)
     with left:
-        show_figure(by_depth_lines(frame, x, x_labels, value,
-                                   f"{metric}<br><sup>{run_title}, a line per recorded step</sup>", unit,
-                                   log_y=log_depth), key=f"dynamics-lines-{run.name}")
+        show_figure(
+            by_depth_lines(
+                frame,
+                x,
+                x_labels,
+                value,
+                f"{metric}<br><sup>{run_title}, a line per recorded step</sup>",
+                unit,
+                log_y=log_depth,
+            ),
+            key=f"dynamics-lines-{run.name}",
+        )
     with right:
-        show_figure(depth_step_heatmap(frame, x, x_labels, value, f"{metric}<br><sup>{run_title}, depth × step</sup>",
-                                       unit, log_z=log_depth), key=f"dynamics-heatmap-{run.name}")
+        show_figure(
+            depth_step_heatmap(
+                frame, x, x_labels, value, f"{metric}<br><sup>{run_title}, depth × step</sup>", unit, log_z=log_depth
+            ),
+            key=f"dynamics-heatmap-{run.name}",
+        )

@@ -24,8 +24,9 @@ scale; the final readout's input (which has no hook point) by a PyTorch pre-hook
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -41,7 +42,7 @@ from attnres_lens.mixing import basis_index, mixing_coefficients
 from attnres_lens.model import HookedTransformer
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch, check_scored_batch, check_target_ids, next_token_targets
 
-BatchLike = Union[Batch, torch.Tensor]
+BatchLike = Batch | torch.Tensor
 # residual kinds whose inputs are weighted sums of e and every f_i with weights from `attnres_lens.mixing`
 MIXED_RESIDUALS = ("denseformer", "mhc")
 
@@ -78,26 +79,30 @@ class DepthTerms:
         if consumer in self.weights:
             return self.weights[consumer]
         n_sources = len(model.sources(consumer))
-        return torch.ones(*self.embedding.shape[:-1], n_sources, dtype=self.embedding.dtype,
-                          device=self.embedding.device)
+        return torch.ones(
+            *self.embedding.shape[:-1], n_sources, dtype=self.embedding.dtype, device=self.embedding.device
+        )
 
 
 def _check_single_head_mix(model: HookedTransformer, what: str) -> None:
     for module in model.depth_attention_modules().values():
         if getattr(module, "heads", 1) != 1:
-            raise ValueError(f"{what} needs one weight per source; this model's depth attention has "
-                             f"heads={module.heads}")
+            raise ValueError(
+                f"{what} needs one weight per source; this model's depth attention has heads={module.heads}"
+            )
 
 
-def depth_terms(model: HookedTransformer, tokens: torch.Tensor, gradient_of: Optional[Callable] = None
-                ) -> DepthTerms:
+def depth_terms(model: HookedTransformer, tokens: torch.Tensor, gradient_of: Callable | None = None) -> DepthTerms:
     """One pass read through hook points. With `gradient_of(logits) -> scalar`, also the gradients of that
     scalar with respect to α of every consumer (`grads["weights", c]`) and every input (`grads["inputs", c]`),
     by `torch.autograd.grad` (the model's parameter gradients are left untouched)."""
     tokens = model.to_tokens(tokens)
     n_sublayers = model.cfg.n_sublayers
-    names = {"embed": "hook_embed", **({"pos": "hook_pos_embed"} if "hook_pos_embed" in model.hook_dict else {}),
-             "scale": "ln_final.hook_scale"}
+    names = {
+        "embed": "hook_embed",
+        **({"pos": "hook_pos_embed"} if "hook_pos_embed" in model.hook_dict else {}),
+        "scale": "ln_final.hook_scale",
+    }
     names.update({("out", j): model.sublayer_output_hook(j) for j in range(n_sublayers)})
     names.update({("in", j): model.sublayer_input_hook(j) for j in range(n_sublayers)})
     for consumer, module in model.depth_attention_modules().items():
@@ -126,23 +131,30 @@ def depth_terms(model: HookedTransformer, tokens: torch.Tensor, gradient_of: Opt
         handle.remove()
     embedding = saved["embed"] + saved["pos"] if "pos" in saved else saved["embed"]
     terms = DepthTerms(
-        tokens=tokens, embedding=embedding, outputs=[saved[("out", j)] for j in range(n_sublayers)],
+        tokens=tokens,
+        embedding=embedding,
+        outputs=[saved[("out", j)] for j in range(n_sublayers)],
         inputs=[saved[("in", j)] for j in range(n_sublayers)] + final,
         weights={c: saved[("alpha", c)] for c in model.depth_attention_modules()},
         depth_logits={c: saved[("z", c)] for c in model.depth_attention_modules()},
-        scale=saved["scale"], logits=logits,
+        scale=saved["scale"],
+        logits=logits,
     )
     if gradient_of is not None:
         targets = [(("weights", c), terms.weights[c]) for c in terms.weights]
         targets += [(("inputs", c), terms.inputs[c]) for c in range(n_sublayers + 1)]
         grads = torch.autograd.grad(gradient_of(logits), [tensor for _, tensor in targets], allow_unused=True)
-        terms.grads = {key: (torch.zeros_like(tensor) if grad is None else grad).detach()
-                       for (key, tensor), grad in zip(targets, grads)}
+        terms.grads = {
+            key: (torch.zeros_like(tensor) if grad is None else grad).detach()
+            for (key, tensor), grad in zip(targets, grads)
+        }
     terms = _detached(terms)
     if model.cfg.residual in MIXED_RESIDUALS:  # h_c = Σ_i M[c, i] f_i + M[c, e] e exactly, token by token
         coefficients = mixing_coefficients(model, tokens).to(terms.embedding)
-        terms.weights = {c: coefficients[..., c, [basis_index(members[0]) for members in model.sources(c)]]
-                         for c in range(n_sublayers + 1)}
+        terms.weights = {
+            c: coefficients[..., c, [basis_index(members[0]) for members in model.sources(c)]]
+            for c in range(n_sublayers + 1)
+        }
     return terms
 
 
@@ -166,16 +178,19 @@ def _as_batch(model: HookedTransformer, batch: BatchLike) -> Batch:
     return Batch(tokens, targets, targets != IGNORE_INDEX)
 
 
-def _target_ids(model: HookedTransformer, tokens: torch.Tensor, targets: Optional[torch.Tensor], what: str
-                ) -> torch.Tensor:
+def _target_ids(
+    model: HookedTransformer, tokens: torch.Tensor, targets: torch.Tensor | None, what: str
+) -> torch.Tensor:
     if targets is None:
         return next_token_targets(tokens)
     return check_target_ids(targets, tokens.shape, model.cfg.d_vocab, what).to(tokens.device)
 
 
 def _source_info(model: HookedTransformer, consumer: int) -> list[dict[str, Any]]:
-    return [dict(source=s, source_label=label, members=",".join(map(str, members)))
-            for s, (label, members) in enumerate(zip(model.source_labels(consumer), model.sources(consumer)))]
+    return [
+        dict(source=s, source_label=label, members=",".join(map(str, members)))
+        for s, (label, members) in enumerate(zip(model.source_labels(consumer), model.sources(consumer)))
+    ]
 
 
 def _consumer_info(model: HookedTransformer, consumer: int) -> dict[str, Any]:
@@ -184,8 +199,12 @@ def _consumer_info(model: HookedTransformer, consumer: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- direct logit attribution
 @torch.no_grad()
-def depth_logit_attribution(model: HookedTransformer, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                            incorrect: Optional[torch.Tensor] = None) -> pd.DataFrame:
+def depth_logit_attribution(
+    model: HookedTransformer,
+    tokens: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    incorrect: torch.Tensor | None = None,
+) -> pd.DataFrame:
     """Exact per-source decomposition of a logit (or logit difference) at every position, the final norm's scale
     frozen at its clean value.
 
@@ -222,21 +241,47 @@ def depth_logit_attribution(model: HookedTransformer, tokens: torch.Tensor, targ
     rows = []
     for source, (info, vector) in enumerate(zip(_source_info(model, final), terms.source_vectors(model, final))):
         contribution = alpha[:, source] * ((vector[keep].double() / scale * gain) * direction).sum(-1)
-        rows.append(pd.DataFrame({**info, "alpha": alpha[:, source].cpu().numpy(),
-                                  "contribution": contribution.cpu().numpy(), "_row": np.arange(len(target))}))
+        rows.append(
+            pd.DataFrame(
+                {
+                    **info,
+                    "alpha": alpha[:, source].cpu().numpy(),
+                    "contribution": contribution.cpu().numpy(),
+                    "_row": np.arange(len(target)),
+                }
+            )
+        )
     clean = terms.logits[keep].double()
     logit = clean.gather(-1, target[:, None]).squeeze(-1)
     if incorrect is not None:
         logit = logit - clean.gather(-1, incorrect[keep][:, None]).squeeze(-1)
-    per_position = pd.DataFrame({
-        "_row": np.arange(len(target)), "sequence": sequence.cpu().numpy(), "position": position.cpu().numpy(),
-        "token": tokens[keep].cpu().numpy(), "target": target.cpu().numpy(),
-        "incorrect": (incorrect[keep].cpu().numpy() if incorrect is not None else np.full(len(target), -1)),
-        "logit": logit.cpu().numpy(), "bias": bias.cpu().numpy(),
-    })
+    per_position = pd.DataFrame(
+        {
+            "_row": np.arange(len(target)),
+            "sequence": sequence.cpu().numpy(),
+            "position": position.cpu().numpy(),
+            "token": tokens[keep].cpu().numpy(),
+            "target": target.cpu().numpy(),
+            "incorrect": (incorrect[keep].cpu().numpy() if incorrect is not None else np.full(len(target), -1)),
+            "logit": logit.cpu().numpy(),
+            "bias": bias.cpu().numpy(),
+        }
+    )
     frame = pd.concat(rows, ignore_index=True).merge(per_position, on="_row")
-    columns = ["sequence", "position", "token", "target", "incorrect", "source", "source_label", "members", "alpha",
-               "contribution", "logit", "bias"]
+    columns = [
+        "sequence",
+        "position",
+        "token",
+        "target",
+        "incorrect",
+        "source",
+        "source_label",
+        "members",
+        "alpha",
+        "contribution",
+        "logit",
+        "bias",
+    ]
     return frame.sort_values(["sequence", "position", "source"], ignore_index=True)[columns]
 
 
@@ -249,17 +294,18 @@ def logit_attribution_summary(attribution: pd.DataFrame) -> pd.DataFrame:
     """Per source: mean contribution over the attributed positions, its share of the mean |contribution|, and
     the mean α (columns source, source_label, members, mean_contribution, mean_abs_contribution, share, mean_alpha)."""
     grouped = attribution.groupby(["source", "source_label", "members"], sort=True)
-    summary = grouped.agg(mean_contribution=("contribution", "mean"),
-                          mean_abs_contribution=("contribution", lambda c: c.abs().mean()),
-                          mean_alpha=("alpha", "mean")).reset_index()
+    summary = grouped.agg(
+        mean_contribution=("contribution", "mean"),
+        mean_abs_contribution=("contribution", lambda c: c.abs().mean()),
+        mean_alpha=("alpha", "mean"),
+    ).reset_index()
     total = summary["mean_abs_contribution"].sum()
     summary["share"] = summary["mean_abs_contribution"] / total if total > 0 else float("nan")
     return summary
 
 
 @torch.no_grad()
-def depth_input_decomposition(model: HookedTransformer, tokens: torch.Tensor, per_token: bool = False
-                              ) -> pd.DataFrame:
+def depth_input_decomposition(model: HookedTransformer, tokens: torch.Tensor, per_token: bool = False) -> pd.DataFrame:
     """Every consumer's input split into its per-source terms `α_s v_s`.
 
     Token-averaged (default), one row per (consumer, source): consumer, consumer_label, kind, source,
@@ -274,8 +320,9 @@ def depth_input_decomposition(model: HookedTransformer, tokens: torch.Tensor, pe
         h = terms.inputs[consumer].double()
         norm2 = (h * h).sum(-1).clamp_min(1e-300)
         alpha = terms.alpha(model, consumer).double()
-        for info, vector, a in zip(_source_info(model, consumer), terms.source_vectors(model, consumer),
-                                   alpha.unbind(-1)):
+        for info, vector, a in zip(
+            _source_info(model, consumer), terms.source_vectors(model, consumer), alpha.unbind(-1)
+        ):
             term = a[..., None] * vector.double()
             values = {"alpha": a, "term_norm": term.norm(dim=-1), "share": (term * h).sum(-1) / norm2}
             if per_token:
@@ -292,8 +339,9 @@ def depth_input_decomposition(model: HookedTransformer, tokens: torch.Tensor, pe
 
 # ---------------------------------------------------------------------------- logit lens over depth
 @torch.no_grad()
-def source_logit_lens(model: HookedTransformer, tokens: torch.Tensor, k: int = 5,
-                      targets: Optional[torch.Tensor] = None) -> pd.DataFrame:
+def source_logit_lens(
+    model: HookedTransformer, tokens: torch.Tensor, k: int = 5, targets: torch.Tensor | None = None
+) -> pd.DataFrame:
     """Every source and every sublayer input decoded through the final norm (its scale recomputed on the vector
     itself) and the unembedding.
 
@@ -317,15 +365,24 @@ def source_logit_lens(model: HookedTransformer, tokens: torch.Tensor, k: int = 5
         probs = logits.softmax(-1)
         target_logit = logits.gather(-1, target[:, None]).squeeze(-1)
         top_probs, top_ids = probs.topk(k, dim=-1)
-        frames.append(pd.DataFrame({
-            "sequence": sequence.cpu().numpy(), "position": position.cpu().numpy(), "token": tokens[keep].cpu().numpy(),
-            "target": target.cpu().numpy(), "vector": vector_kind, "index": index, "label": label,
-            "target_rank": (logits > target_logit[:, None]).sum(-1).cpu().numpy(),
-            "target_prob": probs.gather(-1, target[:, None]).squeeze(-1).cpu().numpy(),
-            "target_logit": target_logit.cpu().numpy(),
-            "top_tokens": [" ".join(map(str, row)) for row in top_ids.tolist()],
-            "top_probs": [" ".join(f"{p:.3f}" for p in row) for row in top_probs.tolist()],
-        }))
+        frames.append(
+            pd.DataFrame(
+                {
+                    "sequence": sequence.cpu().numpy(),
+                    "position": position.cpu().numpy(),
+                    "token": tokens[keep].cpu().numpy(),
+                    "target": target.cpu().numpy(),
+                    "vector": vector_kind,
+                    "index": index,
+                    "label": label,
+                    "target_rank": (logits > target_logit[:, None]).sum(-1).cpu().numpy(),
+                    "target_prob": probs.gather(-1, target[:, None]).squeeze(-1).cpu().numpy(),
+                    "target_logit": target_logit.cpu().numpy(),
+                    "top_tokens": [" ".join(map(str, row)) for row in top_ids.tolist()],
+                    "top_probs": [" ".join(f"{p:.3f}" for p in row) for row in top_probs.tolist()],
+                }
+            )
+        )
     return pd.concat(frames, ignore_index=True)
 
 
@@ -334,11 +391,13 @@ def _lens_vectors(model: HookedTransformer, terms: DepthTerms) -> list[tuple[str
     vectors = [("source", EMBEDDING, "emb", terms.embedding)]
     vectors += [("source", j, model.sublayer_name(j), terms.outputs[j]) for j in range(n_sublayers)]
     # Block AttnRes: the sums the final readout reads, where they are not single outputs
-    for members, label, vector in zip(model.sources(n_sublayers), model.source_labels(n_sublayers),
-                                      terms.source_vectors(model, n_sublayers)):
+    for members, label, vector in zip(
+        model.sources(n_sublayers), model.source_labels(n_sublayers), terms.source_vectors(model, n_sublayers)
+    ):
         if len(members) > 1:
-            vectors.append(("source", members[-1], f"{label} = " + "+".join(model.sublayer_name(m) for m in members),
-                            vector))
+            vectors.append(
+                ("source", members[-1], f"{label} = " + "+".join(model.sublayer_name(m) for m in members), vector)
+            )
     vectors += [("input", c, f"→{model.sublayer_name(c)}", terms.inputs[c]) for c in range(n_sublayers + 1)]
     return vectors
 
@@ -347,9 +406,15 @@ def logit_lens_summary(lens: pd.DataFrame) -> pd.DataFrame:
     """Per decoded vector, in depth order: mean target_rank, top1 (share of positions where the target ranks
     first) and mean target_prob."""
     order = lens[["vector", "index", "label"]].drop_duplicates().reset_index(drop=True)
-    summary = lens.groupby(["vector", "index", "label"], sort=False).agg(
-        mean_rank=("target_rank", "mean"), top1=("target_rank", lambda r: float((r == 0).mean())),
-        mean_target_prob=("target_prob", "mean")).reset_index()
+    summary = (
+        lens.groupby(["vector", "index", "label"], sort=False)
+        .agg(
+            mean_rank=("target_rank", "mean"),
+            top1=("target_rank", lambda r: float((r == 0).mean())),
+            mean_target_prob=("target_prob", "mean"),
+        )
+        .reset_index()
+    )
     return order.merge(summary, on=["vector", "index", "label"])
 
 
@@ -373,8 +438,9 @@ def _differentiable_metric(batch: Batch, metric: str) -> Callable[[torch.Tensor]
     return loss
 
 
-def edge_attribution(model: HookedTransformer, batch: BatchLike, corrupted: Optional[torch.Tensor] = None,
-                     metric: str = "loss") -> pd.DataFrame:
+def edge_attribution(
+    model: HookedTransformer, batch: BatchLike, corrupted: torch.Tensor | None = None, metric: str = "loss"
+) -> pd.DataFrame:
     """First-order estimates of Δ`metric` for every (consumer, source) edge of an AttnRes model, from one forward
     and one backward pass (gradients of the metric with respect to every consumer's α and input).
 
@@ -400,8 +466,10 @@ def edge_attribution(model: HookedTransformer, batch: BatchLike, corrupted: Opti
     if corrupted is not None:
         corrupted = model.to_tokens(corrupted)
         if corrupted.shape != batch.tokens.shape:
-            raise ValueError(f"corrupted tokens must have the batch's shape {tuple(batch.tokens.shape)}, got "
-                             f"{tuple(corrupted.shape)}")
+            raise ValueError(
+                f"corrupted tokens must have the batch's shape {tuple(batch.tokens.shape)}, got "
+                f"{tuple(corrupted.shape)}"
+            )
         corrupt_terms = depth_terms(model, corrupted)
     rows = []
     modules = model.depth_attention_modules()
@@ -417,17 +485,25 @@ def edge_attribution(model: HookedTransformer, batch: BatchLike, corrupted: Opti
             value, routing = _patch_paths(model, module, consumer, alpha, grad, terms, corrupt_terms)
         for info in _source_info(model, consumer):
             s = info["source"]
-            rows.append({**_consumer_info(model, consumer), **info,
-                         "alpha_mass": alpha[..., s].mean().item(), "max_alpha": alpha[..., s].max().item(),
-                         "value_path": value[..., s].sum().item(), "routing_path": routing[..., s].sum().item(),
-                         "mode": "knockout" if corrupted is None else "corrupted"})
+            rows.append(
+                {
+                    **_consumer_info(model, consumer),
+                    **info,
+                    "alpha_mass": alpha[..., s].mean().item(),
+                    "max_alpha": alpha[..., s].max().item(),
+                    "value_path": value[..., s].sum().item(),
+                    "routing_path": routing[..., s].sum().item(),
+                    "mode": "knockout" if corrupted is None else "corrupted",
+                }
+            )
     frame = pd.DataFrame(rows)
     frame["total"] = frame["value_path"] + frame["routing_path"]
     return frame
 
 
-def _knockout_paths(module: torch.nn.Module, alpha: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def _knockout_paths(
+    module: torch.nn.Module, alpha: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token value and routing paths of knocking out each source: [..., n_sources] each."""
     value = -alpha * grad
     if getattr(module, "score", "softmax") != "softmax":  # sigmoid: the others keep their weights
@@ -441,18 +517,28 @@ def _knockout_paths(module: torch.nn.Module, alpha: torch.Tensor, logits: torch.
     return value, (after - mixed) - value
 
 
-def _patch_paths(model: HookedTransformer, module: torch.nn.Module, consumer: int, alpha: torch.Tensor,
-                 grad: torch.Tensor, clean: DepthTerms, corrupt: DepthTerms) -> tuple[torch.Tensor, torch.Tensor]:
+def _patch_paths(
+    model: HookedTransformer,
+    module: torch.nn.Module,
+    consumer: int,
+    alpha: torch.Tensor,
+    grad: torch.Tensor,
+    clean: DepthTerms,
+    corrupt: DepthTerms,
+) -> tuple[torch.Tensor, torch.Tensor]:
     if not getattr(module, "fusable", True):  # the options change z_s(v_s); the derivative below is the default's
-        raise ValueError("patching sources from a corrupted input is derived for the default depth attention "
-                         "(softmax over a static pseudo-query with key RMSNorm, one head)")
+        raise ValueError(
+            "patching sources from a corrupted input is derived for the default depth attention "
+            "(softmax over a static pseudo-query with key RMSNorm, one head)"
+        )
     input_grad = clean.grads[("inputs", consumer)].double()  # g_c
     u = (module.query * module.key_norm.w).double()
     eps = module.key_norm.eps
     mixed = (alpha * grad).sum(-1, keepdim=True)  # g · h
     values, routings = [], []
-    for s, (v, v_corrupt) in enumerate(zip(clean.source_vectors(model, consumer),
-                                           corrupt.source_vectors(model, consumer))):
+    for s, (v, v_corrupt) in enumerate(
+        zip(clean.source_vectors(model, consumer), corrupt.source_vectors(model, consumer))
+    ):
         v = v.double()
         delta = v_corrupt.double() - v
         r = torch.rsqrt(v.pow(2).mean(-1) + eps)
@@ -474,20 +560,36 @@ def edge_agreement(edges: pd.DataFrame, routing: pd.DataFrame, top: int = 10) ->
     merged = edges.merge(routing[keys + ["delta_loss"]], on=keys, how="inner")
     if merged.empty:
         raise ValueError("the edge table and the routing table share no (consumer, source) pair")
-    per_consumer = [spearman(group["total"], group["delta_loss"]) for _, group in merged.groupby("consumer")
-                    if len(group) >= 3]
+    per_consumer = [
+        spearman(group["total"], group["delta_loss"]) for _, group in merged.groupby("consumer") if len(group) >= 3
+    ]
     per_consumer = [value for value in per_consumer if value == value]
     clear = merged[merged["delta_loss"].abs() > 1e-6]
-    summary = dict(spearman=spearman(merged["total"], merged["delta_loss"]),
-                   spearman_within_consumer=float(np.mean(per_consumer)) if per_consumer else float("nan"),
-                   sign_agreement=float((np.sign(clear["total"]) == np.sign(clear["delta_loss"])).mean())
-                   if len(clear) else float("nan"),
-                   n_edges=int(len(merged)))
-    merged = merged.assign(error=merged["total"] - merged["delta_loss"],
-                           ratio=merged["total"] / merged["delta_loss"].where(merged["delta_loss"] != 0))
+    summary = dict(
+        spearman=spearman(merged["total"], merged["delta_loss"]),
+        spearman_within_consumer=float(np.mean(per_consumer)) if per_consumer else float("nan"),
+        sign_agreement=float((np.sign(clear["total"]) == np.sign(clear["delta_loss"])).mean())
+        if len(clear)
+        else float("nan"),
+        n_edges=int(len(merged)),
+    )
+    merged = merged.assign(
+        error=merged["total"] - merged["delta_loss"],
+        ratio=merged["total"] / merged["delta_loss"].where(merged["delta_loss"] != 0),
+    )
     worst = merged.reindex(merged["error"].abs().sort_values(ascending=False, kind="stable").index).head(top)
-    columns = ["consumer_label", "source_label", "alpha_mass", "max_alpha", "delta_loss", "total", "value_path",
-               "routing_path", "error", "ratio"]
+    columns = [
+        "consumer_label",
+        "source_label",
+        "alpha_mass",
+        "max_alpha",
+        "delta_loss",
+        "total",
+        "value_path",
+        "routing_path",
+        "error",
+        "ratio",
+    ]
     return summary, worst[columns].reset_index(drop=True)
 
 
@@ -495,13 +597,15 @@ def edge_agreement(edges: pd.DataFrame, routing: pd.DataFrame, top: int = 10) ->
 def _per_sequence_losses(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     """[batch] summed next-token cross-entropy of each sequence (with its target count, the evaluation `loss`)."""
     logits = logits if logits.dtype == torch.float64 else logits.float()  # a float64 model's Δloss keeps its bits
-    per_token = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX,
-                                reduction="none").view(batch.targets.shape)
+    per_token = F.cross_entropy(
+        logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(batch.targets.shape)
     return per_token.double().sum(-1).cpu()
 
 
-def routing_audit(model: HookedTransformer, batch: Batch, n_boot: int = 1000, seed: int = 0,
-                  progress: bool = False) -> dict[str, pd.DataFrame]:
+def routing_audit(
+    model: HookedTransformer, batch: Batch, n_boot: int = 1000, seed: int = 0, progress: bool = False
+) -> dict[str, pd.DataFrame]:
     """α mass against causal effect, per consumer of an AttnRes model, with bootstrap confidence intervals over
     sequences (95%, percentile), and two content-independent null schedules.
 
@@ -539,14 +643,22 @@ def routing_audit(model: HookedTransformer, batch: Batch, n_boot: int = 1000, se
         for name, schedule in schedules[c].items():
             interventions.append([(modules[c].hook_weights.name, replace_hook(schedule))])
             keys.append((name, c))
-    losses = evaluate_many(model, batch, interventions, progress=progress, desc="routing audit",
-                           score=_per_sequence_losses, workers=analysis_workers(model))
+    losses = evaluate_many(
+        model,
+        batch,
+        interventions,
+        progress=progress,
+        desc="routing audit",
+        score=_per_sequence_losses,
+        workers=analysis_workers(model),
+    )
     by_key = dict(zip(keys, losses))
     clean = by_key[("clean",)]
     draws = torch.randint(0, n_seq, (n_boot, n_seq), generator=torch.Generator().manual_seed(seed))
     # [n_boot, seq]: how often each sequence is drawn (a one-hot sum would hold n_boot·n_seq² values)
     weight = torch.zeros(n_boot, n_seq, dtype=torch.float64).scatter_add_(
-        1, draws, torch.ones(n_boot, n_seq, dtype=torch.float64))
+        1, draws, torch.ones(n_boot, n_seq, dtype=torch.float64)
+    )
 
     def effect(key: tuple) -> tuple[float, torch.Tensor]:
         diff = by_key[key] - clean
@@ -561,18 +673,31 @@ def routing_audit(model: HookedTransformer, batch: Batch, n_boot: int = 1000, se
         effects = [effect(("knockout", c, s)) for s in range(n_sources)]
         boot_effects = torch.stack([boots for _, boots in effects], -1)  # [n_boot, n_sources]
         for s in range(n_sources):
-            pair_rows.append({**_consumer_info(model, c), "source": s, "source_label": labels[s],
-                              "alpha_mass": point_mass[s].item(), **_interval("alpha_mass", boot_mass[:, s]),
-                              "delta_loss": effects[s][0], **_interval("delta_loss", boot_effects[:, s])})
+            pair_rows.append(
+                {
+                    **_consumer_info(model, c),
+                    "source": s,
+                    "source_label": labels[s],
+                    "alpha_mass": point_mass[s].item(),
+                    **_interval("alpha_mass", boot_mass[:, s]),
+                    "delta_loss": effects[s][0],
+                    **_interval("delta_loss", boot_effects[:, s]),
+                }
+            )
         point_effects = [value for value, _ in effects]
-        row = {**_consumer_info(model, c), "n_sources": n_sources,
-               "spearman": spearman(point_mass.tolist(), point_effects) if n_sources > 2 else float("nan")}
+        row = {
+            **_consumer_info(model, c),
+            "n_sources": n_sources,
+            "spearman": spearman(point_mass.tolist(), point_effects) if n_sources > 2 else float("nan"),
+        }
         if n_sources > 2:
             boots = spearman_rows(boot_mass, boot_effects)
             row.update(_interval("spearman", boots[~boots.isnan()]))
         else:
             row.update(spearman_low=float("nan"), spearman_high=float("nan"))
-        row.update(top_mass_label=labels[int(point_mass.argmax())], top_effect_label=labels[int(np.argmax(point_effects))])
+        row.update(
+            top_mass_label=labels[int(point_mass.argmax())], top_effect_label=labels[int(np.argmax(point_effects))]
+        )
         for name in schedules[c]:
             value, boots = effect((name, c))
             row[f"null_{name}_dloss"] = value
@@ -584,6 +709,7 @@ def routing_audit(model: HookedTransformer, batch: Batch, n_boot: int = 1000, se
 def spearman_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Spearman correlation of each row of `a` with the same row of `b` ([rows, n] each; average ranks for ties,
     as `pruning.spearman`); NaN for a row where either side is constant."""
+
     def ranks(x: torch.Tensor) -> torch.Tensor:
         below = (x[..., :, None] > x[..., None, :]).sum(-1).double()
         ties = (x[..., :, None] == x[..., None, :]).sum(-1).double()
@@ -602,8 +728,9 @@ def _interval(name: str, samples: torch.Tensor) -> dict[str, float]:
     return {f"{name}_low": low, f"{name}_high": high}
 
 
-def _null_schedules(model: HookedTransformer, terms: DepthTerms, consumers: Sequence[int]
-                    ) -> dict[int, dict[str, torch.Tensor]]:
+def _null_schedules(
+    model: HookedTransformer, terms: DepthTerms, consumers: Sequence[int]
+) -> dict[int, dict[str, torch.Tensor]]:
     """Per consumer, the `mean` and `recency` schedules (see `routing_audit`), each [n_sources]."""
     means = {c: terms.weights[c].double().mean(dim=(0, 1)) for c in consumers}
     by_recency: dict[int, list[float]] = {}
@@ -615,8 +742,10 @@ def _null_schedules(model: HookedTransformer, terms: DepthTerms, consumers: Sequ
     for c in consumers:
         n = len(means[c])
         recency = torch.tensor([profile[n - 1 - s] for s in range(n)], dtype=torch.float64)
-        schedules[c] = {"mean": means[c].to(terms.embedding.dtype),
-                        "recency": (recency / recency.sum()).to(terms.embedding.dtype)}
+        schedules[c] = {
+            "mean": means[c].to(terms.embedding.dtype),
+            "recency": (recency / recency.sum()).to(terms.embedding.dtype),
+        }
     return schedules
 
 
@@ -624,8 +753,9 @@ def audit_summary(audit: dict[str, pd.DataFrame]) -> dict[str, float]:
     """Headline numbers of `routing_audit`: the mean within-consumer Spearman (consumers with > 2 sources), and
     the mean Δloss of each null schedule over consumers."""
     consumers = audit["consumers"]
-    return dict(mean_spearman=float(consumers["spearman"].mean()),
-                null_mean_dloss=float(consumers["null_mean_dloss"].mean()),
-                null_recency_dloss=float(consumers["null_recency_dloss"].mean()),
-                n_consumers=int(len(consumers)))
-
+    return dict(
+        mean_spearman=float(consumers["spearman"].mean()),
+        null_mean_dloss=float(consumers["null_mean_dloss"].mean()),
+        null_recency_dloss=float(consumers["null_recency_dloss"].mean()),
+        n_consumers=int(len(consumers)),
+    )

@@ -10,7 +10,8 @@ probe for the KV-shift decomposition, and the run's recorded snapshots for the t
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -51,10 +52,17 @@ def answer_targets(batch: Batch) -> torch.Tensor:
     return torch.where(batch.answer_mask, batch.targets, IGNORE_INDEX)
 
 
-def attribution_tables(model: HookedTransformer, batch: Batch, prompt: torch.Tensor,
-                       records: Optional[dict[str, pd.DataFrame]] = None, metrics: Optional[pd.DataFrame] = None,
-                       probe: Optional[Batch] = None, n_boot: int = 1000, progress: bool = False,
-                       on_stage: Optional[Callable[[float, str], Any]] = None) -> dict[str, pd.DataFrame]:
+def attribution_tables(
+    model: HookedTransformer,
+    batch: Batch,
+    prompt: torch.Tensor,
+    records: dict[str, pd.DataFrame] | None = None,
+    metrics: pd.DataFrame | None = None,
+    probe: Batch | None = None,
+    n_boot: int = 1000,
+    progress: bool = False,
+    on_stage: Callable[[float, str], Any] | None = None,
+) -> dict[str, pd.DataFrame]:
     """Every attribution table for a model (the edge, routing and audit tables for AttnRes models only).
 
     `prompt` [1, pos] feeds the per-position tables (depth_dla, logit_lens); `batch` the rest. `on_stage(fraction,
@@ -63,32 +71,66 @@ def attribution_tables(model: HookedTransformer, batch: Batch, prompt: torch.Ten
     batch = batch.to(model.embed.W_E.device)
     attnres = model.cfg.residual == "attnres"
     stages: list[tuple[str, Callable[[dict], None]]] = [
-        ("direct logit attribution", lambda t: t.update(
-            depth_dla=depth_logit_attribution(model, prompt),
-            depth_dla_summary=logit_attribution_summary(depth_logit_attribution(model, batch.tokens,
-                                                                                answer_targets(batch))),
-            depth_inputs=depth_input_decomposition(model, batch.tokens))),
-        ("logit lens", lambda t: t.update(
-            logit_lens=source_logit_lens(model, prompt),
-            logit_lens_summary=logit_lens_summary(source_logit_lens(model, batch.tokens, targets=answer_targets(batch))))),
+        (
+            "direct logit attribution",
+            lambda t: t.update(
+                depth_dla=depth_logit_attribution(model, prompt),
+                depth_dla_summary=logit_attribution_summary(
+                    depth_logit_attribution(model, batch.tokens, answer_targets(batch))
+                ),
+                depth_inputs=depth_input_decomposition(model, batch.tokens),
+            ),
+        ),
+        (
+            "logit lens",
+            lambda t: t.update(
+                logit_lens=source_logit_lens(model, prompt),
+                logit_lens_summary=logit_lens_summary(
+                    source_logit_lens(model, batch.tokens, targets=answer_targets(batch))
+                ),
+            ),
+        ),
     ]
     # patching from a corrupted input is derived for the paper's default depth attention only (docs/analysis.md §11)
     patchable = all(getattr(module, "fusable", True) for module in model.depth_attention_modules().values())
     if attnres:
         stages += [
-            ("edge attribution (one forward and backward pass)", lambda t: t.update(
-                edge_attribution=edge_attribution(model, batch),
-                **({"edge_attribution_corrupted": edge_attribution(model, batch,
-                                                                   corrupted=batch.tokens.roll(1, dims=0))}
-                   if patchable else {}))),
+            (
+                "edge attribution (one forward and backward pass)",
+                lambda t: t.update(
+                    edge_attribution=edge_attribution(model, batch),
+                    **(
+                        {
+                            "edge_attribution_corrupted": edge_attribution(
+                                model, batch, corrupted=batch.tokens.roll(1, dims=0)
+                            )
+                        }
+                        if patchable
+                        else {}
+                    ),
+                ),
+            ),
             ("exact knockouts (causal routing)", lambda t: t.update(routing=causal_routing(model, batch))),
-            ("routing audit (bootstrap over sequences, null schedules)", lambda t: t.update(
-                **{f"routing_audit_{key}": frame for key, frame in routing_audit(model, batch, n_boot).items()})),
+            (
+                "routing audit (bootstrap over sequences, null schedules)",
+                lambda t: t.update(
+                    **{f"routing_audit_{key}": frame for key, frame in routing_audit(model, batch, n_boot).items()}
+                ),
+            ),
         ]
-    stages.append(("KV-shift decomposition", lambda t: t.update(
-        kv_shift=kv_shift_decomposition(model, probe if probe is not None else
-                                        repeated_batch(batch.tokens.shape[0], default_half_len(model),
-                                                       model.cfg.d_vocab)))))
+    stages.append(
+        (
+            "KV-shift decomposition",
+            lambda t: t.update(
+                kv_shift=kv_shift_decomposition(
+                    model,
+                    probe
+                    if probe is not None
+                    else repeated_batch(batch.tokens.shape[0], default_half_len(model), model.cfg.d_vocab),
+                )
+            ),
+        )
+    )
     if records is not None and metrics is not None:
         stages.append(("training timeline", lambda t: t.update(timeline=training_timeline(records, metrics))))
     tables: dict[str, pd.DataFrame] = {}
@@ -111,8 +153,10 @@ def attribution_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any])
     """Headline numbers: the sources carrying most of the correct-token logit, the lens depth where the target
     first ranks top on average, edge-estimate agreement, the audit's means, the strongest shifted-key head."""
     dla = tables["depth_dla_summary"].sort_values("mean_abs_contribution", ascending=False)
-    summary: dict[str, Any] = {**header, "top_logit_sources": dla.head(3)[["source_label", "mean_contribution",
-                                                                           "share"]].to_dict("records")}
+    summary: dict[str, Any] = {
+        **header,
+        "top_logit_sources": dla.head(3)[["source_label", "mean_contribution", "share"]].to_dict("records"),
+    }
     lens = tables["logit_lens_summary"]
     inputs = lens[lens["vector"] == "input"]
     summary["lens_final_top1"] = float(inputs["top1"].iloc[-1])
@@ -122,9 +166,12 @@ def attribution_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any])
         summary["routing_audit"] = audit_summary({"consumers": tables["routing_audit_consumers"]})
     kv = tables["kv_shift"]
     best = kv.loc[kv["prefix_score"].idxmax()]
-    summary["top_induction_head"] = dict(layer=int(best["layer"]), head=int(best["head"]),
-                                         prefix_score=float(best["prefix_score"]),
-                                         shifted_key_induction_score=float(best["shifted_key_induction_score"]))
+    summary["top_induction_head"] = dict(
+        layer=int(best["layer"]),
+        head=int(best["head"]),
+        prefix_score=float(best["prefix_score"]),
+        shifted_key_induction_score=float(best["shifted_key_induction_score"]),
+    )
     if "timeline_changes" in tables:
         changes = tables["timeline_changes"]
         model_wide = changes[changes["consumer"] < 0]
@@ -132,12 +179,12 @@ def attribution_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any])
     return summary
 
 
-def parse_prompt(model: HookedTransformer, prompt: Union[str, torch.Tensor, None], batch: Batch) -> torch.Tensor:
+def parse_prompt(model: HookedTransformer, prompt: str | torch.Tensor | None, batch: Batch) -> torch.Tensor:
     """[1, pos] prompt tokens: space-separated ids (validated by the model), default the first held-out sequence."""
     if prompt is None:
         return batch.tokens[:1]
     if isinstance(prompt, str) and not prompt.split():
-        raise ValueError("--prompt is empty; give space-separated token ids, e.g. --prompt \"3 17 5 3 17\"")
+        raise ValueError('--prompt is empty; give space-separated token ids, e.g. --prompt "3 17 5 3 17"')
     try:
         tokens = model.to_tokens(prompt)
     except ValueError as err:  # the model names the problem; this names the option
@@ -150,14 +197,14 @@ def parse_prompt(model: HookedTransformer, prompt: Union[str, torch.Tensor, None
 
 
 # ---------------------------------------------------------------------------- figures (pure functions of tables)
-def _layout(figure: "go.Figure", title: str, height: int = 420, **layout: Any) -> "go.Figure":
+def _layout(figure: go.Figure, title: str, height: int = 420, **layout: Any) -> go.Figure:
     # an explicit template: importing streamlit changes Plotly's default one
     layout.setdefault("margin", dict(l=10, r=10, t=60, b=10))
     figure.update_layout(title=title, height=height, template="plotly_white", **layout)
     return figure
 
 
-def dla_heatmap(dla: pd.DataFrame, sequence: int = 0) -> "go.Figure":
+def dla_heatmap(dla: pd.DataFrame, sequence: int = 0) -> go.Figure:
     """Per-position direct logit attribution of one sequence: source × position, signed."""
     import plotly.graph_objects as go
 
@@ -167,31 +214,46 @@ def dla_heatmap(dla: pd.DataFrame, sequence: int = 0) -> "go.Figure":
     targets = frame.drop_duplicates("position").set_index("position")["target"].reindex(grid.columns)
     tokens = frame.drop_duplicates("position").set_index("position")["token"].reindex(grid.columns)
     limit = float(grid.abs().max().max()) or 1.0
-    figure = go.Figure(go.Heatmap(
-        z=grid.to_numpy(), x=[f"{p}: {t}→{n}" for p, t, n in zip(grid.columns, tokens, targets)],
-        y=grid.index.tolist(), colorscale=SIGNED, zmid=0, zmin=-limit, zmax=limit,
-        colorbar=dict(title=dict(text="logit")),
-        hovertemplate="source %{y}<br>position %{x}<br>contribution %{z:.3f}<extra></extra>"))
+    figure = go.Figure(
+        go.Heatmap(
+            z=grid.to_numpy(),
+            x=[f"{p}: {t}→{n}" for p, t, n in zip(grid.columns, tokens, targets)],
+            y=grid.index.tolist(),
+            colorscale=SIGNED,
+            zmid=0,
+            zmin=-limit,
+            zmax=limit,
+            colorbar=dict(title=dict(text="logit")),
+            hovertemplate="source %{y}<br>position %{x}<br>contribution %{z:.3f}<extra></extra>",
+        )
+    )
     figure.update_yaxes(autorange="reversed", title="source (final readout)", type="category")
     figure.update_xaxes(title="position: token→next token", type="category")
-    return _layout(figure, "Direct logit attribution of the next token, per source and position",
-                   max(320, 80 + 24 * len(grid)))
+    return _layout(
+        figure, "Direct logit attribution of the next token, per source and position", max(320, 80 + 24 * len(grid))
+    )
 
 
-def dla_summary_bars(summary: pd.DataFrame) -> "go.Figure":
+def dla_summary_bars(summary: pd.DataFrame) -> go.Figure:
     import plotly.graph_objects as go
 
-    figure = go.Figure(go.Bar(x=summary["source_label"], y=summary["mean_contribution"],
-                              error_y=None, marker_color="#4c72b0",
-                              customdata=summary[["share", "mean_alpha"]].to_numpy(),
-                              hovertemplate="%{x}<br>mean contribution %{y:.3f}<br>share of |·| %{customdata[0]:.2f}"
-                                            "<br>mean α %{customdata[1]:.3f}<extra></extra>"))
+    figure = go.Figure(
+        go.Bar(
+            x=summary["source_label"],
+            y=summary["mean_contribution"],
+            error_y=None,
+            marker_color="#4c72b0",
+            customdata=summary[["share", "mean_alpha"]].to_numpy(),
+            hovertemplate="%{x}<br>mean contribution %{y:.3f}<br>share of |·| %{customdata[0]:.2f}"
+            "<br>mean α %{customdata[1]:.3f}<extra></extra>",
+        )
+    )
     figure.update_xaxes(title="source", type="category")
     figure.update_yaxes(title="mean contribution to the correct logit")
     return _layout(figure, "Which sources the prediction reads (held-out answer positions)")
 
 
-def lens_heatmap(lens: pd.DataFrame, sequence: int = 0) -> "go.Figure":
+def lens_heatmap(lens: pd.DataFrame, sequence: int = 0) -> go.Figure:
     """Correct-token rank of every decoded vector (depth order) at each position of one sequence."""
     import plotly.graph_objects as go
 
@@ -199,16 +261,24 @@ def lens_heatmap(lens: pd.DataFrame, sequence: int = 0) -> "go.Figure":
     order = frame.drop_duplicates(["vector", "label"])["label"].tolist()
     grid = frame.pivot_table(index="label", columns="position", values="target_rank", aggfunc="first").reindex(order)
     tops = frame.pivot_table(index="label", columns="position", values="top_tokens", aggfunc="first").reindex(order)
-    figure = go.Figure(go.Heatmap(
-        z=grid.to_numpy(dtype=float), x=[str(p) for p in grid.columns], y=order, customdata=tops.to_numpy(),
-        colorscale=SEQUENTIAL, reversescale=True, colorbar=dict(title=dict(text="rank of the<br>next token")),
-        hovertemplate="%{y}<br>position %{x}<br>rank %{z}<br>top tokens %{customdata}<extra></extra>"))
+    figure = go.Figure(
+        go.Heatmap(
+            z=grid.to_numpy(dtype=float),
+            x=[str(p) for p in grid.columns],
+            y=order,
+            customdata=tops.to_numpy(),
+            colorscale=SEQUENTIAL,
+            reversescale=True,
+            colorbar=dict(title=dict(text="rank of the<br>next token")),
+            hovertemplate="%{y}<br>position %{x}<br>rank %{z}<br>top tokens %{customdata}<extra></extra>",
+        )
+    )
     figure.update_yaxes(autorange="reversed", type="category", title="decoded vector (sources, then inputs)")
     figure.update_xaxes(title="position", type="category")
     return _layout(figure, "Logit lens over depth: rank of the next token (0 = top)", max(360, 60 + 20 * len(order)))
 
 
-def lens_summary_figure(summary: pd.DataFrame) -> "go.Figure":
+def lens_summary_figure(summary: pd.DataFrame) -> go.Figure:
     import plotly.graph_objects as go
 
     figure = go.Figure()
@@ -219,7 +289,7 @@ def lens_summary_figure(summary: pd.DataFrame) -> "go.Figure":
     return _layout(figure, "Logit lens: where the answer becomes readable")
 
 
-def edge_heatmap(edges: pd.DataFrame, column: str = "total") -> "go.Figure":
+def edge_heatmap(edges: pd.DataFrame, column: str = "total") -> go.Figure:
     """Consumer × source heatmap of an edge-attribution column (total, value_path or routing_path)."""
     import plotly.graph_objects as go
 
@@ -227,14 +297,27 @@ def edge_heatmap(edges: pd.DataFrame, column: str = "total") -> "go.Figure":
         raise ValueError(f"column must be one of {list(EDGE_COLUMNS)}, got {column!r}")
     grid = _edge_grid(edges, column)
     limit = float(grid.abs().max().max()) if grid.notna().any().any() else 1.0
-    figure = go.Figure(go.Heatmap(
-        z=grid.to_numpy(dtype=float), x=grid.columns.tolist(), y=grid.index.tolist(), colorscale=SIGNED, zmid=0,
-        zmin=-limit, zmax=limit, hoverongaps=False, colorbar=dict(title=dict(text="Δloss (est.)")),
-        hovertemplate="consumer %{y}<br>source %{x}<br>%{z:.4g}<extra></extra>"))
+    figure = go.Figure(
+        go.Heatmap(
+            z=grid.to_numpy(dtype=float),
+            x=grid.columns.tolist(),
+            y=grid.index.tolist(),
+            colorscale=SIGNED,
+            zmid=0,
+            zmin=-limit,
+            zmax=limit,
+            hoverongaps=False,
+            colorbar=dict(title=dict(text="Δloss (est.)")),
+            hovertemplate="consumer %{y}<br>source %{x}<br>%{z:.4g}<extra></extra>",
+        )
+    )
     figure.update_yaxes(autorange="reversed", type="category", title="consumer")
     figure.update_xaxes(type="category", title="source")
-    return _layout(figure, f"Edge attribution ({EDGE_COLUMNS[column]}): first-order Δloss of knocking a source out",
-                   max(360, 80 + 22 * len(grid)))
+    return _layout(
+        figure,
+        f"Edge attribution ({EDGE_COLUMNS[column]}): first-order Δloss of knocking a source out",
+        max(360, 80 + 22 * len(grid)),
+    )
 
 
 def _edge_grid(edges: pd.DataFrame, column: str) -> pd.DataFrame:
@@ -244,83 +327,162 @@ def _edge_grid(edges: pd.DataFrame, column: str) -> pd.DataFrame:
     return grid.reindex(columns=sorted(grid.columns, key=lambda label: (label == "partial", first[label], label)))
 
 
-def edge_heatmap_with_toggle(edges: pd.DataFrame) -> "go.Figure":
+def edge_heatmap_with_toggle(edges: pd.DataFrame) -> go.Figure:
     """`edge_heatmap` with buttons switching between the total, the value path and the routing path (works in an
     offline HTML file)."""
     figure = edge_heatmap(edges, "total")
     grids = {column: _edge_grid(edges, column) for column in EDGE_COLUMNS}
     limit = max(float(grid.abs().max().max()) for grid in grids.values())
     figure.update_traces(zmin=-limit, zmax=limit)
-    buttons = [dict(label=label, method="update",
-                    args=[{"z": [grids[column].to_numpy(dtype=float)]},
-                          {"title.text": f"Edge attribution ({label}): first-order Δloss of knocking a source out"}])
-               for column, label in EDGE_COLUMNS.items()]
-    figure.update_layout(updatemenus=[dict(type="buttons", direction="right", buttons=buttons, x=1, y=1.02,
-                                           xanchor="right", yanchor="bottom")], margin=dict(t=100))
+    buttons = [
+        dict(
+            label=label,
+            method="update",
+            args=[
+                {"z": [grids[column].to_numpy(dtype=float)]},
+                {"title.text": f"Edge attribution ({label}): first-order Δloss of knocking a source out"},
+            ],
+        )
+        for column, label in EDGE_COLUMNS.items()
+    ]
+    figure.update_layout(
+        updatemenus=[
+            dict(type="buttons", direction="right", buttons=buttons, x=1, y=1.02, xanchor="right", yanchor="bottom")
+        ],
+        margin=dict(t=100),
+    )
     return figure
 
 
-def agreement_scatter(edges: pd.DataFrame, routing: pd.DataFrame) -> "go.Figure":
+def agreement_scatter(edges: pd.DataFrame, routing: pd.DataFrame) -> go.Figure:
     import plotly.graph_objects as go
 
     merged = edges.merge(routing[["consumer", "source", "delta_loss"]], on=["consumer", "source"])
-    figure = go.Figure(go.Scatter(
-        x=merged["delta_loss"], y=merged["total"], mode="markers",
-        marker=dict(color=merged["max_alpha"], colorscale=SEQUENTIAL, cmin=0, cmax=1, showscale=True,
-                    colorbar=dict(title=dict(text="max α"))),
-        text=merged["consumer_label"] + " ← " + merged["source_label"],
-        hovertemplate="%{text}<br>exact %{x:.4g}<br>estimate %{y:.4g}<extra></extra>"))
+    figure = go.Figure(
+        go.Scatter(
+            x=merged["delta_loss"],
+            y=merged["total"],
+            mode="markers",
+            marker=dict(
+                color=merged["max_alpha"],
+                colorscale=SEQUENTIAL,
+                cmin=0,
+                cmax=1,
+                showscale=True,
+                colorbar=dict(title=dict(text="max α")),
+            ),
+            text=merged["consumer_label"] + " ← " + merged["source_label"],
+            hovertemplate="%{text}<br>exact %{x:.4g}<br>estimate %{y:.4g}<extra></extra>",
+        )
+    )
     low = float(min(merged["delta_loss"].min(), merged["total"].min()))
     high = float(max(merged["delta_loss"].max(), merged["total"].max()))
-    figure.add_trace(go.Scatter(x=[low, high], y=[low, high], mode="lines", line=dict(dash="dot", color="#888"),
-                                name="estimate = exact", hoverinfo="skip"))
+    figure.add_trace(
+        go.Scatter(
+            x=[low, high],
+            y=[low, high],
+            mode="lines",
+            line=dict(dash="dot", color="#888"),
+            name="estimate = exact",
+            hoverinfo="skip",
+        )
+    )
     figure.update_xaxes(title="exact Δloss (masked forward pass)")
     figure.update_yaxes(title="first-order estimate")
     return _layout(figure, "Edge attribution vs exact knockouts", showlegend=False)
 
 
-def audit_figure(consumers: pd.DataFrame) -> "go.Figure":
+def audit_figure(consumers: pd.DataFrame) -> go.Figure:
     """Per consumer: Spearman(α mass, Δloss) with its bootstrap CI, and the Δloss of the two null schedules."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    figure = make_subplots(rows=1, cols=2, subplot_titles=("Spearman(α mass, Δloss) over a consumer's sources",
-                                                           "Δloss when α is replaced by a null schedule"))
+    figure = make_subplots(
+        rows=1,
+        cols=2,
+        subplot_titles=(
+            "Spearman(α mass, Δloss) over a consumer's sources",
+            "Δloss when α is replaced by a null schedule",
+        ),
+    )
     labels = consumers["consumer_label"]
-    figure.add_trace(go.Scatter(
-        x=labels, y=consumers["spearman"], mode="markers", name="Spearman", marker=dict(color="#4c72b0"),
-        error_y=dict(type="data", symmetric=False, array=consumers["spearman_high"] - consumers["spearman"],
-                     arrayminus=consumers["spearman"] - consumers["spearman_low"])), row=1, col=1)
+    figure.add_trace(
+        go.Scatter(
+            x=labels,
+            y=consumers["spearman"],
+            mode="markers",
+            name="Spearman",
+            marker=dict(color="#4c72b0"),
+            error_y=dict(
+                type="data",
+                symmetric=False,
+                array=consumers["spearman_high"] - consumers["spearman"],
+                arrayminus=consumers["spearman"] - consumers["spearman_low"],
+            ),
+        ),
+        row=1,
+        col=1,
+    )
     for name, color in (("mean", "#dd8452"), ("recency", "#55a868")):
         value = consumers[f"null_{name}_dloss"]
-        figure.add_trace(go.Bar(
-            x=labels, y=value, name=f"{name} schedule", marker_color=color,
-            error_y=dict(type="data", symmetric=False, array=consumers[f"null_{name}_dloss_high"] - value,
-                         arrayminus=value - consumers[f"null_{name}_dloss_low"])), row=1, col=2)
+        figure.add_trace(
+            go.Bar(
+                x=labels,
+                y=value,
+                name=f"{name} schedule",
+                marker_color=color,
+                error_y=dict(
+                    type="data",
+                    symmetric=False,
+                    array=consumers[f"null_{name}_dloss_high"] - value,
+                    arrayminus=value - consumers[f"null_{name}_dloss_low"],
+                ),
+            ),
+            row=1,
+            col=2,
+        )
     figure.update_yaxes(range=[-1.05, 1.05], row=1, col=1)
     figure.update_xaxes(type="category")
     return _layout(figure, "Routing audit (95% bootstrap intervals over sequences)", 440, barmode="group")
 
 
-def kv_shift_bars(kv: pd.DataFrame) -> "go.Figure":
+def kv_shift_bars(kv: pd.DataFrame) -> go.Figure:
     import plotly.graph_objects as go
 
     labels = "L" + kv["layer"].astype(str) + "H" + kv["head"].astype(str)
-    figure = go.Figure([
-        go.Bar(x=labels, y=kv["current_key_advantage"], name="current key (α1·q·K_k)"),
-        go.Bar(x=labels, y=kv["shifted_key_advantage"], name="shifted key (α2·q·K_{k−1})"),
-    ])
-    figure.add_trace(go.Scatter(x=labels, y=kv["prefix_score"], name="prefix score (attention on target)",
-                                mode="markers", yaxis="y2", marker=dict(color="black", symbol="diamond")))
-    figure.update_layout(yaxis=dict(title="score advantage at the induction target"),
-                         yaxis2=dict(title="prefix score", overlaying="y", side="right", range=[0, 1]))
+    figure = go.Figure(
+        [
+            go.Bar(x=labels, y=kv["current_key_advantage"], name="current key (α1·q·K_k)"),
+            go.Bar(x=labels, y=kv["shifted_key_advantage"], name="shifted key (α2·q·K_{k−1})"),
+        ]
+    )
+    figure.add_trace(
+        go.Scatter(
+            x=labels,
+            y=kv["prefix_score"],
+            name="prefix score (attention on target)",
+            mode="markers",
+            yaxis="y2",
+            marker=dict(color="black", symbol="diamond"),
+        )
+    )
+    figure.update_layout(
+        yaxis=dict(title="score advantage at the induction target"),
+        yaxis2=dict(title="prefix score", overlaying="y", side="right", range=[0, 1]),
+    )
     figure.update_xaxes(title="head", type="category")
-    return _layout(figure, "KV-shift decomposition on repeated tokens: which key finds the induction target",
-                   barmode="group")
+    return _layout(
+        figure, "KV-shift decomposition on repeated tokens: which key finds the induction target", barmode="group"
+    )
 
 
-TIMELINE_PANELS = (("loss", "eval_loss"), ("induction_score",), ("routing_entropy",), ("max_weight",),
-                   ("embedding_weight",))
+TIMELINE_PANELS = (
+    ("loss", "eval_loss"),
+    ("induction_score",),
+    ("routing_entropy",),
+    ("max_weight",),
+    ("embedding_weight",),
+)
 
 
 # model-wide series: Okabe–Ito colours (colour-blind safe), apart from the per-consumer Viridis ramp
@@ -337,11 +499,13 @@ def consumer_styles(timeline: pd.DataFrame) -> dict[int, dict[str, str]]:
     labels = timeline.loc[timeline["consumer"] >= 0, ["consumer", "consumer_label"]].drop_duplicates("consumer")
     labels = labels.sort_values("consumer")
     colours = sample_colorscale(SEQUENTIAL, [0.85 * i / max(len(labels) - 1, 1) for i in range(len(labels))])
-    return {int(consumer): dict(color=colour, dash=KIND_DASHES.get(str(label).rsplit(".", 1)[-1], "dashdot"))
-            for (consumer, label), colour in zip(labels.itertuples(index=False), colours)}
+    return {
+        int(consumer): dict(color=colour, dash=KIND_DASHES.get(str(label).rsplit(".", 1)[-1], "dashdot"))
+        for (consumer, label), colour in zip(labels.itertuples(index=False), colours)
+    }
 
 
-def timeline_figure(timeline: pd.DataFrame, changes: pd.DataFrame) -> "go.Figure":
+def timeline_figure(timeline: pd.DataFrame, changes: pd.DataFrame) -> go.Figure:
     """Loss, the induction score and per-consumer routing statistics over training, on one step axis; a dotted
     line marks where the loss and the induction score change fastest, labelled inside that series' own panel (two
     labels never share a row, so they cannot overlap)."""
@@ -349,8 +513,13 @@ def timeline_figure(timeline: pd.DataFrame, changes: pd.DataFrame) -> "go.Figure
     from plotly.subplots import make_subplots
 
     panels = [panel for panel in TIMELINE_PANELS if timeline["series"].isin(panel).any()]
-    figure = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.05,
-                           subplot_titles=[" / ".join(panel) for panel in panels])
+    figure = make_subplots(
+        rows=len(panels),
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.05,
+        subplot_titles=[" / ".join(panel) for panel in panels],
+    )
     styles, in_legend = consumer_styles(timeline), set()
     for row, panel in enumerate(panels, start=1):
         for series in panel:
@@ -358,10 +527,20 @@ def timeline_figure(timeline: pd.DataFrame, changes: pd.DataFrame) -> "go.Figure
             for (consumer, label), curve in frame.groupby(["consumer", "consumer_label"], sort=True):
                 name = label if consumer >= 0 else series  # one legend entry per consumer, toggling every panel
                 line = styles[consumer] if consumer >= 0 else dict(color=MODEL_WIDE_COLOURS.get(series, "#555555"))
-                figure.add_trace(go.Scatter(x=curve["step"], y=curve["value"], mode="lines", name=name,
-                                            legendgroup=name, showlegend=name not in in_legend, line=line,
-                                            hovertemplate=f"{name}<br>step %{{x}}<br>%{{y:.4g}}<extra></extra>"),
-                                 row=row, col=1)
+                figure.add_trace(
+                    go.Scatter(
+                        x=curve["step"],
+                        y=curve["value"],
+                        mode="lines",
+                        name=name,
+                        legendgroup=name,
+                        showlegend=name not in in_legend,
+                        line=line,
+                        hovertemplate=f"{name}<br>step %{{x}}<br>%{{y:.4g}}<extra></extra>",
+                    ),
+                    row=row,
+                    col=1,
+                )
                 in_legend.add(name)
     first, last = int(timeline["step"].min()), int(timeline["step"].max())
     for series in ("loss", "induction_score"):
@@ -371,41 +550,85 @@ def timeline_figure(timeline: pd.DataFrame, changes: pd.DataFrame) -> "go.Figure
             step = int(hit["step"].iloc[0])
             figure.add_vline(x=step, line_dash="dot", line_color="#888")
             right_half = step > (first + last) / 2  # the label reads away from the nearer edge
-            figure.add_annotation(x=step, y=1.0, xref="x", yref="y domain", row=row, col=1, showarrow=False,
-                                  xanchor="right" if right_half else "left", yanchor="top", xshift=-4 if right_half else 4,
-                                  text=f"fastest {series.replace('_', ' ')}: step {step}", font=dict(size=11),
-                                  bgcolor="rgba(255,255,255,0.85)")
+            figure.add_annotation(
+                x=step,
+                y=1.0,
+                xref="x",
+                yref="y domain",
+                row=row,
+                col=1,
+                showarrow=False,
+                xanchor="right" if right_half else "left",
+                yanchor="top",
+                xshift=-4 if right_half else 4,
+                text=f"fastest {series.replace('_', ' ')}: step {step}",
+                font=dict(size=11),
+                bgcolor="rgba(255,255,255,0.85)",
+            )
     figure.update_xaxes(title="step", row=len(panels), col=1)
     return _layout(figure, "Training timeline", 180 * len(panels) + 120, margin=dict(l=10, r=10, t=80, b=10))
 
 
 # ---------------------------------------------------------------------------- the HTML report
-def _table(frame: pd.DataFrame, columns: Optional[list[str]] = None) -> str:
+def _table(frame: pd.DataFrame, columns: list[str] | None = None) -> str:
     frame = frame if columns is None else frame[[column for column in columns if column in frame]]
-    return ("<div class=\"wide\">" + frame.to_html(index=False, float_format=lambda value: f"{value:.4g}", border=0)
-            + "</div>")
+    return (
+        '<div class="wide">'
+        + frame.to_html(index=False, float_format=lambda value: f"{value:.4g}", border=0)
+        + "</div>"
+    )
 
 
-AUDIT_COLUMNS = ["consumer_label", "n_sources", "spearman", "spearman_low", "spearman_high", "top_mass_label",
-                 "top_effect_label", "null_mean_dloss", "null_mean_dloss_low", "null_mean_dloss_high",
-                 "null_recency_dloss", "null_recency_dloss_low", "null_recency_dloss_high"]
-KV_COLUMNS = ["layer", "head", "alpha1", "alpha2", "beta1", "beta2", "prefix_score", "current_key_advantage",
-              "shifted_key_advantage", "shifted_key_induction_score", "shifted_value_share"]
+AUDIT_COLUMNS = [
+    "consumer_label",
+    "n_sources",
+    "spearman",
+    "spearman_low",
+    "spearman_high",
+    "top_mass_label",
+    "top_effect_label",
+    "null_mean_dloss",
+    "null_mean_dloss_low",
+    "null_mean_dloss_high",
+    "null_recency_dloss",
+    "null_recency_dloss_low",
+    "null_recency_dloss_high",
+]
+KV_COLUMNS = [
+    "layer",
+    "head",
+    "alpha1",
+    "alpha2",
+    "beta1",
+    "beta2",
+    "prefix_score",
+    "current_key_advantage",
+    "shifted_key_advantage",
+    "shifted_key_induction_score",
+    "shifted_value_share",
+]
 REPORT_STYLE = STYLE + ".wide { overflow-x: auto; max-width: 100%; }\n"
 
 
-def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, Any], title: Optional[str] = None) -> str:
+def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, Any], title: str | None = None) -> str:
     """The report as one HTML string, a section per analysis; plotly.js embedded once, so it opens offline."""
     title = title or f"Attribution through depth: {summary.get('run', '')}"
     sections: list[tuple[str, str, list[Any], str]] = [  # heading, note, figures, table HTML
-        ("Direct logit attribution through depth",
-         "Exact: with the final norm's scale frozen at its clean value, the per-source terms of a position sum to "
-         "its logit minus the unembedding bias. The table averages the correct-token logit over held-out answer "
-         "positions.", [dla_heatmap(tables["depth_dla"]), dla_summary_bars(tables["depth_dla_summary"])],
-         _table(tables["depth_dla_summary"])),
-        ("Logit lens over depth",
-         "Every source and every sublayer input decoded through the final norm (recomputed on the vector) and the "
-         "unembedding.", [lens_heatmap(tables["logit_lens"]), lens_summary_figure(tables["logit_lens_summary"])], ""),
+        (
+            "Direct logit attribution through depth",
+            "Exact: with the final norm's scale frozen at its clean value, the per-source terms of a position sum to "
+            "its logit minus the unembedding bias. The table averages the correct-token logit over held-out answer "
+            "positions.",
+            [dla_heatmap(tables["depth_dla"]), dla_summary_bars(tables["depth_dla_summary"])],
+            _table(tables["depth_dla_summary"]),
+        ),
+        (
+            "Logit lens over depth",
+            "Every source and every sublayer input decoded through the final norm (recomputed on the vector) and the "
+            "unembedding.",
+            [lens_heatmap(tables["logit_lens"]), lens_summary_figure(tables["logit_lens_summary"])],
+            "",
+        ),
     ]
     if "routing" in tables:
         agreement = summary.get("edge_agreement", {})
@@ -415,39 +638,62 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
             return "n/a" if value is None or value != value else f"{value:.{digits}f}"
 
         sections += [
-            ("Edge attribution: value and routing paths",
-             f"First-order estimates from one forward and one backward pass (buttons: total, value path, routing "
-             f"path), against the exact knockouts: Spearman {number('spearman', 3)} over "
-             f"{plural(agreement.get('n_edges', 0), 'edge')} ({number('spearman_within_consumer', 3)} within consumers; n/a "
-             f"where no consumer reads three sources), sign agreement {number('sign_agreement', 2)}. First order fails "
-             "where a softmax is saturated (max α near 1); the largest disagreements are listed.",
-             [edge_heatmap_with_toggle(tables["edge_attribution"]),
-              agreement_scatter(tables["edge_attribution"], tables["routing"])], _table(tables["edge_agreement"])),
-            ("Routing audit",
-             "α mass against the exact effect of each knockout, per consumer, with 95% bootstrap intervals over "
-             "sequences. Null schedules replace a consumer's α by its token mean (content-independent) or by one "
-             "recency profile pooled over consumers.", [audit_figure(tables["routing_audit_consumers"])],
-             _table(tables["routing_audit_consumers"], AUDIT_COLUMNS)),
+            (
+                "Edge attribution: value and routing paths",
+                f"First-order estimates from one forward and one backward pass (buttons: total, value path, routing "
+                f"path), against the exact knockouts: Spearman {number('spearman', 3)} over "
+                f"{plural(agreement.get('n_edges', 0), 'edge')} ({number('spearman_within_consumer', 3)} within consumers; n/a "
+                f"where no consumer reads three sources), sign agreement {number('sign_agreement', 2)}. First order fails "
+                "where a softmax is saturated (max α near 1); the largest disagreements are listed.",
+                [
+                    edge_heatmap_with_toggle(tables["edge_attribution"]),
+                    agreement_scatter(tables["edge_attribution"], tables["routing"]),
+                ],
+                _table(tables["edge_agreement"]),
+            ),
+            (
+                "Routing audit",
+                "α mass against the exact effect of each knockout, per consumer, with 95% bootstrap intervals over "
+                "sequences. Null schedules replace a consumer's α by its token mean (content-independent) or by one "
+                "recency profile pooled over consumers.",
+                [audit_figure(tables["routing_audit_consumers"])],
+                _table(tables["routing_audit_consumers"], AUDIT_COLUMNS),
+            ),
         ]
-    sections.append((
-        "KV-shift decomposition",
-        "Scores split into current-key and shifted-key parts on repeated tokens. Shifted-key induction score ≈ 1: "
-        "a one-layer KV-shift induction head; ≈ 0: the target is found through the current key (the two-layer "
-        "previous-token + induction circuit).", [kv_shift_bars(tables["kv_shift"])],
-        _table(tables["kv_shift"], KV_COLUMNS)))
+    sections.append(
+        (
+            "KV-shift decomposition",
+            "Scores split into current-key and shifted-key parts on repeated tokens. Shifted-key induction score ≈ 1: "
+            "a one-layer KV-shift induction head; ≈ 0: the target is found through the current key (the two-layer "
+            "previous-token + induction circuit).",
+            [kv_shift_bars(tables["kv_shift"])],
+            _table(tables["kv_shift"], KV_COLUMNS),
+        )
+    )
     if "timeline" in tables and len(tables["timeline"]):
         changes = tables["timeline_changes"]
-        sections.append(("Training timeline", "From the run's recorded snapshots; dotted lines mark where the loss "
-                         "and the induction score change fastest.",
-                         [timeline_figure(tables["timeline"], changes)], _table(changes[changes["consumer"] < 0])))
-    parts = ["<!DOCTYPE html>", "<html><head><meta charset=\"utf-8\">", f"<title>{html.escape(title)}</title>",
-             f"<style>{REPORT_STYLE}</style></head><body>", f"<h1>{html.escape(title)}</h1>",
-             f"<p>Model {html.escape(str(summary.get('variant')))}, checkpoint "
-             f"{html.escape(str(summary.get('checkpoint')))}, {summary.get('samples')} held-out sequences. Prompt "
-             f"for the per-position views: <code>{html.escape(str(summary.get('prompt', '')))}</code>.</p>"]
+        sections.append(
+            (
+                "Training timeline",
+                "From the run's recorded snapshots; dotted lines mark where the loss "
+                "and the induction score change fastest.",
+                [timeline_figure(tables["timeline"], changes)],
+                _table(changes[changes["consumer"] < 0]),
+            )
+        )
+    parts = [
+        "<!DOCTYPE html>",
+        '<html><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title>",
+        f"<style>{REPORT_STYLE}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        f"<p>Model {html.escape(str(summary.get('variant')))}, checkpoint "
+        f"{html.escape(str(summary.get('checkpoint')))}, {summary.get('samples')} held-out sequences. Prompt "
+        f"for the per-position views: <code>{html.escape(str(summary.get('prompt', '')))}</code>.</p>",
+    ]
     first = True
     for heading, note, figures, table in sections:
-        parts += [f"<h2>{html.escape(heading)}</h2>", f"<p class=\"note\">{html.escape(note)}</p>"]
+        parts += [f"<h2>{html.escape(heading)}</h2>", f'<p class="note">{html.escape(note)}</p>']
         for figure in figures:
             # plotly.js goes inline with the first figure only; later figures reuse it
             parts.append(figure.to_html(full_html=False, include_plotlyjs=first, config={"displaylogo": False}))

@@ -8,7 +8,6 @@ with the model's labels ("emb", "L3.attn", "B2 (L2–L3)", "partial").
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import pandas as pd
 import torch
@@ -26,20 +25,31 @@ def depth_weights_by_consumer(model: HookedTransformer, tokens: torch.Tensor) ->
     with `attnres_heads > 1`)."""
     modules = model.depth_attention_modules()
     if not modules:
-        raise ValueError(f"a residual={model.cfg.residual!r} model has no depth attention; its mixing weights are in "
-                         "depth_mixing_matrix")
+        raise ValueError(
+            f"a residual={model.cfg.residual!r} model has no depth attention; its mixing weights are in "
+            "depth_mixing_matrix"
+        )
     names = {consumer: module.hook_weights.name for consumer, module in modules.items()}
     saved = clean_result("depth_weights", model, tokens, lambda: capture(model, tokens, names.values()))
     # with attnres_heads > 1 each channel group has its own α: the vector's effective weight is their mean
-    return {consumer: saved[name].float().mean(-2) if saved[name].ndim == 4 else saved[name].float()
-            for consumer, name in names.items()}
+    return {
+        consumer: saved[name].float().mean(-2) if saved[name].ndim == 4 else saved[name].float()
+        for consumer, name in names.items()
+    }
 
 
 def _source_rows(model: HookedTransformer, consumer: int) -> list[dict]:
     label = model.sublayer_name(consumer)
-    return [dict(consumer=consumer, consumer_label=label, kind=model.sublayer_kind(consumer), source=source,
-                 source_label=source_label)
-            for source, source_label in enumerate(model.source_labels(consumer))]
+    return [
+        dict(
+            consumer=consumer,
+            consumer_label=label,
+            kind=model.sublayer_kind(consumer),
+            source=source,
+            source_label=source_label,
+        )
+        for source, source_label in enumerate(model.source_labels(consumer))
+    ]
 
 
 def depth_weights(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFrame:
@@ -58,15 +68,27 @@ def depth_weights_per_token(model: HookedTransformer, tokens: torch.Tensor) -> p
     frames = []
     for consumer, weights in depth_weights_by_consumer(model, tokens).items():
         batch, pos, n_sources = weights.shape
-        index = pd.MultiIndex.from_product([range(batch), range(pos), range(n_sources)],
-                                           names=["sequence", "position", "source"])
+        index = pd.MultiIndex.from_product(
+            [range(batch), range(pos), range(n_sources)], names=["sequence", "position", "source"]
+        )
         frame = pd.DataFrame({"weight": weights.reshape(-1).cpu().numpy()}, index=index).reset_index()
         frame["token"] = tokens.cpu().numpy()[frame["sequence"], frame["position"]]
         labels = pd.DataFrame(_source_rows(model, consumer))
         frames.append(frame.merge(labels, on="source"))
-    columns = ["sequence", "position", "token", "consumer", "consumer_label", "kind", "source", "source_label", "weight"]
-    return pd.concat(frames, ignore_index=True)[columns].sort_values(["sequence", "position", "consumer", "source"],
-                                                                      ignore_index=True)
+    columns = [
+        "sequence",
+        "position",
+        "token",
+        "consumer",
+        "consumer_label",
+        "kind",
+        "source",
+        "source_label",
+        "weight",
+    ]
+    return pd.concat(frames, ignore_index=True)[columns].sort_values(
+        ["sequence", "position", "consumer", "source"], ignore_index=True
+    )
 
 
 def depth_summary(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFrame:
@@ -82,17 +104,24 @@ def depth_summary(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFram
         entropy = -(shares * shares.clamp_min(1e-30).log()).sum(-1).mean().item()
         mean_shares = shares.mean(dim=(0, 1))
         sink = int(mean_shares.argmax())
-        rows.append(dict(
-            consumer=consumer, consumer_label=model.sublayer_name(consumer), kind=model.sublayer_kind(consumer),
-            n_sources=n_sources, entropy=entropy,
-            normalized_entropy=entropy / math.log(n_sources) if n_sources > 1 else float("nan"),
-            sink_score=mean_shares[sink].item(), sink_source=sink, sink_label=model.source_labels(consumer)[sink],
-            embedding_weight=weights[..., 0].mean().item(),
-        ))
+        rows.append(
+            dict(
+                consumer=consumer,
+                consumer_label=model.sublayer_name(consumer),
+                kind=model.sublayer_kind(consumer),
+                n_sources=n_sources,
+                entropy=entropy,
+                normalized_entropy=entropy / math.log(n_sources) if n_sources > 1 else float("nan"),
+                sink_score=mean_shares[sink].item(),
+                sink_source=sink,
+                sink_label=model.source_labels(consumer)[sink],
+                embedding_weight=weights[..., 0].mean().item(),
+            )
+        )
     return pd.DataFrame(rows)
 
 
-def depth_mixing_matrix(model: HookedTransformer, tokens: Optional[torch.Tensor] = None) -> pd.DataFrame:
+def depth_mixing_matrix(model: HookedTransformer, tokens: torch.Tensor | None = None) -> pd.DataFrame:
     """The effective weight of each sublayer output (and of the embedding) in each sublayer input, token-averaged.
 
     `M[c, i]` is the coefficient of f_i in h_c (`attnres_lens.mixing`): standard residual, all ones
@@ -123,7 +152,7 @@ def _mixing_frame(model: HookedTransformer, matrix: torch.Tensor) -> pd.DataFram
     return pd.DataFrame(mixing_rows(model, matrix))
 
 
-def mixing_diagnostics(model: HookedTransformer, tokens: Optional[torch.Tensor] = None) -> pd.DataFrame:
+def mixing_diagnostics(model: HookedTransformer, tokens: torch.Tensor | None = None) -> pd.DataFrame:
     """Per consumer, on its row of the token-averaged M normalised to shares p (|M| / Σ|M|): effective_sources
     (exp of the entropy of p: how many outputs it really reads), max_weight (the largest share: 1 = collapse onto one
     output), embedding_mass (the embedding's share); for mHC also stream_dominance (`mixing.stream_dominance`)."""
@@ -134,9 +163,15 @@ def mixing_diagnostics(model: HookedTransformer, tokens: Optional[torch.Tensor] 
         shares = matrix[consumer, : consumer + 1].abs()
         shares = shares / shares.sum()
         entropy = -(shares * shares.clamp_min(1e-30).log()).sum().item()
-        row = dict(consumer=consumer, consumer_label=model.sublayer_name(consumer), kind=model.sublayer_kind(consumer),
-                   n_outputs=consumer + 1, effective_sources=math.exp(entropy), max_weight=shares.max().item(),
-                   embedding_mass=shares[0].item())
+        row = dict(
+            consumer=consumer,
+            consumer_label=model.sublayer_name(consumer),
+            kind=model.sublayer_kind(consumer),
+            n_outputs=consumer + 1,
+            effective_sources=math.exp(entropy),
+            max_weight=shares.max().item(),
+            embedding_mass=shares[0].item(),
+        )
         if dominance:
             row["stream_dominance"] = dominance[consumer]
         rows.append(row)
@@ -146,18 +181,27 @@ def mixing_diagnostics(model: HookedTransformer, tokens: Optional[torch.Tensor] 
 def mixing_matrix_from_weights(model: HookedTransformer, weights: pd.DataFrame) -> pd.DataFrame:
     """`depth_mixing_matrix` from token-averaged source weights (columns consumer, source, weight), such as
     `depth_weights` or a recorded snapshot (`records/depth_weights.parquet` at one step): M is linear in them."""
-    by_consumer = {int(c): dict(zip(group["source"].astype(int), group["weight"])) for c, group in
-                   weights.groupby("consumer")}
+    by_consumer = {
+        int(c): dict(zip(group["source"].astype(int), group["weight"])) for c, group in weights.groupby("consumer")
+    }
     rows = []
     for consumer in range(model.cfg.n_sublayers + 1):
         if consumer not in by_consumer:
-            raise ValueError(f"the source weights have no rows for consumer {consumer} ({model.sublayer_name(consumer)})")
+            raise ValueError(
+                f"the source weights have no rows for consumer {consumer} ({model.sublayer_name(consumer)})"
+            )
         effective = {i: 0.0 for i in [EMBEDDING, *range(consumer)]}
         for source, members in enumerate(model.sources(consumer)):
             for member in members:
                 effective[member] += by_consumer[consumer][source]
         for sublayer, weight in effective.items():
-            rows.append(dict(consumer=consumer, consumer_label=model.sublayer_name(consumer), sublayer=sublayer,
-                             sublayer_label="emb" if sublayer == EMBEDDING else model.sublayer_name(sublayer),
-                             weight=float(weight)))
+            rows.append(
+                dict(
+                    consumer=consumer,
+                    consumer_label=model.sublayer_name(consumer),
+                    sublayer=sublayer,
+                    sublayer_label="emb" if sublayer == EMBEDDING else model.sublayer_name(sublayer),
+                    weight=float(weight),
+                )
+            )
     return pd.DataFrame(rows)

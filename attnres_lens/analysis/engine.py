@@ -14,7 +14,8 @@ import contextlib
 import copy
 import threading
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,8 +34,9 @@ from attnres_lens.tasks.base import Batch
 
 
 @torch.no_grad()
-def capture(model: HookedTransformer, tokens: torch.Tensor, names: Iterable[str],
-            fwd_hooks: Sequence[Hook] = ()) -> dict[str, torch.Tensor]:
+def capture(
+    model: HookedTransformer, tokens: torch.Tensor, names: Iterable[str], fwd_hooks: Sequence[Hook] = ()
+) -> dict[str, torch.Tensor]:
     """Activations at the hook points `names` for one forward pass (with optional interventions)."""
     saved: dict[str, torch.Tensor] = {}
 
@@ -49,8 +51,12 @@ def capture(model: HookedTransformer, tokens: torch.Tensor, names: Iterable[str]
 def evaluate(model: HookedTransformer, batch: Batch, fwd_hooks: Sequence[Hook] = ()) -> Evaluation:
     """The batch's loss, answer loss and accuracy with the hooks `fwd_hooks` applied."""
     if not fwd_hooks:
-        return clean_result("evaluate", model, (batch.tokens, batch.targets, batch.answer_mask),
-                            lambda: evaluate_many(model, batch, [()])[0])
+        return clean_result(
+            "evaluate",
+            model,
+            (batch.tokens, batch.targets, batch.answer_mask),
+            lambda: evaluate_many(model, batch, [()])[0],
+        )
     return evaluate_many(model, batch, [fwd_hooks])[0]
 
 
@@ -62,10 +68,18 @@ STACK_ELEMENTS = 1 << 20
 
 
 @torch.no_grad()
-def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequence[Sequence[Hook]],
-                  max_sequences: Optional[int] = None, progress: bool = False, desc: str = "interventions",
-                  cache: Optional[StateCache] = None, score: Callable[[torch.Tensor, Batch], Any] = score_logits,
-                  workers: int = 1, remember: Optional[Iterable[int]] = None) -> list[Any]:
+def evaluate_many(
+    model: HookedTransformer,
+    batch: Batch,
+    interventions: Sequence[Sequence[Hook]],
+    max_sequences: int | None = None,
+    progress: bool = False,
+    desc: str = "interventions",
+    cache: StateCache | None = None,
+    score: Callable[[torch.Tensor, Batch], Any] = score_logits,
+    workers: int = 1,
+    remember: Iterable[int] | None = None,
+) -> list[Any]:
     """`evaluate` for each intervention (a list of hooks), sharing every computation the interventions share.
 
     The forward pass runs in stages (embedding, each sublayer, the final readout; `hook_stages`). Interventions
@@ -93,11 +107,11 @@ def evaluate_many(model: HookedTransformer, batch: Batch, interventions: Sequenc
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if workers > 1 and (problem := parallel_problem(model)) is not None:
-        raise ValueError(f"workers={workers} needs worker threads, but {problem}; use workers=1 "
-                         "(analysis_workers(model) chooses)")
+        raise ValueError(
+            f"workers={workers} needs worker threads, but {problem}; use workers=1 (analysis_workers(model) chooses)"
+        )
     with tqdm(total=len(interventions), desc=desc, disable=not progress, leave=False) as bar:
-        return _SharedEvaluation(model, batch, interventions, max_sequences, bar, cache, score, workers,
-                                 remember).run()
+        return _SharedEvaluation(model, batch, interventions, max_sequences, bar, cache, score, workers, remember).run()
 
 
 def _default_stack(model: HookedTransformer, batch: Batch) -> int:
@@ -199,8 +213,9 @@ class StagedForward:
         mixer = model.final_mixer() if hasattr(model, "final_mixer") else getattr(model, "final_res", None)
         return model.unembed(stream.readout_normed(mixer, model.ln_final))
 
-    def run(self, state: Union[torch.Tensor, ResidualStream], stage: int, skipped: Sequence[int] = (),
-            n_copies: int = 1) -> Union[ResidualStream, torch.Tensor]:
+    def run(
+        self, state: torch.Tensor | ResidualStream, stage: int, skipped: Sequence[int] = (), n_copies: int = 1
+    ) -> ResidualStream | torch.Tensor:
         """Run one stage on `state` (tokens before stage −1, else a stream, which is copied, not changed): the
         stream before stage + 1, or the logits after stage J. `skipped`: as `sublayer`."""
         if stage == EMBEDDING_STAGE:
@@ -212,19 +227,23 @@ class StagedForward:
         return stream
 
 
-def _on_kept_copies(sublayer: Callable[[torch.Tensor], torch.Tensor], skipped: Sequence[int], n_copies: int
-                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+def _on_kept_copies(
+    sublayer: Callable[[torch.Tensor], torch.Tensor], skipped: Sequence[int], n_copies: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """`sublayer` computed on the rows of the copies not `skipped` only (batch rows are independent), zeros in
     the others' rows (a sublayer's output has its input's shape)."""
+
     def run(normed: torch.Tensor) -> torch.Tensor:
         kept = [slot for slot in range(n_copies) if slot not in skipped]
         if not kept:
             return torch.zeros_like(normed)
         copies = list(normed.chunk(n_copies))
-        results = iter(sublayer(torch.cat([copies[slot] for slot in kept]) if len(kept) > 1 else copies[kept[0]])
-                       .chunk(len(kept)))
-        return torch.cat([next(results) if slot in kept else torch.zeros_like(copies[slot])
-                          for slot in range(n_copies)])
+        results = iter(
+            sublayer(torch.cat([copies[slot] for slot in kept]) if len(kept) > 1 else copies[kept[0]]).chunk(len(kept))
+        )
+        return torch.cat(
+            [next(results) if slot in kept else torch.zeros_like(copies[slot]) for slot in range(n_copies)]
+        )
 
     return run
 
@@ -248,8 +267,9 @@ def hooks_on(model: HookedTransformer, fwd_hooks: Sequence[Hook]) -> Iterator[No
         model.context_level -= 1
 
 
-def map_state(state: Union[torch.Tensor, ResidualStream], function: Callable[[torch.Tensor], torch.Tensor]
-              ) -> Union[torch.Tensor, ResidualStream]:
+def map_state(
+    state: torch.Tensor | ResidualStream, function: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor | ResidualStream:
     """A copy of tokens or of a residual stream with `function` applied to every tensor it holds (the stream's
     lists are copied too, so running the copy leaves the original as it was)."""
     if isinstance(state, torch.Tensor):
@@ -270,7 +290,7 @@ class StateCache:
     the identities the states are keyed by cannot be reused."""
 
     def __init__(self) -> None:
-        self.owner: Optional[tuple[int, torch.Tensor]] = None
+        self.owner: tuple[int, torch.Tensor] | None = None
         self.states: dict[tuple, Any] = {}
         self.functions: list[Callable] = []
 
@@ -283,16 +303,24 @@ class StateCache:
 class _SharedEvaluation:
     """`evaluate_many`'s traversal of the tree of interventions (see its docstring)."""
 
-    def __init__(self, model: HookedTransformer, batch: Batch, interventions: Sequence[Sequence[Hook]],
-                 max_sequences: int, bar: tqdm, cache: Optional[StateCache] = None,
-                 score: Callable[[torch.Tensor, Batch], Any] = score_logits, workers: int = 1,
-                 remember: Optional[Iterable[int]] = None):
+    def __init__(
+        self,
+        model: HookedTransformer,
+        batch: Batch,
+        interventions: Sequence[Sequence[Hook]],
+        max_sequences: int,
+        bar: tqdm,
+        cache: StateCache | None = None,
+        score: Callable[[torch.Tensor, Batch], Any] = score_logits,
+        workers: int = 1,
+        remember: Iterable[int] | None = None,
+    ):
         self.model = model
         self.score = score
         self.batch = batch
         self.forward = StagedForward(model)
         self.workers = workers
-        self.pool: Optional[WorkerPool[StagedForward]] = None
+        self.pool: WorkerPool[StagedForward] | None = None
         self.lock = threading.Lock()  # results, progress and remembered states are written from worker threads
         self.n_batch = batch.tokens.shape[0]
         self.max_copies = max(1, max_sequences // self.n_batch)
@@ -308,16 +336,18 @@ class _SharedEvaluation:
                 plan[stages[name] + 1].append((name, function))
             # hooks on different points fire in forward order whatever the list order: sort for a canonical form
             self.plans.append([tuple(sorted(hooks_at, key=lambda hook: hook[0])) for hooks_at in plan])
-        self.keys = [[tuple((name, id(function)) for name, function in hooks_at) for hooks_at in plan]
-                     for plan in self.plans]
+        self.keys = [
+            [tuple((name, id(function)) for name, function in hooks_at) for hooks_at in plan] for plan in self.plans
+        ]
         self.results: list[Any] = [None] * len(interventions)
         self.cache = cache
         self.seen: dict[tuple, Any] = {}  # this call's states, by the keys of every stage up to theirs
-        self.path_points = {f"{name}.{hook}" for name, module in model.named_modules()
-                            for hook in getattr(module, "path_hooks", ())}
+        self.path_points = {
+            f"{name}.{hook}" for name, module in model.named_modules() for hook in getattr(module, "path_hooks", ())
+        }
         # per sublayer: its output's hook point, and the hook points inside the sublayer (see `_skipped`); None
         # where the sublayer always runs: a hook already on the model watches it, its output or a module call
-        self.outputs: list[Optional[str]] = []
+        self.outputs: list[str | None] = []
         self.inside: list[set[str]] = []
         for j in range(self.last):
             _, _, _, sublayer, hook_out = self.forward.sublayer_parts(j)
@@ -379,8 +409,11 @@ class _SharedEvaluation:
                 children[self.keys[member][stage + 1]].append(member)
             if len(children) == 1:
                 cached = self._cached(members[0], stage)
-                state = cached if cached is not None else self._step(forward, state, stage,
-                                                                      [self.plans[members[0]][stage + 1]])
+                state = (
+                    cached
+                    if cached is not None
+                    else self._step(forward, state, stage, [self.plans[members[0]][stage + 1]])
+                )
                 self._remember(members, stage, state)
                 if stage == self.last:
                     self._finish([members], state)
@@ -389,7 +422,7 @@ class _SharedEvaluation:
                 continue
             groups = list(children.values())
             # a branch whose members agree from here on never parts again: those run stacked to the end
-            leaves = [group for group in groups if len({tuple(self.keys[m][stage + 1:]) for m in group}) == 1]
+            leaves = [group for group in groups if len({tuple(self.keys[m][stage + 1 :]) for m in group}) == 1]
             self._run_leaves(leaves, state, stage)
             for group in groups:
                 if not any(group is leaf for leaf in leaves):
@@ -416,7 +449,7 @@ class _SharedEvaluation:
             if start > self.last:
                 self._finish([leaf], start_state)
                 continue
-            points = {name for hooks in self.plans[leaf[0]][start + 1:] for name, _ in hooks} & self.path_points
+            points = {name for hooks in self.plans[leaf[0]][start + 1 :] for name, _ in hooks} & self.path_points
             similar[(start, tuple(sorted(points)))].append((leaf, start_state))
         for (start, _), items in similar.items():
             for first in range(0, len(items), self.max_copies):
@@ -431,8 +464,11 @@ class _SharedEvaluation:
         for current in range(stage, self.last + 1):
             state = self._step(forward, state, current, [self.plans[group[0]][current + 1] for group in groups])
             for slot, group, copies in kept:
-                self._remember(group, current, state if len(groups) == 1 else
-                               slice_state(state, slot * self.n_batch, self.n_batch, copies))
+                self._remember(
+                    group,
+                    current,
+                    state if len(groups) == 1 else slice_state(state, slot * self.n_batch, self.n_batch, copies),
+                )
         self._finish(groups, state)
 
     def _step(self, forward: StagedForward, state: Any, stage: int, hooks_per_copy: list[tuple[Hook, ...]]) -> Any:
@@ -455,15 +491,23 @@ class _SharedEvaluation:
         it was (`replaces_activation`: a removal or an ablation). Only when no copy hooks a point inside the
         sublayer (its tensors would then hold fewer copies than its hooks expect), no hook already on the model
         watches the sublayer or its output, and autocast is off (the zeros would not have the sublayer's dtype)."""
-        if (not 0 <= stage < self.last or self.outputs[stage] is None or torch.is_autocast_enabled("cpu")
-                or torch.is_autocast_enabled("cuda")):
+        if (
+            not 0 <= stage < self.last
+            or self.outputs[stage] is None
+            or torch.is_autocast_enabled("cpu")
+            or torch.is_autocast_enabled("cuda")
+        ):
             return []
         output, inside = self.outputs[stage], self.inside[stage]
         if any(name in inside for hooks in hooks_per_copy for name, _ in hooks):
             return []
-        return [slot for slot, hooks in enumerate(hooks_per_copy)
-                if next((getattr(function, "replaces_activation", False) for name, function in hooks
-                         if name == output), False)]
+        return [
+            slot
+            for slot, hooks in enumerate(hooks_per_copy)
+            if next(
+                (getattr(function, "replaces_activation", False) for name, function in hooks if name == output), False
+            )
+        ]
 
     def _finish(self, groups: list[list[int]], logits: torch.Tensor) -> None:
         for group, part in zip(groups, logits.split(self.n_batch)):
@@ -485,18 +529,23 @@ def concat_states(states: list[Any]) -> Any:
             setattr(stacked, key, torch.cat([vars(state)[key] for state in states]))
         elif isinstance(value, list):
             columns = zip(*[vars(state)[key] for state in states])
-            setattr(stacked, key, [torch.cat(list(column)) if isinstance(column[0], torch.Tensor) else column[0]
-                                   for column in columns])
+            setattr(
+                stacked,
+                key,
+                [torch.cat(list(column)) if isinstance(column[0], torch.Tensor) else column[0] for column in columns],
+            )
     stacked.batch_changed()
     stacked.stacked_from(states)
     return stacked
 
 
-def slice_state(state: Union[torch.Tensor, ResidualStream], start: int, length: int,
-                copies: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Union[torch.Tensor, ResidualStream]:
+def slice_state(
+    state: torch.Tensor | ResidualStream, start: int, length: int, copies: dict[int, tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor | ResidualStream:
     """Rows start … start + length − 1 of a stacked state, as copies, not views that would keep the whole stack
     alive. `copies` (one dict per copy of the batch, kept while its stack runs) maps each stacked tensor to its
     copy, so the states of consecutive stages share the copies of the tensors they share (a stream's sources)."""
+
     def rows(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in copies:  # the stacked tensor is held too, so its id is not reused meanwhile
             copies[id(tensor)] = (tensor, tensor[start : start + length].clone())
@@ -516,4 +565,3 @@ def _on_copies(n_batch: int, functions: list[tuple[int, Callable]]) -> Callable:
         return torch.cat(copies)
 
     return apply
-

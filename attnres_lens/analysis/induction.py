@@ -25,8 +25,6 @@ Because a KV-shift head's values mix two tokens, patterns alone mislead, so two 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pandas as pd
 import torch
 from transformer_lens.head_detector import detect_head
@@ -71,8 +69,14 @@ def _check_repeated(tokens: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def induction_head_scores(model: HookedTransformer, batch: Optional[Batch] = None, n_samples: int = 32,
-                          vocab_size: Optional[int] = None, seed: int = 0, progress: bool = False) -> pd.DataFrame:
+def induction_head_scores(
+    model: HookedTransformer,
+    batch: Batch | None = None,
+    n_samples: int = 32,
+    vocab_size: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> pd.DataFrame:
     """One row per (layer, head): prefix_score, tl_induction_score, previous_token_score, copying_score,
     ablation_zero_score, ablation_mean_score (definitions in the module docstring).
 
@@ -92,8 +96,9 @@ def induction_head_scores(model: HookedTransformer, batch: Optional[Batch] = Non
 
     # TL's detector reads one prompt as a string; averaging over prompts is what it does for a list itself
     # (its list path first calls `to_tokens` on the whole list, which our model does not take).
-    tl_scores = torch.stack([detect_head(model, " ".join(map(str, row)), "induction_head")
-                             for row in tokens.tolist()]).mean(0)
+    tl_scores = torch.stack(
+        [detect_head(model, " ".join(map(str, row)), "induction_head") for row in tokens.tolist()]
+    ).mean(0)
     copying = _copying_scores(model, batch, clean)
     base_loss = evaluate(model, batch).answer_loss
 
@@ -106,20 +111,26 @@ def induction_head_scores(model: HookedTransformer, batch: Optional[Batch] = Non
         zeroed = z * (1 - one_head)
         mean_ablated = zeroed + one_head * z[:, :, head].mean(dim=(0, 1))
         ablations += [[(z_names[layer], replace_hook(zeroed))], [(z_names[layer], replace_hook(mean_ablated))]]
-    ablated = iter(evaluate_many(model, batch, ablations, progress=progress, desc="ablating heads",
-                                 workers=analysis_workers(model)))
+    ablated = iter(
+        evaluate_many(
+            model, batch, ablations, progress=progress, desc="ablating heads", workers=analysis_workers(model)
+        )
+    )
     rows = []
     for layer, head in heads:
         pattern = clean[pattern_names[layer]]
-        rows.append(dict(
-            layer=layer, head=head,
-            prefix_score=prefix_matching_score(pattern, half_len)[head].item(),
-            tl_induction_score=tl_scores[layer, head].item(),
-            previous_token_score=pattern[:, head].diagonal(offset=-1, dim1=-2, dim2=-1).float().mean().item(),
-            copying_score=copying[layer, head].item(),
-            ablation_zero_score=next(ablated).answer_loss - base_loss,
-            ablation_mean_score=next(ablated).answer_loss - base_loss,
-        ))
+        rows.append(
+            dict(
+                layer=layer,
+                head=head,
+                prefix_score=prefix_matching_score(pattern, half_len)[head].item(),
+                tl_induction_score=tl_scores[layer, head].item(),
+                previous_token_score=pattern[:, head].diagonal(offset=-1, dim1=-2, dim2=-1).float().mean().item(),
+                copying_score=copying[layer, head].item(),
+                ablation_zero_score=next(ablated).answer_loss - base_loss,
+                ablation_mean_score=next(ablated).answer_loss - base_loss,
+            )
+        )
     return pd.DataFrame(rows)
 
 
@@ -146,8 +157,9 @@ def _copying_scores(model: HookedTransformer, batch: Batch, clean: dict[str, tor
     return scores
 
 
-def _direct_path_weight(model: HookedTransformer, layer: int, readout: torch.Tensor,
-                        answers: torch.Tensor) -> torch.Tensor:
+def _direct_path_weight(
+    model: HookedTransformer, layer: int, readout: torch.Tensor, answers: torch.Tensor
+) -> torch.Tensor:
     """Per answer position and channel, the weight with which the final readout reads layer's attention output:
     its column of the depth-mixing matrix (1 for the standard residual), `[n_answers, d_model]`."""
     sublayer = layer if model.cfg.attn_only else 2 * layer
@@ -162,8 +174,9 @@ def per_position_loss(model: HookedTransformer, tokens: torch.Tensor) -> pd.Data
     return pd.DataFrame({"position": range(len(losses)), "loss": losses.cpu().numpy()})
 
 
-def in_context_learning_score(per_position: pd.DataFrame, early: tuple[float, float] = (0.1, 0.2),
-                              late: tuple[float, float] = (0.9, 1.0)) -> float:
+def in_context_learning_score(
+    per_position: pd.DataFrame, early: tuple[float, float] = (0.1, 0.2), late: tuple[float, float] = (0.9, 1.0)
+) -> float:
     """Loss late in context minus loss early in context (Olsson et al.; negative = the context helps).
 
     Windows are fractions of the predicted positions: by default the mean loss over the positions in the

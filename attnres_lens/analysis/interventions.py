@@ -21,7 +21,7 @@ sublayer alone in its block (or alone in a partial) is masked, the consistent li
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -54,7 +54,7 @@ def mask_sources_hook(sources: Sequence[int]) -> Callable:
     return _mask_sources_hook(tuple(int(source) for source in sources))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mask_sources_hook(sources: tuple[int, ...]) -> Callable:
     index = torch.tensor(list(sources))
 

@@ -17,7 +17,6 @@ the target is its score there minus its mean over the query's visible keys; the 
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import pandas as pd
 import torch
@@ -63,8 +62,9 @@ def kv_shift_parts(model: HookedTransformer, tokens: torch.Tensor, layer: int) -
         current_k, shifted_k = apply_rotary(current_k, cos, sin), apply_rotary(shifted_k, cos, sin)
     group = cfg.n_heads // attn.W_K.shape[0]
     if group > 1:
-        current_k, shifted_k, current_v, shifted_v = (x.repeat_interleave(group, dim=2)
-                                                      for x in (current_k, shifted_k, current_v, shifted_v))
+        current_k, shifted_k, current_v, shifted_v = (
+            x.repeat_interleave(group, dim=2) for x in (current_k, shifted_k, current_v, shifted_v)
+        )
     scale = math.sqrt(cfg.d_head)
     return dict(
         current_scores=torch.einsum("bqhd,bkhd->bhqk", q, current_k) / scale,
@@ -75,8 +75,9 @@ def kv_shift_parts(model: HookedTransformer, tokens: torch.Tensor, layer: int) -
     )
 
 
-def kv_shift_decomposition(model: HookedTransformer, batch: Optional[Batch] = None, n_samples: int = 32,
-                           seed: int = 0) -> pd.DataFrame:
+def kv_shift_decomposition(
+    model: HookedTransformer, batch: Batch | None = None, n_samples: int = 32, seed: int = 0
+) -> pd.DataFrame:
     """One row per (layer, head) on a repeated-tokens batch (default: `repeated_batch` of `n_samples` sequences,
     as `induction_head_scores`): alpha1, alpha2, beta1, beta2 (of the head's key/value head); prefix_score (mean
     attention on the induction target); current_key_advantage and shifted_key_advantage (each part's score at the
@@ -104,16 +105,27 @@ def kv_shift_decomposition(model: HookedTransformer, batch: Optional[Batch] = No
             mean = (scores * visible).sum(-1) / visible.sum(-1)
             advantages[part] = (at_target - mean).mean(dim=(0, 2))  # [head]
         z = (parts["current_z"] + parts["shifted_z"])[:, queries].double()
-        share = ((parts["shifted_z"][:, queries].double() * z).sum(-1)
-                 / (z * z).sum(-1).clamp_min(1e-30)).mean(dim=(0, 1))
+        share = ((parts["shifted_z"][:, queries].double() * z).sum(-1) / (z * z).sum(-1).clamp_min(1e-30)).mean(
+            dim=(0, 1)
+        )
         prefix = parts["pattern"][:, :, queries, targets].double().mean(dim=(0, 2))
         for head in range(cfg.n_heads):
             current, shifted = advantages["current"][head].item(), advantages["shifted"][head].item()
             denominator = abs(current) + abs(shifted)
             alpha1, alpha2, beta1, beta2 = scalars[head // group].tolist()
-            rows.append(dict(layer=layer, head=head, alpha1=alpha1, alpha2=alpha2, beta1=beta1, beta2=beta2,
-                             prefix_score=prefix[head].item(), current_key_advantage=current,
-                             shifted_key_advantage=shifted,
-                             shifted_key_induction_score=shifted / denominator if denominator > 1e-9 else float("nan"),
-                             shifted_value_share=share[head].item()))
+            rows.append(
+                dict(
+                    layer=layer,
+                    head=head,
+                    alpha1=alpha1,
+                    alpha2=alpha2,
+                    beta1=beta1,
+                    beta2=beta2,
+                    prefix_score=prefix[head].item(),
+                    current_key_advantage=current,
+                    shifted_key_advantage=shifted,
+                    shifted_key_induction_score=shifted / denominator if denominator > 1e-9 else float("nan"),
+                    shifted_value_share=share[head].item(),
+                )
+            )
     return pd.DataFrame(rows)

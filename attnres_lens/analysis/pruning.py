@@ -29,7 +29,7 @@ Cumulative curves remove k = 0, 1, … sublayers (until the loss has doubled, by
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import pandas as pd
 import torch
@@ -60,6 +60,7 @@ def spearman(a: Iterable[float], b: Iterable[float]) -> float:
 def residual_states(model: HookedTransformer, tokens: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(x_0 … x_J, f_0 … f_{J−1}) from one clean pass: the input of every sublayer plus the final readout's
     input (read by a PyTorch pre-hook on the final norm, which has no hook point of its own), and every output."""
+
     def compute() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         n_sublayers = model.cfg.n_sublayers
         inputs = [model.sublayer_input_hook(j) for j in range(n_sublayers)]
@@ -96,10 +97,18 @@ def angular_distance_matrix(model: HookedTransformer, tokens: torch.Tensor) -> p
     units = torch.stack([F.normalize(state.double().flatten(0, -2), dim=-1, eps=1e-8) for state in states])
     rows = []
     for start in range(len(states) - 1):  # [J + 1, tokens, d]: one contraction per start, no product temporary
-        distances = _mean_angle(torch.einsum("ltd,td->lt", units[start + 1:], units[start])).tolist()
+        distances = _mean_angle(torch.einsum("ltd,td->lt", units[start + 1 :], units[start])).tolist()
         for end, distance in zip(range(start + 1, len(states)), distances):
-            rows.append(dict(start=start, n=end - start, end=end, start_label=model.sublayer_name(start),
-                             end_label=model.sublayer_name(end), distance=distance))
+            rows.append(
+                dict(
+                    start=start,
+                    n=end - start,
+                    end=end,
+                    start_label=model.sublayer_name(start),
+                    end_label=model.sublayer_name(end),
+                    distance=distance,
+                )
+            )
     return pd.DataFrame(rows)
 
 
@@ -109,12 +118,16 @@ def cheap_metrics(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFram
     rows = []
     for j, output in enumerate(outputs):
         h_in = states[j]
-        rows.append(dict(
-            sublayer=j,
-            block_influence=1 - _cosine(h_in, h_in + output).mean().item(),
-            angular_distance_next=_angular(states[j], states[j + 1]),
-            relative_output_norm=(output.double().norm(dim=-1) / h_in.double().norm(dim=-1).clamp_min(1e-30)).mean().item(),
-        ))
+        rows.append(
+            dict(
+                sublayer=j,
+                block_influence=1 - _cosine(h_in, h_in + output).mean().item(),
+                angular_distance_next=_angular(states[j], states[j + 1]),
+                relative_output_norm=(output.double().norm(dim=-1) / h_in.double().norm(dim=-1).clamp_min(1e-30))
+                .mean()
+                .item(),
+            )
+        )
     frame = pd.DataFrame(rows)
     if model.cfg.residual != "standard":  # the standard residual weighs every output 1
         mixing = depth_mixing_matrix(model, tokens)
@@ -135,14 +148,22 @@ def ablation_sensitivity(model: HookedTransformer, batch: Batch, progress: bool 
     interventions = []
     for j in range(model.cfg.n_sublayers):
         name = model.sublayer_output_hook(j)
-        interventions += [removal_hooks(model, [j]), [(name, replace_hook(outputs[j].mean(dim=(0, 1))))],
-                          [(name, replace_hook(outputs[j][permutation]))]]
-    results = iter(evaluate_many(model, batch, interventions, progress=progress, desc="ablating sublayers",
-                                 workers=analysis_workers(model)))
+        interventions += [
+            removal_hooks(model, [j]),
+            [(name, replace_hook(outputs[j].mean(dim=(0, 1))))],
+            [(name, replace_hook(outputs[j][permutation]))],
+        ]
+    results = iter(
+        evaluate_many(
+            model, batch, interventions, progress=progress, desc="ablating sublayers", workers=analysis_workers(model)
+        )
+    )
     rows = []
     for j in range(model.cfg.n_sublayers):
         label = model.sublayer_name(j)
-        row = dict(sublayer=j, label=label, kind=model.sublayer_kind(j), base_loss=base.loss, base_accuracy=base.accuracy)
+        row = dict(
+            sublayer=j, label=label, kind=model.sublayer_kind(j), base_loss=base.loss, base_accuracy=base.accuracy
+        )
         for mode in modes:
             result = next(results)
             row[f"dloss_{mode}"] = result.loss - base.loss
@@ -168,15 +189,21 @@ def metric_correlations(sensitivity: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for metric in CHEAP_METRICS:
         if metric in sensitivity:
-            rows.append(dict(metric=metric,
-                             spearman_dloss=spearman(sensitivity[metric], importance(sensitivity, "loss")),
-                             spearman_accuracy_drop=spearman(sensitivity[metric], importance(sensitivity, "accuracy")),
-                             n_sublayers=len(sensitivity)))
+            rows.append(
+                dict(
+                    metric=metric,
+                    spearman_dloss=spearman(sensitivity[metric], importance(sensitivity, "loss")),
+                    spearman_accuracy_drop=spearman(sensitivity[metric], importance(sensitivity, "accuracy")),
+                    n_sublayers=len(sensitivity),
+                )
+            )
     return pd.DataFrame(rows)
 
 
 # ---------------------------------------------------------------------------- cumulative removal
-def removal_orders(sensitivity: pd.DataFrame, distances: pd.DataFrame, metric: str = "loss") -> dict[str, list[frozenset[int]]]:
+def removal_orders(
+    sensitivity: pd.DataFrame, distances: pd.DataFrame, metric: str = "loss"
+) -> dict[str, list[frozenset[int]]]:
     """For each strategy, the sets of removed sublayers for k = 1 … J (see the module docstring)."""
     n_sublayers = len(sensitivity)
     ranked = sensitivity.assign(importance=importance(sensitivity, metric))
@@ -186,7 +213,9 @@ def removal_orders(sensitivity: pd.DataFrame, distances: pd.DataFrame, metric: s
             orders[cheap] = _ascending(ranked, cheap)
     sets = {name: [frozenset(order[:k]) for k in range(1, n_sublayers + 1)] for name, order in orders.items()}
     most_similar = distances.loc[distances.groupby("n")["distance"].idxmin()].sort_values("n")
-    sets["similar_block"] = [frozenset(range(start, start + n)) for start, n in zip(most_similar["start"], most_similar["n"])]
+    sets["similar_block"] = [
+        frozenset(range(start, start + n)) for start, n in zip(most_similar["start"], most_similar["n"])
+    ]
     sets["drop_deepest"] = [frozenset(range(n_sublayers - k, n_sublayers)) for k in range(1, n_sublayers + 1)]
     return sets
 
@@ -196,8 +225,15 @@ def _ascending(frame: pd.DataFrame, column: str) -> list[int]:
     return frame.sort_values([column, "sublayer"], kind="stable")["sublayer"].tolist()
 
 
-def cumulative_pruning(model: HookedTransformer, batch: Batch, sensitivity: pd.DataFrame, distances: pd.DataFrame,
-                       metric: str = "loss", stop_at: Optional[float] = 1.0, progress: bool = False) -> pd.DataFrame:
+def cumulative_pruning(
+    model: HookedTransformer,
+    batch: Batch,
+    sensitivity: pd.DataFrame,
+    distances: pd.DataFrame,
+    metric: str = "loss",
+    stop_at: float | None = 1.0,
+    progress: bool = False,
+) -> pd.DataFrame:
     """Loss and accuracy after removing the first k sublayers of each strategy's order, k = 0, 1, …: strategy,
     n_removed, removed (indices, comma-separated), removed_labels, loss, accuracy, delta_loss, delta_accuracy,
     relative_loss_increase.
@@ -226,9 +262,19 @@ def cumulative_pruning(model: HookedTransformer, batch: Batch, sensitivity: pd.D
             new = sorted(wanted - set(results), key=sorted)
             # the next round resumes from each order's last set of this one: only their states are kept
             last = {orders[strategy][steps[-1] - 1] for strategy in running}
-            results.update(zip(new, evaluate_many(model, batch, [removal_hooks(model, removed) for removed in new],
-                                                  cache=cache, workers=analysis_workers(model),
-                                                  remember=[i for i, removed in enumerate(new) if removed in last])))
+            results.update(
+                zip(
+                    new,
+                    evaluate_many(
+                        model,
+                        batch,
+                        [removal_hooks(model, removed) for removed in new],
+                        cache=cache,
+                        workers=analysis_workers(model),
+                        remember=[i for i, removed in enumerate(new) if removed in last],
+                    ),
+                )
+            )
             for strategy in sorted(running):
                 for k in steps:
                     removed = orders[strategy][k - 1]
@@ -242,12 +288,19 @@ def cumulative_pruning(model: HookedTransformer, batch: Batch, sensitivity: pd.D
     for strategy, sets in curves.items():
         for removed in sets:
             result = results[removed]
-            rows.append(dict(
-                strategy=strategy, n_removed=len(removed), removed=",".join(map(str, sorted(removed))),
-                removed_labels=",".join(model.sublayer_name(j) for j in sorted(removed)),
-                loss=result.loss, accuracy=result.accuracy, delta_loss=result.loss - base.loss,
-                delta_accuracy=result.accuracy - base.accuracy, relative_loss_increase=result.loss / base.loss - 1,
-            ))
+            rows.append(
+                dict(
+                    strategy=strategy,
+                    n_removed=len(removed),
+                    removed=",".join(map(str, sorted(removed))),
+                    removed_labels=",".join(model.sublayer_name(j) for j in sorted(removed)),
+                    loss=result.loss,
+                    accuracy=result.accuracy,
+                    delta_loss=result.loss - base.loss,
+                    delta_accuracy=result.accuracy - base.accuracy,
+                    relative_loss_increase=result.loss / base.loss - 1,
+                )
+            )
     return pd.DataFrame(rows)
 
 
@@ -262,6 +315,14 @@ def removable_within(curves: pd.DataFrame, tolerance: float = 0.05) -> pd.DataFr
         over = curve[curve["relative_loss_increase"] >= tolerance]
         within = curve[curve["n_removed"] < over["n_removed"].min()] if len(over) else curve
         last = within.iloc[-1]
-        rows.append(dict(strategy=strategy, tolerance=tolerance, n_removable=int(last["n_removed"]),
-                         removed_labels=last["removed_labels"], loss=last["loss"], accuracy=last["accuracy"]))
+        rows.append(
+            dict(
+                strategy=strategy,
+                tolerance=tolerance,
+                n_removable=int(last["n_removed"]),
+                removed_labels=last["removed_labels"],
+                loss=last["loss"],
+                accuracy=last["accuracy"],
+            )
+        )
     return pd.DataFrame(rows)

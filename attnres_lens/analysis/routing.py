@@ -28,35 +28,56 @@ def causal_routing(model: HookedTransformer, batch: Batch, progress: bool = Fals
     weights = depth_weights_by_consumer(model, batch.tokens)
     base = evaluate(model, batch)
     pairs = [(c, s) for c, w in weights.items() if w.shape[-1] > 1 for s in range(w.shape[-1])]
-    results = evaluate_many(model, batch, [source_mask_hooks(model, consumer, [source]) for consumer, source in pairs],
-                            progress=progress, desc="masking depth sources", workers=analysis_workers(model))
+    results = evaluate_many(
+        model,
+        batch,
+        [source_mask_hooks(model, consumer, [source]) for consumer, source in pairs],
+        progress=progress,
+        desc="masking depth sources",
+        workers=analysis_workers(model),
+    )
     rows = []
     for (consumer, source), result in zip(pairs, results):
-        rows.append(dict(
-            consumer=consumer, consumer_label=model.sublayer_name(consumer), kind=model.sublayer_kind(consumer),
-            source=source, source_label=model.source_labels(consumer)[source],
-            members=",".join(map(str, model.sources(consumer)[source])),
-            alpha_mass=weights[consumer][..., source].mean().item(),
-            delta_loss=result.loss - base.loss, delta_accuracy=result.accuracy - base.accuracy,
-        ))
+        rows.append(
+            dict(
+                consumer=consumer,
+                consumer_label=model.sublayer_name(consumer),
+                kind=model.sublayer_kind(consumer),
+                source=source,
+                source_label=model.source_labels(consumer)[source],
+                members=",".join(map(str, model.sources(consumer)[source])),
+                alpha_mass=weights[consumer][..., source].mean().item(),
+                delta_loss=result.loss - base.loss,
+                delta_accuracy=result.accuracy - base.accuracy,
+            )
+        )
     return pd.DataFrame(rows)
 
 
 def routing_correlations(routing: pd.DataFrame) -> dict[str, float]:
     """Spearman(α mass, Δloss) over all pairs (`overall`), and its mean over consumers with ≥ 3 sources
     (`within_consumer`), which removes the trivial effect of consumers with few sources having large α."""
-    per_consumer = [spearman(group["alpha_mass"], group["delta_loss"])
-                    for _, group in routing.groupby("consumer") if len(group) >= 3]
+    per_consumer = [
+        spearman(group["alpha_mass"], group["delta_loss"])
+        for _, group in routing.groupby("consumer")
+        if len(group) >= 3
+    ]
     per_consumer = [value for value in per_consumer if value == value]  # drop NaN (constant columns)
-    return dict(overall=spearman(routing["alpha_mass"], routing["delta_loss"]),
-                within_consumer=float(sum(per_consumer) / len(per_consumer)) if per_consumer else float("nan"))
+    return dict(
+        overall=spearman(routing["alpha_mass"], routing["delta_loss"]),
+        within_consumer=float(sum(per_consumer) / len(per_consumer)) if per_consumer else float("nan"),
+    )
 
 
 def routing_disagreements(routing: pd.DataFrame, top: int = 10) -> pd.DataFrame:
     """The `top` pairs whose percentile rank by Δloss and by α mass differ most: `rank_gap` = rank(Δloss) −
     rank(mass), positive when the source matters more than its mass suggests."""
-    ranked = routing.assign(effect_rank=routing["delta_loss"].rank(pct=True), mass_rank=routing["alpha_mass"].rank(pct=True))
+    ranked = routing.assign(
+        effect_rank=routing["delta_loss"].rank(pct=True), mass_rank=routing["alpha_mass"].rank(pct=True)
+    )
     ranked["rank_gap"] = ranked["effect_rank"] - ranked["mass_rank"]
-    ranked["direction"] = ranked["rank_gap"].map(lambda gap: "matters more than its mass" if gap > 0 else "mass exceeds its effect")
+    ranked["direction"] = ranked["rank_gap"].map(
+        lambda gap: "matters more than its mass" if gap > 0 else "mass exceeds its effect"
+    )
     order = ranked["rank_gap"].abs().sort_values(ascending=False, kind="stable").index
     return ranked.loc[order].head(top).reset_index(drop=True)

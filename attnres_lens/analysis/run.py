@@ -9,9 +9,10 @@ own task: its fixed held-out set (`task.eval_batch(samples)`), so numbers are co
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import pandas as pd
 import torch
@@ -56,23 +57,31 @@ from attnres_lens.analysis_options import (
 )
 from attnres_lens.model import HookedTransformer
 from attnres_lens.resources import available_memory
-from attnres_lens.rundir import PathLike, Run, RunDir, atomic_write_bytes, atomic_write_json, atomic_write_parquet, load_run
+from attnres_lens.rundir import (
+    PathLike,
+    Run,
+    RunDir,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_parquet,
+    load_run,
+)
 from attnres_lens.tasks.base import Batch, Task
 
 REMOVAL_TOLERANCE = 0.05  # "how many sublayers can go for < 5% loss increase"
 # What `icl_score` in analysis_summary.json means (docs/analysis.md §3), written beside it.
-ICL_SCORE_DEFINITION = ("mean next-token loss over the last tenth of the context minus the mean over 10-20% of it "
-                        "(nats); negative = later context lowers the loss")
+ICL_SCORE_DEFINITION = (
+    "mean next-token loss over the last tenth of the context minus the mean over 10-20% of it "
+    "(nats); negative = later context lowers the loss"
+)
 TOP_HEADS = 5  # induction heads listed in analysis_summary.json and printed by `analyze`
 TOP_SOURCES = 2  # depth sources listed per consumer
 
 
-def open_run(path: PathLike, checkpoint: Union[str, int] = "latest") -> tuple[Run, Task]:
+def open_run(path: PathLike, checkpoint: str | int = "latest") -> tuple[Run, Task]:
     """The run with its model loaded from `checkpoint`, and its task (checked to build when config.json is read)."""
     run = load_run(path, checkpoint=str(checkpoint))
     return run, run.config.build_task()
-
-
 
 
 def _check_fits(model: HookedTransformer, n_sequences: int, n_positions: int) -> None:
@@ -90,10 +99,11 @@ def _check_fits(model: HookedTransformer, n_sequences: int, n_positions: int) ->
             f"samples={n_sequences} needs at least {n_sequences * per_sequence / 2**30:.1f} GiB for one forward pass "
             f"of this model (its residual stream and logits), but {available / 2**30:.1f} GiB are available; use "
             f"far fewer: samples={max(1, available // per_sequence)} is the most that could fit even that one pass, "
-            "and the analyses hold several")
+            "and the analyses hold several"
+        )
 
 
-def _check_out(out: Optional[PathLike], run: PathLike) -> None:
+def _check_out(out: PathLike | None, run: PathLike) -> None:
     """Before any work: an output folder given as `--out` may be missing (it is created) but not a file, not the
     root of a run directory (the outputs would sit beside its config.json), and inside a run only the analysed
     `run`'s own analysis/ folder (a table named like a record, `depth_weights`, would replace
@@ -113,15 +123,19 @@ def _check_out(out: Optional[PathLike], run: PathLike) -> None:
         if RunDir(folder).holds_run():
             analysis = RunDir(folder).analysis_dir.resolve()
             if folder != Path(run).resolve():
-                raise ValueError(f"--out {out} is inside another run directory, {folder}; give a folder outside "
-                                 f"it, or leave --out out to write to {Path(run) / 'analysis'}")
+                raise ValueError(
+                    f"--out {out} is inside another run directory, {folder}; give a folder outside "
+                    f"it, or leave --out out to write to {Path(run) / 'analysis'}"
+                )
             if resolved != analysis and analysis not in resolved.parents:
-                raise ValueError(f"--out {out} is inside the run directory {folder}, where outputs go to its "
-                                 f"analysis folder only; give {analysis} or a folder outside the run")
+                raise ValueError(
+                    f"--out {out} is inside the run directory {folder}, where outputs go to its "
+                    f"analysis folder only; give {analysis} or a folder outside the run"
+                )
             return
 
 
-def output_dir(run: Run, out: Optional[PathLike]) -> Path:
+def output_dir(run: Run, out: PathLike | None) -> Path:
     """Where a run-level analysis writes: `out`, else RUN/analysis/."""
     return Path(out) if out is not None else RunDir(run.path).analysis_dir
 
@@ -148,8 +162,13 @@ def _json_safe(value: Any) -> Any:
 
 
 def _run_header(run: Run, samples: int) -> dict[str, Any]:
-    return dict(run=str(run.path), checkpoint=run.checkpoint, variant=run.model_config.variant,
-                residual=run.model_config.residual, samples=samples)
+    return dict(
+        run=str(run.path),
+        checkpoint=run.checkpoint,
+        variant=run.model_config.variant,
+        residual=run.model_config.residual,
+        samples=samples,
+    )
 
 
 @dataclass
@@ -161,8 +180,9 @@ class AnalysisResult:
     report_path: Path
 
 
-def _prepare(path: PathLike, command: str, checkpoint: Union[str, int], samples: int,
-             out: Optional[PathLike]) -> tuple[Run, Task, Batch]:
+def _prepare(
+    path: PathLike, command: str, checkpoint: str | int, samples: int, out: PathLike | None
+) -> tuple[Run, Task, Batch]:
     """The checks every run-level analysis makes before any work, then its run, task and held-out batch."""
     check_samples(samples, MIN_SAMPLES[command])
     _check_out(out, path)
@@ -171,8 +191,9 @@ def _prepare(path: PathLike, command: str, checkpoint: Union[str, int], samples:
     return run, task, task.eval_batch(samples)
 
 
-def _write(tables: dict[str, pd.DataFrame], summary: dict[str, Any], html: str, out_dir: Path,
-           name: str) -> AnalysisResult:
+def _write(
+    tables: dict[str, pd.DataFrame], summary: dict[str, Any], html: str, out_dir: Path, name: str
+) -> AnalysisResult:
     """The tables, `{name}_summary.json` and `{name}_report.html` under `out_dir`."""
     summary = _json_safe(summary)
     write_tables(tables, out_dir)
@@ -182,8 +203,14 @@ def _write(tables: dict[str, pd.DataFrame], summary: dict[str, Any], html: str, 
     return AnalysisResult(tables, summary, report_path)
 
 
-def analyze_run(path: PathLike, *, checkpoint: Union[str, int] = "latest", samples: int = ANALYZE_SAMPLES,
-                out: Optional[PathLike] = None, progress: bool = True) -> AnalysisResult:
+def analyze_run(
+    path: PathLike,
+    *,
+    checkpoint: str | int = "latest",
+    samples: int = ANALYZE_SAMPLES,
+    out: PathLike | None = None,
+    progress: bool = True,
+) -> AnalysisResult:
     """Induction heads, in-context learning and depth maps of a run, written under `out` (default RUN/analysis/).
 
     Tables: induction_heads, icl_per_position, depth_mixing, mixing_diagnostics; for AttnRes models also depth_weights,
@@ -213,25 +240,46 @@ def analysis_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) ->
     induction heads by prefix score (the first also as `top_induction_head`), and for AttnRes models each
     consumer's largest depth sources."""
     heads = tables["induction_heads"].sort_values("prefix_score", ascending=False, kind="stable")
-    top_heads = [{"layer": int(row.layer), "head": int(row.head), "prefix_score": float(row.prefix_score),
-                  "tl_induction_score": float(row.tl_induction_score)} for row in heads.head(TOP_HEADS).itertuples()]
-    summary = {**header, "icl_score": in_context_learning_score(tables["icl_per_position"]),
-               "icl_score_definition": ICL_SCORE_DEFINITION,
-               "top_induction_head": top_heads[0], "top_induction_heads": top_heads}
+    top_heads = [
+        {
+            "layer": int(row.layer),
+            "head": int(row.head),
+            "prefix_score": float(row.prefix_score),
+            "tl_induction_score": float(row.tl_induction_score),
+        }
+        for row in heads.head(TOP_HEADS).itertuples()
+    ]
+    summary = {
+        **header,
+        "icl_score": in_context_learning_score(tables["icl_per_position"]),
+        "icl_score_definition": ICL_SCORE_DEFINITION,
+        "top_induction_head": top_heads[0],
+        "top_induction_heads": top_heads,
+    }
     if "depth_weights" in tables:
         weights = tables["depth_weights"].sort_values(["consumer", "weight"], ascending=[True, False], kind="stable")
         summary["top_depth_sources"] = [
-            {"consumer": int(consumer), "consumer_label": group["consumer_label"].iloc[0],
-             "sources": [{"source_label": label, "weight": float(weight)}
-                         for label, weight in zip(group["source_label"].head(TOP_SOURCES),
-                                                  group["weight"].head(TOP_SOURCES))]}
-            for consumer, group in weights.groupby("consumer", sort=True)]
+            {
+                "consumer": int(consumer),
+                "consumer_label": group["consumer_label"].iloc[0],
+                "sources": [
+                    {"source_label": label, "weight": float(weight)}
+                    for label, weight in zip(group["source_label"].head(TOP_SOURCES), group["weight"].head(TOP_SOURCES))
+                ],
+            }
+            for consumer, group in weights.groupby("consumer", sort=True)
+        ]
     return summary
 
 
-def prune_tables(model: HookedTransformer, batch: Batch, metric: str = "loss", progress: bool = False,
-                 on_stage: Optional[Callable[[float, str], Any]] = None,
-                 fork_routing: bool = False) -> dict[str, pd.DataFrame]:
+def prune_tables(
+    model: HookedTransformer,
+    batch: Batch,
+    metric: str = "loss",
+    progress: bool = False,
+    on_stage: Callable[[float, str], Any] | None = None,
+    fork_routing: bool = False,
+) -> dict[str, pd.DataFrame]:
     """Every pruning table for a model on a task batch (routing tables only for AttnRes models).
 
     `on_stage(fraction_done, description)` is called before each stage (a UI's progress bar). `fork_routing`: on
@@ -242,16 +290,23 @@ def prune_tables(model: HookedTransformer, batch: Batch, metric: str = "loss", p
     """
     check_metric(metric)
     with analysis_session():  # the tables share one clean evaluation, one residual-state capture, the replicas
-        return _prune_tables(model, batch, metric, on_stage or (lambda fraction, description: None), progress,
-                             fork_routing)
+        return _prune_tables(
+            model, batch, metric, on_stage or (lambda fraction, description: None), progress, fork_routing
+        )
 
 
-def _prune_tables(model: HookedTransformer, batch: Batch, metric: str, report: Callable[[float, str], Any],
-                  progress: bool, fork_routing: bool) -> dict[str, pd.DataFrame]:
+def _prune_tables(
+    model: HookedTransformer,
+    batch: Batch,
+    metric: str,
+    report: Callable[[float, str], Any],
+    progress: bool,
+    fork_routing: bool,
+) -> dict[str, pd.DataFrame]:
     stages = 4 if model.cfg.residual == "attnres" else 3
     batch = batch.to(model.embed.W_E.device)
     threads = torch.get_num_threads()
-    routing: Optional[ForkedJob] = None
+    routing: ForkedJob | None = None
     if fork_routing and model.cfg.residual == "attnres" and threads == 2 and fork_available(model):
         routing = ForkedJob(lambda: causal_routing(model, batch))
         torch.set_num_threads(1)
@@ -271,8 +326,14 @@ def _prune_tables(model: HookedTransformer, batch: Batch, metric: str, report: C
     return tables
 
 
-def _pruning_tables(model: HookedTransformer, batch: Batch, metric: str, report: Callable[[float, str], Any],
-                    progress: bool, stages: int) -> dict[str, pd.DataFrame]:
+def _pruning_tables(
+    model: HookedTransformer,
+    batch: Batch,
+    metric: str,
+    report: Callable[[float, str], Any],
+    progress: bool,
+    stages: int,
+) -> dict[str, pd.DataFrame]:
     report(0 / stages, "ablating each sublayer (remove, mean, resample)…")
     sensitivity = pruning_sensitivity(model, batch, progress)
     report(1 / stages, "angular distances between representations…")
@@ -292,17 +353,27 @@ def prune_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) -> di
     """The headline numbers of `prune_tables`' output (base loss and accuracy, what is removable, and the routing
     correlations for AttnRes), after `header` (which run, checkpoint, variant …)."""
     sensitivity = tables["pruning_sensitivity"]
-    summary = {**header, "base_loss": float(sensitivity["base_loss"].iloc[0]),
-               "base_accuracy": float(sensitivity["base_accuracy"].iloc[0]),
-               "removable": tables["removable"].to_dict("records")}
+    summary = {
+        **header,
+        "base_loss": float(sensitivity["base_loss"].iloc[0]),
+        "base_accuracy": float(sensitivity["base_accuracy"].iloc[0]),
+        "removable": tables["removable"].to_dict("records"),
+    }
     if "routing" in tables:
         summary["routing_correlations"] = routing_correlations(tables["routing"])
     return summary
 
 
-def prune_run(path: PathLike, *, checkpoint: Union[str, int] = "latest", samples: int = PRUNE_SAMPLES,
-              out: Optional[PathLike] = None, progress: bool = True, metric: str = "loss",
-              fork_routing: bool = False) -> AnalysisResult:
+def prune_run(
+    path: PathLike,
+    *,
+    checkpoint: str | int = "latest",
+    samples: int = PRUNE_SAMPLES,
+    out: PathLike | None = None,
+    progress: bool = True,
+    metric: str = "loss",
+    fork_routing: bool = False,
+) -> AnalysisResult:
     """Layer-pruning sensitivity of a run: tables, `prune_summary.json` and `prune_report.html` under `out` (default
     RUN/analysis). `metric` orders and plots the removal curves; `fork_routing`: as `prune_tables` (the
     `attnres-lens prune` command sets it)."""
@@ -314,9 +385,16 @@ def prune_run(path: PathLike, *, checkpoint: Union[str, int] = "latest", samples
     return _write(tables, summary, html, output_dir(run, out), "prune")
 
 
-def attribute_run(path: PathLike, *, checkpoint: Union[str, int] = "latest", samples: int = ATTRIBUTE_SAMPLES,
-                  out: Optional[PathLike] = None, progress: bool = True, prompt: Optional[str] = None,
-                  n_boot: int = 1000) -> AnalysisResult:
+def attribute_run(
+    path: PathLike,
+    *,
+    checkpoint: str | int = "latest",
+    samples: int = ATTRIBUTE_SAMPLES,
+    out: PathLike | None = None,
+    progress: bool = True,
+    prompt: str | None = None,
+    n_boot: int = 1000,
+) -> AnalysisResult:
     """Attribution through depth of a run (docs/analysis.md §11): tables, `attribution_summary.json` and
     `attribution_report.html` under `out` (default RUN/analysis/). `prompt`: space-separated token ids for the
     per-position views (default the first held-out sequence); `n_boot`: the routing audit's bootstrap resamples."""

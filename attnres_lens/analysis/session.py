@@ -12,7 +12,8 @@ import contextvars
 import copy
 import itertools
 import threading
-from typing import Any, Callable, Iterator, Optional, Union
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,11 +29,10 @@ class Session:
         self.lock = threading.Lock()  # replicas are taken and given back by worker threads
 
 
-_SESSION: contextvars.ContextVar[Optional[Session]] = contextvars.ContextVar("attnres_lens_analysis_session",
-                                                                             default=None)
+_SESSION: contextvars.ContextVar[Session | None] = contextvars.ContextVar("attnres_lens_analysis_session", default=None)
 
 
-def current_session() -> Optional[Session]:
+def current_session() -> Session | None:
     """The session this thread's (or task's) caller opened, or None."""
     return _SESSION.get()
 
@@ -51,8 +51,9 @@ def analysis_session() -> Iterator[None]:
         _SESSION.reset(token)
 
 
-def clean_result(kind: str, model: nn.Module, inputs: Union[torch.Tensor, tuple[torch.Tensor, ...]],
-                 compute: Callable[[], Any]) -> Any:
+def clean_result(
+    kind: str, model: nn.Module, inputs: torch.Tensor | tuple[torch.Tensor, ...], compute: Callable[[], Any]
+) -> Any:
     """`compute()`, or inside `analysis_session` its first result for this kind, the same input tensors and the
     model as it is now (its modules, parameters, buffers, hooks and train/eval mode: a result under a hook is
     not a clean one). The model and inputs are held, so their ids are not reused meanwhile."""
@@ -70,18 +71,29 @@ def clean_result(kind: str, model: nn.Module, inputs: Union[torch.Tensor, tuple[
 def fingerprint_of(model: nn.Module) -> tuple:
     """What a replica copies: the module tree, its parameters and buffers, train/eval mode and the hooks attached
     (by id: whoever keeps a fingerprint keeps those objects alive too, so no id is reused meanwhile)."""
-    return tuple((id(module), module.training, tuple(map(id, module._parameters.values())),
-                  tuple(map(id, module._buffers.values())), tuple(map(id, hooks_of(module))))
-                 for module in model.modules())
+    return tuple(
+        (
+            id(module),
+            module.training,
+            tuple(map(id, module._parameters.values())),
+            tuple(map(id, module._buffers.values())),
+            tuple(map(id, hooks_of(module))),
+        )
+        for module in model.modules()
+    )
 
 
 def hooks_of(module: nn.Module) -> list[Callable]:
     """The hook callables attached to `module` itself (forward, pre-forward, backward, state-dict hooks, …)."""
-    return [hook for name, value in vars(module).items() if name.endswith("hooks") and isinstance(value, dict)
-            for hook in value.values()]
+    return [
+        hook
+        for name, value in vars(module).items()
+        if name.endswith("hooks") and isinstance(value, dict)
+        for hook in value.values()
+    ]
 
 
-def take_replica(model: nn.Module, session: Optional[Session]) -> tuple[nn.Module, tuple]:
+def take_replica(model: nn.Module, session: Session | None) -> tuple[nn.Module, tuple]:
     """An idle replica of the session's that still matches `model`, else a new one; with the fingerprint of the
     model it copies."""
     if session is None:
@@ -94,7 +106,7 @@ def take_replica(model: nn.Module, session: Optional[Session]) -> tuple[nn.Modul
     return model_replica(model), fingerprint
 
 
-def give_back_replica(model: nn.Module, replica: nn.Module, fingerprint: tuple, session: Optional[Session]) -> None:
+def give_back_replica(model: nn.Module, replica: nn.Module, fingerprint: tuple, session: Session | None) -> None:
     """Keep `replica` of `model` (copied when the model's fingerprint was `fingerprint`) for the session's next
     `take_replica`; replicas of an earlier state of the model are dropped. Outside a session, nothing."""
     if session is None:
@@ -114,4 +126,3 @@ def model_replica(model: nn.Module) -> nn.Module:
     for module in model.modules():  # _forward_hooks, _forward_pre_hooks, …
         shared.update((id(hook), hook) for hook in hooks_of(module))
     return copy.deepcopy(model, shared)
-

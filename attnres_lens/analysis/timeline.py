@@ -25,12 +25,17 @@ def training_timeline(records: dict[str, pd.DataFrame], metrics: pd.DataFrame) -
     frames = []
     weights = records.get("depth_weights", pd.DataFrame())
     if len(weights):
+
         def per_snapshot(group: pd.DataFrame) -> pd.Series:
             alpha = group.sort_values("source")["weight"].to_numpy(dtype=float)
             shares = alpha[alpha > 0] / alpha.sum()  # α itself for softmax scores; sigmoid ones do not sum to 1
-            return pd.Series({"routing_entropy": float(-(shares * np.log(shares)).sum()),
-                              "max_weight": float(alpha.max()),
-                              "embedding_weight": float(group.loc[group["source"] == 0, "weight"].sum())})
+            return pd.Series(
+                {
+                    "routing_entropy": float(-(shares * np.log(shares)).sum()),
+                    "max_weight": float(alpha.max()),
+                    "embedding_weight": float(group.loc[group["source"] == 0, "weight"].sum()),
+                }
+            )
 
         keys = ["step", "consumer", "consumer_label"]
         stats = weights.groupby(keys, sort=True)[["source", "weight"]].apply(per_snapshot).reset_index()
@@ -46,13 +51,14 @@ def training_timeline(records: dict[str, pd.DataFrame], metrics: pd.DataFrame) -
     if not frames:
         return pd.DataFrame(columns=["series", "consumer", "consumer_label", "step", "value"])
     timeline = pd.concat(frames, ignore_index=True)
-    timeline["consumer"] = timeline["consumer"].fillna(MODEL_WIDE).astype(int) if "consumer" in timeline \
-        else MODEL_WIDE
-    timeline["consumer_label"] = timeline["consumer_label"].fillna(MODEL_WIDE_LABEL) if "consumer_label" in timeline \
-        else MODEL_WIDE_LABEL
+    timeline["consumer"] = timeline["consumer"].fillna(MODEL_WIDE).astype(int) if "consumer" in timeline else MODEL_WIDE
+    timeline["consumer_label"] = (
+        timeline["consumer_label"].fillna(MODEL_WIDE_LABEL) if "consumer_label" in timeline else MODEL_WIDE_LABEL
+    )
     timeline["step"] = timeline["step"].astype(int)
     return timeline[["series", "consumer", "consumer_label", "step", "value"]].sort_values(
-        ["series", "consumer", "step"], ignore_index=True)
+        ["series", "consumer", "step"], ignore_index=True
+    )
 
 
 def fastest_changes(timeline: pd.DataFrame) -> pd.DataFrame:
@@ -67,8 +73,18 @@ def fastest_changes(timeline: pd.DataFrame) -> pd.DataFrame:
         steps, values = curve["step"].to_numpy(), curve["value"].to_numpy(dtype=float)
         rate = np.diff(values) / np.diff(steps)
         fastest = int(np.nanargmax(np.abs(rate))) if np.isfinite(rate).any() else 0
-        rows.append(dict(series=series, consumer=consumer, consumer_label=label, step_from=int(steps[fastest]),
-                         step=int(steps[fastest + 1]), value_from=float(values[fastest]),
-                         value_to=float(values[fastest + 1]), rate=float(rate[fastest])))
-    return pd.DataFrame(rows, columns=["series", "consumer", "consumer_label", "step_from", "step", "value_from",
-                                       "value_to", "rate"])
+        rows.append(
+            dict(
+                series=series,
+                consumer=consumer,
+                consumer_label=label,
+                step_from=int(steps[fastest]),
+                step=int(steps[fastest + 1]),
+                value_from=float(values[fastest]),
+                value_to=float(values[fastest + 1]),
+                rate=float(rate[fastest]),
+            )
+        )
+    return pd.DataFrame(
+        rows, columns=["series", "consumer", "consumer_label", "step_from", "step", "value_from", "value_to", "rate"]
+    )

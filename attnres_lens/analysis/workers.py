@@ -13,7 +13,8 @@ import queue
 import sys
 import threading
 import traceback
-from typing import Any, Callable, Generic, Optional, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ def analysis_workers(model: nn.Module) -> int:
     return min(torch.get_num_threads(), MAX_ANALYSIS_WORKERS) if parallel_problem(model) is None else 1
 
 
-def parallel_problem(model: nn.Module) -> Optional[str]:
+def parallel_problem(model: nn.Module) -> str | None:
     """Why interventions cannot run on worker threads, or None: a worker does not inherit the caller's autocast or
     CUDA device and stream (thread-local in torch), so it would compute something else."""
     devices = sorted({str(parameter.device) for parameter in model.parameters()} - {"cpu"})
@@ -45,8 +46,11 @@ def parallel_problem(model: nn.Module) -> Optional[str]:
 def fork_available(model: nn.Module) -> bool:
     """Whether `ForkedJob` can run an analysis of `model` beside this process: Linux (fork), a CPU model, no
     autocast (`parallel_problem`)."""
-    return (sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
-            and parallel_problem(model) is None)
+    return (
+        sys.platform.startswith("linux")
+        and "fork" in multiprocessing.get_all_start_methods()
+        and parallel_problem(model) is None
+    )
 
 
 class ForkedJob:
@@ -71,8 +75,9 @@ class ForkedJob:
             succeeded, value = self._receive.recv()
         except EOFError:
             self._process.join()
-            raise RuntimeError(f"the forked analysis process exited with code {self._process.exitcode} before "
-                               "sending its result") from None
+            raise RuntimeError(
+                f"the forked analysis process exited with code {self._process.exitcode} before sending its result"
+            ) from None
         finally:
             self._receive.close()
         self._process.join()
@@ -98,7 +103,6 @@ def _run_forked(receive: Any, send: Any, compute: Callable[[], Any]) -> None:
         send.close()
 
 
-
 Context = TypeVar("Context")
 
 
@@ -122,8 +126,9 @@ class WorkerPool(Generic[Context]):
         self.threads_each = max(1, self.previous_threads // n)
         self.grad_enabled = torch.is_grad_enabled()  # thread-local in torch: the jobs run with the caller's
         self.session = current_session()  # the caller's: worker threads take their replicas from it and give them back
-        self.threads = [threading.Thread(target=self._work, name=f"attnres-lens-evaluate-{i}", daemon=True)
-                        for i in range(n)]
+        self.threads = [
+            threading.Thread(target=self._work, name=f"attnres-lens-evaluate-{i}", daemon=True) for i in range(n)
+        ]
         for thread in self.threads:
             thread.start()
 
@@ -134,8 +139,8 @@ class WorkerPool(Generic[Context]):
 
     def _work(self) -> None:
         torch.set_num_threads(self.threads_each)
-        replica: Optional[nn.Module] = None
-        context: Optional[Context] = None
+        replica: nn.Module | None = None
+        context: Context | None = None
         fingerprint: tuple = ()
         while (job := self.jobs.get()) is not None:
             try:

@@ -15,8 +15,6 @@ imported here; Triton is imported the first time the triton backend runs.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from attnres_lens.kernels._common import Sources, builds_no_graph, check_logit_bias, check_sources, check_vector
@@ -82,7 +80,7 @@ def depth_attention(
     backend: str = "auto",
     return_weights: bool = False,
     return_logits: bool = False,
-    logit_bias: Optional[torch.Tensor] = None,
+    logit_bias: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Softmax-over-depth mix of ``sources`` (docs/kernels.md §1).
 
@@ -116,8 +114,10 @@ def depth_attention(
         check_logit_bias(logit_bias, lead_shape, len(source_list), first.device)
     chosen = resolve_backend(backend, first.device, logit_bias=logit_bias is not None)
     if logit_bias is not None and logit_bias.requires_grad and torch.is_grad_enabled() and chosen != "reference":
-        raise ValueError(f"logit_bias requires grad, but the {chosen} backend does not differentiate it; use "
-                         "backend='reference' for a gradient with respect to the bias")
+        raise ValueError(
+            f"logit_bias requires grad, but the {chosen} backend does not differentiate it; use "
+            "backend='reference' for a gradient with respect to the bias"
+        )
 
     if chosen == "reference":
         h, weights, logits = depth_attention_reference(source_list, query, key_norm_weight, eps, logit_bias)

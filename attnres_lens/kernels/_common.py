@@ -8,12 +8,11 @@ Which backend runs is decided in ``backends.py``, not here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import torch
 from torch.autograd import forward_ad
 
-Sources = Union[Sequence[torch.Tensor], torch.Tensor]
+Sources = Sequence[torch.Tensor] | torch.Tensor
 
 # Tests switch this on so every freshly allocated kernel output starts as NaN: an element a kernel forgets to
 # write then fails the comparison instead of silently holding stale memory that happens to look right.
@@ -44,9 +43,7 @@ def check_sources(sources: Sources) -> list[torch.Tensor]:
     """Validate the sources and return them as a list of ``[..., D]`` tensors (views of a depth buffer)."""
     if isinstance(sources, torch.Tensor):
         if sources.dim() < 2:
-            raise ValueError(
-                f"a depth buffer must have shape [n_sources, ..., D], got {tuple(sources.shape)}"
-            )
+            raise ValueError(f"a depth buffer must have shape [n_sources, ..., D], got {tuple(sources.shape)}")
         source_list = list(sources.unbind(0))
     else:
         source_list = list(sources)
@@ -54,8 +51,10 @@ def check_sources(sources: Sources) -> list[torch.Tensor]:
         raise ValueError("depth attention needs at least one source")
     for index, source in enumerate(source_list):
         if not isinstance(source, torch.Tensor) or source.dim() < 1:
-            raise ValueError(f"every source must be a tensor of shape [..., D]; source {index} is "
-                             f"{tuple(source.shape) if isinstance(source, torch.Tensor) else type(source).__name__}")
+            raise ValueError(
+                f"every source must be a tensor of shape [..., D]; source {index} is "
+                f"{tuple(source.shape) if isinstance(source, torch.Tensor) else type(source).__name__}"
+            )
     first = source_list[0]
     if not first.is_floating_point():
         raise ValueError(f"sources must be floating point, got {first.dtype}")
@@ -94,8 +93,10 @@ def check_logit_bias(bias: torch.Tensor, lead_shape: torch.Size, n_sources: int,
     expected = (*lead_shape, n_sources)
     if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != expected:
         shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
-        raise ValueError(f"logit_bias must have shape {list(expected)} (the sources' leading dims, then one entry "
-                         f"per source), got {shape}")
+        raise ValueError(
+            f"logit_bias must have shape {list(expected)} (the sources' leading dims, then one entry "
+            f"per source), got {shape}"
+        )
     if not bias.is_floating_point():
         raise ValueError(f"logit_bias must be floating point, got {bias.dtype}")
     if bias.device != device:
@@ -112,8 +113,7 @@ def builds_no_graph() -> bool:
     """Whether no autograd can see this call: grad mode off, no forward-mode AD level open and no torch.func
     transform (vmap, grad, jvp) active, whose wrapped tensors a C kernel cannot read: there the Function is
     applied, and torch.func's own error names what it lacks."""
-    return (not torch.is_grad_enabled() and not forward_ad_open()
-            and not torch._C._are_functorch_transforms_active())
+    return not torch.is_grad_enabled() and not forward_ad_open() and not torch._C._are_functorch_transforms_active()
 
 
 def needs_autograd(*tensors: torch.Tensor) -> bool:

@@ -26,7 +26,6 @@ import importlib.util
 import os
 import threading
 import warnings
-from typing import Optional
 
 import torch
 
@@ -49,8 +48,10 @@ def resolve_backend(backend: str, device: torch.device, logit_bias: bool = False
             return chosen
         if backend == "auto" and os.environ.get(BACKEND_ENV_VAR, "").strip() in ("", "auto"):
             return "torch"  # only triton asked for by name (argument or environment) refuses the bias
-        raise ValueError("the triton depth-attention kernel takes no logit_bias; use backend='torch' or 'auto' "
-                         f"(and leave ${BACKEND_ENV_VAR} unset) for calls with one")
+        raise ValueError(
+            "the triton depth-attention kernel takes no logit_bias; use backend='torch' or 'auto' "
+            f"(and leave ${BACKEND_ENV_VAR} unset) for calls with one"
+        )
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -87,7 +88,7 @@ def model_runs_two_phase(block_size: int, backend: str, device: torch.device) ->
     return stream_two_phase_backend(block_size, backend, device) is not None
 
 
-def stream_two_phase_backend(block_size: int, backend: str, device: torch.device) -> Optional[str]:
+def stream_two_phase_backend(block_size: int, backend: str, device: torch.device) -> str | None:
     """The backend of an AttnRes stream's two-phase windows, or None to mix each consumer in one pass: Triton for
     Block AttnRes (forward and backward); the C kernel (forward and backward) for Full AttnRes, whose window's
     shared sources are read once for all its consumers (about half the bytes at depth; the stream decides from
@@ -95,8 +96,7 @@ def stream_two_phase_backend(block_size: int, backend: str, device: torch.device
     few block sources sit in cache, and in inference windows of its blocks measured 0.99-1.12x one pass
     (docs/kernels.md §7)."""
     chosen = two_phase_backend(backend, device)
-    if (chosen == "torch" or (chosen == "triton" and block_size == 1)
-            or (chosen == "cpu" and block_size > 1)):
+    if chosen == "torch" or (chosen == "triton" and block_size == 1) or (chosen == "cpu" and block_size > 1):
         return None
     return chosen
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable as _guard_second_derivative
@@ -20,7 +21,7 @@ class _NoGraph:
     """The `ctx` an eager Function's forward gets when `apply_function` runs it without autograd: what it saves or marks
     for a backward is dropped (its attributes are set and forgotten)."""
 
-    def save_for_backward(self, *tensors: Optional[torch.Tensor]) -> None:
+    def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
         pass
 
     def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
@@ -48,8 +49,9 @@ def once_differentiable(backward: Callable) -> Callable:
     guarded = _guard_second_derivative(backward)
 
     @functools.wraps(backward)
-    def run(ctx: Any, *grads: Optional[torch.Tensor]) -> Any:
+    def run(ctx: Any, *grads: torch.Tensor | None) -> Any:
         return guarded(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)
+
     return run
 
 
@@ -78,7 +80,7 @@ class SharedGradient:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self.buffers.pop(task, None))
         return buffer, False
 
-    def take(self) -> Optional[torch.Tensor]:
+    def take(self) -> torch.Tensor | None:
         """The sum of this backward pass's parts (None if no consumer added one), released."""
         return self.buffers.pop(torch._C._current_graph_task_id(), None)
 
@@ -91,7 +93,7 @@ class _ShareGradient(torch.autograd.Function):
         return source.view_as(source)
 
     @staticmethod
-    def backward(ctx: Any, grad: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], None]:
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
         summed = ctx.shared.take()
         if summed is None or grad is None:  # the node's other uses (an unfused consumer) send grad
             return (grad if summed is None else summed), None
@@ -110,21 +112,22 @@ def share_gradient(source: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def shared_gradients(sources: tuple[torch.Tensor, ...]) -> Optional[list[Optional[SharedGradient]]]:
+def shared_gradients(sources: tuple[torch.Tensor, ...]) -> list[SharedGradient | None] | None:
     """Each source's `SharedGradient` (None for a source without one), or None when no source has one."""
     shared = [getattr(source, "shared_gradient", None) for source in sources]
     return shared if any(item is not None for item in shared) else None
 
 
-def buffers_to_sum_into(ctx: Any, *grads: Optional[torch.Tensor]) -> Optional[list[Optional[SharedGradient]]]:
+def buffers_to_sum_into(ctx: Any, *grads: torch.Tensor | None) -> list[SharedGradient | None] | None:
     """The consumer's shared buffers for this backward, or None when a gradient builds a graph (create_graph): a
     shared buffer carries no graph, so those gradients come back fresh, where `once_differentiable` makes a second
     derivative through them raise instead of come out wrong."""
     return None if any(grad is not None and grad.requires_grad for grad in grads) else ctx.shared
 
 
-def gradient_buffers(sources: list[torch.Tensor], shared: Optional[list[Optional[SharedGradient]]] = None
-                      ) -> tuple[list[torch.Tensor], Optional[ctypes.Array]]:
+def gradient_buffers(
+    sources: list[torch.Tensor], shared: list[SharedGradient | None] | None = None
+) -> tuple[list[torch.Tensor], ctypes.Array | None]:
     """A backward's outputs for the sources (a source with a `SharedGradient` gets its buffer) and the C kernel's
     per-source add-or-write flags (None: write all). One tensor per source, not one [S, N, D] block:
     activation-sized allocations are recycled by the C allocator step after step, while a block of a new size is
@@ -142,9 +145,8 @@ def gradient_buffers(sources: list[torch.Tensor], shared: Optional[list[Optional
     return grad_sources, (ctypes.c_uint8 * len(sources))(*accumulate)
 
 
-def returned_gradients(grad_sources: list[torch.Tensor], shared: Optional[list[Optional[SharedGradient]]]) -> list:
+def returned_gradients(grad_sources: list[torch.Tensor], shared: list[SharedGradient | None] | None) -> list:
     """The gradients a backward returns for its sources: none for those summed in a shared buffer."""
     if shared is None:
         return grad_sources
     return [None if item is not None else grad for grad, item in zip(grad_sources, shared)]
-

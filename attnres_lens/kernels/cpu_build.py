@@ -22,8 +22,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 
@@ -94,7 +94,7 @@ def _compile(compiler: str, flags: list[str], target: Path) -> subprocess.Comple
 _BUILD_LOCK = threading.Lock()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _library(real_type: str) -> ctypes.CDLL:
     # Worker threads (exact interventions) can meet the kernel first at once: one builds, the others then load its
     # file (lru_cache alone would let each of them build).
@@ -146,30 +146,130 @@ def _signatures() -> dict[str, tuple]:
     """Each C function's (return type, argument types), in the C files' order of arguments."""
     pointer, int64, c_int, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
     return {
-        "depth_attention_forward": (None, [pointer, int64, int64, int64, pointer, pointer, pointer, real, pointer, real,
-                                           pointer, pointer, pointer, pointer, c_int]),
-        "depth_attention_backward": (c_int, [pointer, int64, int64, int64, pointer, pointer, pointer, pointer, pointer,
-                                             pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
-                                             pointer, c_int]),
+        "depth_attention_forward": (
+            None,
+            [
+                pointer,
+                int64,
+                int64,
+                int64,
+                pointer,
+                pointer,
+                pointer,
+                real,
+                pointer,
+                real,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                c_int,
+            ],
+        ),
+        "depth_attention_backward": (
+            c_int,
+            [
+                pointer,
+                int64,
+                int64,
+                int64,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                c_int,
+            ],
+        ),
         "vector_sums": (c_int, []),
         "openmp_threads": (c_int, []),
-        "depth_attention_multi": (None, [pointer, int64, int64, int64, pointer, int64, pointer, pointer, int64, real,
-                                         pointer, pointer, c_int]),
-        "depth_attention_multi_backward": (c_int, [pointer, int64, int64, int64, pointer, int64, pointer, pointer,
-                                                   real, pointer, pointer, pointer, pointer, pointer, pointer,
-                                                   pointer, pointer, c_int]),
-        "depth_attention_copies_forward": (c_int, [pointer, int64, int64, int64, int64, int64, pointer, pointer, real,
-                                                   pointer, real, pointer, pointer, pointer, pointer, c_int]),
-        "rotary_forward": (None, [pointer, pointer, pointer, int64, int64, int64, int64, int64, real, pointer,
-                                  c_int]),
-        "causal_attention_forward": (c_int, [pointer, pointer, pointer, int64, int64, int64, int64, real, pointer,
-                                             c_int]),
+        "depth_attention_multi": (
+            None,
+            [pointer, int64, int64, int64, pointer, int64, pointer, pointer, int64, real, pointer, pointer, c_int],
+        ),
+        "depth_attention_multi_backward": (
+            c_int,
+            [
+                pointer,
+                int64,
+                int64,
+                int64,
+                pointer,
+                int64,
+                pointer,
+                pointer,
+                real,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                c_int,
+            ],
+        ),
+        "depth_attention_copies_forward": (
+            c_int,
+            [
+                pointer,
+                int64,
+                int64,
+                int64,
+                int64,
+                int64,
+                pointer,
+                pointer,
+                real,
+                pointer,
+                real,
+                pointer,
+                pointer,
+                pointer,
+                pointer,
+                c_int,
+            ],
+        ),
+        "rotary_forward": (None, [pointer, pointer, pointer, int64, int64, int64, int64, int64, real, pointer, c_int]),
+        "causal_attention_forward": (
+            c_int,
+            [pointer, pointer, pointer, int64, int64, int64, int64, real, pointer, c_int],
+        ),
         "rms_norm_forward": (None, [pointer, pointer, int64, int64, real, pointer, pointer, c_int]),
         "rms_norm_backward": (c_int, [pointer, pointer, pointer, pointer, int64, int64, pointer, pointer, c_int]),
-        "token_shift_forward": (None, [pointer, pointer, int64, int64, int64, int64, int64, pointer, pointer, int64,
-                                       pointer, c_int]),
-        "token_shift_backward": (None, [pointer, pointer, int64, pointer, int64, int64, int64, int64, pointer,
-                                        pointer, int64, pointer, pointer, c_int]),
+        "token_shift_forward": (
+            None,
+            [pointer, pointer, int64, int64, int64, int64, int64, pointer, pointer, int64, pointer, c_int],
+        ),
+        "token_shift_backward": (
+            None,
+            [
+                pointer,
+                pointer,
+                int64,
+                pointer,
+                int64,
+                int64,
+                int64,
+                int64,
+                pointer,
+                pointer,
+                int64,
+                pointer,
+                pointer,
+                c_int,
+            ],
+        ),
     }
 
 
@@ -196,7 +296,7 @@ def kernel_threads(n_elements: int, library: ctypes.CDLL) -> int:
     return max(1, min(torch.get_num_threads(), MAX_THREADS, n_elements // minimum))
 
 
-def address(tensor: Optional[torch.Tensor]) -> Optional[int]:
+def address(tensor: torch.Tensor | None) -> int | None:
     """A tensor's data pointer for the C kernel, NULL for None."""
     return None if tensor is None else tensor.data_ptr()
 
@@ -206,7 +306,6 @@ def pointer_array(tensors: Sequence[torch.Tensor]) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*(tensor.data_ptr() for tensor in tensors))
 
 
-def optional_pointer_array(tensors: Sequence[Optional[torch.Tensor]]) -> ctypes.Array:
+def optional_pointer_array(tensors: Sequence[torch.Tensor | None]) -> ctypes.Array:
     """`pointer_array` with NULL for each None."""
     return (ctypes.c_void_p * len(tensors))(*(address(tensor) for tensor in tensors))
-

@@ -9,7 +9,7 @@ kernel into autograd: an autograd.Function in eager mode (run without a node whe
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
@@ -49,10 +49,16 @@ MAX_QUERIES = 8  # the C file's MAX_QUERIES: larger query sets are split
 # kernel, forward and backward, where an autograd product would add its own pass and saved tensor
 # (docs/kernels.md §11). Sources arrive as contiguous [..., D] tensors of one dtype (fp32 or fp64), read as [N, D]
 # rows; the statistics (rstd, logits, weights) come as one [3, S, N] block.
-def _run_forward(sources: list[torch.Tensor], query: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-                 norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 0.0, keep_h: bool = True,
-                 gain: Optional[torch.Tensor] = None
-                 ) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _run_forward(
+    sources: list[torch.Tensor],
+    query: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 0.0,
+    keep_h: bool = True,
+    gain: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(h [..., D], stats [3, S, N], y, norm_rstd [N])``; ``y = RMSNorm(h) * norm_weight`` and its rstd with the
     consumer's pre-norm fused (``norm_weight`` given, contiguous), else None. With the pre-norm fused and not
     ``keep_h``, h is not written (None): the backward mixes its rows again. ``query`` is the folded ``u = w * g``,
@@ -70,15 +76,28 @@ def _run_forward(sources: list[torch.Tensor], query: torch.Tensor, bias: Optiona
         y, norm_rstd = new_output_like(first), new_output((n_tokens,), dtype, device)
     library = cpu_build.cpu_library(dtype)
     library.depth_attention_forward(
-        pointer_array(sources), n_sources, n_tokens, shape[-1], query.data_ptr(), address(gain), address(bias),
-        eps, address(norm_weight), norm_eps, address(h), stats.data_ptr(), address(y), address(norm_rstd),
+        pointer_array(sources),
+        n_sources,
+        n_tokens,
+        shape[-1],
+        query.data_ptr(),
+        address(gain),
+        address(bias),
+        eps,
+        address(norm_weight),
+        norm_eps,
+        address(h),
+        stats.data_ptr(),
+        address(y),
+        address(norm_rstd),
         kernel_threads(n_sources * n_tokens * shape[-1], library),
     )
     return h, stats, y, norm_rstd
 
 
-def _forward_kernel(sources: list[torch.Tensor], folded_query: torch.Tensor, bias: Optional[torch.Tensor],
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_kernel(
+    sources: list[torch.Tensor], folded_query: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h [..., D], stats [3, S, N])``; ``folded_query`` is ``u = w * g`` (contiguous, the sources' dtype);
     ``bias`` an optional ``[S, N]`` logit bias (added inside the softmax; the logits in ``stats`` are unbiased)."""
     h, stats, _, _ = _run_forward(sources, folded_query, bias, eps)
@@ -89,26 +108,31 @@ _forward_op = torch.library.custom_op("attnres_lens::depth_attention_cpu_forward
 
 
 @_forward_op.register_fake
-def _forward_shapes(sources: list[torch.Tensor], folded_query: torch.Tensor, bias: Optional[torch.Tensor],
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_shapes(
+    sources: list[torch.Tensor], folded_query: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     first = sources[0]
     return first.new_empty(first.shape), first.new_empty((3, len(sources), first.numel() // first.shape[-1]))
 
 
-
-def _backward_kernel(sources: list[torch.Tensor], folded_query: torch.Tensor, stats: torch.Tensor,
-                     grad_h: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _backward_kernel(
+    sources: list[torch.Tensor], folded_query: torch.Tensor, stats: torch.Tensor, grad_h: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``(grad of each source, grad of u)`` for the forward op's saved statistics and ``grad_h`` (contiguous): the
     custom op's signature, which has no shared buffers (a compiled model's stream does not share)."""
     grad_sources, grad_folded, _, _ = _run_backward(sources, folded_query, stats, grad_h, None)
     return grad_sources, grad_folded
 
 
-def _run_backward(sources: list[torch.Tensor], folded_query: Optional[torch.Tensor], stats: torch.Tensor,
-                  grad_h: Optional[torch.Tensor], shared: Optional[list[Optional[SharedGradient]]],
-                  norm: Optional[tuple[torch.Tensor, ...]] = None,
-                  query_and_gain: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-                  ) -> tuple[list, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _run_backward(
+    sources: list[torch.Tensor],
+    folded_query: torch.Tensor | None,
+    stats: torch.Tensor,
+    grad_h: torch.Tensor | None,
+    shared: list[SharedGradient | None] | None,
+    norm: tuple[torch.Tensor, ...] | None = None,
+    query_and_gain: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[list, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(grads returned for the sources, grad of the query, grad of the gain, grad of the norm's weight)``:
     with ``query_and_gain`` (the factors of ``u = w * g``, contiguous) the C kernel returns ``dw = du * g`` and
     ``dg = du * w``, without them ``du`` in the query's place and None for the gain; ``folded_query`` may be None
@@ -129,24 +153,38 @@ def _run_backward(sources: list[torch.Tensor], folded_query: Optional[torch.Tens
         grad_norm_weight = new_output_like(norm_weight)
     library = cpu_build.cpu_library(dtype)
     failed = library.depth_attention_backward(
-        pointer_array(sources), n_sources, n_tokens, d_model, address(folded_query), address(query),
-        address(gain), stats.data_ptr(), address(h), address(norm_weight), address(norm_rstd), address(grad_y),
-        address(grad_h), pointer_array(grad_sources), accumulate, grad_query.data_ptr(), address(grad_gain),
-        address(grad_norm_weight), kernel_threads(n_sources * n_tokens * d_model, library),
+        pointer_array(sources),
+        n_sources,
+        n_tokens,
+        d_model,
+        address(folded_query),
+        address(query),
+        address(gain),
+        stats.data_ptr(),
+        address(h),
+        address(norm_weight),
+        address(norm_rstd),
+        address(grad_y),
+        address(grad_h),
+        pointer_array(grad_sources),
+        accumulate,
+        grad_query.data_ptr(),
+        address(grad_gain),
+        address(grad_norm_weight),
+        kernel_threads(n_sources * n_tokens * d_model, library),
     )
     if failed:
-        raise MemoryError(f"the C depth-attention backward could not allocate its per-thread sums of {d_model} "
-                          "values")
+        raise MemoryError(f"the C depth-attention backward could not allocate its per-thread sums of {d_model} values")
     return returned_gradients(grad_sources, shared), grad_query, grad_gain, grad_norm_weight
 
 
-_backward_op = torch.library.custom_op("attnres_lens::depth_attention_cpu_backward", _backward_kernel,
-                                       mutates_args=())
+_backward_op = torch.library.custom_op("attnres_lens::depth_attention_cpu_backward", _backward_kernel, mutates_args=())
 
 
 @_backward_op.register_fake
-def _backward_shapes(sources: list[torch.Tensor], folded_query: torch.Tensor, stats: torch.Tensor,
-                     grad_h: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _backward_shapes(
+    sources: list[torch.Tensor], folded_query: torch.Tensor, stats: torch.Tensor, grad_h: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     return [source.new_empty(source.shape) for source in sources], folded_query.new_empty(folded_query.shape)
 
 
@@ -157,8 +195,9 @@ def _save_for_backward(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, torc
     ctx.save_for_backward(*sources, folded_query, stats)
 
 
-def _backward(ctx: Any, grad_h: torch.Tensor, _grad_stats: Optional[torch.Tensor]
-              ) -> tuple[list[torch.Tensor], torch.Tensor, None, None]:
+def _backward(
+    ctx: Any, grad_h: torch.Tensor, _grad_stats: torch.Tensor | None
+) -> tuple[list[torch.Tensor], torch.Tensor, None, None]:
     saved = ctx.saved_tensors
     sources, (folded_query, stats) = list(saved[: ctx.n_sources]), saved[ctx.n_sources :]
     grad_sources, grad_folded = _backward_op(sources, folded_query, stats, grad_h.contiguous())
@@ -174,8 +213,9 @@ class _EagerDepthAttention(torch.autograd.Function):
     (non-differentiable). ``query`` and ``gain`` come in the compute dtype (fp32, or fp64 for fp64 sources)."""
 
     @staticmethod
-    def forward(ctx: Any, query: torch.Tensor, gain: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-                *sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any, query: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | None, eps: float, *sources: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         query, gain = query.contiguous(), gain.contiguous()
         h, stats, _, _ = _run_forward(list(sources), query, bias, eps, gain=gain)
         ctx.save_for_backward(query, gain, stats, *sources)
@@ -186,24 +226,31 @@ class _EagerDepthAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the C backward builds no graph: a second derivative raises instead of coming out wrong
-    def backward(ctx: Any, grad_h: torch.Tensor, _grad_logits: torch.Tensor, _grad_weights: torch.Tensor
-                 ) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(
+        ctx: Any, grad_h: torch.Tensor, _grad_logits: torch.Tensor, _grad_weights: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
         query, gain, stats, *sources = ctx.saved_tensors
-        grad_sources, grad_query, grad_gain, _ = _run_backward(sources, None, stats, grad_h.contiguous(),
-                                                               buffers_to_sum_into(ctx, grad_h), None, (query, gain))
+        grad_sources, grad_query, grad_gain, _ = _run_backward(
+            sources, None, stats, grad_h.contiguous(), buffers_to_sum_into(ctx, grad_h), None, (query, gain)
+        )
         return grad_query, grad_gain, None, None, *grad_sources
 
 
 def _contiguous(sources: list[torch.Tensor], compute: torch.dtype) -> list[torch.Tensor]:
     """Each source contiguous in the compute dtype. The model's (fp32, contiguous) are passed as they are: a
     no-op `.to().contiguous()` or a view per source cost more than the kernel at small shapes."""
-    return [source if source.dtype == compute and source.is_contiguous() else source.to(compute).contiguous()
-            for source in sources]
+    return [
+        source if source.dtype == compute and source.is_contiguous() else source.to(compute).contiguous()
+        for source in sources
+    ]
 
 
 def depth_attention_cpu(
-    sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
-    bias: Optional[torch.Tensor] = None,
+    sources: list[torch.Tensor],
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    eps: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return ``(h, weights, logits)``; weights/logits come source-major, ``[n_sources, N]`` (fp32, fp64 for fp64),
     the logits unbiased. ``bias``: ``[n_sources, N]`` or None.
@@ -236,8 +283,16 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
     anyway). Weights and logits are not reported. All inputs in the sources' dtype."""
 
     @staticmethod
-    def forward(ctx: Any, keep_h: bool, query: torch.Tensor, gain: torch.Tensor, norm_weight: torch.Tensor,
-                eps: float, norm_eps: float, *sources: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    def forward(
+        ctx: Any,
+        keep_h: bool,
+        query: torch.Tensor,
+        gain: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        norm_eps: float,
+        *sources: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         query, gain = query.contiguous(), gain.contiguous()
         h, stats, y, norm_rstd = _run_forward(list(sources), query, None, eps, norm_weight, norm_eps, keep_h, gain)
         ctx.save_for_backward(query, gain, norm_weight, stats, norm_rstd, h, *sources)
@@ -247,51 +302,83 @@ class _EagerNormedDepthAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_h: Optional[torch.Tensor], grad_y: Optional[torch.Tensor]
-                 ) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, grad_h: torch.Tensor | None, grad_y: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         query, gain, norm_weight, stats, norm_rstd, h, *sources = ctx.saved_tensors
         if grad_y is None and grad_h is None:
             return (None,) * (6 + len(sources))
         norm = None if grad_y is None else (h, norm_weight, norm_rstd, grad_y.contiguous())  # None: only h was used
         grad_sources, grad_query, grad_gain, grad_norm_weight = _run_backward(
-            sources, None, stats, None if grad_h is None else grad_h.contiguous(),
-            buffers_to_sum_into(ctx, grad_h, grad_y), norm, (query, gain))
+            sources,
+            None,
+            stats,
+            None if grad_h is None else grad_h.contiguous(),
+            buffers_to_sum_into(ctx, grad_h, grad_y),
+            norm,
+            (query, gain),
+        )
         return None, grad_query, grad_gain, grad_norm_weight, None, None, *grad_sources
 
 
-def depth_attention_normed_cpu(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor,
-                               eps: float, norm_weight: torch.Tensor, norm_eps: float
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+def depth_attention_normed_cpu(
+    sources: list[torch.Tensor],
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    eps: float,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, RMSNorm(h) * norm_weight)`` for contiguous fp32/fp64 CPU sources of one dtype, with parameters of that
     dtype, in one kernel call each way (eager only: under torch.compile inductor fuses the norm itself); equals
     `depth_attention_cpu` followed by `rms_norm_cpu`."""
     first = sources[0]
     if first.device.type != "cpu" or first.dtype not in REAL_TYPES or torch.compiler.is_compiling():
-        raise ValueError(f"the fused pre-norm runs eagerly on fp32/fp64 CPU tensors, got {first.dtype} on "
-                         f"{first.device}")
+        raise ValueError(
+            f"the fused pre-norm runs eagerly on fp32/fp64 CPU tensors, got {first.dtype} on {first.device}"
+        )
     for name, tensor in (("query", query), ("key_norm_weight", key_norm_weight), ("norm_weight", norm_weight)):
         if tensor.dtype != first.dtype or tensor.shape != first.shape[-1:]:
-            raise ValueError(f"{name} must be [{first.shape[-1]}] {first.dtype} like the sources, got "
-                             f"{list(tensor.shape)} {tensor.dtype}")
+            raise ValueError(
+                f"{name} must be [{first.shape[-1]}] {first.dtype} like the sources, got "
+                f"{list(tensor.shape)} {tensor.dtype}"
+            )
     return fused_mix_and_norm(sources, query, key_norm_weight, eps, norm_weight, norm_eps)
 
 
-def fused_mix_and_norm(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
-                       norm_weight: torch.Tensor, norm_eps: float, keep_h: bool = True
-                       ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+def fused_mix_and_norm(
+    sources: list[torch.Tensor],
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    eps: float,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    keep_h: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """`depth_attention_normed_cpu` without its checks, for a caller that made them: `depth_execution.fused_with_norm`
     (sources of one shape and dtype on the CPU, outside torch.compile, parameters of the sources' dtype and width),
     which the depth stream and `depth_execution.mix_and_norm` ask before calling this; checking twice costs a
     sizeable part of a small sublayer's mix (docs/kernels.md §11). Without ``keep_h``, ``(None, y)``: h is neither
     written nor read back (a model's sublayer reads y alone)."""
-    return cpu_autograd.apply_function(_EagerNormedDepthAttention, keep_h, query, key_norm_weight,
-                                       norm_weight.contiguous(), float(eps), float(norm_eps),
-                                       *_contiguous(sources, sources[0].dtype))
+    return cpu_autograd.apply_function(
+        _EagerNormedDepthAttention,
+        keep_h,
+        query,
+        key_norm_weight,
+        norm_weight.contiguous(),
+        float(eps),
+        float(norm_eps),
+        *_contiguous(sources, sources[0].dtype),
+    )
 
 
-def _run_multi(sources: list[torch.Tensor], queries: torch.Tensor, eps: float,
-               prior: Optional[tuple[torch.Tensor, torch.Tensor]], prior_tokens: int, mix: list[torch.Tensor],
-               lse: list[torch.Tensor]) -> None:
+def _run_multi(
+    sources: list[torch.Tensor],
+    queries: torch.Tensor,
+    eps: float,
+    prior: tuple[torch.Tensor, torch.Tensor] | None,
+    prior_tokens: int,
+    mix: list[torch.Tensor],
+    lse: list[torch.Tensor],
+) -> None:
     """The C call of `depth_attention_multi_cpu` on flat operands: sources ``[N, D]`` (contiguous, the compute
     dtype), queries ``[Q, D]``, prior ``([Q, P, D], [Q, P])`` or None; writes each query's ``mix`` ``[N, D]`` and
     ``lse`` ``[N]`` (contiguous tensors of the compute dtype: rows of one block, or tensors of their own)."""
@@ -302,9 +389,19 @@ def _run_multi(sources: list[torch.Tensor], queries: torch.Tensor, eps: float,
     for start in range(0, n_queries, MAX_QUERIES):
         part = slice(start, start + MAX_QUERIES)
         library.depth_attention_multi(
-            pointers, len(sources), n_tokens, d_model, queries[part].data_ptr(), queries[part].shape[0],
-            None if prior is None else prior[0][part].data_ptr(), None if prior is None else prior[1][part].data_ptr(),
-            prior_tokens, eps, pointer_array(mix[part]), pointer_array(lse[part]), threads,
+            pointers,
+            len(sources),
+            n_tokens,
+            d_model,
+            queries[part].data_ptr(),
+            queries[part].shape[0],
+            None if prior is None else prior[0][part].data_ptr(),
+            None if prior is None else prior[1][part].data_ptr(),
+            prior_tokens,
+            eps,
+            pointer_array(mix[part]),
+            pointer_array(lse[part]),
+            threads,
         )
 
 
@@ -317,8 +414,14 @@ class _EagerMultiDepthAttention(torch.autograd.Function):
     dtype: queries ``[Q, D]``, prior ``[Q, N, D]`` and ``[Q, N]`` or None, sources ``[N, D]``."""
 
     @staticmethod
-    def forward(ctx: Any, eps: float, queries: torch.Tensor, prior_mix: Optional[torch.Tensor],
-                prior_lse: Optional[torch.Tensor], *sources: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any,
+        eps: float,
+        queries: torch.Tensor,
+        prior_mix: torch.Tensor | None,
+        prior_lse: torch.Tensor | None,
+        *sources: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         prior = None if prior_mix is None else (prior_mix, prior_lse)
         first, n_queries = sources[0], queries.shape[0]
         n_tokens = first.numel() // first.shape[-1]
@@ -333,7 +436,7 @@ class _EagerMultiDepthAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         queries, prior_mix, prior_lse, *saved = ctx.saved_tensors
         n_queries = queries.shape[0]
         lse, sources = saved[:n_queries], saved[n_queries:]
@@ -350,21 +453,38 @@ class _EagerMultiDepthAttention(torch.autograd.Function):
         n_tokens = first.numel() // d_model
         library = cpu_build.cpu_library(first.dtype)
         status = library.depth_attention_multi_backward(
-            pointer_array(sources), len(sources), n_tokens, d_model, queries.data_ptr(), n_queries,
-            address(prior_mix), address(prior_lse), ctx.eps, pointer_array(lse),
-            optional_pointer_array(grads[:n_queries]), optional_pointer_array(grads[n_queries:]),
-            pointer_array(grad_sources), accumulate, grad_queries.data_ptr(), address(grad_prior_mix),
-            address(grad_prior_lse), kernel_threads(len(sources) * n_tokens * d_model, library))
+            pointer_array(sources),
+            len(sources),
+            n_tokens,
+            d_model,
+            queries.data_ptr(),
+            n_queries,
+            address(prior_mix),
+            address(prior_lse),
+            ctx.eps,
+            pointer_array(lse),
+            optional_pointer_array(grads[:n_queries]),
+            optional_pointer_array(grads[n_queries:]),
+            pointer_array(grad_sources),
+            accumulate,
+            grad_queries.data_ptr(),
+            address(grad_prior_mix),
+            address(grad_prior_lse),
+            kernel_threads(len(sources) * n_tokens * d_model, library),
+        )
         if status != 0:
-            raise MemoryError(f"the C two-phase backward could not allocate its per-thread sums of {n_queries} x "
-                              f"{d_model} values")
+            raise MemoryError(
+                f"the C two-phase backward could not allocate its per-thread sums of {n_queries} x {d_model} values"
+            )
         return None, grad_queries, grad_prior_mix, grad_prior_lse, *returned_gradients(grad_sources, shared)
 
 
 def depth_attention_multi_cpu(
-    sources: list[torch.Tensor], folded_queries: torch.Tensor, eps: float,
-    prior: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-) -> tuple[Union[torch.Tensor, tuple[torch.Tensor, ...]], Union[torch.Tensor, tuple[torch.Tensor, ...]]]:
+    sources: list[torch.Tensor],
+    folded_queries: torch.Tensor,
+    eps: float,
+    prior: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor | tuple[torch.Tensor, ...]]:
     """Q depth attentions over the same ``sources`` (each ``[..., D]``) in one read of them (docs/kernels.md §7):
     ``folded_queries`` ``[Q, D]`` (``u_q = w_q * g_q``); ``prior`` an optional part per query over other sources,
     ``(mix [Q, ..., D], lse [Q, ...])``, folded into each softmax. Returns ``(mix [Q, ..., D], lse [Q, ...])`` in
@@ -385,8 +505,9 @@ def depth_attention_multi_cpu(
     needs_grad = needs_autograd(*sources, folded_queries, *(prior or ()))  # a tangent reaches the Function: raises
     lead, d_model = first.shape[:-1], first.shape[-1]
     if folded_queries.dim() != 2 or folded_queries.shape[1] != d_model:
-        raise ValueError(f"folded_queries must be [n_queries, {d_model}] (the sources' last dim), got "
-                         f"{tuple(folded_queries.shape)}")
+        raise ValueError(
+            f"folded_queries must be [n_queries, {d_model}] (the sources' last dim), got {tuple(folded_queries.shape)}"
+        )
     compute = compute_dtype(first.dtype)
     flat = _contiguous(sources, compute)
     n_tokens, n_queries = first.numel() // d_model, folded_queries.shape[0]
@@ -396,19 +517,29 @@ def depth_attention_multi_cpu(
         prior_mix, prior_lse = prior
         stacks_copies = prior_mix.dim() == first.dim() + 1 and prior_mix.shape[1]
         copies = first.shape[0] // prior_mix.shape[1] if stacks_copies else 0
-        if (prior_mix.shape[0] != n_queries or copies * prior_mix.shape[1] != first.shape[0]
-                or prior_mix.shape[2:] != first.shape[1:] or prior_lse.shape != prior_mix.shape[:-1]):
-            raise ValueError(f"prior must be (mix [{n_queries}, B, {', '.join(map(str, first.shape[1:]))}], lse "
-                             f"[{n_queries}, B, {', '.join(map(str, lead[1:]))}]) with B the sources' first dim "
-                             f"{first.shape[0]} or a divisor of it, got {tuple(prior_mix.shape)} and "
-                             f"{tuple(prior_lse.shape)}")
+        if (
+            prior_mix.shape[0] != n_queries
+            or copies * prior_mix.shape[1] != first.shape[0]
+            or prior_mix.shape[2:] != first.shape[1:]
+            or prior_lse.shape != prior_mix.shape[:-1]
+        ):
+            raise ValueError(
+                f"prior must be (mix [{n_queries}, B, {', '.join(map(str, first.shape[1:]))}], lse "
+                f"[{n_queries}, B, {', '.join(map(str, lead[1:]))}]) with B the sources' first dim "
+                f"{first.shape[0]} or a divisor of it, got {tuple(prior_mix.shape)} and "
+                f"{tuple(prior_lse.shape)}"
+            )
         prior_tokens = n_tokens // copies if copies else n_tokens  # no tokens: nothing is read
         if needs_grad and prior_tokens != n_tokens:
-            raise ValueError(f"a prior over one copy of stacked sources ({prior_mix.shape[1]} of {first.shape[0]} "
-                             "rows) has no backward or forward-mode derivative; run it under torch.no_grad() on "
-                             "tensors without tangents, or give the prior for every row")
-        prior = prior_mix.to(compute).reshape(n_queries, prior_tokens, d_model).contiguous(), \
-            prior_lse.to(compute).reshape(n_queries, prior_tokens).contiguous()
+            raise ValueError(
+                f"a prior over one copy of stacked sources ({prior_mix.shape[1]} of {first.shape[0]} "
+                "rows) has no backward or forward-mode derivative; run it under torch.no_grad() on "
+                "tensors without tangents, or give the prior for every row"
+            )
+        prior = (
+            prior_mix.to(compute).reshape(n_queries, prior_tokens, d_model).contiguous(),
+            prior_lse.to(compute).reshape(n_queries, prior_tokens).contiguous(),
+        )
     if not needs_grad:
         mix = new_output((n_queries, n_tokens, d_model), compute, first.device)
         lse = new_output((n_queries, n_tokens), compute, first.device)
@@ -425,11 +556,16 @@ def depth_attention_multi_cpu(
     return tuple(mixes), tuple(lses)
 
 
-def depth_attention_copies_cpu(shared: list[torch.Tensor], stacked: list[torch.Tensor], n_copies: int,
-                               query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
-                               bias: Optional[torch.Tensor] = None,
-                               norm: Optional[tuple[torch.Tensor, float]] = None
-                               ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+def depth_attention_copies_cpu(
+    shared: list[torch.Tensor],
+    stacked: list[torch.Tensor],
+    n_copies: int,
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    eps: float,
+    bias: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The depth attention of `n_copies` copies of one batch stacked along the first dim, each copy with its own
     logit bias, without a backward (exact interventions; docs/kernels.md §7): the sources are ``shared`` (one
     copy's batch ``[B, ..., D]`` each, read by every copy) followed by ``stacked`` (``[n_copies * B, ..., D]``, copy
@@ -445,8 +581,9 @@ def depth_attention_copies_cpu(shared: list[torch.Tensor], stacked: list[torch.T
     sources = [*shared, *stacked]
     for tensor in sources:
         if tensor.device.type != "cpu" or tensor.dtype not in REAL_TYPES:
-            raise ValueError(f"depth_attention_copies_cpu needs fp32/fp64 CPU sources, got {tensor.dtype} on "
-                             f"{tensor.device}")
+            raise ValueError(
+                f"depth_attention_copies_cpu needs fp32/fp64 CPU sources, got {tensor.dtype} on {tensor.device}"
+            )
     if copy.dim() < 2:
         raise ValueError(f"sources must be [B, ..., D], got a shared source of shape {tuple(copy.shape)}")
     d_model, n_sources = copy.shape[-1], len(sources)
@@ -455,13 +592,17 @@ def depth_attention_copies_cpu(shared: list[torch.Tensor], stacked: list[torch.T
         check_vector(name, vector, d_model, copy.device)
     parameters = [query, key_norm_weight, *(() if bias is None else (bias,)), *(norm[:1] if norm else ())]
     if needs_autograd(*sources, *parameters):
-        raise ValueError("depth_attention_copies_cpu has no backward or forward-mode derivative; run it under "
-                         "torch.no_grad() on tensors without tangents, or mix with depth_attention for a gradient")
+        raise ValueError(
+            "depth_attention_copies_cpu has no backward or forward-mode derivative; run it under "
+            "torch.no_grad() on tensors without tangents, or mix with depth_attention for a gradient"
+        )
     stacked_shape = (n_copies * copy.shape[0], *copy.shape[1:])
     if any(x.shape != copy.shape for x in shared) or any(x.shape != stacked_shape for x in stacked):
-        raise ValueError(f"shared sources must each be one copy {list(copy.shape)} and stacked ones "
-                         f"{list(stacked_shape)} ({n_copies} copies), got {[list(x.shape) for x in shared]} and "
-                         f"{[list(x.shape) for x in stacked]}")
+        raise ValueError(
+            f"shared sources must each be one copy {list(copy.shape)} and stacked ones "
+            f"{list(stacked_shape)} ({n_copies} copies), got {[list(x.shape) for x in shared]} and "
+            f"{[list(x.shape) for x in stacked]}"
+        )
     if bias is not None:
         check_logit_bias(bias, torch.Size(stacked_shape[:-1]), n_sources, copy.device)
     compute = compute_dtype(copy.dtype)
@@ -479,12 +620,25 @@ def depth_attention_copies_cpu(shared: list[torch.Tensor], stacked: list[torch.T
     if h.numel():
         library = cpu_build.cpu_library(compute)
         status = library.depth_attention_copies_forward(
-            pointer_array(flat), n_sources, len(shared), n_copies, n_tokens, d_model, folded.data_ptr(),
-            address(source_major), eps, address(norm_weight), float(norm[1]) if norm else 0.0, h.data_ptr(),
-            address(y), address(norm_rstd), stats.data_ptr(),
-            kernel_threads(n_sources * n_copies * n_tokens * d_model, library))
+            pointer_array(flat),
+            n_sources,
+            len(shared),
+            n_copies,
+            n_tokens,
+            d_model,
+            folded.data_ptr(),
+            address(source_major),
+            eps,
+            address(norm_weight),
+            float(norm[1]) if norm else 0.0,
+            h.data_ptr(),
+            address(y),
+            address(norm_rstd),
+            stats.data_ptr(),
+            kernel_threads(n_sources * n_copies * n_tokens * d_model, library),
+        )
         if status != 0:
-            raise MemoryError(f"depth_attention_copies_cpu could not allocate its source tables ({n_copies} x "
-                              f"{n_sources} pointers)")
+            raise MemoryError(
+                f"depth_attention_copies_cpu could not allocate its source tables ({n_copies} x {n_sources} pointers)"
+            )
     return h if norm is None else (h, y)
-

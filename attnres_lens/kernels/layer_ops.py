@@ -6,7 +6,7 @@ its PyTorch version, kept here beside it: the model calls the op and never branc
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +33,13 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str) 
     return apply_rotary(x, cos[:n_pos, None, :], sin[:n_pos, None, :])
 
 
-def kv_shift(k: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor, backend: str,
-             rotary_tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-             ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def kv_shift(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    coefficients: torch.Tensor,
+    backend: str,
+    rotary_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The KV shift (docs/model.md §5) of K and V [batch, pos, heads, d_head] with `coefficients` [heads, 4]
     `(α1, α2, β1, β2)`, and whether K came back rotated: with `rotary_tables` (cos, sin) the C kernel rotates the
     shifted K in the same pass; `TokenShiftMix` (where the C kernel does not run) never does."""
@@ -51,8 +55,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     scaled-dot-product attention, which computes the same softmax without materialising it."""
     if attention_runs_cpu_kernel(backend, q, k, v):
         return causal_attention_cpu(q, k, v, scale)
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          is_causal=True, scale=scale).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+    ).transpose(1, 2)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,6 @@ written once: ``depth_logits`` (keys normalised, scored against the query) and `
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
 
@@ -19,8 +18,9 @@ def rstd(values: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(values.pow(2).mean(dim=-1) + eps)
 
 
-def depth_logits(sources: Sequence[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor,
-                 eps: float) -> torch.Tensor:
+def depth_logits(
+    sources: Sequence[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     """``logit_s = w . (g * v_s * rstd(v_s))`` as ``[..., n_sources]`` in the compute dtype.
 
     Keys are RMS-normalised with gain ``g``; there is no temperature and no 1/sqrt(d).
@@ -42,7 +42,7 @@ def depth_attention_reference(
     query: torch.Tensor,
     key_norm_weight: torch.Tensor,
     eps: float = 1e-6,
-    logit_bias: Optional[torch.Tensor] = None,
+    logit_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return ``(h, weights, logits)``; weights and logits are ``[..., n_sources]`` in the compute dtype.
 

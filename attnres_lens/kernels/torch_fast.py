@@ -12,8 +12,6 @@ Backward, per token (r_s = rstd of source s, u = w * g, delta = dh . h):
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from attnres_lens.kernels._common import compute_dtype, new_output
@@ -27,8 +25,14 @@ class DepthAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float, bias: Optional[torch.Tensor],
-                *sources: torch.Tensor):
+    def forward(
+        ctx,
+        query: torch.Tensor,
+        key_norm_weight: torch.Tensor,
+        eps: float,
+        bias: torch.Tensor | None,
+        *sources: torch.Tensor,
+    ):
         d_model = sources[0].shape[-1]
         dtype = compute_dtype(sources[0].dtype)
         folded_query = query.to(dtype) * key_norm_weight.to(dtype)
@@ -73,8 +77,11 @@ class DepthAttentionFunction(torch.autograd.Function):
 
 
 def depth_attention_torch(
-    sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
-    bias: Optional[torch.Tensor] = None,
+    sources: list[torch.Tensor],
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    eps: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return ``(h, weights, logits)``; weights/logits come source-major, ``[n_sources, N]``, the logits unbiased.
     ``bias``: ``[n_sources, N]`` or None."""

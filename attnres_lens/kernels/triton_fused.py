@@ -241,9 +241,21 @@ class TritonDepthAttentionFunction(torch.autograd.Function):
         logits = new_output((n_sources, n_tokens) if store_logits else (0,), torch.float32, device)
         block_d = triton.next_power_of_2(d_model)
         _depth_attention_fwd_kernel[(triton.cdiv(n_tokens, block_rows),)](
-            src_base, src_table, source_stride, folded_query, h, lse, logits,
-            n_tokens, n_sources, d_model, eps,
-            BLOCK_ROWS=block_rows, BLOCK_D=block_d, FROM_TABLE=not stacked, STORE_LOGITS=store_logits,
+            src_base,
+            src_table,
+            source_stride,
+            folded_query,
+            h,
+            lse,
+            logits,
+            n_tokens,
+            n_sources,
+            d_model,
+            eps,
+            BLOCK_ROWS=block_rows,
+            BLOCK_D=block_d,
+            FROM_TABLE=not stacked,
+            STORE_LOGITS=store_logits,
             num_warps=num_warps(block_rows, block_d),
         )
         ctx.save_for_backward(query, key_norm_weight, folded_query, h, lse, *sources)
@@ -253,8 +265,9 @@ class TritonDepthAttentionFunction(torch.autograd.Function):
         return h, lse, logits
 
     @staticmethod
-    def backward(ctx: Any, grad_h: torch.Tensor, _grad_lse: torch.Tensor, _grad_logits: torch.Tensor
-                 ) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: Any, grad_h: torch.Tensor, _grad_lse: torch.Tensor, _grad_logits: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
         query, key_norm_weight, folded_query, h, lse, *sources = ctx.saved_tensors
         n_tokens, d_model = h.shape
         block_rows = ctx.block_rows
@@ -264,10 +277,24 @@ class TritonDepthAttentionFunction(torch.autograd.Function):
         grad_sources = new_output((ctx.n_sources, n_tokens, d_model), h.dtype, h.device)
         grad_folded_partial = new_output((n_programs, d_model), torch.float32, h.device)
         _depth_attention_bwd_kernel[(n_programs,)](
-            sources[0], ctx.src_table, sources[0].stride(0) if ctx.stacked else 0,
-            grad_sources, grad_sources.stride(0), folded_query, h, grad_h.contiguous(), lse, grad_folded_partial,
-            n_tokens, ctx.n_sources, d_model, ctx.eps, n_tiles,
-            BLOCK_ROWS=block_rows, BLOCK_D=block_d, FROM_TABLE=not ctx.stacked,
+            sources[0],
+            ctx.src_table,
+            sources[0].stride(0) if ctx.stacked else 0,
+            grad_sources,
+            grad_sources.stride(0),
+            folded_query,
+            h,
+            grad_h.contiguous(),
+            lse,
+            grad_folded_partial,
+            n_tokens,
+            ctx.n_sources,
+            d_model,
+            ctx.eps,
+            n_tiles,
+            BLOCK_ROWS=block_rows,
+            BLOCK_D=block_d,
+            FROM_TABLE=not ctx.stacked,
             num_warps=num_warps(block_rows, block_d),
         )
         grad_folded = grad_folded_partial.sum(dim=0)

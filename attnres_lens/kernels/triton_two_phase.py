@@ -25,7 +25,7 @@ Query gradients are summed per program into ``[programs, ...]`` buffers and redu
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import triton
@@ -71,8 +71,11 @@ def _phase1_fwd_kernel(
     query_mask = queries < n_queries
     tile_mask = row_mask[:, None] & col_mask[None, :]
     offsets = rows[:, None] * d_model + cols[None, :]
-    u = tl.load(folded_queries + queries[:, None] * d_model + cols[None, :],
-                mask=query_mask[:, None] & col_mask[None, :], other=0.0)  # [Q, D]
+    u = tl.load(
+        folded_queries + queries[:, None] * d_model + cols[None, :],
+        mask=query_mask[:, None] & col_mask[None, :],
+        other=0.0,
+    )  # [Q, D]
 
     running_max = tl.full([BLOCK_Q, BLOCK_ROWS], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_Q, BLOCK_ROWS], dtype=tl.float32)
@@ -83,8 +86,11 @@ def _phase1_fwd_kernel(
         buffer_source += source_stride
         logit = tl.sum(v[None, :, :] * u[:, None, :], axis=2) * rstd[None, :]  # [Q, R]
         if STORE_LOGITS:
-            tl.store(logits_out + (queries[:, None] * n_sources + s) * n_tokens + rows[None, :], logit,
-                     mask=query_mask[:, None] & row_mask[None, :])
+            tl.store(
+                logits_out + (queries[:, None] * n_sources + s) * n_tokens + rows[None, :],
+                logit,
+                mask=query_mask[:, None] & row_mask[None, :],
+            )
         new_max = tl.maximum(running_max, logit)
         rescale = tl.exp(running_max - new_max)
         p = tl.exp(logit - new_max)
@@ -95,8 +101,11 @@ def _phase1_fwd_kernel(
     h1 = acc / running_sum[:, :, None]
     query_tiles = queries[:, None, None] * n_tokens * d_model + offsets[None, :, :]
     tl.store(h1_out + query_tiles, h1, mask=query_mask[:, None, None] & tile_mask[None])
-    tl.store(lse1_out + queries[:, None] * n_tokens + rows[None, :], running_max + tl.log(running_sum),
-             mask=query_mask[:, None] & row_mask[None, :])
+    tl.store(
+        lse1_out + queries[:, None] * n_tokens + rows[None, :],
+        running_max + tl.log(running_sum),
+        mask=query_mask[:, None] & row_mask[None, :],
+    )
 
 
 @triton.jit
@@ -128,8 +137,11 @@ def _phase1_bwd_kernel(
     queries = tl.arange(0, BLOCK_Q).to(tl.int64)
     col_mask = cols < d_model
     query_mask = queries < n_queries
-    u = tl.load(folded_queries + queries[:, None] * d_model + cols[None, :],
-                mask=query_mask[:, None] & col_mask[None, :], other=0.0)
+    u = tl.load(
+        folded_queries + queries[:, None] * d_model + cols[None, :],
+        mask=query_mask[:, None] & col_mask[None, :],
+        other=0.0,
+    )
     grad_folded = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     for tile in range(program, n_tiles, tl.num_programs(0)):
         rows, row_mask, tile_mask, offsets = row_tile(tile, n_tokens, cols, col_mask, d_model, BLOCK_ROWS)
@@ -152,13 +164,19 @@ def _phase1_bwd_kernel(
             grad_logit = weight * (tl.sum(dh1 * v[None, :, :], axis=2) - delta + dlse)
             key_coef = grad_logit * rstd[None, :]
             value_coef = tl.sum(key_coef * logit, axis=0) * rstd / d_model  # [R]
-            grad_v = (tl.sum(weight[:, :, None] * dh1, axis=0) + tl.sum(key_coef[:, :, None] * u[:, None, :], axis=0)
-                      - value_coef[:, None] * v)
+            grad_v = (
+                tl.sum(weight[:, :, None] * dh1, axis=0)
+                + tl.sum(key_coef[:, :, None] * u[:, None, :], axis=0)
+                - value_coef[:, None] * v
+            )
             tl.store(grad_source + offsets, grad_v.to(grad_sources.dtype.element_ty), mask=tile_mask)
             grad_source += grad_stride
             grad_folded += tl.sum(key_coef[:, :, None] * v[None, :, :], axis=1)
-    tl.store(grad_folded_partial + (program * n_queries + queries[:, None]) * d_model + cols[None, :], grad_folded,
-             mask=query_mask[:, None] & col_mask[None, :])
+    tl.store(
+        grad_folded_partial + (program * n_queries + queries[:, None]) * d_model + cols[None, :],
+        grad_folded,
+        mask=query_mask[:, None] & col_mask[None, :],
+    )
 
 
 @triton.jit
@@ -260,8 +278,9 @@ def _phase1_block_rows(n_queries: int, d_model: int) -> int:
     return max(1, rows // _block_q(n_queries)) if rows > 1 else rows
 
 
-def _query_grads(grad_folded: torch.Tensor, queries: torch.Tensor, gains: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _query_grads(
+    grad_folded: torch.Tensor, queries: torch.Tensor, gains: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``d/dw`` and ``d/dg`` from the gradient of ``u = w * g``."""
     return (grad_folded * gains.float()).to(queries.dtype), (grad_folded * queries.float()).to(gains.dtype)
 
@@ -270,8 +289,15 @@ class TritonPhase1Function(torch.autograd.Function):
     """``(h1 [n_q, N, D], lse1 [n_q, N], logits [n_q, S, N] or empty)`` from ``S`` sources ``[N, D]``."""
 
     @staticmethod
-    def forward(ctx: Any, queries: torch.Tensor, key_norm_weights: torch.Tensor, eps: float, store_logits: bool,
-                block_rows: int, *sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any,
+        queries: torch.Tensor,
+        key_norm_weights: torch.Tensor,
+        eps: float,
+        store_logits: bool,
+        block_rows: int,
+        *sources: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n_tokens, d_model = sources[0].shape
         n_queries, n_sources = queries.shape[0], len(sources)
         device = sources[0].device
@@ -282,9 +308,24 @@ class TritonPhase1Function(torch.autograd.Function):
         logits = new_output((n_queries, n_sources, n_tokens) if store_logits else (0,), torch.float32, device)
         block_d = triton.next_power_of_2(d_model)
         _phase1_fwd_kernel[(triton.cdiv(n_tokens, block_rows),)](
-            sources[0], table, 0, folded, h1, lse1, logits, n_tokens, n_sources, n_queries, d_model, eps,
-            BLOCK_ROWS=block_rows, BLOCK_D=block_d, BLOCK_Q=_block_q(n_queries), FROM_TABLE=True,
-            STORE_LOGITS=store_logits, num_warps=num_warps(block_rows * _block_q(n_queries), block_d),
+            sources[0],
+            table,
+            0,
+            folded,
+            h1,
+            lse1,
+            logits,
+            n_tokens,
+            n_sources,
+            n_queries,
+            d_model,
+            eps,
+            BLOCK_ROWS=block_rows,
+            BLOCK_D=block_d,
+            BLOCK_Q=_block_q(n_queries),
+            FROM_TABLE=True,
+            STORE_LOGITS=store_logits,
+            num_warps=num_warps(block_rows * _block_q(n_queries), block_d),
         )
         ctx.save_for_backward(queries, key_norm_weights, folded, h1, lse1, *sources)
         ctx.table, ctx.eps, ctx.block_rows = table, eps, block_rows
@@ -292,8 +333,9 @@ class TritonPhase1Function(torch.autograd.Function):
         return h1, lse1, logits
 
     @staticmethod
-    def backward(ctx: Any, grad_h1: Optional[torch.Tensor], grad_lse1: Optional[torch.Tensor],
-                 _grad_logits: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(
+        ctx: Any, grad_h1: torch.Tensor | None, grad_lse1: torch.Tensor | None, _grad_logits: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         queries, key_norm_weights, folded, h1, lse1, *sources = ctx.saved_tensors
         n_queries, n_tokens, d_model = h1.shape
         grad_h1 = torch.zeros_like(h1) if grad_h1 is None else grad_h1.contiguous()
@@ -304,9 +346,27 @@ class TritonPhase1Function(torch.autograd.Function):
         grad_sources = new_output((len(sources), n_tokens, d_model), sources[0].dtype, h1.device)
         grad_folded_partial = new_output((n_programs, n_queries, d_model), torch.float32, h1.device)
         _phase1_bwd_kernel[(n_programs,)](
-            sources[0], ctx.table, 0, grad_sources, grad_sources.stride(0), folded, h1, grad_h1, lse1, grad_lse1,
-            grad_folded_partial, n_tokens, len(sources), n_queries, d_model, ctx.eps, n_tiles,
-            BLOCK_ROWS=block_rows, BLOCK_D=block_d, BLOCK_Q=_block_q(n_queries), FROM_TABLE=True,
+            sources[0],
+            ctx.table,
+            0,
+            grad_sources,
+            grad_sources.stride(0),
+            folded,
+            h1,
+            grad_h1,
+            lse1,
+            grad_lse1,
+            grad_folded_partial,
+            n_tokens,
+            len(sources),
+            n_queries,
+            d_model,
+            ctx.eps,
+            n_tiles,
+            BLOCK_ROWS=block_rows,
+            BLOCK_D=block_d,
+            BLOCK_Q=_block_q(n_queries),
+            FROM_TABLE=True,
             num_warps=num_warps(block_rows * _block_q(n_queries), block_d),
         )
         grad_queries, grad_gains = _query_grads(grad_folded_partial.sum(dim=0), queries, key_norm_weights)
@@ -317,9 +377,17 @@ class TritonMergeFunction(torch.autograd.Function):
     """``(h [N, D], partial logit [N] or empty)``: phase 2 for one sublayer."""
 
     @staticmethod
-    def forward(ctx: Any, query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float, store_logits: bool,
-                block_rows: int, h1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any,
+        query: torch.Tensor,
+        key_norm_weight: torch.Tensor,
+        eps: float,
+        store_logits: bool,
+        block_rows: int,
+        h1: torch.Tensor,
+        lse1: torch.Tensor,
+        partial: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n_tokens, d_model = partial.shape
         folded = (query.float() * key_norm_weight.float()).contiguous()
         h = new_output((n_tokens, d_model), partial.dtype, partial.device)
@@ -327,8 +395,19 @@ class TritonMergeFunction(torch.autograd.Function):
         partial_logit = new_output((n_tokens,) if store_logits else (0,), torch.float32, partial.device)
         block_d = triton.next_power_of_2(d_model)
         _merge_fwd_kernel[(triton.cdiv(n_tokens, block_rows),)](
-            h1, lse1, partial, folded, h, lse, partial_logit, n_tokens, d_model, eps,
-            BLOCK_ROWS=block_rows, BLOCK_D=block_d, STORE_LOGITS=store_logits,
+            h1,
+            lse1,
+            partial,
+            folded,
+            h,
+            lse,
+            partial_logit,
+            n_tokens,
+            d_model,
+            eps,
+            BLOCK_ROWS=block_rows,
+            BLOCK_D=block_d,
+            STORE_LOGITS=store_logits,
             num_warps=num_warps(block_rows, block_d),
         )
         ctx.save_for_backward(query, key_norm_weight, folded, h1, lse1, partial, lse)
@@ -337,8 +416,9 @@ class TritonMergeFunction(torch.autograd.Function):
         return h, partial_logit
 
     @staticmethod
-    def backward(ctx: Any, grad_h: torch.Tensor, _grad_partial_logit: Optional[torch.Tensor]
-                 ) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(
+        ctx: Any, grad_h: torch.Tensor, _grad_partial_logit: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         query, key_norm_weight, folded, h1, lse1, partial, lse = ctx.saved_tensors
         n_tokens, d_model = partial.shape
         block_rows, block_d = ctx.block_rows, triton.next_power_of_2(d_model)
@@ -349,17 +429,35 @@ class TritonMergeFunction(torch.autograd.Function):
         grad_partial = new_output(partial.shape, partial.dtype, partial.device)
         grad_folded_partial = new_output((n_programs, d_model), torch.float32, partial.device)
         _merge_bwd_kernel[(n_programs,)](
-            h1, lse1, partial, folded, lse, grad_h.contiguous(), grad_h1, grad_lse1, grad_partial,
-            grad_folded_partial, n_tokens, d_model, ctx.eps, n_tiles,
-            BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=num_warps(block_rows, block_d),
+            h1,
+            lse1,
+            partial,
+            folded,
+            lse,
+            grad_h.contiguous(),
+            grad_h1,
+            grad_lse1,
+            grad_partial,
+            grad_folded_partial,
+            n_tokens,
+            d_model,
+            ctx.eps,
+            n_tiles,
+            BLOCK_ROWS=block_rows,
+            BLOCK_D=block_d,
+            num_warps=num_warps(block_rows, block_d),
         )
         grad_query, grad_gain = _query_grads(grad_folded_partial.sum(dim=0), query, key_norm_weight)
         return grad_query, grad_gain, None, None, None, grad_h1, grad_lse1, grad_partial
 
 
 def phase1_triton(
-    sources: list[torch.Tensor], queries: torch.Tensor, key_norm_weights: torch.Tensor, eps: float,
-    store_logits: bool, block_rows: int | None = None,
+    sources: list[torch.Tensor],
+    queries: torch.Tensor,
+    key_norm_weights: torch.Tensor,
+    eps: float,
+    store_logits: bool,
+    block_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(h1 [n_q, ..., D], lse1 [n_q, ...], logits [n_q, ..., S] or None)`` for sources ``[..., D]``."""
     check_device(sources[0])
@@ -375,8 +473,14 @@ def phase1_triton(
 
 
 def merge_triton(
-    h1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, key_norm_weight: torch.Tensor,
-    eps: float, store_logits: bool, block_rows: int | None = None,
+    h1: torch.Tensor,
+    lse1: torch.Tensor,
+    partial: torch.Tensor,
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    eps: float,
+    store_logits: bool,
+    block_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(h [..., D], partial logit [...] or None)`` for one sublayer's phase-1 part and partial sum."""
     check_device(partial)
@@ -384,7 +488,13 @@ def merge_triton(
     d_model = shape[-1]
     block_rows = block_rows or default_block_rows(d_model)
     h, partial_logit = TritonMergeFunction.apply(
-        query, key_norm_weight, eps, store_logits, block_rows,
-        h1.reshape(-1, d_model).contiguous(), lse1.reshape(-1).contiguous(), partial.reshape(-1, d_model).contiguous(),
+        query,
+        key_norm_weight,
+        eps,
+        store_logits,
+        block_rows,
+        h1.reshape(-1, d_model).contiguous(),
+        lse1.reshape(-1).contiguous(),
+        partial.reshape(-1, d_model).contiguous(),
     )
     return h.view(shape), partial_logit.view(shape[:-1]) if store_logits else None

@@ -18,7 +18,7 @@ result equals one softmax over ``[b_0, ..., b_{n-1}, p]`` in value and gradient.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -39,7 +39,7 @@ class BlockStats(NamedTuple):
     lse: torch.Tensor | tuple[torch.Tensor, ...]  # [n_q, ...] log-sum-exp of those logits, likewise
     queries: torch.Tensor  # [n_q, D]
     key_norm_weights: torch.Tensor  # [n_q, D]
-    logits: Optional[torch.Tensor]  # [n_q, ..., n_completed] when phase 1 was asked for them
+    logits: torch.Tensor | None  # [n_q, ..., n_completed] when phase 1 was asked for them
     eps: float
     backend: str  # "torch", "triton" or "cpu": phase 2 runs where phase 1 ran
     out_dtype: torch.dtype  # the sources' dtype, which every merged output is cast back to
@@ -75,8 +75,10 @@ def block_phase1(
         )
     for name, vectors in (("queries", queries), ("key_norm_weights", key_norm_weights)):  # as the single-pass op
         if not vectors.is_floating_point() or vectors.device != source_list[0].device:
-            raise ValueError(f"{name} must be floating point on the sources' device {source_list[0].device}, got "
-                             f"{vectors.dtype} on {vectors.device}")
+            raise ValueError(
+                f"{name} must be floating point on the sources' device {source_list[0].device}, got "
+                f"{vectors.dtype} on {vectors.device}"
+            )
     chosen = two_phase_backend(backend, source_list[0].device, return_logits)
     if chosen == "cpu":
         from attnres_lens.kernels.cpu_depth import depth_attention_multi_cpu
@@ -111,7 +113,7 @@ def block_phase1(
 def merge_partial(
     stats: BlockStats,
     index: int,
-    partial: Optional[torch.Tensor | Sequence[torch.Tensor]],
+    partial: torch.Tensor | Sequence[torch.Tensor] | None,
     return_weights: bool = False,
     return_logits: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -138,8 +140,9 @@ def merge_partial(
             if value.shape != mix.shape:
                 raise ValueError(f"partial must have shape {tuple(mix.shape)}, got {tuple(value.shape)}")
             if not value.is_floating_point() or value.device != mix.device:
-                raise ValueError(f"partial must be a floating tensor on {mix.device}, got {value.dtype} on "
-                                 f"{value.device}")
+                raise ValueError(
+                    f"partial must be a floating tensor on {mix.device}, got {value.dtype} on {value.device}"
+                )
         query, gain = stats.queries[index], stats.key_norm_weights[index]
         new_logits = None
         if stats.backend == "triton":
@@ -147,15 +150,17 @@ def merge_partial(
                 raise ValueError(f"the triton merge takes one partial sum, got {len(new_sources)} sources")
             from attnres_lens.kernels.triton_two_phase import merge_triton
 
-            h, new_logits = merge_triton(mix, completed_lse, new_sources[0], query, gain, stats.eps,
-                                         completed_logits is not None)
+            h, new_logits = merge_triton(
+                mix, completed_lse, new_sources[0], query, gain, stats.eps, completed_logits is not None
+            )
             new_logits = None if new_logits is None else new_logits[..., None]
         elif stats.backend == "cpu":
             from attnres_lens.kernels.cpu_depth import depth_attention_multi_cpu
 
             folded = query.to(mix.dtype) * gain.to(mix.dtype)
-            merged, _ = depth_attention_multi_cpu(new_sources, folded[None], stats.eps,
-                                                  prior=(mix[None], completed_lse[None]))
+            merged, _ = depth_attention_multi_cpu(
+                new_sources, folded[None], stats.eps, prior=(mix[None], completed_lse[None])
+            )
             h = merged[0].to(stats.out_dtype)
         else:
             values = [value.to(mix.dtype) for value in new_sources]

@@ -63,14 +63,18 @@ def check_target_ids(targets: Any, shape: torch.Size, d_vocab: int, what: str = 
     naming `what`."""
     targets = torch.as_tensor(targets)
     if targets.dtype == torch.bool or targets.is_floating_point() or targets.is_complex():
-        raise ValueError(f"{what} must hold integer token ids, got dtype {targets.dtype}; pass a long tensor "
-                         f"(use {IGNORE_INDEX} to skip a position)")
+        raise ValueError(
+            f"{what} must hold integer token ids, got dtype {targets.dtype}; pass a long tensor "
+            f"(use {IGNORE_INDEX} to skip a position)"
+        )
     if targets.shape != shape:
         raise ValueError(f"{what} must have the tokens' shape {tuple(shape)}, got {tuple(targets.shape)}")
     bad = targets[(targets != IGNORE_INDEX) & ((targets < 0) | (targets >= d_vocab))]
     if len(bad):
-        raise ValueError(f"{what} holds token id {int(bad[0])}, out of range for d_vocab={d_vocab} "
-                         f"(use {IGNORE_INDEX} to skip a position)")
+        raise ValueError(
+            f"{what} holds token id {int(bad[0])}, out of range for d_vocab={d_vocab} "
+            f"(use {IGNORE_INDEX} to skip a position)"
+        )
     return targets.long()
 
 
@@ -81,11 +85,15 @@ def check_scored_batch(batch: Batch, d_vocab: int) -> Batch:
     targets = check_target_ids(batch.targets, batch.tokens.shape, d_vocab, "batch.targets")
     mask = torch.as_tensor(batch.answer_mask)
     if mask.dtype != torch.bool or mask.shape != batch.tokens.shape:
-        raise ValueError(f"batch.answer_mask must be booleans of the tokens' shape {tuple(batch.tokens.shape)}, got "
-                         f"{mask.dtype} of shape {tuple(mask.shape)}")
+        raise ValueError(
+            f"batch.answer_mask must be booleans of the tokens' shape {tuple(batch.tokens.shape)}, got "
+            f"{mask.dtype} of shape {tuple(mask.shape)}"
+        )
     if not (targets != IGNORE_INDEX).any():
-        raise ValueError("the batch has no position with a target (every target is "
-                         f"{IGNORE_INDEX}, e.g. one-token sequences): there is nothing to score")
+        raise ValueError(
+            "the batch has no position with a target (every target is "
+            f"{IGNORE_INDEX}, e.g. one-token sequences): there is nothing to score"
+        )
     return dataclasses.replace(batch, targets=targets.to(batch.tokens.device), answer_mask=mask)
 
 

@@ -17,7 +17,6 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -31,7 +30,7 @@ _SCAN_CHUNK = 1 << 24  # ids per chunk when scanning a file for its largest id (
 _SCANNED: dict[tuple, tuple[int, int]] = {}
 
 
-def open_token_file(path: str, dtype: Optional[str]) -> np.ndarray:
+def open_token_file(path: str, dtype: str | None) -> np.ndarray:
     """The ids of `path` as a read-only memory map (1-D, uint16 or uint32); ValueError says what is wrong."""
     file = Path(path)
     if not file.is_file():
@@ -44,22 +43,29 @@ def open_token_file(path: str, dtype: Optional[str]) -> np.ndarray:
         except ValueError as err:  # object arrays, damaged headers
             raise ValueError(f"tokens: {path} is not a readable .npy array of token ids ({err})") from err
         if ids.dtype.name not in TOKEN_DTYPES:
-            raise ValueError(f"tokens: {path} holds {ids.dtype.name} values; token ids must be uint16 or uint32 "
-                             "(convert with array.astype(numpy.uint32))")
+            raise ValueError(
+                f"tokens: {path} holds {ids.dtype.name} values; token ids must be uint16 or uint32 "
+                "(convert with array.astype(numpy.uint32))"
+            )
         if dtype is not None and ids.dtype.name != dtype:
-            raise ValueError(f"tokens: {path} holds {ids.dtype.name} ids but the task says dtype={dtype!r}; "
-                             "leave dtype unset for .npy files")
+            raise ValueError(
+                f"tokens: {path} holds {ids.dtype.name} ids but the task says dtype={dtype!r}; "
+                "leave dtype unset for .npy files"
+            )
         if ids.ndim != 1:
             raise ValueError(f"tokens: {path} has shape {ids.shape}; a token file is one flat sequence of ids")
         return ids
     if dtype is None:
-        raise ValueError(f"tokens: {path} is a raw file, which does not record its dtype; say which with "
-                         f"task.dtype={TOKEN_DTYPES[0]} or {TOKEN_DTYPES[1]} (or save it as .npy)")
+        raise ValueError(
+            f"tokens: {path} is a raw file, which does not record its dtype; say which with "
+            f"task.dtype={TOKEN_DTYPES[0]} or {TOKEN_DTYPES[1]} (or save it as .npy)"
+        )
     itemsize = np.dtype(dtype).itemsize
     size = file.stat().st_size
     if size % itemsize:
-        raise ValueError(f"tokens: {path} has {size} bytes, not a whole number of {dtype} ids: is its dtype "
-                         f"really {dtype}?")
+        raise ValueError(
+            f"tokens: {path} has {size} bytes, not a whole number of {dtype} ids: is its dtype really {dtype}?"
+        )
     if size == 0:
         raise ValueError(f"tokens: {path} is empty")
     return np.memmap(file, dtype=dtype, mode="r")
@@ -69,7 +75,7 @@ def _largest_id(path: str, ids: np.ndarray) -> int:
     stat = os.stat(path)
     key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns, ids.dtype.name)
     if key not in _SCANNED:
-        largest = max(int(ids[start:start + _SCAN_CHUNK].max()) for start in range(0, len(ids), _SCAN_CHUNK))
+        largest = max(int(ids[start : start + _SCAN_CHUNK].max()) for start in range(0, len(ids), _SCAN_CHUNK))
         _SCANNED[key] = (len(ids), largest)
     return _SCANNED[key][1]
 
@@ -85,14 +91,13 @@ class TokensTask(Task):
 
     name = "tokens"
     path: str = ""
-    dtype: Optional[str] = None
+    dtype: str | None = None
     holdout: float = 0.1
 
     def _validate(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError("tokens: give the token file as task.path")
-        if isinstance(self.holdout, bool) or not isinstance(self.holdout, (int, float)) \
-                or not 0 < self.holdout < 1:
+        if isinstance(self.holdout, bool) or not isinstance(self.holdout, (int, float)) or not 0 < self.holdout < 1:
             raise ValueError(f"tokens: holdout must be a fraction strictly between 0 and 1, got {self.holdout!r}")
         ids = open_token_file(self.path, self.dtype)
         n_eval = math.ceil(len(ids) * self.holdout)
@@ -101,16 +106,19 @@ class TokensTask(Task):
             raise ValueError(
                 f"tokens: {self.path} holds {len(ids)} ids, too short for seq_len={self.seq_len}: its training part "
                 f"has {self._split} and its held-out part ({self.holdout:g} of the file) {n_eval}, and each needs at "
-                f"least one window of {self.seq_len}; use a longer file, a smaller seq_len or another holdout")
+                f"least one window of {self.seq_len}; use a longer file, a smaller seq_len or another holdout"
+            )
         largest = _largest_id(self.path, ids)
         if largest >= self.vocab_size:
-            raise ValueError(f"tokens: {self.path} holds id {largest}, out of range for vocab_size={self.vocab_size} "
-                             f"(valid ids 0..{self.vocab_size - 1}); set vocab_size to the tokenizer's vocabulary "
-                             "(the model's d_vocab), or check the file's dtype")
+            raise ValueError(
+                f"tokens: {self.path} holds id {largest}, out of range for vocab_size={self.vocab_size} "
+                f"(valid ids 0..{self.vocab_size - 1}); set vocab_size to the tokenizer's vocabulary "
+                "(the model's d_vocab), or check the file's dtype"
+            )
         self._ids = ids
 
     def _windows(self, starts: np.ndarray) -> Batch:
-        rows = np.stack([np.asarray(self._ids[start:start + self.seq_len], dtype=np.int64) for start in starts])
+        rows = np.stack([np.asarray(self._ids[start : start + self.seq_len], dtype=np.int64) for start in starts])
         tokens = torch.from_numpy(rows)
         return self._batch(tokens, torch.ones_like(tokens, dtype=torch.bool))  # every position with a target
 
