@@ -225,11 +225,12 @@ class ModelConfig(TransformerLensConfig):
         }
 
     # ------------------------------------------------------------------ structure
-    def allocation_floor(self) -> dict[str, int]:
-        """Bytes that building this model allocates at least, by what asks for them: the embeddings, the
-        projections and the rotary tables (smaller parameters are left out, so the sum is a floor). Each part
-        names the fields it grows with, for `resources.check_model_fits`'s message."""
-        size = torch.empty((), dtype=self.dtype).element_size()
+    def allocation_floor(self, element_size: int | None = None) -> dict[str, int]:
+        """Bytes that this model's weights and tables take at least, by what asks for them: the embeddings, the
+        projections and the rotary tables (smaller parameters are left out, so the sum is a floor), at
+        `element_size` bytes a value (default: the model's dtype). Each part names the fields it grows with, for
+        `resources.check_model_fits`'s message."""
+        size = element_size or torch.empty((), dtype=self.dtype).element_size()
         d, layers, kv_heads = self.d_model, self.n_layers, self.n_key_value_heads or self.n_heads
         parts = {
             "d_vocab × d_model embeddings": self.d_vocab * d * (1 if self.tie_word_embeddings else 2),

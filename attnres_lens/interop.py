@@ -439,6 +439,8 @@ def read_fla_dir(path: PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor
     config = read_fla_config(folder)
     tensors: dict[str, torch.Tensor] = {}
     for name in fla_weight_files(folder):
+        if (folder / name).exists() and not (folder / name).is_file():  # a FIFO would block the read forever
+            raise FlaInteropError(f"{folder / name} is not a regular file; a model's weights are safetensors files")
         try:
             tensors.update(load_file(str(folder / name)))
         except (SafetensorError, OSError) as err:

@@ -39,18 +39,24 @@ def available_memory(device: torch.device) -> int | None:
 def check_model_fits(cfg: ModelConfig) -> None:
     """Before a model is built: refuse a config whose parameters and buffers cannot fit in the memory left, naming
     the fields that ask for most of it. The bound is a floor (`ModelConfig.allocation_floor`), so it never refuses
-    a model that would fit."""
+    a model that would fit. A model is built in float32 on the CPU, then cast and moved (`HookedTransformer`), so
+    the CPU must hold it in float32 (or wider) and the target device in the model's dtype."""
     device = torch.device(cfg.device or "cpu")
     if device.type == "meta":
         return
-    parts = cfg.allocation_floor()
-    needed = sum(parts.values())
-    available = available_memory(device)
+    model_size = torch.empty((), dtype=cfg.dtype).element_size()
+    _check_fits(cfg.allocation_floor(max(4, model_size)), torch.device("cpu"), "to build it")
+    if device.type != "cpu":
+        _check_fits(cfg.allocation_floor(model_size), device, "for its weights and tables")
+
+
+def _check_fits(parts: dict[str, int], device: torch.device, purpose: str) -> None:
+    needed, available = sum(parts.values()), available_memory(device)
     if available is None or needed <= available:
         return
     largest = sorted(parts.items(), key=lambda item: -item[1])[:2]
     raise ValueError(
-        f"this model needs at least {needed / 2**30:.3g} GiB for its weights and tables "
+        f"this model needs at least {needed / 2**30:.3g} GiB on {device} {purpose} "
         f"(mostly {' and '.join(f'{what}: {size / 2**30:.3g} GiB' for what, size in largest)}), but "
-        f"{available / 2**30:.3g} GiB are available on {device}; check those fields"
+        f"{available / 2**30:.3g} GiB are available there; check those fields"
     )

@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -78,24 +79,27 @@ class RunLock:
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            try:
-                fd, self.created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
-            except FileExistsError:
-                try:
-                    fd, self.created = os.open(self.path, os.O_RDWR), False
-                except FileNotFoundError:  # discarded in between: create it
-                    continue
+            fd = self._open()
+            if fd is None:  # discarded in between: create it
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 break  # held: refused below
+            except BaseException:
+                self._abandon(fd)
+                raise
             # a holder that wrote nothing may remove the file (`discard`): a lock taken on a removed file is no lock
             try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
             except FileNotFoundError:
                 same = False
             if same:
-                return self._name_holder(fd)
+                try:
+                    return self._name_holder(fd)
+                except BaseException:  # Ctrl-C while naming itself: a lock file it made does not stay
+                    self._abandon(fd)
+                    raise
             os.close(fd)
         # the holder names itself just after taking the lock: a refusal in that instant waits briefly for it
         holder = ""
@@ -110,6 +114,34 @@ class RunLock:
             f"{self.path.parent} is being written by {holder}; a run directory has one writer at "
             "a time: wait for it to finish, or stop it and resume"
         ) from None
+
+    def _open(self) -> int | None:
+        """The lock file's descriptor (made if missing: `created`), None if it vanished in between. Never through a
+        symbolic link: a run folder handed over with `.lock` linking to another file would have that file emptied
+        and overwritten by the holder's name."""
+        flags = os.O_RDWR | os.O_NOFOLLOW
+        try:
+            fd, self.created = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            try:
+                fd, self.created = os.open(self.path, flags), False
+            except FileNotFoundError:
+                return None
+            except OSError as err:  # ELOOP: a symbolic link
+                raise RunDirError(
+                    f"{self.path} is not a plain file ({err.strerror}); a run's lock file is one: "
+                    "remove it and try again"
+                ) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RunDirError(f"{self.path} is not a plain file; a run's lock file is one: remove it and try again")
+        return fd
+
+    def _abandon(self, fd: int) -> None:
+        """Close `fd` unlocked, removing the lock file if this holder made it (safe: `acquire` re-checks)."""
+        if self.created:
+            self.path.unlink(missing_ok=True)
+        os.close(fd)
 
     def _name_holder(self, fd: int) -> RunLock:
         command = " ".join(sys.argv)
@@ -141,6 +173,19 @@ class RunLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def _make_folders(path: Path) -> list[Path]:
+    """Create `path` and its missing parents; returns those this call created (not one another process made in
+    between), outermost first."""
+    made = []
+    for folder in [*reversed(path.parents), path]:
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        made.append(folder)
+    return made
 
 
 # ---------------------------------------------------------------------------- reads of text files
@@ -365,14 +410,22 @@ class RunDir:
         nothing it made stays: a folder it created is removed, else the lock file it created. Only the lock's
         holder cleans up: a writer refused by the lock may have seen no folder only because the holder had not
         made it yet."""
-        created = not self.path.exists()
-        lock = self.lock().acquire()
+        made = _make_folders(self.path)  # the folders this call created, outermost first
+        lock = self.lock()
         try:
+            lock.acquire()
             yield lock
         except BaseException:
-            if not self.holds_run():
-                if created:
+            if lock._fd is None:  # refused by the lock, or interrupted taking it: only empty folders of ours go
+                for folder in reversed(made):
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
+            elif not self.holds_run():
+                if self.path in made:  # the lock's holder: nobody else writes in it
                     shutil.rmtree(self.path, ignore_errors=True)
+                    for folder in reversed(made[:-1]):
+                        with contextlib.suppress(OSError):
+                            folder.rmdir()
                 elif lock.created:
                     lock.discard()
             raise

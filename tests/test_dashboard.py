@@ -471,6 +471,12 @@ def test_the_runs_folder_box_never_leaves_the_served_folder(tmp_path):
         assert list(app.dataframe[0].value["run"]) == ["top-run"], typed  # still the served folder's runs
         assert secret not in shown(app), typed  # the refusal names the typed path, nothing read there
 
+    (served / "loop-a").symlink_to(served / "loop-b")  # a symbolic link loop cannot be resolved: a message
+    (served / "loop-b").symlink_to(served / "loop-a")
+    app.text_input[0].input("loop-a").run()
+    assert not app.exception, [element.value for element in app.exception]
+    assert any("loop-a cannot be resolved" in rendered(error.value)[0] for error in app.error)
+
     app.text_input[0].input("group").run()  # relative to the served folder
     assert_clean(app)
     assert list(app.dataframe[0].value["run"]) == ["inner-run"]

@@ -797,3 +797,32 @@ def test_a_refused_import_leaves_no_lock_behind(saved_fla, tmp_path):
     empty.mkdir()
     assert cli("import-fla", str(saved_fla), "--out", str(empty), "--task", "ngram9").returncode == 2
     assert list(empty.iterdir()) == []
+
+
+def test_a_named_shard_that_is_not_a_regular_file_is_refused(saved_fla, tmp_path):
+    """A FIFO the index names would block the read forever."""
+    import os
+
+    folder = edited_copy(saved_fla, tmp_path)
+    names = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    os.mkfifo(folder / "shard.safetensors")
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: "shard.safetensors" for n in names}})
+    )
+    with pytest.raises(FlaInteropError, match="shard.safetensors is not a regular file"):
+        from_fla(folder)
+
+
+def test_the_memory_check_counts_a_low_precision_model_as_built_in_float32(monkeypatch):
+    """A model is built in float32 on the CPU, then cast: memory for the bf16 weights alone is not enough."""
+    import attnres_lens.resources as resources
+    from attnres_lens import HookedTransformer
+
+    cfg = ModelConfig(d_model=32, n_heads=4, n_layers=2, n_ctx=24, d_vocab=40, dtype="bfloat16")
+    bf16, fp32 = (sum(cfg.allocation_floor(size).values()) for size in (2, 4))
+    monkeypatch.setattr(resources, "available_memory", lambda device: (bf16 + fp32) // 2)
+    with pytest.raises(ValueError, match="on cpu to build it"):
+        HookedTransformer(cfg)
+    monkeypatch.setattr(resources, "available_memory", lambda device: fp32)
+    assert HookedTransformer(cfg).embed.W_E.dtype == torch.bfloat16

@@ -785,3 +785,47 @@ def test_settings_that_would_crash_hang_or_mislead_are_refused_before_training(s
 def test_analysis_threads_are_bounded_as_trainings_are(smoke_run, tmp_path, capsys):
     err = cli_error(capsys, "prune", str(smoke_run), "--threads", "100000", "--out", str(tmp_path / "p"))
     assert "threads=100000 is more than this machine can run" in err
+
+
+# ---------------------------------------------------------------------------- a review's findings (lock and cleanup)
+def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path):
+    """A run folder handed over with `.lock` linking to another file: taking the lock would empty that file and
+    write the holder's name into it."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock").symlink_to(victim)
+    with pytest.raises(RunDirError, match=r"\.lock is not a plain file"):
+        RunDir(run).lock().acquire()
+    assert victim.read_text() == "mine"
+
+
+def test_a_refused_new_run_removes_only_what_it_made(tmp_path, capsys, monkeypatch):
+    import attnres_lens.rundir as rundir
+    from attnres_lens.rundir import RunLock
+
+    deep = tmp_path / "x" / "a" / "b" / "run"  # the parents it made go too
+    cli_error(capsys, "train", "--preset", "smoke", "--out", str(deep), "--no-progress", "--set", "model.seed=5")
+    assert not (tmp_path / "x").exists()
+
+    theirs = tmp_path / "theirs"  # another process made the folder just before this one: never removed
+
+    def another_made_it(path):
+        path.mkdir()
+        (path / "user_notes.txt").write_text("x")
+        return []
+
+    monkeypatch.setattr(rundir, "_make_folders", another_made_it)
+    with pytest.raises(ValueError, match="model.seed"):
+        train(apply_overrides(get_preset("smoke"), ["model.seed=5"]), theirs, progress=False)
+    assert sorted(p.name for p in theirs.iterdir()) == ["user_notes.txt"]
+    monkeypatch.undo()
+
+    def interrupted(self, fd):  # Ctrl-C while the lock names its holder
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RunLock, "_name_holder", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(get_preset("smoke"), tmp_path / "new", progress=False)
+    assert not (tmp_path / "new").exists()

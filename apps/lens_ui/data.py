@@ -102,15 +102,21 @@ def served_dir() -> Path:
 
 
 def is_served(path: Path) -> bool:
-    """Whether `path`, symbolic links resolved, is the served folder or lies under it."""
-    return path.resolve().is_relative_to(served_dir())
+    """Whether `path`, symbolic links resolved, is the served folder or lies under it (a link loop is not)."""
+    try:
+        return path.resolve().is_relative_to(served_dir())
+    except (RuntimeError, OSError):  # a symbolic link loop (RuntimeError before Python 3.13)
+        return False
 
 
 def folder_under_served(typed: str) -> Path:
     """The folder the user typed (relative: to the served folder), resolved; ValueError naming it and the served
     folder if it lies outside. Nothing outside is read, so the message never carries another folder's content."""
     served = served_dir()
-    folder = (served / Path(typed.strip()).expanduser()).resolve()
+    try:
+        folder = (served / Path(typed.strip()).expanduser()).resolve()
+    except (RuntimeError, OSError) as err:  # a symbolic link loop (RuntimeError before Python 3.13)
+        raise ValueError(f"{typed.strip()} cannot be resolved ({err}); give a folder under {served}") from None
     if not folder.is_relative_to(served):
         raise ValueError(
             f"{typed.strip()} is outside the folder this dashboard serves, {served}; give that folder or "

@@ -175,7 +175,7 @@ def _as_batch(model: HookedTransformer, batch: BatchLike) -> Batch:
         return check_scored_batch(batch.to(model.embed.W_E.device), model.cfg.d_vocab)
     tokens = model.to_tokens(batch)
     targets = next_token_targets(tokens)
-    return Batch(tokens, targets, targets != IGNORE_INDEX)
+    return check_scored_batch(Batch(tokens, targets, targets != IGNORE_INDEX), model.cfg.d_vocab)  # one-token rows
 
 
 def _target_ids(
