@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config field, e.g. --set model.n_layers=3 --set train.lr=1e-3 (repeatable)",
     )
     train.add_argument(
+        "--threads",
+        type=int,
+        help="with --resume: torch threads to continue with (0: one per core; default: the run's); a new run "
+        "takes --set train.threads=N",
+    )
+    train.add_argument(
         "--checkpoint",
         help="with --resume: continue from this checkpoint ('latest', 'best', a step "
         "or a name; default latest), e.g. when the latest one is damaged",
@@ -226,8 +232,8 @@ def _train(args: argparse.Namespace) -> int:
         if args.resume:
             if args.out or args.overrides or args.seed is not None:
                 raise ValueError(
-                    "--resume continues a run with its own config; only --steps, --checkpoint and "
-                    "--device may be given with it"
+                    "--resume continues a run with its own config; only --steps, --checkpoint, --device and "
+                    "--threads may be given with it"
                 )
             trainer = resume(
                 args.resume,
@@ -235,8 +241,11 @@ def _train(args: argparse.Namespace) -> int:
                 steps=args.steps,
                 checkpoint=args.checkpoint or "latest",
                 device=args.device,
+                threads=args.threads,
             )
         else:
+            if args.threads is not None:
+                raise ValueError("--threads is for --resume; a new run takes --set train.threads=N")
             if not args.out:
                 raise ValueError("--out DIR is required with --preset")
             if args.checkpoint:

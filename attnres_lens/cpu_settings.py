@@ -62,7 +62,7 @@ def set_threads(threads: int) -> None:
     if threads > max_threads():
         raise ValueError(
             f"threads={threads} is more than this machine can run ({os.cpu_count()} cores; at most "
-            f"{max_threads()}); use 0 for one per core"
+            f"{max_threads()}); use 0 for one per core (train.threads; resuming, --threads)"
         )
     if threads:
         torch.set_num_threads(threads)

@@ -365,6 +365,7 @@ def resume(
     steps: int | None = None,
     checkpoint: str = "latest",
     device: str | None = None,
+    threads: int | None = None,
 ) -> Trainer:
     """Continue a run from a checkpoint (default its latest); the loss curve continues as if never interrupted.
 
@@ -372,7 +373,8 @@ def resume(
     reached its budget needs one to continue. `checkpoint` ("latest", "best", a step or a name) picks an earlier
     checkpoint, e.g. when the latest state file is damaged: what was logged after it, and the checkpoints after
     it, are dropped and redone. `device` moves the run (e.g. trained on a GPU, continued on a CPU; the arithmetic
-    then differs in rounding), recorded in config.json.
+    then differs in rounding), recorded in config.json. `threads` sets its torch threads (a run recorded on a
+    machine with more cores may ask for more than this one runs), recorded too.
     """
     run_dir = RunDir(out_dir)
     run_dir.read_config_dict()  # a missing or foreign folder is refused before the lock would create anything
@@ -386,12 +388,13 @@ def resume(
                 "it has no training state to resume (continue training it where it was trained, e.g. "
                 "after `attnres-lens export-fla`)"
             )
-        if steps is not None or device is not None:  # replace() validates them as a new config would
-            config.train = dataclasses.replace(
-                config.train,
-                **({} if steps is None else {"steps": steps}),
-                **({} if device is None else {"device": device}),
-            )
+        changed = {
+            name: value
+            for name, value in (("steps", steps), ("device", device), ("threads", threads))
+            if value is not None
+        }
+        if changed:  # replace() validates them as a new config would
+            config.train = dataclasses.replace(config.train, **changed)
         if run_dir.read_index().latest is None:
             raise RunDirError(
                 f"{run_dir.path} has no checkpoint to resume from; remove it and start again with `attnres-lens train`"

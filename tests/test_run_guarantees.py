@@ -829,3 +829,17 @@ def test_a_refused_new_run_removes_only_what_it_made(tmp_path, capsys, monkeypat
     with pytest.raises(KeyboardInterrupt):
         train(get_preset("smoke"), tmp_path / "new", progress=False)
     assert not (tmp_path / "new").exists()
+
+
+def test_a_run_recorded_with_more_threads_than_this_machine_runs_resumes_with_threads(smoke_run, tmp_path, capsys):
+    run = copy_run(smoke_run, tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    config["train"]["threads"] = 100000  # as if recorded on a far bigger machine
+    (run / "config.json").write_text(json.dumps(config))
+    err = cli_error(capsys, "train", "--resume", str(run), "--steps", "45", "--no-progress")
+    assert "threads=100000 is more than this machine can run" in err and "--threads" in err
+    assert cli_main(["train", "--resume", str(run), "--steps", "45", "--threads", "1", "--no-progress"]) == 0
+    assert json.loads((run / "config.json").read_text())["train"]["threads"] == 1
+    assert "--threads is for --resume" in cli_error(
+        capsys, "train", "--preset", "smoke", "--out", str(tmp_path / "n"), "--threads", "1"
+    )
