@@ -338,8 +338,11 @@ def _prune_lines(summary: dict) -> str:
         f"{_number(summary['base_accuracy'], '.1%')} over answer positions "
         f"({plural(summary['samples'], 'held-out sequence')})"
     ]
+    if summary.get("metric") not in (None, "loss"):  # --metric orders the removals; removability is judged on loss
+        lines.append(f"removals ordered by {summary['metric']}; removable while the loss stays within the tolerance")
     lines += [
-        f"{row['strategy']:>22}: {plural(row['n_removable'], 'sublayer')} removable within +5% loss"
+        f"{row['strategy']:>22}: {plural(row['n_removable'], 'sublayer')} removable within "
+        f"+{row.get('tolerance', 0.05):.0%} loss"
         for row in summary["removable"]
     ]
     return "\n".join(lines)

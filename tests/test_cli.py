@@ -131,6 +131,17 @@ def test_counts_take_the_number_they_need():
         "block_influence: 0 sublayers removable within +5% loss",
         "last_first: 3 sublayers removable within +5% loss",
     ]
+    by_accuracy = _prune_lines(  # --metric orders the removals; the tolerance stays on loss, and the line says so
+        {
+            "base_loss": 1.0,
+            "base_accuracy": 0.5,
+            "samples": 2,
+            "metric": "accuracy",
+            "removable": [{"strategy": "measured", "n_removable": 2, "tolerance": 0.1}],
+        }
+    ).splitlines()
+    assert by_accuracy[1] == "removals ordered by accuracy; removable while the loss stays within the tolerance"
+    assert by_accuracy[2].strip() == "measured: 2 sublayers removable within +10% loss"
     no_answers = _prune_lines({"base_loss": 1.0, "base_accuracy": None, "samples": 2, "removable": []})  # NaN in JSON
     assert (
         no_answers == "clean loss 1.0000 over all positions, accuracy n/a over answer positions (2 held-out sequences)"
