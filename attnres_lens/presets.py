@@ -5,7 +5,8 @@ batch 32, AdamW 3e-3, on the variable-offset copy task (a fixed-period probe is 
 positional head). Their shared step budget covers the slowest variant's transition (2-layer vanilla
 needed ~5500 steps at this scale). Depth presets: 12 layers with MLPs on the mixed task, one per depth-mixing
 rule (docs/model.md §11-§13). `fla-attnres-block` is Block AttnRes in flash-linear-attention's form, so that
-`attnres-lens export-fla` writes it as trained (docs/interop.md §3).
+`attnres-lens export-fla` writes it as trained (docs/interop.md §3). `shakespeare-block` is Block AttnRes on real
+text: bytes of Shakespeare's plays (docs/tasks.md §6).
 
 This module imports no torch: the command line checks a preset name before its heavy imports (the configs are
 built, and `attnres_lens.config` imported, when a preset is asked for).
@@ -110,6 +111,33 @@ DEPTH_MIXING_VARIANTS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
 }
 
 
+def _shakespeare() -> RunConfig:
+    from attnres_lens.config import ModelConfig, RunConfig, TrainConfig
+
+    model = ModelConfig(
+        d_model=128,
+        n_heads=4,
+        n_layers=6,
+        n_ctx=128,
+        d_vocab=257,
+        d_mlp=512,
+        residual="attnres",
+        attnres_block_size=4,
+    )
+    train = TrainConfig(
+        steps=2000,
+        batch_size=16,
+        lr=3e-3,
+        warmup_steps=100,
+        eval_every=100,
+        eval_size=128,
+        record_every=200,
+        checkpoint_every=500,
+        log_every=25,
+    )
+    return RunConfig(model, {"name": "shakespeare", "seq_len": 128}, train)
+
+
 def _smoke() -> RunConfig:
     from attnres_lens.config import ModelConfig, RunConfig, TrainConfig
 
@@ -165,6 +193,10 @@ PRESETS: dict[str, tuple[str, Callable[[], RunConfig]]] = {
         "12-layer Block AttnRes (S = 4) in flash-linear-attention's form (SwiGLU, no biases, one "
         "norm epsilon), mixed task: `export-fla` writes it as trained",
         lambda: _depth("attnres", 4, **FLA_FORM),
+    ),
+    "shakespeare-block": (
+        "6-layer Block AttnRes (S = 4) with MLPs, d_model 128, byte-level Shakespeare (real text, held-out plays)",
+        _shakespeare,
     ),
     "smoke": ("tiny Block AttnRes + KV-shift model, 40 steps: checks the pipeline end to end in seconds", _smoke),
 }

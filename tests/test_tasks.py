@@ -35,8 +35,8 @@ SMALL = {  # non-default sizes, to check that nothing depends on the defaults
 }
 
 
-# The synthetic tasks, which share the BOS convention; the token-file task reads a file (tests/test_tokens_task.py).
-SYNTHETIC = [name for name in TASKS if name != "tokens"]
+# The synthetic tasks; the real-text tasks read files (tests/test_tokens_task.py, tests/test_shakespeare_task.py).
+SYNTHETIC = [name for name in TASKS if name not in ("tokens", "shakespeare")]
 
 
 def tasks_under_test() -> list[tuple[str, dict]]:

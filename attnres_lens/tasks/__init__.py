@@ -25,6 +25,8 @@ Tasks (`TASKS`, built with `make_task(name, **params)`):
 * `mixed`: 3-gram text with copied segments, for depth studies.
 * `tokens`: windows of a file of token ids from any tokenizer (real text); no BOS of its own, every position an
   answer (see `tokens.py`).
+* `shakespeare`: byte-level windows of Shakespeare's plays, split by play; every position an answer (see
+  `shakespeare.py`).
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ from .base import BOS, IGNORE_INDEX, Batch, Task
 from .copying import CopyTask
 from .induction import InductionTask, RepeatedTask, repeated_tokens
 from .ngram import MixedTask, NGram3Task
+from .shakespeare import ShakespeareTask
 from .tokens import TokensTask
 
 TASKS: dict[str, type[Task]] = {
-    task.name: task for task in (CopyTask, InductionTask, RepeatedTask, NGram3Task, MixedTask, TokensTask)
+    task.name: task
+    for task in (CopyTask, InductionTask, RepeatedTask, NGram3Task, MixedTask, TokensTask, ShakespeareTask)
 }
 
 
@@ -65,6 +69,7 @@ __all__ = [
     "MixedTask",
     "NGram3Task",
     "RepeatedTask",
+    "ShakespeareTask",
     "Task",
     "TokensTask",
     "make_task",
