@@ -674,9 +674,7 @@ def import_fla_run(
     run_config.provenance = provenance
 
     run_dir = RunDir(out)
-    _refuse_used_folder(run_dir)  # before the lock: a refused folder gets no lock file
-    with run_dir.writing_new_run():  # a failure before config.json leaves nothing behind
-        _refuse_used_folder(run_dir)
+    with run_dir.writing_new_run(_refuse_used_folder):  # a failure before config.json leaves nothing behind
         loss = evaluate_model(model, built.eval_batch(eval_sequences)).loss
         meta = {"model_config": cfg.to_json(), "run_config": json.dumps(run_config.to_dict()), "step": "0"}
         run_dir.write_imported(run_config, dict(model.state_dict()), meta, loss)

@@ -154,6 +154,10 @@ class RunLock:
         self._fd = fd
         return self
 
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
     def discard(self) -> None:
         """Remove the lock file, then release: for a writer refused before it wrote anything into a folder that
         holds no run, so the refusal leaves nothing behind. Safe while held: `acquire` re-checks the file it locked
@@ -405,29 +409,29 @@ class RunDir:
         return RunLock(self.path / self.LOCK)
 
     @contextlib.contextmanager
-    def writing_new_run(self) -> Iterator[RunLock]:
-        """The writer lock for a new run: if the body fails before config.json exists (a refusal, an error, Ctrl-C),
-        nothing it made stays: a folder it created is removed, else the lock file it created. Only the lock's
-        holder cleans up: a writer refused by the lock may have seen no folder only because the holder had not
-        made it yet."""
+    def writing_new_run(self, check_folder: Callable[[RunDir], None]) -> Iterator[RunLock]:
+        """The writer lock for a new run. `check_folder` refuses a folder the run may not use (one holding a run, or
+        anything else); it runs before the lock, so a refused folder gets no lock file, and again under it, since
+        another writer may have started in between. If the body fails before config.json exists (a refusal, an
+        error, Ctrl-C), nothing this call made stays: the lock's holder removes a folder it created, or else the
+        lock file it created; the parents it created go when empty. A writer refused by the lock removes only empty
+        folders: it may have seen no folder only because the holder had not made it yet."""
+        check_folder(self)
         made = _make_folders(self.path)  # the folders this call created, outermost first
         lock = self.lock()
         try:
             lock.acquire()
+            check_folder(self)
             yield lock
         except BaseException:
-            if lock._fd is None:  # refused by the lock, or interrupted taking it: only empty folders of ours go
-                for folder in reversed(made):
+            if not self.holds_run():
+                if lock.held and self.path in made:  # nobody else writes in it
+                    shutil.rmtree(self.path, ignore_errors=True)
+                elif lock.held and lock.created:
+                    lock.discard()
+                for folder in reversed(made):  # innermost first; a folder someone else wrote into stays
                     with contextlib.suppress(OSError):
                         folder.rmdir()
-            elif not self.holds_run():
-                if self.path in made:  # the lock's holder: nobody else writes in it
-                    shutil.rmtree(self.path, ignore_errors=True)
-                    for folder in reversed(made[:-1]):
-                        with contextlib.suppress(OSError):
-                            folder.rmdir()
-                elif lock.created:
-                    lock.discard()
             raise
         finally:
             lock.release()

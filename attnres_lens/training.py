@@ -311,9 +311,11 @@ def _is_writer() -> bool:
 def train(config: RunConfig, out_dir: str | Path, progress: bool = True) -> Trainer:
     """Start a new run in `out_dir` (empty or absent) and train it to the end, holding the run's writer lock."""
     run_dir = RunDir(out_dir)
-    _check_new_folder(run_dir)  # before the lock: a refused folder gets no lock file
-    # refused or failed before config.json exists: nothing made here stays (RunDir.writing_new_run)
-    with run_dir.writing_new_run() if _is_writer() else contextlib.nullcontext():
+    if not _is_writer():  # other data-parallel ranks write nothing
+        _check_new_folder(run_dir)
+        return _train_new(config, run_dir, progress)
+    # refused or failed before config.json exists: nothing made here stays
+    with run_dir.writing_new_run(_check_new_folder):
         return _train_new(config, run_dir, progress)
 
 
@@ -353,7 +355,6 @@ def _check_new_folder(run_dir: RunDir) -> None:
 
 def _train_new(config: RunConfig, run_dir: RunDir, progress: bool) -> Trainer:
     _check_used(config)
-    _check_new_folder(run_dir)  # again under the lock: another writer may have started in between
     trainer = Trainer(config, run_dir.path, progress)
     trainer.fit()
     return trainer

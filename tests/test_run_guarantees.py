@@ -817,7 +817,7 @@ def test_a_refused_new_run_removes_only_what_it_made(tmp_path, capsys, monkeypat
         return []
 
     monkeypatch.setattr(rundir, "_make_folders", another_made_it)
-    with pytest.raises(ValueError, match="model.seed"):
+    with pytest.raises(FileExistsError, match="is not empty"):  # refused under the lock, their file kept
         train(apply_overrides(get_preset("smoke"), ["model.seed=5"]), theirs, progress=False)
     assert sorted(p.name for p in theirs.iterdir()) == ["user_notes.txt"]
     monkeypatch.undo()
