@@ -13,6 +13,7 @@ import torch
 
 if TYPE_CHECKING:
     from attnres_lens.config import ModelConfig
+    from attnres_lens.model import HookedTransformer
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -60,3 +61,22 @@ def _check_fits(parts: dict[str, int], device: torch.device, purpose: str) -> No
         f"(mostly {' and '.join(f'{what}: {size / 2**30:.3g} GiB' for what, size in largest)}), but "
         f"{available / 2**30:.3g} GiB are available there; check those fields"
     )
+
+
+def check_samples_fit(model: HookedTransformer, n_sequences: int, n_positions: int) -> None:
+    """Before an analysis does any work, its batch included: a `samples` whose one forward pass cannot fit gets an error, not a
+    process killed without a word. The bound is a floor, so it never refuses what would fit: the residual stream's
+    tensors at the final readout (every source it reads for AttnRes, else one) and the logits."""
+    available = available_memory(model.embed.W_E.device)
+    if available is None:
+        return
+    cfg = model.cfg
+    n_tensors = len(model.sources(cfg.n_sublayers)) if cfg.residual == "attnres" else 1
+    per_sequence = n_positions * (n_tensors * cfg.d_model + cfg.d_vocab) * model.embed.W_E.element_size()
+    if n_sequences * per_sequence > available:
+        raise ValueError(
+            f"samples={n_sequences} needs at least {n_sequences * per_sequence / 2**30:.1f} GiB for one forward pass "
+            f"of this model (its residual stream and logits), but {available / 2**30:.1f} GiB are available; use "
+            f"far fewer: samples={max(1, available // per_sequence)} is the most that could fit even that one pass, "
+            "and the analyses hold several"
+        )

@@ -283,10 +283,10 @@ def test_bad_run_directories_and_options_give_clear_errors(smoke_run, tmp_path, 
 
 
 def test_samples_that_cannot_fit_are_refused_before_any_work(smoke_run, tmp_path, capsys, monkeypatch):
-    import attnres_lens.analysis.run as run_module
+    import attnres_lens.resources as resources
 
-    assert run_module.available_memory(torch.device("cpu")) > 0  # this machine's figure is read
-    monkeypatch.setattr(run_module, "available_memory", lambda device: 2**20)  # 1 MiB left
+    assert resources.available_memory(torch.device("cpu")) > 0  # this machine's figure is read
+    monkeypatch.setattr(resources, "available_memory", lambda device: 2**20)  # 1 MiB left
     for command in ("analyze", "prune", "attribute"):
         out = tmp_path / command
         code, _, err = run_cli([command, str(smoke_run), "--samples", "4096", "--out", str(out)], capsys)

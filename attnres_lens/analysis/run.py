@@ -56,7 +56,7 @@ from attnres_lens.analysis_options import (
     check_samples,
 )
 from attnres_lens.model import HookedTransformer
-from attnres_lens.resources import available_memory
+from attnres_lens.resources import check_samples_fit
 from attnres_lens.rundir import (
     PathLike,
     Run,
@@ -82,25 +82,6 @@ def open_run(path: PathLike, checkpoint: str | int = "latest") -> tuple[Run, Tas
     """The run with its model loaded from `checkpoint`, and its task (checked to build when config.json is read)."""
     run = load_run(path, checkpoint=str(checkpoint))
     return run, run.config.build_task()
-
-
-def _check_fits(model: HookedTransformer, n_sequences: int, n_positions: int) -> None:
-    """Before any work, the batch included: a `samples` whose one forward pass cannot fit gets an error, not a
-    process killed without a word. The bound is a floor, so it never refuses what would fit: the residual stream's
-    tensors at the final readout (every source it reads for AttnRes, else one) and the logits."""
-    available = available_memory(model.embed.W_E.device)
-    if available is None:
-        return
-    cfg = model.cfg
-    n_tensors = len(model.sources(cfg.n_sublayers)) if cfg.residual == "attnres" else 1
-    per_sequence = n_positions * (n_tensors * cfg.d_model + cfg.d_vocab) * model.embed.W_E.element_size()
-    if n_sequences * per_sequence > available:
-        raise ValueError(
-            f"samples={n_sequences} needs at least {n_sequences * per_sequence / 2**30:.1f} GiB for one forward pass "
-            f"of this model (its residual stream and logits), but {available / 2**30:.1f} GiB are available; use "
-            f"far fewer: samples={max(1, available // per_sequence)} is the most that could fit even that one pass, "
-            "and the analyses hold several"
-        )
 
 
 def _check_out(out: PathLike | None, run: PathLike) -> None:
@@ -187,7 +168,7 @@ def _prepare(
     check_samples(samples, MIN_SAMPLES[command])
     _check_out(out, path)
     run, task = open_run(path, checkpoint)
-    _check_fits(run.model, samples, task.seq_len)  # before the batch: it alone may not fit
+    check_samples_fit(run.model, samples, task.seq_len)  # before the batch: it alone may not fit
     return run, task, task.eval_batch(samples)
 
 
