@@ -84,6 +84,11 @@ def format_value(value: float, unit: str) -> str:
     return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
 
+def table_cell(text: object) -> str:
+    """Text for a Markdown table cell: a `|` in it (a metric such as `max |Δ|`) would end the cell."""
+    return str(text).replace("|", "\\|")
+
+
 def render(rows: list[dict]) -> str:
     """docs/results.md: per benchmark and machine, one table row per metric, shape, variant and thread count with
     the latest value (and its commit and UTC), the range over every run, and how often the target was met. Groups
@@ -122,7 +127,8 @@ def render(rows: list[dict]) -> str:
                 met = f"{sum(row['met'] for row in judged)} of {len(judged)}" if judged else ""
                 commit = latest["commit"][:7] + ("+" if latest["dirty"] else "")
                 lines.append(
-                    f"| {metric} | {shape} | {variant} | {'' if threads is None else threads} | "
+                    f"| {table_cell(metric)} | {table_cell(shape)} | {table_cell(variant)} | "
+                    f"{'' if threads is None else threads} | "
                     f"{format_value(latest['value'], unit)} | {unit} | {commit} | {latest['utc']} | "
                     f"{format_value(min(values), unit)}–{format_value(max(values), unit)} | {len(cell)} | "
                     f"{target} | {met} |"

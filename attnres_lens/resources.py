@@ -1,4 +1,4 @@
-"""What the machine can give a model: memory, checked before anything large is allocated (docs/run_directory.md §13).
+"""What the machine can give a model: memory, checked before anything large is allocated (docs/run_directory.md §12).
 
 A config or a file can ask for any size; a model or batch that cannot fit must be an error naming what asked for
 it, not a process the kernel kills without a word, or one that pages for hours.

@@ -526,3 +526,29 @@ def test_the_ablation_confidence_intervals_use_student_t_quantiles(df):
     log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
     density = torch.exp(log_norm - (df + 1) / 2 * torch.log1p(x**2 / df))
     assert torch.trapezoid(density, x).item() == pytest.approx(0.95, abs=5e-5)  # the table has 3 decimals
+
+
+def test_a_pipe_in_a_cell_does_not_split_the_table_row():
+    """Metrics such as `max |Δ| vs shared prefixes` hold a `|`: escaped, every row keeps the header's 12 cells."""
+    import re
+
+    from analyses.results import render
+
+    row = dict(
+        bench="b",
+        metric="max |Δ| vs x",
+        shape="s|t",
+        variant="v",
+        threads=1,
+        value=0.5,
+        unit="abs",
+        target=None,
+        commit="abc1234",
+        dirty=False,
+        utc="2026-12-07T00:00:00Z",
+        machine=dict(cpu="CPU", cores=2, gpu=None),
+        command="x",
+    )
+    rows = [line for line in render([row]).splitlines() if line.startswith("| ")]
+    cells = [re.split(r"(?<!\\)\|", line)[1:-1] for line in rows]
+    assert [len(c) for c in cells] == [12, 12] and cells[1][0].strip() == r"max \|Δ\| vs x"
