@@ -25,6 +25,21 @@ class Evaluation:
     accuracy: float
 
 
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[batch, pos] next-token cross-entropy, 0 where the target is IGNORE_INDEX; in fp32, or fp64 for fp64 logits
+    (a float64 model's loss differences keep their bits)."""
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none").view(
+        targets.shape
+    )
+
+
+def per_sequence_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[batch] float64 on the CPU: each sequence's summed `token_losses`. Summed over sequences and divided by the
+    target count, it is the evaluation `loss`; per sequence, it is what a bootstrap over sequences resamples."""
+    return token_losses(logits, targets).double().sum(-1).cpu()
+
+
 @dataclass
 class _Totals:
     """Sums that combine across chunks of a batch: float64, so a chunked evaluation equals one pass to float64
@@ -37,9 +52,7 @@ class _Totals:
     correct: int = 0
 
     def add(self, logits: torch.Tensor, batch: Batch) -> None:
-        per_token = F.cross_entropy(
-            logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-        ).view(batch.targets.shape)
+        per_token = token_losses(logits, batch.targets)
         has_target = batch.targets != IGNORE_INDEX
         answers = batch.answer_mask & has_target
         self.loss += per_token[has_target].double().sum().item()

@@ -35,6 +35,7 @@ from attnres_lens.analysis.induction import (
     repeated_batch,
 )
 from attnres_lens.analysis.interventions import removal_hooks, source_mask_hooks
+from attnres_lens.analysis.knockouts import edge_knockouts
 from attnres_lens.analysis.kv_shift import kv_shift_decomposition, kv_shift_parts
 from attnres_lens.analysis.pruning import (
     angular_distance_matrix,
@@ -66,6 +67,7 @@ __all__ = [
     "depth_weights_per_token",
     "edge_agreement",
     "edge_attribution",
+    "edge_knockouts",
     "evaluate",
     "evaluate_many",
     "fastest_changes",
