@@ -22,7 +22,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from analyses import bench_attribution, bench_compile, bench_cpu_step, bench_depth_scaling, bench_inference, gpu_check
+from analyses import (
+    bench_attribution,
+    bench_compile,
+    bench_cpu_step,
+    bench_depth_scaling,
+    bench_edge_knockouts,
+    bench_inference,
+    gpu_check,
+)
 from analyses.common import git_state, machine
 from analyses.results import RESULTS, RESULTS_PAGE, append_rows, stamped, write_page
 from attnres_lens import cpu_settings
@@ -34,6 +42,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "bench_depth_scaling": bench_depth_scaling.run,
     "bench_inference": bench_inference.run,
     "bench_attribution": bench_attribution.run,
+    "bench_edge_knockouts": bench_edge_knockouts.run,
     "bench_compile": bench_compile.run,
     "gpu_check": gpu_check.run,
 }

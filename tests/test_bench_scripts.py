@@ -148,6 +148,23 @@ def test_compile_rows_on_a_tiny_model(tmp_path):
         assert row["value"] == pytest.approx(compiled / eager)
 
 
+@pytest.mark.slow
+def test_edge_knockout_rows_score_each_measure_against_the_exact_knockouts(tmp_path):
+    rows = run_tiny("bench_edge_knockouts", tmp_path / "results.jsonl")
+    shapes = sorted({row["shape"] for row in rows})
+    assert len(shapes) == 2 and all("8 sequences" in shape for shape in shapes)
+    for shape in shapes:
+        by_cell = {(row["variant"], row["metric"]): row["value"] for row in rows if row["shape"] == shape}
+        assert by_cell["exact", "wall"] > 0
+        for variant in ("two-stage", "first-order sensitivity"):
+            assert -1 <= by_cell[variant, "Spearman vs exact"] <= 1 and -1 <= by_cell[variant, "Pearson vs exact"] <= 1
+            assert 0 <= by_cell[variant, "top-10 recall"] <= 1 and by_cell[variant, "wall"] > 0
+        # 8 sequences: a screen of 2, then the 20 largest on the other 6
+        passes = next(value for (variant, metric), value in by_cell.items() if metric == "knockout passes")
+        n_edges = int(shape.split(", ")[-1].split()[0])
+        assert passes == pytest.approx((2 * n_edges + 6 * min(20, n_edges)) / (8 * n_edges))
+
+
 def test_the_runner_lists_refuses_and_appends(tmp_path, capsys):
     from analyses import benchmarks
 
@@ -161,6 +178,7 @@ def test_the_runner_lists_refuses_and_appends(tmp_path, capsys):
             "bench_depth_scaling",
             "bench_inference",
             "bench_attribution",
+            "bench_edge_knockouts",
             "bench_compile",
             "gpu_check",
         ]

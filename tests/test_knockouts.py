@@ -85,3 +85,19 @@ def test_on_a_trained_run_the_re_measured_edges_are_the_exact_knockouts(smoke_ru
 def test_bad_settings_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
         edge_knockouts(float64_model(), copy_batch(6), **kwargs)
+
+
+def test_ranking_agreement_counts_the_exact_top_edges_the_estimate_finds():
+    import pandas as pd
+
+    from attnres_lens.analysis.knockouts import ranking_agreement
+
+    exact = pd.Series([5.0, 4.0, 3.0, 2.0, 1.0, 0.0], index=list("abcdef"))
+    assert ranking_agreement(exact * 2 + 1, exact, top=3) == dict(spearman=1.0, pearson=1.0, top_recall=1.0, top=3)
+    reversed_ = ranking_agreement(-exact, exact, top=2)
+    assert reversed_["spearman"] == -1.0 and reversed_["top_recall"] == 0.0
+    swapped = exact.copy()
+    swapped[["c", "d"]] = [2.0, 3.0]  # the third-largest exact edge falls to fourth
+    assert ranking_agreement(swapped, exact, top=3)["top_recall"] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="same edges"):
+        ranking_agreement(exact, exact.drop("a"))

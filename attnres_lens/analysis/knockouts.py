@@ -25,6 +25,7 @@ import torch
 from attnres_lens.analysis.depth import depth_weights_by_consumer
 from attnres_lens.analysis.engine import evaluate_many
 from attnres_lens.analysis.interventions import Hook, source_mask_hooks
+from attnres_lens.analysis.pruning import spearman
 from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.evaluation import per_sequence_losses
 from attnres_lens.model import HookedTransformer
@@ -136,6 +137,25 @@ def edge_knockouts(
     frame.attrs["cost"] = (len(edges) * n_screen + len(chosen) * len(rest)) / (len(edges) * n_seq)
     frame.attrs["screen"] = screen.tolist()
     return frame
+
+
+def ranking_agreement(estimate: pd.Series, exact: pd.Series, top: int = 10) -> dict[str, float]:
+    """How well `estimate` ranks the edges as `exact` does (two Series on the same index, e.g. (consumer, source)):
+    Spearman and Pearson correlations, and top-`top` recall: the share of the `top` edges with the largest exact
+    Δloss (the knockouts that hurt most) that are also among the estimate's `top` largest."""
+    if not estimate.index.equals(exact.index):
+        exact = exact.reindex(estimate.index)
+    if exact.isna().any():
+        raise ValueError("the estimate and the exact table must cover the same edges")
+    k = min(top, len(exact))
+    largest = set(exact.sort_values(ascending=False, kind="stable").index[:k])
+    found = set(estimate.sort_values(ascending=False, kind="stable").index[:k])
+    return dict(
+        spearman=spearman(estimate, exact),
+        pearson=float(estimate.astype(float).corr(exact.astype(float))),
+        top_recall=len(largest & found) / k if k else float("nan"),
+        top=k,
+    )
 
 
 def _rows(batch: Batch, rows: torch.Tensor) -> Batch:
