@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
@@ -201,3 +202,15 @@ def emit_report(text: str, out: Path | None) -> None:
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
+
+
+def markdown_table(frame: pd.DataFrame, digits: int = 3) -> str:
+    """A DataFrame as a Markdown table (numbers rounded to `digits`; a `|` inside a cell escaped)."""
+    from analyses.results import table_cell
+
+    def cell(value: object) -> str:
+        return table_cell(f"{value:.{digits}f}" if isinstance(value, float) else value)
+
+    lines = ["| " + " | ".join(map(table_cell, frame.columns)) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(cell(value) for value in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)

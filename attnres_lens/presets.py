@@ -111,7 +111,7 @@ DEPTH_MIXING_VARIANTS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
 }
 
 
-def _shakespeare() -> RunConfig:
+def _shakespeare(block_size: int) -> RunConfig:
     from attnres_lens.config import ModelConfig, RunConfig, TrainConfig
 
     model = ModelConfig(
@@ -122,7 +122,7 @@ def _shakespeare() -> RunConfig:
         d_vocab=257,
         d_mlp=512,
         residual="attnres",
-        attnres_block_size=4,
+        attnres_block_size=block_size,
     )
     train = TrainConfig(
         steps=2000,
@@ -196,7 +196,11 @@ PRESETS: dict[str, tuple[str, Callable[[], RunConfig]]] = {
     ),
     "shakespeare-block": (
         "6-layer Block AttnRes (S = 4) with MLPs, d_model 128, byte-level Shakespeare (real text, held-out plays)",
-        _shakespeare,
+        lambda: _shakespeare(4),
+    ),
+    "shakespeare-full": (
+        "6-layer Full AttnRes with MLPs, d_model 128, byte-level Shakespeare (real text, held-out plays)",
+        lambda: _shakespeare(1),
     ),
     "smoke": ("tiny Block AttnRes + KV-shift model, 40 steps: checks the pipeline end to end in seconds", _smoke),
 }
