@@ -39,7 +39,16 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from analyses.common import REPO, Job, emit_report, markdown_table, provenance, run_jobs, training_minutes
+from analyses.common import (
+    REPO,
+    Job,
+    emit_report,
+    git_state,
+    markdown_table,
+    provenance,
+    run_jobs,
+    training_minutes,
+)
 from analyses.results import RESULTS
 
 PRESETS = ("shakespeare-full", "shakespeare-block")
@@ -180,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     overrides = FIXED_TASK + ((f"train.steps={args.steps}",) if args.steps else ())
     jobs = [Job(p, seed, args.runs_dir / f"{p}-s{seed}", overrides) for p in PRESETS for seed in args.seeds]
+    commit, dirty = git_state()  # the code that ran is the code at the start
     run_jobs(jobs, args.workers)
     values, tables = measure(jobs, args.samples)
     command = "python -m analyses.real_text_depth " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -202,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         ],
         command,
         args.results,
+        commit,
+        dirty,
     )
 
 
