@@ -111,7 +111,8 @@ DEPTH_MIXING_VARIANTS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
 }
 
 
-def _shakespeare(block_size: int) -> RunConfig:
+def _shakespeare(block_size: int | None) -> RunConfig:
+    """The real-text model: AttnRes with blocks of `block_size` sublayers, or the standard residual (None)."""
     from attnres_lens.config import ModelConfig, RunConfig, TrainConfig
 
     model = ModelConfig(
@@ -121,8 +122,11 @@ def _shakespeare(block_size: int) -> RunConfig:
         n_ctx=128,
         d_vocab=257,
         d_mlp=512,
-        residual="attnres",
-        attnres_block_size=block_size,
+        **(
+            {"residual": "standard"}
+            if block_size is None
+            else {"residual": "attnres", "attnres_block_size": block_size}
+        ),
     )
     train = TrainConfig(
         steps=2000,
@@ -197,6 +201,10 @@ PRESETS: dict[str, tuple[str, Callable[[], RunConfig]]] = {
     "shakespeare-block": (
         "6-layer Block AttnRes (S = 4) with MLPs, d_model 128, byte-level Shakespeare (real text, held-out plays)",
         lambda: _shakespeare(4),
+    ),
+    "shakespeare-standard": (
+        "6-layer standard residual with MLPs, d_model 128, byte-level Shakespeare (the real-text baseline)",
+        lambda: _shakespeare(None),
     ),
     "shakespeare-full": (
         "6-layer Full AttnRes with MLPs, d_model 128, byte-level Shakespeare (real text, held-out plays)",
