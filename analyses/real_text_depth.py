@@ -182,12 +182,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, help="override the presets' step budget (a smoke run)")
     parser.add_argument("--samples", type=int, default=64, help="held-out windows α is averaged over")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run"
+    )
     parser.add_argument("--workers", type=int, default=2, help="training processes (one torch thread each)")
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "real_text_depth")
     parser.add_argument("--report", type=Path, default=REPO / "analyses" / "reports" / "real_text_depth.md")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the results file the rows are appended to")
     args = parser.parse_args(argv)
-    overrides = FIXED_TASK + ((f"train.steps={args.steps}",) if args.steps else ())
+    overrides = (*FIXED_TASK, *((f"train.steps={args.steps}",) if args.steps else ()), *args.set)
     jobs = [Job(p, seed, args.runs_dir / f"{p}-s{seed}", overrides) for p in PRESETS for seed in args.seeds]
     commit, dirty = git_state()  # the code that ran is the code at the start
     run_jobs(jobs, args.workers)

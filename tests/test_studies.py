@@ -1,0 +1,100 @@
+"""The studies of issue 40 (analyses/real_text_depth.py, analyses/compute_multiplier.py): their arithmetic against
+values worked by hand or counted another way, and each end to end on tiny models (the full runs are not tests)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from analyses import compute_multiplier, real_text_depth
+from attnres_lens.model import HookedTransformer
+from attnres_lens.presets import get_preset
+
+TINY = ["model.d_model=16", "model.n_heads=2", "model.d_mlp=32", "train.eval_every=2", "train.log_every=2"]
+TINY += ["train.record_every=2", "train.checkpoint_every=2", "train.batch_size=2", "train.warmup_steps=1"]
+
+
+def test_the_read_off_inverts_the_standard_line():
+    compute = pd.Series([100.0, 200.0, 400.0, 800.0])
+    standard = pd.DataFrame(dict(compute=compute, loss=5 - 0.5 * compute.apply(math.log)))
+    loss_at_250 = 5 - 0.5 * math.log(250)
+    multiplier, outside = compute_multiplier.read_off(standard, loss_at_250, 200.0)
+    assert multiplier == pytest.approx(1.25) and not outside
+    assert compute_multiplier.read_off(standard, 5 - 0.5 * math.log(1600), 200.0)[1]  # beyond the budgets
+    rising = standard.assign(loss=standard["loss"][::-1].to_numpy())
+    assert math.isnan(compute_multiplier.read_off(rising, 2.0, 200.0)[0])
+
+
+def test_the_interval_is_a_t_interval_on_the_logarithms():
+    summary = compute_multiplier.summarise([1.2, 1.3])
+    logs = [math.log(1.2), math.log(1.3)]
+    half = 12.706 * abs(logs[0] - logs[1]) / math.sqrt(2) / math.sqrt(2)  # sd of two values = |a − b| / √2
+    assert summary["mean"] == pytest.approx(math.sqrt(1.2 * 1.3))
+    assert summary["low"] == pytest.approx(math.exp(sum(logs) / 2 - half))
+    assert summary["high"] == pytest.approx(math.exp(sum(logs) / 2 + half)) and summary["seeds"] == 2
+
+
+@pytest.mark.parametrize("preset", ["shakespeare-standard", "shakespeare-full", "shakespeare-block"])
+def test_forward_flops_count_every_matrix_weight_twice(preset):
+    cfg = get_preset(preset).model
+    model = HookedTransformer(cfg)
+    matrices = sum(p.numel() for name, p in model.named_parameters() if p.ndim >= 2 and not name.startswith("embed"))
+    window = (cfg.n_ctx + 1) / 2
+    expected = 2 * matrices + cfg.n_layers * 4 * cfg.n_heads * cfg.d_head * window
+    if cfg.residual == "attnres":  # every consumer's sources, counted from the model's own layout
+        expected += 7 * cfg.d_model * sum(len(model.sources(c)) for c in range(cfg.n_sublayers + 1))
+    assert compute_multiplier.forward_flops_per_token(cfg) == pytest.approx(expected)
+
+
+def test_real_text_statistics_on_a_hand_made_table():
+    table = pd.DataFrame(
+        dict(
+            consumer=[1, 2, 3, 4],
+            kind=["mlp", "attn", "mlp", "final"],
+            layer=[0, 1, 1, 2],
+            n_sources=[2, 3, 4, 5],
+            recent=[0.6, 0.2, 0.5, 0.1],
+            embedding=[0.4, 0.5, 0.3, 0.6],
+            recent_is_top=[True, False, True, False],
+            normalized_entropy=[0.9, 0.8, 0.6, 0.5],
+        )
+    )
+    stats = real_text_depth.statistics(table, n_consumers=5)
+    assert stats["locality: top source is the most recent (share of consumers)"] == 0.5
+    assert stats["locality: α on the most recent − uniform"] == pytest.approx(
+        ((0.6 - 1 / 2) + (0.2 - 1 / 3) + (0.5 - 1 / 4) + (0.1 - 1 / 5)) / 4
+    )
+    deeper = [(0.3, 4), (0.6, 5)]  # consumers 3 and 4 (≥ 5 / 2)
+    assert stats["embedding: α on e − uniform (deeper half)"] == pytest.approx(sum(e - 1 / n for e, n in deeper) / 2)
+    assert stats["embedding: α on e > uniform (share of deeper half)"] == 1.0
+    assert stats["pre-MLP − pre-attention: α on the most recent"] == pytest.approx(0.5 - 0.2)  # layer 1 only
+    assert stats["pre-attention − pre-MLP: normalised entropy"] == pytest.approx(0.8 - 0.6)
+    assert real_text_depth.verdict([0.1, 0.2], 0.0) == "holds"
+    assert real_text_depth.verdict([0.1, -0.2], 0.0) == "not resolved (seeds disagree)"
+    assert real_text_depth.verdict([-0.1], 0.0) == "does not hold"
+
+
+@pytest.mark.slow
+def test_both_studies_run_end_to_end_on_tiny_models(tmp_path):
+    settings = [arg for setting in TINY for arg in ("--set", setting)]
+    results = tmp_path / "results.jsonl"
+    real_text_depth.main(
+        ["--seeds", "0", "--steps", "4", "--samples", "4", "--workers", "1", "--runs-dir", str(tmp_path / "rt")]
+        + ["--report", str(tmp_path / "rt.md"), "--results", str(results), "--set", "train.eval_size=32", *settings]
+    )
+    compute_multiplier.main(
+        ["--seeds", "0", "1", "--budgets", "2", "4", "--attnres-budget", "3", "--eval-sequences", "32"]
+        + ["--workers", "1", "--runs-dir", str(tmp_path / "cm"), "--report", str(tmp_path / "cm.md")]
+        + ["--results", str(results), *settings]
+    )
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert {row["bench"] for row in rows} == {"real_text_depth", "compute_multiplier"}
+    real_text = [row for row in rows if row["bench"] == "real_text_depth"]
+    assert len(real_text) == 2 * (len(real_text_depth.CLAIMS) + 1)  # two presets, each claim and the final loss
+    multipliers = {row["variant"]: row["value"] for row in rows if row["metric"] == "compute multiplier (mean)"}
+    assert set(multipliers) == {"full", "block"}
+    assert "## Design" in (tmp_path / "rt.md").read_text() and "## Design" in (tmp_path / "cm.md").read_text()
+    assert all(row["command"].startswith("python -m analyses.") for row in rows)
