@@ -1,5 +1,5 @@
 """Shared test utilities: small model builders, a copy-task batch, an in-process CLI call and an independent float64
-re-implementation of the AttnRes residual (docs/model.md §2)."""
+re-implementation of the AttnRes residual (docs/model.md §2), and a protocol-only view of a model (`ProtocolOnly`)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ Notation as in docs/analysis.md §1: consumer c (sublayer, or J = the final read
 weights `α_s` (all 1 for the standard residual, whose sources are `e` and each `f_j`) and input `h_c = Σ_s α_s v_s`.
 Everything is read through hook points from one clean pass: the embedding, every sublayer output `f_j` (sources
 are sums of them, rebuilt from `model.sources(c)`), every input, α and the depth logits, and the final norm's
-scale; the final readout's input (which has no hook point) by a PyTorch pre-hook on the final norm.
+scale; the final readout's input at `readout_input_hook`. All reads are the depth-mixing model protocol's
+(docs/architecture.md §7) but the final norm's scale, read for the toolkit model's direct logit attribution.
 
 * `depth_logit_attribution` — direct logit attribution through depth. With the final norm's scale σ frozen at
   its clean value (as TransformerLens does), `logit_t = Σ_s α_s (g ⊙ v_s / σ) · W_U[:, t] + b_U[t]` exactly, one
