@@ -133,7 +133,7 @@ def _protocol_attnres(model: DepthMixingModel, tokens: torch.Tensor) -> torch.Te
     def save(tensor: torch.Tensor, hook: HookPoint) -> None:
         saved[hook.name] = tensor.detach()
 
-    model.run_with_hooks(tokens, return_type=None, fwd_hooks=[(name, save) for name in names.values()])
+    model.run_with_hooks(tokens, fwd_hooks=[(name, save) for name in names.values()])
     first = saved[names[n_sublayers]]
     dtype = torch.promote_types(first.dtype, torch.float32)
     coefficients = torch.zeros(*tokens.shape, n_sublayers + 1, n_sublayers + 1, dtype=dtype, device=first.device)

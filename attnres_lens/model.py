@@ -199,6 +199,8 @@ class HookedTransformer(HookedRootModule):
         # [batch, pos, d_model] h_J, the final norm's input (TransformerLens 4's bridge name); fires only when hooked,
         # so an unhooked readout keeps its mix and norm in one kernel (docs/hooks.md §2)
         self.ln_final.hook_in = HookPoint()
+        # a hook there takes the readout off the fused path: interventions stack copies by it (docs/architecture.md §2)
+        self.ln_final.path_hooks = (*RMSNorm.path_hooks, "hook_in")
         self.unembed = Unembed(cfg, self.embed)  # the embedding is W_U too when tie_word_embeddings
         self.to(device=cfg.device, dtype=cfg.dtype)
         self.setup()

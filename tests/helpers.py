@@ -206,8 +206,11 @@ class ProtocolOnly:
     def __call__(self, tokens) -> torch.Tensor:
         return self._wrapped(tokens)
 
-    def run_with_hooks(self, *args, **kwargs):
-        return self._wrapped.run_with_hooks(*args, **kwargs)
+    def run_with_hooks(self, tokens, fwd_hooks=(), bwd_hooks=(), reset_hooks_end=True, clear_contexts=False):
+        """`HookedRootModule.run_with_hooks` over the protocol's forward, which takes tokens alone (a keyword the
+        toolkit's forward has, such as `return_type`, fails here as it would on another model)."""
+        with self.hooks(list(fwd_hooks), list(bwd_hooks), reset_hooks_end, clear_contexts):
+            return self(tokens)
 
     def run_with_cache(self, *args, **kwargs):
         return self._wrapped.run_with_cache(*args, **kwargs)

@@ -30,6 +30,7 @@ from attnres_lens.analysis import (
 )
 from attnres_lens.analysis.depth import mixing_diagnostics, mixing_matrix_from_weights
 from attnres_lens.attnres import EMBEDDING
+from attnres_lens.evaluation import score_logits
 from attnres_lens.protocol import DEPTH_POINTS, DepthMixingModel
 
 from .helpers import ProtocolOnly, copy_batch, randomize_depth_parameters, small_config
@@ -113,9 +114,14 @@ def test_the_readout_hook_shows_the_final_norms_input_and_the_readout_maps_it_to
         torch.testing.assert_close(cache[model.readout_input_hook], seen[0], rtol=0, atol=1e-12)
         torch.testing.assert_close(logits, clean, rtol=0, atol=1e-12)
         torch.testing.assert_close(model.readout(seen[0]), clean, rtol=0, atol=1e-12)
-        # an edit at the hook is what the final norm reads
-        edited = model.run_with_hooks(tokens, fwd_hooks=[(model.readout_input_hook, lambda x, hook: 2 * x + 1)])
+        # an edit at the hook is what the final norm reads, in a plain pass and in the engine's stacked ones
+        edit = (model.readout_input_hook, lambda x, hook: 2 * x + 1)
+        edited = model.run_with_hooks(tokens, fwd_hooks=[edit])
         torch.testing.assert_close(edited, model.readout(2 * seen[0] + 1), rtol=0, atol=1e-12)
+    batch = copy_batch(3)
+    expected = [score_logits(model.run_with_hooks(batch.tokens, fwd_hooks=hooks), batch) for hooks in ([], [edit])]
+    for result, reference in zip(evaluate_many(model, batch, [[], [edit]]), expected):
+        assert result.loss == pytest.approx(reference.loss, rel=1e-12)
 
 
 def test_the_embedding_hooks_sum_to_the_embedding_source():
@@ -147,6 +153,14 @@ def test_depth_maps_and_summary_are_the_same_through_the_protocol(pair):
         shown = cache[model.depth_hook(consumer, "weights")].float()
         shown = shown.mean((0, 1)) if len(routes) > 1 else shown.mean((0, 1))[None]
         torch.testing.assert_close(torch.tensor(rows["weight"].to_numpy()).view(len(routes), -1).float(), shown)
+    # the summary's entropy per route, from the hook's α directly
+    summary = depth_summary(model, tokens).set_index(["consumer", "route"])
+    for consumer in model.consumers():
+        shown = cache[model.depth_hook(consumer, "weights")].double()
+        per_route = shown.unbind(-2) if shown.ndim == 4 else [shown]
+        for route, alpha in zip(model.routes(consumer), per_route):
+            entropy = -(alpha * alpha.clamp_min(1e-30).log()).sum(-1).mean().item()
+            assert summary.loc[(consumer, route), "entropy"] == pytest.approx(entropy, rel=1e-5)
 
 
 def test_the_mixing_matrix_is_the_same_through_the_protocol_where_it_is_defined(pair):

@@ -46,7 +46,9 @@ def capture(
         saved[hook.name] = tensor
 
     hooks = list(fwd_hooks) + [(name, save) for name in set(names)]
-    model.run_with_hooks(tokens, return_type=None, fwd_hooks=hooks)
+    # the toolkit model can skip its unembedding; the protocol's forward takes tokens alone
+    skip_logits = dict(return_type=None) if isinstance(model, HookedTransformer) else {}
+    model.run_with_hooks(tokens, fwd_hooks=hooks, **skip_logits)
     return saved
 
 
