@@ -22,6 +22,8 @@ from attnres_lens.analysis import (
     depth_weights_per_token,
     edge_attribution,
     evaluate_many,
+    per_position_loss,
+    prune_tables,
     pruning_sensitivity,
     removal_hooks,
     routing_audit,
@@ -212,6 +214,16 @@ def test_causal_routing_is_the_same_through_the_protocol(pair):
     model, proxy = pair
     batch = copy_batch(4)
     assert_same_frame(causal_routing(proxy, batch), causal_routing(model, batch))
+
+
+def test_the_prune_tables_and_the_loss_per_position_are_the_same_through_the_protocol():
+    model = float64_attnres(2)
+    proxy, batch = ProtocolOnly(model), copy_batch(4)
+    ours, theirs = prune_tables(proxy, batch), prune_tables(model, batch)
+    assert ours.keys() == theirs.keys() and "routing" in ours
+    for name in ours:
+        assert_same_frame(ours[name], theirs[name])
+    assert_same_frame(per_position_loss(proxy, batch.tokens), per_position_loss(model, batch.tokens))
 
 
 def test_attribution_tables_are_the_same_through_the_protocol(pair):
