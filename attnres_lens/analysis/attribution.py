@@ -36,9 +36,11 @@ import torch.nn.functional as F
 
 from attnres_lens.analysis.engine import evaluate_many
 from attnres_lens.analysis.interventions import Hook, replace_hook, source_mask_hooks
+from attnres_lens.analysis.knockouts import bootstrap_weights, ranking_agreement
 from attnres_lens.analysis.pruning import spearman
 from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.attnres import EMBEDDING
+from attnres_lens.evaluation import per_sequence_losses
 from attnres_lens.mixing import basis_index, mixing_coefficients
 from attnres_lens.model import HookedTransformer
 from attnres_lens.protocol import DepthMixingModel, model_device
@@ -587,12 +589,17 @@ def _patch_paths(
     return torch.stack(values, -1), torch.stack(routings, -1)
 
 
-def edge_agreement(edges: pd.DataFrame, routing: pd.DataFrame, top: int = 10) -> tuple[dict[str, float], pd.DataFrame]:
-    """How well the first-order knockout estimates (`edge_attribution`) rank the exact ones (`causal_routing`).
+def edge_agreement(
+    edges: pd.DataFrame, routing: pd.DataFrame, top: int = 10, recall_top: int = 10
+) -> tuple[dict[str, float], pd.DataFrame]:
+    """How well the first-order sensitivity (`edge_attribution`) ranks the exact knockouts (`causal_routing`, or
+    `edge_knockouts`' delta_loss).
 
-    Returns `{spearman, spearman_within_consumer (mean over consumers with ≥ 3 sources), sign_agreement (share of
-    edges whose exact |Δloss| > 1e-6 where the signs agree), n_edges}` and the `top` worst disagreements (largest
-    |estimate − exact|) with both values, their ratio and max_alpha.
+    Returns `{spearman, pearson, top_recall (the share of the `recall_top` edges with the largest exact Δloss that
+    are among the estimate's `recall_top` largest, `knockouts.ranking_agreement`), recall_top,
+    spearman_within_consumer (mean over consumers with ≥ 3 sources), sign_agreement (share of edges whose exact
+    |Δloss| > 1e-6 where the signs agree), n_edges}` and the `top` worst disagreements (largest |estimate − exact|)
+    with both values, their ratio and max_alpha.
     """
     keys = ["consumer", "source"]
     merged = edges.merge(routing[keys + ["delta_loss"]], on=keys, how="inner")
@@ -603,8 +610,12 @@ def edge_agreement(edges: pd.DataFrame, routing: pd.DataFrame, top: int = 10) ->
     ]
     per_consumer = [value for value in per_consumer if value == value]
     clear = merged[merged["delta_loss"].abs() > 1e-6]
+    ranking = ranking_agreement(merged.set_index(keys)["total"], merged.set_index(keys)["delta_loss"], recall_top)
     summary = dict(
-        spearman=spearman(merged["total"], merged["delta_loss"]),
+        spearman=ranking["spearman"],
+        pearson=ranking["pearson"],
+        top_recall=ranking["top_recall"],
+        recall_top=ranking["top"],
         spearman_within_consumer=float(np.mean(per_consumer)) if per_consumer else float("nan"),
         sign_agreement=float((np.sign(clear["total"]) == np.sign(clear["delta_loss"])).mean())
         if len(clear)
@@ -632,15 +643,6 @@ def edge_agreement(edges: pd.DataFrame, routing: pd.DataFrame, top: int = 10) ->
 
 
 # ---------------------------------------------------------------------------- routing audit
-def _per_sequence_losses(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """[batch] summed next-token cross-entropy of each sequence (with its target count, the evaluation `loss`)."""
-    logits = logits if logits.dtype == torch.float64 else logits.float()  # a float64 model's Δloss keeps its bits
-    per_token = F.cross_entropy(
-        logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-    ).view(batch.targets.shape)
-    return per_token.double().sum(-1).cpu()
-
-
 def routing_audit(
     model: DepthMixingModel, batch: Batch, n_boot: int = 1000, seed: int = 0, progress: bool = False
 ) -> dict[str, pd.DataFrame]:
@@ -685,16 +687,12 @@ def routing_audit(
         interventions,
         progress=progress,
         desc="routing audit",
-        score=_per_sequence_losses,
+        score=lambda logits, part: per_sequence_losses(logits, part.targets),
         workers=analysis_workers(model),
     )
     by_key = dict(zip(keys, losses))
     clean = by_key[("clean",)]
-    draws = torch.randint(0, n_seq, (n_boot, n_seq), generator=torch.Generator().manual_seed(seed))
-    # [n_boot, seq]: how often each sequence is drawn (a one-hot sum would hold n_boot·n_seq² values)
-    weight = torch.zeros(n_boot, n_seq, dtype=torch.float64).scatter_add_(
-        1, draws, torch.ones(n_boot, n_seq, dtype=torch.float64)
-    )
+    weight = bootstrap_weights(n_seq, n_boot, seed)  # [n_boot, seq]
 
     def effect(key: tuple) -> tuple[float, torch.Tensor]:
         diff = by_key[key] - clean

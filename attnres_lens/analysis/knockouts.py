@@ -28,7 +28,7 @@ from attnres_lens.analysis.interventions import Hook, source_mask_hooks
 from attnres_lens.analysis.pruning import spearman
 from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.evaluation import per_sequence_losses
-from attnres_lens.model import HookedTransformer
+from attnres_lens.protocol import DepthMixingModel, model_device
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch, check_scored_batch
 
 SCREEN_FRACTION = 0.25
@@ -36,7 +36,7 @@ REMEASURE = 20
 
 
 def edge_knockouts(
-    model: HookedTransformer,
+    model: DepthMixingModel,
     batch: Batch,
     *,
     screen_fraction: float = SCREEN_FRACTION,
@@ -63,7 +63,7 @@ def edge_knockouts(
         raise ValueError(f"remeasure must be an integer >= 0 (edges re-measured on every sequence), got {remeasure!r}")
     if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 10:
         raise ValueError(f"n_boot must be an integer >= 10, got {n_boot!r}")
-    batch = check_scored_batch(batch.to(model.embed.W_E.device), model.cfg.d_vocab)
+    batch = check_scored_batch(batch.to(model_device(model)), model.d_vocab)
     n_seq = batch.tokens.shape[0]
     n_screen = math.ceil(screen_fraction * n_seq)
     if n_screen < 2:
@@ -105,8 +105,8 @@ def edge_knockouts(
             full[edge] = per_sequence
     if not len(rest):  # the screen is the whole batch: every edge is measured on every sequence
         full = {edge: diffs[edge] for edge in edges}
-    boot = _bootstrap_weights(n_seq, n_boot, seed)
-    screen_boot = _bootstrap_weights(n_screen, n_boot, seed)
+    boot = bootstrap_weights(n_seq, n_boot, seed)
+    screen_boot = bootstrap_weights(n_screen, n_boot, seed)
     rows = []
     for edge in edges:
         consumer, source = edge
@@ -168,8 +168,9 @@ def _rows(batch: Batch, rows: torch.Tensor) -> Batch:
     )
 
 
-def _bootstrap_weights(n: int, n_boot: int, seed: int) -> torch.Tensor:
-    """[n_boot, n]: how often each of n sequences is drawn in each resample (a one-hot sum would hold n_boot·n²)."""
+def bootstrap_weights(n: int, n_boot: int, seed: int) -> torch.Tensor:
+    """[n_boot, n] float64: how often each of n sequences is drawn in each resample of a bootstrap over sequences
+    (a one-hot sum would hold n_boot·n² values); a ratio of sums over sequences resamples as `(w @ a) / (w @ b)`."""
     draws = torch.randint(0, n, (n_boot, n), generator=torch.Generator().manual_seed(seed))
     return torch.zeros(n_boot, n, dtype=torch.float64).scatter_add_(
         1, draws, torch.ones(n_boot, n, dtype=torch.float64)
