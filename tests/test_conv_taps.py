@@ -264,3 +264,29 @@ def test_inkling_refusals_name_the_problem_and_the_fix(inkling):
             inkling2_attention_taps(model, too_long.tokens)
     finally:
         model.config._attn_implementation = "eager"
+
+
+def test_inkling_taps_of_chosen_layers_and_of_a_bf16_model_from_its_folder(inkling, tmp_path):
+    """A bf16 checkpoint opened with from_pretrained (its convolutions stay fp32): the taps, in float32, sum to the
+    module's bf16 keys and values within bf16 rounding."""
+    model, batch, _ = inkling
+    assert sorted(inkling2_attention_taps(model, batch.tokens, layers=[1])) == [1]
+    with pytest.raises(ValueError, match="layer must be in 0..1, got 2"):
+        inkling2_attention_taps(model, batch.tokens, layers=[2])
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    seen = {}
+    handles = [
+        projection.register_forward_hook(lambda module, args, output, key=(index, kind): seen.update({key: output}))
+        for index, layer in enumerate(loaded.model.layers)
+        for kind, projection in (("k", layer.self_attn.k_proj), ("v", layer.self_attn.v_proj))
+    ]
+    taps = inkling2_attention_taps(loaded, batch.tokens)
+    for handle in handles:
+        handle.remove()
+    for layer, layer_taps in taps.items():
+        assert layer_taps.key_taps.dtype == torch.float32
+        for kind, parts in (("k", layer_taps.key_taps), ("v", layer_taps.value_taps)):
+            module = seen[layer, kind].transpose(1, 2).float()
+            assert seen[layer, kind].dtype == torch.bfloat16
+            assert (parts.sum(0) - module).abs().max() <= 2**-7 * module.abs().max()

@@ -21,6 +21,7 @@ modules' own weights and functions do the rest (nothing is copied from transform
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -121,11 +122,13 @@ def _projection_taps(projection: nn.Module, inputs: torch.Tensor, dtype: torch.d
 
 
 @torch.no_grad()
-def _layer_taps(attention: nn.Module, inputs: dict[str, Any], weights: torch.Tensor, dtype: torch.dtype):
+def _layer_taps(attention: nn.Module, inputs: dict[str, Any], weights: torch.Tensor) -> AttentionTaps:
+    """One layer's taps from its attention's keyword inputs and the attention weights it returned."""
     for name in ("cache", "seq_idx", "conv_mask"):  # none is set by an uncached forward without padding
         if inputs.get(name) is not None:
             raise ValueError(f"the taps are read from one uncached, unpadded forward; the model was called with {name}")
     hidden = inputs["hidden_states"]
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
     key_inputs = inputs.get("key_hidden_states")
     value_inputs = inputs.get("value_hidden_states")
     key_inputs = hidden if key_inputs is None else key_inputs
@@ -150,39 +153,53 @@ def _layer_taps(attention: nn.Module, inputs: dict[str, Any], weights: torch.Ten
     )
 
 
-@torch.no_grad()
-def inkling2_attention_taps(model: Any, tokens: torch.Tensor) -> dict[int, AttentionTaps]:
-    """Every layer's `AttentionTaps` from one forward of a transformers `Inkling2ForCausalLM` (eager attention, no
-    cache) on `tokens` [batch, pos], in float32 (float64 for a float64 model). Each layer's tap sum is the keys and
-    values its attention computes, up to float32 rounding (the model's rounding in bf16)."""
+def each_layer_taps(
+    model: Any,
+    tokens: torch.Tensor,
+    on_layer: Callable[[int, AttentionTaps], None],
+    layers: Iterable[int] | None = None,
+) -> None:
+    """Run one forward of a transformers `Inkling2ForCausalLM` (eager attention, no cache) on `tokens` [batch, pos]
+    and call `on_layer(layer, taps)` as each chosen layer's attention finishes (default: every layer), so a caller
+    that reduces the taps never holds more than one layer's. The taps are in float32 (float64 for a float64 model);
+    their sum is the keys and values the attention computed, up to float32 rounding (the model's in bf16)."""
     _check_model(model)
-    captured: dict[int, tuple[dict[str, Any], torch.Tensor]] = {}
+    blocks = model.model.layers
+    chosen = range(len(blocks)) if layers is None else sorted(set(layers))
+    for layer in chosen:
+        if not 0 <= layer < len(blocks):
+            raise ValueError(f"layer must be in 0..{len(blocks) - 1}, got {layer}")
+        name = type(blocks[layer].self_attn).__name__
+        if name not in ATTENTION_MODULES:
+            raise TypeError(f"layer {layer}'s attention is {name}, expected one of {ATTENTION_MODULES}")
+    done: set[int] = set()
 
-    def keep(layer: int):
+    def watch(layer: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: tuple) -> None:
             if args:
                 raise ValueError(f"layer {layer}'s attention was called with positional arguments; expected keywords")
-            if layer in captured:
+            if layer in done:
                 raise ValueError(f"layer {layer}'s attention ran twice in one forward; a looped model is not supported")
             if output[1] is None:
                 raise ValueError(f"layer {layer}'s attention returned no weights: load the model with eager attention")
-            captured[layer] = (dict(kwargs), output[1])
+            done.add(layer)
+            on_layer(layer, _layer_taps(module, kwargs, output[1]))
 
         return hook
 
-    layers = model.model.layers
-    for layer, block in enumerate(layers):
-        name = type(block.self_attn).__name__
-        if name not in ATTENTION_MODULES:
-            raise TypeError(f"layer {layer}'s attention is {name}, expected one of {ATTENTION_MODULES}")
-    handles = [block.self_attn.register_forward_hook(keep(i), with_kwargs=True) for i, block in enumerate(layers)]
+    handles = [blocks[layer].self_attn.register_forward_hook(watch(layer), with_kwargs=True) for layer in chosen]
     try:
-        model(input_ids=tokens, use_cache=False)
+        with torch.no_grad():
+            model(input_ids=tokens, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
-    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
-    return {
-        layer: _layer_taps(layers[layer].self_attn, inputs, weights, dtype)
-        for layer, (inputs, weights) in sorted(captured.items())
-    }
+
+
+def inkling2_attention_taps(
+    model: Any, tokens: torch.Tensor, layers: Iterable[int] | None = None
+) -> dict[int, AttentionTaps]:
+    """The chosen layers' `AttentionTaps` (default: every layer) from one forward (`each_layer_taps`)."""
+    found: dict[int, AttentionTaps] = {}
+    each_layer_taps(model, tokens, found.__setitem__, layers)
+    return found

@@ -224,21 +224,24 @@ def conv_tap_decomposition(model: Any, batch: Batch | None = None, n_samples: in
     """One row per (layer, head) of `tap_statistics` on a repeated-tokens batch (default: `repeated_batch` of
     `n_samples` sequences). `model` is the toolkit's `HookedTransformer` (KV shift or standard attention: width 2)
     or transformers' `Inkling2ForCausalLM` (its K/V short convolutions, `inkling_taps`)."""
+    rows: list[dict[str, Any]] = []
+
+    def add(layer: int, taps: AttentionTaps) -> None:
+        rows.extend(dict(layer=layer, **row) for row in tap_statistics(taps, tokens))
+
     if isinstance(model, HookedTransformer):
         if batch is None:
             batch = repeated_batch(n_samples, default_half_len(model), model.cfg.d_vocab, seed)
         tokens = batch.tokens.to(model.embed.W_E.device)
-        layers = ((layer, hooked_attention_taps(model, tokens, layer)) for layer in range(model.cfg.n_layers))
+        for layer in range(model.cfg.n_layers):
+            add(layer, hooked_attention_taps(model, tokens, layer))
     else:
-        from attnres_lens.analysis.inkling_taps import default_probe, inkling2_attention_taps
+        from attnres_lens.analysis.inkling_taps import default_probe, each_layer_taps  # it imports this module
 
         if batch is None:
             batch = default_probe(model, n_samples, seed)
         tokens = batch.tokens.to(model.device)
-        layers = inkling2_attention_taps(model, tokens).items()
-    rows = []
-    for layer, taps in layers:
-        rows += [dict(layer=layer, **row) for row in tap_statistics(taps, tokens)]
+        each_layer_taps(model, tokens, add)  # a layer at a time, as the forward reaches it
     return pd.DataFrame(rows)
 
 
