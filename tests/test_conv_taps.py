@@ -9,6 +9,7 @@ the model with one tap's scalar set to 0.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from attnres_lens.analysis import (
     kv_shift_decomposition,
     repeated_batch,
     tap_parts,
+    tap_statistics,
 )
 
 from .helpers import small_config
@@ -53,6 +55,24 @@ def test_the_toolkit_taps_sum_to_the_keys_and_values_its_attention_reads(attenti
         assert (taps.key_taps.sum(0) - keys).abs().max() < 1e-12
         assert (taps.value_taps.sum(0) - cache[hook(f"v{shifted}")]).abs().max() < 1e-12
         assert taps.key_taps[1, :, 0].abs().max() == 0  # nothing one token before the first
+
+
+def test_standard_attention_is_a_width_1_convolution_and_mismatched_taps_are_refused():
+    """Without KV shift the lag-1 taps are zero, so dropping them changes no number but the width."""
+    model = HookedTransformer(small_config("standard", 1, "standard", dtype=torch.float64)).eval()
+    tokens = repeated_batch(3, HALF_LEN, model.cfg.d_vocab, seed=3).tokens
+    taps = hooked_attention_taps(model, tokens, 1)
+    narrow = dataclasses.replace(taps, key_taps=taps.key_taps[:1], value_taps=taps.value_taps[:1])
+    for wide_row, narrow_row in zip(tap_statistics(taps, tokens), tap_statistics(narrow, tokens), strict=True):
+        assert narrow_row["width"] == 1 and narrow_row["shifted_key_induction_score"] == 0
+        assert narrow_row["shifted_value_share"] == 0 and narrow_row["value_share_lag0"] == pytest.approx(1)
+        for column, value in narrow_row.items():
+            if column != "width":
+                assert wide_row[column] == pytest.approx(value, abs=1e-12, nan_ok=True), column
+    with pytest.raises(ValueError, match="must have one shape"):
+        dataclasses.replace(taps, value_taps=taps.value_taps[:1])
+    with pytest.raises(ValueError, match="at least one lag"):
+        dataclasses.replace(taps, key_taps=taps.key_taps[:0], value_taps=taps.value_taps[:0])
 
 
 def advantages_from_definition(scores: torch.Tensor, half_len: int) -> torch.Tensor:
@@ -254,6 +274,8 @@ def test_inkling_refusals_name_the_problem_and_the_fix(inkling):
     with pytest.raises(TypeError, match="got Linear"):
         conv_tap_decomposition(torch.nn.Linear(2, 2))
     too_long = repeated_batch(2, SLIDING_WINDOW + 1, model.config.vocab_size, seed=0)
+    with pytest.raises(TypeError, match="got Linear"):
+        conv_tap_decomposition(torch.nn.Linear(2, 2), too_long)
     with pytest.raises(ValueError, match="shorter half length than 9"):
         conv_tap_decomposition(model, too_long)
     default = conv_tap_decomposition(model, n_samples=2)  # the default probe fits the window

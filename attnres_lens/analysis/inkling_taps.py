@@ -37,7 +37,8 @@ ATTENTION_MODULES = ("Inkling2SlidingAttention", "Inkling2FullAttention")
 DEFAULT_HALF_LEN = 32
 
 
-def _check_model(model: Any) -> None:
+def check_model(model: Any) -> None:
+    """Refuse, by name, a model other than transformers' Inkling-2 text model with eager attention."""
     name = type(model).__name__
     if name not in SUPPORTED_MODELS:
         raise TypeError(
@@ -55,7 +56,7 @@ def _check_model(model: Any) -> None:
 def default_probe(model: Any, n_samples: int = 32, seed: int = 0) -> Batch:
     """Repeated tokens in the model's vocabulary, `DEFAULT_HALF_LEN` long or shorter where a sliding window would
     hide an induction target (L − 1 tokens back)."""
-    _check_model(model)
+    check_model(model)
     config = model.config
     sliding = [
         config.sliding_window_size
@@ -163,7 +164,7 @@ def each_layer_taps(
     and call `on_layer(layer, taps)` as each chosen layer's attention finishes (default: every layer), so a caller
     that reduces the taps never holds more than one layer's. The taps are in float32 (float64 for a float64 model);
     their sum is the keys and values the attention computed, up to float32 rounding (the model's in bf16)."""
-    _check_model(model)
+    check_model(model)
     blocks = model.model.layers
     chosen = range(len(blocks)) if layers is None else sorted(set(layers))
     for layer in chosen:

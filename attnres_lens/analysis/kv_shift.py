@@ -64,6 +64,11 @@ class AttentionTaps:
         return self.key_taps.shape[0]
 
     def __post_init__(self) -> None:
+        if self.key_taps.ndim != 5 or self.key_taps.shape[0] == 0:
+            raise ValueError(
+                f"key_taps must be [lag, batch, pos, kv_head, d_head] with at least one lag, got shape "
+                f"{tuple(self.key_taps.shape)}"
+            )
         if self.key_taps.shape != self.value_taps.shape:
             raise ValueError(
                 f"key_taps {tuple(self.key_taps.shape)} and value_taps {tuple(self.value_taps.shape)} must have one "
@@ -236,8 +241,9 @@ def conv_tap_decomposition(model: Any, batch: Batch | None = None, n_samples: in
         for layer in range(model.cfg.n_layers):
             add(layer, hooked_attention_taps(model, tokens, layer))
     else:
-        from attnres_lens.analysis.inkling_taps import default_probe, each_layer_taps  # it imports this module
+        from attnres_lens.analysis.inkling_taps import check_model, default_probe, each_layer_taps  # imports this
 
+        check_model(model)
         if batch is None:
             batch = default_probe(model, n_samples, seed)
         tokens = batch.tokens.to(model.device)
