@@ -269,6 +269,11 @@ def test_the_inkling_table_splits_the_full_scores_advantage_by_tap(inkling):
         assert rows["shifted_value_share"].abs().min() > 0.01  # the lag >= 1 value taps carry part of the output
 
 
+class ChannelGain(torch.nn.Module):
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        return states * torch.linspace(0.5, 2, states.shape[-1])
+
+
 def test_inkling_refusals_name_the_problem_and_the_fix(inkling):
     model, _, _ = inkling
     with pytest.raises(TypeError, match="got Linear"):
@@ -280,6 +285,14 @@ def test_inkling_refusals_name_the_problem_and_the_fix(inkling):
         conv_tap_decomposition(model, too_long)
     default = conv_tap_decomposition(model, n_samples=2)  # the default probe fits the window
     assert len(default) == 8 and not default["shifted_key_induction_score"].isna().all()
+    projection = model.model.layers[1].self_attn.k_proj
+    clip = projection.norm
+    projection.norm = ChannelGain()  # not one factor per vector: the taps cannot share it
+    try:
+        with pytest.raises(ValueError, match="ChannelGain does not scale each"):
+            inkling2_attention_taps(model, too_long.tokens)
+    finally:
+        projection.norm = clip
     model.config._attn_implementation = "sdpa"
     try:
         with pytest.raises(ValueError, match="attn_implementation='eager'"):
