@@ -124,21 +124,28 @@ def test_the_kv_shift_table_is_the_width_2_case_of_the_tap_decomposition():
 # ---------------------------------------------------------------------------- transformers' Inkling-2
 SLIDING_WINDOW = 8
 KEY_CLIP = 0.25
+FAMILIES = {
+    # family: (layer types, extra config); the Mini loops its layers 1 and 2 twice
+    "inkling2": (["hybrid_sliding", "hybrid"], {}),
+    "inkling2_loop": (
+        ["hybrid_sliding", "hybrid", "hybrid_sliding"],
+        dict(loop_layer_index_start=1, loop_layer_index_end=3, loop_num_passes=2, loop_gate_rank=4),
+    ),
+}
 
 
-@pytest.fixture(scope="module")
-def inkling():
-    """A tiny random Inkling-2 (one sliding-window layer with static taps, one full-attention layer with per-token
-    taps, GQA) with every convolution tap and the position bias drawn large enough to matter, and what its
-    modules computed on a repeated-tokens batch, read by PyTorch hooks."""
-    inkling2 = pytest.importorskip("transformers.models.inkling2.modeling_inkling2")
-    from transformers.models.inkling2.configuration_inkling2 import Inkling2TextConfig
-
-    config = Inkling2TextConfig(
+def tiny_inkling(family: str):
+    """A tiny random Inkling-2 or Inkling-2-Mini (sliding-window layers with static taps, full-attention layers
+    with per-token taps, GQA) with every convolution tap and the position bias drawn large enough to matter."""
+    modeling = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+    configuration = pytest.importorskip(f"transformers.models.{family}.configuration_{family}")
+    prefix = "Inkling2Loop" if family == "inkling2_loop" else "Inkling2"
+    layer_types, extra = FAMILIES[family]
+    config = getattr(configuration, f"{prefix}TextConfig")(
         vocab_size=48,
         unpadded_vocab_size=48,
         hidden_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=len(layer_types),
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
@@ -148,7 +155,7 @@ def inkling():
         sliding_window_size=SLIDING_WINDOW,
         d_rel=4,
         rel_extent=16,
-        layer_types=["hybrid_sliding", "hybrid"],
+        layer_types=layer_types,
         moe_intermediate_size=16,
         n_routed_experts=4,
         num_experts_per_tok=2,
@@ -156,10 +163,11 @@ def inkling():
         use_cache=False,
         eos_token_id=None,
         qk_l2_clip_threshold=KEY_CLIP,  # low enough that the key norm clips some keys and not others
+        **extra,
     )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = inkling2.Inkling2ForCausalLM(config).eval()
+    model = getattr(modeling, f"{prefix}ForCausalLM")(config).eval()
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -172,12 +180,21 @@ def inkling():
                 else:
                     convolution.static_weight.normal_(generator=generator)
                     convolution.weight_proj.weight.normal_(std=0.3, generator=generator)
-    batch = repeated_batch(3, HALF_LEN, config.vocab_size, seed=4)
-    seen: dict[tuple[str, int], object] = {}
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def inkling(request):
+    """A tiny model of each family and what its modules computed on a repeated-tokens batch, read by PyTorch hooks
+    and keyed by (module, layer, visit)."""
+    model = tiny_inkling(request.param)
+    batch = repeated_batch(3, HALF_LEN, model.config.vocab_size, seed=4)
+    seen: dict[tuple[str, int, int], object] = {}
 
     def keep(name: str, layer: int):
         def hook(module, args, kwargs, output):
-            seen[name, layer] = (args, kwargs, output)
+            visit = sum(key[:2] == (name, layer) for key in seen)
+            seen[name, layer, visit] = (args, kwargs, output)
 
         return hook
 
@@ -200,27 +217,31 @@ def inkling():
     return model, batch, seen
 
 
-def head_outputs(seen, layer: int) -> dict[str, torch.Tensor]:
-    """The module's own query, key, value, bias, z and pattern of one layer, in the tap layout."""
-    args, kwargs, _ = seen["o", layer]
-    _, _, (_, pattern) = seen["attention", layer]
+def head_outputs(seen, layer: int, visit: int) -> dict[str, torch.Tensor]:
+    """The module's own query, key, value, bias, z and pattern of one visit of a layer, in the tap layout."""
+    args, kwargs, _ = seen["o", layer, visit]
+    _, _, (_, pattern) = seen["attention", layer, visit]
     z = args[0] if args else kwargs["attn_output"]
     return dict(
-        queries=seen["q", layer][2].transpose(1, 2),
-        keys=seen["k", layer][2].transpose(1, 2),
-        values=seen["v", layer][2].transpose(1, 2),
-        bias=seen["bias", layer][2],
+        queries=seen["q", layer, visit][2].transpose(1, 2),
+        keys=seen["k", layer, visit][2].transpose(1, 2),
+        values=seen["v", layer, visit][2].transpose(1, 2),
+        bias=seen["bias", layer, visit][2],
         z=z.unflatten(-1, (-1, 8)),
         pattern=pattern,
     )
 
 
+def visits_of(seen) -> list[tuple[int, int]]:
+    return sorted(key[1:] for key in seen if key[0] == "attention")
+
+
 def test_inkling_taps_sum_to_the_modules_keys_values_scores_and_outputs(inkling):
     model, batch, seen = inkling
     taps = inkling2_attention_taps(model, batch.tokens)
-    assert sorted(taps) == [0, 1]
-    for layer, layer_taps in taps.items():
-        truth = head_outputs(seen, layer)
+    assert sorted(taps) == visits_of(seen)
+    for (layer, visit), layer_taps in taps.items():
+        truth = head_outputs(seen, layer, visit)
         assert layer_taps.width == model.config.conv_kernel_size == 4
         assert (layer_taps.key_taps.sum(0) - truth["keys"]).abs().max() < 1e-6
         clipped = truth["keys"].norm(dim=-1) > KEY_CLIP * (1 - 1e-5)
@@ -241,23 +262,24 @@ def test_inkling_taps_sum_to_the_modules_keys_values_scores_and_outputs(inkling)
 
 def test_the_inkling_table_splits_the_full_scores_advantage_by_tap(inkling):
     model, batch, seen = inkling
-    table = conv_tap_decomposition(model, batch).set_index(["layer", "head"])
+    table = conv_tap_decomposition(model, batch).set_index(["layer", "visit", "head"]).sort_index()
+    assert sorted(set(table.index.droplevel("head"))) == visits_of(seen)
     lags = range(4)
-    for layer in (0, 1):
-        truth = head_outputs(seen, layer)
+    for layer, visit in visits_of(seen):
+        truth = head_outputs(seen, layer, visit)
         keys = truth["keys"].repeat_interleave(2, dim=2)
         scaling = model.model.layers[layer].self_attn.scaling
         scores = torch.einsum("bqhd,bkhd->bhqk", truth["queries"], keys).double() * scaling + truth["bias"].double()
         # the windows (8 keys) cover every query's keys 0..q here except the first one or two at the end
         visible = torch.ones(2 * HALF_LEN + 1, 2 * HALF_LEN + 1, dtype=torch.bool).tril()
-        if layer == 0:
+        if model.config.layer_types[layer] == "hybrid_sliding":
             visible &= ~torch.ones_like(visible).tril(-SLIDING_WINDOW)
         rows = []
         for q in range(HALF_LEN + 1, 2 * HALF_LEN + 1):
             keys_seen = scores[:, :, q, visible[q]]
             rows.append(scores[:, :, q, q - (HALF_LEN - 1)] - keys_seen.mean(-1))
         total = torch.stack(rows, -1).mean(dim=(0, 2))
-        rows = table.loc[layer]
+        rows = table.loc[(layer, visit)]
         split = sum(rows[f"key_advantage_lag{lag}"] for lag in lags) + rows["bias_advantage"]
         assert split.to_numpy() == pytest.approx(total.numpy(), abs=1e-5)
         shares = sum(rows[f"value_share_lag{lag}"] for lag in lags)
@@ -275,7 +297,7 @@ class ChannelGain(torch.nn.Module):
 
 
 def test_inkling_refusals_name_the_problem_and_the_fix(inkling):
-    model, _, _ = inkling
+    model, _, seen = inkling
     with pytest.raises(TypeError, match="got Linear"):
         conv_tap_decomposition(torch.nn.Linear(2, 2))
     too_long = repeated_batch(2, SLIDING_WINDOW + 1, model.config.vocab_size, seed=0)
@@ -284,7 +306,7 @@ def test_inkling_refusals_name_the_problem_and_the_fix(inkling):
     with pytest.raises(ValueError, match="shorter half length than 9"):
         conv_tap_decomposition(model, too_long)
     default = conv_tap_decomposition(model, n_samples=2)  # the default probe fits the window
-    assert len(default) == 8 and not default["shifted_key_induction_score"].isna().all()
+    assert len(default) == 4 * len(visits_of(seen)) and not default["shifted_key_induction_score"].isna().all()
     projection = model.model.layers[1].self_attn.k_proj
     clip = projection.norm
     projection.norm = ChannelGain()  # not one factor per vector: the taps cannot share it
@@ -304,24 +326,31 @@ def test_inkling_refusals_name_the_problem_and_the_fix(inkling):
 def test_inkling_taps_of_chosen_layers_and_of_a_bf16_model_from_its_folder(inkling, tmp_path):
     """A bf16 checkpoint opened with from_pretrained (its convolutions stay fp32): the taps, in float32, sum to the
     module's bf16 keys and values within bf16 rounding."""
-    model, batch, _ = inkling
-    assert sorted(inkling2_attention_taps(model, batch.tokens, layers=[1])) == [1]
-    with pytest.raises(ValueError, match="layer must be in 0..1, got 2"):
-        inkling2_attention_taps(model, batch.tokens, layers=[2])
+    model, batch, seen = inkling
+    chosen = inkling2_attention_taps(model, batch.tokens, layers=[1])
+    assert sorted(chosen) == [visit for visit in visits_of(seen) if visit[0] == 1]
+    n_layers = len(model.model.layers)
+    with pytest.raises(ValueError, match=f"layer must be in 0..{n_layers - 1}, got {n_layers}"):
+        inkling2_attention_taps(model, batch.tokens, layers=[n_layers])
     model.save_pretrained(tmp_path)
     loaded = type(model).from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="eager").eval()
-    seen = {}
+    outputs: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+    def keep(layer: int, kind: str):
+        return lambda module, args, output: outputs.setdefault((layer, kind), []).append(output)
+
     handles = [
-        projection.register_forward_hook(lambda module, args, output, key=(index, kind): seen.update({key: output}))
+        projection.register_forward_hook(keep(index, kind))
         for index, layer in enumerate(loaded.model.layers)
         for kind, projection in (("k", layer.self_attn.k_proj), ("v", layer.self_attn.v_proj))
     ]
     taps = inkling2_attention_taps(loaded, batch.tokens)
     for handle in handles:
         handle.remove()
-    for layer, layer_taps in taps.items():
+    for (layer, visit), layer_taps in taps.items():
         assert layer_taps.key_taps.dtype == torch.float32
         for kind, parts in (("k", layer_taps.key_taps), ("v", layer_taps.value_taps)):
-            module = seen[layer, kind].transpose(1, 2).float()
-            assert seen[layer, kind].dtype == torch.bfloat16
+            module = outputs[layer, kind][visit]
+            assert module.dtype == torch.bfloat16
+            module = module.transpose(1, 2).float()
             assert (parts.sum(0) - module).abs().max() <= 2**-7 * module.abs().max()

@@ -15,7 +15,9 @@ term; the per-head attention sink is one more logit with a zero value, so the pa
 sums to less than 1 and the output has no sink part.
 
 Inputs are captured with PyTorch forward hooks on each layer's `self_attn` during one forward of the model; the
-modules' own weights and functions do the rest (nothing is copied from transformers).
+modules' own weights and functions do the rest (nothing is copied from transformers). The looped Inkling-2-Mini
+(`Inkling2LoopForCausalLM`, the same attention modules) runs its loop layers' attention once per pass: each run is
+a visit, numbered from 0 in the order of the forward.
 """
 
 from __future__ import annotations
@@ -32,18 +34,24 @@ from attnres_lens.analysis.induction import repeated_batch
 from attnres_lens.analysis.kv_shift import AttentionTaps
 from attnres_lens.tasks.base import Batch
 
-SUPPORTED_MODELS = ("Inkling2ForCausalLM",)
-ATTENTION_MODULES = ("Inkling2SlidingAttention", "Inkling2FullAttention")
+SUPPORTED_MODELS = ("Inkling2ForCausalLM", "Inkling2LoopForCausalLM")
+ATTENTION_MODULES = (
+    "Inkling2SlidingAttention",
+    "Inkling2FullAttention",
+    "Inkling2LoopSlidingAttention",
+    "Inkling2LoopFullAttention",
+)
 DEFAULT_HALF_LEN = 32
 
 
 def check_model(model: Any) -> None:
-    """Refuse, by name, a model other than transformers' Inkling-2 text model with eager attention."""
+    """Refuse, by name, a model other than transformers' Inkling-2 (or Inkling-2-Mini) text model with eager
+    attention."""
     name = type(model).__name__
     if name not in SUPPORTED_MODELS:
         raise TypeError(
             f"the K/V convolution taps are read from {' or '.join(SUPPORTED_MODELS)} (transformers' Inkling-2), got "
-            f"{name}: open the text model with transformers' Inkling2ForCausalLM"
+            f"{name}: open the text model with transformers' Inkling2ForCausalLM or Inkling2LoopForCausalLM"
         )
     implementation = model.config._attn_implementation
     if implementation != "eager":
@@ -157,12 +165,13 @@ def _layer_taps(attention: nn.Module, inputs: dict[str, Any], weights: torch.Ten
 def each_layer_taps(
     model: Any,
     tokens: torch.Tensor,
-    on_layer: Callable[[int, AttentionTaps], None],
+    on_layer: Callable[[int, int, AttentionTaps], None],
     layers: Iterable[int] | None = None,
 ) -> None:
     """Run one forward of a transformers `Inkling2ForCausalLM` (eager attention, no cache) on `tokens` [batch, pos]
-    and call `on_layer(layer, taps)` as each chosen layer's attention finishes (default: every layer), so a caller
-    that reduces the taps never holds more than one layer's. The taps are in float32 (float64 for a float64 model);
+    and call `on_layer(layer, visit, taps)` each time a chosen layer's attention finishes (default: every layer;
+    visit 0 but on the Mini's loop layers, one per pass), so a caller that reduces the taps never holds more than one
+    layer's. The taps are in float32 (float64 for a float64 model);
     their sum is the keys and values the attention computed, up to float32 rounding (the model's in bf16)."""
     check_model(model)
     blocks = model.model.layers
@@ -173,18 +182,16 @@ def each_layer_taps(
         name = type(blocks[layer].self_attn).__name__
         if name not in ATTENTION_MODULES:
             raise TypeError(f"layer {layer}'s attention is {name}, expected one of {ATTENTION_MODULES}")
-    done: set[int] = set()
+    visits = dict.fromkeys(chosen, 0)
 
     def watch(layer: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: tuple) -> None:
             if args:
                 raise ValueError(f"layer {layer}'s attention was called with positional arguments; expected keywords")
-            if layer in done:
-                raise ValueError(f"layer {layer}'s attention ran twice in one forward; a looped model is not supported")
             if output[1] is None:
                 raise ValueError(f"layer {layer}'s attention returned no weights: load the model with eager attention")
-            done.add(layer)
-            on_layer(layer, _layer_taps(module, kwargs, output[1]))
+            visits[layer] += 1
+            on_layer(layer, visits[layer] - 1, _layer_taps(module, kwargs, output[1]))
 
         return hook
 
@@ -199,8 +206,13 @@ def each_layer_taps(
 
 def inkling2_attention_taps(
     model: Any, tokens: torch.Tensor, layers: Iterable[int] | None = None
-) -> dict[int, AttentionTaps]:
-    """The chosen layers' `AttentionTaps` (default: every layer) from one forward (`each_layer_taps`)."""
-    found: dict[int, AttentionTaps] = {}
-    each_layer_taps(model, tokens, found.__setitem__, layers)
+) -> dict[tuple[int, int], AttentionTaps]:
+    """The chosen layers' `AttentionTaps` (default: every layer) from one forward (`each_layer_taps`), keyed by
+    (layer, visit)."""
+    found: dict[tuple[int, int], AttentionTaps] = {}
+
+    def keep(layer: int, visit: int, taps: AttentionTaps) -> None:
+        found[layer, visit] = taps
+
+    each_layer_taps(model, tokens, keep, layers)
     return found

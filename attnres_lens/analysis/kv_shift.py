@@ -228,18 +228,19 @@ def tap_statistics(taps: AttentionTaps, tokens: torch.Tensor) -> list[dict[str, 
 def conv_tap_decomposition(model: Any, batch: Batch | None = None, n_samples: int = 32, seed: int = 0) -> pd.DataFrame:
     """One row per (layer, head) of `tap_statistics` on a repeated-tokens batch (default: `repeated_batch` of
     `n_samples` sequences). `model` is the toolkit's `HookedTransformer` (KV shift or standard attention: width 2)
-    or transformers' `Inkling2ForCausalLM` (its K/V short convolutions, `inkling_taps`)."""
+    or transformers' `Inkling2ForCausalLM` / `Inkling2LoopForCausalLM` (their K/V short convolutions,
+    `inkling_taps`; one row per (layer, visit, head), the Mini's loop layers visited once per pass)."""
     rows: list[dict[str, Any]] = []
 
-    def add(layer: int, taps: AttentionTaps) -> None:
-        rows.extend(dict(layer=layer, **row) for row in tap_statistics(taps, tokens))
+    def add(taps: AttentionTaps, **labels: int) -> None:
+        rows.extend({**labels, **row} for row in tap_statistics(taps, tokens))
 
     if isinstance(model, HookedTransformer):
         if batch is None:
             batch = repeated_batch(n_samples, default_half_len(model), model.cfg.d_vocab, seed)
         tokens = batch.tokens.to(model.embed.W_E.device)
         for layer in range(model.cfg.n_layers):
-            add(layer, hooked_attention_taps(model, tokens, layer))
+            add(hooked_attention_taps(model, tokens, layer), layer=layer)
     else:
         from attnres_lens.analysis.inkling_taps import check_model, default_probe, each_layer_taps  # imports this
 
@@ -247,7 +248,8 @@ def conv_tap_decomposition(model: Any, batch: Batch | None = None, n_samples: in
         if batch is None:
             batch = default_probe(model, n_samples, seed)
         tokens = batch.tokens.to(model.device)
-        each_layer_taps(model, tokens, add)  # a layer at a time, as the forward reaches it
+        # a layer at a time, as the forward reaches it
+        each_layer_taps(model, tokens, lambda layer, visit, taps: add(taps, layer=layer, visit=visit))
     return pd.DataFrame(rows)
 
 
