@@ -168,11 +168,11 @@ def each_layer_taps(
     on_layer: Callable[[int, int, AttentionTaps], None],
     layers: Iterable[int] | None = None,
 ) -> None:
-    """Run one forward of a transformers `Inkling2ForCausalLM` (eager attention, no cache) on `tokens` [batch, pos]
-    and call `on_layer(layer, visit, taps)` each time a chosen layer's attention finishes (default: every layer;
-    visit 0 but on the Mini's loop layers, one per pass), so a caller that reduces the taps never holds more than one
-    layer's. The taps are in float32 (float64 for a float64 model);
-    their sum is the keys and values the attention computed, up to float32 rounding (the model's in bf16)."""
+    """Run one forward of a transformers `Inkling2ForCausalLM` or `Inkling2LoopForCausalLM` (eager attention, no
+    cache) on `tokens` [batch, pos] and call `on_layer(layer, visit, taps)` each time a chosen layer's attention
+    finishes (default: every layer; visit 0 but on the Mini's loop layers, one per pass), so a caller that reduces
+    the taps never holds more than one layer's. The taps are in float32 (float64 for a float64 model); their sum is
+    the keys and values the attention computed, up to float32 rounding (the model's in bf16)."""
     check_model(model)
     blocks = model.model.layers
     chosen = range(len(blocks)) if layers is None else sorted(set(layers))
