@@ -9,7 +9,8 @@ the toolkit's `HookedTransformer` (with the staged engine's faster paths) or ano
 * `routing`: causal depth routing (α mass vs the effect of masking a source);
 * `attribution`: attribution through depth (direct logit attribution per source, the logit lens over depth,
   first-order edge attribution with value and routing paths, the routing audit);
-* `kv_shift`: KV-shift-aware induction analysis (current- vs shifted-key scores and values);
+* `kv_shift`: short-convolution K/V analysis: a head's scores and output split by convolution tap (KV shift is the
+  width-2 case: current- vs shifted-key scores and values); `inkling_taps` reads the taps of transformers' Inkling-2;
 * `timeline`: routing statistics over training next to the induction-score jump and the loss curve;
 * `interventions`: what an intervention is: the hooks that remove sublayers, replace activations or mask sources;
 * `engine`: running a model under interventions (`capture`, `evaluate`, and `evaluate_many`, which shares the
@@ -37,9 +38,18 @@ from attnres_lens.analysis.induction import (
     per_position_loss,
     repeated_batch,
 )
+from attnres_lens.analysis.inkling_taps import inkling2_attention_taps
 from attnres_lens.analysis.interventions import removal_hooks, source_mask_hooks
 from attnres_lens.analysis.knockouts import edge_knockouts
-from attnres_lens.analysis.kv_shift import kv_shift_decomposition, kv_shift_parts
+from attnres_lens.analysis.kv_shift import (
+    AttentionTaps,
+    conv_tap_decomposition,
+    hooked_attention_taps,
+    kv_shift_decomposition,
+    kv_shift_parts,
+    tap_parts,
+    tap_statistics,
+)
 from attnres_lens.analysis.pruning import (
     angular_distance_matrix,
     cheap_metrics,
@@ -54,12 +64,14 @@ from attnres_lens.analysis.run import analyze_run, attribute_run, prune_run, pru
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 
 __all__ = [
+    "AttentionTaps",
     "StateCache",
     "analyze_run",
     "angular_distance_matrix",
     "attribute_run",
     "audit_summary",
     "causal_routing",
+    "conv_tap_decomposition",
     "cheap_metrics",
     "cumulative_pruning",
     "depth_input_decomposition",
@@ -74,8 +86,10 @@ __all__ = [
     "evaluate",
     "evaluate_many",
     "fastest_changes",
+    "hooked_attention_taps",
     "in_context_learning_score",
     "induction_head_scores",
+    "inkling2_attention_taps",
     "kv_shift_decomposition",
     "kv_shift_parts",
     "logit_attribution_summary",
@@ -94,5 +108,7 @@ __all__ = [
     "source_logit_lens",
     "source_mask_hooks",
     "spearman",
+    "tap_parts",
+    "tap_statistics",
     "training_timeline",
 ]
