@@ -40,7 +40,7 @@ from attnres_lens import cpu_settings
 from attnres_lens.analysis import (
     causal_routing,
     edge_agreement,
-    edge_attribution,
+    edge_sensitivity,
     prune_tables,
     pruning,
     routing,
@@ -274,7 +274,7 @@ def measure(
         import_wall = time.perf_counter() - import_wall
         pass_wall = clean_pass_time(model, batch.tokens)
 
-        edges, edge_wall, _ = timed(lambda: edge_attribution(model, batch))
+        edges, edge_wall, _ = timed(lambda: edge_sensitivity(model, batch))
         exact, exact_wall, _ = timed(lambda: causal_routing(model, batch))
         agreement, _ = edge_agreement(edges, exact, top=5)
     load_after = os.getloadavg()[0]

@@ -7,7 +7,7 @@ first `samples` held-out sequences of each run's task:
   which equals `causal_routing`);
 * `two-stage`: `edge_knockouts` as `attribute` runs it (a quarter of the sequences screened, the 20 largest
   re-measured on all);
-* `first-order sensitivity`: `edge_attribution`, one forward and backward pass.
+* `first-order sensitivity`: `edge_sensitivity`, one forward and backward pass.
 
 Each is scored against `exact` with `ranking_agreement` (Spearman, Pearson, top-10 recall), and timed in the same
 process, one after the other (wall time, relative to `exact`; the two-stage mode's knockout passes too).
@@ -22,7 +22,7 @@ import time
 import torch
 
 from analyses.common import REPO
-from attnres_lens.analysis import edge_attribution, edge_knockouts
+from attnres_lens.analysis import edge_knockouts, edge_sensitivity
 from attnres_lens.analysis.knockouts import REMEASURE, SCREEN_FRACTION, ranking_agreement
 from attnres_lens.rundir import load_run
 
@@ -37,7 +37,7 @@ def measure(run_name: str, samples: int) -> list[dict]:
     for label, compute in (
         ("exact", lambda: edge_knockouts(model, batch, screen_fraction=1)),
         ("two-stage", lambda: edge_knockouts(model, batch)),
-        ("first-order sensitivity", lambda: edge_attribution(model, batch)),
+        ("first-order sensitivity", lambda: edge_sensitivity(model, batch)),
     ):
         start = time.perf_counter()
         tables[label] = compute()

@@ -351,10 +351,17 @@ def _prune_lines(summary: dict) -> str:
 def _attribute_lines(summary: dict) -> str:
     top = ", ".join(f"{row['source_label']} ({_number(row['share'], '.0%')})" for row in summary["top_logit_sources"])
     lines = [f"correct-token logit carried by: {top}"]
+    if "top_edges" in summary:
+        edges = ", ".join(
+            f"{row['consumer_label']} ← {row['source_label']} {_number(row['delta_loss'], '+.3g')}"
+            for row in summary["top_edges"][:3]
+        )
+        lines.append(f"knockouts that hurt most (exact Δloss): {edges}")
     if "edge_agreement" in summary:
         agreement = summary["edge_agreement"]
         lines.append(
-            f"edge estimates vs exact knockouts: Spearman {_number(agreement['spearman'], '.3f')} over "
+            f"first-order sensitivity vs exact knockouts: Spearman {_number(agreement['spearman'], '.3f')}, "
+            f"top-{agreement['recall_top']} recall {_number(agreement['top_recall'], '.2f')} over "
             f"{plural(agreement['n_edges'], 'edge')}"
         )
     return "\n".join(lines)

@@ -23,7 +23,7 @@ from attnres_lens.analysis import (
     depth_input_decomposition,
     depth_logit_attribution,
     edge_agreement,
-    edge_attribution,
+    edge_sensitivity,
     fastest_changes,
     kv_shift_decomposition,
     kv_shift_parts,
@@ -132,9 +132,9 @@ def test_the_attribution_functions_refuse_bad_input_with_the_value():
     with pytest.raises(ValueError, match="k must be an integer in 1..20, got 0"):
         source_logit_lens(model, tokens, k=0)
     with pytest.raises(ValueError, match="metric must be one of"):
-        edge_attribution(model, copy_batch(2), metric="perplexity")
+        edge_sensitivity(model, copy_batch(2), metric="perplexity")
     with pytest.raises(ValueError, match="needs depth attention; this model's residual is 'standard'"):
-        edge_attribution(float64_model("standard"), copy_batch(2))
+        edge_sensitivity(float64_model("standard"), copy_batch(2))
     with pytest.raises(ValueError, match="n_boot must be an integer >= 10, got 3"):
         routing_audit(model, copy_batch(2), n_boot=3)
 
@@ -201,7 +201,7 @@ def knockout_direction(terms, model, consumer: int, source: int) -> tuple[torch.
 def test_edge_estimates_are_the_directional_derivatives_of_the_loss_float64():
     model = float64_model("attnres", 1)
     batch = copy_batch(3)
-    edges = edge_attribution(model, batch).set_index(["consumer", "source"])
+    edges = edge_sensitivity(model, batch).set_index(["consumer", "source"])
     terms = depth_terms(model, batch.tokens)
     J = model.cfg.n_sublayers
     for consumer, source in [(1, 0), (3, 2), (J, 0), (J, J)]:
@@ -215,7 +215,7 @@ def test_corrupted_patching_estimates_are_directional_derivatives_float64():
     model = float64_model("attnres", 2)
     batch = copy_batch(3)
     corrupted = batch.tokens.roll(1, dims=0)
-    edges = edge_attribution(model, batch, corrupted=corrupted).set_index(["consumer", "source"])
+    edges = edge_sensitivity(model, batch, corrupted=corrupted).set_index(["consumer", "source"])
     assert set(edges["mode"]) == {"corrupted"}
     clean, corrupt = depth_terms(model, batch.tokens), depth_terms(model, corrupted)
     modules = model.depth_attention_modules()
@@ -249,7 +249,7 @@ def test_a_zero_source_acts_only_through_routing_and_its_neighbour_only_through_
     model = float64_model("attnres", 1)
     with torch.no_grad():
         model.blocks[0].attn.W_O.zero_()
-    edges = edge_attribution(model, copy_batch(3)).set_index(["consumer", "source"])
+    edges = edge_sensitivity(model, copy_batch(3)).set_index(["consumer", "source"])
     zero_source, embedding = edges.loc[(1, 1)], edges.loc[(1, 0)]
     assert zero_source["value_path"] == 0 and abs(zero_source["routing_path"]) > 1e-4
     assert abs(embedding["routing_path"]) < 1e-14 and abs(embedding["value_path"]) > 1e-4
@@ -276,7 +276,7 @@ def test_first_order_fails_on_a_saturated_softmax_and_the_report_says_where():
     model = saturated_readout_model()
     batch = copy_batch(4)
     J = model.cfg.n_sublayers
-    edges = edge_attribution(model, batch)
+    edges = edge_sensitivity(model, batch)
     routing = causal_routing(model, batch)
     final = edges[edges["consumer"] == J].set_index("source")
     exact = routing[routing["consumer"] == J].set_index("source")["delta_loss"]
@@ -298,7 +298,7 @@ def test_edge_estimates_rank_exact_knockouts_when_the_softmax_is_soft():
         for module in model.depth_attention_modules().values():
             module.query.mul_(0.15)  # near-uniform routing: knockouts are small perturbations
     batch = copy_batch(4)
-    summary, _ = edge_agreement(edge_attribution(model, batch), causal_routing(model, batch))
+    summary, _ = edge_agreement(edge_sensitivity(model, batch), causal_routing(model, batch))
     assert summary["spearman"] > 0.9 and summary["sign_agreement"] > 0.8
 
 
@@ -539,9 +539,9 @@ ATTRIBUTION_TABLES = (
     "depth_inputs",
     "logit_lens",
     "logit_lens_summary",
-    "edge_attribution",
-    "edge_attribution_corrupted",
-    "routing",
+    "edge_sensitivity",
+    "edge_sensitivity_corrupted",
+    "edge_knockouts",
     "edge_agreement",
     "routing_audit_pairs",
     "routing_audit_consumers",
@@ -568,7 +568,7 @@ def test_attribute_command_writes_tables_and_one_offline_report(smoke_run, tmp_p
     report = (out / "attribution_report.html").read_text()
     assert re.findall(r"<script[^>]*\ssrc\s*=", report, flags=re.I) == []  # plotly.js is inline, once
     assert re.findall(r"<link\b", report, flags=re.I) == [] and report.count("plotly.js v") == 1
-    assert report.count('class="plotly-graph-div"') == 9
+    assert report.count('class="plotly-graph-div"') == 10
 
 
 @pytest.mark.slow
@@ -590,7 +590,7 @@ def test_attribute_command_reports_an_undefined_within_consumer_spearman(tmp_pat
     assert code == 0 and "report:" in stdout
     summary = json.loads((tmp_path / "out" / "attribution_summary.json").read_text())
     assert summary["edge_agreement"]["spearman_within_consumer"] is None
-    assert "(n/a within consumers" in (tmp_path / "out" / "attribution_report.html").read_text()
+    assert "(n/a Spearman within consumers" in (tmp_path / "out" / "attribution_report.html").read_text()
 
 
 def test_attribute_command_refuses_bad_input_in_one_line(smoke_run, tmp_path, capsys):
@@ -638,8 +638,8 @@ def test_attribute_works_on_a_run_imported_from_fla(tmp_path, capsys):
     run, _ = import_fla_run(fla, tmp_path / "imported")
     code, stdout, err = run_cli(["attribute", str(run), "--samples", "3", "--no-progress"], capsys)
     assert code == 0, err
-    tables = {name: pd.read_parquet(run / "analysis" / f"{name}.parquet") for name in ("edge_attribution", "timeline")}
-    assert len(tables["edge_attribution"]) > 0 and tables["timeline"].empty  # imported: no training records
+    tables = {name: pd.read_parquet(run / "analysis" / f"{name}.parquet") for name in ("edge_sensitivity", "timeline")}
+    assert len(tables["edge_sensitivity"]) > 0 and tables["timeline"].empty  # imported: no training records
 
 
 @pytest.mark.slow
@@ -663,16 +663,16 @@ def test_the_benchmark_runs_end_to_end_on_a_tiny_model(tmp_path):
 
 # ---------------------------------------------------------------------------- hostile batches (issue 41 item 11)
 def _analyses_of_a_batch():
-    from attnres_lens.analysis import causal_routing, edge_attribution, routing_audit
+    from attnres_lens.analysis import causal_routing, edge_sensitivity, routing_audit
 
     return {
-        "edge_attribution": edge_attribution,
+        "edge_sensitivity": edge_sensitivity,
         "causal_routing": causal_routing,
         "routing_audit": lambda model, batch: routing_audit(model, batch, n_boot=10),
     }
 
 
-@pytest.mark.parametrize("analysis", ["edge_attribution", "causal_routing", "routing_audit"])
+@pytest.mark.parametrize("analysis", ["edge_sensitivity", "causal_routing", "routing_audit"])
 def test_every_analysis_of_a_batch_checks_it_as_depth_logit_attribution_does(analysis):
     """Each refuses what would be misread (float or out-of-range targets, a mask of another shape or kind) or give
     a table of NaN effects without a word (no position with a target), naming the problem."""

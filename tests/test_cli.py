@@ -148,6 +148,9 @@ def test_counts_take_the_number_they_need():
     )
     summary = {
         "top_logit_sources": [{"source_label": "emb", "share": 1.0}],
-        "edge_agreement": {"spearman": None, "n_edges": 1},
+        "top_edges": [{"consumer_label": "final", "source_label": "emb", "delta_loss": 0.25}],
+        "edge_agreement": {"spearman": None, "n_edges": 1, "recall_top": 1, "top_recall": 1.0},
     }
-    assert _attribute_lines(summary).splitlines()[1] == "edge estimates vs exact knockouts: Spearman n/a over 1 edge"
+    lines = _attribute_lines(summary).splitlines()
+    assert lines[1] == "knockouts that hurt most (exact Δloss): final ← emb +0.25"
+    assert lines[2] == "first-order sensitivity vs exact knockouts: Spearman n/a, top-1 recall 1.00 over 1 edge"

@@ -333,12 +333,15 @@ def test_attribution_page_computes_and_toggles_the_edge_path():
     assert_clean(app)
     titles = [spec["layout"]["title"]["text"] for spec in chart_specs(app)]
     assert any("Direct logit attribution" in title for title in titles)
-    assert any(title.startswith("Edge attribution (total") for title in titles)
-    total = next(spec for spec in chart_specs(app) if spec["layout"]["title"]["text"].startswith("Edge attribution ("))
+    assert any(title.startswith("Edge knockouts: exact") for title in titles)
+    assert any(title.startswith("First-order sensitivity (total") for title in titles)
+    total = next(
+        spec for spec in chart_specs(app) if spec["layout"]["title"]["text"].startswith("First-order sensitivity (")
+    )
     app.radio(key="attribution-edge-path").set_value("routing_path").run()
     assert_clean(app)
     routing = next(
-        spec for spec in chart_specs(app) if spec["layout"]["title"]["text"].startswith("Edge attribution (")
+        spec for spec in chart_specs(app) if spec["layout"]["title"]["text"].startswith("First-order sensitivity (")
     )
     assert "routing path" in routing["layout"]["title"]["text"] and routing["data"][0]["z"] != total["data"][0]["z"]
 

@@ -20,7 +20,7 @@ from attnres_lens.analysis import (
     depth_summary,
     depth_weights,
     depth_weights_per_token,
-    edge_attribution,
+    edge_sensitivity,
     evaluate_many,
     per_position_loss,
     prune_tables,
@@ -231,7 +231,7 @@ def test_attribution_tables_are_the_same_through_the_protocol(pair):
     model, proxy = pair
     batch = copy_batch(4)
     assert_same_frame(source_logit_lens(proxy, batch.tokens, k=3), source_logit_lens(model, batch.tokens, k=3))
-    assert_same_frame(edge_attribution(proxy, batch), edge_attribution(model, batch))
+    assert_same_frame(edge_sensitivity(proxy, batch), edge_sensitivity(model, batch))
     if len(model.routes(0)) > 1:
         for analysis in (depth_input_decomposition, lambda m, t: routing_audit(m, batch, n_boot=10)):
             with pytest.raises(ValueError, match=r"needs one weight per source; .*routes \['h0', 'h1'\]"):
@@ -256,4 +256,4 @@ def test_what_the_protocol_does_not_name_is_refused_with_the_reason():
         depth_logit_attribution(proxy, batch.tokens)
     corrupted = batch.tokens.flip(0)
     with pytest.raises(ValueError, match="use the knockout mode"):
-        edge_attribution(proxy, batch, corrupted=corrupted)
+        edge_sensitivity(proxy, batch, corrupted=corrupted)

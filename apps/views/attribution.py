@@ -2,8 +2,9 @@
 
 The training timeline comes from the run's records; the rest is computed on demand from a checkpoint (the same
 tables as `attnres-lens attribute`, cached per checkpoint, samples and prompt): direct logit attribution per
-source and position, the logit lens over depth, edge attribution with its value / routing split next to the exact
-knockouts, the routing audit with bootstrap intervals, and the KV-shift decomposition.
+source and position, the logit lens over depth, the depth edges ranked by exact knockouts (with the first-order
+sensitivity's value / routing split beside them), the routing audit with bootstrap intervals, and the KV-shift
+decomposition.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 st.title("Attribution")
 st.caption(
     "Which sources a prediction reads, and whether through the value a source carries or the routing "
-    "weight it gets. Direct logit attribution is exact (final norm's scale frozen); edge attribution is a "
-    "first-order estimate from one backward pass, shown next to the exact knockouts it approximates."
+    "weight it gets. Direct logit attribution is exact (final norm's scale frozen); depth edges are ranked by exact "
+    "knockouts, with the first-order sensitivity (one backward pass, a small-perturbation slope) beside them."
 )
 
 runs = loadable_runs()
@@ -125,7 +126,7 @@ tables = computed_on_demand(
 )
 
 dla_tab, lens_tab, edge_tab, audit_tab, kv_tab = st.tabs(
-    ["Depth DLA", "Logit lens", "Edge attribution", "Routing audit", "KV shift"]
+    ["Depth DLA", "Logit lens", "Depth edges", "Routing audit", "KV shift"]
 )
 with dla_tab:
     show_figure(dla_heatmap(tables["depth_dla"]), key="attribution-dla")
@@ -135,12 +136,22 @@ with lens_tab:
     show_figure(lens_heatmap(tables["logit_lens"]), key="attribution-lens")
     show_figure(lens_summary_figure(tables["logit_lens_summary"]), key="attribution-lens-summary")
 with edge_tab:
-    if "edge_attribution" not in tables:
+    if "edge_sensitivity" not in tables:
         st.info(
             f"Run {plain(run.name)} has a {plain(run.model_config.residual)} residual: no depth attention, so "
             "no edges to attribute (its depth DLA treats e and every f_j as sources)."
         )
     else:
+        knockouts = tables["edge_knockouts"]
+        show_figure(edge_heatmap(knockouts, "delta_loss"), key="attribution-knockouts")
+        st.caption(
+            f"Exact knockouts, ranked by Δloss: every edge on a screen of the sequences, the "
+            f"{int((knockouts['measured'] == 'all').sum())} largest re-measured on every sequence "
+            f"({knockouts.attrs['cost']:.2f}× the passes of knocking every edge out on every sequence); 95% bootstrap "
+            "intervals over the sequences each was measured on."
+        )
+        st.dataframe(knockouts, hide_index=True)
+        st.subheader("First-order sensitivity")
         column = st.radio(
             "Path",
             list(EDGE_COLUMNS),
@@ -148,11 +159,11 @@ with edge_tab:
             key="attribution-edge-path",
             format_func=lambda c: EDGE_COLUMNS[c],
         )
-        show_figure(edge_heatmap(tables["edge_attribution"], column), key="attribution-edges")
-        show_figure(agreement_scatter(tables["edge_attribution"], tables["routing"]), key="attribution-agreement")
+        show_figure(edge_heatmap(tables["edge_sensitivity"], column), key="attribution-edges")
+        show_figure(agreement_scatter(tables["edge_sensitivity"], knockouts), key="attribution-agreement")
         st.caption(
-            "Largest disagreements between the estimate and the exact knockout (max α near 1: saturated "
-            "softmax, where first order fails)."
+            "Largest disagreements between the sensitivity and the exact knockout (max α near 1: a saturated "
+            "softmax, far from the small-perturbation regime)."
         )
         st.dataframe(tables["edge_agreement"], hide_index=True)
 with audit_tab:

@@ -16,7 +16,7 @@ scale; the final readout's input at `readout_input_hook`. All reads are the dept
   projection share `⟨α_s v_s, h_c⟩ / ‖h_c‖²` (the shares of a consumer sum to 1).
 * `source_logit_lens` — every source and every sublayer input decoded through the final norm (recomputed on the
   vector itself) and the unembedding: top-k tokens and the correct token's rank, per depth.
-* `edge_attribution` — first-order estimates, from one forward and one backward pass, of knocking source s out
+* `edge_sensitivity` — first-order estimates, from one forward and one backward pass, of knocking source s out
   of consumer c (for every edge at once), split into value and routing paths; or of patching each source from a
   corrupted input. `edge_agreement` compares them with the exact knockouts of `causal_routing`.
 * `routing_audit` — α mass against the exact causal effect per consumer, with bootstrap confidence intervals over
@@ -464,7 +464,7 @@ def _differentiable_metric(batch: Batch, metric: str) -> Callable[[torch.Tensor]
     return loss
 
 
-def edge_attribution(
+def edge_sensitivity(
     model: DepthMixingModel, batch: BatchLike, corrupted: torch.Tensor | None = None, metric: str = "loss"
 ) -> pd.DataFrame:
     """First-order estimates of Δ`metric` for every (consumer, source) edge of an AttnRes model, from one forward
@@ -592,7 +592,7 @@ def _patch_paths(
 def edge_agreement(
     edges: pd.DataFrame, routing: pd.DataFrame, top: int = 10, recall_top: int = 10
 ) -> tuple[dict[str, float], pd.DataFrame]:
-    """How well the first-order sensitivity (`edge_attribution`) ranks the exact knockouts (`causal_routing`, or
+    """How well the first-order sensitivity (`edge_sensitivity`) ranks the exact knockouts (`causal_routing`, or
     `edge_knockouts`' delta_loss).
 
     Returns `{spearman, pearson, top_recall (the share of the `recall_top` edges with the largest exact Δloss that

@@ -22,16 +22,16 @@ from attnres_lens.analysis.attribution import (
     depth_input_decomposition,
     depth_logit_attribution,
     edge_agreement,
-    edge_attribution,
+    edge_sensitivity,
     logit_attribution_summary,
     logit_lens_summary,
     routing_audit,
     source_logit_lens,
 )
 from attnres_lens.analysis.induction import default_half_len, repeated_batch
+from attnres_lens.analysis.knockouts import SCREEN_FRACTION, edge_knockouts
 from attnres_lens.analysis.kv_shift import kv_shift_decomposition
 from attnres_lens.analysis.report import STYLE
-from attnres_lens.analysis.routing import causal_routing
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 from attnres_lens.analysis_options import plural
 from attnres_lens.model import HookedTransformer
@@ -94,14 +94,20 @@ def attribution_tables(
     # patching from a corrupted input is derived for the paper's default depth attention only (docs/analysis.md §11)
     patchable = all(getattr(module, "fusable", True) for module in model.depth_attention_modules().values())
     if attnres:
+        # the screen needs 2 sequences for its bootstrap: a quarter of the batch, or 2 of a batch under 8
+        screen = max(SCREEN_FRACTION, min(1.0, 2 / batch.tokens.shape[0]))
         stages += [
             (
-                "edge attribution (one forward and backward pass)",
+                "edge knockouts (exact: every edge on a screen, the largest on every sequence)",
+                lambda t: t.update(edge_knockouts=edge_knockouts(model, batch, screen_fraction=screen, n_boot=n_boot)),
+            ),
+            (
+                "first-order sensitivity (one forward and backward pass)",
                 lambda t: t.update(
-                    edge_attribution=edge_attribution(model, batch),
+                    edge_sensitivity=edge_sensitivity(model, batch),
                     **(
                         {
-                            "edge_attribution_corrupted": edge_attribution(
+                            "edge_sensitivity_corrupted": edge_sensitivity(
                                 model, batch, corrupted=batch.tokens.roll(1, dims=0)
                             )
                         }
@@ -110,7 +116,6 @@ def attribution_tables(
                     ),
                 ),
             ),
-            ("exact knockouts (causal routing)", lambda t: t.update(routing=causal_routing(model, batch))),
             (
                 "routing audit (bootstrap over sequences, null schedules)",
                 lambda t: t.update(
@@ -141,8 +146,8 @@ def attribution_tables(
             bar.set_postfix_str(description)
             stage(tables)
             bar.update(1)
-    if "routing" in tables:
-        tables["edge_agreement"] = edge_agreement(tables["edge_attribution"], tables["routing"])[1]
+    if "edge_knockouts" in tables:
+        tables["edge_agreement"] = edge_agreement(tables["edge_sensitivity"], tables["edge_knockouts"])[1]
     if "timeline" in tables:
         tables["timeline_changes"] = fastest_changes(tables["timeline"])
     report(1.0, "done")
@@ -151,7 +156,8 @@ def attribution_tables(
 
 def attribution_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) -> dict[str, Any]:
     """Headline numbers: the sources carrying most of the correct-token logit, the lens depth where the target
-    first ranks top on average, edge-estimate agreement, the audit's means, the strongest shifted-key head."""
+    first ranks top on average, the edges whose knockout hurts most and the knockouts' cost, how well the
+    first-order sensitivity ranks them, the audit's means, the strongest shifted-key head."""
     dla = tables["depth_dla_summary"].sort_values("mean_abs_contribution", ascending=False)
     summary: dict[str, Any] = {
         **header,
@@ -160,8 +166,13 @@ def attribution_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any])
     lens = tables["logit_lens_summary"]
     inputs = lens[lens["vector"] == "input"]
     summary["lens_final_top1"] = float(inputs["top1"].iloc[-1])
-    if "routing" in tables:
-        agreement, _ = edge_agreement(tables["edge_attribution"], tables["routing"])
+    if "edge_knockouts" in tables:
+        knockouts = tables["edge_knockouts"]
+        summary["top_edges"] = knockouts.head(5)[
+            ["consumer_label", "source_label", "delta_loss", "delta_loss_low", "delta_loss_high", "measured"]
+        ].to_dict("records")
+        summary["knockout_cost"] = knockouts.attrs["cost"]
+        agreement, _ = edge_agreement(tables["edge_sensitivity"], knockouts)
         summary["edge_agreement"] = agreement
         summary["routing_audit"] = audit_summary({"consumers": tables["routing_audit_consumers"]})
     kv = tables["kv_shift"]
@@ -290,11 +301,12 @@ def lens_summary_figure(summary: pd.DataFrame) -> go.Figure:
 
 
 def edge_heatmap(edges: pd.DataFrame, column: str = "total") -> go.Figure:
-    """Consumer × source heatmap of an edge-attribution column (total, value_path or routing_path)."""
+    """Consumer × source heatmap of an edge column: the knockouts' exact `delta_loss` (`edge_knockouts`), or a
+    first-order sensitivity column (total, value_path or routing_path; `edge_sensitivity`)."""
     import plotly.graph_objects as go
 
-    if column not in EDGE_COLUMNS:
-        raise ValueError(f"column must be one of {list(EDGE_COLUMNS)}, got {column!r}")
+    if column not in EDGE_COLUMNS and column != "delta_loss":
+        raise ValueError(f"column must be 'delta_loss' or one of {list(EDGE_COLUMNS)}, got {column!r}")
     grid = _edge_grid(edges, column)
     limit = float(grid.abs().max().max()) if grid.notna().any().any() else 1.0
     figure = go.Figure(
@@ -307,17 +319,18 @@ def edge_heatmap(edges: pd.DataFrame, column: str = "total") -> go.Figure:
             zmin=-limit,
             zmax=limit,
             hoverongaps=False,
-            colorbar=dict(title=dict(text="Δloss (est.)")),
+            colorbar=dict(title=dict(text="Δloss" if column == "delta_loss" else "Δloss (est.)")),
             hovertemplate="consumer %{y}<br>source %{x}<br>%{z:.4g}<extra></extra>",
         )
     )
     figure.update_yaxes(autorange="reversed", type="category", title="consumer")
     figure.update_xaxes(type="category", title="source")
-    return _layout(
-        figure,
-        f"Edge attribution ({EDGE_COLUMNS[column]}): first-order Δloss of knocking a source out",
-        max(360, 80 + 22 * len(grid)),
+    title = (
+        "Edge knockouts: exact Δloss of knocking a source out of a consumer"
+        if column == "delta_loss"
+        else f"First-order sensitivity ({EDGE_COLUMNS[column]}): Δloss of a small step towards the knockout"
     )
+    return _layout(figure, title, max(360, 80 + 22 * len(grid)))
 
 
 def _edge_grid(edges: pd.DataFrame, column: str) -> pd.DataFrame:
@@ -340,7 +353,7 @@ def edge_heatmap_with_toggle(edges: pd.DataFrame) -> go.Figure:
             method="update",
             args=[
                 {"z": [grids[column].to_numpy(dtype=float)]},
-                {"title.text": f"Edge attribution ({label}): first-order Δloss of knocking a source out"},
+                {"title.text": f"First-order sensitivity ({label}): Δloss of a small step towards the knockout"},
             ],
         )
         for column, label in EDGE_COLUMNS.items()
@@ -354,10 +367,11 @@ def edge_heatmap_with_toggle(edges: pd.DataFrame) -> go.Figure:
     return figure
 
 
-def agreement_scatter(edges: pd.DataFrame, routing: pd.DataFrame) -> go.Figure:
+def agreement_scatter(edges: pd.DataFrame, knockouts: pd.DataFrame) -> go.Figure:
+    """The first-order sensitivity of each edge against its exact knockout (`edge_knockouts` or `causal_routing`)."""
     import plotly.graph_objects as go
 
-    merged = edges.merge(routing[["consumer", "source", "delta_loss"]], on=["consumer", "source"])
+    merged = edges.merge(knockouts[["consumer", "source", "delta_loss"]], on=["consumer", "source"])
     figure = go.Figure(
         go.Scatter(
             x=merged["delta_loss"],
@@ -388,8 +402,8 @@ def agreement_scatter(edges: pd.DataFrame, routing: pd.DataFrame) -> go.Figure:
         )
     )
     figure.update_xaxes(title="exact Δloss (masked forward pass)")
-    figure.update_yaxes(title="first-order estimate")
-    return _layout(figure, "Edge attribution vs exact knockouts", showlegend=False)
+    figure.update_yaxes(title="first-order sensitivity")
+    return _layout(figure, "First-order sensitivity vs exact knockouts", showlegend=False)
 
 
 def audit_figure(consumers: pd.DataFrame) -> go.Figure:
@@ -579,6 +593,17 @@ def _table(frame: pd.DataFrame, columns: list[str] | None = None) -> str:
     )
 
 
+KNOCKOUT_COLUMNS = [
+    "rank",
+    "consumer_label",
+    "source_label",
+    "alpha_mass",
+    "delta_loss",
+    "delta_loss_low",
+    "delta_loss_high",
+    "measured",
+    "sequences",
+]
 AUDIT_COLUMNS = [
     "consumer_label",
     "n_sources",
@@ -630,8 +655,9 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
             "",
         ),
     ]
-    if "routing" in tables:
+    if "edge_knockouts" in tables:
         agreement = summary.get("edge_agreement", {})
+        knockouts = tables["edge_knockouts"]
 
         def number(key: str, digits: int) -> str:  # the summary holds None for NaN (JSON has no NaN)
             value = agreement.get(key)
@@ -639,15 +665,27 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
 
         sections += [
             (
-                "Edge attribution: value and routing paths",
-                f"First-order estimates from one forward and one backward pass (buttons: total, value path, routing "
-                f"path), against the exact knockouts: Spearman {number('spearman', 3)} over "
-                f"{plural(agreement.get('n_edges', 0), 'edge')} ({number('spearman_within_consumer', 3)} within consumers; n/a "
-                f"where no consumer reads three sources), sign agreement {number('sign_agreement', 2)}. First order fails "
-                "where a softmax is saturated (max α near 1); the largest disagreements are listed.",
+                "Depth edges: exact knockouts",
+                "Each source knocked out of each consumer's depth softmax alone (the others renormalise), the loss "
+                "change measured, not estimated: every edge on a screen of the sequences, then the "
+                f"{int((knockouts['measured'] == 'all').sum())} with the largest effect on every sequence "
+                f"({knockouts.attrs['cost']:.2f}× the knockout passes of every edge on every sequence), with 95% "
+                "bootstrap intervals over the sequences each was measured on. Edges ranked by Δloss.",
+                [edge_heatmap(knockouts, "delta_loss")],
+                _table(knockouts.head(15), KNOCKOUT_COLUMNS),
+            ),
+            (
+                "First-order sensitivity: value and routing paths",
+                f"The loss's slope along each knockout, from one forward and one backward pass (buttons: total, value "
+                f"path, routing path): a small-perturbation sensitivity, not an estimate of the knockout. Against the "
+                f"knockouts: Spearman {number('spearman', 3)}, Pearson {number('pearson', 3)}, top-"
+                f"{agreement.get('recall_top', 10)} recall {number('top_recall', 2)} over "
+                f"{plural(agreement.get('n_edges', 0), 'edge')} ({number('spearman_within_consumer', 3)} Spearman within "
+                f"consumers; n/a where no consumer reads three sources), sign agreement {number('sign_agreement', 2)}. "
+                "It departs most where a softmax is saturated (max α near 1); the largest disagreements are listed.",
                 [
-                    edge_heatmap_with_toggle(tables["edge_attribution"]),
-                    agreement_scatter(tables["edge_attribution"], tables["routing"]),
+                    edge_heatmap_with_toggle(tables["edge_sensitivity"]),
+                    agreement_scatter(tables["edge_sensitivity"], knockouts),
                 ],
                 _table(tables["edge_agreement"]),
             ),

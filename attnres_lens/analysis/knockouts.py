@@ -1,4 +1,4 @@
-"""Exact edge knockouts in two stages (docs/analysis.md §11.4): what `attribute` ranks depth edges by.
+"""Exact edge knockouts in two stages (docs/analysis.md §11, "Depth edges"): what `attribute` ranks depth edges by.
 
 An edge is (consumer c, source s): knocking s out of c's depth softmax alone (logit → −inf, the others
 renormalise; later consumers untouched) changes the loss by Δ(c, s), the quantity `causal_routing` measures. On
