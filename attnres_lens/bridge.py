@@ -28,7 +28,9 @@ from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
 from attnres_lens.attnres import EMBEDDING
-from attnres_lens.hook_checks import is_hooked
+from attnres_lens.hook_checks import any_hooked, is_hooked
+from attnres_lens.kernels import depth_attention
+from attnres_lens.kernels.reference import depth_logits, mix_sources
 
 TRANSFORMERS_VERSION = "5.25.0"  # the version whose Inkling model code the bridge mirrors (pyproject.toml pins it)
 SUPPORTED_MODELS = ("Inkling2ForCausalLM", "Inkling2LoopForCausalLM")
@@ -92,27 +94,6 @@ def _load(folder: Path, load_kwargs: dict[str, Any], transformers: Any) -> nn.Mo
 
 
 # ---------------------------------------------------------------------------------------------------- depth mix
-def depth_mix(
-    sources: list[torch.Tensor], query: torch.Tensor, eps: float, hooks: DepthMix | None = None
-) -> torch.Tensor:
-    """Inkling's depth attention: `[..., R, D]` (fp32) from sources `[..., D]` and queries `[R, D]`.
-
-    Keys and values are the sources after an RMSNorm without gain; logits `q · k / √D` in fp32, softmax in fp32, the
-    normalised sources mixed (docs/interop.md §7). With `hooks`, the logit bias, logits and weights pass through them
-    (shapes `[..., n_src]` with one query, `[..., R, n_src]` with several).
-    """
-    values = torch.stack([source.float() for source in sources], dim=-2)  # [..., n_src, D]
-    values = values * torch.rsqrt(values.square().mean(-1, keepdim=True) + eps)
-    query = query.float()
-    logits = (values @ query.t()).transpose(-1, -2) * values.shape[-1] ** -0.5  # [..., R, n_src]
-    if hooks is not None:
-        logits = hooks.through_logit_hooks(logits)
-    weights = torch.softmax(logits, dim=-1)
-    if hooks is not None:
-        weights = hooks.through_weight_hook(weights)
-    return weights @ values
-
-
 class DepthMix(nn.Module):
     """One depth consumer's hook points (docs/interop.md §7). `R` routes: one for a single query, else a route axis."""
 
@@ -123,24 +104,32 @@ class DepthMix(nn.Module):
         self.hook_logits = HookPoint()  # [batch, pos, n_src] ([batch, pos, route, n_src] with several routes)
         self.hook_weights = HookPoint()  # same shape as hook_logits
 
+    hook_points = ("hook_logit_bias", "hook_logits", "hook_weights")
+
     def _squeezed(self, x: torch.Tensor) -> torch.Tensor:
         return x.squeeze(-2) if len(self.routes) == 1 else x
 
     def _unsqueezed(self, x: torch.Tensor) -> torch.Tensor:
         return x.unsqueeze(-2) if len(self.routes) == 1 else x
 
-    def through_logit_hooks(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [..., R, n_src] plus the hooked bias (when hooked), through `hook_logits`."""
+    def mix(self, sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
+        """Inkling's depth attention, `[..., R, D]` in fp32 from sources `[..., D]` and queries `[R, D]`: keys and
+        values are the sources after an RMSNorm without gain, logits `q · k / √D`, softmax and mix in fp32
+        (docs/interop.md §7). Unhooked it is one call of the depth op; hooked, the op's readable steps with the
+        logit bias, logits and weights passing through this consumer's hook points."""
+        sources = [source.float() for source in sources]  # transformers mixes in fp32 whatever the model's dtype
+        query = query.float()
+        scale = sources[0].shape[-1] ** -0.5
+        if not any_hooked(self, self.hook_points):
+            return depth_attention(sources, query, None, eps, logit_scale=scale, normalize_values=True)
+        logits = depth_logits(sources, query, None, eps, scale)  # [..., R, n_src]
         if is_hooked(self.hook_logit_bias):
             bias = self.hook_logit_bias(torch.zeros_like(self._squeezed(logits)))
             logits = logits + self._unsqueezed(bias).to(logits.dtype)
-        return self._unsqueezed(self.hook_logits(self._squeezed(logits)))
-
-    def through_weight_hook(self, weights: torch.Tensor) -> torch.Tensor:
-        return self._unsqueezed(self.hook_weights(self._squeezed(weights)))
-
-    def mix(self, sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
-        return depth_mix(sources, query, eps, self)
+        logits = self._unsqueezed(self.hook_logits(self._squeezed(logits)))
+        weights = self._unsqueezed(self.hook_weights(self._squeezed(torch.softmax(logits, dim=-1))))
+        # mix_sources takes the route as a leading dim: [R, ..., S] -> [R, ..., D] -> [..., R, D]
+        return mix_sources(weights.movedim(-2, 0), sources, normalize_values=True, eps=eps).movedim(0, -2)
 
 
 class MessageMix(DepthMix):
@@ -270,6 +259,7 @@ def message_key(step: LayerVisit) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- the bridge
+_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose forwards a bridge replaced
 _BRIDGES: weakref.WeakKeyDictionary[nn.Module, Callable[[], AttentionHooks]] = weakref.WeakKeyDictionary()
 
 
@@ -285,6 +275,12 @@ class InklingBridge(HookedRootModule):
                 f"the bridge reads Inkling's eager attention; this model uses {config._attn_implementation!r}: "
                 "load it with attn_implementation='eager'"
             )
+        if hf_model in _WRAPPED:
+            raise ValueError(
+                f"this {type(hf_model).__name__} is already wrapped by a bridge (its consumers' forwards are that "
+                "bridge's): use that bridge, or open the folder again for a second one"
+            )
+        _WRAPPED.add(hf_model)
         self.hf_model = hf_model
         self.config = config
         self.block_size_layers: int = config.n_layers_per_attn_res_block
