@@ -9,7 +9,11 @@ gives them per token, `[batch, pos, J+1, J+1]` over consumers c = 0 … J (J = t
 * AttnRes: the depth weight of the source that contains f_i (averaged over channel groups with `attnres_heads`);
 * DenseFormer: products of the depth-weighted-average weights along every path from f_i to c (input-independent);
 * mHC: the read weights of c applied to each stream's coefficient of f_i, which f_i's write weights created and each
-  stream mix in between moved (`C ← combᵀ C + post ⊗ [f_j]`), per token.
+  stream mix in between moved (`C ← combᵀ C + post ⊗ [f_j]`), per token;
+* any other depth-mixing model (`attnres_lens.protocol`, docs/architecture.md §7): as AttnRes, from the weights at
+  each consumer's `depth_hook(c, "weights")`, where M is defined: every sublayer and the final readout a consumer
+  with one route, mixing the raw sums of its sources' members. A consumer with several routes (separate query,
+  key and value inputs) has no single input to decompose, so M is refused there.
 
 Input-dependent mixing weights (AttnRes, mHC) are read through their hook points in one forward pass; DenseFormer's,
 the same for every token, from its parameters (`dwa.weights`, what `hook_dwa_weights` sees); nothing is stored on
@@ -28,6 +32,7 @@ if TYPE_CHECKING:  # named for types only: this module sits beside the model, so
     from transformer_lens.hook_points import HookPoint
 
     from attnres_lens.model import HookedTransformer
+    from attnres_lens.protocol import DepthMixingModel
 
 
 def basis_index(sublayer: int) -> int:
@@ -46,18 +51,21 @@ def _like(model: HookedTransformer) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def _capture(model: HookedTransformer, tokens: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+def _capture(
+    model: DepthMixingModel, tokens: torch.Tensor, names: list[str], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The activations at `names` for one pass, in `dtype` (default: the model's `_dtype`)."""
     saved: dict[str, torch.Tensor] = {}
 
     def save(tensor: torch.Tensor, hook: HookPoint) -> None:
-        saved[hook.name] = tensor.detach().to(_dtype(model))
+        saved[hook.name] = tensor.detach().to(dtype or _dtype(model))
 
     model.run_with_hooks(tokens, return_type=None, fwd_hooks=[(name, save) for name in names])
     return saved
 
 
 def mixing_coefficients(
-    model: HookedTransformer, tokens: torch.Tensor | None = None, per_group: bool = False
+    model: DepthMixingModel, tokens: torch.Tensor | None = None, per_group: bool = False
 ) -> torch.Tensor:
     """`[batch, pos, J+1, J+1]` (fp32; fp64 for a float64 model): the coefficient of e (column 0) and of each f_i
     (column 1+i) in the input of each consumer (row c; row J is the final norm's input). Zero above the diagonal
@@ -67,7 +75,17 @@ def mixing_coefficients(
     DenseFormer give `[1, 1, J+1, J+1]`. With `attnres_heads = H > 1` each group of d_model / H channels has its own
     coefficients: `per_group=True` gives them, `[batch, pos, H, J+1, J+1]`; by default their mean (the groups are
     equal, so it is the coefficient averaged over channels).
+
+    Any other depth-mixing model: from its depth weights, where M is defined (see the module docstring);
+    `per_group` adds an axis of one.
     """
+    from attnres_lens.model import HookedTransformer  # the model's modules may import this one: not at the top
+
+    if not isinstance(model, HookedTransformer):
+        if tokens is None:
+            raise ValueError("the mixing weights of a depth-mixing model depend on the input: pass tokens")
+        coefficients = _protocol_attnres(model, model.to_tokens(tokens))
+        return coefficients.unsqueeze(-3) if per_group else coefficients
     cfg = model.cfg
     n = cfg.n_sublayers + 1
     residual = cfg.residual
@@ -102,6 +120,49 @@ def _attnres(model: HookedTransformer, tokens: torch.Tensor, n: int, per_group: 
             for member in members:
                 coefficients[..., consumer, basis_index(member)] += weights[..., source]
     return coefficients if per_group else coefficients.mean(-3)
+
+
+def _protocol_attnres(model: DepthMixingModel, tokens: torch.Tensor) -> torch.Tensor:
+    """M of a protocol model from its consumers' depth weights (fp32, or fp64 where the weights are): as `_attnres`
+    with one group, once `check_mixing_defined` allows it."""
+    n_sublayers = model.n_sublayers
+    check_mixing_defined(model)
+    names = {consumer: model.depth_hook(consumer, "weights") for consumer in model.consumers()}
+    saved: dict[str, torch.Tensor] = {}
+
+    def save(tensor: torch.Tensor, hook: HookPoint) -> None:
+        saved[hook.name] = tensor.detach()
+
+    model.run_with_hooks(tokens, fwd_hooks=[(name, save) for name in names.values()])
+    first = saved[names[n_sublayers]]
+    dtype = torch.promote_types(first.dtype, torch.float32)
+    coefficients = torch.zeros(*tokens.shape, n_sublayers + 1, n_sublayers + 1, dtype=dtype, device=first.device)
+    for consumer, name in names.items():
+        weights = saved[name].to(dtype)
+        for source, members in enumerate(model.sources(consumer)):
+            for member in members:
+                coefficients[..., consumer, basis_index(member)] += weights[..., source]
+    return coefficients
+
+
+def check_mixing_defined(model: DepthMixingModel) -> None:
+    """Refuse a protocol model whose inputs are not each one depth mix of its sources: M needs every sublayer and
+    the final readout to be a consumer with one route (docs/analysis.md §5)."""
+    expected = list(range(model.n_sublayers + 1))
+    consumers = model.consumers()
+    if consumers != expected:
+        missing = sorted(set(expected) - set(consumers))
+        raise ValueError(
+            f"the depth-mixing matrix M needs every sublayer and the final readout to read a depth mix; this model's "
+            f"consumers {[model.sublayer_name(c) for c in missing]} do not"
+        )
+    several = [c for c in consumers if len(model.routes(c)) > 1]
+    if several:
+        raise ValueError(
+            "the depth-mixing matrix M is defined where each consumer reads one mix of its sources; "
+            f"{[model.sublayer_name(c) for c in several]} run several routes ({model.routes(several[0])}) over "
+            "one source set, which feed separate inputs: read their depth weights per route (depth_weights)"
+        )
 
 
 def _denseformer(model: HookedTransformer) -> torch.Tensor:
@@ -162,11 +223,11 @@ def stream_dominance(model: HookedTransformer, tokens: torch.Tensor) -> dict[int
     return out
 
 
-def mixing_rows(model: HookedTransformer, matrix: torch.Tensor) -> list[dict[str, Any]]:
+def mixing_rows(model: DepthMixingModel, matrix: torch.Tensor) -> list[dict[str, Any]]:
     """One row per consumer × earlier output of a `[J+1, J+1]` coefficient matrix: consumer, consumer_label
     (J = "final"), sublayer (−1 = embedding), sublayer_label, weight (the lower triangle only)."""
     rows = []
-    for consumer in range(model.cfg.n_sublayers + 1):
+    for consumer in range(model.n_sublayers + 1):
         for sublayer in [EMBEDDING, *range(consumer)]:
             rows.append(
                 dict(

@@ -21,8 +21,10 @@ from attnres_lens.attnres import EMBEDDING, DepthAttention, DepthStream, source_
 from attnres_lens.components import MLP, Attention, Embed, PosEmbed, RMSNorm, Unembed
 from attnres_lens.config import ModelConfig
 from attnres_lens.denseformer import DenseStream, DepthWeightedAverage
+from attnres_lens.hook_checks import module_hooked
 from attnres_lens.kernels import model_runs_two_phase
 from attnres_lens.mhc import MHCConnection, MHCHead, MHCStream
+from attnres_lens.protocol import SINGLE_ROUTE, check_depth_point
 from attnres_lens.resources import check_model_fits
 from attnres_lens.streams import ResidualStream, SumStream
 
@@ -194,6 +196,11 @@ class HookedTransformer(HookedRootModule):
         elif cfg.residual == "mhc":
             self.final_hc = MHCHead(cfg.mhc_streams, cfg.d_model, cfg.eps, cfg.mhc_eps, cfg.init_range)
         self.ln_final = RMSNorm(cfg.d_model, cfg.eps, backend=cfg.depth_attention_backend)
+        # [batch, pos, d_model] h_J, the final norm's input (TransformerLens 4's bridge name); fires only when hooked,
+        # so an unhooked readout keeps its mix and norm in one kernel (docs/hooks.md §2)
+        self.ln_final.hook_in = HookPoint()
+        # a hook there takes the readout off the fused path: interventions stack copies by it (docs/architecture.md §2)
+        self.ln_final.path_hooks = (*RMSNorm.path_hooks, "hook_in")
         self.unembed = Unembed(cfg, self.embed)  # the embedding is W_U too when tie_word_embeddings
         self.to(device=cfg.device, dtype=cfg.dtype)
         self.setup()
@@ -219,7 +226,7 @@ class HookedTransformer(HookedRootModule):
         stream = self._stream(embedding)
         for block in self.blocks:
             block(stream)
-        logits = self.unembed(stream.readout_normed(self.final_mixer(), self.ln_final))
+        logits = self.read_out(stream)
 
         if return_type is None:
             return None
@@ -239,6 +246,14 @@ class HookedTransformer(HookedRootModule):
         if cfg.residual == "mhc":
             return MHCStream(embedding, cfg.mhc_streams)
         return SumStream(embedding)
+
+    def read_out(self, stream: ResidualStream) -> torch.Tensor:
+        """The logits from a stream every sublayer has written: the final mix, `ln_final.hook_in` (only when
+        hooked: otherwise the mix and the final norm may run as one kernel), the final norm and the unembedding."""
+        hook_in = self.ln_final.hook_in
+        if module_hooked(hook_in):
+            return self.unembed(self.ln_final(hook_in(stream.readout(self.final_mixer()))))
+        return self.unembed(stream.readout_normed(self.final_mixer(), self.ln_final))
 
     def final_mixer(self) -> nn.Module | None:
         """The module that mixes the final norm's input: `final_res` (AttnRes), `final_hc` (mHC), else None."""
@@ -406,6 +421,62 @@ class HookedTransformer(HookedRootModule):
     def depth_attention_modules(self) -> dict[int, DepthAttention]:
         """Depth-attention module of each consumer (sublayer index, J = final); empty unless AttnRes."""
         return self.mixer_modules() if self.cfg.residual == "attnres" else {}
+
+    # ------------------------------------------------------------------ the depth-mixing model protocol
+    # (attnres_lens/protocol.py, docs/architecture.md §7): consumers are the AttnRes depth attentions
+    @property
+    def n_sublayers(self) -> int:
+        """J, the number of sublayers (J itself is the final readout)."""
+        return self.cfg.n_sublayers
+
+    @property
+    def d_vocab(self) -> int:
+        """The vocabulary size of the logits."""
+        return self.cfg.d_vocab
+
+    @property
+    def embedding_hooks(self) -> list[str]:
+        """Hook names whose sum is e: the token embedding, plus the learned positions where the model has them."""
+        return ["hook_embed", "hook_pos_embed"] if self.cfg.positional_embedding_type == "standard" else ["hook_embed"]
+
+    @property
+    def readout_input_hook(self) -> str:
+        """Hook name of h_J, the final norm's input."""
+        return "ln_final.hook_in"
+
+    def readout(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the unembedding applied to `[..., d_model]` (the final readout's input onwards)."""
+        return self.unembed(self.ln_final(x))
+
+    def consumers(self) -> list[int]:
+        """The sublayers (and J) whose input is a depth-attention mix, in forward order: every one under AttnRes,
+        none for the other residual kinds (their mixing is `attnres_lens.mixing`'s M)."""
+        return sorted(self.depth_attention_modules())
+
+    def routes(self, consumer: int) -> list[str]:
+        """['mix'], or with `attnres_heads` H > 1 one softmax per channel group, ['h0', …, 'h{H−1}']."""
+        self._depth_attention(consumer)
+        heads = self.cfg.attnres_heads
+        return [SINGLE_ROUTE] if heads == 1 else [f"h{head}" for head in range(heads)]
+
+    def depth_hook(self, consumer: int, point: str) -> str:
+        """Hook name of `point` ('logits', 'weights', 'logit_bias') of `consumer`'s depth attention. With
+        `attnres_heads` > 1 the logits and weights have a route axis, [batch, pos, heads, n_src]; the logit bias
+        stays [batch, pos, n_src], added to every head (docs/hooks.md §2)."""
+        check_depth_point(point)
+        return getattr(self._depth_attention(consumer), f"hook_{point}").name
+
+    def _depth_attention(self, consumer: int) -> DepthAttention:
+        modules = self.depth_attention_modules()
+        if consumer not in modules:
+            if not modules:
+                raise ValueError(
+                    f"a residual={self.cfg.residual!r} model has no depth attention, so no consumer {consumer!r}"
+                )
+            raise ValueError(
+                f"consumer must be one of {sorted(modules)} (J = {self.cfg.n_sublayers}), got {consumer!r}"
+            )
+        return modules[consumer]
 
     def post_layer_hook(self, layer: int) -> str:
         """Name of the hook showing the residual state after `layer` (what it is depends on the residual kind)."""

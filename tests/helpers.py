@@ -1,5 +1,5 @@
 """Shared test utilities: small model builders, a copy-task batch, an in-process CLI call and an independent float64
-re-implementation of the AttnRes residual (docs/model.md §2)."""
+re-implementation of the AttnRes residual (docs/model.md §2), and a protocol-only view of a model (`ProtocolOnly`)."""
 
 from __future__ import annotations
 
@@ -134,3 +134,86 @@ def reference_logits(model: HookedTransformer, tokens: torch.Tensor) -> torch.Te
         sources = block_sources(J, embedding, outputs, cfg.attnres_block_size, J)
         final = depth_mix_float64(sources, m.final_res.query, m.final_res.key_norm.w, cfg.attnres_eps)
     return m.unembed(m.ln_final(final))
+
+
+class ProtocolOnly:
+    """A `HookedTransformer` seen through the depth-mixing model protocol alone (docs/architecture.md §7): the
+    protocol's members and `HookedRootModule`'s hook API (`run_with_hooks`, `run_with_cache`, `hooks`, `hook_dict`),
+    nothing else, so an analysis that reaches past the protocol (`model.cfg`, `model.blocks`, `parameters()`) fails
+    with AttributeError. Not a `HookedTransformer`, so analyses take their protocol-only paths."""
+
+    __slots__ = ("_wrapped",)
+
+    def __init__(self, model: HookedTransformer):
+        self._wrapped = model
+
+    @property
+    def n_sublayers(self) -> int:
+        return self._wrapped.n_sublayers
+
+    @property
+    def d_vocab(self) -> int:
+        return self._wrapped.d_vocab
+
+    @property
+    def embedding_hooks(self) -> list[str]:
+        return self._wrapped.embedding_hooks
+
+    @property
+    def readout_input_hook(self) -> str:
+        return self._wrapped.readout_input_hook
+
+    @property
+    def hook_dict(self) -> dict:
+        return self._wrapped.hook_dict
+
+    def sublayer_name(self, sublayer: int) -> str:
+        return self._wrapped.sublayer_name(sublayer)
+
+    def sublayer_kind(self, sublayer: int) -> str:
+        return self._wrapped.sublayer_kind(sublayer)
+
+    def sublayer_input_hook(self, sublayer: int) -> str:
+        return self._wrapped.sublayer_input_hook(sublayer)
+
+    def sublayer_output_hook(self, sublayer: int) -> str:
+        return self._wrapped.sublayer_output_hook(sublayer)
+
+    def consumers(self) -> list[int]:
+        return self._wrapped.consumers()
+
+    def sources(self, consumer: int) -> list[list[int]]:
+        return self._wrapped.sources(consumer)
+
+    def source_labels(self, consumer: int) -> list[str]:
+        return self._wrapped.source_labels(consumer)
+
+    def routes(self, consumer: int) -> list[str]:
+        return self._wrapped.routes(consumer)
+
+    def depth_hook(self, consumer: int, point: str) -> str:
+        return self._wrapped.depth_hook(consumer, point)
+
+    def to_tokens(self, tokens) -> torch.Tensor:
+        return self._wrapped.to_tokens(tokens)
+
+    def readout(self, x: torch.Tensor) -> torch.Tensor:
+        return self._wrapped.readout(x)
+
+    def forward(self, tokens) -> torch.Tensor:
+        return self._wrapped(tokens)
+
+    def __call__(self, tokens) -> torch.Tensor:
+        return self._wrapped(tokens)
+
+    def run_with_hooks(self, tokens, fwd_hooks=(), bwd_hooks=(), reset_hooks_end=True, clear_contexts=False):
+        """`HookedRootModule.run_with_hooks` over the protocol's forward, which takes tokens alone (a keyword the
+        toolkit's forward has, such as `return_type`, fails here as it would on another model)."""
+        with self.hooks(list(fwd_hooks), list(bwd_hooks), reset_hooks_end, clear_contexts):
+            return self(tokens)
+
+    def run_with_cache(self, *args, **kwargs):
+        return self._wrapped.run_with_cache(*args, **kwargs)
+
+    def hooks(self, *args, **kwargs):
+        return self._wrapped.hooks(*args, **kwargs)

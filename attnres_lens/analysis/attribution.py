@@ -5,7 +5,8 @@ Notation as in docs/analysis.md §1: consumer c (sublayer, or J = the final read
 weights `α_s` (all 1 for the standard residual, whose sources are `e` and each `f_j`) and input `h_c = Σ_s α_s v_s`.
 Everything is read through hook points from one clean pass: the embedding, every sublayer output `f_j` (sources
 are sums of them, rebuilt from `model.sources(c)`), every input, α and the depth logits, and the final norm's
-scale; the final readout's input (which has no hook point) by a PyTorch pre-hook on the final norm.
+scale; the final readout's input at `readout_input_hook`. All reads are the depth-mixing model protocol's
+(docs/architecture.md §7) but the final norm's scale, read for the toolkit model's direct logit attribution.
 
 * `depth_logit_attribution` — direct logit attribution through depth. With the final norm's scale σ frozen at
   its clean value (as TransformerLens does), `logit_t = Σ_s α_s (g ⊙ v_s / σ) · W_U[:, t] + b_U[t]` exactly, one
@@ -40,6 +41,7 @@ from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.attnres import EMBEDDING
 from attnres_lens.mixing import basis_index, mixing_coefficients
 from attnres_lens.model import HookedTransformer
+from attnres_lens.protocol import DepthMixingModel, model_device
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch, check_scored_batch, check_target_ids, next_token_targets
 
 BatchLike = Batch | torch.Tensor
@@ -56,14 +58,14 @@ class DepthTerms:
     embedding: torch.Tensor  # e (token plus learned position embedding), [batch, pos, d_model]
     outputs: list[torch.Tensor]  # f_j
     inputs: list[torch.Tensor]  # h_c for c = 0 … J (J: the final readout's input)
-    weights: dict[int, torch.Tensor]  # α per consumer, [batch, pos, n_sources] (AttnRes; for DenseFormer and mHC
-    # the depth-mixing coefficient of each output, docs/analysis.md §5)
-    depth_logits: dict[int, torch.Tensor]  # z per consumer (AttnRes only)
-    scale: torch.Tensor  # the final norm's scale σ, [batch, pos, 1]
+    weights: dict[int, torch.Tensor]  # α per consumer, [batch, pos, n_sources] ([batch, pos, route, n_sources] with
+    # several routes; for DenseFormer and mHC the depth-mixing coefficient of each output, docs/analysis.md §5)
+    depth_logits: dict[int, torch.Tensor]  # z per consumer (depth-mixing consumers only)
+    scale: torch.Tensor | None  # the toolkit model's final norm scale σ, [batch, pos, 1] (None for other models)
     logits: torch.Tensor
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def source_vectors(self, model: HookedTransformer, consumer: int) -> list[torch.Tensor]:
+    def source_vectors(self, model: DepthMixingModel, consumer: int) -> list[torch.Tensor]:
         """The sources `consumer` reads, rebuilt as the model sums them (members in forward order)."""
         vectors = []
         for members in model.sources(consumer):
@@ -74,7 +76,7 @@ class DepthTerms:
             vectors.append(total)
         return vectors
 
-    def alpha(self, model: HookedTransformer, consumer: int) -> torch.Tensor:
+    def alpha(self, model: DepthMixingModel, consumer: int) -> torch.Tensor:
         """α of `consumer` ([batch, pos, n_sources]; ones for the standard residual)."""
         if consumer in self.weights:
             return self.weights[consumer]
@@ -84,30 +86,43 @@ class DepthTerms:
         )
 
 
-def _check_single_head_mix(model: HookedTransformer, what: str) -> None:
-    for module in model.depth_attention_modules().values():
-        if getattr(module, "heads", 1) != 1:
+def _check_single_head_mix(model: DepthMixingModel, what: str) -> None:
+    for consumer in model.consumers():
+        routes = model.routes(consumer)
+        if len(routes) != 1:
+            heads = f"heads={model.cfg.attnres_heads}" if isinstance(model, HookedTransformer) else f"routes {routes}"
             raise ValueError(
-                f"{what} needs one weight per source; this model's depth attention has heads={module.heads}"
+                f"{what} needs one weight per source; this model's depth attention has {heads} "
+                f"({model.sublayer_name(consumer)})"
             )
 
 
-def depth_terms(model: HookedTransformer, tokens: torch.Tensor, gradient_of: Callable | None = None) -> DepthTerms:
+def _require_consumers(model: DepthMixingModel, what: str) -> list[int]:
+    """The model's depth-mixing consumers; none is a clear error naming the residual."""
+    consumers = model.consumers()
+    if not consumers:
+        residual = model.cfg.residual if isinstance(model, HookedTransformer) else "without depth mixes"
+        raise ValueError(f"{what} needs depth attention; this model's residual is {residual!r}")
+    return consumers
+
+
+def depth_terms(model: DepthMixingModel, tokens: torch.Tensor, gradient_of: Callable | None = None) -> DepthTerms:
     """One pass read through hook points. With `gradient_of(logits) -> scalar`, also the gradients of that
     scalar with respect to α of every consumer (`grads["weights", c]`) and every input (`grads["inputs", c]`),
     by `torch.autograd.grad` (the model's parameter gradients are left untouched)."""
     tokens = model.to_tokens(tokens)
-    n_sublayers = model.cfg.n_sublayers
-    names = {
-        "embed": "hook_embed",
-        **({"pos": "hook_pos_embed"} if "hook_pos_embed" in model.hook_dict else {}),
-        "scale": "ln_final.hook_scale",
-    }
+    n_sublayers = model.n_sublayers
+    consumers = model.consumers()
+    embedding_hooks = model.embedding_hooks
+    names: dict[Any, str] = {("embed", i): name for i, name in enumerate(embedding_hooks)}
+    if isinstance(model, HookedTransformer):  # the final norm's scale, for the toolkit model's direct attribution
+        names["scale"] = "ln_final.hook_scale"
     names.update({("out", j): model.sublayer_output_hook(j) for j in range(n_sublayers)})
     names.update({("in", j): model.sublayer_input_hook(j) for j in range(n_sublayers)})
-    for consumer, module in model.depth_attention_modules().items():
-        names[("alpha", consumer)] = module.hook_weights.name
-        names[("z", consumer)] = module.hook_logits.name
+    names[("in", n_sublayers)] = model.readout_input_hook
+    for consumer in consumers:
+        names[("alpha", consumer)] = model.depth_hook(consumer, "weights")
+        names[("z", consumer)] = model.depth_hook(consumer, "logits")
     saved: dict[Any, torch.Tensor] = {}
     by_name = {name: key for key, name in names.items()}
 
@@ -117,27 +132,25 @@ def depth_terms(model: HookedTransformer, tokens: torch.Tensor, gradient_of: Cal
     def leaf(tensor: torch.Tensor, hook) -> torch.Tensor:
         # a fresh leaf, so gradients exist even if the parameters are frozen; same values
         tensor = tensor.detach().requires_grad_(True)
-        saved["embed"] = tensor
+        saved[("embed", 0)] = tensor
         return tensor
 
-    fwd_hooks: list[Hook] = [(name, save) for key, name in names.items() if key != "embed"]
-    fwd_hooks.append(("hook_embed", leaf if gradient_of is not None else save))
-    final: list[torch.Tensor] = []
-    handle = model.ln_final.register_forward_pre_hook(lambda module, args: final.append(args[0]))
-    try:
-        with torch.set_grad_enabled(gradient_of is not None), model.hooks(fwd_hooks=fwd_hooks):
-            logits = model(tokens)
-    finally:
-        handle.remove()
-    embedding = saved["embed"] + saved["pos"] if "pos" in saved else saved["embed"]
+    root = embedding_hooks[0]
+    fwd_hooks: list[Hook] = [(name, save) for name in names.values() if name != root]
+    fwd_hooks.append((root, leaf if gradient_of is not None else save))
+    with torch.set_grad_enabled(gradient_of is not None), model.hooks(fwd_hooks=fwd_hooks):
+        logits = model(tokens)
+    embedding = saved[("embed", 0)]
+    for i in range(1, len(embedding_hooks)):
+        embedding = embedding + saved[("embed", i)]
     terms = DepthTerms(
         tokens=tokens,
         embedding=embedding,
         outputs=[saved[("out", j)] for j in range(n_sublayers)],
-        inputs=[saved[("in", j)] for j in range(n_sublayers)] + final,
-        weights={c: saved[("alpha", c)] for c in model.depth_attention_modules()},
-        depth_logits={c: saved[("z", c)] for c in model.depth_attention_modules()},
-        scale=saved["scale"],
+        inputs=[saved[("in", j)] for j in range(n_sublayers + 1)],
+        weights={c: saved[("alpha", c)] for c in consumers},
+        depth_logits={c: saved[("z", c)] for c in consumers},
+        scale=saved.get("scale"),
         logits=logits,
     )
     if gradient_of is not None:
@@ -149,7 +162,8 @@ def depth_terms(model: HookedTransformer, tokens: torch.Tensor, gradient_of: Cal
             for (key, tensor), grad in zip(targets, grads)
         }
     terms = _detached(terms)
-    if model.cfg.residual in MIXED_RESIDUALS:  # h_c = Σ_i M[c, i] f_i + M[c, e] e exactly, token by token
+    if isinstance(model, HookedTransformer) and model.cfg.residual in MIXED_RESIDUALS:
+        # h_c = Σ_i M[c, i] f_i + M[c, e] e exactly, token by token
         coefficients = mixing_coefficients(model, tokens).to(terms.embedding)
         terms.weights = {
             c: coefficients[..., c, [basis_index(members[0]) for members in model.sources(c)]]
@@ -165,35 +179,34 @@ def _detached(terms: DepthTerms) -> DepthTerms:
     terms.inputs = [detach(t) for t in terms.inputs]
     terms.weights = {c: detach(t) for c, t in terms.weights.items()}
     terms.depth_logits = {c: detach(t) for c, t in terms.depth_logits.items()}
-    terms.scale, terms.logits = detach(terms.scale), detach(terms.logits)
+    terms.scale = None if terms.scale is None else detach(terms.scale)
+    terms.logits = detach(terms.logits)
     return terms
 
 
-def _as_batch(model: HookedTransformer, batch: BatchLike) -> Batch:
+def _as_batch(model: DepthMixingModel, batch: BatchLike) -> Batch:
     """A Batch as given, or tokens with next-token targets at every position but the last (all of them answers)."""
     if isinstance(batch, Batch):
-        return check_scored_batch(batch.to(model.embed.W_E.device), model.cfg.d_vocab)
+        return check_scored_batch(batch.to(model_device(model)), model.d_vocab)
     tokens = model.to_tokens(batch)
     targets = next_token_targets(tokens)
-    return check_scored_batch(Batch(tokens, targets, targets != IGNORE_INDEX), model.cfg.d_vocab)  # one-token rows
+    return check_scored_batch(Batch(tokens, targets, targets != IGNORE_INDEX), model.d_vocab)  # one-token rows
 
 
-def _target_ids(
-    model: HookedTransformer, tokens: torch.Tensor, targets: torch.Tensor | None, what: str
-) -> torch.Tensor:
+def _target_ids(model: DepthMixingModel, tokens: torch.Tensor, targets: torch.Tensor | None, what: str) -> torch.Tensor:
     if targets is None:
         return next_token_targets(tokens)
-    return check_target_ids(targets, tokens.shape, model.cfg.d_vocab, what).to(tokens.device)
+    return check_target_ids(targets, tokens.shape, model.d_vocab, what).to(tokens.device)
 
 
-def _source_info(model: HookedTransformer, consumer: int) -> list[dict[str, Any]]:
+def _source_info(model: DepthMixingModel, consumer: int) -> list[dict[str, Any]]:
     return [
         dict(source=s, source_label=label, members=",".join(map(str, members)))
         for s, (label, members) in enumerate(zip(model.source_labels(consumer), model.sources(consumer)))
     ]
 
 
-def _consumer_info(model: HookedTransformer, consumer: int) -> dict[str, Any]:
+def _consumer_info(model: DepthMixingModel, consumer: int) -> dict[str, Any]:
     return dict(consumer=consumer, consumer_label=model.sublayer_name(consumer), kind=model.sublayer_kind(consumer))
 
 
@@ -214,7 +227,15 @@ def depth_logit_attribution(
     sequence, position, token, target, incorrect, source, source_label, members (sublayer indices summed in the
     source, −1 = embedding), alpha, contribution; and per position, repeated on its rows: logit (the clean value
     attributed) and bias (the unembedding bias term). `Σ_source contribution + bias = logit` exactly.
+
+    The toolkit's `HookedTransformer` only: freezing the final norm's scale needs its gain, scale and unembedding,
+    which the depth-mixing model protocol does not name (docs/architecture.md §7).
     """
+    if not isinstance(model, HookedTransformer):
+        raise ValueError(
+            "depth_logit_attribution freezes the final norm's scale, which needs the toolkit model's final norm and "
+            f"unembedding; {type(model).__name__} exposes only the depth-mixing model protocol: use source_logit_lens"
+        )
     _check_single_head_mix(model, "depth_logit_attribution")
     tokens = model.to_tokens(tokens)
     targets = _target_ids(model, tokens, targets, "targets")
@@ -305,18 +326,21 @@ def logit_attribution_summary(attribution: pd.DataFrame) -> pd.DataFrame:
 
 
 @torch.no_grad()
-def depth_input_decomposition(model: HookedTransformer, tokens: torch.Tensor, per_token: bool = False) -> pd.DataFrame:
+def depth_input_decomposition(model: DepthMixingModel, tokens: torch.Tensor, per_token: bool = False) -> pd.DataFrame:
     """Every consumer's input split into its per-source terms `α_s v_s`.
 
     Token-averaged (default), one row per (consumer, source): consumer, consumer_label, kind, source,
     source_label, members, alpha, term_norm (‖α_s v_s‖), share (`⟨α_s v_s, h_c⟩ / ‖h_c‖²`; a consumer's shares
     sum to 1 at every token, since `Σ_s α_s v_s = h_c`). With `per_token`, the same per (sequence, position).
+    Every sublayer and the final readout for the toolkit's model (a plain sum has α = 1); a protocol model's
+    consumers otherwise.
     """
     _check_single_head_mix(model, "depth_input_decomposition")
     terms = depth_terms(model, tokens)
     frames = []
     batch, pos = terms.tokens.shape
-    for consumer in range(model.cfg.n_sublayers + 1):
+    every = isinstance(model, HookedTransformer)
+    for consumer in range(model.n_sublayers + 1) if every else _require_consumers(model, "the input decomposition"):
         h = terms.inputs[consumer].double()
         norm2 = (h * h).sum(-1).clamp_min(1e-300)
         alpha = terms.alpha(model, consumer).double()
@@ -340,7 +364,7 @@ def depth_input_decomposition(model: HookedTransformer, tokens: torch.Tensor, pe
 # ---------------------------------------------------------------------------- logit lens over depth
 @torch.no_grad()
 def source_logit_lens(
-    model: HookedTransformer, tokens: torch.Tensor, k: int = 5, targets: torch.Tensor | None = None
+    model: DepthMixingModel, tokens: torch.Tensor, k: int = 5, targets: torch.Tensor | None = None
 ) -> pd.DataFrame:
     """Every source and every sublayer input decoded through the final norm (its scale recomputed on the vector
     itself) and the unembedding.
@@ -351,8 +375,8 @@ def source_logit_lens(
     target, vector ("source" / "input"), index (sublayer or consumer, −1 = embedding), label, target_rank (0 =
     top), target_prob, target_logit, top_tokens and top_probs (the k best, space-separated).
     """
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= model.cfg.d_vocab:
-        raise ValueError(f"k must be an integer in 1..{model.cfg.d_vocab}, got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= model.d_vocab:
+        raise ValueError(f"k must be an integer in 1..{model.d_vocab}, got {k!r}")
     tokens = model.to_tokens(tokens)
     targets = _target_ids(model, tokens, targets, "targets")
     terms = depth_terms(model, tokens)
@@ -361,7 +385,7 @@ def source_logit_lens(
     target = targets[keep]
     frames = []
     for vector_kind, index, label, vector in _lens_vectors(model, terms):
-        logits = model.unembed(model.ln_final(vector[keep])).double()
+        logits = model.readout(vector[keep]).double()
         probs = logits.softmax(-1)
         target_logit = logits.gather(-1, target[:, None]).squeeze(-1)
         top_probs, top_ids = probs.topk(k, dim=-1)
@@ -386,8 +410,8 @@ def source_logit_lens(
     return pd.concat(frames, ignore_index=True)
 
 
-def _lens_vectors(model: HookedTransformer, terms: DepthTerms) -> list[tuple[str, int, str, torch.Tensor]]:
-    n_sublayers = model.cfg.n_sublayers
+def _lens_vectors(model: DepthMixingModel, terms: DepthTerms) -> list[tuple[str, int, str, torch.Tensor]]:
+    n_sublayers = model.n_sublayers
     vectors = [("source", EMBEDDING, "emb", terms.embedding)]
     vectors += [("source", j, model.sublayer_name(j), terms.outputs[j]) for j in range(n_sublayers)]
     # Block AttnRes: the sums the final readout reads, where they are not single outputs
@@ -439,7 +463,7 @@ def _differentiable_metric(batch: Batch, metric: str) -> Callable[[torch.Tensor]
 
 
 def edge_attribution(
-    model: HookedTransformer, batch: BatchLike, corrupted: torch.Tensor | None = None, metric: str = "loss"
+    model: DepthMixingModel, batch: BatchLike, corrupted: torch.Tensor | None = None, metric: str = "loss"
 ) -> pd.DataFrame:
     """First-order estimates of Δ`metric` for every (consumer, source) edge of an AttnRes model, from one forward
     and one backward pass (gradients of the metric with respect to every consumer's α and input).
@@ -458,8 +482,7 @@ def edge_attribution(
     source_label, members, alpha_mass (token-mean α_s), max_alpha (its largest value at any token: near 1 the
     knockout is far from the linear regime and the estimate fails), value_path, routing_path, total, mode.
     """
-    if model.cfg.residual != "attnres":
-        raise ValueError(f"edge attribution needs depth attention; this model's residual is {model.cfg.residual!r}")
+    consumers = _require_consumers(model, "edge attribution")
     batch = _as_batch(model, batch)
     objective = _differentiable_metric(batch, metric)
     terms = depth_terms(model, batch.tokens, gradient_of=objective)
@@ -472,17 +495,18 @@ def edge_attribution(
             )
         corrupt_terms = depth_terms(model, corrupted)
     rows = []
-    modules = model.depth_attention_modules()
-    for consumer, module in modules.items():
+    for consumer in consumers:
         n_sources = len(model.sources(consumer))
         if n_sources < 2:
             continue
-        alpha = terms.weights[consumer].double()
+        alpha = terms.weights[consumer].double()  # with several routes [..., route, n_sources]: their paths add
         grad = terms.grads[("weights", consumer)].double()  # ∂metric/∂α_r = g_c · v_r
         if corrupted is None:
-            value, routing = _knockout_paths(module, alpha, terms.depth_logits[consumer].double(), grad)
+            value, routing = _knockout_paths(
+                _score(model, consumer), alpha, terms.depth_logits[consumer].double(), grad
+            )
         else:
-            value, routing = _patch_paths(model, module, consumer, alpha, grad, terms, corrupt_terms)
+            value, routing = _patch_paths(model, consumer, alpha, grad, terms, corrupt_terms)
         for info in _source_info(model, consumer):
             s = info["source"]
             rows.append(
@@ -501,12 +525,20 @@ def edge_attribution(
     return frame
 
 
+def _score(model: DepthMixingModel, consumer: int) -> str:
+    """How a consumer scores its logits: the toolkit's depth attention says ('softmax' or 'sigmoid'); the protocol's
+    consumers run softmaxes."""
+    if isinstance(model, HookedTransformer):
+        return model.depth_attention_modules()[consumer].score
+    return "softmax"
+
+
 def _knockout_paths(
-    module: torch.nn.Module, alpha: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor
+    score: str, alpha: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token value and routing paths of knocking out each source: [..., n_sources] each."""
     value = -alpha * grad
-    if getattr(module, "score", "softmax") != "softmax":  # sigmoid: the others keep their weights
+    if score != "softmax":  # sigmoid: the others keep their weights
         return value, torch.zeros_like(value)
     n = alpha.shape[-1]
     mixed = (alpha * grad).sum(-1, keepdim=True)  # g · h
@@ -518,15 +550,21 @@ def _knockout_paths(
 
 
 def _patch_paths(
-    model: HookedTransformer,
-    module: torch.nn.Module,
+    model: DepthMixingModel,
     consumer: int,
     alpha: torch.Tensor,
     grad: torch.Tensor,
     clean: DepthTerms,
     corrupt: DepthTerms,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if not getattr(module, "fusable", True):  # the options change z_s(v_s); the derivative below is the default's
+    if not isinstance(model, HookedTransformer):  # the derivative of z_s needs the query and key norm's gain
+        raise ValueError(
+            "patching sources from a corrupted input is derived for the toolkit's default depth attention, whose "
+            "query and key-norm gain the depth-mixing model protocol does not name; use the knockout mode "
+            "(corrupted=None)"
+        )
+    module = model.depth_attention_modules()[consumer]
+    if not module.fusable:  # the options change z_s(v_s); the derivative below is the default's
         raise ValueError(
             "patching sources from a corrupted input is derived for the default depth attention "
             "(softmax over a static pseudo-query with key RMSNorm, one head)"
@@ -604,7 +642,7 @@ def _per_sequence_losses(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
 
 
 def routing_audit(
-    model: HookedTransformer, batch: Batch, n_boot: int = 1000, seed: int = 0, progress: bool = False
+    model: DepthMixingModel, batch: Batch, n_boot: int = 1000, seed: int = 0, progress: bool = False
 ) -> dict[str, pd.DataFrame]:
     """α mass against causal effect, per consumer of an AttnRes model, with bootstrap confidence intervals over
     sequences (95%, percentile), and two content-independent null schedules.
@@ -618,8 +656,7 @@ def routing_audit(
     n_sources; spearman of mass vs Δloss over its sources with _low / _high (NaN for two sources); top_mass_label,
     top_effect_label; null_mean_dloss and null_recency_dloss with _low / _high).
     """
-    if model.cfg.residual != "attnres":
-        raise ValueError(f"the routing audit needs depth attention; this model's residual is {model.cfg.residual!r}")
+    _require_consumers(model, "the routing audit")
     _check_single_head_mix(model, "routing_audit")
     if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 10:
         raise ValueError(f"n_boot must be an integer >= 10, got {n_boot!r}")
@@ -635,13 +672,12 @@ def routing_audit(
 
     interventions: list[list[Hook]] = [[]]
     keys: list[tuple] = [("clean",)]
-    modules = model.depth_attention_modules()
     for c in consumers:
         for s in range(terms.weights[c].shape[-1]):
             interventions.append(source_mask_hooks(model, c, [s]))
             keys.append(("knockout", c, s))
         for name, schedule in schedules[c].items():
-            interventions.append([(modules[c].hook_weights.name, replace_hook(schedule))])
+            interventions.append([(model.depth_hook(c, "weights"), replace_hook(schedule))])
             keys.append((name, c))
     losses = evaluate_many(
         model,
@@ -729,7 +765,7 @@ def _interval(name: str, samples: torch.Tensor) -> dict[str, float]:
 
 
 def _null_schedules(
-    model: HookedTransformer, terms: DepthTerms, consumers: Sequence[int]
+    model: DepthMixingModel, terms: DepthTerms, consumers: Sequence[int]
 ) -> dict[int, dict[str, torch.Tensor]]:
     """Per consumer, the `mean` and `recency` schedules (see `routing_audit`), each [n_sources]."""
     means = {c: terms.weights[c].double().mean(dim=(0, 1)) for c in consumers}

@@ -3,7 +3,8 @@ interventions sharing every computation they share (docs/analysis.md §11).
 
 The engine cuts the forward pass into stages (`StagedForward`: the embedding, each sublayer, the final readout)
 and walks the tree of interventions: those whose hooks agree up to a stage share it; where they part, each branch
-gets its own copy of the state, and branches that never part again run stacked along the batch. What an
+gets its own copy of the state, and branches that never part again run stacked along the batch; a depth-mixing
+model other than the toolkit's (docs/architecture.md §7) runs one hooked forward per intervention. What an
 intervention is (its hooks, the removal rule) lives in `interventions`; the worker threads in `workers`; what a
 session shares in `session`.
 """
@@ -29,13 +30,14 @@ from attnres_lens.attnres import DepthStream
 from attnres_lens.evaluation import Evaluation, score_logits
 from attnres_lens.hook_checks import module_hooked
 from attnres_lens.model import HookedTransformer
+from attnres_lens.protocol import DepthMixingModel
 from attnres_lens.streams import ResidualStream, SumStream
 from attnres_lens.tasks.base import Batch
 
 
 @torch.no_grad()
 def capture(
-    model: HookedTransformer, tokens: torch.Tensor, names: Iterable[str], fwd_hooks: Sequence[Hook] = ()
+    model: DepthMixingModel, tokens: torch.Tensor, names: Iterable[str], fwd_hooks: Sequence[Hook] = ()
 ) -> dict[str, torch.Tensor]:
     """Activations at the hook points `names` for one forward pass (with optional interventions)."""
     saved: dict[str, torch.Tensor] = {}
@@ -44,11 +46,13 @@ def capture(
         saved[hook.name] = tensor
 
     hooks = list(fwd_hooks) + [(name, save) for name in set(names)]
-    model.run_with_hooks(tokens, return_type=None, fwd_hooks=hooks)
+    # the toolkit model can skip its unembedding; the protocol's forward takes tokens alone
+    skip_logits = dict(return_type=None) if isinstance(model, HookedTransformer) else {}
+    model.run_with_hooks(tokens, fwd_hooks=hooks, **skip_logits)
     return saved
 
 
-def evaluate(model: HookedTransformer, batch: Batch, fwd_hooks: Sequence[Hook] = ()) -> Evaluation:
+def evaluate(model: DepthMixingModel, batch: Batch, fwd_hooks: Sequence[Hook] = ()) -> Evaluation:
     """The batch's loss, answer loss and accuracy with the hooks `fwd_hooks` applied."""
     if not fwd_hooks:
         return clean_result(
@@ -69,7 +73,7 @@ STACK_ELEMENTS = 1 << 20
 
 @torch.no_grad()
 def evaluate_many(
-    model: HookedTransformer,
+    model: DepthMixingModel,
     batch: Batch,
     interventions: Sequence[Sequence[Hook]],
     max_sequences: int | None = None,
@@ -98,9 +102,15 @@ def evaluate_many(
     `workers` > 1 runs the stacked branches on that many threads, which share torch's threads, every thread on its
     own copy of the model's modules (sharing the parameters), so one thread's hooks never fire in another; the
     results are the same numbers as with one worker. Hooks then run on worker threads, in no fixed order, so
-    they must not depend on each other's side effects (`analysis_workers` gives the analyses' default)."""
+    they must not depend on each other's side effects (`analysis_workers` gives the analyses' default).
+
+    The stages are the toolkit's `HookedTransformer`'s; any other depth-mixing model (docs/architecture.md §7) runs
+    one hooked forward pass per intervention (`max_sequences`, `cache`, `workers` and `remember` then change
+    nothing), the same numbers."""
     if not interventions:
         return []
+    if not isinstance(model, HookedTransformer):
+        return _plain_evaluations(model, batch, interventions, score, progress, desc)
     if max_sequences is None:
         max_sequences = _default_stack(model, batch)
     for name, value in (("max_sequences", max_sequences), ("workers", workers)):
@@ -112,6 +122,28 @@ def evaluate_many(
         )
     with tqdm(total=len(interventions), desc=desc, disable=not progress, leave=False) as bar:
         return _SharedEvaluation(model, batch, interventions, max_sequences, bar, cache, score, workers, remember).run()
+
+
+def _plain_evaluations(
+    model: DepthMixingModel,
+    batch: Batch,
+    interventions: Sequence[Sequence[Hook]],
+    score: Callable[[torch.Tensor, Batch], Any],
+    progress: bool,
+    desc: str,
+) -> list[Any]:
+    """`evaluate_many` for a model the staged engine does not know (docs/architecture.md §7): one hooked forward
+    pass per intervention, through `run_with_hooks` alone; the same numbers as the shared evaluation, which equals
+    one full pass per intervention."""
+    tokens = model.to_tokens(batch.tokens)
+    for hooks in interventions:
+        for name, _ in hooks:
+            if not isinstance(name, str) or name not in model.hook_dict:
+                raise ValueError(f"no hook point named {name!r} in this model (hook names must be strings)")
+    results = []
+    for hooks in tqdm(interventions, desc=desc, disable=not progress, leave=False):
+        results.append(score(model.run_with_hooks(tokens, fwd_hooks=list(hooks)), batch))
+    return results
 
 
 def _default_stack(model: HookedTransformer, batch: Batch) -> int:
@@ -209,9 +241,7 @@ class StagedForward:
             stream.state = post(stream.state)
 
     def final(self, stream: ResidualStream) -> torch.Tensor:
-        model = self.model
-        mixer = model.final_mixer() if hasattr(model, "final_mixer") else getattr(model, "final_res", None)
-        return model.unembed(stream.readout_normed(mixer, model.ln_final))
+        return self.model.read_out(stream)
 
     def run(
         self, state: torch.Tensor | ResidualStream, stage: int, skipped: Sequence[int] = (), n_copies: int = 1

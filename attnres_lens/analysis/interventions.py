@@ -1,8 +1,9 @@
 """What an intervention is: a list of hooks `(hook point name, function)`; the hooks that replace an activation,
 knock sources out of a depth softmax, or remove sublayers. Running them is `engine`'s job (`evaluate_many`).
 
-Everything acts from outside the model through its hook points (docs/hooks.md), so the same code serves the
-standard residual, Full and Block AttnRes.
+Everything acts from outside the model through its hook points (docs/hooks.md), named by the depth-mixing model
+protocol (docs/architecture.md §7), so the same code serves the standard residual, Full and Block AttnRes and any
+other depth-mixing model.
 
 Removing a set R of sublayers (docs/analysis.md §6) is one rule for every residual kind:
 
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from attnres_lens.model import HookedTransformer
+from attnres_lens.protocol import DepthMixingModel
 
 Hook = tuple[str, Callable]
 
@@ -48,7 +50,8 @@ def replace_hook(replacement: torch.Tensor) -> Callable:
 
 
 def mask_sources_hook(sources: Sequence[int]) -> Callable:
-    """Hook on a depth attention's `hook_logit_bias` (or `hook_logits`) that knocks `sources` out of its softmax.
+    """Hook on a depth attention's `hook_logit_bias` (or `hook_logits`) that knocks `sources` out of its softmax
+    (the last axis, so every route where the bias or logits have a route axis).
     The same sources give the same function object, so `evaluate_many` sees removal sets that agree on a consumer
     as sharing it."""
     return _mask_sources_hook(tuple(int(source) for source in sources))
@@ -69,29 +72,32 @@ def _zero(tensor: torch.Tensor, hook) -> torch.Tensor:
     return torch.zeros_like(tensor)
 
 
-def removal_hooks(model: HookedTransformer, removed: Iterable[int]) -> list[Hook]:
-    """Hooks that remove the sublayers in `removed` (see the module docstring for the rule)."""
+def removal_hooks(model: DepthMixingModel, removed: Iterable[int]) -> list[Hook]:
+    """Hooks that remove the sublayers in `removed` (see the module docstring for the rule): every output zeroed
+    at `sublayer_output_hook`, and every consumer's emptied sources masked at its `depth_hook(c, "logit_bias")`."""
     removed = set(removed)
-    bad = sorted(j for j in removed if not 0 <= j < model.cfg.n_sublayers)
+    n_sublayers = model.n_sublayers
+    bad = sorted(j for j in removed if not 0 <= j < n_sublayers)
     if bad:
-        raise ValueError(f"sublayers {bad} are out of range 0..{model.cfg.n_sublayers - 1}")
+        raise ValueError(f"sublayers {bad} are out of range 0..{n_sublayers - 1}")
     hooks: list[Hook] = [(model.sublayer_output_hook(j), _zero) for j in sorted(removed)]
-    for consumer, module in model.depth_attention_modules().items():
+    for consumer in model.consumers():
         emptied = [s for s, members in enumerate(model.sources(consumer)) if set(members) <= removed]
         if emptied:
-            hooks.append((module.hook_logit_bias.name, mask_sources_hook(emptied)))
+            hooks.append((model.depth_hook(consumer, "logit_bias"), mask_sources_hook(emptied)))
     return hooks
 
 
-def source_mask_hooks(model: HookedTransformer, consumer: int, sources: Sequence[int]) -> list[Hook]:
-    """Hooks that knock `sources` out of one consumer's depth softmax (AttnRes only)."""
-    modules = model.depth_attention_modules()
-    if consumer not in modules:
-        raise ValueError(f"consumer {consumer} has no depth attention (residual={model.cfg.residual!r})")
+def source_mask_hooks(model: DepthMixingModel, consumer: int, sources: Sequence[int]) -> list[Hook]:
+    """Hooks that knock `sources` out of one consumer's depth softmax, every route of it (depth-mixing consumers
+    only)."""
+    if consumer not in model.consumers():
+        what = f"residual={model.cfg.residual!r}" if isinstance(model, HookedTransformer) else "not a consumer"
+        raise ValueError(f"consumer {consumer} has no depth attention ({what})")
     n_sources = len(model.sources(consumer))
     if not sources or any(not 0 <= s < n_sources for s in sources) or len(set(sources)) >= n_sources:
         raise ValueError(f"consumer {consumer} reads {n_sources} sources; cannot mask {list(sources)}")
-    return [(modules[consumer].hook_logit_bias.name, mask_sources_hook(sources))]
+    return [(model.depth_hook(consumer, "logit_bias"), mask_sources_hook(sources))]
 
 
 def resample_permutation(batch_size: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ Cheap predictors from one clean forward pass (higher = more important):
 * angular_distance_next — Gromov et al.'s `arccos(cos(x_j, x_{j+1}))/π`, token-averaged, where `x_ℓ` is
   the representation entering sublayer ℓ (`x_J` = the final readout's input, before the final norm);
 * relative_output_norm — `E_t ‖f_j‖ / ‖h_j‖`;
-* routing_mass (every kind but the standard residual) — mean over later consumers (final readout included) of the depth-mixing weight
+* routing_mass (every kind but the standard residual; a protocol model where M is defined) — mean over later consumers (final readout included) of the depth-mixing weight
   M[c, j] that f_j receives.
 
 `angular_distance_matrix` gives `d(ℓ, ℓ+n)` for every start ℓ and span n: removing sublayers ℓ … ℓ+n−1
@@ -43,7 +43,9 @@ from attnres_lens.analysis.session import clean_result
 from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.analysis_options import check_metric
 from attnres_lens.evaluation import Evaluation
+from attnres_lens.mixing import check_mixing_defined
 from attnres_lens.model import HookedTransformer
+from attnres_lens.protocol import DepthMixingModel, model_device
 from attnres_lens.tasks.base import Batch
 
 CHEAP_METRICS = ("block_influence", "angular_distance_next", "relative_output_norm", "routing_mass")
@@ -57,21 +59,16 @@ def spearman(a: Iterable[float], b: Iterable[float]) -> float:
 
 # ---------------------------------------------------------------------------- clean-run geometry
 @torch.no_grad()
-def residual_states(model: HookedTransformer, tokens: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def residual_states(model: DepthMixingModel, tokens: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(x_0 … x_J, f_0 … f_{J−1}) from one clean pass: the input of every sublayer plus the final readout's
-    input (read by a PyTorch pre-hook on the final norm, which has no hook point of its own), and every output."""
+    input (`readout_input_hook`), and every output."""
 
     def compute() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        n_sublayers = model.cfg.n_sublayers
-        inputs = [model.sublayer_input_hook(j) for j in range(n_sublayers)]
+        n_sublayers = model.n_sublayers
+        inputs = [model.sublayer_input_hook(j) for j in range(n_sublayers)] + [model.readout_input_hook]
         outputs = [model.sublayer_output_hook(j) for j in range(n_sublayers)]
-        final: list[torch.Tensor] = []
-        handle = model.ln_final.register_forward_pre_hook(lambda module, args: final.append(args[0]))
-        try:
-            saved = capture(model, tokens, inputs + outputs)
-        finally:
-            handle.remove()
-        return [saved[name] for name in inputs] + final, [saved[name] for name in outputs]
+        saved = capture(model, tokens, inputs + outputs)
+        return [saved[name] for name in inputs], [saved[name] for name in outputs]
 
     return clean_result("residual_states", model, tokens, compute)
 
@@ -89,7 +86,7 @@ def _mean_angle(cosines: torch.Tensor) -> torch.Tensor:
     return (cosines.clamp(-1, 1).arccos() / math.pi).mean(-1)
 
 
-def angular_distance_matrix(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFrame:
+def angular_distance_matrix(model: DepthMixingModel, tokens: torch.Tensor) -> pd.DataFrame:
     """Token-averaged `arccos(cos(x_ℓ, x_{ℓ+n}))/π` for 0 ≤ ℓ < ℓ+n ≤ J: start, n, end, start_label,
     end_label (x_ℓ is labelled by the sublayer it enters, x_J by 'final'), distance."""
     states, _ = residual_states(model, tokens)
@@ -112,7 +109,7 @@ def angular_distance_matrix(model: HookedTransformer, tokens: torch.Tensor) -> p
     return pd.DataFrame(rows)
 
 
-def cheap_metrics(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFrame:
+def cheap_metrics(model: DepthMixingModel, tokens: torch.Tensor) -> pd.DataFrame:
     """One row per sublayer: the cheap predictors of the module docstring."""
     states, outputs = residual_states(model, tokens)
     rows = []
@@ -129,24 +126,36 @@ def cheap_metrics(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFram
             )
         )
     frame = pd.DataFrame(rows)
-    if model.cfg.residual != "standard":  # the standard residual weighs every output 1
+    if _has_routing_mass(model):
         mixing = depth_mixing_matrix(model, tokens)
         read_later = mixing[(mixing["sublayer"] >= 0) & (mixing["consumer"] > mixing["sublayer"])]
         frame["routing_mass"] = read_later.groupby("sublayer")["weight"].mean().reindex(frame["sublayer"]).to_numpy()
     return frame
 
 
+def _has_routing_mass(model: DepthMixingModel) -> bool:
+    """Whether routing_mass means something: M is not all ones (the standard residual weighs every output 1), and
+    it is defined (a protocol model's consumers each read one mix, `mixing.check_mixing_defined`)."""
+    if isinstance(model, HookedTransformer):
+        return model.cfg.residual != "standard"
+    try:
+        check_mixing_defined(model)
+    except ValueError:
+        return False
+    return True
+
+
 # ---------------------------------------------------------------------------- measured sensitivity
-def ablation_sensitivity(model: HookedTransformer, batch: Batch, progress: bool = False) -> pd.DataFrame:
+def ablation_sensitivity(model: DepthMixingModel, batch: Batch, progress: bool = False) -> pd.DataFrame:
     """One row per sublayer: sublayer, label, kind, base_loss, base_accuracy, and for mode in (remove, mean,
     resample) dloss_{mode} and dacc_{mode}."""
-    batch = batch.to(model.embed.W_E.device)
+    batch = batch.to(model_device(model))
     base = evaluate(model, batch)
     _, outputs = residual_states(model, batch.tokens)
     permutation = resample_permutation(batch.tokens.shape[0]).to(batch.tokens.device)
     modes = ("remove", "mean", "resample")
     interventions = []
-    for j in range(model.cfg.n_sublayers):
+    for j in range(model.n_sublayers):
         name = model.sublayer_output_hook(j)
         interventions += [
             removal_hooks(model, [j]),
@@ -159,7 +168,7 @@ def ablation_sensitivity(model: HookedTransformer, batch: Batch, progress: bool 
         )
     )
     rows = []
-    for j in range(model.cfg.n_sublayers):
+    for j in range(model.n_sublayers):
         label = model.sublayer_name(j)
         row = dict(
             sublayer=j, label=label, kind=model.sublayer_kind(j), base_loss=base.loss, base_accuracy=base.accuracy
@@ -172,10 +181,10 @@ def ablation_sensitivity(model: HookedTransformer, batch: Batch, progress: bool 
     return pd.DataFrame(rows)
 
 
-def pruning_sensitivity(model: HookedTransformer, batch: Batch, progress: bool = False) -> pd.DataFrame:
+def pruning_sensitivity(model: DepthMixingModel, batch: Batch, progress: bool = False) -> pd.DataFrame:
     """`ablation_sensitivity` joined with `cheap_metrics` on the same batch: one row per sublayer."""
     measured = ablation_sensitivity(model, batch, progress)
-    return measured.merge(cheap_metrics(model, batch.tokens.to(model.embed.W_E.device)), on="sublayer")
+    return measured.merge(cheap_metrics(model, batch.tokens.to(model_device(model))), on="sublayer")
 
 
 def importance(sensitivity: pd.DataFrame, metric: str = "loss") -> pd.Series:
@@ -226,7 +235,7 @@ def _ascending(frame: pd.DataFrame, column: str) -> list[int]:
 
 
 def cumulative_pruning(
-    model: HookedTransformer,
+    model: DepthMixingModel,
     batch: Batch,
     sensitivity: pd.DataFrame,
     distances: pd.DataFrame,
@@ -242,7 +251,7 @@ def cumulative_pruning(
     by default where the loss has doubled, past which further points say little and cost a forward pass
     each; `stop_at=None` runs every curve to k = J. A set shared by several strategies is evaluated once.
     """
-    batch = batch.to(model.embed.W_E.device)
+    batch = batch.to(model_device(model))
     orders = removal_orders(sensitivity, distances, metric)
     base = evaluate(model, batch)
     results: dict[frozenset[int], Evaluation] = {frozenset(): base}

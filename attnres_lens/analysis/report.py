@@ -268,12 +268,15 @@ def analysis_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, Any
         _table(heads),
     ]
     if "depth_summary" in tables:
+        summary = tables["depth_summary"]
+        routes = ["route"] if summary["route"].nunique() > 1 else []  # multi-head: one row per route
         parts += [
             "<h2>Depth attention per consumer</h2>",
             _table(
-                tables["depth_summary"][
+                summary[
                     [
                         "consumer_label",
+                        *routes,
                         "n_sources",
                         "normalized_entropy",
                         "sink_label",

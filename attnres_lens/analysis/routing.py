@@ -16,15 +16,16 @@ from attnres_lens.analysis.engine import evaluate, evaluate_many
 from attnres_lens.analysis.interventions import source_mask_hooks
 from attnres_lens.analysis.pruning import spearman
 from attnres_lens.analysis.workers import analysis_workers
-from attnres_lens.model import HookedTransformer
+from attnres_lens.protocol import DepthMixingModel, model_device
 from attnres_lens.tasks.base import Batch, check_scored_batch
 
 
-def causal_routing(model: HookedTransformer, batch: Batch, progress: bool = False) -> pd.DataFrame:
+def causal_routing(model: DepthMixingModel, batch: Batch, progress: bool = False) -> pd.DataFrame:
     """One row per (consumer, source) of consumers with ≥ 2 sources: consumer, consumer_label, kind, source,
     source_label, members (sublayer indices summed in the source, −1 = embedding), alpha_mass, delta_loss,
-    delta_accuracy."""
-    batch = check_scored_batch(batch.to(model.embed.W_E.device), model.cfg.d_vocab)
+    delta_accuracy. A knockout takes the source out of every route of the consumer; alpha_mass is then the mass
+    averaged over its routes."""
+    batch = check_scored_batch(batch.to(model_device(model)), model.d_vocab)
     weights = depth_weights_by_consumer(model, batch.tokens)
     base = evaluate(model, batch)
     pairs = [(c, s) for c, w in weights.items() if w.shape[-1] > 1 for s in range(w.shape[-1])]

@@ -238,7 +238,13 @@ def analysis_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) ->
         "top_induction_heads": top_heads,
     }
     if "depth_weights" in tables:
-        weights = tables["depth_weights"].sort_values(["consumer", "weight"], ascending=[True, False], kind="stable")
+        # a consumer's several routes (multi-head AttnRes) summarised by their mean weight per source
+        weights = (
+            tables["depth_weights"]
+            .groupby(["consumer", "consumer_label", "source", "source_label"], as_index=False, sort=False)["weight"]
+            .mean()
+        )
+        weights = weights.sort_values(["consumer", "weight"], ascending=[True, False], kind="stable")
         summary["top_depth_sources"] = [
             {
                 "consumer": int(consumer),

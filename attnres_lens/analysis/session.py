@@ -56,9 +56,10 @@ def clean_result(
 ) -> Any:
     """`compute()`, or inside `analysis_session` its first result for this kind, the same input tensors and the
     model as it is now (its modules, parameters, buffers, hooks and train/eval mode: a result under a hook is
-    not a clean one). The model and inputs are held, so their ids are not reused meanwhile."""
+    not a clean one). The model and inputs are held, so their ids are not reused meanwhile. A model that is not a
+    torch module (a protocol-only wrapper) has no fingerprint: its results are computed each time."""
     session = _SESSION.get()
-    if session is None:
+    if session is None or not isinstance(model, nn.Module):
         return compute()
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     key = (kind, id(model), fingerprint_of(model), *map(id, inputs))

@@ -24,11 +24,16 @@ from attnres_lens.analysis.session import current_session, give_back_replica, ta
 MAX_ANALYSIS_WORKERS = 4  # each worker holds a stack of activations; beyond this, workers split torch's threads
 
 
-def analysis_workers(model: nn.Module) -> int:
+def analysis_workers(model: object) -> int:
     """How many threads the analyses give `evaluate_many`: on the CPU one per torch thread up to
     `MAX_ANALYSIS_WORKERS` (independent stacked passes scale across cores, measured 1.6-2.0x on two, where
     splitting each op over two threads gave 1.1-1.4x; docs/analysis.md §11); one on a GPU (its kernels already
-    fill it) and under autocast (`parallel_problem`)."""
+    fill it) and under autocast (`parallel_problem`); one for a model the staged engine does not run (any but the
+    toolkit's `HookedTransformer`: one plain forward per intervention)."""
+    from attnres_lens.model import HookedTransformer  # the model imports nothing of analysis: no cycle, but heavy
+
+    if not isinstance(model, HookedTransformer):
+        return 1
     return min(torch.get_num_threads(), MAX_ANALYSIS_WORKERS) if parallel_problem(model) is None else 1
 
 

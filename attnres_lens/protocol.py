@@ -1,0 +1,118 @@
+"""The depth-mixing model protocol: the few members every depth analysis needs from a model
+(docs/architecture.md §7, "Depth-mixing model protocol").
+
+A model whose sublayer inputs are depth mixes (AttnRes-style: a softmax over earlier sources per consumer and
+route) implements `DepthMixingModel`, plus TransformerLens's `HookedRootModule` hook API (`run_with_hooks`,
+`run_with_cache`, `hooks`, `hook_dict`). The toolkit's `HookedTransformer` is the first implementation; a model
+built elsewhere (the transformers bridge) is another. Analyses that take a `DepthMixingModel` use only these
+members and that hook API; where one has a faster path for the toolkit's own model it picks it by
+`isinstance(model, HookedTransformer)`.
+
+Indexing (docs/architecture.md §7): sublayers 0 … J−1 in forward order (J = `n_sublayers`), J standing for the
+final readout; a consumer is a sublayer (or J) whose input is a depth mix; `sources(consumer)` lists per source
+the sublayer indices summed into it, `[EMBEDDING]` (−1) for the embedding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+# what `depth_hook(consumer, point)` names: the depth logits, the weights (softmax of the logits), and a logit bias
+# that fires only when hooked, on zeros, its return added to the logits (−inf takes a source out)
+DEPTH_POINTS = ("logits", "weights", "logit_bias")
+
+SINGLE_ROUTE = "mix"  # the route name of a consumer that runs one softmax over its sources
+
+
+@runtime_checkable
+class DepthMixingModel(Protocol):
+    """What an analysis may ask a depth-mixing model (docs/architecture.md §7 has the table with shapes)."""
+
+    @property
+    def n_sublayers(self) -> int:
+        """J: the number of sublayers (a looped layer's visits each count); J itself is the final readout."""
+        ...
+
+    @property
+    def d_vocab(self) -> int:
+        """The vocabulary size of the logits."""
+        ...
+
+    @property
+    def embedding_hooks(self) -> list[str]:
+        """Hook names whose sum is e, the embedding source (`EMBEDDING` in `sources`): ['hook_embed'], or with
+        learned positions ['hook_embed', 'hook_pos_embed']. An addition to docs/architecture.md §7's first table:
+        analyses that rebuild sources from their members, or need a gradient root, read e here."""
+        ...
+
+    @property
+    def readout_input_hook(self) -> str:
+        """Hook name of the final readout's input (the final depth mix's output, before the final norm)."""
+        ...
+
+    def sublayer_name(self, sublayer: int) -> str:
+        """'L{l}.attn', 'L{l}.mlp', 'final' for J (with a visit suffix '@{v}' where a layer runs several times)."""
+        ...
+
+    def sublayer_kind(self, sublayer: int) -> str:
+        """'attn', 'mlp' or 'final'."""
+        ...
+
+    def sublayer_input_hook(self, sublayer: int) -> str:
+        """Hook name of h_j, the sublayer's input before its own pre-norm."""
+        ...
+
+    def sublayer_output_hook(self, sublayer: int) -> str:
+        """Hook name of f_j, what sublayer j adds to the sources."""
+        ...
+
+    def consumers(self) -> list[int]:
+        """Every consumer (a sublayer index, or J) in forward order, J last."""
+        ...
+
+    def sources(self, consumer: int) -> list[list[int]]:
+        """Per source of `consumer`, the sublayer indices summed into it ([EMBEDDING] for the embedding)."""
+        ...
+
+    def source_labels(self, consumer: int) -> list[str]:
+        """A short label per source: 'emb', 'L3.attn', 'B2 (L2–L3)', 'partial'."""
+        ...
+
+    def routes(self, consumer: int) -> list[str]:
+        """The softmaxes `consumer` runs over its one source set: ['mix'] for one query, ['q', 'k', 'v'], ['h0', …]."""
+        ...
+
+    def depth_hook(self, consumer: int, point: str) -> str:
+        """Hook name of `point` (one of `DEPTH_POINTS`) of `consumer`'s depth mix: [batch, pos, n_src] for one
+        route, [batch, pos, route, n_src] for several."""
+        ...
+
+    def to_tokens(self, tokens: Any) -> torch.Tensor:
+        """Validated `[batch, pos]` int64 token ids on the model's device."""
+        ...
+
+    def readout(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm, the unembedding and anything after it, applied to `[..., d_model]`: logits."""
+        ...
+
+    def __call__(self, tokens: Any) -> torch.Tensor:
+        """The forward pass: logits [batch, pos, d_vocab]."""
+        ...
+
+
+def check_depth_point(point: str) -> None:
+    """Refuse a depth hook point not in `DEPTH_POINTS`, naming it and the choices."""
+    if point not in DEPTH_POINTS:
+        raise ValueError(f"depth hook point must be one of {list(DEPTH_POINTS)}, got {point!r}")
+
+
+def model_device(model: DepthMixingModel) -> torch.device:
+    """The device the model computes on: where `to_tokens` puts tokens (the protocol names no other member)."""
+    return model.to_tokens(torch.zeros(1, 1, dtype=torch.long)).device
+
+
+def route_count(model: DepthMixingModel, consumer: int) -> int:
+    """How many softmaxes `consumer` runs (the route axis of its depth hooks, when more than one)."""
+    return len(model.routes(consumer))
