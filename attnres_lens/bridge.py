@@ -31,13 +31,13 @@ from attnres_lens.attnres import EMBEDDING
 from attnres_lens.hook_checks import any_hooked, is_hooked
 from attnres_lens.kernels import depth_attention
 from attnres_lens.kernels.reference import depth_logits, mix_sources
+from attnres_lens.protocol import SINGLE_ROUTE, check_depth_point
 
 TRANSFORMERS_VERSION = "5.25.0"  # the version whose Inkling model code the bridge mirrors (pyproject.toml pins it)
 SUPPORTED_MODELS = ("Inkling2ForCausalLM", "Inkling2LoopForCausalLM")
 FULL_ATTENTION_ROUTES = ("q", "k", "v")  # the three inputs of a full-attention layer, one query each
 MESSAGE_ROUTES = ("q", "k", "v", "mlp")  # the loop's four messages per looped layer
 _HOOKED_ATTENTION = "attnres_lens_hooked_eager"  # our name in transformers' AttentionInterface
-DEPTH_POINTS = ("logits", "weights", "logit_bias")  # the protocol's depth hook points (docs/architecture.md)
 
 
 def from_transformers(model_or_dir: nn.Module | str | Path, **load_kwargs: Any) -> InklingBridge:
@@ -156,7 +156,7 @@ class LayerHooks(nn.Module):
 
     def __init__(self, layer: int, full_attention: bool, visit: int | None):
         super().__init__()
-        routes = FULL_ATTENTION_ROUTES if full_attention else ("mix",)
+        routes = FULL_ATTENTION_ROUTES if full_attention else (SINGLE_ROUTE,)
         self.full_attention = full_attention
         self.hook_resid_pre = HookPoint()  # [batch, pos, d_model] attention input h_j ('q' route's mix if full)
         if full_attention:
@@ -167,7 +167,7 @@ class LayerHooks(nn.Module):
         self.hook_mlp_out = HookPoint()  # [batch, pos, d_model] f_j: MoE output after its short conv
         if layer > 0:  # layer 0 reads the embedding directly
             self.attn_res = DepthMix(routes)
-        self.mlp_res = DepthMix(("mix",))
+        self.mlp_res = DepthMix((SINGLE_ROUTE,))
         if visit is not None and visit > 1:
             self.msg_res = MessageMix()
         self.attn = AttentionHooks()
@@ -187,10 +187,12 @@ class LoopedLayerHooks(nn.Module):
             self.add_module(f"visit{visit}", LayerHooks(layer, full_attention, visit))
 
 
-class FinalHooks(DepthMix):
+class FinalNormHooks(nn.Module):
+    """`ln_final`: the final norm's input, as on the toolkit's model (the norm itself is transformers')."""
+
     def __init__(self) -> None:
-        super().__init__(("mix",))
-        self.hook_out = HookPoint()  # [batch, pos, d_model] the readout's input, before the final norm
+        super().__init__()
+        self.hook_in = HookPoint()  # [batch, pos, d_model] the readout's input: the final depth mix's output
 
 
 # ---------------------------------------------------------------------------------------------------- schedule
@@ -298,7 +300,8 @@ class InklingBridge(HookedRootModule):
                 LoopedLayerHooks(layer, full, len(steps)) if layer in self._looped else LayerHooks(layer, full, None)
             )
         self.blocks = nn.ModuleList(blocks)
-        self.final_res = FinalHooks()
+        self.final_res = DepthMix((SINGLE_ROUTE,))
+        self.ln_final = FinalNormHooks()
         self.hook_embed = HookPoint()  # [batch, pos, d_model] the normed embedding e = b_0
         self._sources = _trace_sources(config, self.visits)
         self._install(text_model)
@@ -400,7 +403,7 @@ class InklingBridge(HookedRootModule):
             sources = [*block_states.unbind(-2), partial_block_states]
             query = transformers_module.query.view(1, -1)
             mixed = self.final_res.mix(sources, query, transformers_module.norm.variance_epsilon)
-            return (self.final_res.hook_out(mixed.squeeze(-2)),)
+            return (self.ln_final.hook_in(mixed.squeeze(-2)),)
 
         return forward
 
@@ -445,7 +448,12 @@ class InklingBridge(HookedRootModule):
 
     @property
     def readout_input_hook(self) -> str:
-        return "final_res.hook_out"
+        return "ln_final.hook_in"
+
+    @property
+    def embedding_hooks(self) -> list[str]:
+        """The embedding e = b_0 is one hook's: Inkling has no learned positions."""
+        return ["hook_embed"]
 
     def readout(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm, unembedding and logit soft-cap, as transformers applies them, to `[..., d_model]`."""
@@ -575,8 +583,7 @@ class InklingBridge(HookedRootModule):
     def depth_hook(self, consumer: int | str, point: str) -> str:
         """Hook name of `point` ('logits', 'weights', 'logit_bias') of `consumer`'s depth mix."""
         self._check_consumer(consumer)
-        if point not in DEPTH_POINTS:
-            raise ValueError(f"point must be one of {DEPTH_POINTS}, got {point!r}")
+        check_depth_point(point)
         return f"{self._mix_hooks(consumer).name}.hook_{point}"
 
 

@@ -14,7 +14,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attnres_lens import from_transformers  # noqa: E402
+from attnres_lens.analysis.interventions import source_mask_hooks  # noqa: E402
 from attnres_lens.attnres import EMBEDDING  # noqa: E402
+from attnres_lens.protocol import DepthMixingModel  # noqa: E402
 
 COMMON = dict(
     vocab_size=64,
@@ -231,6 +233,8 @@ def test_knockout_through_logit_bias_equals_direct_knockout(
     expected = reference(input_ids=TOKENS, use_cache=False).logits
     _close(hooked, expected, 1e-5)
     assert (hooked - bridge(TOKENS)).abs().max() > 1e-4  # the knockout changed something
+    if isinstance(consumer, int):  # the analyses' own knockout, through the protocol, is the same
+        _close(bridge.run_with_hooks(TOKENS, fwd_hooks=source_mask_hooks(bridge, consumer, [source])), expected, 1e-5)
 
 
 def test_pattern_hook_sees_and_edits_transformers_attention(folders):
@@ -265,6 +269,7 @@ def test_pattern_hook_sees_and_edits_transformers_attention(folders):
 
 def test_protocol_names_and_hook_points(folders):
     bridge = from_transformers(folders["loop"])
+    assert isinstance(bridge, DepthMixingModel)
     assert bridge.n_sublayers == 2 * (7 + 2 * 4)
     assert bridge.sublayer_name(4) == "L2.attn@1" and bridge.sublayer_name(12) == "L2.attn@2"
     assert bridge.sublayer_kind(bridge.n_sublayers) == "final"
