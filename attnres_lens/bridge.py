@@ -462,8 +462,17 @@ class InklingBridge(HookedRootModule):
         return self.hf_model.logit_softcap(self.hf_model.lm_head(normed).float())
 
     def to_tokens(self, tokens: Any) -> torch.Tensor:
-        """`[batch, pos]` int64 ids on the model's device from a tensor or (nested) list of ids, checked against
-        d_vocab (the unembedding's rows; the embedding's padding rows are never a valid input)."""
+        """`[batch, pos]` int64 ids on the model's device from a tensor, a (nested) list of ids or a string of
+        space-separated ids, checked against d_vocab (the unembedding's rows; the embedding's padding rows are never
+        a valid input)."""
+        if isinstance(tokens, str):
+            try:
+                tokens = [int(piece) for piece in tokens.split()]
+            except ValueError as err:
+                raise ValueError(
+                    f"a string of tokens must hold space-separated integer ids, got {tokens[:60]!r}: tokenize text "
+                    "with the model's tokenizer first"
+                ) from err
         if not isinstance(tokens, torch.Tensor):
             tokens = torch.tensor(tokens)
         if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():

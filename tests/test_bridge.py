@@ -100,6 +100,20 @@ def test_logits_equal_transformers_hooked_and_not(folders, kind):
 
 
 @pytest.mark.parametrize("kind", ["plain", "loop"])
+def test_parameter_gradients_equal_transformers(folders, kind):
+    """Attribution differentiates through the bridge: the unhooked depth op's backward must be transformers'."""
+    bridge, reference = from_transformers(folders[kind]), _reference(folders[kind])
+    bridge(TOKENS, return_type="loss").backward()
+    logits = reference(input_ids=TOKENS, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), TOKENS[:, 1:].flatten()).backward()
+    expected = dict(reference.named_parameters())
+    for name, parameter in bridge.hf_model.named_parameters():
+        if expected[name].grad is not None:
+            _close(parameter.grad, expected[name].grad, 1e-4)
+    assert bridge.hf_model.model.final_input.query.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("kind", ["plain", "loop"])
 def test_bf16_logits_within_bf16_rounding(folders, kind):
     bridge = from_transformers(folders[kind], dtype=torch.bfloat16)
     assert bridge.hf_model.model.embed_tokens.weight.dtype == torch.bfloat16
@@ -286,6 +300,9 @@ def test_protocol_names_and_hook_points(folders):
         bridge.sources(0)
     with pytest.raises(ValueError, match="out of range for d_vocab=60"):
         bridge.to_tokens([[1, 60]])
+    assert torch.equal(bridge.to_tokens("3 17 42"), torch.tensor([[3, 17, 42]]))
+    with pytest.raises(ValueError, match="tokenize text with the model's tokenizer first"):
+        bridge.to_tokens("hello")
 
 
 def test_refusals(folders, tmp_path, monkeypatch):
