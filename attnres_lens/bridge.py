@@ -431,6 +431,11 @@ class InklingBridge(HookedRootModule):
         """Logits `[batch, pos, d_vocab]` of transformers' own forward (no cache), or the next-token loss."""
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be one of 'logits', 'loss', 'both', None; got {return_type!r}")
+        if self._looped and self.hf_model.is_activation_checkpointing and self.hf_model.training:
+            raise ValueError(
+                "activation (gradient) checkpointing re-runs layers in the backward pass, which the bridge would count as more "
+                "visits of the looped layers: call model.activation_checkpointing_disable() (or eval()) first"
+            )
         tokens = self.to_tokens(tokens)
         logits = self.hf_model(input_ids=tokens, use_cache=False).logits
         if return_type is None:

@@ -251,6 +251,16 @@ def test_knockout_through_logit_bias_equals_direct_knockout(
         _close(bridge.run_with_hooks(TOKENS, fwd_hooks=source_mask_hooks(bridge, consumer, [source])), expected, 1e-5)
 
 
+def test_loop_patterns_per_visit_are_transformers_attentions(folders):
+    bridge = from_transformers(folders["loop"])
+    _, cache = bridge.run_with_cache(TOKENS)
+    attentions = _reference(folders["loop"])(input_ids=TOKENS, use_cache=False, output_attentions=True).attentions
+    assert len(attentions) == len(bridge.visits)  # transformers records every visit, in forward order
+    for step, expected in zip(bridge.visits, attentions, strict=True):
+        name = f"blocks.{step.layer}." + ("" if step.visit is None else f"visit{step.visit}.") + "attn.hook_pattern"
+        _close(cache[name], expected, 1e-5)
+
+
 def test_pattern_hook_sees_and_edits_transformers_attention(folders):
     bridge = from_transformers(folders["plain"])
     _, cache = bridge.run_with_cache(TOKENS)
@@ -298,6 +308,10 @@ def test_protocol_names_and_hook_points(folders):
     assert parameters["hf_model.lm_head.weight"] is bridge.hf_model.lm_head.weight  # held, not copied
     with pytest.raises(ValueError, match="not a depth consumer"):
         bridge.sources(0)
+    bridge.hf_model.activation_checkpointing_enable()
+    bridge.train()
+    with pytest.raises(ValueError, match="activation_checkpointing_disable"):
+        bridge(TOKENS)
     with pytest.raises(ValueError, match="out of range for d_vocab=60"):
         bridge.to_tokens([[1, 60]])
     assert torch.equal(bridge.to_tokens("3 17 42"), torch.tensor([[3, 17, 42]]))
