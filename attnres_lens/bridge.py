@@ -165,6 +165,7 @@ class LayerHooks(nn.Module):
         self.hook_attn_out = HookPoint()  # [batch, pos, d_model] f_j: attention output after its short conv
         self.hook_resid_mid = HookPoint()  # [batch, pos, d_model] MLP input h_j (the mlp_res mix)
         self.hook_mlp_out = HookPoint()  # [batch, pos, d_model] f_j: MoE output after its short conv
+        self.hook_block_partial = HookPoint()  # [batch, pos, d_model] the open block's sum after this layer
         if layer > 0:  # layer 0 reads the embedding directly
             self.attn_res = DepthMix(routes)
         self.mlp_res = DepthMix((SINGLE_ROUTE,))
@@ -312,6 +313,7 @@ class InklingBridge(HookedRootModule):
         text_model.embed_tokens.register_forward_hook(lambda _m, _a, out: self.hook_embed(out))
         for layer, decoder_layer in enumerate(text_model.layers):
             decoder_layer.register_forward_pre_hook(self._visit_counter(layer))
+            decoder_layer.register_forward_hook(self._output_hook(layer, "hook_block_partial"))
             if decoder_layer.attention_input is not None:
                 decoder_layer.attention_input.forward = self._consumer_forward(layer, "attn_res")
             else:  # layer 0: the attention reads the embedding through its pre-norms

@@ -196,6 +196,8 @@ def test_depth_weights_and_sources_against_transformers_inputs(folders, kind):
         expected = expected.squeeze(-2) if len(routes) == 1 else expected
         torch.testing.assert_close(weights.double(), expected, rtol=1e-5, atol=1e-6)  # fp32 weights
     assert max(cache[bridge.depth_hook(c, "weights")].std().item() for c in bridge.consumers()) > 0.05
+    last = bridge.visits[-1]  # the readout's last source is the last layer's partial sum
+    torch.testing.assert_close(captured[bridge.n_sublayers][1], cache[f"blocks.{last.layer}.hook_block_partial"])
 
 
 def _drop_source(index: int, forward, call: int | None = None, layer_idx: int | None = None):
