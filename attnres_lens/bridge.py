@@ -97,14 +97,14 @@ def _load(folder: Path, load_kwargs: dict[str, Any], transformers: Any) -> nn.Mo
 class DepthMix(nn.Module):
     """One depth consumer's hook points (docs/interop.md §7). `R` routes: one for a single query, else a route axis."""
 
+    hook_points = ("hook_logit_bias", "hook_logits", "hook_weights")
+
     def __init__(self, routes: tuple[str, ...]):
         super().__init__()
         self.routes = routes
         self.hook_logit_bias = HookPoint()  # [batch, pos, n_src] ([batch, pos, route, n_src]); fires only when hooked
         self.hook_logits = HookPoint()  # [batch, pos, n_src] ([batch, pos, route, n_src] with several routes)
         self.hook_weights = HookPoint()  # same shape as hook_logits
-
-    hook_points = ("hook_logit_bias", "hook_logits", "hook_weights")
 
     def _squeezed(self, x: torch.Tensor) -> torch.Tensor:
         return x.squeeze(-2) if len(self.routes) == 1 else x
@@ -263,7 +263,7 @@ def message_key(step: LayerVisit) -> str:
 
 # ---------------------------------------------------------------------------------------------------- the bridge
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose forwards a bridge replaced
-_BRIDGES: weakref.WeakKeyDictionary[nn.Module, Callable[[], AttentionHooks]] = weakref.WeakKeyDictionary()
+_PATTERN_HOOKS = "_attnres_lens_attention_hooks"  # the attribute of an attention module naming its hook points
 
 
 class InklingBridge(HookedRootModule):
@@ -340,7 +340,8 @@ class InklingBridge(HookedRootModule):
         _register_hooked_attention()
         attention.config = copy.copy(attention.config)
         attention.config._attn_implementation = _HOOKED_ATTENTION
-        _BRIDGES[attention] = lambda: self.layer_hooks(layer, self._current_visit(layer)).attn
+        # on the module, not in a global table: the bridge then lives exactly as long as the model it changed
+        setattr(attention, _PATTERN_HOOKS, lambda: self.layer_hooks(layer, self._current_visit(layer)).attn)
 
     def _visit_counter(self, layer: int) -> Callable:
         def count(_module: nn.Module, _args: Any) -> None:
@@ -435,8 +436,9 @@ class InklingBridge(HookedRootModule):
             raise ValueError(f"return_type must be one of 'logits', 'loss', 'both', None; got {return_type!r}")
         if self._looped and self.hf_model.is_activation_checkpointing and self.hf_model.training:
             raise ValueError(
-                "activation (gradient) checkpointing re-runs layers in the backward pass, which the bridge would count as more "
-                "visits of the looped layers: call model.activation_checkpointing_disable() (or eval()) first"
+                "activation (gradient) checkpointing re-runs layers in the backward pass, which the bridge would "
+                "count as more visits of the looped layers: call model.activation_checkpointing_disable() (or "
+                "eval()) first"
             )
         tokens = self.to_tokens(tokens)
         logits = self.hf_model(input_ids=tokens, use_cache=False).logits
@@ -617,10 +619,7 @@ def _hooked_eager_attention(
     hooked pattern (`pattern @ V`, the eager function's last step) so an edited pattern takes effect."""
     modeling = sys.modules[type(module).__module__]  # the model's own copy (inkling2 or inkling2_loop)
     output, pattern = modeling.eager_attention_forward(module, query, key, value, *args, **kwargs)
-    hooks = _BRIDGES.get(module)
-    if hooks is None:
-        return output, pattern
-    point = hooks().hook_pattern
+    point = getattr(module, _PATTERN_HOOKS)().hook_pattern
     if not is_hooked(point):
         return output, pattern
     pattern = point(pattern)
