@@ -27,8 +27,12 @@ from tests.kernel_cases import (
 
 CPU_BACKENDS = ["reference", "torch", "cpu"]
 FAST_BACKENDS = ["torch", "cpu"]  # hand-derived backwards, checked against the reference's autograd
-KNOB_BACKENDS = ["reference", "auto"]  # those that take every knob of docs/kernels.md §1 ("auto" routes to one)
-KNOB_FAST_BACKENDS = ["auto"]  # of those, the ones whose backward is checked against the reference's autograd
+KNOB_BACKENDS = [
+    "reference",
+    "torch",
+    "auto",
+]  # those that take every knob of docs/kernels.md §1 ("auto" routes to one)
+KNOB_FAST_BACKENDS = ["torch", "auto"]  # of those, the ones whose backward is checked against the reference's autograd
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
@@ -322,6 +326,24 @@ def test_knob_gradients_match_reference_autograd(backend, dtype, knobs):
     for actual, wanted in zip(gradients(backend, dtype), expected):
         assert actual.dtype == dtype
         assert_close(actual, wanted, dtype, scale=4.0)
+
+
+@pytest.mark.parametrize("backend", KNOB_FAST_BACKENDS)
+@pytest.mark.parametrize("per_route", [False, True])
+def test_inkling_gradients_with_a_logit_bias_match_reference_autograd(backend, per_route):
+    sources, query, _ = make_knob_inputs(INKLING, 5, (3, 13), 40, seed=31)
+    bias = random_bias((3, 13, 3) if per_route else (3, 13), 5, seed=32)
+    grad_output = torch.randn(3, 13, 3, 40, generator=torch.Generator().manual_seed(33))
+
+    def gradients(backend, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (*sources, query)]
+        h = depth_attention(leaves[:-1], leaves[-1], None, backend=backend, logit_bias=bias, **INKLING.kwargs(40))
+        (h.double() * grad_output.double()).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+    for actual, wanted in zip(gradients(backend, torch.float32), gradients("reference", torch.float64)):
+        assert torch.isfinite(actual).all()  # a masked source's zero weight must not turn into 0 * inf
+        assert_close(actual, wanted, torch.float32, scale=4.0)
 
 
 @pytest.mark.parametrize("backend", KNOB_BACKENDS)

@@ -46,7 +46,7 @@ def triton_available() -> bool:
 DEPTH_FEATURES = ("logit_bias", "logit_scale", "key_norm_weight=None", "normalize_values", "query [R, D]")
 _MISSING_FEATURES = {
     "reference": frozenset(),
-    "torch": frozenset({"logit_scale", "key_norm_weight=None", "normalize_values", "query [R, D]"}),
+    "torch": frozenset(),
     "cpu": frozenset({"logit_scale", "key_norm_weight=None", "normalize_values", "query [R, D]"}),
     "triton": frozenset(DEPTH_FEATURES),
 }
