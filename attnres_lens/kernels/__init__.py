@@ -42,10 +42,11 @@ from attnres_lens.kernels.cpu_depth import (
     depth_attention_cpu,
     depth_attention_multi_cpu,
     fused_mix_and_norm,
+    routed_depth_attention_cpu,
 )
 from attnres_lens.kernels.layer_ops import TokenShiftMix, apply_rotary, causal_attention, kv_shift, rms_norm, rotary
 from attnres_lens.kernels.reference import depth_attention_reference, depth_logits, mix_sources
-from attnres_lens.kernels.torch_fast import depth_attention_torch
+from attnres_lens.kernels.torch_fast import depth_attention_torch, routed_depth_attention_torch
 from attnres_lens.kernels.two_phase import BlockStats, block_phase1, merge_partial
 
 __all__ = [
@@ -104,10 +105,13 @@ def _routed_fast_path(
         bias_routes = n_routes if logit_bias.dim() == first.dim() + 1 else 1  # [..., R, S] or shared [..., S]
         bias = logit_bias.reshape(-1, bias_routes, n_sources).permute(2, 0, 1)
     if chosen == "torch":
-        from attnres_lens.kernels.torch_fast import routed_depth_attention_torch as fast_path
+        h, weights, logits = routed_depth_attention_torch(
+            source_list, queries, key_norm_weight, eps, bias, logit_scale, normalize_values
+        )
     else:
-        from attnres_lens.kernels.cpu_depth import routed_depth_attention_cpu as fast_path
-    h, weights, logits = fast_path(source_list, queries, key_norm_weight, eps, bias, logit_scale, normalize_values)
+        h, weights, logits = routed_depth_attention_cpu(
+            source_list, queries, key_norm_weight, eps, bias, logit_scale, normalize_values, want_stats
+        )
     one_query = query.dim() == 1
     if one_query:
         h = h.squeeze(-2)

@@ -47,7 +47,7 @@ DEPTH_FEATURES = ("logit_bias", "logit_scale", "key_norm_weight=None", "normaliz
 _MISSING_FEATURES = {
     "reference": frozenset(),
     "torch": frozenset(),
-    "cpu": frozenset({"logit_scale", "key_norm_weight=None", "normalize_values", "query [R, D]"}),
+    "cpu": frozenset(),
     "triton": frozenset(DEPTH_FEATURES),
 }
 _FALLBACK = {"triton": "torch", "cpu": "torch", "torch": "reference"}
