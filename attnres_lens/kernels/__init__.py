@@ -92,10 +92,12 @@ def _routed_fast_path(
     logit_scale: float,
     normalize_values: bool,
     want_stats: bool,
+    depth_buffer: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """A call with a knob on a fast backend: its routed kernel takes queries ``[R, D]`` (one ``[D]`` query is one
-    route, dropped again from the outputs) and a source-major bias ``[S, N, R]`` or ``[S, N, 1]``; returns
-    ``(h, weights, logits)`` in the op's layout (docs/kernels.md §1)."""
+    route, dropped again from the outputs) and a source-major bias ``[S, N, R]`` or ``[S, N, 1]`` (triton takes
+    none, and reads a ``depth_buffer`` in place); returns ``(h, weights, logits)`` in the op's layout
+    (docs/kernels.md §1)."""
     first = source_list[0]
     lead_shape, n_sources = first.shape[:-1], len(source_list)
     queries = query.reshape(-1, first.shape[-1])
@@ -108,9 +110,15 @@ def _routed_fast_path(
         h, weights, logits = routed_depth_attention_torch(
             source_list, queries, key_norm_weight, eps, bias, logit_scale, normalize_values
         )
-    else:
+    elif chosen == "cpu":
         h, weights, logits = routed_depth_attention_cpu(
             source_list, queries, key_norm_weight, eps, bias, logit_scale, normalize_values, want_stats
+        )
+    else:
+        from attnres_lens.kernels.triton_fused import routed_depth_attention_triton
+
+        h, weights, logits = routed_depth_attention_triton(
+            source_list, queries, key_norm_weight, eps, want_stats, logit_scale, normalize_values, depth_buffer
         )
     one_query = query.dim() == 1
     if one_query:
@@ -207,9 +215,19 @@ def depth_attention(
             logit_scale=logit_scale,
             normalize_values=normalize_values,
         )
-    elif features and chosen in ("torch", "cpu"):
+    elif features:
+        depth_buffer = sources if isinstance(sources, torch.Tensor) else None
         h, weights, logits = _routed_fast_path(
-            chosen, source_list, query, key_norm_weight, eps, logit_bias, logit_scale, normalize_values, want_stats
+            chosen,
+            source_list,
+            query,
+            key_norm_weight,
+            eps,
+            logit_bias,
+            logit_scale,
+            normalize_values,
+            want_stats,
+            depth_buffer,
         )
     elif chosen in ("torch", "cpu"):
         fast_path = depth_attention_torch if chosen == "torch" else depth_attention_cpu

@@ -48,7 +48,7 @@ _MISSING_FEATURES = {
     "reference": frozenset(),
     "torch": frozenset(),
     "cpu": frozenset(),
-    "triton": frozenset(DEPTH_FEATURES),
+    "triton": frozenset({"logit_bias"}),
 }
 _FALLBACK = {"triton": "torch", "cpu": "torch", "torch": "reference"}
 
