@@ -42,10 +42,11 @@ from attnres_lens.kernels.cpu_depth import (
     depth_attention_cpu,
     depth_attention_multi_cpu,
     fused_mix_and_norm,
+    routed_depth_attention_cpu,
 )
 from attnres_lens.kernels.layer_ops import TokenShiftMix, apply_rotary, causal_attention, kv_shift, rms_norm, rotary
 from attnres_lens.kernels.reference import depth_attention_reference, depth_logits, mix_sources
-from attnres_lens.kernels.torch_fast import depth_attention_torch
+from attnres_lens.kernels.torch_fast import depth_attention_torch, routed_depth_attention_torch
 from attnres_lens.kernels.two_phase import BlockStats, block_phase1, merge_partial
 
 __all__ = [
@@ -79,6 +80,58 @@ __all__ = [
 def _token_major(stat: torch.Tensor, lead_shape: torch.Size) -> torch.Tensor:
     """``[S, N]`` source-major statistics -> ``[..., S]``."""
     return stat.t().reshape(*lead_shape, stat.shape[0])
+
+
+def _routed_fast_path(
+    chosen: str,
+    source_list: list[torch.Tensor],
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor | None,
+    eps: float,
+    logit_bias: torch.Tensor | None,
+    logit_scale: float,
+    normalize_values: bool,
+    want_stats: bool,
+    depth_buffer: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A call with a knob on a fast backend: its routed kernel takes queries ``[R, D]`` (one ``[D]`` query is one
+    route, dropped again from the outputs) and a source-major bias ``[S, N, R]`` or ``[S, N, 1]`` (triton takes
+    none, and reads a ``depth_buffer`` in place); returns ``(h, weights, logits)`` in the op's layout
+    (docs/kernels.md §1)."""
+    first = source_list[0]
+    lead_shape, n_sources = first.shape[:-1], len(source_list)
+    queries = query.reshape(-1, first.shape[-1])
+    n_routes = queries.shape[0]
+    bias = None
+    if logit_bias is not None:
+        bias_routes = n_routes if logit_bias.dim() == first.dim() + 1 else 1  # [..., R, S] or shared [..., S]
+        bias = logit_bias.reshape(-1, bias_routes, n_sources).permute(2, 0, 1)
+    if chosen == "torch":
+        h, weights, logits = routed_depth_attention_torch(
+            source_list, queries, key_norm_weight, eps, bias, logit_scale, normalize_values
+        )
+    elif chosen == "cpu":
+        h, weights, logits = routed_depth_attention_cpu(
+            source_list, queries, key_norm_weight, eps, bias, logit_scale, normalize_values, want_stats
+        )
+    else:
+        from attnres_lens.kernels.triton_fused import routed_depth_attention_triton
+
+        h, weights, logits = routed_depth_attention_triton(
+            source_list, queries, key_norm_weight, eps, want_stats, logit_scale, normalize_values, depth_buffer
+        )
+    one_query = query.dim() == 1
+    if one_query:
+        h = h.squeeze(-2)
+    if not want_stats:
+        return h, None, None
+    weights, logits = (stat.permute(1, 2, 0).reshape(*lead_shape, n_routes, n_sources) for stat in (weights, logits))
+    if logit_bias is not None:
+        shared = logit_bias.dim() == first.dim() and not one_query
+        logits = logits + (logit_bias.unsqueeze(-2) if shared else logit_bias.reshape(logits.shape)).to(logits.dtype)
+    if one_query:
+        weights, logits = weights.squeeze(-2), logits.squeeze(-2)
+    return h, weights, logits
 
 
 def depth_attention(
@@ -161,6 +214,20 @@ def depth_attention(
             logit_bias,
             logit_scale=logit_scale,
             normalize_values=normalize_values,
+        )
+    elif features:
+        depth_buffer = sources if isinstance(sources, torch.Tensor) else None
+        h, weights, logits = _routed_fast_path(
+            chosen,
+            source_list,
+            query,
+            key_norm_weight,
+            eps,
+            logit_bias,
+            logit_scale,
+            normalize_values,
+            want_stats,
+            depth_buffer,
         )
     elif chosen in ("torch", "cpu"):
         fast_path = depth_attention_torch if chosen == "torch" else depth_attention_cpu

@@ -46,9 +46,9 @@ def triton_available() -> bool:
 DEPTH_FEATURES = ("logit_bias", "logit_scale", "key_norm_weight=None", "normalize_values", "query [R, D]")
 _MISSING_FEATURES = {
     "reference": frozenset(),
-    "torch": frozenset({"logit_scale", "key_norm_weight=None", "normalize_values", "query [R, D]"}),
-    "cpu": frozenset({"logit_scale", "key_norm_weight=None", "normalize_values", "query [R, D]"}),
-    "triton": frozenset(DEPTH_FEATURES),
+    "torch": frozenset(),
+    "cpu": frozenset(),
+    "triton": frozenset({"logit_bias"}),
 }
 _FALLBACK = {"triton": "torch", "cpu": "torch", "torch": "reference"}
 
