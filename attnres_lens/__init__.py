@@ -15,6 +15,7 @@ _EXPORTS = {
     "next_token_loss": "attnres_lens.model",
     "param_groups": "attnres_lens.model",
     "adamw": "attnres_lens.model",
+    "DepthMixingModel": "attnres_lens.protocol",
     "Run": "attnres_lens.rundir",
     "RunDirError": "attnres_lens.rundir",
     "load_run": "attnres_lens.rundir",

@@ -111,8 +111,3 @@ def check_depth_point(point: str) -> None:
 def model_device(model: DepthMixingModel) -> torch.device:
     """The device the model computes on: where `to_tokens` puts tokens (the protocol names no other member)."""
     return model.to_tokens(torch.zeros(1, 1, dtype=torch.long)).device
-
-
-def route_count(model: DepthMixingModel, consumer: int) -> int:
-    """How many softmaxes `consumer` runs (the route axis of its depth hooks, when more than one)."""
-    return len(model.routes(consumer))

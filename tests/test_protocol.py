@@ -22,13 +22,15 @@ from attnres_lens.analysis import (
     depth_weights_per_token,
     edge_attribution,
     evaluate_many,
+    per_position_loss,
+    prune_tables,
     pruning_sensitivity,
     removal_hooks,
     routing_audit,
     source_logit_lens,
     source_mask_hooks,
 )
-from attnres_lens.analysis.depth import mixing_diagnostics, mixing_matrix_from_weights
+from attnres_lens.analysis.depth import depth_mixing_per_token, mixing_diagnostics, mixing_matrix_from_weights
 from attnres_lens.attnres import EMBEDDING
 from attnres_lens.evaluation import score_logits
 from attnres_lens.protocol import DEPTH_POINTS, DepthMixingModel
@@ -172,6 +174,7 @@ def test_the_mixing_matrix_is_the_same_through_the_protocol_where_it_is_defined(
                 analysis()
         return
     assert_same_frame(depth_mixing_matrix(proxy, tokens), depth_mixing_matrix(model, tokens))
+    assert_same_frame(depth_mixing_per_token(proxy, tokens[:1]), depth_mixing_per_token(model, tokens[:1]))
     assert_same_frame(mixing_diagnostics(proxy, tokens), mixing_diagnostics(model, tokens))
     from_weights = mixing_matrix_from_weights(proxy, depth_weights(proxy, tokens))
     assert_same_frame(from_weights, mixing_matrix_from_weights(model, depth_weights(model, tokens)))
@@ -214,6 +217,16 @@ def test_causal_routing_is_the_same_through_the_protocol(pair):
     assert_same_frame(causal_routing(proxy, batch), causal_routing(model, batch))
 
 
+def test_the_prune_tables_and_the_loss_per_position_are_the_same_through_the_protocol():
+    model = float64_attnres(2)
+    proxy, batch = ProtocolOnly(model), copy_batch(4)
+    ours, theirs = prune_tables(proxy, batch), prune_tables(model, batch)
+    assert ours.keys() == theirs.keys() and "routing" in ours
+    for name in ours:
+        assert_same_frame(ours[name], theirs[name])
+    assert_same_frame(per_position_loss(proxy, batch.tokens), per_position_loss(model, batch.tokens))
+
+
 def test_attribution_tables_are_the_same_through_the_protocol(pair):
     model, proxy = pair
     batch = copy_batch(4)
@@ -233,6 +246,12 @@ def test_attribution_tables_are_the_same_through_the_protocol(pair):
 def test_what_the_protocol_does_not_name_is_refused_with_the_reason():
     model = float64_attnres(1)
     proxy, batch = ProtocolOnly(model), copy_batch(2)
+    # a model whose inputs are not depth mixes has no M the protocol could read (the toolkit's own sums have one)
+    plain = ProtocolOnly(HookedTransformer(small_config("standard")))
+    with pytest.raises(ValueError, match=r"every sublayer and the final readout to read a depth mix; .*'L0.attn'"):
+        depth_mixing_matrix(plain, batch.tokens)
+    with pytest.raises(ValueError, match="has no depth attention; its mixing weights are in depth_mixing_matrix"):
+        depth_weights(plain, batch.tokens)
     with pytest.raises(ValueError, match="freezes the final norm's scale.*use source_logit_lens"):
         depth_logit_attribution(proxy, batch.tokens)
     corrupted = batch.tokens.flip(0)

@@ -1,5 +1,8 @@
 """Analyses over a model and data, or over a run directory (docs/analysis.md). Every function returns pandas DataFrames.
 
+The depth analyses take any depth-mixing model (`attnres_lens.protocol.DepthMixingModel`, docs/architecture.md §7):
+the toolkit's `HookedTransformer` (with the staged engine's faster paths) or another implementation.
+
 * `induction`: induction-head scores per layer × head and the in-context-learning score;
 * `depth`: depth-attention maps, entropy and sink scores, the depth-mixing matrix M;
 * `pruning`: layer-pruning sensitivity, Block Influence, angular distances, cumulative removal curves;

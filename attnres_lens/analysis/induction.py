@@ -35,6 +35,7 @@ from attnres_lens.analysis.interventions import replace_hook
 from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.mixing import basis_index, mixing_coefficients
 from attnres_lens.model import HookedTransformer, next_token_loss
+from attnres_lens.protocol import DepthMixingModel
 from attnres_lens.recorder import prefix_matching_score
 from attnres_lens.tasks import make_task
 from attnres_lens.tasks.base import BOS, IGNORE_INDEX, Batch, Task
@@ -168,9 +169,10 @@ def _direct_path_weight(
 
 
 @torch.no_grad()
-def per_position_loss(model: HookedTransformer, tokens: torch.Tensor) -> pd.DataFrame:
+def per_position_loss(model: DepthMixingModel, tokens: torch.Tensor) -> pd.DataFrame:
     """Mean next-token loss at each position t (predicting token t+1): columns position, loss."""
-    losses = next_token_loss(model(tokens), tokens.to(model.embed.W_E.device), per_token=True).mean(0)
+    tokens = model.to_tokens(tokens)
+    losses = next_token_loss(model(tokens), tokens, per_token=True).mean(0)
     return pd.DataFrame({"position": range(len(losses)), "loss": losses.cpu().numpy()})
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 import torch
+from torch import nn
 
 from attnres_lens.analysis.attribution_report import (
     attribution_report_html,
@@ -55,7 +56,7 @@ from attnres_lens.analysis_options import (
     check_metric,
     check_samples,
 )
-from attnres_lens.model import HookedTransformer
+from attnres_lens.protocol import DepthMixingModel, model_device
 from attnres_lens.resources import check_samples_fit
 from attnres_lens.rundir import (
     PathLike,
@@ -260,14 +261,15 @@ def analysis_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) ->
 
 
 def prune_tables(
-    model: HookedTransformer,
+    model: DepthMixingModel,
     batch: Batch,
     metric: str = "loss",
     progress: bool = False,
     on_stage: Callable[[float, str], Any] | None = None,
     fork_routing: bool = False,
 ) -> dict[str, pd.DataFrame]:
-    """Every pruning table for a model on a task batch (routing tables only for AttnRes models).
+    """Every pruning table for a model on a task batch (routing tables only for models with depth-mixing consumers:
+    AttnRes, or another depth-mixing model, docs/architecture.md §7).
 
     `on_stage(fraction_done, description)` is called before each stage (a UI's progress bar). `fork_routing`: on
     Linux at two torch threads, compute the causal-routing table in a forked child process on one of them while
@@ -283,23 +285,25 @@ def prune_tables(
 
 
 def _prune_tables(
-    model: HookedTransformer,
+    model: DepthMixingModel,
     batch: Batch,
     metric: str,
     report: Callable[[float, str], Any],
     progress: bool,
     fork_routing: bool,
 ) -> dict[str, pd.DataFrame]:
-    stages = 4 if model.cfg.residual == "attnres" else 3
-    batch = batch.to(model.embed.W_E.device)
+    has_routing = bool(model.consumers())
+    stages = 4 if has_routing else 3
+    batch = batch.to(model_device(model))
     threads = torch.get_num_threads()
     routing: ForkedJob | None = None
-    if fork_routing and model.cfg.residual == "attnres" and threads == 2 and fork_available(model):
+    forking = fork_routing and has_routing and threads == 2
+    if forking and isinstance(model, nn.Module) and fork_available(model):  # a torch module's devices say if it may
         routing = ForkedJob(lambda: causal_routing(model, batch))
         torch.set_num_threads(1)
     try:
         tables = _pruning_tables(model, batch, metric, report, progress, stages)
-        if model.cfg.residual == "attnres":
+        if has_routing:
             report(3 / stages, "causal depth routing (masking each source of each consumer)…")
             tables["routing"] = routing.result() if routing is not None else causal_routing(model, batch, progress)
             tables["routing_disagreements"] = routing_disagreements(tables["routing"])
@@ -314,7 +318,7 @@ def _prune_tables(
 
 
 def _pruning_tables(
-    model: HookedTransformer,
+    model: DepthMixingModel,
     batch: Batch,
     metric: str,
     report: Callable[[float, str], Any],
