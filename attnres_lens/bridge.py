@@ -268,7 +268,7 @@ _PATTERN_HOOKS = "_attnres_lens_attention_hooks"  # the attribute of an attentio
 
 class InklingBridge(HookedRootModule):
     """An Inkling-2 / Inkling-2-Mini text model with the toolkit's hook names and the depth-mixing model protocol
-    (docs/architecture.md, docs/interop.md §7). Build it with `attnres_lens.from_transformers`."""
+    (docs/architecture.md §7, docs/interop.md §7). Build it with `attnres_lens.from_transformers`."""
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()

@@ -334,6 +334,10 @@ def test_refusals(folders, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="apply only when opening a folder"):
         from_transformers(_reference(folders["plain"]), dtype=torch.bfloat16)
     model = _reference(folders["plain"])
+    model.config._attn_implementation = "sdpa"
+    with pytest.raises(ValueError, match="uses 'sdpa': load it with attn_implementation='eager'"):
+        from_transformers(model)
+    model.config._attn_implementation = "eager"
     from_transformers(model)
     with pytest.raises(ValueError, match="already wrapped by a bridge"):
         from_transformers(model)
