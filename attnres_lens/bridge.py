@@ -59,8 +59,8 @@ def from_transformers(model_or_dir: nn.Module | str | Path, **load_kwargs: Any) 
         model = model_or_dir
     if type(model).__name__ not in SUPPORTED_MODELS:
         raise TypeError(
-            f"from_transformers supports {', '.join(SUPPORTED_MODELS)}; got {type(model).__name__}. "
-            "For the vision-language Inkling2ForConditionalGeneration, save its text model as an Inkling2ForCausalLM"
+            f"from_transformers supports {', '.join(SUPPORTED_MODELS)}; got {type(model).__name__} (text models "
+            "only: the vision-language Inkling2ForConditionalGeneration and its Loop variant are out of scope)"
         )
     return InklingBridge(model)
 
