@@ -19,6 +19,7 @@ _EXPORTS = {
     "Run": "attnres_lens.rundir",
     "RunDirError": "attnres_lens.rundir",
     "load_run": "attnres_lens.rundir",
+    "from_transformers": "attnres_lens.bridge",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -29,6 +29,32 @@ def test_a_logit_bias_never_runs_on_triton(monkeypatch):
         assert backends.resolve_backend("auto", cuda, logit_bias=True) == "torch"
 
 
+def test_a_knob_a_backend_lacks_routes_auto_onward_and_refuses_a_named_backend(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(backends, "triton_available", lambda: True)
+    lacking = {"triton": frozenset({"logit_bias", "logit_scale"}), "torch": frozenset({"logit_scale"})}
+    monkeypatch.setattr(backends, "_MISSING_FEATURES", {**backends._MISSING_FEATURES, **lacking})
+    assert backends.resolve_backend("auto", cuda, features=("normalize_values",)) == "triton"
+    assert backends.resolve_backend("auto", cuda, logit_bias=True) == "torch"
+    assert backends.resolve_backend("auto", cuda, features=("logit_scale",)) == "reference"  # past torch too
+    with pytest.raises(
+        ValueError,
+        match="triton depth-attention kernel takes no logit_bias, logit_scale; use "
+        "backend='reference'.*for calls with them",
+    ):
+        backends.resolve_backend("triton", cuda, logit_bias=True, features=("logit_scale",))
+    with pytest.raises(ValueError, match="torch depth-attention kernel takes no logit_scale; use backend='reference'"):
+        backends.resolve_backend("torch", cuda, features=("logit_scale",))
+    monkeypatch.setenv(backends.BACKEND_ENV_VAR, "torch")
+    with pytest.raises(ValueError, match="leave \\$ATTNRES_LENS_BACKEND unset"):
+        backends.resolve_backend("auto", cuda, features=("logit_scale",))
+
+
+def test_every_knob_has_a_backend_and_the_reference_takes_them_all():
+    assert backends._MISSING_FEATURES["reference"] == frozenset()
+    assert set().union(*backends._MISSING_FEATURES.values()) <= set(backends.DEPTH_FEATURES)
+
+
 def test_auto_backend_and_environment_override(monkeypatch):
     assert kernels.resolve_backend("auto", torch.device("cpu")) == "cpu"  # a C compiler is part of the setup
     monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "reference")

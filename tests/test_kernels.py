@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import warnings
@@ -12,7 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnres_lens.kernels import block_phase1, depth_attention, merge_partial
-from tests.kernel_cases import SHAPES, assert_close, make_inputs, oracle
+from tests.kernel_cases import (
+    INKLING,
+    KNOB_CASES,
+    KNOB_SHAPES,
+    SHAPES,
+    Knobs,
+    assert_close,
+    make_inputs,
+    make_knob_inputs,
+    oracle,
+)
 
 CPU_BACKENDS = ["reference", "torch", "cpu"]
 FAST_BACKENDS = ["torch", "cpu"]  # hand-derived backwards, checked against the reference's autograd
@@ -233,6 +244,200 @@ def test_a_bias_that_needs_a_gradient_is_refused_where_it_would_get_none():
     h = depth_attention(sources, query, gain, backend="reference", logit_bias=bias)
     h.sum().backward()
     assert bias.grad is not None
+
+
+# --- the op's knobs: logit scale, unweighted key norm, normalised values, several queries ----------------------
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n_sources,token_shape,d_model", KNOB_SHAPES)
+@pytest.mark.parametrize("knobs", KNOB_CASES, ids=str)
+def test_knobs_match_float64_oracle(backend, dtype, n_sources, token_shape, d_model, knobs):
+    sources, query, gain = make_knob_inputs(knobs, n_sources, token_shape, d_model, dtype, seed=21)
+    h, weights, logits = depth_attention(
+        sources, query, gain, backend=backend, return_weights=True, return_logits=True, **knobs.kwargs(d_model)
+    )
+    expected_h, expected_weights, expected_logits = oracle(sources, query, gain, **knobs.kwargs(d_model))
+    routes = () if knobs.routes is None else (knobs.routes,)
+    assert h.dtype == dtype and h.shape == (*token_shape, *routes, d_model)
+    assert weights.shape == (*token_shape, *routes, n_sources) and logits.shape == weights.shape
+    assert_close(h, expected_h, dtype)
+    assert_close(weights, expected_weights, dtype)
+    assert_close(logits, expected_logits, dtype, scale=4.0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(
+    "knobs,per_route",
+    [(Knobs(routes=3), False), (INKLING, False), (INKLING, True), (Knobs(gained=False, normalize_values=True), False)],
+    ids=str,
+)
+def test_knobs_with_a_logit_bias_match_float64_oracle(backend, knobs, per_route):
+    token_shape, n_sources, d_model = (3, 7), 5, 24
+    sources, query, gain = make_knob_inputs(knobs, n_sources, token_shape, d_model, seed=22)
+    bias_shape = (*token_shape, knobs.routes) if per_route else token_shape
+    bias = random_bias(bias_shape, n_sources, seed=23)
+    h, weights, logits = depth_attention(
+        sources,
+        query,
+        gain,
+        backend=backend,
+        return_weights=True,
+        return_logits=True,
+        logit_bias=bias,
+        **knobs.kwargs(d_model),
+    )
+    expected_h, expected_weights, expected_logits = oracle(
+        sources, query, gain, logit_bias=bias, **knobs.kwargs(d_model)
+    )
+    assert_close(h, expected_h, torch.float32)
+    assert_close(weights, expected_weights, torch.float32)
+    finite = expected_logits.isfinite()
+    assert torch.equal(logits.isfinite(), finite)  # the reported logits are the softmax's input, bias included
+    assert_close(logits[finite], expected_logits[finite], torch.float32, scale=4.0)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("knobs", KNOB_CASES, ids=str)
+def test_knob_gradients_match_reference_autograd(backend, dtype, knobs):
+    n_sources, token_shape, d_model = 4, (2, 9), 33
+    sources, query, gain = make_knob_inputs(knobs, n_sources, token_shape, d_model, dtype, seed=24)
+    params = [query] if gain is None else [query, gain]
+    routes = () if knobs.routes is None else (knobs.routes,)
+    grad_output = torch.randn(*token_shape, *routes, d_model, generator=torch.Generator().manual_seed(25))
+
+    def gradients(backend, inputs_dtype):
+        leaves = [t.detach().to(dtype).to(inputs_dtype).requires_grad_() for t in (*sources, *params)]
+        sources_in, query_in = leaves[:n_sources], leaves[n_sources]
+        gain_in = leaves[n_sources + 1] if gain is not None else None
+        h = depth_attention(sources_in, query_in, gain_in, backend=backend, **knobs.kwargs(d_model))
+        (h.double() * grad_output.double()).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+    expected = gradients("reference", torch.float64)
+    for actual, wanted in zip(gradients(backend, dtype), expected):
+        assert actual.dtype == dtype
+        assert_close(actual, wanted, dtype, scale=4.0)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("per_route", [False, True])
+def test_inkling_gradients_with_a_logit_bias_match_reference_autograd(backend, per_route):
+    sources, query, _ = make_knob_inputs(INKLING, 5, (3, 13), 40, seed=31)
+    bias = random_bias((3, 13, 3) if per_route else (3, 13), 5, seed=32)
+    grad_output = torch.randn(3, 13, 3, 40, generator=torch.Generator().manual_seed(33))
+
+    def gradients(backend, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (*sources, query)]
+        h = depth_attention(leaves[:-1], leaves[-1], None, backend=backend, logit_bias=bias, **INKLING.kwargs(40))
+        (h.double() * grad_output.double()).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+    for actual, wanted in zip(gradients(backend, torch.float32), gradients("reference", torch.float64)):
+        assert torch.isfinite(actual).all()  # a masked source's zero weight must not turn into 0 * inf
+        assert_close(actual, wanted, torch.float32, scale=4.0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("knobs", KNOB_CASES, ids=str)
+def test_knob_gradcheck_float64(backend, knobs):
+    sources, query, gain = make_knob_inputs(knobs, 3, (2, 3), 7, torch.float64, seed=26)
+    params = [query] if gain is None else [query, gain]
+    inputs = [t.detach().double().requires_grad_() for t in (*sources, *params)]
+
+    def mix(*tensors):
+        gain_in = tensors[4] if gain is not None else None
+        return depth_attention(list(tensors[:3]), tensors[3], gain_in, backend=backend, **knobs.kwargs(7))
+
+    assert torch.autograd.gradcheck(mix, inputs)
+
+
+def inkling_mix_float64(sources: list[torch.Tensor], queries: torch.Tensor, eps: float) -> torch.Tensor:
+    """Inkling-2's depth mix from its equations, one token and route at a time in float64: ``n_s = v_s /
+    sqrt(mean(v_s^2) + eps)`` (no gain), ``z_rs = (q_r . n_s) / sqrt(D)``, ``a_r = softmax(z_r)``,
+    ``h_r = sum_s a_rs n_s``. Returns ``[..., R, D]``."""
+    d_model = sources[0].shape[-1]
+    rows = torch.stack([s.double() for s in sources], dim=-2).reshape(-1, len(sources), d_model)
+    out = torch.empty(rows.shape[0], queries.shape[0], d_model, dtype=torch.float64)
+    for token, values in enumerate(rows):
+        normed = [v / math.sqrt(float((v * v).sum()) / d_model + eps) for v in values]
+        for route, q in enumerate(queries.double()):
+            scores = [float(q @ n) / math.sqrt(d_model) for n in normed]
+            top = max(scores)
+            exps = [math.exp(z - top) for z in scores]
+            out[token, route] = sum(e / sum(exps) * n for e, n in zip(exps, normed))
+    return out.reshape(*sources[0].shape[:-1], queries.shape[0], d_model)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_inkling_formula_from_its_equations(backend, dtype):
+    sources, queries, _ = make_knob_inputs(INKLING, 4, (2, 5), 16, dtype, seed=27)
+    h = depth_attention(sources, queries, None, backend=backend, logit_scale=16**-0.5, normalize_values=True)
+    assert_close(h, inkling_mix_float64(sources, queries, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_inkling_knobs_equal_transformers_block_attention_residual(backend):
+    modeling = pytest.importorskip("transformers.models.inkling2.modeling_inkling2")
+    from transformers.models.inkling2.configuration_inkling2 import Inkling2TextConfig
+
+    config = Inkling2TextConfig(hidden_size=16)
+    config._attn_implementation = "eager"
+    module = modeling.Inkling2BlockAttentionResidual(config, num_queries=3)
+    sources, queries, _ = make_knob_inputs(INKLING, 4, (2, 5), 16, seed=28)
+    with torch.no_grad():
+        module.query.copy_(queries)
+        expected = module(torch.stack(sources[:-1], dim=-2), sources[-1])  # completed blocks, then the partial
+        h = depth_attention(sources, queries, None, backend=backend, logit_scale=16**-0.5, normalize_values=True)
+    for route, wanted in enumerate(expected):
+        assert_close(h[..., route, :], wanted, torch.float32)
+
+
+def test_normalized_values_take_no_gain():
+    # docs/kernels.md §1: the values are normalised without the keys' gain, so a gain changes only the weights
+    sources, query, gain = make_knob_inputs(Knobs(normalize_values=True), 3, (4,), 8, torch.float64, seed=29)
+    h, weights = depth_attention(sources, query, gain, backend="reference", normalize_values=True, return_weights=True)
+    normalized = [v / (v.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() for v in sources]
+    torch.testing.assert_close(h, sum(weights[..., s, None] * n for s, n in enumerate(normalized)))
+
+
+def test_one_route_equals_the_single_query():
+    sources, query, gain = make_inputs(3, (2, 4), 12, torch.float64, seed=30)
+    single = depth_attention(sources, query, gain, backend="reference", return_weights=True)
+    routed = depth_attention(sources, query[None], gain, backend="reference", return_weights=True)
+    for one, many in zip(single, routed):
+        torch.testing.assert_close(many.squeeze(-2), one)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(logit_scale=0.0), "logit_scale must be finite and > 0.*got 0.0"),
+        (dict(logit_scale=-1.0), "logit_scale must be finite and > 0.*got -1.0"),
+        (dict(logit_scale=float("inf")), "logit_scale must be finite and > 0.*got inf"),
+        (dict(logit_scale=float("nan")), "logit_scale must be finite and > 0.*got nan"),
+        (dict(logit_scale=torch.tensor(0.5)), "logit_scale must be a Python number.*got Tensor"),
+        (dict(logit_scale=True), "logit_scale must be a Python number.*got bool"),
+        (dict(normalize_values="yes"), "normalize_values must be True or False, got 'yes'"),
+        (dict(query=torch.zeros(2, 5)), r"query must have shape \[4\] or \[n_routes, 4\].*got \(2, 5\)"),
+        (dict(query=torch.zeros(1, 2, 4)), r"query must have shape \[4\] or \[n_routes, 4\].*got \(1, 2, 4\)"),
+        (dict(query=torch.zeros(0, 4)), r"query must have shape \[4\] or \[n_routes, 4\].*got \(0, 4\)"),
+        (dict(query=torch.zeros(2, 4, dtype=torch.long)), "query must be floating point"),
+        (
+            dict(query=torch.zeros(2, 4), logit_bias=torch.zeros(3, 3, 2)),
+            r"logit_bias must have shape \[3, 2\].* or \[3, 2, 2\] \(one bias per route\), got \(3, 3, 2\)",
+        ),
+    ],
+)
+@pytest.mark.parametrize("backend", ["reference", "torch", "cpu", "auto"])
+def test_bad_knobs_raise_clear_errors(kwargs, message, backend):
+    sources, query, gain = make_inputs(2, (3,), 4)
+    kwargs = {"query": query, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        depth_attention(sources, key_norm_weight=gain, backend=backend, **kwargs)
 
 
 # --- input validation -------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from attnres_lens.kernels import (
     depth_attention,
 )
 from tests.helpers import randomize_depth_parameters
-from tests.kernel_cases import SHAPES, assert_close, make_inputs, oracle
+from tests.kernel_cases import INKLING, SHAPES, Knobs, assert_close, make_inputs, make_knob_inputs, oracle
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
@@ -1377,6 +1377,12 @@ def test_the_portable_build_and_the_vector_sums_agree_with_float64(tmp_path, mon
             outputs.append((mix, *plain, *shared))
             want_mix = oracle(sources, query * gain, torch.ones_like(gain))[0]
             torch.testing.assert_close(mix[0].double(), want_mix, rtol=1e-4, atol=1e-5)
+            routed_query = torch.stack([query, -query, gain]) * d_model**0.5
+            with torch.no_grad():
+                routed = depth_attention(sources, routed_query, None, backend="cpu", **INKLING.kwargs(d_model))
+            outputs[-1] += (routed,)
+            want_routed = oracle(sources, routed_query, None, **INKLING.kwargs(d_model))[0]
+            torch.testing.assert_close(routed.double(), want_routed, rtol=1e-4, atol=1e-5)
             want_shared = torch.autograd.grad(loss(leaves, backend="reference"), leaves)
             for got, want in zip(shared, want_shared):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -1492,6 +1498,9 @@ def test_without_grad_mode_every_eager_kernel_gives_the_same_bits_and_builds_no_
         "kv_shift_cpu": lambda: cpu_elementwise.kv_shift_cpu(k, v, coefficients, (cos, sin)),
         "rotary_cpu": lambda: cpu_elementwise.rotary_cpu(k, cos, sin),
         "rms_norm_cpu": lambda: cpu_elementwise.rms_norm_cpu(sources[0], norm_weight, 1e-5),
+        "routed_depth_attention_cpu": lambda: cpu_depth.routed_depth_attention_cpu(
+            sources, torch.stack([query, gain]), None, 1e-6, logit_scale=0.25, normalize_values=True
+        ),
     }
     with_grad = {name: call() for name, call in calls.items()}
     applied = []
@@ -1522,3 +1531,82 @@ def test_without_grad_mode_every_eager_kernel_gives_the_same_bits_and_builds_no_
     with torch.no_grad(), pytest.raises(RuntimeError, match="functorch transforms"):
         torch.func.vmap(lambda x: cpu_elementwise.rms_norm_cpu(x, norm_weight, 1e-5))(sources[0])
     assert applied == ["_EagerRMSNorm"] * 2
+
+
+# --- the routed op (docs/kernels.md §1's knobs) on the C kernel -------------------------------------------------
+
+
+def _routed_forward_backward(sources, query, gain, knobs, bias, grad_output, backend="cpu"):
+    params = [query] if gain is None else [query, gain]
+    leaves = [t.detach().clone().requires_grad_() for t in (*sources, *params)]
+    gain_in = leaves[len(sources) + 1] if gain is not None else None
+    h, weights, logits = depth_attention(
+        leaves[: len(sources)],
+        leaves[len(sources)],
+        gain_in,
+        backend=backend,
+        return_weights=True,
+        return_logits=True,
+        logit_bias=bias,
+        **knobs.kwargs(sources[0].shape[-1]),
+    )
+    (h * grad_output).sum().backward()
+    return [h.detach(), weights, logits] + [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("n_sources", [3, 9, 40])
+@pytest.mark.parametrize("n_tokens", [1, 15, 37])  # under, within and across TILE = 16 token rows
+@pytest.mark.parametrize("routes", [1, 4, 11])  # 4: the unrolled gradient rows' widest; 11: two kernel calls
+@pytest.mark.parametrize("bias_kind", [None, "shared", "per_route"])
+def test_routed_kernel_matches_reference_on_threads_and_one_thread(
+    many_threads, n_sources, n_tokens, routes, bias_kind
+):
+    knobs = Knobs(routes=routes, gained=routes != 4, inkling_scale=True, normalize_values=routes != 1)
+    sources, query, gain = make_knob_inputs(knobs, n_sources, (n_tokens,), 24, torch.float64, seed=41)
+    bias = None
+    if bias_kind is not None:
+        bias_shape = (n_tokens, routes, n_sources) if bias_kind == "per_route" else (n_tokens, n_sources)
+        bias = torch.randn(bias_shape, generator=torch.Generator().manual_seed(42), dtype=torch.float64)
+        bias[..., 0] = float("-inf")  # a knocked-out source; others stay
+    grad_output = torch.randn(n_tokens, routes, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(43))
+    fused = _routed_forward_backward(sources, query, gain, knobs, bias, grad_output)
+    expected = _routed_forward_backward(sources, query, gain, knobs, bias, grad_output, backend="reference")
+    for got, want in zip(fused, expected):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.set_num_threads(1)
+    single = _routed_forward_backward(sources, query, gain, knobs, bias, grad_output)
+    for got, one in zip(fused[:3], single[:3]):  # rows are independent: the split cannot change them
+        torch.testing.assert_close(got, one, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_routed_kernel_upcasts_half_precision(dtype):
+    sources, query, _ = make_knob_inputs(INKLING, 5, (3, 7), 24, dtype, seed=44)
+    h, weights = depth_attention(sources, query, None, backend="cpu", return_weights=True, **INKLING.kwargs(24))
+    expected_h, expected_weights, _ = oracle(sources, query, None, **INKLING.kwargs(24))
+    assert h.dtype == dtype and weights.dtype == torch.float32
+    assert_close(h, expected_h, dtype)
+    assert_close(weights, expected_weights, dtype)
+
+
+def test_routed_kernel_sums_a_shared_source_gradient_in_place(many_threads):
+    """Sources seen through `share_gradient`: the routed backward adds into the buffer the other C consumers
+    share, and the leaves' gradients equal those of plain sources."""
+    sources, query, _ = make_knob_inputs(INKLING, 6, (37,), 24, torch.float64, seed=45)
+    _, single_query, gain = make_inputs(6, (37,), 24, torch.float64, seed=46)
+    generator = torch.Generator().manual_seed(47)
+    probes = [
+        torch.randn(37, 3, 24, generator=generator, dtype=torch.float64),
+        torch.randn(37, 24, generator=generator, dtype=torch.float64),
+    ]
+
+    def loss(views):
+        routed = depth_attention(views, query, None, backend="cpu", **INKLING.kwargs(24))
+        one_pass = depth_attention(views, single_query, gain, backend="cpu")
+        return (routed * probes[0]).sum() + (one_pass * probes[1]).sum()
+
+    leaves = [s.requires_grad_() for s in sources]
+    got = torch.autograd.grad(loss([cpu_autograd.share_gradient(leaf) for leaf in leaves]), leaves)
+    want = torch.autograd.grad(loss(leaves), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -23,7 +23,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed")
 
 import attnres_lens.kernels as kernels  # noqa: E402
 from attnres_lens.kernels import block_phase1, depth_attention, merge_partial  # noqa: E402
-from tests.kernel_cases import assert_close, make_inputs, oracle  # noqa: E402
+from tests.kernel_cases import INKLING, KNOB_CASES, assert_close, make_inputs, make_knob_inputs, oracle  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -89,6 +89,70 @@ def test_forward_and_backward_match_reference(dtype, n_sources, token_shape, d_m
     for leaf, reference_leaf in zip(leaves, reference_leaves):
         assert leaf.grad.dtype == dtype
         assert_close(leaf.grad, reference_leaf.grad, dtype, scale=4.0)
+
+
+@pytest.mark.parametrize("knobs", KNOB_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_knobs_forward_and_backward_match_reference(knobs, dtype, monkeypatch):
+    """Every combination of the op's knobs (docs/kernels.md §1) against the float64 oracle and the reference's
+    float64 gradients; 70 tokens in tiles of 8 leave a ragged tile and more tiles than backward programs."""
+    import attnres_lens.kernels.triton_fused as triton_fused
+
+    if DEVICE == "cpu":  # the interpreter's tiles are 64 rows; 8 makes the backward's persistent loop run
+        monkeypatch.setattr(triton_fused, "default_block_rows", lambda d_model: 8)
+    n_sources, token_shape, d_model = 5, (70,), 20
+    sources, query, gain = make_knob_inputs(knobs, n_sources, token_shape, d_model, dtype, seed=31, device=DEVICE)
+    params = [query.to(dtype)] + ([] if gain is None else [gain.to(dtype)])
+    routes = () if knobs.routes is None else (knobs.routes,)
+    grad_output = torch.randn(*token_shape, *routes, d_model, generator=torch.Generator().manual_seed(32)).to(DEVICE)
+
+    def run(backend, inputs_dtype):
+        leaves = [t.detach().to(inputs_dtype).requires_grad_() for t in (*sources, *params)]
+        gain_in = leaves[n_sources + 1] if gain is not None else None
+        h, weights, logits = depth_attention(
+            leaves[:n_sources],
+            leaves[n_sources],
+            gain_in,
+            backend=backend,
+            return_weights=True,
+            return_logits=True,
+            **knobs.kwargs(d_model),
+        )
+        (h.double() * grad_output.double()).sum().backward()
+        return h, weights, logits, [leaf.grad for leaf in leaves]
+
+    h, weights, logits, grads = run("triton", dtype)
+    expected_h, expected_weights, expected_logits = oracle(
+        sources, params[0], params[1] if gain is not None else None, **knobs.kwargs(d_model)
+    )
+    assert h.dtype == dtype and h.shape == expected_h.shape
+    assert_close(h, expected_h, dtype)
+    assert_close(weights, expected_weights, dtype)
+    assert_close(logits, expected_logits, dtype, scale=4.0)
+    for grad, expected in zip(grads, run("reference", torch.float64)[3]):
+        assert grad.dtype == dtype
+        assert_close(grad, expected, dtype, scale=4.0)
+
+
+def test_knobs_read_a_depth_buffer_in_place_as_a_list():
+    sources, query, _ = make_knob_inputs(INKLING, 4, (3, 21), 24, seed=33, device=DEVICE)
+    buffer = torch.stack(sources).requires_grad_()
+    leaves = [s.detach().clone().requires_grad_() for s in sources]
+    from_buffer = depth_attention(buffer, query, None, backend="triton", **INKLING.kwargs(24))
+    from_list = depth_attention(leaves, query, None, backend="triton", **INKLING.kwargs(24))
+    assert torch.equal(from_buffer, from_list)
+    (buffer_grad,) = torch.autograd.grad(from_buffer.sin().sum(), [buffer])
+    list_grads = torch.autograd.grad(from_list.sin().sum(), leaves)
+    assert torch.equal(buffer_grad, torch.stack(list_grads))
+
+
+def test_knobs_with_a_logit_bias_leave_triton_under_auto_and_are_refused_by_name(monkeypatch):
+    sources, query, _ = make_knob_inputs(INKLING, 3, (4,), 8, seed=34, device=DEVICE)
+    bias = torch.zeros(4, 3, device=DEVICE)
+    with pytest.raises(ValueError, match="triton depth-attention kernel takes no logit_bias"):
+        depth_attention(sources, query, None, backend="triton", logit_bias=bias, **INKLING.kwargs(8))
+    monkeypatch.setattr(kernels.backends, "triton_available", lambda: True)
+    assert kernels.resolve_backend("auto", torch.device("cuda"), logit_bias=True, features=("logit_scale",)) == "torch"
 
 
 def test_depth_buffer_matches_list_and_is_deterministic():

@@ -7,6 +7,7 @@ Which backend runs is decided in ``backends.py``, not here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -88,14 +89,49 @@ def check_vector(name: str, vector: torch.Tensor, d_model: int, device: torch.de
         raise ValueError(f"{name} is on {vector.device} but the sources are on {device}")
 
 
-def check_logit_bias(bias: torch.Tensor, lead_shape: torch.Size, n_sources: int, device: torch.device) -> None:
-    """A logit bias is a floating ``[..., n_sources]`` tensor with the sources' leading dims, on their device."""
+def check_query(query: torch.Tensor, d_model: int, device: torch.device) -> int | None:
+    """A pseudo-query is a floating ``[D]`` vector, or ``[R, D]`` for ``R`` routes over one source set, on the
+    sources' device. Returns ``R``, or None for one ``[D]`` query."""
+    if isinstance(query, torch.Tensor) and query.dim() == 2 and query.shape[0] >= 1 and query.shape[1] == d_model:
+        check_vector("query", query[0], d_model, device)
+        return query.shape[0]
+    if isinstance(query, torch.Tensor) and query.dim() != 1:
+        raise ValueError(
+            f"query must have shape [{d_model}] or [n_routes, {d_model}] (the sources' last dim), "
+            f"got {tuple(query.shape)}"
+        )
+    check_vector("query", query, d_model, device)
+    return None
+
+
+def check_logit_scale(logit_scale: float) -> float:
+    """The logit scale multiplies ``w . k`` (1 for the paper and FLA, ``D**-0.5`` for Inkling-2): a finite number
+    above 0."""
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)):
+        raise ValueError(
+            f"logit_scale must be a Python number (1.0, or D**-0.5 for Inkling-2), got {type(logit_scale).__name__}"
+        )
+    if not math.isfinite(logit_scale) or logit_scale <= 0:
+        raise ValueError(
+            f"logit_scale must be finite and > 0 (1.0, or D**-0.5 for Inkling-2), got {logit_scale!r}; "
+            "take a source out with logit_bias=-inf instead"
+        )
+    return float(logit_scale)
+
+
+def check_logit_bias(
+    bias: torch.Tensor, lead_shape: torch.Size, n_sources: int, device: torch.device, n_routes: int | None = None
+) -> None:
+    """A logit bias is a floating ``[..., n_sources]`` tensor with the sources' leading dims, on their device; with
+    ``n_routes`` queries it may also be ``[..., n_routes, n_sources]`` (one bias per route)."""
     expected = (*lead_shape, n_sources)
-    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != expected:
-        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+    per_route = (*lead_shape, n_routes, n_sources)
+    shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+    if shape != expected and (n_routes is None or shape != per_route):
+        routed = "" if n_routes is None else f" or {list(per_route)} (one bias per route)"
         raise ValueError(
             f"logit_bias must have shape {list(expected)} (the sources' leading dims, then one entry "
-            f"per source), got {shape}"
+            f"per source){routed}, got {shape}"
         )
     if not bias.is_floating_point():
         raise ValueError(f"logit_bias must be floating point, got {bias.dtype}")

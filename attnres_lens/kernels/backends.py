@@ -4,8 +4,9 @@ Every decision of that kind is made here (docs/kernels.md §2):
 
 * ``resolve_backend``: an explicit backend wins; ``"auto"`` defers to ``$ATTNRES_LENS_BACKEND`` when set, else
   picks ``triton`` for CUDA tensors (if Triton is importable), ``cpu`` (the fused C kernel) for CPU tensors where
-  it builds, and ``torch`` otherwise; a call with a logit bias (a knockout) that would run Triton runs ``torch``
-  under ``"auto"``, since the Triton kernel takes no bias;
+  it builds, and ``torch`` otherwise; a call with a knob a backend lacks (a logit bias, a knockout, on Triton;
+  ``DEPTH_FEATURES``) runs on the next backend that has it under ``"auto"``, and raises where that backend was
+  asked for by name;
 * ``two_phase_backend``: two-phase AttnRes runs its fused Triton kernels where the single-pass op would run
   Triton, its C kernel (forward and backward) where the single-pass op would run the C kernel and no per-source
   logits are asked for, and its readable PyTorch version everywhere else;
@@ -39,18 +40,42 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend(backend: str, device: torch.device, logit_bias: bool = False) -> str:
+# The op's knobs beyond the paper's mix (docs/kernels.md §1), spelt as its arguments, and the backends that do not
+# implement each: ``"auto"`` routes a call that uses one around such a backend (triton and cpu to torch, torch to
+# reference); a backend asked for by name, as an argument or in the environment, raises.
+DEPTH_FEATURES = ("logit_bias", "logit_scale", "key_norm_weight=None", "normalize_values", "query [R, D]")
+_MISSING_FEATURES = {
+    "reference": frozenset(),
+    "torch": frozenset(),
+    "cpu": frozenset(),
+    "triton": frozenset({"logit_bias"}),
+}
+_FALLBACK = {"triton": "torch", "cpu": "torch", "torch": "reference"}
+
+
+def resolve_backend(
+    backend: str, device: torch.device, logit_bias: bool = False, features: tuple[str, ...] = ()
+) -> str:
     """Turn ``backend`` (possibly ``"auto"``) into a concrete backend name for tensors on ``device``, for a call
-    with a logit bias when ``logit_bias``."""
-    if logit_bias:
+    with a logit bias when ``logit_bias`` and using the knobs named in ``features`` (of ``DEPTH_FEATURES``)."""
+    needed = set(features) | ({"logit_bias"} if logit_bias else set())
+    if needed:
         chosen = resolve_backend(backend, device)
-        if chosen != "triton":
+        missing = needed & _MISSING_FEATURES[chosen]
+        if not missing:
             return chosen
         if backend == "auto" and os.environ.get(BACKEND_ENV_VAR, "").strip() in ("", "auto"):
-            return "torch"  # only triton asked for by name (argument or environment) refuses the bias
+            while missing:  # only a backend asked for by name (argument or environment) refuses a knob
+                chosen = _FALLBACK[chosen]
+                missing = needed & _MISSING_FEATURES[chosen]
+            return chosen
+        fallback = _FALLBACK[chosen]
+        while needed & _MISSING_FEATURES[fallback]:
+            fallback = _FALLBACK[fallback]
         raise ValueError(
-            "the triton depth-attention kernel takes no logit_bias; use backend='torch' or 'auto' "
-            f"(and leave ${BACKEND_ENV_VAR} unset) for calls with one"
+            f"the {chosen} depth-attention kernel takes no {', '.join(sorted(missing))}; use "
+            f"backend={fallback!r} or 'auto' (and leave ${BACKEND_ENV_VAR} unset) for calls with "
+            f"{'one' if len(missing) == 1 else 'them'}"
         )
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

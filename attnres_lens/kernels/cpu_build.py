@@ -192,6 +192,20 @@ def _signatures() -> dict[str, tuple]:
         ),
         "vector_sums": (c_int, []),
         "openmp_threads": (c_int, []),
+        # sources, S, N, D, queries, R, bias, its route stride, its token stride, normalize_values, eps, h, lse,
+        # weights, logits, threads
+        "depth_attention_routed": (
+            None,
+            [pointer, int64, int64, int64, pointer, int64, pointer, int64, int64, c_int, real]
+            + [pointer, pointer, pointer, pointer, c_int],
+        ),
+        # sources, S, N, D, queries, R, bias, its route stride, its token stride, normalize_values, eps, lse,
+        # grad_h, grad_sources, accumulate, grad_queries, threads
+        "depth_attention_routed_backward": (
+            c_int,
+            [pointer, int64, int64, int64, pointer, int64, pointer, int64, int64, c_int, real]
+            + [pointer, pointer, pointer, pointer, pointer, c_int],
+        ),
         "depth_attention_multi": (
             None,
             [pointer, int64, int64, int64, pointer, int64, pointer, pointer, int64, real, pointer, pointer, c_int],

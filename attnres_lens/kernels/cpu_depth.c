@@ -645,13 +645,13 @@ int depth_attention_backward(const real *const *sources, int64_t n_sources, int6
  * [Q, S, TILE] tables (g may be NULL without grad_mix; a query without dh gets zeros in g); a short last group
  * repeats its last source and drops the repeats' dots. */
 INLINE void row_dots(const real *const *src, int64_t S, int64_t D, int64_t n, int64_t t, const real *queries,
-                     int64_t Q, const real *const *grad_mix, real *square, real *z, real *g) {
+                     int64_t Q, const real *const *grad_mix, int64_t grad_stride, real *square, real *z, real *g) {
     const real *with[2 * MAX_QUERIES]; /* after u_0: dh_0, u_1, dh_1, ... (queries without dh left out) */
     real *into[2 * MAX_QUERIES];      /* each one's table, at token t of source 0 */
     int k = 0;
     for (int64_t q = 0; q < Q; ++q) {
         if (q > 0) with[k] = queries + q * D, into[k++] = z + q * S * TILE + t;
-        if (grad_mix && grad_mix[q]) with[k] = grad_mix[q] + n * D, into[k++] = g + q * S * TILE + t;
+        if (grad_mix && grad_mix[q]) with[k] = grad_mix[q] + n * grad_stride, into[k++] = g + q * S * TILE + t;
     }
     for (int64_t s = 0; s < S; s += GROUP) {
         const real *v[GROUP];
@@ -681,7 +681,14 @@ typedef struct {
     int64_t n_sources, n_tokens, d_model, n_queries, prior_tokens;
     const real *queries, *prior_mix, *prior_lse;
     real eps;
-    real *const *mix, *const *lse; /* Q pointers each, to [N, D] and [N] */
+    real *const *mix, *const *lse; /* Q pointers each, to N rows of D (mix_stride apart) and to [N] */
+    int64_t mix_stride;
+    /* the routed op's knobs (depth_attention_routed; docs/kernels.md §1), unused by two-phase: */
+    const real *const *bias;       /* NULL, or Q pointers: query q's bias of token n, source s at [n * bias_stride + s] */
+    int64_t bias_stride;
+    int normalize_values;          /* mix r_s v_s rather than v_s */
+    real *const *weights, *const *logits; /* NULL, or Q pointers each: [n * stats_stride + s]; logits unbiased */
+    int64_t stats_stride;
 } multi_args;
 
 static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
@@ -693,7 +700,7 @@ static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
         /* pass 1: every row's square sum and its dots with every query, four source rows at a time (row_dots) */
         for (int64_t t = 0; t < T; ++t) {
             if (t0 + t + PREFETCH_ROWS < end) prefetch_rows(src, S, (t0 + t + PREFETCH_ROWS) * D, D);
-            row_dots(src, S, D, t0 + t, t, a->queries, Q, NULL, rstd, w, NULL);
+            row_dots(src, S, D, t0 + t, t, a->queries, Q, NULL, 0, rstd, w, NULL);
         }
         /* statistics, across the tile's tokens: rstd once per source, then each query's softmax */
         for (int64_t s = 0; s < S; ++s) {
@@ -705,7 +712,19 @@ static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
             const real *prior_lse = a->prior_lse ? a->prior_lse + q * P : NULL;
             real max_logit[TILE], total[TILE];
             for (int64_t t = 0; t < T; ++t) max_logit[t] = prior_lse ? prior_lse[(t0 + t) % P] : -INFINITY;
+            const real *bias = a->bias ? a->bias[q] : NULL;
+            real *logits = a->logits ? a->logits[q] : NULL;
             for (int64_t s = 0; s < S; ++s) {
+                if (bias || logits) { /* the routed op: report the unbiased logit, then add the bias */
+                    for (int64_t t = 0; t < T; ++t) {
+                        real logit = z[s * TILE + t] * rstd[s * TILE + t];
+                        if (logits) logits[(t0 + t) * a->stats_stride + s] = logit;
+                        if (bias) logit += bias[(t0 + t) * a->bias_stride + s];
+                        z[s * TILE + t] = logit;
+                        max_logit[t] = logit > max_logit[t] ? logit : max_logit[t];
+                    }
+                    continue;
+                }
 #pragma omp simd
                 for (int64_t t = 0; t < T; ++t) {
                     z[s * TILE + t] *= rstd[s * TILE + t];
@@ -732,13 +751,21 @@ static void multi_rows(const multi_args *a, int64_t begin, int64_t end) {
 #pragma omp simd
                 for (int64_t t = 0; t < T; ++t) z[s * TILE + t] *= total[t];
             }
+            if (a->weights)
+                for (int64_t s = 0; s < S; ++s)
+                    for (int64_t t = 0; t < T; ++t) a->weights[q][(t0 + t) * a->stats_stride + s] = z[s * TILE + t];
+            if (a->normalize_values) /* sum_s a_s (r_s v_s): the rstd joins the weight */
+                for (int64_t s = 0; s < S; ++s) {
+#pragma omp simd
+                    for (int64_t t = 0; t < T; ++t) z[s * TILE + t] *= rstd[s * TILE + t];
+                }
         }
         /* pass 2: each query's mix (mix_row), the rows still in L1/L2 */
         for (int64_t t = 0; t < T; ++t) {
             const int64_t row = (t0 + t) * D;
             for (int64_t q = 0; q < Q; ++q) {
                 const real *alpha = w + q * S * TILE;
-                real *h = a->mix[q] + row;
+                real *h = a->mix[q] + (t0 + t) * a->mix_stride;
                 const real *prior = a->prior_mix ? a->prior_mix + (q * P + (t0 + t) % P) * D : NULL;
                 const real wp = prior_weight[q * TILE + t];
                 if (prior) {
@@ -766,7 +793,32 @@ void depth_attention_multi(const real *const *sources, int64_t n_sources, int64_
     if (n_queries < 1 || n_queries > MAX_QUERIES || prior_tokens < 1 || n_tokens % prior_tokens != 0) return;
     const multi_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
                           .n_queries = n_queries, .prior_tokens = prior_tokens, .queries = queries, .prior_mix = prior_mix,
-                          .prior_lse = prior_lse, .eps = (real)eps, .mix = mix, .lse = lse};
+                          .prior_lse = prior_lse, .eps = (real)eps, .mix = mix, .lse = lse, .mix_stride = d_model};
+    run_rows(multi_worker, &a, n_tokens, n_threads);
+}
+
+/* The op with R routes over one source set (docs/kernels.md §1): depth_attention_multi without a prior, the queries
+ * folded (u_r = c w_r g), with a token-major logit bias (NULL, or route r's at bias + r * bias_route_stride, token
+ * n's row at n * bias_stride), values raw or normalised, h [N, R, D] and, where weights and logits are not NULL,
+ * both [N, R, S] (logits unbiased). lse [R, N] is the backward's input. R <= MAX_QUERIES (cpu_depth.py splits). */
+void depth_attention_routed(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
+                            const real *queries, int64_t n_routes, const real *bias, int64_t bias_route_stride,
+                            int64_t bias_stride, int normalize_values, double eps, real *h, real *lse, real *weights,
+                            real *logits, int n_threads) {
+    if (n_routes < 1 || n_routes > MAX_QUERIES || n_tokens < 1) return;
+    real *mix_rows[MAX_QUERIES], *lse_rows[MAX_QUERIES], *weight_rows[MAX_QUERIES], *logit_rows[MAX_QUERIES];
+    const real *bias_rows[MAX_QUERIES];
+    for (int64_t r = 0; r < n_routes; ++r) {
+        mix_rows[r] = h + r * d_model, lse_rows[r] = lse + r * n_tokens;
+        weight_rows[r] = weights ? weights + r * n_sources : NULL, logit_rows[r] = logits ? logits + r * n_sources : NULL;
+        bias_rows[r] = bias ? bias + r * bias_route_stride : NULL;
+    }
+    const multi_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens, .d_model = d_model,
+                          .n_queries = n_routes, .prior_tokens = n_tokens, .queries = queries, .eps = (real)eps,
+                          .mix = mix_rows, .lse = lse_rows, .mix_stride = n_routes * d_model,
+                          .bias = bias ? bias_rows : NULL, .bias_stride = bias_stride,
+                          .normalize_values = normalize_values, .weights = weights ? weight_rows : NULL,
+                          .logits = logits ? logit_rows : NULL, .stats_stride = n_routes * n_sources};
     run_rows(multi_worker, &a, n_tokens, n_threads);
 }
 
@@ -795,6 +847,10 @@ typedef struct {
     const uint8_t *accumulate;
     real *grad_query_partial;                                  /* [threads, Q, D] */
     real *grad_prior_mix, *grad_prior_lse;                     /* [Q, N, D], [Q, N]; NULL without a prior */
+    int64_t grad_mix_stride;                                   /* from one token's dh_q row to the next */
+    const real *const *bias;                                   /* as multi_args' (the routed op) */
+    int64_t bias_stride;
+    int normalize_values;
 } multi_grad_args;
 
 /* dv for one source row and Q <= 4 queries in one pass over d (Q a constant where inlined, so the query loop
@@ -865,7 +921,7 @@ INLINE void gradient_rows_q(const multi_grad_args *a, int64_t n, int64_t t, cons
     const int first = q0 == 0;
     const real *dh[4], *u = a->queries + q0 * D;
     for (int64_t q = 0; q < Q; ++q)
-        dh[q] = a->grad_mix[q0 + q] ? a->grad_mix[q0 + q] + n * D : a->sources[0] + n * D;
+        dh[q] = a->grad_mix[q0 + q] ? a->grad_mix[q0 + q] + n * a->grad_mix_stride : a->sources[0] + n * D;
     int64_t s = 0;
     for (; s + GROUP <= S; s += GROUP) {
         real weight[16], key_coef[16], coef[GROUP], *grad[GROUP];
@@ -904,11 +960,11 @@ static void multi_backward_rows(const multi_grad_args *a, int64_t begin, int64_t
         const int64_t T = end - t0 < TILE ? end - t0 : TILE;
         /* pass 1: the tile's rows, token by token (S streams at once, as the forward's row order) */
         for (int64_t t = 0; t < T; ++t)
-            row_dots(a->sources, S, D, t0 + t, t, a->queries, Q, a->grad_mix, rstd, z, g);
+            row_dots(a->sources, S, D, t0 + t, t, a->queries, Q, a->grad_mix, a->grad_mix_stride, rstd, z, g);
         for (int64_t q = 0; q < Q; ++q)
             for (int64_t t = 0; t < T; ++t) {
                 const int64_t n = t0 + t;
-                const real *dh = a->grad_mix[q] ? a->grad_mix[q] + n * D : NULL;
+                const real *dh = a->grad_mix[q] ? a->grad_mix[q] + n * a->grad_mix_stride : NULL;
                 real dot = 0, weight = 0;
                 if (a->prior_mix) {
                     const real *m = a->prior_mix + (q * N + n) * D;
@@ -931,6 +987,15 @@ static void multi_backward_rows(const multi_grad_args *a, int64_t begin, int64_t
             for (int64_t q = 0; q < Q; ++q) {
                 real *zq = z + (q * S + s) * TILE, *cq = c + q * TILE;
                 const real *gq = g + (q * S + s) * TILE, *lse = a->lse[q] + t0;
+                const real *bias = a->bias ? a->bias[q] + t0 * a->bias_stride + s : NULL;
+                if (bias || a->normalize_values) { /* the routed op: p_qs = dh_q . v^_s, the weight biased */
+                    for (int64_t t = 0; t < T; ++t) {
+                        zq[t] *= r[t];
+                        const real weight = exp_nonpositive(zq[t] + (bias ? bias[t * a->bias_stride] : 0) - lse[t]);
+                        cq[t] += weight * (a->normalize_values ? gq[t] * r[t] : gq[t]);
+                    }
+                    continue;
+                }
 #pragma omp simd
                 for (int64_t t = 0; t < T; ++t) {
                     zq[t] *= r[t];
@@ -944,6 +1009,18 @@ static void multi_backward_rows(const multi_grad_args *a, int64_t begin, int64_t
             for (int64_t q = 0; q < Q; ++q) {
                 real *zq = z + (q * S + s) * TILE, *gq = g + (q * S + s) * TILE;
                 const real *lse = a->lse[q] + t0, *cq = c + q * TILE;
+                const real *bias = a->bias ? a->bias[q] + t0 * a->bias_stride + s : NULL;
+                if (bias || a->normalize_values) { /* normalised values: docs/kernels.md §5's extra terms */
+                    const int normalized = a->normalize_values;
+                    for (int64_t t = 0; t < T; ++t) {
+                        const real logit = zq[t], weight = exp_nonpositive(logit + (bias ? bias[t * a->bias_stride] : 0) - lse[t]);
+                        const real dot = normalized ? gq[t] * r[t] : gq[t], dlogit = weight * (dot - cq[t]);
+                        coef[t] += dlogit * logit + (normalized ? weight * dot : 0);
+                        zq[t] = normalized ? weight * r[t] : weight; /* the weight of dh_q in dv_s */
+                        gq[t] = dlogit * r[t];
+                    }
+                    continue;
+                }
 #pragma omp simd
                 for (int64_t t = 0; t < T; ++t) {
                     const real logit = zq[t], weight = exp_nonpositive(logit - lse[t]);
@@ -960,7 +1037,8 @@ static void multi_backward_rows(const multi_grad_args *a, int64_t begin, int64_t
             for (int64_t q = 0; q < Q; ++q)
                 for (int64_t t = 0; t < T; ++t) {
                     const int64_t n = t0 + t, row = (q * N + n) * D, i = q * TILE + t;
-                    const real *dh = a->grad_mix[q] ? a->grad_mix[q] + n * D : NULL, weight = prior_weight[i];
+                    const real *dh = a->grad_mix[q] ? a->grad_mix[q] + n * a->grad_mix_stride : NULL,
+                               weight = prior_weight[i];
                     real *dm = a->grad_prior_mix + row;
 #pragma omp simd
                     for (int64_t d = 0; d < D; ++d) dm[d] = dh ? weight * dh[d] : 0;
@@ -994,25 +1072,16 @@ static void *multi_backward_worker(void *arg) {
 /* grad_queries [Q, D] gets du_q (the threads' sums added in thread order); grad_prior_mix and grad_prior_lse are
  * written where prior_mix is given. Returns 0, -1 when the threads' sums cannot be allocated (nothing written), -2
  * for a query count outside 1..MAX_QUERIES (cpu_depth.py splits larger sets). */
-int depth_attention_multi_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
-                                   const real *queries, int64_t n_queries, const real *prior_mix,
-                                   const real *prior_lse, double eps, const real *const *lse,
-                                   const real *const *grad_mix, const real *const *grad_lse,
-                                   real *const *grad_sources, const uint8_t *accumulate, real *grad_queries,
-                                   real *grad_prior_mix, real *grad_prior_lse, int n_threads) {
-    if (n_queries < 1 || n_queries > MAX_QUERIES) return -2;
+/* Runs a multi backward over the threads, each summing its du into its own row of a [threads, Q, D] buffer, and
+ * adds those rows in thread order into grad_queries. Returns 0, or -1 when the buffer cannot be allocated. */
+static int multi_backward_run(multi_grad_args *a, real *grad_queries, int n_threads) {
     if (n_threads < 1) n_threads = 1;
     if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
-    const int64_t width = n_queries * d_model;
+    const int64_t width = a->n_queries * a->d_model;
     real *sums = malloc((size_t)(n_threads * width) * sizeof(real));
     if (sums == NULL) return -1;
-    const multi_grad_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens,
-                               .d_model = d_model, .n_queries = n_queries, .queries = queries,
-                               .prior_mix = prior_mix, .prior_lse = prior_lse, .lse = lse,
-                               .eps = (real)eps, .grad_mix = grad_mix, .grad_lse = grad_lse,
-                               .grad_sources = grad_sources, .accumulate = accumulate, .grad_query_partial = sums,
-                               .grad_prior_mix = grad_prior_mix, .grad_prior_lse = grad_prior_lse};
-    run_rows(multi_backward_worker, &a, n_tokens, n_threads);
+    a->grad_query_partial = sums;
+    run_rows(multi_backward_worker, a, a->n_tokens, n_threads);
     for (int64_t i = 0; i < width; ++i) {
         real total = 0;
         for (int t = 0; t < n_threads; ++t) total += sums[t * width + i];
@@ -1020,4 +1089,44 @@ int depth_attention_multi_backward(const real *const *sources, int64_t n_sources
     }
     free(sums);
     return 0;
+}
+
+int depth_attention_multi_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
+                                   const real *queries, int64_t n_queries, const real *prior_mix,
+                                   const real *prior_lse, double eps, const real *const *lse,
+                                   const real *const *grad_mix, const real *const *grad_lse,
+                                   real *const *grad_sources, const uint8_t *accumulate, real *grad_queries,
+                                   real *grad_prior_mix, real *grad_prior_lse, int n_threads) {
+    if (n_queries < 1 || n_queries > MAX_QUERIES) return -2;
+    multi_grad_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens,
+                         .d_model = d_model, .n_queries = n_queries, .queries = queries,
+                         .prior_mix = prior_mix, .prior_lse = prior_lse, .lse = lse,
+                         .eps = (real)eps, .grad_mix = grad_mix, .grad_lse = grad_lse,
+                         .grad_sources = grad_sources, .accumulate = accumulate,
+                         .grad_prior_mix = grad_prior_mix, .grad_prior_lse = grad_prior_lse,
+                         .grad_mix_stride = d_model};
+    return multi_backward_run(&a, grad_queries, n_threads);
+}
+
+/* The backward of depth_attention_routed: grad_h [N, R, D] (token-major, as h), lse [R, N] and the bias as the
+ * forward had them; grad_queries [R, D] gets du_r. Returns as depth_attention_multi_backward. */
+int depth_attention_routed_backward(const real *const *sources, int64_t n_sources, int64_t n_tokens, int64_t d_model,
+                                    const real *queries, int64_t n_routes, const real *bias, int64_t bias_route_stride,
+                                    int64_t bias_stride, int normalize_values, double eps, const real *lse,
+                                    const real *grad_h, real *const *grad_sources, const uint8_t *accumulate,
+                                    real *grad_queries, int n_threads) {
+    if (n_routes < 1 || n_routes > MAX_QUERIES) return -2;
+    const real *lse_rows[MAX_QUERIES], *grad_rows[MAX_QUERIES], *bias_rows[MAX_QUERIES];
+    const real *no_grad_lse[MAX_QUERIES] = {NULL};
+    for (int64_t r = 0; r < n_routes; ++r) {
+        lse_rows[r] = lse + r * n_tokens, grad_rows[r] = grad_h + r * d_model;
+        bias_rows[r] = bias ? bias + r * bias_route_stride : NULL;
+    }
+    multi_grad_args a = {.sources = sources, .n_sources = n_sources, .n_tokens = n_tokens,
+                         .d_model = d_model, .n_queries = n_routes, .queries = queries, .lse = lse_rows,
+                         .eps = (real)eps, .grad_mix = grad_rows, .grad_lse = no_grad_lse,
+                         .grad_sources = grad_sources, .accumulate = accumulate,
+                         .grad_mix_stride = n_routes * d_model, .bias = bias ? bias_rows : NULL,
+                         .bias_stride = bias_stride, .normalize_values = normalize_values};
+    return multi_backward_run(&a, grad_queries, n_threads);
 }

@@ -642,3 +642,152 @@ def depth_attention_copies_cpu(
                 f"depth_attention_copies_cpu could not allocate its source tables ({n_copies} x {n_sources} pointers)"
             )
     return h if norm is None else (h, y)
+
+
+class _EagerRoutedDepthAttention(torch.autograd.Function):
+    """The op with its knobs on the C kernel (`depth_attention_routed` and its backward; docs/kernels.md §1): R <=
+    MAX_QUERIES folded queries ``[R, D]`` (``u_r = c w_r g``, folded by the caller, so autograd gives ``dw`` and
+    ``dg`` from ``du``), a token-major bias ``[N, Rb, S]`` (Rb = R, or 1 shared by the routes) or None, values raw
+    or normalised. Returns ``(h [..., R, D], weights [N, R, S], logits [N, R, S])`` in the compute dtype, the last
+    two reported only (empty unless ``want_stats``), the logits unbiased."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        queries: torch.Tensor,
+        bias: torch.Tensor | None,
+        eps: float,
+        normalize_values: bool,
+        want_stats: bool,
+        *sources: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        first = sources[0]
+        d_model, n_routes, n_sources = first.shape[-1], queries.shape[0], len(sources)
+        n_tokens = first.numel() // d_model
+        h = new_output((*first.shape[:-1], n_routes, d_model), first.dtype, first.device)
+        lse = new_output((n_routes, n_tokens), first.dtype, first.device)
+        stats_shape = (n_tokens, n_routes, n_sources) if want_stats else (0,)
+        weights, logits = (new_output(stats_shape, first.dtype, first.device) for _ in range(2))
+        library = cpu_build.cpu_library(first.dtype)
+        library.depth_attention_routed(
+            pointer_array(sources),
+            n_sources,
+            n_tokens,
+            d_model,
+            queries.data_ptr(),
+            n_routes,
+            *_bias_layout(bias, n_routes, n_sources),
+            int(normalize_values),
+            eps,
+            h.data_ptr(),
+            lse.data_ptr(),
+            weights.data_ptr() if want_stats else None,
+            logits.data_ptr() if want_stats else None,
+            kernel_threads(n_sources * n_tokens * d_model * n_routes, library),
+        )
+        ctx.eps, ctx.normalize_values = eps, normalize_values
+        ctx.save_for_backward(queries, bias, lse, *sources)
+        ctx.shared = shared_gradients(sources)
+        ctx.mark_non_differentiable(weights, logits)
+        return h, weights, logits
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, grad_h: torch.Tensor, _grad_weights: torch.Tensor, _grad_logits: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        queries, bias, lse, *sources = ctx.saved_tensors
+        first = sources[0]
+        d_model, n_routes, n_sources = first.shape[-1], queries.shape[0], len(sources)
+        n_tokens = first.numel() // d_model
+        grad_h = grad_h.contiguous()
+        shared = buffers_to_sum_into(ctx, grad_h)
+        grad_sources, accumulate = gradient_buffers(sources, shared)
+        grad_queries = new_output_like(queries)
+        library = cpu_build.cpu_library(first.dtype)
+        status = library.depth_attention_routed_backward(
+            pointer_array(sources),
+            n_sources,
+            n_tokens,
+            d_model,
+            queries.data_ptr(),
+            n_routes,
+            *_bias_layout(bias, n_routes, n_sources),
+            int(ctx.normalize_values),
+            ctx.eps,
+            lse.data_ptr(),
+            grad_h.data_ptr(),
+            pointer_array(grad_sources),
+            accumulate,
+            grad_queries.data_ptr(),
+            kernel_threads(n_sources * n_tokens * d_model * n_routes, library),
+        )
+        if status != 0:
+            raise MemoryError(
+                f"the C routed backward could not allocate its per-thread sums of {n_routes} x {d_model} values"
+            )
+        return grad_queries, None, None, None, None, *returned_gradients(grad_sources, shared)
+
+
+def _bias_layout(bias: torch.Tensor | None, n_routes: int, n_sources: int) -> tuple[int | None, int, int]:
+    """The C kernel's view of a token-major bias ``[N, Rb, S]``: its address, the step from one route's row to the
+    next (0 where one row is shared by the routes) and from one token's rows to the next."""
+    if bias is None:
+        return None, 0, 0
+    routes_in_bias = bias.shape[1]
+    return bias.data_ptr(), (n_sources if routes_in_bias == n_routes > 1 else 0), routes_in_bias * n_sources
+
+
+def routed_depth_attention_cpu(
+    sources: list[torch.Tensor],
+    queries: torch.Tensor,
+    key_norm_weight: torch.Tensor | None,
+    eps: float,
+    bias: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    normalize_values: bool = False,
+    want_stats: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`torch_fast.routed_depth_attention_torch` on the C kernel: ``(h [..., R, D], weights, logits)`` for
+    ``queries`` ``[R, D]``, weights/logits source-major ``[n_sources, N, R]`` (views of the kernel's token-major
+    output; None unless ``want_stats``), the logits unbiased; ``bias`` ``[n_sources, N, R]``, ``[n_sources, N,
+    1]`` or None. The queries are
+    folded with autograd (``u_r = c w_r g``) and split into sets of MAX_QUERIES. Under torch.compile, which cannot
+    trace the ctypes call, the torch backend's Function runs instead (the same function)."""
+    first = sources[0]
+    if first.device.type != "cpu":
+        raise ValueError(f"the cpu backend needs CPU tensors, got tensors on {first.device}; use backend='auto'")
+    if torch.compiler.is_compiling():
+        from attnres_lens.kernels.torch_fast import routed_depth_attention_torch
+
+        return routed_depth_attention_torch(sources, queries, key_norm_weight, eps, bias, logit_scale, normalize_values)
+    compute = compute_dtype(first.dtype)
+    flat = _contiguous(sources, compute)
+    folded = queries.to(compute) * logit_scale
+    if key_norm_weight is not None:
+        folded = folded * key_norm_weight.to(compute)
+    token_bias = None if bias is None else bias.permute(1, 2, 0).to(compute)  # [N, Rb, S]
+    parts = []
+    for start in range(0, queries.shape[0], MAX_QUERIES):
+        part = slice(start, start + MAX_QUERIES)
+        part_bias = None
+        if token_bias is not None:
+            part_bias = (token_bias if token_bias.shape[1] == 1 else token_bias[:, part]).contiguous()
+        parts.append(
+            cpu_autograd.apply_function(
+                _EagerRoutedDepthAttention,
+                folded[part].contiguous(),
+                part_bias,
+                float(eps),
+                normalize_values,
+                want_stats,
+                *flat,
+            )
+        )
+    h, weights, logits = (
+        parts[0] if len(parts) == 1 else (torch.cat(out, dim) for out, dim in zip(zip(*parts), (-2, 1, 1)))
+    )
+    h = h if h.dtype == first.dtype else h.to(first.dtype)
+    if not want_stats:
+        return h, None, None
+    return h, weights.permute(2, 0, 1), logits.permute(2, 0, 1)

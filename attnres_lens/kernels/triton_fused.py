@@ -154,6 +154,127 @@ def _depth_attention_bwd_kernel(
     tl.store(grad_folded_partial + program * d_model + cols, grad_folded, mask=col_mask)
 
 
+@triton.jit
+def _routed_fwd_kernel(
+    src_base,
+    src_table,
+    source_stride,
+    folded_queries,  # fp32 [R, D], u_r = c * w_r * g
+    h_out,  # [N, R, D], sources' dtype
+    lse_out,  # fp32 [R, N]
+    logits_out,  # fp32 [S, N, R], written only when STORE_LOGITS
+    n_tokens,
+    n_sources,
+    n_routes,
+    d_model,
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FROM_TABLE: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
+    NORMALIZE_VALUES: tl.constexpr,
+):
+    """The forward with the op's knobs (docs/kernels.md §1): program (tile, r) mixes route r of one tile, the online
+    softmax of `_depth_attention_fwd_kernel`; with NORMALIZE_VALUES it mixes ``rstd * v``."""
+    route = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < d_model
+    rows, row_mask, tile_mask, offsets = row_tile(tl.program_id(0), n_tokens, cols, col_mask, d_model, BLOCK_ROWS)
+    u = tl.load(folded_queries + route * d_model + cols, mask=col_mask, other=0.0)
+    running_max = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
+    buffer_source = src_base
+    for s in range(n_sources):
+        v, rstd, logit = _source_tile(src_table, s, buffer_source, offsets, tile_mask, u, d_model, eps, FROM_TABLE)
+        buffer_source += source_stride
+        if STORE_LOGITS:
+            tl.store(logits_out + (s * n_tokens + rows) * n_routes + route, logit, mask=row_mask)
+        if NORMALIZE_VALUES:
+            v = v * rstd[:, None]
+        new_max = tl.maximum(running_max, logit)
+        rescale = tl.exp(running_max - new_max)
+        p = tl.exp(logit - new_max)
+        running_sum = running_sum * rescale + p
+        acc = acc * rescale[:, None] + p[:, None] * v
+        running_max = new_max
+    out_offsets = (rows[:, None] * n_routes + route) * d_model + cols[None, :]
+    tl.store(h_out + out_offsets, (acc / running_sum[:, None]).to(h_out.dtype.element_ty), mask=tile_mask)
+    tl.store(lse_out + route * n_tokens + rows, running_max + tl.log(running_sum), mask=row_mask)
+
+
+@triton.jit
+def _routed_bwd_kernel(
+    src_base,
+    src_table,
+    source_stride,
+    grad_sources,  # [S, N, D], sources' dtype
+    grad_stride,
+    folded_queries,  # fp32 [R, D]
+    grad_h,  # [N, R, D]
+    lse_saved,  # fp32 [R, N]
+    delta_saved,  # fp32 [N, R], dh_r . h_r
+    grad_folded_partial,  # fp32 [programs, R, D], one block per program
+    n_tokens,
+    n_sources,
+    n_routes,
+    d_model,
+    eps,
+    n_tiles,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    FROM_TABLE: tl.constexpr,
+    NORMALIZE_VALUES: tl.constexpr,
+):
+    """The backward of `_routed_fwd_kernel` (the equations of `torch_fast.RoutedDepthAttentionFunction`): each
+    source tile is read once and its gradient summed over the routes in registers before one store; the routes'
+    query gradients stay in a ``[BLOCK_R, D]`` register block per program (no atomics)."""
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < d_model
+    route_ids = tl.arange(0, BLOCK_R)
+    query_mask = (route_ids[:, None] < n_routes) & col_mask[None, :]
+    queries = tl.load(folded_queries + route_ids[:, None] * d_model + cols[None, :], mask=query_mask, other=0.0)
+    grad_folded = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for tile in range(program, n_tiles, tl.num_programs(0)):
+        rows, row_mask, tile_mask, offsets = row_tile(tile, n_tokens, cols, col_mask, d_model, BLOCK_ROWS)
+        buffer_source = src_base
+        grad_source = grad_sources
+        for s in range(n_sources):
+            v, rstd = load_source(src_table, s, buffer_source, offsets, tile_mask, d_model, eps, FROM_TABLE)
+            buffer_source += source_stride
+            value = v
+            if NORMALIZE_VALUES:
+                value = v * rstd[:, None]
+            grad_v = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
+            value_coef = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            for route in range(n_routes):
+                selected = route_ids[:, None] == route
+                u = tl.sum(tl.where(selected, queries, 0.0), axis=0)
+                logit = tl.sum(v * u[None, :], axis=1) * rstd
+                lse = tl.load(lse_saved + route * n_tokens + rows, mask=row_mask, other=0.0)
+                delta = tl.load(delta_saved + rows * n_routes + route, mask=row_mask, other=0.0)
+                dh_offsets = (rows[:, None] * n_routes + route) * d_model + cols[None, :]
+                dh = tl.load(grad_h + dh_offsets, mask=tile_mask, other=0.0).to(tl.float32)
+                weight = tl.exp(logit - lse)
+                dot = tl.sum(value * dh, axis=1)
+                grad_logit = weight * (dot - delta)
+                key_coef = grad_logit * rstd
+                mix_weight = weight
+                value_coef += grad_logit * logit
+                if NORMALIZE_VALUES:
+                    value_coef += weight * dot
+                    mix_weight = weight * rstd
+                grad_v += mix_weight[:, None] * dh + key_coef[:, None] * u[None, :]
+                grad_folded += tl.where(selected, tl.sum(key_coef[:, None] * v, axis=0)[None, :], 0.0)
+            grad_v -= (value_coef * rstd * rstd / d_model)[:, None] * v
+            tl.store(grad_source + offsets, grad_v.to(grad_sources.dtype.element_ty), mask=tile_mask)
+            grad_source += grad_stride
+    partial = grad_folded_partial + program * n_routes * d_model
+    tl.store(partial + route_ids[:, None] * d_model + cols[None, :], grad_folded, mask=query_mask)
+
+
 def interpreting() -> bool:
     """Whether Triton runs on its CPU interpreter (TRITON_INTERPRET=1, the tests' mode), where tiles are numpy ops."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -331,3 +452,153 @@ def depth_attention_triton(
     if not want_stats:
         return h.view(shape), None, None
     return h.view(shape), torch.exp(logits - lse), logits
+
+
+class TritonRoutedDepthAttentionFunction(torch.autograd.Function):
+    """Fused depth attention with the op's knobs (docs/kernels.md §1): queries ``[R, D]``, a logit scale, a gain
+    or none, raw or normalised values. Sources as for `TritonDepthAttentionFunction`. Returns ``(h [N, R, D],
+    lse [R, N], logits [S, N, R] or empty)``; lse and logits are not differentiable. The forward reads the
+    sources once per route (one program per tile and route), the backward once."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        queries: torch.Tensor,
+        key_norm_weight: torch.Tensor | None,
+        logit_scale: float,
+        normalize_values: bool,
+        eps: float,
+        store_logits: bool,
+        block_rows: int,
+        stacked: bool,
+        *sources: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        first = sources[0][0] if stacked else sources[0]
+        n_sources = sources[0].shape[0] if stacked else len(sources)
+        n_tokens, d_model = first.shape
+        n_routes = queries.shape[0]
+        device = first.device
+        folded = queries.float() * logit_scale
+        if key_norm_weight is not None:
+            folded = folded * key_norm_weight.float()
+        folded = folded.contiguous()
+        if stacked:
+            src_base, src_table, source_stride = sources[0], sources[0], sources[0].stride(0)
+        else:
+            src_base, src_table, source_stride = sources[0], pointer_table(sources), 0
+        h = new_output((n_tokens, n_routes, d_model), first.dtype, device)
+        lse = new_output((n_routes, n_tokens), torch.float32, device)
+        logits = new_output((n_sources, n_tokens, n_routes) if store_logits else (0,), torch.float32, device)
+        block_d = triton.next_power_of_2(d_model)
+        _routed_fwd_kernel[(triton.cdiv(n_tokens, block_rows), n_routes)](
+            src_base,
+            src_table,
+            source_stride,
+            folded,
+            h,
+            lse,
+            logits,
+            n_tokens,
+            n_sources,
+            n_routes,
+            d_model,
+            eps,
+            BLOCK_ROWS=block_rows,
+            BLOCK_D=block_d,
+            FROM_TABLE=not stacked,
+            STORE_LOGITS=store_logits,
+            NORMALIZE_VALUES=normalize_values,
+            num_warps=num_warps(block_rows, block_d),
+        )
+        gain = key_norm_weight if key_norm_weight is not None else queries.new_empty(0)
+        ctx.save_for_backward(queries, gain, folded, h, lse, *sources)
+        ctx.src_table = src_table
+        ctx.has_gain, ctx.logit_scale, ctx.normalize_values = key_norm_weight is not None, logit_scale, normalize_values
+        ctx.eps, ctx.block_rows, ctx.stacked, ctx.n_sources = eps, block_rows, stacked, n_sources
+        ctx.mark_non_differentiable(lse, logits)
+        return h, lse, logits
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_h: torch.Tensor, _grad_lse: torch.Tensor, _grad_logits: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        queries, gain, folded, h, lse, *sources = ctx.saved_tensors
+        n_tokens, n_routes, d_model = h.shape
+        block_rows = ctx.block_rows
+        block_d = triton.next_power_of_2(d_model)
+        n_tiles = triton.cdiv(n_tokens, block_rows)
+        n_programs = max(1, min(n_tiles, max_programs(h.device)))
+        grad_h = grad_h.contiguous()
+        delta = torch.linalg.vecdot(grad_h.float(), h.float()).contiguous()  # [N, R]: dh_r . h_r
+        grad_sources = new_output((ctx.n_sources, n_tokens, d_model), h.dtype, h.device)
+        grad_folded_partial = torch.zeros((n_programs, n_routes, d_model), dtype=torch.float32, device=h.device)
+        _routed_bwd_kernel[(n_programs,)](
+            sources[0],
+            ctx.src_table,
+            sources[0].stride(0) if ctx.stacked else 0,
+            grad_sources,
+            grad_sources.stride(0),
+            folded,
+            grad_h,
+            lse,
+            delta,
+            grad_folded_partial,
+            n_tokens,
+            ctx.n_sources,
+            n_routes,
+            d_model,
+            ctx.eps,
+            n_tiles,
+            BLOCK_ROWS=block_rows,
+            BLOCK_D=block_d,
+            BLOCK_R=triton.next_power_of_2(n_routes),
+            FROM_TABLE=not ctx.stacked,
+            NORMALIZE_VALUES=ctx.normalize_values,
+            num_warps=num_warps(block_rows, block_d),
+        )
+        grad_folded = grad_folded_partial.sum(dim=0) * ctx.logit_scale
+        if ctx.has_gain:
+            grad_query = (grad_folded * gain.float()).to(queries.dtype)
+            grad_gain = (grad_folded * queries.float()).sum(dim=0).to(gain.dtype)
+        else:
+            grad_query, grad_gain = grad_folded.to(queries.dtype), None
+        grad_inputs = (grad_sources,) if ctx.stacked else tuple(grad_sources.unbind(0))
+        return grad_query, grad_gain, None, None, None, None, None, None, *grad_inputs
+
+
+def routed_depth_attention_triton(
+    sources: list[torch.Tensor],
+    queries: torch.Tensor,
+    key_norm_weight: torch.Tensor | None,
+    eps: float,
+    want_stats: bool,
+    logit_scale: float = 1.0,
+    normalize_values: bool = False,
+    depth_buffer: torch.Tensor | None = None,
+    block_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Return ``(h [..., R, D], weights, logits)`` for ``queries`` ``[R, D]``; weights/logits source-major ``[S, N,
+    R]`` (fp32) when ``want_stats``, else None. ``depth_buffer`` as for `depth_attention_triton`."""
+    check_device(sources[0])
+    shape = sources[0].shape
+    d_model = shape[-1]
+    block_rows = block_rows or default_block_rows(d_model)
+    if depth_buffer is not None:
+        flat = (depth_buffer.reshape(len(sources), -1, d_model).contiguous(),)
+    else:
+        flat = tuple(source.reshape(-1, d_model).contiguous() for source in sources)
+    h, lse, logits = TritonRoutedDepthAttentionFunction.apply(
+        queries,
+        key_norm_weight,
+        logit_scale,
+        normalize_values,
+        eps,
+        want_stats,
+        block_rows,
+        depth_buffer is not None,
+        *flat,
+    )
+    h = h.view(*shape[:-1], *h.shape[-2:])
+    if not want_stats:
+        return h, None, None
+    return h, torch.exp(logits - lse.t()), logits
