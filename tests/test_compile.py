@@ -80,3 +80,26 @@ def test_the_cpu_kernel_ops_pass_torch_library_checks():
     bias[1, :2] = float("-inf")
     for args in ((sources, query, None, 1e-6), (sources, query, bias, 1e-6)):
         torch.library.opcheck(cpu_depth._forward_op, args)
+
+
+def test_the_knobs_on_the_cpu_backend_trace_into_one_graph():
+    """A call with the op's knobs (docs/kernels.md §1) on the cpu backend runs the torch Function under
+    torch.compile (the C kernel's ctypes call cannot be traced): one graph, the eager values and gradients."""
+    from attnres_lens.kernels import depth_attention
+    from tests.kernel_cases import INKLING, make_knob_inputs
+
+    sources, query, _ = make_knob_inputs(INKLING, 4, (2, 5), 16, seed=3)
+
+    def mix(*tensors):
+        h = depth_attention(list(tensors[:-1]), tensors[-1], None, backend="cpu", **INKLING.kwargs(16))
+        return (h * torch.linspace(-1, 1, 16)).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(mix, fullgraph=True, backend="aot_eager")
+    results = []
+    for run in (compiled, mix):
+        leaves = [t.detach().clone().requires_grad_() for t in (*sources, query)]
+        loss = run(*leaves)
+        results.append([loss.detach(), *torch.autograd.grad(loss, leaves)])
+    for traced, eager in zip(*results):
+        torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-6)
