@@ -249,9 +249,10 @@ class HookedTransformer(HookedRootModule):
 
     def read_out(self, stream: ResidualStream) -> torch.Tensor:
         """The logits from a stream every sublayer has written: the final mix, `ln_final.hook_in` (only when
-        hooked: otherwise the mix and the final norm may run as one kernel), the final norm and the unembedding."""
-        hook_in = self.ln_final.hook_in
-        if module_hooked(hook_in):
+        hooked: otherwise the mix and the final norm may run as one kernel), the final norm and the unembedding. A
+        module put in `ln_final`'s place has no `hook_in` unless it brings one: its input is then not hooked."""
+        hook_in = getattr(self.ln_final, "hook_in", None)
+        if hook_in is not None and module_hooked(hook_in):
             return self.unembed(self.ln_final(hook_in(stream.readout(self.final_mixer()))))
         return self.unembed(stream.readout_normed(self.final_mixer(), self.ln_final))
 
