@@ -70,3 +70,16 @@ def poisoned_outputs(monkeypatch):
 
     monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
     monkeypatch.delenv(backends.BACKEND_ENV_VAR, raising=False)
+
+
+@pytest.fixture(scope="session")
+def inkling_folders(tmp_path_factory) -> dict[str, str]:
+    """A tiny Inkling-2 ('plain') and Inkling-2-Mini ('loop') saved to folders once per session (tests/helpers.py's
+    `save_tiny_inkling`); the Mini's folder also holds a tiny word-level tokenizer. Tests only read them."""
+    pytest.importorskip("transformers")
+    from tests.helpers import save_tiny_inkling, save_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("inkling")
+    folders = {kind: save_tiny_inkling(kind, root / kind) for kind in ("plain", "loop")}
+    save_tiny_tokenizer(folders["loop"])
+    return folders
