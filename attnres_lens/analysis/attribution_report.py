@@ -40,6 +40,7 @@ from attnres_lens.analysis.knockouts import SCREEN_FRACTION, edge_knockouts
 from attnres_lens.analysis.kv_shift import kv_shift_decomposition
 from attnres_lens.analysis.report import STYLE, skipped_html
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
+from attnres_lens.analysis.visits import visit_groups, visit_knockouts
 from attnres_lens.analysis_options import plural
 from attnres_lens.model import HookedTransformer
 from attnres_lens.protocol import DepthMixingModel, model_device
@@ -141,6 +142,16 @@ def attribution_tables(
                         else {}
                     ),
                 ),
+            ),
+            *(
+                [
+                    (
+                        "knockouts of every visit of a looped layer together",
+                        lambda t: t.update(edge_knockouts_visits=visit_knockouts(model, batch)),
+                    )
+                ]
+                if visit_groups(model)
+                else []
             ),
             (
                 "routing audit (bootstrap over sequences, null schedules)",
@@ -722,6 +733,16 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
                 _table(tables["edge_agreement"]),
             ),
         ]
+    if "edge_knockouts_visits" in tables:
+        sections.append(
+            (
+                "Looped layers: knockouts of every visit together",
+                "One source, by label, knocked out of every visit's depth softmax of a looped consumer at once "
+                "(exact Δloss on every sequence), beside the sum of the knockouts in one visit at a time.",
+                [],
+                _table(tables["edge_knockouts_visits"]),
+            )
+        )
     if "routing_audit_consumers" in tables:
         sections.append(
             (

@@ -145,6 +145,13 @@ def prune_report_html(
         "<h2>Cheap metrics vs measured removal effect (Spearman)</h2>",
         _table(tables["metric_correlations"]),
     ]
+    if "pruning_visits" in tables:
+        parts += [
+            "<h2>Looped layers: every visit removed together</h2>",
+            '<p class="note">Each visit alone is a row of the sensitivity table; here all visits of a looped '
+            "sublayer go at once, beside the sum of their single removals.</p>",
+            _table(tables["pruning_visits"]),
+        ]
     if "routing" in tables:
         correlations = summary.get("routing_correlations", {})
         parts += [

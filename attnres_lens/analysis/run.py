@@ -48,6 +48,7 @@ from attnres_lens.analysis.pruning import (
 from attnres_lens.analysis.report import analysis_report_html, prune_report_html
 from attnres_lens.analysis.routing import causal_routing, routing_correlations, routing_disagreements
 from attnres_lens.analysis.session import analysis_session
+from attnres_lens.analysis.visits import visit_groups, visit_removals
 from attnres_lens.analysis.workers import ForkedJob, fork_available
 from attnres_lens.analysis_options import (
     ANALYZE_SAMPLES,
@@ -341,13 +342,16 @@ def _pruning_tables(
     distances = angular_distance_matrix(model, batch.tokens)
     report(2 / stages, "cumulative removal curves…")
     curves = cumulative_pruning(model, batch, sensitivity, distances, metric, progress=progress)
-    return {
+    tables = {
         "pruning_sensitivity": sensitivity,
         "angular_distance": distances,
         "pruning_curves": curves,
         "metric_correlations": metric_correlations(sensitivity),
         "removable": removable_within(curves, REMOVAL_TOLERANCE),
     }
+    if visit_groups(model):  # a looped layer's visits: each alone is in pruning_sensitivity, all together here
+        tables["pruning_visits"] = visit_removals(model, batch, progress)
+    return tables
 
 
 def prune_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) -> dict[str, Any]:
@@ -362,6 +366,8 @@ def prune_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) -> di
     }
     if "routing" in tables:
         summary["routing_correlations"] = routing_correlations(tables["routing"])
+    if "pruning_visits" in tables:
+        summary["visits_removed_together"] = tables["pruning_visits"].to_dict("records")
     return summary
 
 
