@@ -65,6 +65,7 @@ class TransformersModel:
     transformers_version: str
     d_vocab: int
     n_ctx: int
+    n_layers: int
     files_sha256: dict[str, str]
     dtype: str = "float32"
     source: ClassVar[str] = SOURCE
@@ -78,7 +79,7 @@ class TransformersModel:
                 raise ValueError(f"model.{name} must be a non-empty string, got {getattr(self, name)!r}")
         if not Path(self.folder).is_absolute():
             raise ValueError(f"model.folder must be an absolute path, got {self.folder!r}")
-        for name in ("d_vocab", "n_ctx"):
+        for name in ("d_vocab", "n_ctx", "n_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{name} must be an integer >= 1, got {value!r}")
@@ -98,6 +99,14 @@ class TransformersModel:
     @property
     def description(self) -> str:
         return f"{self.architecture} (transformers {self.transformers_version}) from {self.folder}"
+
+    @property
+    def residual_label(self) -> str:
+        return "Block AttnRes (transformers)"
+
+    @property
+    def attention_label(self) -> str:
+        return f"{self.model_type} (transformers)"
 
     @property
     def has_tokenizer(self) -> bool:
@@ -269,6 +278,7 @@ def model_section(folder: Path, config: dict[str, Any], files: list[str], dtype:
         transformers_version=transformers.__version__,
         d_vocab=_d_vocab(config),
         n_ctx=_n_ctx(config),
+        n_layers=int(config["num_hidden_layers"]),
         files_sha256=_hashes(folder, files),
         dtype=dtype,
     )

@@ -290,3 +290,6 @@ def save_tiny_tokenizer(folder) -> None:
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
+
+
+HF_RUN_TEXT = " ".join(["the cat sat on the mat and then the dog ran far and slept"] * 30)

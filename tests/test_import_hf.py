@@ -20,54 +20,31 @@ from attnres_lens.analysis.interventions import removal_hooks  # noqa: E402
 from attnres_lens.analysis.visits import sublayers_named, visit_groups, visit_knockouts, visit_removals  # noqa: E402
 from attnres_lens.rundir import RunDirError, load_run  # noqa: E402
 from attnres_lens.tasks import make_task  # noqa: E402
-from tests.helpers import TINY_TOKENIZER_WORDS, run_cli  # noqa: E402
-
-TEXT = " ".join(["the cat sat on the mat and then the dog ran far and slept"] * 30)
-
-
-def _token_file(folder: Path) -> Path:
-    path = folder / "ids.npy"
-    np.save(path, np.random.default_rng(0).integers(0, 60, 2000).astype(np.uint32))
-    return path
+from tests.helpers import HF_RUN_TEXT, TINY_TOKENIZER_WORDS, run_cli  # noqa: E402
 
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.fixture(scope="module")
-def runs(inkling_folders, tmp_path_factory) -> dict[str, Path]:
-    """'plain': the Inkling-2 folder imported on a token file; 'loop': the Mini imported on text through its
-    tokenizer. Tests that write into a run copy it."""
-    root = tmp_path_factory.mktemp("hf_runs")
-    (root / "text.txt").write_text(TEXT)
-    plain = ["--tokens", str(_token_file(root)), "--set", "task.seq_len=24"]
-    loop = ["--text", str(root / "text.txt"), "--set", "task.seq_len=24"]
-    from attnres_lens.cli import main
-
-    for kind, options in (("plain", plain), ("loop", loop)):
-        assert main(["import-hf", inkling_folders[kind], "--out", str(root / kind), *options]) == 0
-    return {kind: root / kind for kind in ("plain", "loop")}
-
-
-def test_a_run_refers_to_the_folder_by_path_and_hashes(inkling_folders, runs):
+def test_a_run_refers_to_the_folder_by_path_and_hashes(inkling_folders, hf_runs):
     folder = Path(inkling_folders["plain"])
-    config = json.loads((runs["plain"] / "config.json").read_text())
+    config = json.loads((hf_runs["plain"] / "config.json").read_text())
     model = config["model"]
     assert model["source"] == "transformers" and model["folder"] == str(folder.resolve())
     assert model["architecture"] == "Inkling2ForCausalLM" and model["transformers_version"] == transformers.__version__
     assert model["files_sha256"] == {name: _sha256(folder / name) for name in ("config.json", "model.safetensors")}
-    assert not list(runs["plain"].rglob("*.safetensors"))  # no copy of the weights
-    run = load_run(runs["plain"])
+    assert not list(hf_runs["plain"].rglob("*.safetensors"))  # no copy of the weights
+    run = load_run(hf_runs["plain"])
     assert run.checkpoint == "model_folder" and run.model_config.residual == "attnres"
     tokens = torch.tensor([[3, 17, 42, 5, 59, 0, 21, 8]])
     reference = transformers.Inkling2ForCausalLM.from_pretrained(folder).eval()
     torch.testing.assert_close(run.model(tokens), reference(input_ids=tokens, use_cache=False).logits)
 
 
-def test_text_goes_through_the_folders_tokenizer(inkling_folders, runs):
-    run = load_run(runs["loop"], load_model=False)
-    words = TEXT.split()
+def test_text_goes_through_the_folders_tokenizer(inkling_folders, hf_runs):
+    run = load_run(hf_runs["loop"], load_model=False)
+    words = HF_RUN_TEXT.split()
     expected = [TINY_TOKENIZER_WORDS.index(word) for word in words]  # the word-level vocabulary, by hand
     assert np.load(run.config.task.params["path"]).tolist() == expected
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(run.model_config.files_sha256)
@@ -104,7 +81,7 @@ def test_import_refuses_remote_code_pickles_no_tokenizer_and_used_folders(inklin
     code, _, err = run_cli(["import-hf", str(pickled), "--out", str(tmp_path / "r2")], capsys)
     assert code == 2 and "pytorch_model.bin" in err and "pickle" in err
 
-    (tmp_path / "text.txt").write_text(TEXT)
+    (tmp_path / "text.txt").write_text(HF_RUN_TEXT)
     code, _, err = run_cli(
         ["import-hf", inkling_folders["plain"], "--out", str(tmp_path / "r3"), "--text", str(tmp_path / "text.txt")],
         capsys,
@@ -117,15 +94,15 @@ def test_import_refuses_remote_code_pickles_no_tokenizer_and_used_folders(inklin
     assert code == 2 and "not empty" in err and (tmp_path / "used" / "notes.txt").read_text() == "mine"
 
 
-def test_a_run_accepts_only_its_one_checkpoint(runs):
+def test_a_run_accepts_only_its_one_checkpoint(hf_runs):
     with pytest.raises(RunDirError, match="one set of weights.*latest"):
-        load_run(runs["plain"], checkpoint="best_of_three")
+        load_run(hf_runs["plain"], checkpoint="best_of_three")
 
 
 @pytest.mark.parametrize("kind", ["plain", "loop"])
-def test_analyze_prune_attribute_run_and_say_what_they_skip(runs, kind, tmp_path, capsys):
+def test_analyze_prune_attribute_run_and_say_what_they_skip(hf_runs, kind, tmp_path, capsys):
     run = tmp_path / kind
-    shutil.copytree(runs[kind], run)
+    shutil.copytree(hf_runs[kind], run)
     for command in ("analyze", "prune", "attribute"):
         extra = ["--prompt", "the cat sat on the mat"] if command == "attribute" and kind == "loop" else []
         code, out, err = run_cli([command, str(run), "--samples", "8", "--no-progress", *extra], capsys)
