@@ -743,6 +743,10 @@ def test_every_page_opens_a_run_referring_to_a_transformers_folder(hf_runs):
             assert_clean(app)
         app.switch_page("views/depth_attention.py").run()
         assert chart_specs(app), f"no depth map of the {kind} run"
+        app.switch_page("views/depth_mixing.py").run()
+        app.radio(key="mixing-source").set_value("a checkpoint's model").run()
+        assert_clean(app)  # M refuses Inkling (layer 0 reads the embedding directly): a message, with the reason
+        assert chart_specs(app) or any("Not computed" in message.value for message in app.info), kind
         app.switch_page("views/induction.py").run()
         assert any("toolkit's own model" in message.value for message in app.info), kind
         app.switch_page("views/pruning.py").run()
