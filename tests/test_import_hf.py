@@ -94,9 +94,11 @@ def test_import_refuses_remote_code_pickles_no_tokenizer_and_used_folders(inklin
     assert code == 2 and "not empty" in err and (tmp_path / "used" / "notes.txt").read_text() == "mine"
 
 
-def test_a_run_accepts_only_its_one_checkpoint(hf_runs):
+def test_a_run_offers_only_what_a_referred_folder_has(hf_runs, tmp_path, capsys):
     with pytest.raises(RunDirError, match="one set of weights.*latest"):
         load_run(hf_runs["plain"], checkpoint="best_of_three")
+    code, _, err = run_cli(["export-fla", str(hf_runs["plain"]), "--out", str(tmp_path / "fla")], capsys)
+    assert code == 2 and "refers to a transformers model folder" in err and not (tmp_path / "fla").exists()
 
 
 @pytest.mark.parametrize("kind", ["plain", "loop"])
