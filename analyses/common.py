@@ -214,3 +214,13 @@ def markdown_table(frame: pd.DataFrame, digits: int = 3) -> str:
     lines = ["| " + " | ".join(map(table_cell, frame.columns)) + " |", "|" + "---|" * len(frame.columns)]
     lines += ["| " + " | ".join(cell(value) for value in row) + " |" for row in frame.itertuples(index=False)]
     return "\n".join(lines)
+
+
+DESIGN_MARK = "Design, stated before any result:"
+
+
+def study_head(title: str, docstring: str, command: str) -> list[str]:
+    """A study report's first lines: the title, where and when it ran, the command, and its design, which the
+    study's module docstring states after `DESIGN_MARK` and before its usage line (`    python -m …`)."""
+    design = docstring.split(DESIGN_MARK)[1].split("    python -m")[0].strip()
+    return [f"# {title}", "", provenance(), "", f"Command: `{command}`", "", "## Design", "", design]

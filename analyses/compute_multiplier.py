@@ -41,13 +41,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analyses.common import REPO, Job, emit_report, git_state, markdown_table, provenance, run_jobs, training_minutes
+from analyses.common import REPO, Job, emit_report, git_state, markdown_table, run_jobs, study_head, training_minutes
+from analyses.depth_mixing_ablation import t95
 from analyses.results import RESULTS
 
 VARIANTS = {"standard": "shakespeare-standard", "full": "shakespeare-full", "block": "shakespeare-block"}
 FIXED_TASK = ("task.seed=0",)
-# two-sided 95% Student-t quantiles by degrees of freedom (seeds − 1)
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 def forward_flops_per_token(cfg) -> float:
@@ -93,7 +92,7 @@ def summarise(multipliers: list[float]) -> dict[str, float]:
     centre = float(logs.mean())
     if len(logs) < 2:
         return dict(mean=math.exp(centre), low=float("nan"), high=float("nan"), seeds=1)
-    half = T95.get(len(logs) - 1, 1.96) * float(logs.std(ddof=1)) / math.sqrt(len(logs))
+    half = t95(len(logs) - 1) * float(logs.std(ddof=1)) / math.sqrt(len(logs))
     return dict(mean=math.exp(centre), low=math.exp(centre - half), high=math.exp(centre + half), seeds=len(logs))
 
 
@@ -169,18 +168,7 @@ def multipliers(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def report(runs: pd.DataFrame, per_seed: pd.DataFrame, summary: dict, command: str) -> str:
-    design = (__doc__ or "").split("Design, stated before any result:")[1].split("    python -m")[0].strip()
-    lines = [
-        "# Compute multiplier on real text",
-        "",
-        provenance(),
-        "",
-        f"Command: `{command}`",
-        "",
-        "## Design",
-        "",
-        design,
-    ]
+    lines = study_head("Compute multiplier on real text", __doc__ or "", command)
     lines += [
         "",
         "## Result",

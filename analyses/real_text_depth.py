@@ -45,8 +45,8 @@ from analyses.common import (
     emit_report,
     git_state,
     markdown_table,
-    provenance,
     run_jobs,
+    study_head,
     training_minutes,
 )
 from analyses.results import RESULTS
@@ -144,16 +144,8 @@ def measure(jobs: list[Job], samples: int) -> tuple[pd.DataFrame, dict[str, pd.D
 
 
 def report(values: pd.DataFrame, tables: dict[str, pd.DataFrame], jobs: list[Job], samples: int, command: str) -> str:
-    lines = [
-        "# Depth patterns on real text (AttnRes paper, Figure 8)",
-        "",
-        provenance(),
-        "",
-        f"Command: `{command}`",
-        "",
-        "## Design",
-        "",
-        (__doc__ or "").split("Design, stated before any result:")[1].split("    python -m")[0].strip(),
+    lines = study_head("Depth patterns on real text (AttnRes paper, Figure 8)", __doc__ or "", command)
+    lines += [
         "",
         f"Runs: {', '.join(f'{job.preset} seed {job.seed} ({training_minutes(job.out):.1f} min)' for job in jobs)}; "
         f"α averaged over {samples} held-out windows.",
