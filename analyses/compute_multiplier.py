@@ -238,7 +238,11 @@ def main(argv: list[str] | None = None) -> None:
     emit_report(report(runs, per_seed, summary, command), args.report)
     from analyses.benchmarks import record
 
-    shape = f"shakespeare 6 layers, standard at {args.budgets} steps, AttnRes at {args.attnres_budget}, {len(args.seeds)} seeds"
+    cfg = apply_overrides(get_preset(jobs[0].preset), list(jobs[0].overrides)).model
+    shape = (
+        f"shakespeare, {cfg.n_layers} layers, d_model {cfg.d_model}; standard at {args.budgets} steps, AttnRes at "
+        f"{args.attnres_budget}; {len(args.seeds)} seeds"
+    )
     rows = [
         dict(
             metric="final eval loss",
