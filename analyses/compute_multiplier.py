@@ -167,8 +167,9 @@ def multipliers(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def report(runs: pd.DataFrame, per_seed: pd.DataFrame, summary: dict, command: str) -> str:
+def report(runs: pd.DataFrame, per_seed: pd.DataFrame, summary: dict, command: str, model: str) -> str:
     lines = study_head("Compute multiplier on real text", __doc__ or "", command)
+    lines += ["", f"Model trained: {model} (the design's model, with the command's `--set` overrides applied)."]
     lines += [
         "",
         "## Result",
@@ -235,10 +236,11 @@ def main(argv: list[str] | None = None) -> None:
         variant: summarise(list(group["multiplier"])) for variant, group in per_seed.groupby("variant", sort=False)
     }
     command = "python -m analyses.compute_multiplier " + shlex.join(argv if argv is not None else sys.argv[1:])
-    emit_report(report(runs, per_seed, summary, command), args.report)
+    cfg = apply_overrides(get_preset(jobs[0].preset), list(jobs[0].overrides)).model
+    model = f"{cfg.n_layers} layers, d_model {cfg.d_model}, d_mlp {cfg.d_mlp}, n_ctx {cfg.n_ctx}"
+    emit_report(report(runs, per_seed, summary, command, model), args.report)
     from analyses.benchmarks import record
 
-    cfg = apply_overrides(get_preset(jobs[0].preset), list(jobs[0].overrides)).model
     shape = (
         f"shakespeare, {cfg.n_layers} layers, d_model {cfg.d_model}; standard at {args.budgets} steps, AttnRes at "
         f"{args.attnres_budget}; {len(args.seeds)} seeds"
