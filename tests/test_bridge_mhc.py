@@ -103,6 +103,28 @@ def test_logits_equal_transformers_hooked_and_not(folder, bridge):
     assert bridge.hf_model.model.layers[0].mlp.gate.tid2eid.any()  # the hash table survived the folder
 
 
+def test_bf16_logits_equal_transformers(folder):
+    bridge = from_transformers(folder, dtype=torch.bfloat16)
+    assert bridge.hf_model.model.embed_tokens.weight.dtype == torch.bfloat16
+    expected = _reference(folder, dtype=torch.bfloat16)(input_ids=TOKENS, use_cache=False).logits
+    _close(bridge(TOKENS), expected, 1e-5)  # the same operations in the same dtypes: equal, not just within rounding
+    _close(bridge.run_with_cache(TOKENS)[0], expected, 1e-5)
+    assert bridge.mixing_coefficients(TOKENS).dtype == torch.float32
+
+
+def test_parameter_gradients_equal_transformers(folder):
+    """Attribution differentiates through the bridge: its forwards' backward must be transformers'."""
+    bridge, reference = from_transformers(folder), _reference(folder)
+    bridge(TOKENS, return_type="loss").backward()
+    logits = reference(input_ids=TOKENS, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), TOKENS[:, 1:].flatten()).backward()
+    expected = dict(reference.named_parameters())
+    for name, parameter in bridge.hf_model.named_parameters():
+        if expected[name].grad is not None:
+            _close(parameter.grad, expected[name].grad, 1e-5)
+    assert bridge.hf_model.model.layers[1].attn_hc.fn.grad.abs().max() > 0
+
+
 def _connection_float64(streams: torch.Tensor, fn, base, scale, module) -> tuple[torch.Tensor, ...]:
     """DeepSeek V4's hyper-connection written out in float64 from its parameters (docs/model.md §13)."""
     n = N_STREAMS
