@@ -5,6 +5,9 @@ transformers modules."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -286,3 +289,20 @@ def test_refusals_name_the_bad_input(folder, bridge, tmp_path):
     base_model.save_pretrained(tmp_path / "base")
     with pytest.raises(TypeError, match="holds a DeepSeek V4 DeepseekV4Model"):
         from_transformers(tmp_path / "base")
+
+
+def test_docs_worked_example_runs_as_printed(tmp_path, capsys):
+    """docs/interop.md's DeepSeek V4 example, run as written (in a temporary folder), prints what the docs show."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "interop.md").read_text()
+    section = text[text.index("### DeepSeek V4 (mHC)") :]
+    code, printed = re.findall(r"```(?:python)?\n(.*?)```", section, flags=re.S)[:2]
+    exec(compile(code.replace("/tmp/tiny-deepseek-v4", str(tmp_path / "tiny")), "interop.md", "exec"), {})
+    lines = capsys.readouterr().out.strip().splitlines()
+    expected = printed.strip().splitlines()
+    assert len(lines) == len(expected) == 5
+    assert lines[0] == expected[0] and lines[2] == expected[2]
+    numbers = [[float(x) for x in re.findall(r"-?\d+\.\d+", line)] for line in (*lines, *expected)]
+    for row in (1, 3):  # weights and coefficients, rounded to 2 decimals
+        assert numbers[row] == pytest.approx(numbers[5 + row], abs=0.011) and len(numbers[row]) > 3
+    difference, change = map(float, lines[4].split())
+    assert difference <= 1e-5 and change == pytest.approx(float(expected[4].split()[1]), rel=1e-3)
