@@ -237,6 +237,10 @@ class DeepseekV4Bridge(HookedRootModule):
     def depth_hook(self, consumer: int, point: str) -> str:
         raise ValueError(self._no_depth_softmax(consumer))
 
+    def route_input_hook(self, consumer: int, route: str) -> str:
+        """Refused as `routes` is: no consumer, so no route (the input of sublayer j is `sublayer_input_hook(j)`)."""
+        raise ValueError(self._no_depth_softmax(consumer))
+
     def _no_depth_softmax(self, consumer: int) -> str:
         return (
             f"a DeepSeek V4 (mHC) model has no depth softmax, so no consumer {consumer!r}: its mixing is "

@@ -271,6 +271,8 @@ def test_refusals_name_the_bad_input(folder, bridge, tmp_path):
         bridge.routes(2)
     with pytest.raises(ValueError, match="no depth softmax"):
         bridge.depth_hook(bridge.n_sublayers, "weights")
+    with pytest.raises(ValueError, match="no depth softmax"):
+        bridge.route_input_hook(3, "mix")
     with pytest.raises(ValueError, match="not a consumer"):
         source_mask_hooks(bridge, 2, [0])
     with pytest.raises(ValueError, match=r"sublayer must be in 0\.\.7, got 8"):
