@@ -68,16 +68,13 @@ PAPER_LOSS = {
 STANDARD, FULL = "depth-standard", "depth-full"
 TASK_SEED = 0  # the one task every run trains on
 DEFAULT_SEEDS = list(range(8))
-# Chosen from measured loss curves (the report's design section says how): see DEFAULT_STEPS_NOTE.
+# The default budget, chosen from measured loss curves; BUDGET_NOTE says how (the report quotes it).
 DEFAULT_STEPS = 3000
-DEFAULT_STEPS_NOTE = (
-    "Budget: pilot runs of the standard model and Full AttnRes (seed 0, this size, 3000 steps, eval every 100 on "
-    "the 512 held-out sequences) fell by 0.19 and 0.15 nats over steps 1500-3000 and by 0.03 and 0.02 nats over "
-    "their last fifth, while the 600-step budget of the earlier study stopped mid-descent (~0.2 nats per 100 steps)."
-)
+BUDGET_NOTE = "PLACEHOLDER"
 EVAL_SEQUENCES = 512
 LAST_FRACTION = 0.2  # the score averages the evaluations in the last fifth of training
 EVALS_PER_RUN = 20
+MIN_STEPS = 5
 STUDY_SIZE = ("model.n_layers=6", "train.log_every=50", "train.keep_checkpoints=1", f"train.eval_size={EVAL_SEQUENCES}")
 ALPHA, POWER = 0.05, 0.8
 
@@ -338,6 +335,13 @@ def mixing_figures(runs: dict, variants: list[str], report_dir: Path) -> tuple[P
 
 
 # ---------------------------------------------------------------------------- the report
+def budget_note(steps: int) -> str:
+    """How the default budget was chosen, and whether this invocation kept it."""
+    if steps == DEFAULT_STEPS:
+        return BUDGET_NOTE
+    return f"**Not the study's budget** (`--steps {steps}`; the default {DEFAULT_STEPS} was chosen so: {BUDGET_NOTE})"
+
+
 def interval(row: pd.Series) -> str:
     """A comparison as 'mean [low, high]', starred when Holm rejects it."""
     mark = " *" if row["rejected"] else ""
@@ -403,7 +407,7 @@ time in this invocation (0 when every run was reused).
 
 ## Design
 
-* **Variants**: {len(variants)} depth-mixing rules (`presets.DEPTH_MIXING_VARIANTS`), {config.model.n_layers} layers
+* **Variants**: {len(variants)} depth-mixing rules (`presets.DEPTH_MIXING_VARIANTS`{"" if len(variants) == len(DEPTH_MIXING_VARIANTS) else ", a subset"}), {config.model.n_layers} layers
   with MLPs ({config.model.n_sublayers} sublayers), d_model {config.model.d_model}, d_mlp {config.model.d_mlp},
   {config.model.n_heads} heads, RoPE; the mixed task (3-gram text with copied segments, vocab
   {config.task.params["vocab_size"]}, length {config.task.params["seq_len"]}). The paper's multi-head row is Block
@@ -417,7 +421,7 @@ time in this invocation (0 when every run was reused).
   pseudo-query's); W_j zero-initialised (uniform weights at step 0, like the static query); W_j is weight-decayed
   ({config.train.weight_decay}) like every weight matrix, where the static pseudo-query is not (docs/model.md §8, §11).
 * **Budget**: {steps} steps of batch {config.train.batch_size}, AdamW {config.train.lr}, warm-up
-  {config.train.warmup_steps}, cosine decay to {config.train.min_lr_ratio}× over the run. {DEFAULT_STEPS_NOTE}
+  {config.train.warmup_steps}, cosine decay to {config.train.min_lr_ratio}× over the run. {budget_note(steps)}
 * **Score**: the mean held-out loss over the evaluations at steps ≥ {(1 - LAST_FRACTION) * steps:.0f} (one every
   {config.train.eval_every} steps) on {config.train.eval_size} fixed held-out sequences.
 * **Comparisons**: {m} paired differences (each variant − standard, each variant − Full; Full − standard once),
@@ -461,6 +465,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=DEFAULT_SEEDS)
     parser.add_argument(
+        "--variants",
+        nargs="+",
+        help="a subset of presets.DEPTH_MIXING_VARIANTS (default: all; standard and Full always)",
+    )
+    parser.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help=f"steps of every run (default {DEFAULT_STEPS})"
     )
     parser.add_argument("--workers", type=int, default=2, help="training processes (one torch thread each)")
@@ -472,10 +481,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--report-dir", type=Path, default=REPO / "analyses" / "reports")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the results file the rows are appended to")
     args = parser.parse_args(argv)
+    from attnres_lens.presets import DEPTH_MIXING_VARIANTS
+
+    unknown = sorted(set(args.variants or ()) - set(DEPTH_MIXING_VARIANTS))
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}; choose from {list(DEPTH_MIXING_VARIANTS)}")
+    # the bases every comparison is made against come first, then the rest in the table's order
+    chosen = {STANDARD, FULL, *(args.variants or DEPTH_MIXING_VARIANTS)}
+    args.variants = [name for name in DEPTH_MIXING_VARIANTS if name in chosen]
     if len(set(args.seeds)) < 2:
         parser.error(f"paired intervals need two or more distinct seeds, got {args.seeds}")
-    if args.steps < EVALS_PER_RUN:
-        parser.error(f"--steps must be at least {EVALS_PER_RUN} (one evaluation every steps/{EVALS_PER_RUN})")
+    if args.steps < MIN_STEPS:
+        parser.error(f"--steps must be at least {MIN_STEPS}, so that the last fifth holds two evaluations")
     return args
 
 
@@ -483,10 +500,9 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     """Train (or reuse) every run, score and compare them, write the report and the results rows; returns the
     comparisons table."""
     from attnres_lens import load_run
-    from attnres_lens.presets import DEPTH_MIXING_VARIANTS
 
     args = parse_args(argv)
-    variants = list(DEPTH_MIXING_VARIANTS)
+    variants = args.variants
     jobs = study_jobs(variants, args.seeds, args.steps, args.runs_dir, args.set)
     commit, dirty = git_state()  # the code that ran is the code at the start
     seconds = run_jobs(jobs, args.workers)

@@ -27,10 +27,10 @@ STORED = sorted((Path(__file__).parent / "stored_configs").glob("*.json"))
 
 
 # ---------------------------------------------------------------------------- pairing
-def trainers(seed: int, tmp_path: Path) -> dict[str, Trainer]:
+def trainers(seed: int, tmp_path: Path, names=tuple(DEPTH_MIXING_VARIANTS)) -> dict[str, Trainer]:
     """Each variant's trainer for `seed` as the study builds it (the job's settings, tiny), before any step."""
     out = {}
-    for name in DEPTH_MIXING_VARIANTS:
+    for name in names:
         job = Job(name, seed, tmp_path / f"{name}-s{seed}", (*study.study_overrides(20), *TINY), study.TASK_SEED)
         out[name] = Trainer(study.expected_config(job), job.out, progress=False)
     return out
@@ -40,7 +40,7 @@ def test_variants_of_one_seed_share_their_initialisation_and_batches(tmp_path):
     """Every parameter the standard model has is bit-identical in every variant of the seed (mHC's random maps once
     shifted every later layer's weights), and every variant draws the same batches; another seed changes both,
     on the same task (same held-out set)."""
-    seed_a, seed_b = trainers(1, tmp_path), trainers(2, tmp_path)
+    seed_a, seed_b = trainers(1, tmp_path), trainers(2, tmp_path, (study.STANDARD, "depth-mhc"))
     standard = dict(seed_a[study.STANDARD].model.named_parameters())
     batches = {name: trainer.task.sample(4, trainer.data_generator).tokens for name, trainer in seed_a.items()}
     for name, trainer in seed_a.items():
@@ -49,9 +49,10 @@ def test_variants_of_one_seed_share_their_initialisation_and_batches(tmp_path):
         for key, value in standard.items():
             assert torch.equal(params[key], value), f"{name}: {key} differs from the standard model's"
         assert torch.equal(batches[name], batches[study.STANDARD]), name
-        assert torch.equal(trainer.eval_batch.tokens, seed_b[name].eval_batch.tokens), name  # one held-out set
+        assert torch.equal(trainer.eval_batch.tokens, seed_b[study.STANDARD].eval_batch.tokens), name  # one task
     other = seed_b[study.STANDARD]
     assert not torch.equal(other.model.embed.W_E, standard["embed.W_E"])
+    assert torch.equal(seed_b["depth-mhc"].model.blocks[1].attn.W_Q, other.model.blocks[1].attn.W_Q)
     assert not torch.equal(other.task.sample(4, other.data_generator).tokens, batches[study.STANDARD])
 
 
@@ -230,16 +231,20 @@ def test_the_minimal_detectable_difference_by_hand():
 # ---------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_the_study_runs_end_to_end_on_tiny_models(tmp_path):
-    args = ["--seeds", "0", "1", "--steps", "20", "--workers", "1", "--timing-rounds", "1"]
+    """Standard and Full are always in; mHC, the input query and the multi-head Block row stand for the rest (the
+    pairing test above builds all twelve)."""
+    args = ["--seeds", "0", "1", "--steps", "10", "--workers", "1", "--timing-rounds", "1", "--variants"]
+    args += ["depth-mhc", "depth-full-input-query", "depth-block-heads16"]
     args += ["--runs-dir", str(tmp_path / "runs"), "--report-dir", str(tmp_path), "--results", str(tmp_path / "r")]
     args += [item for setting in TINY for item in ("--set", setting)]
     tests = study.main(args)
-    n_variants = len(DEPTH_MIXING_VARIANTS)
+    n_variants = 5
     assert len(tests) == 2 * n_variants - 3  # each against standard, each against Full, Full − standard once
     rows = [json.loads(line) for line in (tmp_path / "r").read_text().splitlines()]
     assert {row["bench"] for row in rows} == {"depth_mixing_ablation"}
     assert len(rows) == 2 * n_variants + 3 * len(tests) + n_variants
     report = (tmp_path / "depth_mixing_ablation.md").read_text()
     assert report.index("## Design") < report.index("## Results")
+    assert "Not the study's budget" in report and "| depth-full-input-query |" in report
     with pytest.raises(ValueError, match="other train settings"):  # a reused run from another design is refused
         study.main([*args, "--set", "train.lr=0.001"])
