@@ -204,7 +204,10 @@ def study_overrides(steps: int, settings: Sequence[str] = ()) -> tuple[str, ...]
     )
 
 
-def study_jobs(variants: Sequence[str], seeds: Sequence[int], steps: int, runs_dir: Path, settings=()) -> list[Job]:
+def study_jobs(
+    variants: Sequence[str], seeds: Sequence[int], steps: int, runs_dir: Path, settings: Sequence[str] = ()
+) -> list[Job]:
+    """One job per variant and seed, every one on the fixed task."""
     overrides = study_overrides(steps, settings)
     return [
         Job(name, seed, runs_dir / f"{name}-s{seed}", overrides, task_seed=TASK_SEED)
@@ -245,7 +248,8 @@ def run_score(out: Path, steps: int) -> tuple[float, float]:
     far it fell from the first of them to the last (a run near convergence barely falls)."""
     from attnres_lens import load_run
 
-    evals = load_run(out, load_model=False).metrics.dropna(subset=["eval_loss"]).sort_values("step")
+    evals = load_run(out, load_model=False).metrics.dropna(subset=["eval_loss"])
+    evals = evals.drop_duplicates("step", keep="last").sort_values("step")  # a resumed run repeats some steps
     last = evals[evals["step"] >= (1 - LAST_FRACTION) * steps]
     if len(last) < 2:
         raise ValueError(f"{out} has {len(last)} evaluation(s) in the last fifth of its {steps} steps; it needs 2+")
@@ -253,6 +257,7 @@ def run_score(out: Path, steps: int) -> tuple[float, float]:
 
 
 def scored(out: Path, steps: int) -> dict[str, float]:
+    """`run_score` as the per-run table's columns."""
     score, drop = run_score(out, steps)
     return dict(score=score, last_fifth_drop=drop)
 
