@@ -6,8 +6,8 @@ Design, stated before any result:
 * **Runs**: the `shakespeare-*` model (6 layers with MLPs, d_model 128, byte-level Shakespeare with held-out plays,
   docs/tasks.md §6) as a standard residual at every budget of `--budgets` (training steps, each its own run with
   its own warm-up and cosine schedule), and as Full and Block AttnRes (S = 4) at `--attnres-budget`. One fixed task
-  (`task.seed=0`); a seed sets the initialisation and data order (`train.seed`), and seed s of every variant is
-  paired with seed s of the others.
+  (`task.seed=0`: the same training batches in the same order for every run); a seed sets the initialisation only
+  (`train.seed`), and seed s of every variant is paired with seed s of the others.
 * **Compute**: training FLOPs = 3 × forward FLOPs × tokens, the forward counted from the config: 2 per weight of
   every matrix product per token (projections, MLP, unembedding), the token attention's scores and mix over the
   causal window (mean length (n_ctx + 1)/2), and each AttnRes consumer's depth mix (key norm, scores, softmax and

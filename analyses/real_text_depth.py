@@ -4,8 +4,8 @@ Design, stated before any result:
 
 * **Models**: `shakespeare-full` (Full AttnRes) and `shakespeare-block` (Block AttnRes, S = 4): 6 layers with
   MLPs = 12 sublayers and the final readout, byte-level Shakespeare (docs/tasks.md §6), the presets' budget.
-  Seeds vary the initialisation and data order only (`train.seed`); the task, its held-out plays and the evaluation
-  windows are one fixed task (`task.seed=0`) for every run.
+  Seeds vary the initialisation only (`train.seed`): the task, its training batches in their order, its held-out
+  plays and the evaluation windows are one fixed task (`task.seed=0`) for every run.
 * **Measured on**: the final checkpoint, α of every consumer averaged over `--samples` held-out windows (from the
   held-out plays) and their positions (`depth_summary`, `depth_weights_by_consumer`).
 * **Claims and their statistics** (consumers with at least two sources; "uniform" is 1/n_sources for each):
@@ -52,7 +52,7 @@ from analyses.common import (
 from analyses.results import RESULTS
 
 PRESETS = ("shakespeare-full", "shakespeare-block")
-FIXED_TASK = ("task.seed=0",)  # one task for every seed (the seed then varies initialisation and data order only)
+FIXED_TASK = ("task.seed=0",)  # one task and one batch order for every seed: a seed varies the initialisation only
 CLAIMS = {
     "locality: top source is the most recent (share of consumers)": 0.5,
     "locality: α on the most recent − uniform": 0.0,
