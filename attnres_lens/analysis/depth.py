@@ -42,6 +42,19 @@ def depth_weights_by_consumer(model: DepthMixingModel, tokens: torch.Tensor) -> 
     return {consumer: weights.mean(-2) for consumer, weights in depth_weights_by_route(model, tokens).items()}
 
 
+def edge_info(model: DepthMixingModel, consumer: int, source: int) -> dict:
+    """The columns naming a depth edge in every edge table: consumer, consumer_label, kind, source, source_label,
+    members (the sublayer indices summed in the source, −1 = the embedding)."""
+    return dict(
+        consumer=consumer,
+        consumer_label=model.sublayer_name(consumer),
+        kind=model.sublayer_kind(consumer),
+        source=source,
+        source_label=model.source_labels(consumer)[source],
+        members=",".join(map(str, model.sources(consumer)[source])),
+    )
+
+
 def _source_rows(model: DepthMixingModel, consumer: int) -> list[dict]:
     label = model.sublayer_name(consumer)
     return [

@@ -22,7 +22,7 @@ import math
 import pandas as pd
 import torch
 
-from attnres_lens.analysis.depth import depth_weights_by_consumer
+from attnres_lens.analysis.depth import depth_weights_by_consumer, edge_info
 from attnres_lens.analysis.engine import evaluate_many
 from attnres_lens.analysis.interventions import Hook, source_mask_hooks
 from attnres_lens.analysis.pruning import spearman
@@ -118,12 +118,7 @@ def edge_knockouts(
         low, high = torch.quantile(samples, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
         rows.append(
             dict(
-                consumer=consumer,
-                consumer_label=model.sublayer_name(consumer),
-                kind=model.sublayer_kind(consumer),
-                source=source,
-                source_label=model.source_labels(consumer)[source],
-                members=",".join(map(str, model.sources(consumer)[source])),
+                **edge_info(model, consumer, source),
                 alpha_mass=weights[consumer][..., source].mean().item(),
                 delta_loss=float(diff.sum() / use.sum()),
                 delta_loss_low=low,
