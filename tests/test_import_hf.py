@@ -102,6 +102,7 @@ def test_a_run_offers_only_what_a_referred_folder_has(hf_runs, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("kind", ["plain", "loop"])
+@pytest.mark.slow  # every analysis command on each model: about a minute each (make test-fast skips it)
 def test_analyze_prune_attribute_run_and_say_what_they_skip(hf_runs, kind, tmp_path, capsys):
     run = tmp_path / kind
     shutil.copytree(hf_runs[kind], run)
