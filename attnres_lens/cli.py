@@ -1,4 +1,5 @@
-"""`attnres-lens` command line: presets, train, resume, analyze, prune, attribute, import-fla, export-fla, dashboard."""
+"""`attnres-lens` command line: presets, train, resume, analyze, prune, attribute, import-fla, export-fla, import-hf,
+dashboard."""
 
 from __future__ import annotations
 
@@ -104,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     attribute.add_argument(
         "--prompt",
-        metavar="IDS",
-        help="space-separated token ids for the per-position views (default: the first held-out sequence)",
+        metavar="TEXT",
+        help="the prompt of the per-position views: text through the model folder's tokenizer for a run made by "
+        "import-hf from a folder with one, else space-separated token ids (default: the first held-out sequence)",
     )
     attribute.add_argument("--out", metavar="DIR", help="output folder (default: RUN/analysis)")
     for command in (analyze, prune, attribute):
@@ -162,6 +164,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the written weights (default: the model's; for a run imported from FLA, the dtype it came in)",
     )
 
+    import_hf = commands.add_parser(
+        "import-hf",
+        help="a run directory referring to a transformers Inkling-2 / Inkling-2-Mini folder (no copy of the weights)",
+    )
+    import_hf.add_argument("path", metavar="DIR", help="the folder save_pretrained wrote (config.json + safetensors)")
+    import_hf.add_argument("--out", metavar="RUN", required=True, help="run directory to create")
+    held_out = import_hf.add_mutually_exclusive_group()
+    held_out.add_argument(
+        "--tokens",
+        metavar="FILE",
+        help="evaluate on windows of a token-id file (uint16/uint32 raw or .npy; task 'tokens')",
+    )
+    held_out.add_argument(
+        "--text",
+        metavar="FILE",
+        help="evaluate on a UTF-8 text file, tokenized by the folder's own tokenizer (saved as RUN/tokens.npy)",
+    )
+    held_out.add_argument(
+        "--task", metavar="NAME", help="a synthetic evaluation task at the model's vocabulary (default: copy)"
+    )
+    import_hf.add_argument("--tokens-dtype", choices=["uint16", "uint32"], help="dtype of a raw --tokens file")
+    import_hf.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="task.KEY=VALUE",
+        help="override a task parameter, e.g. --set task.seq_len=512 (default length: 256) (repeatable)",
+    )
+    import_hf.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float64", "bfloat16"],
+        help="dtype the analyses open the model in (default float32)",
+    )
+
     dashboard = commands.add_parser("dashboard", help="open the Streamlit dashboard on a folder of runs")
     dashboard.add_argument(
         "--runs",
@@ -199,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _analysis(args)
     if args.command in ("import-fla", "export-fla"):
         return _fla(args)
+    if args.command == "import-hf":
+        return _import_hf(args)
     raise AssertionError(args.command)
 
 
@@ -310,16 +350,27 @@ def _number(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _skipped_lines(summary: dict) -> list[str]:
+    """One line per table that does not apply to the run's model, with the reason (the summary's `skipped`)."""
+    return [f"not computed: {row['table']}: {row['reason']}" for row in summary.get("skipped", [])]
+
+
 def _analyze_lines(summary: dict) -> str:
-    heads = ", ".join(
-        f"L{row['layer']}H{row['head']} {_number(row['prefix_score'], '.3f')}" for row in summary["top_induction_heads"]
-    )
-    best = summary["top_induction_head"]
-    lines = [
-        f"top induction heads (prefix-matching score): {heads}",
-        f"best head L{best['layer']}H{best['head']}: prefix score {_number(best['prefix_score'], '.3f')}, "
-        f"TransformerLens induction score {_number(best['tl_induction_score'], '.3f')}",
+    lines = []
+    if "top_induction_heads" in summary:
+        heads = ", ".join(
+            f"L{row['layer']}H{row['head']} {_number(row['prefix_score'], '.3f')}"
+            for row in summary["top_induction_heads"]
+        )
+        best = summary["top_induction_head"]
+        lines += [
+            f"top induction heads (prefix-matching score): {heads}",
+            f"best head L{best['layer']}H{best['head']}: prefix score {_number(best['prefix_score'], '.3f')}, "
+            f"TransformerLens induction score {_number(best['tl_induction_score'], '.3f')}",
+        ]
+    lines += [
         f"in-context learning score {_number(summary['icl_score'], '+.4f')} ({summary['icl_score_definition']})",
+        *_skipped_lines(summary),
     ]
     if "top_depth_sources" in summary:
         lines.append("top depth sources per consumer (token-mean α):")
@@ -349,8 +400,12 @@ def _prune_lines(summary: dict) -> str:
 
 
 def _attribute_lines(summary: dict) -> str:
-    top = ", ".join(f"{row['source_label']} ({_number(row['share'], '.0%')})" for row in summary["top_logit_sources"])
-    lines = [f"correct-token logit carried by: {top}"]
+    lines = []
+    if "top_logit_sources" in summary:
+        top = ", ".join(
+            f"{row['source_label']} ({_number(row['share'], '.0%')})" for row in summary["top_logit_sources"]
+        )
+        lines.append(f"correct-token logit carried by: {top}")
     if "top_edges" in summary:
         edges = ", ".join(
             f"{row['consumer_label']} ← {row['source_label']} {_number(row['delta_loss'], '+.3g')}"
@@ -364,7 +419,7 @@ def _attribute_lines(summary: dict) -> str:
             f"top-{agreement['recall_top']} recall {_number(agreement['top_recall'], '.2f')} over "
             f"{plural(agreement['n_edges'], 'edge')}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _skipped_lines(summary))
 
 
 def _fla(args: argparse.Namespace) -> int:
@@ -395,6 +450,62 @@ def _fla(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_hf(args: argparse.Namespace) -> int:
+    """import-hf (docs/interop.md §7): a run directory referring to a transformers folder."""
+    import torch
+
+    from attnres_lens import hf_runs
+    from attnres_lens.rundir import RunDirError
+
+    torch.set_num_threads(1)  # the import evaluates one small batch
+    try:
+        if args.tokens_dtype and not args.tokens:
+            raise ValueError("--tokens-dtype describes a --tokens file; give one")
+        task = None
+        if args.tokens or args.task or args.overrides:
+            config, _ = hf_runs.read_model_folder(args.path)
+            sizes = hf_runs.model_sizes(config)
+            if args.tokens:
+                task = {"name": "tokens", "path": str(Path(args.tokens).resolve()), **sizes}
+                if args.tokens_dtype:
+                    task["dtype"] = args.tokens_dtype
+            elif args.task:
+                task = interop_default_task(sizes, args.task)
+            else:  # --set alone: on the held-out text's tokens, or on the copy task
+                task = {"name": "tokens"} if args.text else interop_default_task(sizes, "copy")
+            _apply_task_overrides(task, args.overrides, "the model comes from the transformers folder")
+        run, loss = hf_runs.import_hf_run(args.path, args.out, task=task, text=args.text, dtype=args.dtype)
+    except (ValueError, RunDirError, OSError) as err:
+        print(f"attnres-lens: error: {err}", file=sys.stderr)
+        return 2
+    name = json.loads((run / "config.json").read_text())["task"]["name"]
+    print(
+        f"imported {args.path} as run {run}, referring to the folder (loss {loss:.4g} on 16 held-out sequences of "
+        f"task {name}); next: attnres-lens analyze {run}"
+    )
+    return 0
+
+
+def interop_default_task(sizes: dict, name: str) -> dict:
+    """`interop.default_task` at a transformers model's vocabulary and task length."""
+    from attnres_lens import hf_runs
+    from attnres_lens.interop import default_task
+
+    return default_task(hf_runs.Sizes(sizes["vocab_size"], sizes["seq_len"]), name)
+
+
+def _apply_task_overrides(task: dict, overrides: list[str], why: str) -> None:
+    """--set task.KEY=VALUE on an import's task section (values parsed as JSON, else kept as strings)."""
+    for assignment in overrides:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key.startswith("task.") or len(key) == len("task."):
+            raise ValueError(f"--set takes task.KEY=VALUE here ({why}), got {assignment!r}")
+        try:
+            task[key[len("task.") :]] = json.loads(raw)
+        except json.JSONDecodeError:
+            task[key[len("task.") :]] = raw
+
+
 def _import_task(args: argparse.Namespace, interop: ModuleType) -> dict | None:
     """The task section of an imported run: --task NAME or --tokens FILE at the model's vocabulary and context, with
     --set task.KEY=VALUE on top; None for the default (copy)."""
@@ -414,16 +525,7 @@ def _import_task(args: argparse.Namespace, interop: ModuleType) -> dict | None:
             task["dtype"] = args.tokens_dtype
     else:
         task = interop.default_task(cfg, args.task or "copy")
-    for assignment in args.overrides:
-        key, sep, raw = assignment.partition("=")
-        if not sep or not key.startswith("task.") or len(key) == len("task."):
-            raise ValueError(
-                f"--set takes task.KEY=VALUE here (the model comes from the FLA directory), got {assignment!r}"
-            )
-        try:
-            task[key[len("task.") :]] = json.loads(raw)
-        except json.JSONDecodeError:
-            task[key[len("task.") :]] = raw
+    _apply_task_overrides(task, args.overrides, "the model comes from the FLA directory")
     return task
 
 

@@ -31,6 +31,7 @@ import attnres_lens
 from attnres_lens.kernels.backends import BACKENDS
 
 if TYPE_CHECKING:
+    from attnres_lens.hf_runs import TransformersModel
     from attnres_lens.tasks.base import Task
 
 RESIDUAL_KINDS = ("standard", "attnres", "denseformer", "mhc")
@@ -610,7 +611,8 @@ class RunConfig:
     converted on construction (`TaskConfig.from_dict`), so `RunConfig(model, {"name": "copy"}, train)` works and the
     attribute is always a checked `TaskConfig`."""
 
-    model: ModelConfig
+    # a toolkit model, or a transformers model folder the run refers to (`hf_runs.TransformersModel`, import-hf)
+    model: ModelConfig | TransformersModel
     task: TaskConfig
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     preset: str | None = None
@@ -654,12 +656,22 @@ class RunConfig:
         provenance = data.get("provenance")
         if provenance is not None and not isinstance(provenance, dict):
             raise ValueError(f"a run config's 'provenance' must be an object or absent, got {provenance!r}")
-        model, train = ModelConfig.from_stored(data["model"]), TrainConfig.from_dict(data["train"])
+        model, train = stored_model(data["model"]), TrainConfig.from_dict(data["train"])
         return cls(model, TaskConfig.from_dict(data["task"]), train, data.get("preset"), provenance)
 
     def build_task(self) -> Task:
         """The run's task, built from `task` (a new one each call)."""
         return self.task.build()
+
+
+def stored_model(section: Mapping[str, Any]) -> ModelConfig | TransformersModel:
+    """config.json's model section: a transformers folder the run refers to (`"source": "transformers"`,
+    docs/run_directory.md §2) or a toolkit `ModelConfig`."""
+    from attnres_lens.hf_runs import TransformersModel, is_transformers_section
+
+    if is_transformers_section(section):
+        return TransformersModel.from_dict(section)
+    return ModelConfig.from_stored(dict(section))
 
 
 def task_fields(task: dict[str, Any]) -> set[str]:

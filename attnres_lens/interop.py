@@ -692,8 +692,12 @@ def export_fla_run(run: PathLike, out: PathLike, checkpoint: str = "latest", dty
     """Write a run's model (at `checkpoint`) as an FLA directory. A run imported from FLA exports with the config it
     came with and, unless `dtype` says otherwise, in the dtype its weights were stored in, so FLA → run → FLA gives
     back the same files' tensors."""
-    from attnres_lens.rundir import load_run
+    from attnres_lens.rundir import RunDir, load_run
 
+    if not isinstance(RunDir(run).read_config().model, ModelConfig):
+        raise FlaInteropError(
+            f"run {run} refers to a transformers model folder (import-hf); export-fla writes the toolkit's own models"
+        )
     loaded = load_run(run, checkpoint=checkpoint)
     provenance = loaded.config.provenance or {}
     from_fla_run = provenance.get("source") == "flash-linear-attention"

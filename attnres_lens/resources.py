@@ -14,6 +14,7 @@ import torch
 if TYPE_CHECKING:
     from attnres_lens.config import ModelConfig
     from attnres_lens.model import HookedTransformer
+    from attnres_lens.protocol import DepthMixingModel
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -63,16 +64,23 @@ def _check_fits(parts: dict[str, int], device: torch.device, purpose: str) -> No
     )
 
 
-def check_samples_fit(model: HookedTransformer, n_sequences: int, n_positions: int) -> None:
+def check_samples_fit(model: HookedTransformer | DepthMixingModel, n_sequences: int, n_positions: int) -> None:
     """Before an analysis does any work, its batch included: a `samples` whose one forward pass cannot fit gets an error, not a
     process killed without a word. The bound is a floor, so it never refuses what would fit: the residual stream's
-    tensors at the final readout (every source it reads for AttnRes, else one) and the logits."""
-    available = available_memory(model.embed.W_E.device)
+    tensors at the final readout (every source it reads for AttnRes, else one) and the logits; for another
+    depth-mixing model (the protocol names no width) its float32 logits alone."""
+    from attnres_lens.model import HookedTransformer
+    from attnres_lens.protocol import model_device
+
+    available = available_memory(model_device(model))
     if available is None:
         return
-    cfg = model.cfg
-    n_tensors = len(model.sources(cfg.n_sublayers)) if cfg.residual == "attnres" else 1
-    per_sequence = n_positions * (n_tensors * cfg.d_model + cfg.d_vocab) * model.embed.W_E.element_size()
+    if isinstance(model, HookedTransformer):
+        cfg = model.cfg
+        n_tensors = len(model.sources(cfg.n_sublayers)) if cfg.residual == "attnres" else 1
+        per_sequence = n_positions * (n_tensors * cfg.d_model + cfg.d_vocab) * model.embed.W_E.element_size()
+    else:
+        per_sequence = n_positions * model.d_vocab * 4
     if n_sequences * per_sequence > available:
         raise ValueError(
             f"samples={n_sequences} needs at least {n_sequences * per_sequence / 2**30:.1f} GiB for one forward pass "

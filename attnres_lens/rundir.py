@@ -11,7 +11,9 @@ checkpoints/       step_XXXXXXX.safetensors (weights, config in metadata), step_
 metrics.jsonl      one JSON object per logged step
 records/           Parquet snapshots in long format (see `attnres_lens.recorder`)
 analysis/          outputs of analysis commands
+tokens.npy         a run importing a transformers folder with --text: the text's ids (docs/run_directory.md §2)
 ```
+A run made by `import-hf` refers to a transformers model folder instead of holding checkpoints (`hf_runs`).
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from attnres_lens.config import ModelConfig, RunConfig, TaskConfig, TrainConfig
+from attnres_lens.config import ModelConfig, RunConfig, TaskConfig, TrainConfig, stored_model
 
 if TYPE_CHECKING:  # the model module imports transformer_lens; load it only when a model is built
+    from attnres_lens.bridge import InklingBridge
+    from attnres_lens.hf_runs import TransformersModel
     from attnres_lens.model import HookedTransformer
 
 PathLike = str | Path
@@ -372,6 +376,7 @@ class RunDir:
     CHECKPOINTS = "checkpoints"
     INDEX = "index.json"
     ANALYSIS = "analysis"
+    TOKENS = "tokens.npy"
 
     def __init__(self, path: PathLike):
         self.path = Path(path)
@@ -403,6 +408,10 @@ class RunDir:
     @property
     def analysis_dir(self) -> Path:
         return self.path / self.ANALYSIS
+
+    @property
+    def tokens_path(self) -> Path:
+        return self.path / self.TOKENS
 
     def lock(self) -> RunLock:
         """The writer lock (a context manager); `RunDirBusy` names the holder when another process has it."""
@@ -494,7 +503,7 @@ class RunDir:
         raw = self.read_config_dict()
         section = "model"  # checked in this order, so the message names the first bad section
         try:
-            ModelConfig.from_stored(raw["model"])
+            stored_model(raw["model"])
             section = "train"
             TrainConfig.from_dict(raw["train"])
             section = "task"
@@ -554,6 +563,8 @@ class RunDir:
         trained here, so its train.steps say nothing."""
         try:
             config = self.read_config_dict()
+            if config["model"].get("source") == "transformers":  # refers to a model folder: nothing to train
+                return True
             steps = config["train"]["steps"]
             latest = self.read_index().latest
         except (RunDirError, KeyError):
@@ -606,10 +617,22 @@ class RunDir:
                 records[table] = frame
         return records
 
-    def load_model(self, checkpoint: str | int = "latest") -> tuple[HookedTransformer, str]:
-        """The model at `checkpoint` and the checkpoint's name."""
+    def load_model(self, checkpoint: str | int = "latest") -> tuple[HookedTransformer | InklingBridge, str]:
+        """The model at `checkpoint` and the checkpoint's name. A run referring to a transformers folder has one
+        "checkpoint", the folder's weights as imported (`hf_runs.REFERENCED_CHECKPOINT`): the folder is re-hashed
+        and opened through `from_transformers`."""
+        config = self.read_config()
+        if not isinstance(config.model, ModelConfig):
+            from attnres_lens import hf_runs
+
+            if str(checkpoint) not in ("latest", "best", hf_runs.REFERENCED_CHECKPOINT):
+                raise RunDirError(
+                    f"run directory {self.path} refers to the model folder {config.model.folder}, which has one "
+                    f"set of weights: give checkpoint 'latest' (or leave it out), not {checkpoint!r}"
+                )
+            return hf_runs.open_model(config.model, self.path), hf_runs.REFERENCED_CHECKPOINT
         name = self.resolve_checkpoint(checkpoint)
-        model, _ = load_model_checkpoint(self.weights_path(name), expected=self.read_config().model)
+        model, _ = load_model_checkpoint(self.weights_path(name), expected=config.model)
         return model, name
 
     def read_checkpoint(self, name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, str]]:
@@ -638,6 +661,16 @@ class RunDir:
     # ------------------------------------------------------------------ writes
     def write_config(self, config: RunConfig) -> None:
         atomic_write_json(self.config_path, config.to_dict())
+
+    def write_tokens(self, ids: Any) -> None:
+        """tokens.npy: a 1-D uint32 array of token ids (import-hf's tokenized --text), written atomically."""
+        import numpy as np
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as handle:  # a handle: np.save given a path would append ".npy" to the name
+                np.save(handle, np.asarray(ids, dtype=np.uint32), allow_pickle=False)
+
+        _atomic_write(self.tokens_path, write)
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         """One line of metrics.jsonl, flushed (a crash tears at most this line, which readers skip)."""
@@ -752,14 +785,23 @@ class Run:
 
     path: Path
     config: RunConfig
-    model: HookedTransformer | None
+    model: HookedTransformer | InklingBridge | None  # a bridge for a run referring to a transformers folder
     checkpoint: str | None
     metrics: pd.DataFrame
     records: dict[str, pd.DataFrame] = field(default_factory=dict)
 
     @property
-    def model_config(self) -> ModelConfig:
+    def model_config(self) -> ModelConfig | TransformersModel:
         return self.config.model
+
+    def tokenizer(self) -> Any:
+        """The model folder's own tokenizer for a run referring to a transformers folder that has one, else None
+        (text then goes in as token ids)."""
+        if isinstance(self.config.model, ModelConfig):
+            return None
+        from attnres_lens import hf_runs
+
+        return hf_runs.open_tokenizer(self.config.model, self.path)
 
 
 def run_is_complete(path: PathLike) -> bool:

@@ -70,3 +70,38 @@ def poisoned_outputs(monkeypatch):
 
     monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
     monkeypatch.delenv(backends.BACKEND_ENV_VAR, raising=False)
+
+
+@pytest.fixture(scope="session")
+def inkling_folders(tmp_path_factory) -> dict[str, str]:
+    """A tiny Inkling-2 ('plain') and Inkling-2-Mini ('loop') saved to folders once per session (tests/helpers.py's
+    `save_tiny_inkling`); the Mini's folder also holds a tiny word-level tokenizer. Tests only read them."""
+    pytest.importorskip("transformers")
+    from tests.helpers import save_tiny_inkling, save_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("inkling")
+    folders = {kind: save_tiny_inkling(kind, root / kind) for kind in ("plain", "loop")}
+    save_tiny_tokenizer(folders["loop"])
+    return folders
+
+
+@pytest.fixture(scope="session")
+def hf_runs(inkling_folders, tmp_path_factory) -> dict[str, Path]:
+    """Runs made by `import-hf`, once per session, in one folder (a dashboard can serve it): 'plain' refers to the
+    Inkling-2 folder, evaluated on a token file; 'loop' to the Mini's, on text through its tokenizer. Tests that
+    write into a run copy it first."""
+    import numpy as np
+
+    from attnres_lens.cli import main
+    from tests.helpers import HF_RUN_TEXT
+
+    data, root = tmp_path_factory.mktemp("hf_inputs"), tmp_path_factory.mktemp("hf_runs")
+    (data / "text.txt").write_text(HF_RUN_TEXT)
+    np.save(data / "ids.npy", np.random.default_rng(0).integers(0, 60, 2000).astype(np.uint32))
+    options = {
+        "plain": ["--tokens", str(data / "ids.npy"), "--set", "task.seq_len=24"],
+        "loop": ["--text", str(data / "text.txt"), "--set", "task.seq_len=24"],
+    }
+    for kind, extra in options.items():
+        assert main(["import-hf", inkling_folders[kind], "--out", str(root / kind), *extra]) == 0
+    return {kind: root / kind for kind in options}

@@ -217,3 +217,79 @@ class ProtocolOnly:
 
     def hooks(self, *args, **kwargs):
         return self._wrapped.hooks(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- tiny transformers Inkling models
+# Tiny random Inkling-2 / Inkling-2-Mini, saved with save_pretrained and opened from the folder (docs/interop.md §7).
+INKLING_COMMON = dict(
+    vocab_size=64,
+    unpadded_vocab_size=60,
+    hidden_size=32,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    swa_num_attention_heads=2,
+    swa_num_key_value_heads=1,
+    swa_head_dim=16,
+    sliding_window_size=4,
+    d_rel=4,
+    rel_extent=8,
+    moe_intermediate_size=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_layers_per_attn_res_block=2,
+    eos_token_id=None,
+    use_cache=False,
+)
+_SLIDING, _FULL = "hybrid_sliding", "hybrid"
+TINY_TOKENIZER_WORDS = ("the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "and", "then", "slept")
+
+
+def save_tiny_inkling(kind: str, folder) -> str:
+    """A tiny random Inkling-2 (`kind` 'plain': 5 layers) or Inkling-2-Mini ('loop': 7 layers, two blocks of two
+    layers looped three times, so messages route over two sources) saved to `folder`; its pseudo-queries and static
+    conv taps are drawn non-zero (zero-initialised ones would make every routing uniform)."""
+    from transformers import Inkling2ForCausalLM, Inkling2LoopForCausalLM, Inkling2TextConfig
+    from transformers.models.inkling2_loop import Inkling2LoopTextConfig
+
+    torch.manual_seed(0)
+    if kind == "plain":
+        config = Inkling2TextConfig(
+            num_hidden_layers=5, layer_types=[_SLIDING, _FULL, _SLIDING, _SLIDING, _FULL], **INKLING_COMMON
+        )
+        model = Inkling2ForCausalLM(config)
+    elif kind == "loop":
+        config = Inkling2LoopTextConfig(
+            num_hidden_layers=7,
+            layer_types=[_FULL, _SLIDING, _SLIDING, _FULL, _SLIDING, _FULL, _SLIDING],  # layer 0 reads the embedding
+            loop_layer_index_start=2,
+            loop_layer_index_end=6,
+            loop_num_passes=3,
+            loop_gate_rank=4,
+            **INKLING_COMMON,
+        )
+        model = Inkling2LoopForCausalLM(config)
+    else:
+        raise ValueError(f"kind must be 'plain' or 'loop', got {kind!r}")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".query") or name.endswith("static_weight"):
+                parameter.normal_(0.0, 2.0)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def save_tiny_tokenizer(folder) -> None:
+    """A word-level tokenizer over `TINY_TOKENIZER_WORDS` (ids 0..11, '[UNK]' 12) saved beside a model: text in
+    the tests goes through it as it would through a real model folder's tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: index for index, word in enumerate(TINY_TOKENIZER_WORDS)} | {"[UNK]": len(TINY_TOKENIZER_WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
+
+
+HF_RUN_TEXT = " ".join(["the cat sat on the mat and then the dog ran far and slept"] * 30)

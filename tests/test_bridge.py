@@ -1,6 +1,6 @@
 """The transformers bridge (docs/interop.md §7) against transformers' own Inkling-2 / Inkling-2-Mini code: tiny random
-models saved to a folder, their logits, depth weights (recomputed in float64 from the transformers modules' inputs),
-sources and knockouts checked against transformers directly."""
+models saved to a folder (tests/helpers.py `save_tiny_inkling`), their logits, depth weights (recomputed in float64
+from the transformers modules' inputs), sources and knockouts checked against transformers directly."""
 
 from __future__ import annotations
 
@@ -18,61 +18,6 @@ from attnres_lens.analysis.interventions import source_mask_hooks  # noqa: E402
 from attnres_lens.attnres import EMBEDDING  # noqa: E402
 from attnres_lens.protocol import DepthMixingModel  # noqa: E402
 
-COMMON = dict(
-    vocab_size=64,
-    unpadded_vocab_size=60,
-    hidden_size=32,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    swa_num_attention_heads=2,
-    swa_num_key_value_heads=1,
-    swa_head_dim=16,
-    sliding_window_size=4,
-    d_rel=4,
-    rel_extent=8,
-    moe_intermediate_size=16,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_layers_per_attn_res_block=2,
-    eos_token_id=None,
-    use_cache=False,
-)
-S, F = "hybrid_sliding", "hybrid"
-
-
-def _save(model: torch.nn.Module, folder) -> str:
-    torch.manual_seed(1)
-    with torch.no_grad():  # zero-initialised queries and static conv taps would make every routing uniform
-        for name, parameter in model.named_parameters():
-            if name.endswith(".query") or name.endswith("static_weight"):
-                parameter.normal_(0.0, 2.0)
-    model.save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, str]:
-    from transformers import Inkling2ForCausalLM, Inkling2LoopForCausalLM, Inkling2TextConfig
-    from transformers.models.inkling2_loop import Inkling2LoopTextConfig
-
-    torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("inkling")
-    plain = Inkling2TextConfig(num_hidden_layers=5, layer_types=[S, F, S, S, F], **COMMON)
-    looped = Inkling2LoopTextConfig(  # two blocks of two layers looped three times, so messages route over two sources
-        num_hidden_layers=7,
-        layer_types=[F, S, S, F, S, F, S],  # layer 0 full: its three inputs read the embedding
-        loop_layer_index_start=2,
-        loop_layer_index_end=6,
-        loop_num_passes=3,
-        loop_gate_rank=4,
-        **COMMON,
-    )
-    return {
-        "plain": _save(Inkling2ForCausalLM(plain), root / "plain"),
-        "loop": _save(Inkling2LoopForCausalLM(looped), root / "loop"),
-    }
-
 
 def _reference(folder: str, **kwargs):
     """A second, untouched instance of the saved model: transformers' own forward."""
@@ -89,9 +34,9 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
 
 
 @pytest.mark.parametrize("kind", ["plain", "loop"])
-def test_logits_equal_transformers_hooked_and_not(folders, kind):
-    bridge = from_transformers(folders[kind])
-    expected = _reference(folders[kind])(input_ids=TOKENS, use_cache=False).logits
+def test_logits_equal_transformers_hooked_and_not(inkling_folders, kind):
+    bridge = from_transformers(inkling_folders[kind])
+    expected = _reference(inkling_folders[kind])(input_ids=TOKENS, use_cache=False).logits
     _close(bridge(TOKENS), expected, 1e-5)
     logits, cache = bridge.run_with_cache(TOKENS)  # every hook point hooked, logit_bias included
     _close(logits, expected, 1e-5)
@@ -100,9 +45,9 @@ def test_logits_equal_transformers_hooked_and_not(folders, kind):
 
 
 @pytest.mark.parametrize("kind", ["plain", "loop"])
-def test_parameter_gradients_equal_transformers(folders, kind):
+def test_parameter_gradients_equal_transformers(inkling_folders, kind):
     """Attribution differentiates through the bridge: the unhooked depth op's backward must be transformers'."""
-    bridge, reference = from_transformers(folders[kind]), _reference(folders[kind])
+    bridge, reference = from_transformers(inkling_folders[kind]), _reference(inkling_folders[kind])
     bridge(TOKENS, return_type="loss").backward()
     logits = reference(input_ids=TOKENS, use_cache=False).logits
     torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), TOKENS[:, 1:].flatten()).backward()
@@ -114,10 +59,10 @@ def test_parameter_gradients_equal_transformers(folders, kind):
 
 
 @pytest.mark.parametrize("kind", ["plain", "loop"])
-def test_bf16_logits_within_bf16_rounding(folders, kind):
-    bridge = from_transformers(folders[kind], dtype=torch.bfloat16)
+def test_bf16_logits_within_bf16_rounding(inkling_folders, kind):
+    bridge = from_transformers(inkling_folders[kind], dtype=torch.bfloat16)
     assert bridge.hf_model.model.embed_tokens.weight.dtype == torch.bfloat16
-    expected = _reference(folders[kind], dtype=torch.bfloat16)(input_ids=TOKENS, use_cache=False).logits
+    expected = _reference(inkling_folders[kind], dtype=torch.bfloat16)(input_ids=TOKENS, use_cache=False).logits
     _close(bridge(TOKENS), expected, 2**-7)
 
 
@@ -168,8 +113,8 @@ def _query(bridge, consumer) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["plain", "loop"])
-def test_depth_weights_and_sources_against_transformers_inputs(folders, kind):
-    bridge = from_transformers(folders[kind])
+def test_depth_weights_and_sources_against_transformers_inputs(inkling_folders, kind):
+    bridge = from_transformers(inkling_folders[kind])
     captured, handles = _captured_consumer_inputs(bridge)
     _, cache = bridge.run_with_cache(TOKENS)
     for handle in handles:
@@ -235,15 +180,15 @@ def _minus_inf_at(index: int):
     ],
 )
 def test_knockout_through_logit_bias_equals_direct_knockout(
-    folders, kind, consumer_name, module_path, source, call, layer_idx
+    inkling_folders, kind, consumer_name, module_path, source, call, layer_idx
 ):
-    bridge = from_transformers(folders[kind])
+    bridge = from_transformers(inkling_folders[kind])
     names = {bridge.sublayer_name(c): c for c in bridge.consumers()} | {m: m for m in bridge.message_consumers()}
     consumer = names[consumer_name]
     hooked = bridge.run_with_hooks(
         TOKENS, fwd_hooks=[(bridge.depth_hook(consumer, "logit_bias"), _minus_inf_at(source))]
     )
-    reference = _reference(folders[kind])
+    reference = _reference(inkling_folders[kind])
     module = reference.model.get_submodule(module_path)
     module.forward = _drop_source(source, module.forward, call, layer_idx)
     expected = reference(input_ids=TOKENS, use_cache=False).logits
@@ -253,20 +198,24 @@ def test_knockout_through_logit_bias_equals_direct_knockout(
         _close(bridge.run_with_hooks(TOKENS, fwd_hooks=source_mask_hooks(bridge, consumer, [source])), expected, 1e-5)
 
 
-def test_loop_patterns_per_visit_are_transformers_attentions(folders):
-    bridge = from_transformers(folders["loop"])
+def test_loop_patterns_per_visit_are_transformers_attentions(inkling_folders):
+    bridge = from_transformers(inkling_folders["loop"])
     _, cache = bridge.run_with_cache(TOKENS)
-    attentions = _reference(folders["loop"])(input_ids=TOKENS, use_cache=False, output_attentions=True).attentions
+    attentions = _reference(inkling_folders["loop"])(
+        input_ids=TOKENS, use_cache=False, output_attentions=True
+    ).attentions
     assert len(attentions) == len(bridge.visits)  # transformers records every visit, in forward order
     for step, expected in zip(bridge.visits, attentions, strict=True):
         name = f"blocks.{step.layer}." + ("" if step.visit is None else f"visit{step.visit}.") + "attn.hook_pattern"
         _close(cache[name], expected, 1e-5)
 
 
-def test_pattern_hook_sees_and_edits_transformers_attention(folders):
-    bridge = from_transformers(folders["plain"])
+def test_pattern_hook_sees_and_edits_transformers_attention(inkling_folders):
+    bridge = from_transformers(inkling_folders["plain"])
     _, cache = bridge.run_with_cache(TOKENS)
-    attentions = _reference(folders["plain"])(input_ids=TOKENS, use_cache=False, output_attentions=True).attentions
+    attentions = _reference(inkling_folders["plain"])(
+        input_ids=TOKENS, use_cache=False, output_attentions=True
+    ).attentions
     for layer, expected in enumerate(attentions):
         _close(cache[f"blocks.{layer}.attn.hook_pattern"], expected, 1e-5)
     # an edited pattern takes effect: a uniform causal pattern at layer 2 gives the attention output recomputed
@@ -293,8 +242,8 @@ def test_pattern_hook_sees_and_edits_transformers_attention(folders):
     _close(seen["blocks.2.hook_attn_out"], expected, 1e-5)
 
 
-def test_protocol_names_and_hook_points(folders):
-    bridge = from_transformers(folders["loop"])
+def test_protocol_names_and_hook_points(inkling_folders):
+    bridge = from_transformers(inkling_folders["loop"])
     assert isinstance(bridge, DepthMixingModel)
     assert bridge.n_sublayers == 2 * (7 + 2 * 4)
     assert bridge.sublayer_name(4) == "L2.attn@1" and bridge.sublayer_name(12) == "L2.attn@2"
@@ -321,7 +270,7 @@ def test_protocol_names_and_hook_points(folders):
         bridge.to_tokens("hello")
 
 
-def test_refusals(folders, tmp_path, monkeypatch):
+def test_refusals(inkling_folders, tmp_path, monkeypatch):
     with pytest.raises(TypeError, match="supports Inkling2ForCausalLM, Inkling2LoopForCausalLM; got Linear"):
         from_transformers(torch.nn.Linear(2, 2))
     other = tmp_path / "llama"
@@ -332,8 +281,8 @@ def test_refusals(folders, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         from_transformers(tmp_path / "missing")
     with pytest.raises(ValueError, match="apply only when opening a folder"):
-        from_transformers(_reference(folders["plain"]), dtype=torch.bfloat16)
-    model = _reference(folders["plain"])
+        from_transformers(_reference(inkling_folders["plain"]), dtype=torch.bfloat16)
+    model = _reference(inkling_folders["plain"])
     model.config._attn_implementation = "sdpa"
     with pytest.raises(ValueError, match="uses 'sdpa': load it with attn_implementation='eager'"):
         from_transformers(model)
@@ -343,4 +292,4 @@ def test_refusals(folders, tmp_path, monkeypatch):
         from_transformers(model)
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.24.0")  # the module the bridge imports
     with pytest.raises(RuntimeError, match="transformers 5.24.0 is installed: pip install transformers==5.25.0"):
-        from_transformers(folders["plain"])
+        from_transformers(inkling_folders["plain"])

@@ -725,3 +725,43 @@ def test_on_demand_results_keep_only_the_most_recently_shown(monkeypatch):
     assert widgets.computed_on_demand("page", (keep,), "go", None, "failed", "waiting") == "one more"
     assert len(store) == keep and ("page", 0) in store and ("page", 1) not in store
     store.clear()
+
+
+@pytest.mark.slow
+def test_every_page_opens_a_run_referring_to_a_transformers_folder(hf_runs):
+    """Runs made by import-hf (Inkling-2, the looped Mini): every page renders them, with a message where an analysis
+    does not apply, and the pruning and attribution pages compute on the bridged model."""
+    served = hf_runs["plain"].parent
+    app = open_page("views/runs.py", served)
+    assert_clean(app)
+    for kind in ("plain", "loop"):
+        run = str(hf_runs[kind])
+        app.switch_page("views/runs.py").run()
+        app.multiselect(key="runs-pick").set_value([run]).run()
+        for page in PAGES[1:]:
+            app.switch_page(page).run()
+            assert_clean(app)
+        app.switch_page("views/depth_attention.py").run()
+        assert chart_specs(app), f"no depth map of the {kind} run"
+        app.switch_page("views/depth_mixing.py").run()
+        app.radio(key="mixing-source").set_value("a checkpoint's model").run()
+        assert_clean(app)  # M refuses Inkling (layer 0 reads the embedding directly): a message, with the reason
+        assert chart_specs(app) or any("Not computed" in message.value for message in app.info), kind
+        app.switch_page("views/induction.py").run()
+        assert any("toolkit's own model" in message.value for message in app.info), kind
+        app.switch_page("views/pruning.py").run()
+        app.selectbox(key="pruning-run").set_value(run).run()
+        app.number_input(key="pruning-samples").set_value(8).run()
+        app.button(key="pruning-compute").click().run()
+        assert_clean(app)
+        report = app.get("iframe")[0].proto.srcdoc
+        assert "<h2>Sublayers removable within" in report
+        assert ("Looped layers: every visit removed together" in report) == (kind == "loop")
+        app.switch_page("views/attribution.py").run()
+        app.selectbox(key="attribution-run").set_value(run).run()
+        app.number_input(key="attribution-samples").set_value(4).run()
+        app.button(key="attribution-compute").click().run()
+        assert_clean(app)
+        titles = [spec["layout"]["title"]["text"] for spec in chart_specs(app)]
+        assert any(title.startswith("Edge knockouts: exact") for title in titles), kind
+        assert any("depth_dla" in message.value for message in app.info), kind

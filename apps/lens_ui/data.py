@@ -20,6 +20,8 @@ from lens_ui.text import plain
 
 from attnres_lens import HookedTransformer, ModelConfig, load_run
 from attnres_lens.config import RunConfig
+from attnres_lens.hf_runs import TransformersModel
+from attnres_lens.protocol import DepthMixingModel
 from attnres_lens.rundir import RunDir, RunDirError
 from attnres_lens.tasks.base import Batch, Task
 
@@ -39,8 +41,14 @@ class RunTables:
     checkpoints: list[str]  # "latest", "best", then the kept checkpoint names
 
     @property
-    def model_config(self) -> ModelConfig:
+    def model_config(self) -> ModelConfig | TransformersModel:
+        """The toolkit model's config, or the transformers folder a run made by import-hf refers to."""
         return self.config.model
+
+    @property
+    def refers_to_folder(self) -> bool:
+        """A run made by import-hf: its model is a transformers folder, opened through the bridge."""
+        return isinstance(self.config.model, TransformersModel)
 
     @property
     def variant(self) -> str:
@@ -74,7 +82,7 @@ class LoadResult:
 
 @dataclass
 class ModelHandle:
-    model: HookedTransformer
+    model: HookedTransformer | DepthMixingModel  # the bridge for a run made by import-hf
     checkpoint: str
     key: tuple  # (path, checkpoint, file signature): the cache key of results computed with this model
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -155,7 +163,10 @@ def _load_tables(path: str, signature: tuple) -> LoadResult:
     run_path = Path(path)
     try:
         run = load_run(run_path, load_model=False)
-        checkpoints = RunDir(run_path).read_index().names()
+        # a run referring to a transformers folder has one set of weights, its "latest"
+        checkpoints = (
+            ["latest"] if isinstance(run.config.model, TransformersModel) else RunDir(run_path).read_index().names()
+        )
     except Exception as err:  # noqa: BLE001 - any damage becomes a message on the page, never a traceback
         return LoadResult(error=describe_error(err))
     tables = RunTables(path, run_path.name, run.config, run.metrics, run.records, checkpoints)
@@ -182,6 +193,14 @@ def load_model(tables: RunTables, checkpoint: str) -> tuple[ModelHandle | None, 
     """The run's model at `checkpoint` ("latest", "best" or a name), or an error message."""
     path = Path(tables.path)
     try:
+        if tables.refers_to_folder:  # keyed by the model folder's files: a changed file is re-checked on load
+            folder = Path(tables.model_config.folder)
+            files = tuple(
+                (name, file.stat().st_mtime_ns, file.stat().st_size)
+                for name in tables.model_config.files_sha256
+                if (file := folder / name).is_file()
+            )
+            return _load_model(tables.path, checkpoint, (run_signature(path), files)), None
         # keyed by the weights file the alias points to now, so a new "latest" loads the new model
         weights = RunDir(path).weights_path(RunDir(path).resolve_checkpoint(checkpoint))
         if weights.exists() and not is_served(weights):

@@ -199,9 +199,9 @@ def token_input(run: RunTables, handle: ModelHandle, key: str) -> torch.Tensor |
     """Repeated random tokens, or ids the user types (validated by the model; errors shown on the page)."""
     source = st.radio("Input", ["repeated random tokens", "token ids I type"], horizontal=True, key=f"{key}-source")
     if source == "repeated random tokens":
-        return repeated_tokens_input(run, key, handle.model.cfg.n_ctx)
+        return repeated_tokens_input(run, key, run.model_config.n_ctx)
     text = st.text_input(
-        f"Token ids, space-separated (0…{handle.model.cfg.d_vocab - 1}, at most {handle.model.cfg.n_ctx})",
+        f"Token ids, space-separated (0…{handle.model.d_vocab - 1}, at most {run.model_config.n_ctx})",
         "0 5 9 13 5 9",
         key=f"{key}-ids",
     )

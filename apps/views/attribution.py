@@ -19,6 +19,7 @@ from lens_ui.data import ModelHandle, RunTables, no_records_message, task_batch
 from lens_ui.text import plain
 from lens_ui.widgets import COMPUTED_KEEP, computed_on_demand, loadable_runs, pick_model, pick_run, show_figure
 
+from attnres_lens.analysis.applicability import is_toolkit_model
 from attnres_lens.analysis.attribution_report import (
     EDGE_COLUMNS,
     agreement_scatter,
@@ -50,10 +51,21 @@ st.caption(plain(run.variant))
 
 def compute(
     run: RunTables, handle: ModelHandle, samples: int, prompt: torch.Tensor, progress: Callable[[float, str], Any]
-) -> dict[str, pd.DataFrame]:
-    probe = task_probe(handle.model, run.build_task(), samples)  # the probe `attnres-lens attribute` scores
+) -> tuple[dict[str, pd.DataFrame], dict[str, str]]:
+    """The tables `attnres-lens attribute` computes, and those the model does not support with the reason."""
+    # the probe `attnres-lens attribute` scores (the KV-shift decomposition's; the toolkit's own models only)
+    probe = task_probe(handle.model, run.build_task(), samples) if is_toolkit_model(handle.model) else None
+    skipped: dict[str, str] = {}
     with handle.lock:
-        return attribution_tables(handle.model, task_batch(run, samples), prompt, probe=probe, on_stage=progress)
+        tables = attribution_tables(
+            handle.model, task_batch(run, samples), prompt, probe=probe, on_stage=progress, skipped=skipped
+        )
+    return tables, skipped
+
+
+def not_computed(name: str) -> None:
+    """The page message for a table the model does not support (analysis/applicability.py), with the reason."""
+    st.info(f"Not computed for run {plain(run.name)} ({name}): {plain(skipped[name])}")
 
 
 def prompt_input(run: RunTables, handle: ModelHandle, samples: int) -> torch.Tensor | None:
@@ -68,7 +80,7 @@ def prompt_input(run: RunTables, handle: ModelHandle, samples: int) -> torch.Ten
         index = int(st.number_input("Held-out sequence", 0, samples - 1, 0, key="attribution-sequence"))
         return task_batch(run, samples).tokens[index : index + 1]
     text = st.text_input(
-        f"Token ids, space-separated (0…{handle.model.cfg.d_vocab - 1}, 2 to {handle.model.cfg.n_ctx})",
+        f"Token ids, space-separated (0…{handle.model.d_vocab - 1}, 2 to {run.model_config.n_ctx})",
         "0 5 9 13 5 9",
         key="attribution-ids",
     )
@@ -115,7 +127,7 @@ samples = int(
 prompt = prompt_input(run, handle, samples)
 if prompt is None:
     st.stop()
-tables = computed_on_demand(
+tables, skipped = computed_on_demand(
     "attribution",
     (handle.key, samples, tuple(prompt[0].tolist())),
     "Compute attribution",
@@ -129,9 +141,14 @@ dla_tab, lens_tab, edge_tab, audit_tab, kv_tab = st.tabs(
     ["Depth DLA", "Logit lens", "Depth edges", "Routing audit", "KV shift"]
 )
 with dla_tab:
-    show_figure(dla_heatmap(tables["depth_dla"]), key="attribution-dla")
-    show_figure(dla_summary_bars(tables["depth_dla_summary"]), key="attribution-dla-summary")
-    st.dataframe(tables["depth_dla_summary"], hide_index=True)
+    if "depth_dla" not in tables:
+        not_computed("depth_dla")
+    else:
+        show_figure(dla_heatmap(tables["depth_dla"]), key="attribution-dla")
+        show_figure(dla_summary_bars(tables["depth_dla_summary"]), key="attribution-dla-summary")
+        st.dataframe(tables["depth_dla_summary"], hide_index=True)
+    if "depth_inputs" in skipped:
+        not_computed("depth_inputs")
 with lens_tab:
     show_figure(lens_heatmap(tables["logit_lens"]), key="attribution-lens")
     show_figure(lens_summary_figure(tables["logit_lens_summary"]), key="attribution-lens-summary")
@@ -166,14 +183,21 @@ with edge_tab:
             "softmax, far from the small-perturbation regime)."
         )
         st.dataframe(tables["edge_agreement"], hide_index=True)
+        if "edge_knockouts_visits" in tables:
+            st.subheader("Looped layers: every visit knocked out together")
+            st.dataframe(tables["edge_knockouts_visits"], hide_index=True)
 with audit_tab:
-    if "routing_audit_consumers" not in tables:
+    if "routing_audit" in skipped:
+        not_computed("routing_audit")
+    elif "routing_audit_consumers" not in tables:
         st.info(f"Run {plain(run.name)} has no depth attention to audit.")
     else:
         show_figure(audit_figure(tables["routing_audit_consumers"]), key="attribution-audit")
         st.dataframe(tables["routing_audit_consumers"], hide_index=True)
 with kv_tab:
-    if run.model_config.attention != "kv_shift":  # its table would only say α1 = β1 = 1, α2 = β2 = 0 per head
+    if "kv_shift" in skipped:
+        not_computed("kv_shift")
+    elif run.model_config.attention != "kv_shift":  # its table would only say α1 = β1 = 1, α2 = β2 = 0 per head
         st.info(f"Run {plain(run.name)} uses standard attention: it has no KV shift to decompose.")
     else:
         show_figure(kv_shift_bars(tables["kv_shift"]), key="attribution-kv")

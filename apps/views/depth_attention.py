@@ -112,7 +112,7 @@ tokens = token_input(run, handle, key="depth-token-input")
 if tokens is None:
     st.stop()
 model = handle.model
-consumers = list(model.depth_attention_modules())
+consumers = model.consumers()  # protocol members only: the bridge is no HookedTransformer
 consumer = st.selectbox(
     "Consumer", consumers, index=len(consumers) - 1, format_func=model.sublayer_name, key="depth-token-consumer"
 )

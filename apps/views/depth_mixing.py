@@ -10,6 +10,7 @@ from lens_ui.figures import mixing_heatmap
 from lens_ui.text import figure_text, plain
 from lens_ui.widgets import loadable_runs, pick_model, pick_runs, show_figure
 
+from attnres_lens.analysis.applicability import where_applicable
 from attnres_lens.analysis.depth import depth_mixing_matrix, mixing_matrix_from_weights
 
 st.title("Depth-mixing matrix")
@@ -89,8 +90,14 @@ for run in chosen:
             matrix, where = depth_mixing_matrix(handle.model), "every step"
         else:
             tokens = task_batch(run, n_sequences).tokens
-            with handle.lock:
-                matrix = depth_mixing_matrix(handle.model, tokens)
+            skipped: dict[str, str] = {}
+            with handle.lock:  # a model M does not apply to (e.g. one whose first sublayer reads e directly) says why
+                matrix = where_applicable(
+                    handle.model, skipped, "depth_mixing", lambda: depth_mixing_matrix(handle.model, tokens)
+                )
+            if matrix is None:
+                st.info(f"Not computed for run {plain(run.name)}: {plain(skipped['depth_mixing'])}")
+                continue
             where = handle.checkpoint
         matrices[run.name] = (run, where, matrix)
     except Exception as err:  # noqa: BLE001 - e.g. a run whose task config no longer builds

@@ -12,6 +12,7 @@ from lens_ui.text import figure_text, plain
 from lens_ui.widgets import loadable_runs, pick_model, pick_run, repeated_tokens_input, show_figure
 from transformer_lens.utilities import get_act_name
 
+from attnres_lens.analysis.applicability import INDUCTION_TOOLKIT_ONLY, KV_SHIFT_TOOLKIT_ONLY, is_toolkit_model
 from attnres_lens.analysis.induction import induction_head_scores, task_probe
 from attnres_lens.tasks.base import Task
 
@@ -106,7 +107,9 @@ if metric == RECORDED:
 else:
     handle = pick_model(run, key="induction-checkpoint")
     n_samples = st.slider("Repeated sequences", 4, 64, 16, step=4, key="induction-samples")
-    if handle is not None:
+    if handle is not None and not is_toolkit_model(handle.model):
+        st.info(f"Not computed for run {plain(run.name)}: {plain(INDUCTION_TOOLKIT_ONLY)}.")
+    elif handle is not None:
         with st.spinner("Scoring every head (patterns, TL detector, copying, ablations)…"):
             task = run.build_task()
             scores = live_scores(handle, handle.key, n_samples, task)
@@ -129,7 +132,9 @@ else:
 st.divider()
 st.header("Attention pattern of one head")
 handle = pick_model(run, key="induction-pattern-checkpoint")
-if handle is not None:
+if handle is not None and not is_toolkit_model(handle.model):
+    st.info(f"Not shown for run {plain(run.name)}: {plain(INDUCTION_TOOLKIT_ONLY)}.")
+elif handle is not None:
     model = handle.model
     recorded = run.record("induction_scores")
     best_layer, best_head = 0, 0  # default: the head with the highest recorded prefix score at the last step
@@ -160,7 +165,9 @@ if handle is not None:
 
 st.divider()
 st.header("KV-shift coefficients over training")
-if run.model_config.attention != "kv_shift":
+if run.refers_to_folder:
+    st.info(f"Not shown for run {plain(run.name)}: {plain(KV_SHIFT_TOOLKIT_ONLY)}.")
+elif run.model_config.attention != "kv_shift":
     st.info(f"Run {plain(run.name)} uses standard attention: it has no KV-shift coefficients.")
 else:
     kv = run.record("kv_shift")

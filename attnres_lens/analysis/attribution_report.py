@@ -17,6 +17,13 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from attnres_lens.analysis.applicability import (
+    CORRUPTED_TOOLKIT_ONLY,
+    DLA_TOOLKIT_ONLY,
+    KV_SHIFT_TOOLKIT_ONLY,
+    is_toolkit_model,
+    where_applicable,
+)
 from attnres_lens.analysis.attribution import (
     audit_summary,
     depth_input_decomposition,
@@ -31,10 +38,12 @@ from attnres_lens.analysis.attribution import (
 from attnres_lens.analysis.induction import default_half_len, repeated_batch
 from attnres_lens.analysis.knockouts import SCREEN_FRACTION, edge_knockouts
 from attnres_lens.analysis.kv_shift import kv_shift_decomposition
-from attnres_lens.analysis.report import STYLE
+from attnres_lens.analysis.report import STYLE, skipped_html
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
+from attnres_lens.analysis.visits import visit_groups, visit_knockouts
 from attnres_lens.analysis_options import plural
 from attnres_lens.model import HookedTransformer
+from attnres_lens.protocol import DepthMixingModel, model_device
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch
 
 if TYPE_CHECKING:
@@ -53,7 +62,7 @@ def answer_targets(batch: Batch) -> torch.Tensor:
 
 
 def attribution_tables(
-    model: HookedTransformer,
+    model: HookedTransformer | DepthMixingModel,
     batch: Batch,
     prompt: torch.Tensor,
     records: dict[str, pd.DataFrame] | None = None,
@@ -62,25 +71,41 @@ def attribution_tables(
     n_boot: int = 1000,
     progress: bool = False,
     on_stage: Callable[[float, str], Any] | None = None,
+    skipped: dict[str, str] | None = None,
 ) -> dict[str, pd.DataFrame]:
     """Every attribution table for a model (the edge, routing and audit tables for AttnRes models only).
 
     `prompt` [1, pos] feeds the per-position tables (depth_dla, logit_lens); `batch` the rest. `on_stage(fraction,
     description)` is called before each stage (a UI's progress bar); `progress` shows a tqdm bar over the stages.
+    On a depth-mixing model other than the toolkit's own (the transformers bridge), the tables it cannot support
+    are left out and `skipped` (when given) gets table → reason (analysis/applicability.py).
     """
-    batch = batch.to(model.embed.W_E.device)
-    attnres = model.cfg.residual == "attnres"
-    stages: list[tuple[str, Callable[[dict], None]]] = [
-        (
-            "direct logit attribution",
-            lambda t: t.update(
+    skipped = {} if skipped is None else skipped
+    toolkit = is_toolkit_model(model)
+    batch = batch.to(model_device(model))
+    attnres = model.cfg.residual == "attnres" if toolkit else bool(model.consumers())
+
+    def applicable(tables: dict[str, pd.DataFrame], name: str, compute: Callable[[], Any]) -> None:
+        result = where_applicable(model, skipped, name, compute)
+        if isinstance(result, dict):  # several tables under one analysis (the routing audit)
+            tables.update({f"{name}_{key}": frame for key, frame in result.items()})
+        elif result is not None:
+            tables[name] = result
+
+    def logit_attribution(t: dict[str, pd.DataFrame]) -> None:
+        if toolkit:
+            t.update(
                 depth_dla=depth_logit_attribution(model, prompt),
                 depth_dla_summary=logit_attribution_summary(
                     depth_logit_attribution(model, batch.tokens, answer_targets(batch))
                 ),
-                depth_inputs=depth_input_decomposition(model, batch.tokens),
-            ),
-        ),
+            )
+        else:
+            skipped.update(depth_dla=DLA_TOOLKIT_ONLY, depth_dla_summary=DLA_TOOLKIT_ONLY)
+        applicable(t, "depth_inputs", lambda: depth_input_decomposition(model, batch.tokens))
+
+    stages: list[tuple[str, Callable[[dict], None]]] = [
+        ("direct logit attribution", logit_attribution),
         (
             "logit lens",
             lambda t: t.update(
@@ -92,7 +117,9 @@ def attribution_tables(
         ),
     ]
     # patching from a corrupted input is derived for the paper's default depth attention only (docs/analysis.md §11)
-    patchable = all(getattr(module, "fusable", True) for module in model.depth_attention_modules().values())
+    patchable = toolkit and all(getattr(module, "fusable", True) for module in model.depth_attention_modules().values())
+    if attnres and not toolkit:
+        skipped["edge_sensitivity_corrupted"] = CORRUPTED_TOOLKIT_ONLY
     if attnres:
         # the screen needs 2 sequences for its bootstrap: a quarter of the batch, or 2 of a batch under 8
         screen = max(SCREEN_FRACTION, min(1.0, 2 / batch.tokens.shape[0]))
@@ -116,26 +143,37 @@ def attribution_tables(
                     ),
                 ),
             ),
+            *(
+                [
+                    (
+                        "knockouts of every visit of a looped layer together",
+                        lambda t: t.update(edge_knockouts_visits=visit_knockouts(model, batch)),
+                    )
+                ]
+                if visit_groups(model)
+                else []
+            ),
             (
                 "routing audit (bootstrap over sequences, null schedules)",
-                lambda t: t.update(
-                    **{f"routing_audit_{key}": frame for key, frame in routing_audit(model, batch, n_boot).items()}
-                ),
+                lambda t: applicable(t, "routing_audit", lambda: routing_audit(model, batch, n_boot)),
             ),
         ]
-    stages.append(
-        (
-            "KV-shift decomposition",
-            lambda t: t.update(
-                kv_shift=kv_shift_decomposition(
-                    model,
-                    probe
-                    if probe is not None
-                    else repeated_batch(batch.tokens.shape[0], default_half_len(model), model.cfg.d_vocab),
-                )
-            ),
+    if toolkit:
+        stages.append(
+            (
+                "KV-shift decomposition",
+                lambda t: t.update(
+                    kv_shift=kv_shift_decomposition(
+                        model,
+                        probe
+                        if probe is not None
+                        else repeated_batch(batch.tokens.shape[0], default_half_len(model), model.cfg.d_vocab),
+                    )
+                ),
+            )
         )
-    )
+    else:
+        skipped["kv_shift"] = KV_SHIFT_TOOLKIT_ONLY
     if records is not None and metrics is not None:
         stages.append(("training timeline", lambda t: t.update(timeline=training_timeline(records, metrics))))
     tables: dict[str, pd.DataFrame] = {}
@@ -158,11 +196,10 @@ def attribution_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any])
     """Headline numbers: the sources carrying most of the correct-token logit, the lens depth where the target
     first ranks top on average, the edges whose knockout hurts most and the knockouts' cost, how well the
     first-order sensitivity ranks them, the audit's means, the strongest shifted-key head."""
-    dla = tables["depth_dla_summary"].sort_values("mean_abs_contribution", ascending=False)
-    summary: dict[str, Any] = {
-        **header,
-        "top_logit_sources": dla.head(3)[["source_label", "mean_contribution", "share"]].to_dict("records"),
-    }
+    summary: dict[str, Any] = dict(header)
+    if "depth_dla_summary" in tables:
+        dla = tables["depth_dla_summary"].sort_values("mean_abs_contribution", ascending=False)
+        summary["top_logit_sources"] = dla.head(3)[["source_label", "mean_contribution", "share"]].to_dict("records")
     lens = tables["logit_lens_summary"]
     inputs = lens[lens["vector"] == "input"]
     summary["lens_final_top1"] = float(inputs["top1"].iloc[-1])
@@ -174,15 +211,17 @@ def attribution_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any])
         summary["knockout_cost"] = knockouts.attrs["cost"]
         agreement, _ = edge_agreement(tables["edge_sensitivity"], knockouts)
         summary["edge_agreement"] = agreement
+    if "routing_audit_consumers" in tables:
         summary["routing_audit"] = audit_summary({"consumers": tables["routing_audit_consumers"]})
-    kv = tables["kv_shift"]
-    best = kv.loc[kv["prefix_score"].idxmax()]
-    summary["top_induction_head"] = dict(
-        layer=int(best["layer"]),
-        head=int(best["head"]),
-        prefix_score=float(best["prefix_score"]),
-        shifted_key_induction_score=float(best["shifted_key_induction_score"]),
-    )
+    if "kv_shift" in tables:
+        kv = tables["kv_shift"]
+        best = kv.loc[kv["prefix_score"].idxmax()]
+        summary["top_induction_head"] = dict(
+            layer=int(best["layer"]),
+            head=int(best["head"]),
+            prefix_score=float(best["prefix_score"]),
+            shifted_key_induction_score=float(best["shifted_key_induction_score"]),
+        )
     if "timeline_changes" in tables:
         changes = tables["timeline_changes"]
         model_wide = changes[changes["consumer"] < 0]
@@ -638,15 +677,19 @@ REPORT_STYLE = STYLE + ".wide { overflow-x: auto; max-width: 100%; }\n"
 def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, Any], title: str | None = None) -> str:
     """The report as one HTML string, a section per analysis; plotly.js embedded once, so it opens offline."""
     title = title or f"Attribution through depth: {summary.get('run', '')}"
-    sections: list[tuple[str, str, list[Any], str]] = [  # heading, note, figures, table HTML
-        (
-            "Direct logit attribution through depth",
-            "Exact: with the final norm's scale frozen at its clean value, the per-source terms of a position sum to "
-            "its logit minus the unembedding bias. The table averages the correct-token logit over held-out answer "
-            "positions.",
-            [dla_heatmap(tables["depth_dla"]), dla_summary_bars(tables["depth_dla_summary"])],
-            _table(tables["depth_dla_summary"]),
-        ),
+    sections: list[tuple[str, str, list[Any], str]] = []  # heading, note, figures, table HTML
+    if "depth_dla" in tables:  # tables a model does not support are listed under "Not computed" (the summary)
+        sections.append(
+            (
+                "Direct logit attribution through depth",
+                "Exact: with the final norm's scale frozen at its clean value, the per-source terms of a position sum "
+                "to its logit minus the unembedding bias. The table averages the correct-token logit over held-out "
+                "answer positions.",
+                [dla_heatmap(tables["depth_dla"]), dla_summary_bars(tables["depth_dla_summary"])],
+                _table(tables["depth_dla_summary"]),
+            )
+        )
+    sections += [
         (
             "Logit lens over depth",
             "Every source and every sublayer input decoded through the final norm (recomputed on the vector) and the "
@@ -689,6 +732,19 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
                 ],
                 _table(tables["edge_agreement"]),
             ),
+        ]
+    if "edge_knockouts_visits" in tables:
+        sections.append(
+            (
+                "Looped layers: knockouts of every visit together",
+                "One source, by label, knocked out of every visit's depth softmax of a looped consumer at once "
+                "(exact Δloss on every sequence), beside the sum of the knockouts in one visit at a time.",
+                [],
+                _table(tables["edge_knockouts_visits"]),
+            )
+        )
+    if "routing_audit_consumers" in tables:
+        sections.append(
             (
                 "Routing audit",
                 "α mass against the exact effect of each knockout, per consumer, with 95% bootstrap intervals over "
@@ -696,18 +752,19 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
                 "recency profile pooled over consumers.",
                 [audit_figure(tables["routing_audit_consumers"])],
                 _table(tables["routing_audit_consumers"], AUDIT_COLUMNS),
-            ),
-        ]
-    sections.append(
-        (
-            "KV-shift decomposition",
-            "Scores split into current-key and shifted-key parts on repeated tokens. Shifted-key induction score ≈ 1: "
-            "a one-layer KV-shift induction head; ≈ 0: the target is found through the current key (the two-layer "
-            "previous-token + induction circuit).",
-            [kv_shift_bars(tables["kv_shift"])],
-            _table(tables["kv_shift"], KV_COLUMNS),
+            )
         )
-    )
+    if "kv_shift" in tables:
+        sections.append(
+            (
+                "KV-shift decomposition",
+                "Scores split into current-key and shifted-key parts on repeated tokens. Shifted-key induction score "
+                "≈ 1: a one-layer KV-shift induction head; ≈ 0: the target is found through the current key (the "
+                "two-layer previous-token + induction circuit).",
+                [kv_shift_bars(tables["kv_shift"])],
+                _table(tables["kv_shift"], KV_COLUMNS),
+            )
+        )
     if "timeline" in tables and len(tables["timeline"]):
         changes = tables["timeline_changes"]
         sections.append(
@@ -728,6 +785,7 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
         f"<p>Model {html.escape(str(summary.get('variant')))}, checkpoint "
         f"{html.escape(str(summary.get('checkpoint')))}, {summary.get('samples')} held-out sequences. Prompt "
         f"for the per-position views: <code>{html.escape(str(summary.get('prompt', '')))}</code>.</p>",
+        *skipped_html(summary),
     ]
     first = True
     for heading, note, figures, table in sections:

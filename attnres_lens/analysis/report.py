@@ -145,6 +145,13 @@ def prune_report_html(
         "<h2>Cheap metrics vs measured removal effect (Spearman)</h2>",
         _table(tables["metric_correlations"]),
     ]
+    if "pruning_visits" in tables:
+        parts += [
+            "<h2>Looped layers: every visit removed together</h2>",
+            '<p class="note">Each visit alone is a row of the sensitivity table; here all visits of a looped '
+            "sublayer go at once, beside the sum of their single removals.</p>",
+            _table(tables["pruning_visits"]),
+        ]
     if "routing" in tables:
         correlations = summary.get("routing_correlations", {})
         parts += [
@@ -192,32 +199,27 @@ def _heatmap(matrix: pd.DataFrame, colorbar: str, x_title: str, y_title: str, **
 def _analysis_figures(tables: dict[str, pd.DataFrame]) -> list[tuple[str, Any, str]]:
     import plotly.graph_objects as go
 
-    heads = tables["induction_heads"].pivot(index="layer", columns="head", values="prefix_score")
     icl = tables["icl_per_position"]
     loss = go.Figure(go.Scatter(x=icl["position"], y=icl["loss"], mode="lines"))
     loss.update_layout(xaxis_title="position t (predicting token t+1)", yaxis_title="mean loss (nats)", height=380)
-    mixing = tables["depth_mixing"]
-    grid = (
-        mixing.pivot_table(
-            index=["consumer", "consumer_label"], columns=["sublayer", "sublayer_label"], values="weight"
+    figures = []
+    if "induction_heads" in tables:  # skipped on models other than the toolkit's own (the summary says why)
+        heads = tables["induction_heads"].pivot(index="layer", columns="head", values="prefix_score")
+        figures.append(
+            (
+                "Induction heads: prefix-matching score",
+                _heatmap(heads, "prefix score", "head", "layer", colorscale="Viridis", zmin=0.0, zmax=1.0),
+                "Attention from the second copy of a repeated sequence to the token after the earlier copy of the "
+                "current token (docs/analysis.md §2).",
+            )
         )
-        .sort_index()
-        .droplevel("consumer")
-    )
-    grid = grid.sort_index(axis=1).droplevel("sublayer", axis=1)
-    figures = [
-        (
-            "Induction heads: prefix-matching score",
-            _heatmap(heads, "prefix score", "head", "layer", colorscale="Viridis", zmin=0.0, zmax=1.0),
-            "Attention from the second copy of a repeated sequence to the token after the earlier copy of the current "
-            "token (docs/analysis.md §2).",
-        ),
+    figures.append(
         (
             "Loss per position (in-context learning)",
             loss,
             "Mean next-token loss over the held-out sequences; falling with position = the context helps (§3).",
-        ),
-    ]
+        )
+    )
     if "depth_weights" in tables:
         weights = tables["depth_weights"]
         for kind, name in (("attn", "pre-attention"), ("mlp", "pre-MLP"), ("final", "final readout")):
@@ -239,22 +241,39 @@ def _analysis_figures(tables: dict[str, pd.DataFrame]) -> list[tuple[str, Any, s
                     "Token-averaged weight each consumer puts on each earlier source (§4).",
                 )
             )
-    figures.append(
-        (
-            "Depth-mixing matrix M",
-            _heatmap(grid, "M", "sublayer output (emb = e)", "sublayer input", colorscale="RdBu_r", zmid=0.0),
-            "Effective weight of each sublayer output in each sublayer input, token-averaged; standard "
-            "residual: all ones below the diagonal (§5).",
+    if "depth_mixing" in tables:
+        grid = (
+            tables["depth_mixing"]
+            .pivot_table(index=["consumer", "consumer_label"], columns=["sublayer", "sublayer_label"], values="weight")
+            .sort_index()
+            .droplevel("consumer")
         )
-    )
+        grid = grid.sort_index(axis=1).droplevel("sublayer", axis=1)
+        figures.append(
+            (
+                "Depth-mixing matrix M",
+                _heatmap(grid, "M", "sublayer output (emb = e)", "sublayer input", colorscale="RdBu_r", zmid=0.0),
+                "Effective weight of each sublayer output in each sublayer input, token-averaged; standard "
+                "residual: all ones below the diagonal (§5).",
+            )
+        )
     return figures
+
+
+def skipped_html(summary: dict[str, Any]) -> list[str]:
+    """A report section listing the tables that do not apply to the run's model, each with its reason."""
+    if not summary.get("skipped"):
+        return []
+    items = "".join(
+        f"<li><b>{html.escape(row['table'])}</b>: {html.escape(row['reason'])}</li>" for row in summary["skipped"]
+    )
+    return ["<h2>Not computed for this model</h2>", f"<ul>{items}</ul>"]
 
 
 def analysis_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, Any], title: str | None = None) -> str:
     """`attnres-lens analyze`'s report as one HTML string: headline numbers, top induction heads, depth summary and
     the figures (induction scores, loss per position, depth maps); plotly.js embedded once, so it opens offline."""
     title = title or f"Analysis: {summary.get('run', '')}"
-    heads = pd.DataFrame(summary["top_induction_heads"])
     parts = [
         "<!DOCTYPE html>",
         '<html><head><meta charset="utf-8">',
@@ -264,9 +283,10 @@ def analysis_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, Any
         f"<p>Model {html.escape(str(summary.get('variant')))}, checkpoint {html.escape(str(summary.get('checkpoint')))}, "
         f"{plural(summary['samples'], 'held-out sequence')} of the run's task. In-context-learning score "
         f"{summary['icl_score']:.4f} ({html.escape(summary['icl_score_definition'])}).</p>",
-        "<h2>Top induction heads</h2>",
-        _table(heads),
+        *skipped_html(summary),
     ]
+    if "top_induction_heads" in summary:
+        parts += ["<h2>Top induction heads</h2>", _table(pd.DataFrame(summary["top_induction_heads"]))]
     if "depth_summary" in tables:
         summary = tables["depth_summary"]
         routes = ["route"] if summary["route"].nunique() > 1 else []  # multi-head: one row per route

@@ -18,6 +18,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from attnres_lens.analysis.applicability import INDUCTION_TOOLKIT_ONLY, is_toolkit_model, where_applicable
 from attnres_lens.analysis.attribution_report import (
     attribution_report_html,
     attribution_summary,
@@ -47,6 +48,7 @@ from attnres_lens.analysis.pruning import (
 from attnres_lens.analysis.report import analysis_report_html, prune_report_html
 from attnres_lens.analysis.routing import causal_routing, routing_correlations, routing_disagreements
 from attnres_lens.analysis.session import analysis_session
+from attnres_lens.analysis.visits import visit_groups, visit_removals
 from attnres_lens.analysis.workers import ForkedJob, fork_available
 from attnres_lens.analysis_options import (
     ANALYZE_SAMPLES,
@@ -56,6 +58,7 @@ from attnres_lens.analysis_options import (
     check_metric,
     check_samples,
 )
+from attnres_lens.hf_runs import tokenize
 from attnres_lens.protocol import DepthMixingModel, model_device
 from attnres_lens.resources import check_samples_fit
 from attnres_lens.rundir import (
@@ -201,43 +204,51 @@ def analyze_run(
     """
     run, task, batch = _prepare(path, "analyze", checkpoint, samples, out)
     model = run.model
-    probe = task_probe(model, task, samples)
-    icl = per_position_loss(model, batch.tokens)
-    tables = {
-        "induction_heads": induction_head_scores(model, probe, progress=progress),
-        "icl_per_position": icl,
-        "depth_mixing": depth_mixing_matrix(model, batch.tokens),
-        "mixing_diagnostics": mixing_diagnostics(model, batch.tokens),
-    }
+    skipped: dict[str, str] = {}
+    tables: dict[str, pd.DataFrame] = {}
+    if is_toolkit_model(model):
+        probe = task_probe(model, task, samples)
+        tables["induction_heads"] = induction_head_scores(model, probe, progress=progress)
+    else:
+        skipped["induction_heads"] = INDUCTION_TOOLKIT_ONLY
+    tables["icl_per_position"] = per_position_loss(model, batch.tokens)
+    for name, analysis in (("depth_mixing", depth_mixing_matrix), ("mixing_diagnostics", mixing_diagnostics)):
+        table = where_applicable(model, skipped, name, lambda: analysis(model, batch.tokens))
+        if table is not None:
+            tables[name] = table
     if run.model_config.residual == "attnres":
         tables["depth_weights"] = depth_weights(model, batch.tokens)
         tables["depth_summary"] = depth_summary(model, batch.tokens)
         tables["depth_weights_tokens"] = depth_weights_per_token(model, batch.tokens[:1])
-    summary = analysis_summary(tables, _run_header(run, samples))
+    summary = analysis_summary(tables, _run_header(run, samples), skipped)
     return _write(tables, summary, analysis_report_html(tables, summary), output_dir(run, out), "analysis")
 
 
-def analysis_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) -> dict[str, Any]:
+def analysis_summary(
+    tables: dict[str, pd.DataFrame], header: dict[str, Any], skipped: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The headline numbers of `analyze_run`'s tables after `header`: the ICL score with its definition, the top
-    induction heads by prefix score (the first also as `top_induction_head`), and for AttnRes models each
-    consumer's largest depth sources."""
-    heads = tables["induction_heads"].sort_values("prefix_score", ascending=False, kind="stable")
-    top_heads = [
-        {
-            "layer": int(row.layer),
-            "head": int(row.head),
-            "prefix_score": float(row.prefix_score),
-            "tl_induction_score": float(row.tl_induction_score),
-        }
-        for row in heads.head(TOP_HEADS).itertuples()
-    ]
+    induction heads by prefix score (the first also as `top_induction_head`), for AttnRes models each consumer's
+    largest depth sources, and `skipped` (table → why it does not apply to this model) where any was."""
     summary = {
         **header,
         "icl_score": in_context_learning_score(tables["icl_per_position"]),
         "icl_score_definition": ICL_SCORE_DEFINITION,
-        "top_induction_head": top_heads[0],
-        "top_induction_heads": top_heads,
     }
+    if "induction_heads" in tables:
+        heads = tables["induction_heads"].sort_values("prefix_score", ascending=False, kind="stable")
+        top_heads = [
+            {
+                "layer": int(row.layer),
+                "head": int(row.head),
+                "prefix_score": float(row.prefix_score),
+                "tl_induction_score": float(row.tl_induction_score),
+            }
+            for row in heads.head(TOP_HEADS).itertuples()
+        ]
+        summary.update(top_induction_head=top_heads[0], top_induction_heads=top_heads)
+    if skipped:
+        summary["skipped"] = [{"table": name, "reason": reason} for name, reason in skipped.items()]
     if "depth_weights" in tables:
         # a consumer's several routes (multi-head AttnRes) summarised by their mean weight per source
         weights = (
@@ -331,13 +342,16 @@ def _pruning_tables(
     distances = angular_distance_matrix(model, batch.tokens)
     report(2 / stages, "cumulative removal curves…")
     curves = cumulative_pruning(model, batch, sensitivity, distances, metric, progress=progress)
-    return {
+    tables = {
         "pruning_sensitivity": sensitivity,
         "angular_distance": distances,
         "pruning_curves": curves,
         "metric_correlations": metric_correlations(sensitivity),
         "removable": removable_within(curves, REMOVAL_TOLERANCE),
     }
+    if visit_groups(model):  # a looped layer's visits: each alone is in pruning_sensitivity, all together here
+        tables["pruning_visits"] = visit_removals(model, batch, progress)
+    return tables
 
 
 def prune_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) -> dict[str, Any]:
@@ -352,6 +366,8 @@ def prune_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any]) -> di
     }
     if "routing" in tables:
         summary["routing_correlations"] = routing_correlations(tables["routing"])
+    if "pruning_visits" in tables:
+        summary["visits_removed_together"] = tables["pruning_visits"].to_dict("records")
     return summary
 
 
@@ -387,13 +403,23 @@ def attribute_run(
     n_boot: int = 1000,
 ) -> AnalysisResult:
     """Attribution through depth of a run (docs/analysis.md §11): tables, `attribution_summary.json` and
-    `attribution_report.html` under `out` (default RUN/analysis/). `prompt`: space-separated token ids for the
-    per-position views (default the first held-out sequence); `n_boot`: the routing audit's bootstrap resamples."""
+    `attribution_report.html` under `out` (default RUN/analysis/). `prompt`: the per-position views' prompt, text
+    through the model folder's tokenizer for a run referring to a transformers folder that has one, else
+    space-separated token ids (default the first held-out sequence); `n_boot`: the routing audit's bootstrap
+    resamples. Tables the model does not support are listed in the summary's `skipped` with the reason."""
     run, task, batch = _prepare(path, "attribute", checkpoint, samples, out)
     model = run.model
+    tokenizer = run.tokenizer() if prompt is not None else None
+    if tokenizer is not None:  # a transformers folder's own tokenizer reads the prompt as text
+        prompt = torch.tensor([tokenize(tokenizer, prompt, model.d_vocab, "--prompt")])
     prompt_tokens = parse_prompt(model, prompt, batch)
-    probe = task_probe(model, task, samples)
-    tables = attribution_tables(model, batch, prompt_tokens, run.records, run.metrics, probe, n_boot, progress)
+    probe = task_probe(model, task, samples) if is_toolkit_model(model) else None
+    skipped: dict[str, str] = {}
+    tables = attribution_tables(
+        model, batch, prompt_tokens, run.records, run.metrics, probe, n_boot, progress, skipped=skipped
+    )
     header = {**_run_header(run, samples), "prompt": " ".join(map(str, prompt_tokens[0].tolist()))}
     summary = attribution_summary(tables, header)
+    if skipped:
+        summary["skipped"] = [{"table": name, "reason": reason} for name, reason in skipped.items()]
     return _write(tables, summary, attribution_report_html(tables, summary), output_dir(run, out), "attribution")

@@ -1,0 +1,51 @@
+"""Which run-level tables apply to a model that is not the toolkit's own (docs/interop.md §7, "What runs").
+
+`analyze`, `prune` and `attribute` compute every table on the toolkit's `HookedTransformer`. On another
+depth-mixing model (the transformers bridge) a table the model cannot support is left out and listed in the
+summary's `skipped` with the reason, never a traceback: the toolkit-only analyses by a fixed reason, the others by
+their own refusal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from attnres_lens.model import HookedTransformer
+from attnres_lens.protocol import DepthMixingModel
+
+# Reasons for the analyses written for the toolkit's own model only.
+INDUCTION_TOOLKIT_ONLY = (
+    "the induction-head probe runs on the toolkit's own model (it reads its layer and head counts and per-head "
+    "attention hooks); this model is not one"
+)
+DLA_TOOLKIT_ONLY = (
+    "direct logit attribution through depth freezes the toolkit model's final LayerNorm scale and splits its "
+    "unembedding; it is defined for the toolkit's own model only"
+)
+KV_SHIFT_TOOLKIT_ONLY = (
+    "the KV-shift decomposition reads the toolkit's KV-shift attention; a transformers model's short K/V "
+    "convolutions are analysed by analysis/inkling_taps.py instead"
+)
+CORRUPTED_TOOLKIT_ONLY = (
+    "patching from a corrupted input is derived for the paper's default depth attention of the toolkit's own model"
+)
+
+
+def is_toolkit_model(model: Any) -> bool:
+    return isinstance(model, HookedTransformer)
+
+
+def where_applicable(
+    model: DepthMixingModel, skipped: dict[str, str], name: str, compute: Callable[[], Any]
+) -> Any | None:
+    """`compute()`; for a model other than the toolkit's own, an analysis that refuses it (a ValueError naming what
+    the model lacks, e.g. M on a model whose first sublayer reads the embedding directly) returns None and records
+    its message under `skipped[name]`. The toolkit's own model is never refused this way: its errors propagate."""
+    if is_toolkit_model(model):
+        return compute()
+    try:
+        return compute()
+    except ValueError as err:
+        skipped[name] = str(err)
+        return None

@@ -1,0 +1,161 @@
+"""`attnres-lens import-hf` (docs/interop.md §7): run directories that refer to a transformers Inkling folder, their
+checks when the folder moves or changes, and analyze / prune / attribute on them (tiny models from tests/helpers.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from attnres_lens import from_transformers  # noqa: E402
+from attnres_lens.analysis.engine import evaluate  # noqa: E402
+from attnres_lens.analysis.interventions import removal_hooks  # noqa: E402
+from attnres_lens.analysis.visits import sublayers_named, visit_groups, visit_knockouts, visit_removals  # noqa: E402
+from attnres_lens.rundir import RunDirError, load_run  # noqa: E402
+from attnres_lens.tasks import make_task  # noqa: E402
+from tests.helpers import HF_RUN_TEXT, TINY_TOKENIZER_WORDS, run_cli  # noqa: E402
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_run_refers_to_the_folder_by_path_and_hashes(inkling_folders, hf_runs):
+    folder = Path(inkling_folders["plain"])
+    config = json.loads((hf_runs["plain"] / "config.json").read_text())
+    model = config["model"]
+    assert model["source"] == "transformers" and model["folder"] == str(folder.resolve())
+    assert model["architecture"] == "Inkling2ForCausalLM" and model["transformers_version"] == transformers.__version__
+    assert model["files_sha256"] == {name: _sha256(folder / name) for name in ("config.json", "model.safetensors")}
+    assert not list(hf_runs["plain"].rglob("*.safetensors"))  # no copy of the weights
+    run = load_run(hf_runs["plain"])
+    assert run.checkpoint == "model_folder" and run.model_config.residual == "attnres"
+    tokens = torch.tensor([[3, 17, 42, 5, 59, 0, 21, 8]])
+    reference = transformers.Inkling2ForCausalLM.from_pretrained(folder).eval()
+    torch.testing.assert_close(run.model(tokens), reference(input_ids=tokens, use_cache=False).logits)
+
+
+def test_text_goes_through_the_folders_tokenizer(inkling_folders, hf_runs):
+    run = load_run(hf_runs["loop"], load_model=False)
+    words = HF_RUN_TEXT.split()
+    expected = [TINY_TOKENIZER_WORDS.index(word) for word in words]  # the word-level vocabulary, by hand
+    assert np.load(run.config.task.params["path"]).tolist() == expected
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(run.model_config.files_sha256)
+    assert run.config.task.name == "tokens" and run.config.task.params["seq_len"] == 24
+
+
+def test_a_changed_or_moved_folder_is_refused_naming_it(inkling_folders, tmp_path, capsys):
+    folder = tmp_path / "model"
+    shutil.copytree(inkling_folders["plain"], folder)
+    assert run_cli(["import-hf", str(folder), "--out", str(tmp_path / "run")], capsys)[0] == 0
+    config = json.loads((folder / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-3
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RunDirError, match=r"model.*changed since the import.*config\.json.*import-hf"):
+        load_run(tmp_path / "run")
+    folder.rename(tmp_path / "elsewhere")
+    with pytest.raises(RunDirError, match=rf"{folder}.*gone.*import-hf"):
+        load_run(tmp_path / "run")
+    code, _, err = run_cli(["analyze", str(tmp_path / "run"), "--samples", "8"], capsys)
+    assert code == 2 and "gone" in err and "Traceback" not in err
+
+
+def test_import_refuses_remote_code_pickles_no_tokenizer_and_used_folders(inkling_folders, tmp_path, capsys):
+    remote = tmp_path / "remote"
+    shutil.copytree(inkling_folders["plain"], remote)
+    config = json.loads((remote / "config.json").read_text())
+    (remote / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "x.Model"}}))
+    code, _, err = run_cli(["import-hf", str(remote), "--out", str(tmp_path / "r1")], capsys)
+    assert code == 2 and "auto_map" in err and not (tmp_path / "r1").exists()
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(inkling_folders["plain"], pickled)
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
+    code, _, err = run_cli(["import-hf", str(pickled), "--out", str(tmp_path / "r2")], capsys)
+    assert code == 2 and "pytorch_model.bin" in err and "pickle" in err
+
+    (tmp_path / "text.txt").write_text(HF_RUN_TEXT)
+    code, _, err = run_cli(
+        ["import-hf", inkling_folders["plain"], "--out", str(tmp_path / "r3"), "--text", str(tmp_path / "text.txt")],
+        capsys,
+    )
+    assert code == 2 and "no tokenizer" in err and not (tmp_path / "r3").exists()
+
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "notes.txt").write_text("mine")
+    code, _, err = run_cli(["import-hf", inkling_folders["plain"], "--out", str(tmp_path / "used")], capsys)
+    assert code == 2 and "not empty" in err and (tmp_path / "used" / "notes.txt").read_text() == "mine"
+
+
+def test_a_run_offers_only_what_a_referred_folder_has(hf_runs, tmp_path, capsys):
+    with pytest.raises(RunDirError, match="one set of weights.*latest"):
+        load_run(hf_runs["plain"], checkpoint="best_of_three")
+    code, _, err = run_cli(["export-fla", str(hf_runs["plain"]), "--out", str(tmp_path / "fla")], capsys)
+    assert code == 2 and "refers to a transformers model folder" in err and not (tmp_path / "fla").exists()
+
+
+@pytest.mark.parametrize("kind", ["plain", "loop"])
+@pytest.mark.slow  # every analysis command on each model: about a minute each (make test-fast skips it)
+def test_analyze_prune_attribute_run_and_say_what_they_skip(hf_runs, kind, tmp_path, capsys):
+    run = tmp_path / kind
+    shutil.copytree(hf_runs[kind], run)
+    for command in ("analyze", "prune", "attribute"):
+        extra = ["--prompt", "the cat sat on the mat"] if command == "attribute" and kind == "loop" else []
+        code, out, err = run_cli([command, str(run), "--samples", "8", "--no-progress", *extra], capsys)
+        assert code == 0, err
+        assert "Traceback" not in out + err
+    analysis = json.loads((run / "analysis" / "analysis_summary.json").read_text())
+    skipped = {row["table"]: row["reason"] for row in analysis["skipped"]}
+    assert "toolkit's own model" in skipped["induction_heads"]
+    assert "top_depth_sources" in analysis and (run / "analysis" / "depth_weights.csv").is_file()
+    attribution = json.loads((run / "analysis" / "attribution_summary.json").read_text())
+    assert {"depth_dla", "kv_shift"} <= {row["table"] for row in attribution["skipped"]}
+    assert attribution["top_edges"]  # exact knockouts ran
+    assert "not computed: kv_shift: " in out  # the attribute command's own lines say what it skipped
+    if kind == "loop":  # the prompt went through the folder's tokenizer
+        assert attribution["prompt"] == "0 1 2 3 0 4"
+        prune = json.loads((run / "analysis" / "prune_summary.json").read_text())
+        assert {row["sublayers"] for row in prune["visits_removed_together"]} >= {"L3.attn@*", "L3.mlp@*"}
+
+
+def test_visits_are_named_one_by_one_and_all_together(inkling_folders):
+    model = from_transformers(inkling_folders["loop"]).eval()
+    names = [model.sublayer_name(j) for j in range(model.n_sublayers)]
+    everyone = [j for j, name in enumerate(names) if name.startswith("L3.attn@")]
+    assert len(everyone) == 3 and sublayers_named(model, ["L3.attn@*"]) == everyone
+    assert sublayers_named(model, ["L3.attn@2", "L0.mlp"]) == sorted([names.index("L3.attn@2"), names.index("L0.mlp")])
+    assert set(visit_groups(model)) == {f"L{layer}.{kind}@*" for layer in range(2, 6) for kind in ("attn", "mlp")}
+    with pytest.raises(ValueError, match=r"'L3\.attn'.*L3\.attn@1.*L3\.attn@\*"):
+        sublayers_named(model, ["L3.attn"])
+    with pytest.raises(ValueError, match="no sublayer is named 'L9.mlp'"):
+        sublayers_named(model, ["L9.mlp"])
+
+    batch = make_task("copy", vocab_size=60, seq_len=17, min_len=4, max_len=8).eval_batch(4)
+    base = evaluate(model, batch).loss
+    removals = visit_removals(model, batch).set_index("sublayers")
+    each = removal_hooks(model, [names.index(f"L3.attn@{v}") for v in (1, 2, 3)])
+    assert removals.loc["L3.attn@*", "dloss_together"] == pytest.approx(evaluate(model, batch, each).loss - base)
+
+    # every visit's softmax loses 'emb' together, by hook names written here from docs/interop.md §7
+    knockouts = visit_knockouts(model, batch).set_index(["consumer", "source_label"])
+    hooks = []
+    for visit in (1, 2, 3):
+        consumer = names.index(f"L3.attn@{visit}")
+        position = model.source_labels(consumer).index("emb")
+
+        def knock(bias, hook, position=position):
+            bias = bias.clone()
+            bias[..., position] = float("-inf")
+            return bias
+
+        hooks.append((f"blocks.3.visit{visit}.attn_res.hook_logit_bias", knock))
+    direct = evaluate(model, batch, hooks).loss - base
+    assert knockouts.loc[("L3.attn@*", "emb"), "dloss_together"] == pytest.approx(direct, rel=1e-5, abs=1e-6)
+    assert knockouts.loc[("L3.attn@*", "emb"), "dloss_together"] != 0
