@@ -17,7 +17,7 @@ from attnres_lens.analysis.session import clean_result
 from attnres_lens.attnres import EMBEDDING
 from attnres_lens.mixing import check_mixing_defined, mixing_coefficients, mixing_rows, stream_dominance
 from attnres_lens.model import HookedTransformer
-from attnres_lens.protocol import DepthMixingModel
+from attnres_lens.protocol import DepthMixingModel, direct_inputs
 
 
 @torch.no_grad()
@@ -193,9 +193,20 @@ def mixing_matrix_from_weights(model: DepthMixingModel, weights: pd.DataFrame) -
     """`depth_mixing_matrix` from token-averaged source weights (columns consumer, source, weight), such as
     `depth_weights` or a recorded snapshot (`records/depth_weights.parquet` at one step): M is linear in them.
     Rows per route (a `route` column) are averaged over routes: the toolkit's channel groups are equal, so that is
-    the coefficient averaged over channels; a protocol model must have one route per consumer (`mixing`)."""
+    the coefficient averaged over channels; a protocol model must mix raw sources with one route per consumer
+    (token-averaged α cannot give the token-averaged α_s r_s of normalised values, `mixing`)."""
+    direct = {}
     if not isinstance(model, HookedTransformer):
         check_mixing_defined(model)
+        several = [c for c in model.consumers() if len(model.routes(c)) > 1]
+        if several or any(hasattr(model, name) for name in ("depth_values", "mixing_coefficients")):
+            raise ValueError(
+                "M from token-averaged weights needs one route per consumer mixing raw sources; "
+                f"{type(model).__name__} "
+                + (f"runs several routes at {[model.sublayer_name(c) for c in several]}" if several else "does not")
+                + ": use depth_mixing_matrix(model, tokens), which reads M per token"
+            )
+        direct = direct_inputs(model)
     if "route" in weights.columns:
         weights = weights.groupby(["consumer", "source"], as_index=False)["weight"].mean()
     by_consumer = {
@@ -203,12 +214,17 @@ def mixing_matrix_from_weights(model: DepthMixingModel, weights: pd.DataFrame) -
     }
     rows = []
     for consumer in range(model.n_sublayers + 1):
+        if consumer in direct:  # a plain sum: weight 1 on each member
+            by_consumer[consumer] = {0: 1.0}
+            sources = [direct[consumer]]
+        else:
+            sources = model.sources(consumer)
         if consumer not in by_consumer:
             raise ValueError(
                 f"the source weights have no rows for consumer {consumer} ({model.sublayer_name(consumer)})"
             )
         effective = {i: 0.0 for i in [EMBEDDING, *range(consumer)]}
-        for source, members in enumerate(model.sources(consumer)):
+        for source, members in enumerate(sources):
             for member in members:
                 effective[member] += by_consumer[consumer][source]
         for sublayer, weight in effective.items():
