@@ -152,13 +152,6 @@ def consumer_kind(model: DepthMixingModel, consumer: int | str) -> str:
     return "msg" if isinstance(consumer, str) else model.sublayer_kind(consumer)
 
 
-def consumer_order(model: DepthMixingModel, consumer: int | str) -> tuple[int, int | str]:
-    """A sort key putting sublayer consumers first, in forward order, then the messages in theirs."""
-    if isinstance(consumer, str):
-        return (1, message_consumers(model).index(consumer))
-    return (0, consumer)
-
-
 def check_depth_point(point: str) -> None:
     """Refuse a depth hook point not in `DEPTH_POINTS`, naming it and the choices."""
     if point not in DEPTH_POINTS:

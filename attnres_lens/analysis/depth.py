@@ -17,14 +17,21 @@ from attnres_lens.analysis.session import clean_result
 from attnres_lens.attnres import EMBEDDING
 from attnres_lens.mixing import check_mixing_defined, mixing_coefficients, mixing_rows, stream_dominance
 from attnres_lens.model import HookedTransformer
-from attnres_lens.protocol import DepthMixingModel, direct_inputs
+from attnres_lens.protocol import (
+    DepthMixingModel,
+    consumer_kind,
+    consumer_label,
+    depth_consumers,
+    direct_inputs,
+)
 
 
 @torch.no_grad()
-def depth_weights_by_route(model: DepthMixingModel, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+def depth_weights_by_route(model: DepthMixingModel, tokens: torch.Tensor) -> dict[int | str, torch.Tensor]:
     """α of every consumer per route, `{consumer: [batch, pos, route, n_sources]}` (one route: an axis of one), read
-    at `model.depth_hook(consumer, "weights")` in one pass."""
-    consumers = model.consumers()
+    at `model.depth_hook(consumer, "weights")` in one pass; message consumers (`protocol.message_consumers`, named
+    by strings) after the sublayer consumers."""
+    consumers = depth_consumers(model)
     if not consumers:
         residual = f"a residual={model.cfg.residual!r} model" if isinstance(model, HookedTransformer) else "this model"
         raise ValueError(f"{residual} has no depth attention; its mixing weights are in depth_mixing_matrix")
@@ -36,19 +43,19 @@ def depth_weights_by_route(model: DepthMixingModel, tokens: torch.Tensor) -> dic
     }
 
 
-def depth_weights_by_consumer(model: DepthMixingModel, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+def depth_weights_by_consumer(model: DepthMixingModel, tokens: torch.Tensor) -> dict[int | str, torch.Tensor]:
     """α of every consumer, `{consumer: [batch, pos, n_sources]}`, averaged over its routes: with the toolkit's
     `attnres_heads > 1` each channel group has its own α and the vector's effective weight is their mean."""
     return {consumer: weights.mean(-2) for consumer, weights in depth_weights_by_route(model, tokens).items()}
 
 
-def _source_rows(model: DepthMixingModel, consumer: int) -> list[dict]:
-    label = model.sublayer_name(consumer)
+def _source_rows(model: DepthMixingModel, consumer: int | str) -> list[dict]:
+    label = consumer_label(model, consumer)
     return [
         dict(
             consumer=consumer,
             consumer_label=label,
-            kind=model.sublayer_kind(consumer),
+            kind=consumer_kind(model, consumer),
             route=route,
             source=source,
             source_label=source_label,
@@ -60,7 +67,8 @@ def _source_rows(model: DepthMixingModel, consumer: int) -> list[dict]:
 
 def depth_weights(model: DepthMixingModel, tokens: torch.Tensor) -> pd.DataFrame:
     """Token-averaged α per consumer × route × source: consumer, consumer_label, kind, route ('mix' for a
-    consumer with one softmax; 'h0', … or 'q', 'k', 'v' for several), source, source_label, weight."""
+    consumer with one softmax; 'h0', … or 'q', 'k', 'v' for several), source, source_label, weight. A message
+    consumer ('L2.msg@2', kind 'msg', routes q, k, v, mlp) has its name as consumer."""
     rows = []
     for consumer, weights in depth_weights_by_route(model, tokens).items():
         for row, weight in zip(_source_rows(model, consumer), weights.mean(dim=(0, 1)).flatten().tolist()):
@@ -94,8 +102,10 @@ def depth_weights_per_token(model: DepthMixingModel, tokens: torch.Tensor) -> pd
         "source_label",
         "weight",
     ]
+    # frames come in consumer order, each in (sequence, position, route, source) order: a stable sort by
+    # token keeps that within a token (consumers are ints and, for messages, strings, which do not compare)
     return pd.concat(frames, ignore_index=True)[columns].sort_values(
-        ["sequence", "position", "consumer", "route", "source"], ignore_index=True
+        ["sequence", "position"], ignore_index=True, kind="stable"
     )
 
 
@@ -116,8 +126,8 @@ def depth_summary(model: DepthMixingModel, tokens: torch.Tensor) -> pd.DataFrame
             rows.append(
                 dict(
                     consumer=consumer,
-                    consumer_label=model.sublayer_name(consumer),
-                    kind=model.sublayer_kind(consumer),
+                    consumer_label=consumer_label(model, consumer),
+                    kind=consumer_kind(model, consumer),
                     route=route,
                     n_sources=n_sources,
                     entropy=entropy,

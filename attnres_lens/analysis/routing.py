@@ -16,7 +16,7 @@ from attnres_lens.analysis.engine import evaluate, evaluate_many
 from attnres_lens.analysis.interventions import source_mask_hooks
 from attnres_lens.analysis.pruning import spearman
 from attnres_lens.analysis.workers import analysis_workers
-from attnres_lens.protocol import DepthMixingModel, model_device
+from attnres_lens.protocol import DepthMixingModel, consumer_kind, consumer_label, model_device
 from attnres_lens.tasks.base import Batch, check_scored_batch
 
 
@@ -24,7 +24,8 @@ def causal_routing(model: DepthMixingModel, batch: Batch, progress: bool = False
     """One row per (consumer, source) of consumers with ≥ 2 sources: consumer, consumer_label, kind, source,
     source_label, members (sublayer indices summed in the source, −1 = embedding), alpha_mass, delta_loss,
     delta_accuracy. A knockout takes the source out of every route of the consumer; alpha_mass is then the mass
-    averaged over its routes."""
+    averaged over its routes. Message consumers (Inkling-2-Mini's 'L2.msg@2', kind 'msg') come after the
+    sublayer consumers, named by their strings."""
     batch = check_scored_batch(batch.to(model_device(model)), model.d_vocab)
     weights = depth_weights_by_consumer(model, batch.tokens)
     base = evaluate(model, batch)
@@ -42,8 +43,8 @@ def causal_routing(model: DepthMixingModel, batch: Batch, progress: bool = False
         rows.append(
             dict(
                 consumer=consumer,
-                consumer_label=model.sublayer_name(consumer),
-                kind=model.sublayer_kind(consumer),
+                consumer_label=consumer_label(model, consumer),
+                kind=consumer_kind(model, consumer),
                 source=source,
                 source_label=model.source_labels(consumer)[source],
                 members=",".join(map(str, model.sources(consumer)[source])),
