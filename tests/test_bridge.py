@@ -490,3 +490,100 @@ def test_run_with_cache_returns_an_activation_cache_that_refuses_running_sum_hel
         ValueError, match="assumes a running-sum residual stream, but this model's kind is InklingBridge"
     ):
         cache.accumulated_resid()
+
+
+def _loss(logits: torch.Tensor) -> float:
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).double(), TOKENS[:, 1:].flatten()).item()
+
+
+def _zero_calls(calls: set[int] | None):
+    """A forward hook zeroing a module's output on its `calls` (1-based; every call when None)."""
+    seen = [0]
+
+    def hook(_module, _args, output):
+        seen[0] += 1
+        return torch.zeros_like(output) if calls is None or seen[0] in calls else output
+
+    return hook
+
+
+def test_every_protocol_analysis_runs_on_the_mini_with_messages_and_visits_against_direct_knockouts(folders):
+    """Depth maps and summary show the message consumers; causal routing, edge knockouts and the routing audit
+    measure a knockout equal to the one written on transformers' module; pruning removes one visit of a looped
+    layer, or all of them, as zeroing those calls of transformers' post-MLP convolution does."""
+    from attnres_lens.analysis import (
+        depth_summary,
+        depth_weights,
+        depth_weights_per_token,
+        edge_knockouts,
+        routing_audit,
+        source_logit_lens,
+    )
+    from attnres_lens.analysis.depth import mixing_diagnostics, mixing_matrix_from_weights
+    from attnres_lens.analysis.interventions import removal_hooks
+    from attnres_lens.analysis.pruning import angular_distance_matrix, pruning_sensitivity
+    from attnres_lens.analysis.routing import causal_routing
+    from attnres_lens.tasks.base import Batch, next_token_targets
+
+    bridge = from_transformers(folders["loop"])
+    targets = next_token_targets(TOKENS)
+    batch = Batch(TOKENS, targets, targets != -100)
+    clean = _loss(_reference(folders["loop"])(input_ids=TOKENS, use_cache=False).logits)
+    _, cache = bridge.run_with_cache(TOKENS)
+
+    weights, summary = depth_weights(bridge, TOKENS), depth_summary(bridge, TOKENS)
+    messages = bridge.message_consumers()
+    assert list(summary[summary["kind"] == "msg"]["consumer"].unique()) == messages
+    shown = cache[bridge.depth_hook("L2.msg@3", "weights")].double().mean(dim=(0, 1))  # [route, source]
+    rows = weights[weights["consumer"] == "L2.msg@3"]
+    assert list(rows["route"].unique()) == ["q", "k", "v", "mlp"]
+    torch.testing.assert_close(torch.tensor(rows["weight"].to_numpy()).view(4, -1), shown, rtol=1e-5, atol=1e-7)
+    assert set(depth_weights_per_token(bridge, TOKENS[:1])["consumer"]) >= set(messages)
+
+    # the message knockout, directly: transformers' message module without that block state on that call
+    reference = _reference(folders["loop"])
+    module = reference.model.message_input
+    module.forward = _drop_source(0, module.forward, call=2, layer_idx=0)
+    direct = _loss(reference(input_ids=TOKENS, use_cache=False).logits) - clean
+    routing = causal_routing(bridge, batch).set_index(["consumer", "source"])
+    assert routing.loc[("L2.msg@3", 0), "delta_loss"] == pytest.approx(direct, rel=1e-4, abs=1e-6)
+    assert routing.loc[("L2.msg@3", 0), "kind"] == "msg" and abs(direct) > 1e-5
+    knockouts = edge_knockouts(bridge, batch, screen_fraction=1, n_boot=10).set_index(["consumer", "source"])
+    assert knockouts.loc[("L2.msg@3", 0), "delta_loss"] == pytest.approx(direct, rel=1e-4, abs=1e-6)
+
+    # a full-attention looped consumer (L3.attn@2, three routes) in the routing audit
+    consumer = next(c for c in bridge.consumers() if bridge.sublayer_name(c) == "L3.attn@2")
+    reference = _reference(folders["loop"])
+    module = reference.model.layers[3].attention_input
+    module.forward = _drop_source(0, module.forward, call=2)
+    direct = _loss(reference(input_ids=TOKENS, use_cache=False).logits) - clean
+    audit = routing_audit(bridge, batch, n_boot=10)
+    pairs = audit["pairs"][(audit["pairs"]["consumer"] == consumer) & (audit["pairs"]["source"] == 0)]
+    assert list(pairs["route"]) == ["q", "k", "v"]
+    assert pairs["delta_loss"].to_numpy() == pytest.approx([direct] * 3, rel=1e-4, abs=1e-6)
+    alpha = cache[bridge.depth_hook(consumer, "weights")].double().mean(dim=(0, 1))[:, 0]
+    assert pairs["alpha_mass"].to_numpy() == pytest.approx(alpha.numpy(), rel=1e-5)
+
+    # removal of one visit, and of every visit, of L3's MLP against zeroing those calls on transformers' module
+    visits = [j for j in range(bridge.n_sublayers) if bridge.sublayer_name(j).startswith("L3.mlp@")]
+    one_visit = _reference_with_zeroed_calls(folders["loop"], {2})
+    _close(bridge.run_with_hooks(TOKENS, fwd_hooks=removal_hooks(bridge, [visits[1]])), one_visit, 1e-5)
+    every_visit = _reference_with_zeroed_calls(folders["loop"], None)
+    _close(bridge.run_with_hooks(TOKENS, fwd_hooks=removal_hooks(bridge, visits)), every_visit, 1e-5)
+    sensitivity = pruning_sensitivity(bridge, batch).set_index("label")
+    assert sensitivity.loc["L3.mlp@2", "dloss_remove"] == pytest.approx(_loss(one_visit) - clean, rel=1e-4, abs=1e-6)
+    assert sensitivity["routing_mass"].notna().all()  # M is defined on Inkling: layer 0 reads e with weight 1
+
+    # the rest runs and is shaped as on the toolkit's model
+    assert len(angular_distance_matrix(bridge, TOKENS)) == bridge.n_sublayers * (bridge.n_sublayers + 1) // 2
+    assert len(mixing_diagnostics(bridge, TOKENS)) == bridge.n_sublayers + 1
+    assert set(source_logit_lens(bridge, TOKENS, k=2)["vector"]) == {"source", "input"}
+    with pytest.raises(ValueError, match="use depth_mixing_matrix\\(model, tokens\\)"):
+        mixing_matrix_from_weights(bridge, weights)
+
+
+def _reference_with_zeroed_calls(folder: str, calls: set[int] | None) -> torch.Tensor:
+    """transformers' logits with layer 3's post-MLP convolution zeroed on `calls` (every call when None)."""
+    reference = _reference(folder)
+    reference.model.layers[3].post_mlp_convolution.register_forward_hook(_zero_calls(calls))
+    return reference(input_ids=TOKENS, use_cache=False).logits
