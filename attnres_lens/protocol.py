@@ -142,6 +142,14 @@ def depth_consumers(model: DepthMixingModel) -> list[int | str]:
     return [*model.consumers(), *message_consumers(model)]
 
 
+def consumer_index(model: DepthMixingModel, consumer: int | str) -> int:
+    """The integer a table's `consumer` column holds: the sublayer index (J for the readout), or J + 1 + k for the
+    k-th message consumer, so the column stays one integer type (parquet) and its keys unique."""
+    if isinstance(consumer, str):
+        return model.n_sublayers + 1 + message_consumers(model).index(consumer)
+    return consumer
+
+
 def consumer_label(model: DepthMixingModel, consumer: int | str) -> str:
     """'L3.attn', 'final', or a message consumer's own name."""
     return consumer if isinstance(consumer, str) else model.sublayer_name(consumer)

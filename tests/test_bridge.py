@@ -533,22 +533,25 @@ def test_every_protocol_analysis_runs_on_the_mini_with_messages_and_visits_again
 
     weights, summary = depth_weights(bridge, TOKENS), depth_summary(bridge, TOKENS)
     messages = bridge.message_consumers()
-    assert list(summary[summary["kind"] == "msg"]["consumer"].unique()) == messages
+    assert list(summary[summary["kind"] == "msg"]["consumer_label"].unique()) == messages
+    J = bridge.n_sublayers  # tables number message k as consumer J + 1 + k: one integer column (parquet)
+    assert list(summary[summary["kind"] == "msg"]["consumer"].unique()) == [J + 1 + k for k in range(len(messages))]
+    assert weights["consumer"].dtype.kind == summary["consumer"].dtype.kind == "i"
     shown = cache[bridge.depth_hook("L2.msg@3", "weights")].double().mean(dim=(0, 1))  # [route, source]
-    rows = weights[weights["consumer"] == "L2.msg@3"]
+    rows = weights[weights["consumer_label"] == "L2.msg@3"]
     assert list(rows["route"].unique()) == ["q", "k", "v", "mlp"]
     torch.testing.assert_close(torch.tensor(rows["weight"].to_numpy()).view(4, -1), shown, rtol=1e-5, atol=1e-7)
-    assert set(depth_weights_per_token(bridge, TOKENS[:1])["consumer"]) >= set(messages)
+    assert set(depth_weights_per_token(bridge, TOKENS[:1])["consumer_label"]) >= set(messages)
 
     # the message knockout, directly: transformers' message module without that block state on that call
     reference = _reference(folders["loop"])
     module = reference.model.message_input
     module.forward = _drop_source(0, module.forward, call=2, layer_idx=0)
     direct = _loss(reference(input_ids=TOKENS, use_cache=False).logits) - clean
-    routing = causal_routing(bridge, batch).set_index(["consumer", "source"])
+    routing = causal_routing(bridge, batch).set_index(["consumer_label", "source"])
     assert routing.loc[("L2.msg@3", 0), "delta_loss"] == pytest.approx(direct, rel=1e-4, abs=1e-6)
     assert routing.loc[("L2.msg@3", 0), "kind"] == "msg" and abs(direct) > 1e-5
-    knockouts = edge_knockouts(bridge, batch, screen_fraction=1, n_boot=10).set_index(["consumer", "source"])
+    knockouts = edge_knockouts(bridge, batch, screen_fraction=1, n_boot=10).set_index(["consumer_label", "source"])
     assert knockouts.loc[("L2.msg@3", 0), "delta_loss"] == pytest.approx(direct, rel=1e-4, abs=1e-6)
 
     # a full-attention looped consumer (L3.attn@2, three routes) in the routing audit

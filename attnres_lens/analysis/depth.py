@@ -19,6 +19,7 @@ from attnres_lens.mixing import check_mixing_defined, mixing_coefficients, mixin
 from attnres_lens.model import HookedTransformer
 from attnres_lens.protocol import (
     DepthMixingModel,
+    consumer_index,
     consumer_kind,
     consumer_label,
     depth_consumers,
@@ -53,7 +54,7 @@ def _source_rows(model: DepthMixingModel, consumer: int | str) -> list[dict]:
     label = consumer_label(model, consumer)
     return [
         dict(
-            consumer=consumer,
+            consumer=consumer_index(model, consumer),
             consumer_label=label,
             kind=consumer_kind(model, consumer),
             route=route,
@@ -68,7 +69,7 @@ def _source_rows(model: DepthMixingModel, consumer: int | str) -> list[dict]:
 def depth_weights(model: DepthMixingModel, tokens: torch.Tensor) -> pd.DataFrame:
     """Token-averaged α per consumer × route × source: consumer, consumer_label, kind, route ('mix' for a
     consumer with one softmax; 'h0', … or 'q', 'k', 'v' for several), source, source_label, weight. A message
-    consumer ('L2.msg@2', kind 'msg', routes q, k, v, mlp) has its name as consumer."""
+    consumer ('L2.msg@2', kind 'msg', routes q, k, v, mlp) has consumer J + 1 + k (`protocol.consumer_index`)."""
     rows = []
     for consumer, weights in depth_weights_by_route(model, tokens).items():
         for row, weight in zip(_source_rows(model, consumer), weights.mean(dim=(0, 1)).flatten().tolist()):
@@ -102,8 +103,8 @@ def depth_weights_per_token(model: DepthMixingModel, tokens: torch.Tensor) -> pd
         "source_label",
         "weight",
     ]
-    # frames come in consumer order, each in (sequence, position, route, source) order: a stable sort by
-    # token keeps that within a token (consumers are ints and, for messages, strings, which do not compare)
+    # frames come in consumer order, each in (sequence, position, route, source) order: a stable sort by token
+    # keeps that within a token (routes in the model's order, q, k, v)
     return pd.concat(frames, ignore_index=True)[columns].sort_values(
         ["sequence", "position"], ignore_index=True, kind="stable"
     )
@@ -125,7 +126,7 @@ def depth_summary(model: DepthMixingModel, tokens: torch.Tensor) -> pd.DataFrame
             sink = int(mean_shares.argmax())
             rows.append(
                 dict(
-                    consumer=consumer,
+                    consumer=consumer_index(model, consumer),
                     consumer_label=consumer_label(model, consumer),
                     kind=consumer_kind(model, consumer),
                     route=route,

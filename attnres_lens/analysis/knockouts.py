@@ -28,7 +28,7 @@ from attnres_lens.analysis.interventions import Hook, source_mask_hooks
 from attnres_lens.analysis.pruning import spearman
 from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.evaluation import per_sequence_losses
-from attnres_lens.protocol import DepthMixingModel, consumer_kind, consumer_label, model_device
+from attnres_lens.protocol import DepthMixingModel, consumer_index, consumer_kind, consumer_label, model_device
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch, check_scored_batch
 
 SCREEN_FRACTION = 0.25
@@ -49,7 +49,7 @@ def edge_knockouts(
     stages (module docstring); `screen_fraction=1` measures every edge on every sequence.
 
     Message consumers (`protocol.message_consumers`: Inkling-2-Mini's 'L2.msg@2', kind 'msg') are knocked out
-    like the others. One row per edge, ranked by Δloss (rank 1 = the edge whose removal hurts most): consumer,
+    like the others, as consumer J + 1 + k (`protocol.consumer_index`). One row per edge, ranked by Δloss (rank 1 = the edge whose removal hurts most): consumer,
     consumer_label, kind, source, source_label, members, alpha_mass, delta_loss with delta_loss_low /
     delta_loss_high, sequences (how many it was measured on), measured ('all' or 'screen'), rank. `attrs["cost"]` is the knockout passes run
     relative to every edge on every sequence; `attrs["screen"]` the screen's sequence indices.
@@ -119,7 +119,7 @@ def edge_knockouts(
         low, high = torch.quantile(samples, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
         rows.append(
             dict(
-                consumer=consumer,
+                consumer=consumer_index(model, consumer),
                 consumer_label=consumer_label(model, consumer),
                 kind=consumer_kind(model, consumer),
                 source=source,

@@ -16,7 +16,7 @@ from attnres_lens.analysis.engine import evaluate, evaluate_many
 from attnres_lens.analysis.interventions import source_mask_hooks
 from attnres_lens.analysis.pruning import spearman
 from attnres_lens.analysis.workers import analysis_workers
-from attnres_lens.protocol import DepthMixingModel, consumer_kind, consumer_label, model_device
+from attnres_lens.protocol import DepthMixingModel, consumer_index, consumer_kind, consumer_label, model_device
 from attnres_lens.tasks.base import Batch, check_scored_batch
 
 
@@ -25,7 +25,7 @@ def causal_routing(model: DepthMixingModel, batch: Batch, progress: bool = False
     source_label, members (sublayer indices summed in the source, −1 = embedding), alpha_mass, delta_loss,
     delta_accuracy. A knockout takes the source out of every route of the consumer; alpha_mass is then the mass
     averaged over its routes. Message consumers (Inkling-2-Mini's 'L2.msg@2', kind 'msg') come after the
-    sublayer consumers, named by their strings."""
+    sublayer consumers, as consumer J + 1 + k (`protocol.consumer_index`)."""
     batch = check_scored_batch(batch.to(model_device(model)), model.d_vocab)
     weights = depth_weights_by_consumer(model, batch.tokens)
     base = evaluate(model, batch)
@@ -42,7 +42,7 @@ def causal_routing(model: DepthMixingModel, batch: Batch, progress: bool = False
     for (consumer, source), result in zip(pairs, results):
         rows.append(
             dict(
-                consumer=consumer,
+                consumer=consumer_index(model, consumer),
                 consumer_label=consumer_label(model, consumer),
                 kind=consumer_kind(model, consumer),
                 source=source,
