@@ -24,6 +24,7 @@ from pathlib import Path
 
 from analyses import (
     bench_attribution,
+    bench_bridge,
     bench_compile,
     bench_cpu_step,
     bench_depth_scaling,
@@ -43,6 +44,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "bench_inference": bench_inference.run,
     "bench_attribution": bench_attribution.run,
     "bench_edge_knockouts": bench_edge_knockouts.run,
+    "bench_bridge": bench_bridge.run,
     "bench_compile": bench_compile.run,
     "gpu_check": gpu_check.run,
 }

@@ -28,10 +28,23 @@ REPO = Path(__file__).resolve().parent.parent
 
 @dataclass
 class Job:
+    """One run of a study: `preset` trained with `seed` into `out`, then `overrides` applied.
+
+    `task_seed` None seeds the task with `seed` too (each seed its own task: the reproductions' design). An int
+    keeps every run on that one task (one language, one held-out set) and lets `seed` vary the initialisation and
+    the order of the training batches only (`train.data_seed`), so runs of one seed pair across variants."""
+
     preset: str
     seed: int
     out: Path
     overrides: tuple[str, ...] = ()
+    task_seed: int | None = None
+
+    def seed_overrides(self) -> list[str]:
+        """The settings that seed the run (before `overrides`)."""
+        if self.task_seed is None:
+            return [f"train.seed={self.seed}", f"task.seed={self.seed}"]
+        return [f"train.seed={self.seed}", f"task.seed={self.task_seed}", f"train.data_seed={self.seed}"]
 
 
 BENCH_VOCAB = 256  # the benchmarks' models: d_vocab, and the range of their token batch
@@ -60,7 +73,7 @@ def _run_job(job: Job) -> str:
         if run_dir.holds_run():  # crashed before its first checkpoint: start over
             shutil.rmtree(job.out)
         # one torch thread per process: the runs train side by side, one per core
-        overrides = [f"train.seed={job.seed}", f"task.seed={job.seed}", "train.threads=1", *job.overrides]
+        overrides = [*job.seed_overrides(), "train.threads=1", *job.overrides]
         train(apply_overrides(get_preset(job.preset), overrides), job.out, progress=False)
     return f"{job.out.name}: trained in {time.perf_counter() - start:.0f} s"
 
@@ -214,3 +227,13 @@ def markdown_table(frame: pd.DataFrame, digits: int = 3) -> str:
     lines = ["| " + " | ".join(map(table_cell, frame.columns)) + " |", "|" + "---|" * len(frame.columns)]
     lines += ["| " + " | ".join(cell(value) for value in row) + " |" for row in frame.itertuples(index=False)]
     return "\n".join(lines)
+
+
+DESIGN_MARK = "Design, stated before any result:"
+
+
+def study_head(title: str, docstring: str, command: str) -> list[str]:
+    """A study report's first lines: the title, where and when it ran, the command, and its design, which the
+    study's module docstring states after `DESIGN_MARK` and before its usage line (`    python -m …`)."""
+    design = docstring.split(DESIGN_MARK)[1].split("    python -m")[0].strip()
+    return [f"# {title}", "", provenance(), "", f"Command: `{command}`", "", "## Design", "", design]

@@ -6,8 +6,8 @@ Design, stated before any result:
 * **Runs**: the `shakespeare-*` model (6 layers with MLPs, d_model 128, byte-level Shakespeare with held-out plays,
   docs/tasks.md §6) as a standard residual at every budget of `--budgets` (training steps, each its own run with
   its own warm-up and cosine schedule), and as Full and Block AttnRes (S = 4) at `--attnres-budget`. One fixed task
-  (`task.seed=0`); a seed sets the initialisation and data order (`train.seed`), and seed s of every variant is
-  paired with seed s of the others.
+  (`task.seed=0`: the same training batches in the same order for every run); a seed sets the initialisation only
+  (`train.seed`), and seed s of every variant is paired with seed s of the others.
 * **Compute**: training FLOPs = 3 × forward FLOPs × tokens, the forward counted from the config: 2 per weight of
   every matrix product per token (projections, MLP, unembedding), the token attention's scores and mix over the
   causal window (mean length (n_ctx + 1)/2), and each AttnRes consumer's depth mix (key norm, scores, softmax and
@@ -41,13 +41,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analyses.common import REPO, Job, emit_report, git_state, markdown_table, provenance, run_jobs, training_minutes
+from analyses.common import REPO, Job, emit_report, git_state, markdown_table, run_jobs, study_head, training_minutes
+from analyses.depth_mixing_ablation import t95
 from analyses.results import RESULTS
 
 VARIANTS = {"standard": "shakespeare-standard", "full": "shakespeare-full", "block": "shakespeare-block"}
 FIXED_TASK = ("task.seed=0",)
-# two-sided 95% Student-t quantiles by degrees of freedom (seeds − 1)
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 def forward_flops_per_token(cfg) -> float:
@@ -93,7 +92,7 @@ def summarise(multipliers: list[float]) -> dict[str, float]:
     centre = float(logs.mean())
     if len(logs) < 2:
         return dict(mean=math.exp(centre), low=float("nan"), high=float("nan"), seeds=1)
-    half = T95.get(len(logs) - 1, 1.96) * float(logs.std(ddof=1)) / math.sqrt(len(logs))
+    half = t95(len(logs) - 1) * float(logs.std(ddof=1)) / math.sqrt(len(logs))
     return dict(mean=math.exp(centre), low=math.exp(centre - half), high=math.exp(centre + half), seeds=len(logs))
 
 
@@ -168,19 +167,9 @@ def multipliers(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def report(runs: pd.DataFrame, per_seed: pd.DataFrame, summary: dict, command: str) -> str:
-    design = (__doc__ or "").split("Design, stated before any result:")[1].split("    python -m")[0].strip()
-    lines = [
-        "# Compute multiplier on real text",
-        "",
-        provenance(),
-        "",
-        f"Command: `{command}`",
-        "",
-        "## Design",
-        "",
-        design,
-    ]
+def report(runs: pd.DataFrame, per_seed: pd.DataFrame, summary: dict, command: str, model: str) -> str:
+    lines = study_head("Compute multiplier on real text", __doc__ or "", command)
+    lines += ["", f"Model trained: {model} (the design's model, with the command's `--set` overrides applied)."]
     lines += [
         "",
         "## Result",
@@ -247,10 +236,15 @@ def main(argv: list[str] | None = None) -> None:
         variant: summarise(list(group["multiplier"])) for variant, group in per_seed.groupby("variant", sort=False)
     }
     command = "python -m analyses.compute_multiplier " + shlex.join(argv if argv is not None else sys.argv[1:])
-    emit_report(report(runs, per_seed, summary, command), args.report)
+    cfg = apply_overrides(get_preset(jobs[0].preset), list(jobs[0].overrides)).model
+    model = f"{cfg.n_layers} layers, d_model {cfg.d_model}, d_mlp {cfg.d_mlp}, n_ctx {cfg.n_ctx}"
+    emit_report(report(runs, per_seed, summary, command, model), args.report)
     from analyses.benchmarks import record
 
-    shape = f"shakespeare 6 layers, standard at {args.budgets} steps, AttnRes at {args.attnres_budget}, {len(args.seeds)} seeds"
+    shape = (
+        f"shakespeare, {cfg.n_layers} layers, d_model {cfg.d_model}; standard at {args.budgets} steps, AttnRes at "
+        f"{args.attnres_budget}; {len(args.seeds)} seeds"
+    )
     rows = [
         dict(
             metric="final eval loss",

@@ -1,26 +1,54 @@
-"""Depth-mixing rules side by side (the AttnRes paper's Table 4 at CPU scale): standard, DenseFormer, mHC, Full and
-Block AttnRes and each AttnRes ablation, trained on the mixed task with several seeds, one run per core.
+"""Depth-mixing rules side by side (the AttnRes paper's Table 4 at CPU scale), as a paired study (issue 40 item 1).
 
-Resumable: complete runs are reused, partial ones resumed. Writes analyses/reports/depth_mixing_ablation.md with the
-mean ± 95% CI held-out loss of each variant beside the paper's value, the rank correlation of the two orderings,
-each variant's training-step time relative to the standard model (measured interleaved in one process), and its
-depth-mixing matrix and diagnostics as figures. Sized to fit in well under 90 minutes on a 2-core CPU.
+Design, stated before any result:
 
-    python -m analyses.depth_mixing_ablation --seeds 0 1 2 --workers 2
+* **Variants**: the twelve rules of `presets.DEPTH_MIXING_VARIANTS` (standard, DenseFormer, mHC, Full and Block
+  AttnRes and each AttnRes ablation; the multi-head row is Block AttnRes S = 4, as in the paper), 6 layers with
+  MLPs (12 sublayers), d_model 64, on the mixed task (3-gram text with copied segments).
+* **Pairing**: one fixed task for every run (`task.seed=0`: one language, one held-out set); seed s sets the
+  initialisation (`train.seed`) and the order of the training batches (`train.data_seed`) and nothing else.
+  The variants of one seed start from the same shared weights (every parameter they have in common is drawn
+  identically: a variant's own parameters never shift the random stream, docs/model.md §6) and see the same batches.
+* **Fair parametrisation**: the input-dependent query reads the sum of the sources, its logits are divided by d,
+  its d×d matrix starts at zero and is decayed like every weight matrix (`presets.INPUT_QUERY`, docs/model.md §11).
+* **Budget and score**: every run trains `--steps` steps (cosine schedule over them); the score of a run is the mean
+  held-out loss over the evaluations in the last fifth of training (steps ≥ 0.8·steps, one every steps/20) on 512
+  fixed held-out sequences, which averages out the evaluation-to-evaluation wobble of a single last value.
+* **Comparisons**: every variant against the standard model and against Full AttnRes, paired by seed (the mean of
+  the per-seed differences, a paired t test); Holm–Bonferroni over the whole family, with intervals at each
+  comparison's Holm level (`holm_intervals`: an interval excludes 0 exactly when Holm rejects).
+* **Resolution**: the minimal detectable difference (80% power at the first Holm level, from the paired SD) says
+  which gaps the study can resolve; the paper's gaps are compared with it.
+
+    python -m analyses.depth_mixing_ablation [--seeds 0 … 7] [--steps N] [--workers 2]
+
+Resumable: complete runs are reused (after checking that each was trained with this design), partial ones resumed.
+Writes analyses/reports/depth_mixing_ablation.md (with per-run scores in depth_mixing_ablation.csv and the figures)
+and appends one row per run, variant and comparison to the results file (docs/results.md), stamped with the
+commit at the study's start.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import shlex
 import statistics
+import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
 
-from analyses.common import REPO, Job, command_line, emit_report, provenance, run_jobs, training_minutes
+from analyses.common import REPO, Job, emit_report, git_state, markdown_table, provenance, run_jobs, training_minutes
+from analyses.results import RESULTS
+
+if TYPE_CHECKING:
+    from attnres_lens.config import RunConfig
 
 # The paper's Table 4 (16-layer model, validation loss; lower is better) for the variants that have a row there.
 PAPER_LOSS = {
@@ -34,76 +62,73 @@ PAPER_LOSS = {
     "depth-full-sigmoid": 1.741,
     "depth-full-no-keynorm": 1.743,
     "depth-block-no-keynorm": 1.750,
-    "depth-full-heads16": 1.752,
+    "depth-block-heads16": 1.752,
     "depth-full-window8": 1.764,
 }
-# two-sided 95% Student-t quantiles by degrees of freedom (n - 1), for CIs over a handful of seeds; beyond the
-# table, the Cornish-Fisher expansion of t in z = 1.95996 (within 2e-4 of the quantile from 30 degrees of freedom)
-T95 = {
-    1: 12.706,
-    2: 4.303,
-    3: 3.182,
-    4: 2.776,
-    5: 2.571,
-    6: 2.447,
-    7: 2.365,
-    8: 2.306,
-    9: 2.262,
-    10: 2.228,
-    11: 2.201,
-    12: 2.179,
-    13: 2.160,
-    14: 2.145,
-    15: 2.131,
-    16: 2.120,
-    17: 2.110,
-    18: 2.101,
-    19: 2.093,
-    20: 2.086,
-    21: 2.080,
-    22: 2.074,
-    23: 2.069,
-    24: 2.064,
-    25: 2.060,
-    26: 2.056,
-    27: 2.052,
-    28: 2.048,
-    29: 2.045,
-    30: 2.042,
-}
+STANDARD, FULL = "depth-standard", "depth-full"
+TASK_SEED = 0  # the one task every run trains on
+DEFAULT_SEEDS = list(range(8))
+# The default budget, chosen from measured loss curves; BUDGET_NOTE says how (the report quotes it).
+DEFAULT_STEPS = 3000
+BUDGET_NOTE = (
+    "The budget was read off pilot loss curves (`depth_mixing_ablation_pilot.csv`: the standard model and Full "
+    "AttnRes, seed 0 of this design, 3000 steps, held-out loss every 100 steps on the 512 sequences; "
+    "`attnres-lens train --preset depth-standard --out DIR --set model.n_layers=6 --set task.seed=0 "
+    "--set train.data_seed=0 --set train.steps=3000 --set train.eval_size=512`). Their held-out loss fell 0.18 and "
+    "0.15 nats over steps 1800-2400, 0.068 and 0.056 over the last fifth and 0.022 and 0.019 over the last 300 "
+    "steps; the Full − standard gap went from −0.220 at step 1500 to −0.168 at 2400 and −0.156 at 3000, moving "
+    "0.012 over the last fifth. So the losses are close to flat at the end of the schedule and the gaps the study "
+    "measures have settled to about 0.01, below the resolution this design expects (the resolution line below "
+    "gives the measured one); a longer budget would still lower every loss (not measured), and the earlier "
+    "600-step budget stopped mid-descent."
+)
+EVAL_SEQUENCES = 512
+LAST_FRACTION = 0.2  # the score averages the evaluations in the last fifth of training
+EVALS_PER_RUN = 20
+MIN_STEPS = 5
+STUDY_SIZE = ("model.n_layers=6", "train.log_every=50", "train.keep_checkpoints=1", f"train.eval_size={EVAL_SEQUENCES}")
+ALPHA, POWER = 0.05, 0.8
+
+
+# ---------------------------------------------------------------------------- Student t, exact for integer df
+def t_central_mass(t: float, df: int) -> float:
+    """P(|T| ≤ t) for Student's t with `df` (an integer ≥ 1) degrees of freedom, in closed form (Abramowitz and
+    Stegun 26.7.3-4: a finite series in cos θ, tan θ = t/√df)."""
+    if isinstance(df, bool) or not isinstance(df, int) or df < 1:
+        raise ValueError(f"degrees of freedom must be an integer >= 1, got {df!r}")
+    theta = math.atan(abs(t) / math.sqrt(df))
+    sin, cos2 = math.sin(theta), math.cos(theta) ** 2
+    if df % 2:  # (2/π)(θ + sin θ (cos θ + 2/3 cos³θ + … + 2·4…(df−3) / 3·5…(df−2) cos^{df−2}θ))
+        term = total = math.cos(theta) if df > 1 else 0.0
+        for power in range(3, df - 1, 2):
+            term *= cos2 * (power - 1) / power
+            total += term
+        return 2 / math.pi * (theta + sin * total)
+    term = total = 1.0  # sin θ (1 + 1/2 cos²θ + … + 1·3…(df−3) / 2·4…(df−2) cos^{df−2}θ)
+    for power in range(2, df - 1, 2):
+        term *= cos2 * (power - 1) / power
+        total += term
+    return sin * total
+
+
+def t_quantile(mass: float, df: int) -> float:
+    """The q with P(|T| ≤ q) = `mass` (two-sided: `t_quantile(0.95, df)` is the 95% interval's multiplier)."""
+    if not 0 < mass < 1:
+        raise ValueError(f"the central mass must be in (0, 1), got {mass!r}")
+    low, high = 0.0, 1.0
+    while t_central_mass(high, df) < mass:
+        low, high = high, 2 * high
+    for _ in range(200):  # bisection to float precision
+        middle = (low + high) / 2
+        if middle in (low, high):
+            break
+        low, high = (middle, high) if t_central_mass(middle, df) < mass else (low, middle)
+    return (low + high) / 2
 
 
 def t95(df: int) -> float:
     """The two-sided 95% Student-t quantile with `df` degrees of freedom."""
-    if df in T95:
-        return T95[df]
-    z = 1.959964
-    return (
-        z
-        + (z**3 + z) / (4 * df)
-        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
-    )
-
-
-STUDY_SIZE = [
-    "model.n_layers=6",
-    "train.eval_every=100",
-    "train.record_every=100",
-    "train.log_every=50",
-    "train.keep_checkpoints=1",
-]
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=600, help="training steps of every run (default 600)")
-    parser.add_argument("--workers", type=int, default=2, help="training processes (one torch thread each)")
-    parser.add_argument("--timing-rounds", type=int, default=12, help="interleaved rounds of the step-time ratio")
-    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "depth_mixing_ablation")
-    parser.add_argument("--report-dir", type=Path, default=REPO / "analyses" / "reports")
-    return parser.parse_args()
+    return t_quantile(0.95, df)
 
 
 def mean_ci(values: list[float]) -> tuple[float, float]:
@@ -114,9 +139,146 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     return mean, t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def step_time_ratios(variants: list[str], steps_override: list[str], rounds: int) -> dict[str, float]:
-    """Median forward + backward + AdamW step of each variant relative to the standard model, one torch thread,
-    the variants stepped in interleaved rounds in one process (so machine noise hits all of them alike)."""
+# ---------------------------------------------------------------------------- paired comparisons, Holm
+def holm_intervals(differences: Mapping[str, Sequence[float]], alpha: float = ALPHA) -> pd.DataFrame:
+    """Paired comparisons under Holm–Bonferroni, each with an interval at its Holm level.
+
+    `differences` maps each comparison to its per-seed differences. Each gets a paired t test on n − 1 degrees of
+    freedom. Holm ranks the m p-values (i = 1 … m, smallest first) and rejects while p_(i) ≤ α / (m − i + 1),
+    stopping at the first rank s it cannot reject. The interval of rank i is mean ± t · SE with t the two-sided
+    quantile at level 1 − α / (m − min(i, s) + 1): the level Holm tested it at, or for the ranks from s on the level
+    of the step where Holm stopped, so each interval excludes 0 exactly when Holm rejects that comparison. The
+    Holm-adjusted p-value is max_{j ≤ i} min(1, (m − j + 1) p_(j)).
+
+    Returns one row per comparison in the given order: n, mean, sd, se, t, p, rank, p_holm, divisor (m − min(i, s)
+    + 1), low, high, rejected.
+    """
+    if not differences:
+        raise ValueError("holm_intervals needs at least one comparison")
+    rows = []
+    for name, values in differences.items():
+        values = [float(v) for v in values]
+        if len(values) < 2:
+            raise ValueError(f"comparison {name!r} has {len(values)} paired difference(s); a paired interval needs 2+")
+        n, mean, sd = len(values), statistics.fmean(values), statistics.stdev(values)
+        se = sd / math.sqrt(n)
+        if se > 0:
+            t = mean / se
+            p = 1 - t_central_mass(t, n - 1)
+        else:  # every seed gave the same difference
+            t, p = (math.copysign(math.inf, mean), 0.0) if mean else (0.0, 1.0)
+        rows.append(dict(comparison=name, n=n, mean=mean, sd=sd, se=se, t=t, p=p))
+    table = pd.DataFrame(rows)
+    m = len(table)
+    order = sorted(range(m), key=lambda index: table.at[index, "p"])
+    stop = next((i for i, index in enumerate(order, 1) if table.at[index, "p"] > alpha / (m - i + 1)), m + 1)
+    running = 0.0
+    for i, index in enumerate(order, 1):
+        running = max(running, min(1.0, (m - i + 1) * table.at[index, "p"]))
+        divisor = m - min(i, stop) + 1
+        half = t_quantile(1 - alpha / divisor, int(table.at[index, "n"]) - 1) * table.at[index, "se"]
+        mean = table.at[index, "mean"]
+        table.loc[index, ["rank", "p_holm", "divisor", "low", "high"]] = [i, running, divisor, mean - half, mean + half]
+        table.loc[index, "rejected"] = i < stop
+    return table.astype({"rank": int, "divisor": int, "rejected": bool})
+
+
+def minimal_detectable_difference(sd: float, n: int, alpha: float, power: float = POWER) -> float:
+    """The smallest true paired gap a two-sided paired t test at level `alpha` detects with probability `power`
+    (n seeds, SD `sd` of the differences): (t_{1−α/2} + t_{power}) · sd / √n, both on n − 1 degrees of freedom."""
+    df = n - 1
+    return (t_quantile(1 - alpha, df) + t_quantile(2 * power - 1, df)) * sd / math.sqrt(n)
+
+
+# ---------------------------------------------------------------------------- the runs
+def study_overrides(steps: int, settings: Sequence[str] = ()) -> tuple[str, ...]:
+    """The settings every run of the study takes: its size, budget, evaluation cadence, then `settings`."""
+    eval_every = max(1, steps // EVALS_PER_RUN)
+    return (
+        *STUDY_SIZE,
+        f"train.steps={steps}",
+        f"train.eval_every={eval_every}",
+        f"train.record_every={steps}",  # the recorder's snapshots are not used: start and end only
+        f"train.checkpoint_every={max(1, steps // 4)}",
+        *settings,
+    )
+
+
+def study_jobs(
+    variants: Sequence[str], seeds: Sequence[int], steps: int, runs_dir: Path, settings: Sequence[str] = ()
+) -> list[Job]:
+    """One job per variant and seed, every one on the fixed task."""
+    overrides = study_overrides(steps, settings)
+    return [
+        Job(name, seed, runs_dir / f"{name}-s{seed}", overrides, task_seed=TASK_SEED)
+        for name in variants
+        for seed in seeds
+    ]
+
+
+def expected_config(job: Job) -> RunConfig:
+    """The config `common._run_job` trains `job` with."""
+    from attnres_lens.config import apply_overrides
+    from attnres_lens.presets import get_preset
+
+    return apply_overrides(get_preset(job.preset), [*job.seed_overrides(), "train.threads=1", *job.overrides])
+
+
+def check_design(jobs: Sequence[Job]) -> None:
+    """Every run on disk was trained with the config this study asks for: a run reused from another design (the
+    old unpaired study, another budget) would be compared silently otherwise."""
+    from attnres_lens import load_run
+
+    for job in jobs:
+        stored, wanted = load_run(job.out, load_model=False).config, expected_config(job)
+        for section in ("model", "task", "train"):
+            have, want = (getattr(config, section) for config in (stored, wanted))
+            have = have.to_dict() if hasattr(have, "to_dict") else dataclasses.asdict(have)
+            want = want.to_dict() if hasattr(want, "to_dict") else dataclasses.asdict(want)
+            changed = sorted(key for key in set(have) | set(want) if have.get(key) != want.get(key))
+            if changed:
+                raise ValueError(
+                    f"{job.out} was trained with other {section} settings than this study's ({changed}); "
+                    "give another --runs-dir or remove it"
+                )
+
+
+def run_score(out: Path, steps: int) -> tuple[float, float]:
+    """(score, drop): the mean held-out loss over the evaluations at steps ≥ (1 − LAST_FRACTION) · steps, and how
+    far it fell from the first of them to the last (a run near convergence barely falls)."""
+    from attnres_lens import load_run
+
+    evals = load_run(out, load_model=False).metrics.dropna(subset=["eval_loss"])
+    evals = evals.drop_duplicates("step", keep="last").sort_values("step")  # a resumed run repeats some steps
+    last = evals[evals["step"] >= (1 - LAST_FRACTION) * steps]
+    if len(last) < 2:
+        raise ValueError(f"{out} has {len(last)} evaluation(s) in the last fifth of its {steps} steps; it needs 2+")
+    return float(last["eval_loss"].mean()), float(last["eval_loss"].iloc[0] - last["eval_loss"].iloc[-1])
+
+
+def scored(out: Path, steps: int) -> dict[str, float]:
+    """`run_score` as the per-run table's columns."""
+    score, drop = run_score(out, steps)
+    return dict(score=score, last_fifth_drop=drop)
+
+
+def comparisons(per_run: pd.DataFrame, variants: Sequence[str]) -> dict[str, list[float]]:
+    """Per-seed differences of every variant against the standard model and against Full AttnRes (the standard
+    against Full counted once, as Full − standard)."""
+    wide = per_run.pivot(index="seed", columns="variant", values="score")
+    out = {}
+    for base in (STANDARD, FULL):
+        for name in variants:
+            if name == base or (base == FULL and name == STANDARD):
+                continue
+            out[f"{name} − {base}"] = (wide[name] - wide[base]).tolist()
+    return out
+
+
+def step_time_ratios(variants: list[str], overrides: Sequence[str], rounds: int) -> dict[str, float]:
+    """Each variant's forward + backward + AdamW step relative to the standard model's in the same round (the
+    median over interleaved rounds, `common.within_rounds`), one torch thread, in one process."""
+    from analyses.common import within_rounds
     from attnres_lens.config import apply_overrides
     from attnres_lens.model import HookedTransformer, adamw, next_token_loss
     from attnres_lens.presets import get_preset
@@ -124,7 +286,7 @@ def step_time_ratios(variants: list[str], steps_override: list[str], rounds: int
     torch.set_num_threads(1)
     steppers = {}
     for name in variants:
-        config = apply_overrides(get_preset(name), steps_override)
+        config = apply_overrides(get_preset(name), list(overrides))
         model = HookedTransformer(config.model)
         optimizer = adamw(model, 1e-3, 0.1)
         task = config.build_task()
@@ -139,8 +301,7 @@ def step_time_ratios(variants: list[str], steps_override: list[str], rounds: int
             optimizer.step()
             if round_index >= 2:
                 times[name].append(time.perf_counter() - start)
-    standard = statistics.median(times["depth-standard"])
-    return {name: statistics.median(values) / standard for name, values in times.items()}
+    return {name: within_rounds(values, times[STANDARD]) for name, values in times.items()}
 
 
 def mixing_figures(runs: dict, variants: list[str], report_dir: Path) -> tuple[Path, Path]:
@@ -154,7 +315,7 @@ def mixing_figures(runs: dict, variants: list[str], report_dir: Path) -> tuple[P
 
     columns = 4
     rows = math.ceil(len(variants) / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.8 * rows))
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.8 * rows), squeeze=False)
     diagnostics = {}
     for ax, name in zip(axes.flat, variants):
         run = runs[name]
@@ -189,100 +350,219 @@ def mixing_figures(runs: dict, variants: list[str], report_dir: Path) -> tuple[P
     return matrix_png, diagnostics_png
 
 
-def main() -> None:
-    from attnres_lens import load_run
-    from attnres_lens.analysis.pruning import spearman
+# ---------------------------------------------------------------------------- the report
+def budget_note(steps: int) -> str:
+    """How the default budget was chosen, and whether this invocation kept it."""
+    if steps == DEFAULT_STEPS:
+        return BUDGET_NOTE
+    return f"**Not the study's budget** (`--steps {steps}`; the default {DEFAULT_STEPS} was chosen so: {BUDGET_NOTE})"
+
+
+def interval(row: pd.Series) -> str:
+    """A comparison as 'mean [low, high]', starred when Holm rejects it."""
+    mark = " *" if row["rejected"] else ""
+    return f"{row['mean']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}]{mark}"
+
+
+def report(
+    per_run: pd.DataFrame,
+    tests: pd.DataFrame,
+    ratios: dict[str, float],
+    seeds: Sequence[int],
+    steps: int,
+    config,
+    command: str,
+    minutes: tuple[float, float],
+    figures: tuple[Path, Path],
+    rounds: int,
+) -> str:
+    """The Markdown report: the design first, then the scores, the paired comparisons and the figures."""
     from attnres_lens.presets import DEPTH_MIXING_VARIANTS
 
-    args = parse_args()
-    variants = list(DEPTH_MIXING_VARIANTS)
-    size = [*STUDY_SIZE, f"train.steps={args.steps}", f"train.checkpoint_every={args.steps}"]
-    jobs = [Job(name, seed, args.runs_dir / f"{name}-s{seed}", tuple(size)) for name in variants for seed in args.seeds]
-    seconds = run_jobs(jobs, args.workers)
-
-    rows = []
-    for job in jobs:
-        evals = load_run(job.out, load_model=False).metrics.dropna(subset=["eval_loss"])
-        rows.append(dict(variant=job.preset, seed=job.seed, eval_loss=float(evals["eval_loss"].iloc[-1])))
-    per_run = pd.DataFrame(rows)
-    args.report_dir.mkdir(parents=True, exist_ok=True)
-    per_run.to_csv(args.report_dir / "depth_mixing_ablation.csv", index=False)
-    ratios = step_time_ratios(variants, size, args.timing_rounds)
-
-    summary = []
+    variants = list(dict.fromkeys(per_run["variant"]))
+    by_name = tests.set_index("comparison")
+    n, m = len(seeds), len(tests)
+    median_sd = float(tests["sd"].median())
+    mdd_first = minimal_detectable_difference(median_sd, n, ALPHA / m)
+    mdd_last = minimal_detectable_difference(median_sd, n, ALPHA)
+    lines = []
     for name in variants:
-        mean, half = mean_ci(per_run[per_run["variant"] == name]["eval_loss"].tolist())
-        summary.append(dict(variant=name, mean=mean, ci=half, paper=PAPER_LOSS[name], ratio=ratios[name]))
-    table = pd.DataFrame(summary)
-    rho = spearman(table["mean"], table["paper"])
-    ours_rank = table["mean"].rank().astype(int)
-    paper_rank = table["paper"].rank(method="min").astype(int)
-    first_seed = min(args.seeds)
-    runs = {name: load_run(args.runs_dir / f"{name}-s{first_seed}") for name in variants}
-    matrix_png, diagnostics_png = mixing_figures(runs, variants, args.report_dir)
-
-    standard = table.set_index("variant").loc["depth-standard", "mean"]
-    beats = [
-        row.variant for row in table.itertuples() if row.variant != "depth-standard" and row.mean + row.ci < standard
-    ]
-    lines = [
-        f"| {r.variant} | {DEPTH_MIXING_VARIANTS[r.variant][0]} | {r.mean:.4f} ± {r.ci:.4f} | {o} | {r.paper:.3f} | "
-        f"{p} | {r.ratio:.2f}× |"
-        for r, o, p in zip(table.itertuples(), ours_rank, paper_rank)
-    ]
-    config = runs["depth-standard"].config
-    if len(beats) < (len(table) - 1) / 2:
-        agreement = (
-            f"Only {len(beats)} of {len(table) - 1} variants are separated from the standard model beyond seed "
-            "noise at this size, so most of the ordering (and its correlation with the paper's) carries little "
-            "information; more steps or seeds would be needed to test the paper's gaps."
+        scores = per_run[per_run["variant"] == name]["score"]
+        keys = [f"{name} − {base}" for base in (STANDARD, FULL)]
+        cells = [interval(by_name.loc[key]) if key in by_name.index else "—" for key in keys]
+        drop = per_run[per_run["variant"] == name]["last_fifth_drop"].mean()
+        lines.append(
+            f"| {name} | {DEPTH_MIXING_VARIANTS[name][0]} | {scores.mean():.4f} ± {scores.std():.4f} | {drop:.4f} | "
+            f"{cells[0]} | {cells[1]} | {PAPER_LOSS[name]:.3f} | {ratios[name]:.2f}× |"
         )
-    elif rho >= 0.5:
-        agreement = "Most variants separate from the standard model beyond seed noise, and the ordering broadly follows the paper's."
+    resolved = tests[tests["rejected"]]
+    paper_gaps = sorted(abs(PAPER_LOSS[name] - PAPER_LOSS[STANDARD]) for name in variants if name != STANDARD)
+    within = [gap for gap in paper_gaps if gap >= mdd_first]
+    if not within:
+        beyond = (
+            f"Every gap in the paper's table against its standard model ({paper_gaps[0]:.3f}–{paper_gaps[-1]:.3f} "
+            f"nats) is below {mdd_first:.3f}: **the paper's gaps are beyond this study's resolution**; agreement or "
+            "disagreement with its ordering at that scale cannot be read off here."
+        )
     else:
-        agreement = (
-            "Most variants separate from the standard model beyond seed noise, but the ordering does not follow "
-            "the paper's at this scale (its gaps are measured on 16-layer models trained far longer)."
+        beyond = (
+            f"{len(within)} of the paper's {len(paper_gaps)} gaps against its standard model reach {mdd_first:.3f}; "
+            f"the rest ({paper_gaps[0]:.3f} and up) are beyond this study's resolution."
         )
-    text = f"""# Depth-mixing rules side by side (AttnRes paper Table 4, at CPU scale)
+    sds = markdown_table(
+        tests[["comparison", "sd", "p", "p_holm", "divisor"]].rename(
+            columns={"sd": "paired SD", "p": "p (paired t)", "p_holm": "p (Holm)", "divisor": "Holm divisor"}
+        ),
+        digits=4,
+    )
+    return f"""# Depth-mixing rules side by side (AttnRes paper Table 4, at CPU scale), paired by seed
 
-Generated {provenance()}, by `{command_line()}`.
-Training took {sum(training_minutes(job.out) for job in jobs):.1f} min of run time summed over the {len(jobs)} runs,
-{seconds / 60:.1f} min of wall time in this invocation ({args.workers} processes, one torch thread each; 0 when every
-run was reused).
+Generated {provenance()}, by `{command}`.
+Training took {minutes[0]:.1f} min of run time summed over the {len(per_run)} runs, {minutes[1]:.1f} min of wall
+time in this invocation (0 when every run was reused).
 
-Setup: {config.model.n_layers} layers with MLPs ({config.model.n_sublayers} sublayers), d_model {config.model.d_model},
-d_mlp {config.model.d_mlp}, {config.model.n_heads} heads, RoPE; the mixed task (3-gram text with copied segments, vocab
-{config.task.params["vocab_size"]}, length {config.task.params["seq_len"]}); {config.train.steps} steps of batch
-{config.train.batch_size}, AdamW {config.train.lr}, warm-up {config.train.warmup_steps}, cosine decay. Eval loss: the
-last held-out evaluation ({config.train.eval_size} fixed sequences). Seeds: {args.seeds}. CI: 95% Student-t over
-seeds. The paper's values are its 16-layer models' validation losses; only the ordering is comparable. Step time:
-median of {args.timing_rounds} interleaved forward+backward+AdamW steps per variant in one process, one thread,
-relative to the standard model (the depth attention's readable path serves every ablation option but the sliding
-window; default Full/Block AttnRes and the window run the fused CPU kernel).
+## Design
 
-| variant | rule | eval loss (mean ± 95% CI) | our rank | paper loss | paper rank | step time × standard |
-|---|---|---|---|---|---|---|
+* **Variants**: {len(variants)} depth-mixing rules (`presets.DEPTH_MIXING_VARIANTS`{"" if len(variants) == len(DEPTH_MIXING_VARIANTS) else ", a subset"}), {config.model.n_layers} layers
+  with MLPs ({config.model.n_sublayers} sublayers), d_model {config.model.d_model}, d_mlp {config.model.d_mlp},
+  {config.model.n_heads} heads, RoPE; the mixed task (3-gram text with copied segments, vocab
+  {config.task.params["vocab_size"]}, length {config.task.params["seq_len"]}). The paper's multi-head row is Block
+  AttnRes (S = 4, H = 16), and so is ours.
+* **Pairing**: one task for every run (`task.seed={TASK_SEED}`: one language, one held-out set). Seeds {list(seeds)}
+  set the initialisation (`train.seed`) and the order of the training batches (`train.data_seed`) only; the
+  variants of one seed start from identical shared weights (embedding, attention, MLP and unembedding; a variant's
+  own parameters never shift the random stream) and see identical batches.
+* **Input-dependent query**: q = RMSNorm(Σ_s v_s) W_j, logits divided by d = {config.model.d_model} (Adam moves each
+  of W's d² entries by about lr per step, so unscaled logits would move d times faster than the static
+  pseudo-query's); W_j zero-initialised (uniform weights at step 0, like the static query); W_j is weight-decayed
+  ({config.train.weight_decay}) like every weight matrix, where the static pseudo-query is not (docs/model.md §8, §11).
+* **Budget**: {steps} steps of batch {config.train.batch_size}, AdamW {config.train.lr}, warm-up
+  {config.train.warmup_steps}, cosine decay to {config.train.min_lr_ratio}× over the run. {budget_note(steps)}
+* **Score**: the mean held-out loss over the evaluations at steps ≥ {(1 - LAST_FRACTION) * steps:.0f} (one every
+  {config.train.eval_every} steps) on {config.train.eval_size} fixed held-out sequences.
+* **Comparisons**: {m} paired differences (each variant − standard, each variant − Full; Full − standard once),
+  paired t on {n - 1} degrees of freedom, Holm–Bonferroni over all {m} at α = {ALPHA}. Intervals: Holm-adjusted 95%
+  (each at its Holm step's level, so it excludes 0 exactly when Holm rejects; * marks those).
+* **Resolution**: with the median paired SD {median_sd:.4f} over {n} seeds, the minimal detectable difference
+  (80% power) is {mdd_first:.4f} nats at the first Holm level (α/{m}) and {mdd_last:.4f} at the last (α).
+* **Step time**: the median over {rounds} interleaved rounds of each variant's forward + backward + AdamW step
+  relative to the standard model's in the same round, one thread, one process (a shared machine makes these
+  rough).
+* **What it cannot say**: anything at the paper's scale (16 layers, billions of tokens); gaps below the minimal
+  detectable difference.
+
+## Results
+
+Score: mean ± SD over seeds. Last-fifth drop: how far the held-out loss fell from the first to the last evaluation
+of the last fifth (mean over seeds; near 0 = near convergence at this budget). Δ: mean paired difference (negative
+= lower loss than the base) [Holm-adjusted 95% interval]; * = separated from 0 after Holm.
+
+| variant | rule | score | last-fifth drop | Δ vs standard | Δ vs Full | paper loss | step time × standard |
+|---|---|---|---|---|---|---|---|
 {chr(10).join(lines)}
 
-Spearman rank correlation between our ordering and the paper's: **{rho:.2f}** over {len(table)} variants.
+{len(resolved)} of {m} comparisons are resolved after Holm: {", ".join(resolved["comparison"]) or "none"}.
 
-What agrees and what does not (read off the table above, not tuned toward the paper):
-* Variants whose whole CI lies below the standard model's mean: {", ".join(v.removeprefix("depth-") for v in beats) or "none"}.
-* The paper's best three are {", ".join(table.nsmallest(3, "paper")["variant"].str.removeprefix("depth-"))}; ours are
-  {", ".join(table.nsmallest(3, "mean")["variant"].str.removeprefix("depth-"))}.
-* The paper's worst three are {", ".join(table.nlargest(3, "paper")["variant"].str.removeprefix("depth-"))}; ours are
-  {", ".join(table.nlargest(3, "mean")["variant"].str.removeprefix("depth-"))}.
-* Spread of the variant means: {table["mean"].max() - table["mean"].min():.4f}; median 95% CI half-width
-  {table["ci"].median():.4f}. {agreement}
+{beyond}
 
-![depth-mixing matrices]({matrix_png.name})
+Per comparison:
 
-![mixing diagnostics]({diagnostics_png.name})
+{sds}
 
-Per-run losses: `depth_mixing_ablation.csv`.
+![depth-mixing matrices]({figures[0].name})
+
+![mixing diagnostics]({figures[1].name})
+
+Per-run scores: `depth_mixing_ablation.csv`.
 """
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=DEFAULT_SEEDS)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        help="a subset of presets.DEPTH_MIXING_VARIANTS (default: all; standard and Full always)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help=f"steps of every run (default {DEFAULT_STEPS})"
+    )
+    parser.add_argument("--workers", type=int, default=2, help="training processes (one torch thread each)")
+    parser.add_argument("--timing-rounds", type=int, default=12, help="interleaved rounds of the step-time ratio")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run"
+    )
+    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "depth_mixing_ablation_paired")
+    parser.add_argument("--report-dir", type=Path, default=REPO / "analyses" / "reports")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the results file the rows are appended to")
+    args = parser.parse_args(argv)
+    from attnres_lens.presets import DEPTH_MIXING_VARIANTS
+
+    unknown = sorted(set(args.variants or ()) - set(DEPTH_MIXING_VARIANTS))
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}; choose from {list(DEPTH_MIXING_VARIANTS)}")
+    # the bases every comparison is made against come first, then the rest in the table's order
+    chosen = {STANDARD, FULL, *(args.variants or DEPTH_MIXING_VARIANTS)}
+    args.variants = [name for name in DEPTH_MIXING_VARIANTS if name in chosen]
+    if len(set(args.seeds)) < 2:
+        parser.error(f"paired intervals need two or more distinct seeds, got {args.seeds}")
+    if args.steps < MIN_STEPS:
+        parser.error(f"--steps must be at least {MIN_STEPS}, so that the last fifth holds two evaluations")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+    """Train (or reuse) every run, score and compare them, write the report and the results rows; returns the
+    comparisons table."""
+    from attnres_lens import load_run
+
+    args = parse_args(argv)
+    variants = args.variants
+    jobs = study_jobs(variants, args.seeds, args.steps, args.runs_dir, args.set)
+    commit, dirty = git_state()  # the code that ran is the code at the start
+    seconds = run_jobs(jobs, args.workers)
+    check_design(jobs)
+
+    per_run = pd.DataFrame([dict(variant=job.preset, seed=job.seed, **scored(job.out, args.steps)) for job in jobs])
+    args.report_dir.mkdir(parents=True, exist_ok=True)
+    per_run.to_csv(args.report_dir / "depth_mixing_ablation.csv", index=False)
+    tests = holm_intervals(comparisons(per_run, variants))
+    ratios = step_time_ratios(variants, study_overrides(args.steps, args.set), args.timing_rounds)
+    first = min(args.seeds)
+    runs = {name: load_run(args.runs_dir / f"{name}-s{first}") for name in variants}
+    figures = mixing_figures(runs, variants, args.report_dir)
+    command = "python -m analyses.depth_mixing_ablation " + shlex.join(argv if argv is not None else sys.argv[1:])
+    minutes = (sum(training_minutes(job.out) for job in jobs), seconds / 60)
+    config = runs[STANDARD].config
+    text = report(per_run, tests, ratios, args.seeds, args.steps, config, command, minutes, figures, args.timing_rounds)
     emit_report(text, args.report_dir / "depth_mixing_ablation.md")
+
+    from analyses.benchmarks import record
+
+    shape = f"{config.model.n_layers} layers, {args.steps} steps, {config.train.eval_size} held-out sequences"
+    rows = [
+        dict(metric="score (eval loss, last fifth)", shape=shape, variant=f"{r.variant} seed {r.seed}", value=r.score)
+        for r in per_run.itertuples()
+    ]
+    rows += [
+        dict(metric=f"paired difference: {label}", shape=shape, variant=r.comparison, value=float(getattr(r, column)))
+        for r in tests.itertuples()
+        for label, column in (("mean", "mean"), ("Holm 95% low", "low"), ("Holm 95% high", "high"))
+    ]
+    rows += [
+        dict(metric="step time × standard", shape=shape, variant=name, value=ratio, unit="ratio")
+        for name, ratio in ratios.items()
+    ]
+    record(
+        "depth_mixing_ablation",
+        [{"threads": 1, "unit": "nats", **row} for row in rows],
+        command,
+        args.results,
+        commit,
+        dirty,
+    )
+    return tests
 
 
 if __name__ == "__main__":

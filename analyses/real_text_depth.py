@@ -4,8 +4,8 @@ Design, stated before any result:
 
 * **Models**: `shakespeare-full` (Full AttnRes) and `shakespeare-block` (Block AttnRes, S = 4): 6 layers with
   MLPs = 12 sublayers and the final readout, byte-level Shakespeare (docs/tasks.md §6), the presets' budget.
-  Seeds vary the initialisation and data order only (`train.seed`); the task, its held-out plays and the evaluation
-  windows are one fixed task (`task.seed=0`) for every run.
+  Seeds vary the initialisation only (`train.seed`): the task, its training batches in their order, its held-out
+  plays and the evaluation windows are one fixed task (`task.seed=0`) for every run.
 * **Measured on**: the final checkpoint, α of every consumer averaged over `--samples` held-out windows (from the
   held-out plays) and their positions (`depth_summary`, `depth_weights_by_consumer`).
 * **Claims and their statistics** (consumers with at least two sources; "uniform" is 1/n_sources for each):
@@ -45,14 +45,14 @@ from analyses.common import (
     emit_report,
     git_state,
     markdown_table,
-    provenance,
     run_jobs,
+    study_head,
     training_minutes,
 )
 from analyses.results import RESULTS
 
 PRESETS = ("shakespeare-full", "shakespeare-block")
-FIXED_TASK = ("task.seed=0",)  # one task for every seed (the seed then varies initialisation and data order only)
+FIXED_TASK = ("task.seed=0",)  # one task and one batch order for every seed: a seed varies the initialisation only
 CLAIMS = {
     "locality: top source is the most recent (share of consumers)": 0.5,
     "locality: α on the most recent − uniform": 0.0,
@@ -144,16 +144,8 @@ def measure(jobs: list[Job], samples: int) -> tuple[pd.DataFrame, dict[str, pd.D
 
 
 def report(values: pd.DataFrame, tables: dict[str, pd.DataFrame], jobs: list[Job], samples: int, command: str) -> str:
-    lines = [
-        "# Depth patterns on real text (AttnRes paper, Figure 8)",
-        "",
-        provenance(),
-        "",
-        f"Command: `{command}`",
-        "",
-        "## Design",
-        "",
-        (__doc__ or "").split("Design, stated before any result:")[1].split("    python -m")[0].strip(),
+    lines = study_head("Depth patterns on real text (AttnRes paper, Figure 8)", __doc__ or "", command)
+    lines += [
         "",
         f"Runs: {', '.join(f'{job.preset} seed {job.seed} ({training_minutes(job.out):.1f} min)' for job in jobs)}; "
         f"α averaged over {samples} held-out windows.",

@@ -162,7 +162,9 @@ class DepthAttention(nn.Module):
 
     The paper's ablations (docs/model.md §11), each an option: `score="sigmoid"` (α_s = sigmoid(z_s), not
     normalised); `key_norm=False` (keys are the raw sources); `query="input"` (q = W · RMSNorm(x) per token, from
-    the most recent source x, i.e. the last one read, with `query_proj` [d_model, d_model] zero-initialised);
+    the most recent source x, i.e. the last one read, with `query_proj` [d_model, d_model] zero-initialised; with
+    `query_read="sum"` x is the sum of the sources read, and `query_scale` "sqrt_d" or "d" divides its logits by √d
+    or d, d the channels per head);
     `heads=H` (the channels split into H groups, each with its own query slice, key norm and softmax);
     `mixing="scalar"` (learned input-independent weights `scalar_logits` [n_sources], softmax-normalised).
 
@@ -185,10 +187,17 @@ class DepthAttention(nn.Module):
         heads: int = 1,
         mixing: str = "attention",
         n_sources: int | None = None,
+        query_scale: str = "none",
+        query_read: str = "recent",
     ):
         super().__init__()
         self.backend = backend
         self.score, self.query_kind, self.heads, self.mixing, self.eps = score, query, heads, mixing, eps
+        self.query_read = query_read
+        # the input query's logits are divided by this (docs/model.md §11); d = the channels of one head
+        self.query_divisor = {"none": 1.0, "sqrt_d": (d_model // heads) ** 0.5, "d": float(d_model // heads)}[
+            query_scale
+        ]
         if mixing == "scalar":
             if n_sources is None:
                 raise ValueError("scalar depth mixing needs n_sources, the number of sources it weighs")
@@ -271,9 +280,11 @@ class DepthAttention(nn.Module):
             gain = self.key_norm.w.to(dtype).unflatten(-1, (self.heads, -1))
             values = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.key_norm.eps) * gain
         if self.query_kind == "input":
-            recent = sources[-1].to(dtype)
-            recent = recent * torch.rsqrt(recent.pow(2).mean(-1, keepdim=True) + self.eps)
-            query = (recent @ self.query_proj.to(dtype)).unflatten(-1, (self.heads, -1))  # [..., heads, d / heads]
+            read = sources[-1].to(dtype) if self.query_read == "recent" else sum(v.to(dtype) for v in sources)
+            read = read * torch.rsqrt(read.pow(2).mean(-1, keepdim=True) + self.eps)
+            query = (read @ self.query_proj.to(dtype)).unflatten(-1, (self.heads, -1))  # [..., heads, d / heads]
+            if self.query_divisor != 1.0:
+                query = query / self.query_divisor
         else:
             query = self.query.to(dtype).unflatten(-1, (self.heads, -1))
         logits = (values * query.unsqueeze(-3)).sum(-1).transpose(-1, -2)  # [..., heads, n_sources]

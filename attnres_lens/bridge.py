@@ -41,13 +41,18 @@ MESSAGE_ROUTES = ("q", "k", "v", "mlp")  # the loop's four messages per looped l
 _HOOKED_ATTENTION = "attnres_lens_hooked_eager"  # our name in transformers' AttentionInterface
 
 
-def from_transformers(model_or_dir: nn.Module | str | Path, **load_kwargs: Any) -> InklingBridge:
-    """Wrap an `Inkling2ForCausalLM` / `Inkling2LoopForCausalLM` (or the folder one was saved to) in hook points.
+def from_transformers(model_or_dir: nn.Module | str | Path, **load_kwargs: Any) -> HookedRootModule:
+    """Wrap an `Inkling2ForCausalLM` / `Inkling2LoopForCausalLM` (or the folder one was saved to) in hook points;
+    a `DeepseekV4ForCausalLM` goes to `bridge_mhc` (docs/interop.md §7).
 
     A folder is opened with the model class's `from_pretrained(folder, **load_kwargs)`. The model is held, not
     copied, and its consumers' forwards are replaced on this instance (its own forward then still gives the same
     logits). Refuses another transformers version than the pinned one, other model types and bad paths by name.
     """
+    from attnres_lens.bridge_mhc import from_transformers_mhc, is_deepseek_v4  # it imports this module
+
+    if is_deepseek_v4(model_or_dir):
+        return from_transformers_mhc(model_or_dir, **load_kwargs)
     transformers = _checked_transformers()
     if isinstance(model_or_dir, (str, Path)):
         model = _load(Path(model_or_dir), load_kwargs, transformers)

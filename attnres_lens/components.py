@@ -15,15 +15,30 @@ from attnres_lens.hook_checks import any_hooked, is_hooked, module_hooked
 from attnres_lens.kernels import causal_attention, kv_shift, rms_norm, rotary
 
 
-def normal_init(shape: tuple[int, ...], std: float, divisor: float = 1.0) -> torch.Tensor:
-    """`torch.randn(shape) * std / divisor`, the same values, with in-place products. On the meta device (a model
-    built to read its parameter shapes before loading a checkpoint) an empty tensor of the shape: a meta `randn`
-    and out-of-place products run Python decompositions that import torch._dynamo and sympy, seconds added to
-    every command that loads a run."""
+def normal_init(
+    shape: tuple[int, ...], std: float, divisor: float = 1.0, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """`torch.randn(shape) * std / divisor`, the same values, with in-place products; drawn from `generator` (on its
+    device) when given, else from torch's global generator. On the meta device (a model built to read its parameter
+    shapes before loading a checkpoint) an empty tensor of the shape: a meta `randn` and out-of-place products run
+    Python decompositions that import torch._dynamo and sympy, seconds added to every command that loads a run."""
     if torch.empty(0).is_meta:
         return torch.empty(shape)
+    if generator is not None:
+        return torch.randn(shape, generator=generator, device=generator.device).mul_(std).div_(divisor)
     weight = torch.randn(shape).mul_(std)
     return weight if divisor == 1.0 else weight.div_(divisor)
+
+
+def side_generator() -> torch.Generator | None:
+    """A CPU generator seeded from the global generator's next draw, without advancing it (None on the meta device).
+    Parameters only some models have (mHC's) draw from it, so the parameters every residual kind shares take the
+    same draws from the global stream for one seed, whatever the residual (docs/model.md §6)."""
+    if torch.empty(0).is_meta:
+        return None
+    with torch.random.fork_rng(devices=[]):
+        seed = int(torch.randint(2**62, (), device="cpu"))
+    return torch.Generator().manual_seed(seed)
 
 
 class RMSNorm(nn.Module):

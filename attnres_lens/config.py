@@ -36,12 +36,17 @@ if TYPE_CHECKING:
 RESIDUAL_KINDS = ("standard", "attnres", "denseformer", "mhc")
 ATTNRES_SCORES = ("softmax", "sigmoid")
 ATTNRES_QUERIES = ("static", "input")
+# the input-dependent query's logit scale (divide by 1, √d or d; d = channels per head) and what it reads
+ATTNRES_QUERY_SCALES = ("none", "sqrt_d", "d")
+ATTNRES_QUERY_READS = ("recent", "sum")
 ATTNRES_MIXINGS = ("attention", "scalar")
 # AttnRes options (the paper's Table 4 ablations) and their defaults, today's AttnRes (docs/model.md §11).
 ATTNRES_OPTION_DEFAULTS: dict[str, Any] = {
     "attnres_score": "softmax",
     "attnres_key_norm": True,
     "attnres_query": "static",
+    "attnres_query_scale": "none",
+    "attnres_query_read": "recent",
     "attnres_heads": 1,
     "attnres_window": None,
     "attnres_mixing": "attention",
@@ -106,6 +111,8 @@ class ModelConfig(TransformerLensConfig):
     attnres_score: str = "softmax"  # or "sigmoid": α_s = sigmoid(z_s), not normalised over sources
     attnres_key_norm: bool = True  # False: keys are the raw sources (no RMSNorm, no gain)
     attnres_query: str = "static"  # or "input": q_j = RMSNorm(most recent source) @ W_j, W_j zero-initialised
+    attnres_query_scale: str = "none"  # input query only: logits divided by 1, "sqrt_d" √d or "d" d (per head)
+    attnres_query_read: str = "recent"  # input query only: reads the most recent source, or "sum" of all sources
     attnres_heads: int = 1  # H channel groups, each with its own query slice, key norm and softmax
     attnres_window: int | None = None  # W: read the embedding plus only the last W sources
     attnres_mixing: str = "attention"  # or "scalar": learned input-independent weights over the same sources
@@ -180,6 +187,8 @@ class ModelConfig(TransformerLensConfig):
         """Options belong to their residual kind, and only meaningful combinations are accepted."""
         _check_choice("attnres_score", self.attnres_score, ATTNRES_SCORES)
         _check_choice("attnres_query", self.attnres_query, ATTNRES_QUERIES)
+        _check_choice("attnres_query_scale", self.attnres_query_scale, ATTNRES_QUERY_SCALES)
+        _check_choice("attnres_query_read", self.attnres_query_read, ATTNRES_QUERY_READS)
         _check_choice("attnres_mixing", self.attnres_mixing, ATTNRES_MIXINGS)
         for name in ("attnres_heads", "mhc_streams", "mhc_sinkhorn_iters"):
             if getattr(self, name) < 1:
@@ -203,6 +212,16 @@ class ModelConfig(TransformerLensConfig):
                 )
         if self.d_model % self.attnres_heads:
             raise ValueError(f"attnres_heads={self.attnres_heads} must divide d_model={self.d_model}")
+        query_options = [
+            name
+            for name in ("attnres_query_scale", "attnres_query_read")
+            if getattr(self, name) != ATTNRES_OPTION_DEFAULTS[name]
+        ]
+        if query_options and self.attnres_query != "input":
+            raise ValueError(
+                f"{', '.join(query_options)} set the input-dependent query's scale and read; they need "
+                f"attnres_query='input', got attnres_query={self.attnres_query!r}"
+            )
         if self.attnres_mixing == "scalar":
             conflicts = [
                 name
@@ -413,12 +432,14 @@ def check_field_types(config: Any, prefix: str = "") -> None:
 
 
 def _option_tag(name: str, value: Any) -> str:
-    """A short tag for a non-default AttnRes option: 'sigmoid', 'no-keynorm', 'input-query', 'heads8', 'window8',
-    'scalar'."""
+    """A short tag for a non-default AttnRes option: 'sigmoid', 'no-keynorm', 'input-query', 'query-scale-d',
+    'query-sum', 'heads8', 'window8', 'scalar'."""
     return {
         "attnres_score": str(value),
         "attnres_key_norm": "no-keynorm",
         "attnres_query": f"{value}-query",
+        "attnres_query_scale": f"query-scale-{value}",
+        "attnres_query_read": f"query-{value}",
         "attnres_heads": f"heads{value}",
         "attnres_window": f"window{value}",
         "attnres_mixing": str(value),
@@ -465,6 +486,9 @@ class TrainConfig:
     # 1 thread when several train side by side, as the reproductions do (docs/kernels.md §11).
     threads: int = 0
     seed: int = 0
+    # None: training batches come in the order the task's seed gives (task.seed); an int: in the order this seed
+    # gives, on the same task, so runs that share one task (one language, one held-out set) differ in data order
+    data_seed: int | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self, "train.")
@@ -485,6 +509,10 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be an integer >= 1, got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"train.seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.data_seed is not None and not 0 <= self.data_seed < 2**63:
+            raise ValueError(
+                f"train.data_seed must be null (the task's own order) or an integer in [0, 2**63), got {self.data_seed!r}"
+            )
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
             raise ValueError(f"train.threads must be an integer >= 0 (0 = one per core), got {self.threads!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:

@@ -50,11 +50,19 @@ class MHCConnection(nn.Module):
     """Read, write and stream-mix weights of one sublayer, computed from the streams it reads."""
 
     def __init__(
-        self, n_streams: int, d_model: int, norm_eps: float, eps: float, sinkhorn_iters: int, init_range: float
+        self,
+        n_streams: int,
+        d_model: int,
+        norm_eps: float,
+        eps: float,
+        sinkhorn_iters: int,
+        init_range: float,
+        generator: torch.Generator | None = None,
     ):
         super().__init__()
         self.n, self.norm_eps, self.eps, self.sinkhorn_iters = n_streams, norm_eps, eps, sinkhorn_iters
-        self.fn = nn.Parameter(normal_init(((2 + n_streams) * n_streams, n_streams * d_model), init_range))
+        shape = ((2 + n_streams) * n_streams, n_streams * d_model)
+        self.fn = nn.Parameter(normal_init(shape, init_range, generator=generator))
         self.base = nn.Parameter(torch.zeros((2 + n_streams) * n_streams))
         self.scale = nn.Parameter(torch.ones(3))
         self.hook_read_weights = HookPoint()  # [batch, pos, n] pre: how much the sublayer reads from each stream
@@ -80,10 +88,18 @@ class MHCConnection(nn.Module):
 class MHCHead(nn.Module):
     """The final collapse of the streams into one vector, before the final norm."""
 
-    def __init__(self, n_streams: int, d_model: int, norm_eps: float, eps: float, init_range: float):
+    def __init__(
+        self,
+        n_streams: int,
+        d_model: int,
+        norm_eps: float,
+        eps: float,
+        init_range: float,
+        generator: torch.Generator | None = None,
+    ):
         super().__init__()
         self.norm_eps, self.eps = norm_eps, eps
-        self.hc_fn = nn.Parameter(normal_init((n_streams, n_streams * d_model), init_range))
+        self.hc_fn = nn.Parameter(normal_init((n_streams, n_streams * d_model), init_range, generator=generator))
         self.hc_base = nn.Parameter(torch.zeros(n_streams))
         self.hc_scale = nn.Parameter(torch.ones(1))
         self.hook_read_weights = HookPoint()  # [batch, pos, n]

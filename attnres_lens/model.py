@@ -18,7 +18,7 @@ from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities import get_act_name
 
 from attnres_lens.attnres import EMBEDDING, DepthAttention, DepthStream, source_layout
-from attnres_lens.components import MLP, Attention, Embed, PosEmbed, RMSNorm, Unembed
+from attnres_lens.components import MLP, Attention, Embed, PosEmbed, RMSNorm, Unembed, side_generator
 from attnres_lens.config import ModelConfig
 from attnres_lens.denseformer import DenseStream, DepthWeightedAverage
 from attnres_lens.hook_checks import module_hooked
@@ -53,11 +53,15 @@ def depth_attention(cfg: ModelConfig, consumer: int) -> DepthAttention:
         heads=cfg.attnres_heads,
         mixing=cfg.attnres_mixing,
         n_sources=n_sources,
+        query_scale=cfg.attnres_query_scale,
+        query_read=cfg.attnres_query_read,
     )
 
 
-def mhc_connection(cfg: ModelConfig) -> MHCConnection:
-    return MHCConnection(cfg.mhc_streams, cfg.d_model, cfg.eps, cfg.mhc_eps, cfg.mhc_sinkhorn_iters, cfg.init_range)
+def mhc_connection(cfg: ModelConfig, generator: torch.Generator | None = None) -> MHCConnection:
+    return MHCConnection(
+        cfg.mhc_streams, cfg.d_model, cfg.eps, cfg.mhc_eps, cfg.mhc_sinkhorn_iters, cfg.init_range, generator
+    )
 
 
 class TransformerBlock(nn.Module):
@@ -73,7 +77,7 @@ class TransformerBlock(nn.Module):
     # hook points whose hooks keep a sublayer's pre-norm out of its depth mix's kernel (interventions stack by them)
     path_hooks = ("hook_resid_pre", "hook_resid_mid")
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, side: torch.Generator | None = None):
         super().__init__()
         self.cfg = cfg
         self.ln1 = RMSNorm(cfg.d_model, cfg.eps, backend=cfg.depth_attention_backend)
@@ -92,9 +96,9 @@ class TransformerBlock(nn.Module):
             if not cfg.attn_only:
                 self.mlp_res = depth_attention(cfg, sublayers[1])
         elif cfg.residual == "mhc":
-            self.attn_hc = mhc_connection(cfg)
+            self.attn_hc = mhc_connection(cfg, side)
             if not cfg.attn_only:
-                self.mlp_hc = mhc_connection(cfg)
+                self.mlp_hc = mhc_connection(cfg, side)
         elif cfg.residual == "denseformer":
             self.dwa = DepthWeightedAverage(layer)
         # [batch, pos, d_model]: the residual stream (standard), the block's partial sum (AttnRes), the DWA output
@@ -187,16 +191,18 @@ class HookedTransformer(HookedRootModule):
         check_model_fits(cfg)  # a config may ask for terabytes: refuse before allocating
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
+        # mHC's own parameters draw from a side generator: the shared ones match across residual kinds (§6)
+        side = side_generator() if cfg.residual == "mhc" else None
         self.embed = Embed(cfg)
         self.hook_embed = HookPoint()
         if cfg.positional_embedding_type == "standard":
             self.pos_embed = PosEmbed(cfg)
             self.hook_pos_embed = HookPoint()
-        self.blocks = nn.ModuleList([TransformerBlock(cfg, layer) for layer in range(cfg.n_layers)])
+        self.blocks = nn.ModuleList([TransformerBlock(cfg, layer, side) for layer in range(cfg.n_layers)])
         if cfg.residual == "attnres":
             self.final_res = depth_attention(cfg, cfg.n_sublayers)
         elif cfg.residual == "mhc":
-            self.final_hc = MHCHead(cfg.mhc_streams, cfg.d_model, cfg.eps, cfg.mhc_eps, cfg.init_range)
+            self.final_hc = MHCHead(cfg.mhc_streams, cfg.d_model, cfg.eps, cfg.mhc_eps, cfg.init_range, side)
         self.ln_final = RMSNorm(cfg.d_model, cfg.eps, backend=cfg.depth_attention_backend)
         # [batch, pos, d_model] h_J, the final norm's input (TransformerLens 4's bridge name); fires only when hooked,
         # so an unhooked readout keeps its mix and norm in one kernel (docs/hooks.md §2)

@@ -73,8 +73,13 @@ def _depth(residual: str, block_size: int = 1, **options: Any) -> RunConfig:
     return RunConfig(model, dict(DEPTH_TASK), TrainConfig(**DEPTH_TRAIN))
 
 
+# The input-dependent query as the ablation trains it (docs/model.md §11): read from the sum of the sources (for
+# Full AttnRes the standard residual's h_j), logits divided by d so that under Adam they move at the static
+# pseudo-query's rate (W's d² entries each step by ~lr, q·k summing d·d of them) instead of d times faster.
+INPUT_QUERY = {"attnres_query": "input", "attnres_query_scale": "d", "attnres_query_read": "sum"}
+
 # The depth-mixing rules compared by analyses/depth_mixing_ablation.py (the AttnRes paper's Table 4), at the depth
-# presets' size: name -> (description, residual, block size, options).
+# presets' size: name -> (description, residual, block size, options). The paper's multi-head row is Block AttnRes.
 DEPTH_MIXING_VARIANTS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
     "depth-standard": ("standard residual (PreNorm)", "standard", 1, {}),
     "depth-denseformer": ("DenseFormer: depth-weighted average after every block", "denseformer", 1, {}),
@@ -85,15 +90,15 @@ DEPTH_MIXING_VARIANTS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
     "depth-full-no-keynorm": ("Full AttnRes without key RMSNorm", "attnres", 1, {"attnres_key_norm": False}),
     "depth-block-no-keynorm": ("Block AttnRes (S = 4) without key RMSNorm", "attnres", 4, {"attnres_key_norm": False}),
     "depth-full-input-query": (
-        "Full AttnRes, input-dependent query from the most recent source",
+        "Full AttnRes, input-dependent query read from the sum of the sources, logits / d",
         "attnres",
         1,
-        {"attnres_query": "input"},
+        INPUT_QUERY,
     ),
-    "depth-full-heads16": (
-        "Full AttnRes, multi-head depth attention (H = 16 channel groups)",
+    "depth-block-heads16": (
+        "Block AttnRes (S = 4), multi-head depth attention (H = 16 channel groups)",
         "attnres",
-        1,
+        4,
         {"attnres_heads": 16},
     ),
     "depth-full-window8": (
@@ -193,6 +198,10 @@ PRESETS: dict[str, tuple[str, Callable[[], RunConfig]]] = {
         )
         for name, (description, residual, block, options) in DEPTH_MIXING_VARIANTS.items()
     },
+    "depth-full-heads16": (
+        "12-layer model with MLPs, Full AttnRes, multi-head depth attention (H = 16 channel groups), mixed task",
+        lambda: _depth("attnres", 1, attnres_heads=16),
+    ),
     "fla-attnres-block": (
         "12-layer Block AttnRes (S = 4) in flash-linear-attention's form (SwiGLU, no biases, one "
         "norm epsilon), mixed task: `export-fla` writes it as trained",

@@ -90,7 +90,7 @@ class Trainer:
         model_cfg = dataclasses.replace(model_cfg, device=str(self.device), seed=train_cfg.seed)
         self.model = HookedTransformer(model_cfg)
         self.optimizer = adamw(self.model, train_cfg.lr, train_cfg.weight_decay, train_cfg.betas)
-        self.data_generator = self.task.train_generator()
+        self.data_generator = self.task.train_generator(train_cfg.data_seed)
         self.eval_batch = self.task.eval_batch(train_cfg.eval_size).to(self.device)
         if not self.eval_batch.answer_mask.any():  # eval_accuracy would be NaN at every evaluation
             raise ValueError(

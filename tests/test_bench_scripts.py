@@ -165,6 +165,16 @@ def test_edge_knockout_rows_score_each_measure_against_the_exact_knockouts(tmp_p
         assert passes == pytest.approx((2 * n_edges + 6 * min(20, n_edges)) / (8 * n_edges))
 
 
+@pytest.mark.slow
+def test_bridge_rows_compare_the_bridged_forward_with_transformers(tmp_path):
+    rows = run_tiny("bench_bridge", tmp_path / "results.jsonl")
+    assert sorted({row["shape"].rsplit(", ", 1)[1] for row in rows}) == ["forward + backward", "no grad"]
+    for row in rows:
+        assert row["value"] > 0
+        if row["variant"] == "bridge":
+            assert row["unit"] == "× transformers" and row["target"] == 1.0 and "met" in row
+
+
 def test_the_runner_lists_refuses_and_appends(tmp_path, capsys):
     from analyses import benchmarks
 
@@ -179,6 +189,7 @@ def test_the_runner_lists_refuses_and_appends(tmp_path, capsys):
             "bench_inference",
             "bench_attribution",
             "bench_edge_knockouts",
+            "bench_bridge",
             "bench_compile",
             "gpu_check",
         ]

@@ -646,15 +646,22 @@ def test_runs_written_by_earlier_versions_still_load_and_resume(tmp_path):
 
 
 STORED_CONFIGS = sorted((REPO / "tests" / "stored_configs").glob("*.json"))
+# fields added since 0.2.0, each written back at its default (which gives the behaviour the run was trained with)
+FIELDS_ADDED_SINCE_0_2_0 = {
+    "model": {"attnres_query_scale": "none", "attnres_query_read": "recent"},
+    "train": {"data_seed": None},
+}
 
 
 @pytest.mark.parametrize("stored", STORED_CONFIGS, ids=[path.stem for path in STORED_CONFIGS])
 def test_a_config_json_written_before_the_task_section_was_typed_reads_and_writes_back_byte_for_byte(stored, tmp_path):
     """tests/stored_configs holds config.json files that version 0.2.0 wrote while `RunConfig.task` was a plain dict (a
     preset, a `--set task.name=…` switch, an imported model's provenance, a task given by name only): read as a typed
-    `RunConfig` and written again, each is the same bytes but for the package version it is stamped with."""
+    `RunConfig` and written again, each is the same bytes but for the package version it is stamped with and the
+    fields added since, at their defaults."""
     text = stored.read_text()
     raw = json.loads(text)
+    assert json.dumps(raw, indent=2, sort_keys=True) + "\n" == text  # the file is in the writer's format
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(text)
@@ -664,7 +671,11 @@ def test_a_config_json_written_before_the_task_section_was_typed_reads_and_write
     RunDir(run).write_config(config)
     stamp = f'"version": "{raw["version"]}"'
     assert text.count(stamp) == 1
-    assert (run / "config.json").read_text() == text.replace(stamp, f'"version": "{attnres_lens.__version__}"')
+    expected = json.loads(text.replace(stamp, f'"version": "{attnres_lens.__version__}"'))
+    for section, fields in FIELDS_ADDED_SINCE_0_2_0.items():
+        assert not set(fields) & set(expected[section])
+        expected[section].update(fields)
+    assert (run / "config.json").read_text() == json.dumps(expected, indent=2, sort_keys=True) + "\n"
 
 
 def test_the_demo_runs_task_sections_read_and_write_back_unchanged():

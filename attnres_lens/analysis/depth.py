@@ -50,6 +50,20 @@ def depth_weights_by_consumer(model: DepthMixingModel, tokens: torch.Tensor) -> 
     return {consumer: weights.mean(-2) for consumer, weights in depth_weights_by_route(model, tokens).items()}
 
 
+def edge_info(model: DepthMixingModel, consumer: int | str, source: int) -> dict:
+    """The columns naming a depth edge in every edge table: consumer (`protocol.consumer_index`: J + 1 + k for the
+    k-th message consumer), consumer_label, kind, source, source_label, members (the sublayer indices summed in the
+    source, −1 = the embedding)."""
+    return dict(
+        consumer=consumer_index(model, consumer),
+        consumer_label=consumer_label(model, consumer),
+        kind=consumer_kind(model, consumer),
+        source=source,
+        source_label=model.source_labels(consumer)[source],
+        members=",".join(map(str, model.sources(consumer)[source])),
+    )
+
+
 def _source_rows(model: DepthMixingModel, consumer: int | str) -> list[dict]:
     label = consumer_label(model, consumer)
     return [

@@ -22,13 +22,13 @@ import math
 import pandas as pd
 import torch
 
-from attnres_lens.analysis.depth import depth_weights_by_consumer
+from attnres_lens.analysis.depth import depth_weights_by_consumer, edge_info
 from attnres_lens.analysis.engine import evaluate_many
 from attnres_lens.analysis.interventions import Hook, source_mask_hooks
 from attnres_lens.analysis.pruning import spearman
 from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.evaluation import per_sequence_losses
-from attnres_lens.protocol import DepthMixingModel, consumer_index, consumer_kind, consumer_label, model_device
+from attnres_lens.protocol import DepthMixingModel, model_device
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch, check_scored_batch
 
 SCREEN_FRACTION = 0.25
@@ -119,12 +119,7 @@ def edge_knockouts(
         low, high = torch.quantile(samples, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
         rows.append(
             dict(
-                consumer=consumer_index(model, consumer),
-                consumer_label=consumer_label(model, consumer),
-                kind=consumer_kind(model, consumer),
-                source=source,
-                source_label=model.source_labels(consumer)[source],
-                members=",".join(map(str, model.sources(consumer)[source])),
+                **edge_info(model, consumer, source),
                 alpha_mass=weights[consumer][..., source].mean().item(),
                 delta_loss=float(diff.sum() / use.sum()),
                 delta_loss_low=low,

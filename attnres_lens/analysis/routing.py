@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pandas as pd
 
-from attnres_lens.analysis.depth import depth_weights_by_consumer
+from attnres_lens.analysis.depth import depth_weights_by_consumer, edge_info
 from attnres_lens.analysis.engine import evaluate, evaluate_many
 from attnres_lens.analysis.interventions import source_mask_hooks
 from attnres_lens.analysis.pruning import spearman
 from attnres_lens.analysis.workers import analysis_workers
-from attnres_lens.protocol import DepthMixingModel, consumer_index, consumer_kind, consumer_label, model_device
+from attnres_lens.protocol import DepthMixingModel, model_device
 from attnres_lens.tasks.base import Batch, check_scored_batch
 
 
@@ -42,12 +42,7 @@ def causal_routing(model: DepthMixingModel, batch: Batch, progress: bool = False
     for (consumer, source), result in zip(pairs, results):
         rows.append(
             dict(
-                consumer=consumer_index(model, consumer),
-                consumer_label=consumer_label(model, consumer),
-                kind=consumer_kind(model, consumer),
-                source=source,
-                source_label=model.source_labels(consumer)[source],
-                members=",".join(map(str, model.sources(consumer)[source])),
+                **edge_info(model, consumer, source),
                 alpha_mass=weights[consumer][..., source].mean().item(),
                 delta_loss=result.loss - base.loss,
                 delta_accuracy=result.accuracy - base.accuracy,

@@ -165,13 +165,14 @@ class Task:
         """The fixed held-out set of `n` sequences: same for a given seed and n, whatever was sampled before."""
         return self.sample(n, derive_generator(self.seed, _EVAL_STREAM))
 
-    def train_generator(self) -> torch.Generator:
-        """The generator for training batches, seeded from `seed` on a stream disjoint from `eval_batch`'s.
+    def train_generator(self, data_seed: int | None = None) -> torch.Generator:
+        """The generator for training batches, seeded from `seed` (or from `data_seed` when given: another order of
+        batches of the same task) on a stream disjoint from `eval_batch`'s.
 
         Data parallel: draw the global batch on every rank from this same generator and keep the rank's
         rows, so the data do not depend on the world size. Save `get_state()` to resume exactly.
         """
-        return derive_generator(self.seed, _TRAIN_STREAM)
+        return derive_generator(self.seed if data_seed is None else data_seed, _TRAIN_STREAM)
 
     def model_generator(self) -> torch.Generator:
         """The generator for the fixed parts of a task (e.g. a 3-gram table), independent of sampling."""

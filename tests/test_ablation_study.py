@@ -1,0 +1,250 @@
+"""The paired depth-mixing ablation (analyses/depth_mixing_ablation.py, issue 40 item 1): the pairing it relies on
+(one task, identical shared initialisation and batches across variants of a seed), the fair input-dependent query
+against a float64 recomputation, its Holm intervals against hand-worked numbers, stored configs that predate the
+new fields, and the study end to end on tiny models."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from analyses import depth_mixing_ablation as study
+from analyses.common import Job
+from attnres_lens import HookedTransformer
+from attnres_lens.config import RunConfig, TrainConfig
+from attnres_lens.presets import DEPTH_MIXING_VARIANTS, INPUT_QUERY, get_preset
+from attnres_lens.training import Trainer
+from tests.helpers import block_sources, small_config
+
+TINY = ["model.d_model=16", "model.n_heads=2", "model.d_mlp=32", "model.n_layers=2", "train.batch_size=2"]
+TINY += ["train.warmup_steps=1", "train.eval_size=8", "train.record_size=4", "train.log_every=5"]
+STORED = sorted((Path(__file__).parent / "stored_configs").glob("*.json"))
+
+
+# ---------------------------------------------------------------------------- pairing
+def trainers(seed: int, tmp_path: Path, names=tuple(DEPTH_MIXING_VARIANTS)) -> dict[str, Trainer]:
+    """Each variant's trainer for `seed` as the study builds it (the job's settings, tiny), before any step."""
+    out = {}
+    for name in names:
+        job = Job(name, seed, tmp_path / f"{name}-s{seed}", (*study.study_overrides(20), *TINY), study.TASK_SEED)
+        out[name] = Trainer(study.expected_config(job), job.out, progress=False)
+    return out
+
+
+def test_variants_of_one_seed_share_their_initialisation_and_batches(tmp_path):
+    """Every parameter the standard model has is bit-identical in every variant of the seed (mHC's random maps once
+    shifted every later layer's weights), and every variant draws the same batches; another seed changes both,
+    on the same task (same held-out set)."""
+    seed_a, seed_b = trainers(1, tmp_path), trainers(2, tmp_path, (study.STANDARD, "depth-mhc"))
+    standard = dict(seed_a[study.STANDARD].model.named_parameters())
+    batches = {name: trainer.task.sample(4, trainer.data_generator).tokens for name, trainer in seed_a.items()}
+    for name, trainer in seed_a.items():
+        params = dict(trainer.model.named_parameters())
+        assert set(standard) <= set(params), name
+        for key, value in standard.items():
+            assert torch.equal(params[key], value), f"{name}: {key} differs from the standard model's"
+        assert torch.equal(batches[name], batches[study.STANDARD]), name
+        assert torch.equal(trainer.eval_batch.tokens, seed_b[study.STANDARD].eval_batch.tokens), name  # one task
+    other = seed_b[study.STANDARD]
+    assert not torch.equal(other.model.embed.W_E, standard["embed.W_E"])
+    assert torch.equal(seed_b["depth-mhc"].model.blocks[1].attn.W_Q, other.model.blocks[1].attn.W_Q)
+    assert not torch.equal(other.task.sample(4, other.data_generator).tokens, batches[study.STANDARD])
+
+
+def test_the_mhc_side_generator_leaves_the_global_stream_where_it_was():
+    torch.manual_seed(7)
+    HookedTransformer(small_config("mhc"))
+    after_mhc = torch.randn(3)
+    torch.manual_seed(7)
+    HookedTransformer(small_config("standard"))
+    assert torch.equal(torch.randn(3), after_mhc)
+
+
+def test_the_default_jobs_keep_seeding_the_task_with_the_run_seed():
+    """Other reproductions' jobs (no task_seed) are unchanged: each seed its own task, batches in its order."""
+    assert Job("smoke", 3, Path("x")).seed_overrides() == ["train.seed=3", "task.seed=3"]
+    assert Job("smoke", 3, Path("x"), task_seed=0).seed_overrides() == [
+        "train.seed=3",
+        "task.seed=0",
+        "train.data_seed=3",
+    ]
+
+
+def test_the_study_parametrises_the_input_query_fairly_and_the_multi_head_row_as_block():
+    variants = {name: get_preset(name).model for name in DEPTH_MIXING_VARIANTS}
+    query = variants["depth-full-input-query"]
+    assert (query.attnres_query, query.attnres_query_scale, query.attnres_query_read) == ("input", "d", "sum")
+    assert INPUT_QUERY["attnres_query_scale"] == "d"
+    heads = variants["depth-block-heads16"]
+    assert (heads.attnres_heads, heads.attnres_block_size) == (16, 4)
+    assert set(study.PAPER_LOSS) == set(DEPTH_MIXING_VARIANTS)
+
+
+# ---------------------------------------------------------------------------- the input-dependent query
+def input_query_float64(module, cfg, sources: list[torch.Tensor]) -> torch.Tensor:
+    """The mix from docs/model.md §11 written out per head in float64: x the most recent source or the sum of all,
+    q = RMSNorm(x) W, z_s = q_h · RMSNorm_g(v_s)_h / scale, α = softmax_s z, h = Σ α_s v_s per head's channels."""
+    values = [v.double() for v in sources]
+    read = values[-1] if cfg.attnres_query_read == "recent" else sum(values)
+    read = read / torch.sqrt(read.pow(2).mean(-1, keepdim=True) + cfg.attnres_eps)
+    query = read @ module.query_proj.double()
+    group = cfg.d_model // cfg.attnres_heads
+    scale = {"none": 1.0, "sqrt_d": math.sqrt(group), "d": float(group)}[cfg.attnres_query_scale]
+    out = torch.zeros_like(values[0])
+    for h in range(cfg.attnres_heads):
+        channels = slice(h * group, (h + 1) * group)
+        logits = []
+        for v in values:
+            key = v[..., channels] / torch.sqrt(v[..., channels].pow(2).mean(-1, keepdim=True) + cfg.attnres_eps)
+            logits.append((key * module.key_norm.w.double()[channels] * query[..., channels]).sum(-1) / scale)
+        weights = torch.softmax(torch.stack(logits, -1), -1)
+        out[..., channels] = sum(weights[..., s, None] * v[..., channels] for s, v in enumerate(values))
+    return out
+
+
+def model_float64(model: HookedTransformer, tokens: torch.Tensor) -> torch.Tensor:
+    m = copy.deepcopy(model).double()
+    cfg, embedding, outputs = m.cfg, m.embed(tokens), []
+    layers = [item for b in m.blocks for item in ((b.ln1, b.attn, b.attn_res), (b.ln2, b.mlp, b.mlp_res))]
+    for j, (norm, sublayer, mixer) in enumerate(layers):
+        sources = block_sources(j, embedding, outputs, cfg.attnres_block_size, len(layers))
+        outputs.append(sublayer(norm(input_query_float64(mixer, cfg, sources))))
+    sources = block_sources(len(layers), embedding, outputs, cfg.attnres_block_size, len(layers))
+    return m.unembed(m.ln_final(input_query_float64(m.final_res, cfg, sources)))
+
+
+@pytest.mark.parametrize("scale", ["none", "sqrt_d", "d"])
+@pytest.mark.parametrize("read", ["recent", "sum"])
+@pytest.mark.parametrize("block_size, heads", [(1, 1), (2, 4)])
+def test_the_input_query_options_match_a_float64_recomputation(scale, read, block_size, heads):
+    cfg = small_config(
+        "attnres",
+        block_size,
+        attnres_query="input",
+        attnres_query_scale=scale,
+        attnres_query_read=read,
+        attnres_heads=heads,
+    )
+    model = HookedTransformer(cfg)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for module in model.depth_attention_modules().values():
+            module.query_proj.copy_(torch.randn(module.query_proj.shape, generator=generator))
+            module.key_norm.w.copy_(1 + 0.3 * torch.randn(module.key_norm.w.shape, generator=generator))
+    tokens = torch.randint(0, cfg.d_vocab, (2, 9), generator=generator)
+    expected = model_float64(model, tokens)
+    torch.testing.assert_close(model.double()(tokens), expected, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(model.float()(tokens).double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_scale_and_read_change_the_mix_and_need_the_input_query():
+    base = dict(attnres_query="input")
+    models = {
+        key: HookedTransformer(small_config("attnres", **base, **options))
+        for key, options in {
+            "plain": {},
+            "scaled": {"attnres_query_scale": "d"},
+            "summed": {"attnres_query_read": "sum"},
+        }.items()
+    }
+    generator = torch.Generator().manual_seed(4)
+    for model in models.values():
+        with torch.no_grad():
+            for module in model.depth_attention_modules().values():
+                module.query_proj.copy_(
+                    torch.randn(module.query_proj.shape, generator=torch.Generator().manual_seed(1))
+                )
+    tokens = torch.randint(0, 20, (2, 9), generator=generator)
+    plain = models["plain"](tokens)
+    assert not torch.allclose(models["scaled"](tokens), plain)
+    assert not torch.allclose(models["summed"](tokens), plain)
+    with pytest.raises(ValueError, match="attnres_query_scale.*need attnres_query='input'"):
+        small_config("attnres", attnres_query_scale="d")
+    with pytest.raises(ValueError, match="attnres_query_read must be one of"):
+        small_config("attnres", attnres_query="input", attnres_query_read="mean")
+    assert models["scaled"].cfg.variant == "full+input-query+query-scale-d"
+
+
+# ---------------------------------------------------------------------------- stored configs
+@pytest.mark.parametrize("path", STORED, ids=lambda p: p.stem)
+def test_stored_configs_load_with_todays_behaviour(path):
+    config = RunConfig.from_dict(json.loads(path.read_text()))
+    assert (config.model.attnres_query_scale, config.model.attnres_query_read) == ("none", "recent")
+    assert config.train.data_seed is None  # batches in the task seed's order, as before
+    HookedTransformer(config.model)
+
+
+def test_an_input_query_config_written_before_the_options_loads_as_it_trained():
+    data = get_preset("depth-full-input-query").to_dict()
+    for name in ("attnres_query_scale", "attnres_query_read"):
+        del data["model"][name]
+    del data["train"]["data_seed"]
+    config = RunConfig.from_dict(data)
+    module = HookedTransformer(config.model).final_res
+    assert (module.query_divisor, module.query_read) == (1.0, "recent")
+    task = config.build_task()
+    old_order = task.sample(2, task.train_generator()).tokens
+    assert torch.equal(old_order, task.sample(2, task.train_generator(TrainConfig().data_seed)).tokens)
+
+
+# ---------------------------------------------------------------------------- Holm intervals
+def test_t_quantiles_match_the_printed_tables():
+    for mass, df, table in [(0.95, 1, 12.706), (0.95, 3, 3.182), (0.9, 3, 2.353), (0.99, 7, 3.499), (0.975, 3, 4.177)]:
+        assert study.t_quantile(mass, df) == pytest.approx(table, abs=5e-4)
+    assert study.t_quantile(0.6, 7) == pytest.approx(0.896, abs=5e-4)  # one-sided 80%
+    with pytest.raises(ValueError, match="integer >= 1, got 0"):
+        study.t_central_mass(1.0, 0)
+
+
+def test_holm_intervals_match_hand_worked_numbers():
+    """A = (0.1, 0.2, 0.3, 0.4), B = (0.0, 0.1, 0.2, 0.3): SD 0.129099, SE 0.0645497, t 3.8730 and 2.3238 on 3
+    degrees of freedom, two-sided p 0.0305 and 0.1027 (A&S 26.7.3 by hand: (2/π)(θ + sinθ cosθ)).
+    α = 0.10: A is tested at 0.05 and rejected, B at 0.10 and not: A = 0.25 ± 3.182·SE = [0.0446, 0.4554],
+    B = 0.15 ± 2.353·SE = [−0.0019, 0.3019]. α = 0.05: A fails at 0.025, so Holm stops at step 1 and both intervals
+    take t(0.9875, 3) = 4.177: [−0.0196, 0.5196] and [−0.1196, 0.4196]."""
+    differences = {"A": [0.1, 0.2, 0.3, 0.4], "B": [0.0, 0.1, 0.2, 0.3]}
+    table = study.holm_intervals(differences, alpha=0.10).set_index("comparison")
+    assert table.loc["A", "p"] == pytest.approx(0.0305, abs=1e-4)
+    assert table.loc["B", "p"] == pytest.approx(0.1027, abs=1e-4)
+    assert table.loc["A", "p_holm"] == pytest.approx(2 * 0.030466, abs=1e-4)
+    assert (table.loc["A", "low"], table.loc["A", "high"]) == pytest.approx((0.0446, 0.4554), abs=1e-3)
+    assert (table.loc["B", "low"], table.loc["B", "high"]) == pytest.approx((-0.0019, 0.3019), abs=1e-3)
+    assert table["rejected"].tolist() == [True, False]
+    strict = study.holm_intervals(differences, alpha=0.05).set_index("comparison")
+    assert (strict.loc["A", "low"], strict.loc["A", "high"]) == pytest.approx((-0.0196, 0.5196), abs=1e-3)
+    assert (strict.loc["B", "low"], strict.loc["B", "high"]) == pytest.approx((-0.1196, 0.4196), abs=1e-3)
+    assert not strict["rejected"].any()
+    with pytest.raises(ValueError, match="'A' has 1 paired difference"):
+        study.holm_intervals({"A": [0.1]})
+
+
+def test_the_minimal_detectable_difference_by_hand():
+    """SD 0.1, 8 seeds, α = 0.05, 80% power: (2.365 + 0.896) · 0.1 / √8 = 0.1153."""
+    assert study.minimal_detectable_difference(0.1, 8, 0.05) == pytest.approx(0.1153, abs=2e-4)
+
+
+# ---------------------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_the_study_runs_end_to_end_on_tiny_models(tmp_path):
+    """Standard and Full are always in; mHC, the input query and the multi-head Block row stand for the rest (the
+    pairing test above builds all twelve)."""
+    args = ["--seeds", "0", "1", "--steps", "10", "--workers", "1", "--timing-rounds", "1", "--variants"]
+    args += ["depth-mhc", "depth-full-input-query", "depth-block-heads16"]
+    args += ["--runs-dir", str(tmp_path / "runs"), "--report-dir", str(tmp_path), "--results", str(tmp_path / "r")]
+    args += [item for setting in TINY for item in ("--set", setting)]
+    tests = study.main(args)
+    n_variants = 5
+    assert len(tests) == 2 * n_variants - 3  # each against standard, each against Full, Full − standard once
+    rows = [json.loads(line) for line in (tmp_path / "r").read_text().splitlines()]
+    assert {row["bench"] for row in rows} == {"depth_mixing_ablation"}
+    assert len(rows) == 2 * n_variants + 3 * len(tests) + n_variants
+    report = (tmp_path / "depth_mixing_ablation.md").read_text()
+    assert report.index("## Design") < report.index("## Results")
+    assert "Not the study's budget" in report and "| depth-full-input-query |" in report
+    with pytest.raises(ValueError, match="other train settings"):  # a reused run from another design is refused
+        study.main([*args, "--set", "train.lr=0.001"])
