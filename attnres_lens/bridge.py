@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from transformer_lens import ActivationCache
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
@@ -176,6 +177,12 @@ class LayerHooks(nn.Module):
         self.mlp_res = DepthMix((SINGLE_ROUTE,))
         if visit is not None and visit > 1:
             self.msg_res = MessageMix()
+            # the layer's true pre-norm inputs on a later visit: each route's message gate applied to the mix
+            # (a sliding layer's one mix feeds three gates, so its k and v inputs differ from its q input too)
+            self.hook_gated_q = HookPoint()  # [batch, pos, d_model] the query's input: the attention's h_j
+            self.hook_gated_k = HookPoint()  # [batch, pos, d_model]
+            self.hook_gated_v = HookPoint()  # [batch, pos, d_model]
+            self.hook_gated_mlp = HookPoint()  # [batch, pos, d_model] the MLP's input h_j
         self.attn = AttentionHooks()
 
     def input_hooks(self) -> tuple[HookPoint, ...]:
@@ -333,6 +340,9 @@ class InklingBridge(HookedRootModule):
             ):
                 getattr(decoder_layer, conv).register_forward_hook(self._output_hook(layer, hook))
             self._install_attention(layer, decoder_layer.self_attn)
+            for route in MESSAGE_ROUTES if hasattr(decoder_layer, "q_message_gate") else ():
+                gate = getattr(decoder_layer, f"{route}_message_gate")
+                gate.register_forward_hook(self._output_hook(layer, f"hook_gated_{route}"))
         text_model.final_input.forward = self._final_forward(text_model.final_input)
         if hasattr(text_model, "message_input"):
             text_model.message_input.forward = self._message_forward(text_model.message_input)
@@ -456,6 +466,16 @@ class InklingBridge(HookedRootModule):
         loss = next_token_loss(logits, tokens, per_token=loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
 
+    def run_with_cache(
+        self, *model_args: Any, remove_batch_dim: bool = False, **kwargs: Any
+    ) -> tuple[Any, ActivationCache]:
+        """`HookedRootModule.run_with_cache` with the cache as TransformerLens's `ActivationCache` (the toolkit's
+        subclass, whose running-sum helpers refuse these depth-mixed inputs instead of misreading them)."""
+        from attnres_lens.model import DepthActivationCache
+
+        out, cache_dict = super().run_with_cache(*model_args, remove_batch_dim=remove_batch_dim, **kwargs)
+        return out, DepthActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
+
     @property
     def d_vocab(self) -> int:
         return self.hf_model.lm_head.out_features
@@ -534,21 +554,53 @@ class InklingBridge(HookedRootModule):
         return f"blocks.{step.layer}." + ("" if step.visit is None else f"visit{step.visit}.")
 
     def sublayer_input_hook(self, sublayer: int) -> str:
-        """h_j: the consumer's mix output ('q' route on full-attention layers; see `route_input_hook`). On a looped
-        layer's later visits the layer then gates it with a message before its pre-norm."""
+        """h_j, the sublayer's input before its pre-norm: the consumer's mix output ('q' route on full-attention
+        layers; layer 0's attention: the embedding), or on a looped layer's visits ≥ 2 the message gate's output
+        (`hook_gated_q` / `hook_gated_mlp`; the mix itself is at `route_input_hook`)."""
         if sublayer == self.n_sublayers:
             return self.readout_input_hook
         step, kind = self._visit_of(sublayer)
+        if step.visit is not None and step.visit > 1:
+            return self._prefix(step) + ("hook_gated_q" if kind == "attn" else "hook_gated_mlp")
         return self._prefix(step) + ("hook_resid_pre" if kind == "attn" else "hook_resid_mid")
 
-    def route_input_hook(self, sublayer: int, route: str) -> str:
-        """The mix output of one route of `sublayer`'s consumer."""
-        routes = self.routes(sublayer)
+    def route_input_hook(self, consumer: int, route: str) -> str:
+        """What `consumer`'s depth mix hands its layer on `route` (before any message gate): `Σ_s α_s v_s`."""
+        routes = self.routes(consumer)
+        if isinstance(consumer, str):
+            raise ValueError(
+                f"{consumer} returns its four messages stacked at {self._mix_hooks(consumer).name}.hook_out "
+                "([batch, pos, route, d_model]); it has no hook per route"
+            )
         if route not in routes:
-            raise ValueError(f"{self.sublayer_name(sublayer)} has routes {routes}, not {route!r}")
+            raise ValueError(f"{self.sublayer_name(consumer)} has routes {routes}, not {route!r}")
+        if consumer == self.n_sublayers:
+            return self.readout_input_hook
+        step, kind = self._visit_of(consumer)
         if route in ("k", "v"):
-            return self._prefix(self._visit_of(sublayer)[0]) + f"hook_resid_pre_{route}"
-        return self.sublayer_input_hook(sublayer)
+            return self._prefix(step) + f"hook_resid_pre_{route}"
+        return self._prefix(step) + ("hook_resid_pre" if kind == "attn" else "hook_resid_mid")
+
+    def depth_values(self, consumer: int | str, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The vectors `consumer` mixes: each source RMS-normalised without gain, `v_s = r_s b_s` with
+        `r_s = (mean(b_s²) + ε)^(-1/2)` (ε its key norm's), in the sources' dtype (docs/architecture.md §7)."""
+        eps = self._transformers_consumer(consumer).norm.variance_epsilon
+        return [source * torch.rsqrt(source.pow(2).mean(-1, keepdim=True) + eps) for source in sources]
+
+    def direct_inputs(self) -> dict[int, list[int]]:
+        """Layer 0's attention reads the embedding itself (no depth mix; its q, k, v inputs are all e)."""
+        return {0: [EMBEDDING]}
+
+    def _transformers_consumer(self, consumer: int | str) -> nn.Module:
+        self._check_consumer(consumer)
+        text_model = self.hf_model.model
+        if isinstance(consumer, str):
+            return text_model.message_input
+        if consumer == self.n_sublayers:
+            return text_model.final_input
+        step, kind = self._visit_of(consumer)
+        layer = text_model.layers[step.layer]
+        return layer.attention_input if kind == "attn" else layer.mlp_input
 
     def sublayer_output_hook(self, sublayer: int) -> str:
         """f_j: the sublayer's output after its post-sublayer short convolution."""

@@ -10,10 +10,15 @@ gives them per token, `[batch, pos, J+1, J+1]` over consumers c = 0 … J (J = t
 * DenseFormer: products of the depth-weighted-average weights along every path from f_i to c (input-independent);
 * mHC: the read weights of c applied to each stream's coefficient of f_i, which f_i's write weights created and each
   stream mix in between moved (`C ← combᵀ C + post ⊗ [f_j]`), per token;
-* any other depth-mixing model (`attnres_lens.protocol`, docs/architecture.md §7): as AttnRes, from the weights at
-  each consumer's `depth_hook(c, "weights")`, where M is defined: every sublayer and the final readout a consumer
-  with one route, mixing the raw sums of its sources' members. A consumer with several routes (separate query,
-  key and value inputs) has no single input to decompose, so M is refused there.
+* any other depth-mixing model (`attnres_lens.protocol`, docs/architecture.md §7): its own `mixing_coefficients`
+  method where it has one (DeepSeek V4's mHC); else as AttnRes, from the weights at each consumer's
+  `depth_hook(c, "weights")` times the scale its value transform gives each source, per token (`M[c, i] = Σ_{s ∋ i}
+  α_s r_s`: Inkling mixes RMS-normalised sources `v_s = r_s b_s`; `r_s = 1` for raw sources). A sublayer that reads
+  a plain sum (`direct_inputs`: Inkling's layer 0 reads e) has weight 1 on each member. A consumer with several
+  routes (separate query, key and value inputs) has one row per route: `route=None` takes each consumer's first
+  route (its `sublayer_input_hook`'s, 'q'), `route='k'` the key input's where a consumer has that route. A row is
+  the depth mix (`route_input_hook`), before any message gate (Inkling-2-Mini's later visits), which is not
+  linear in the outputs.
 
 Input-dependent mixing weights (AttnRes, mHC) are read through their hook points in one forward pass; DenseFormer's,
 the same for every token, from its parameters (`dwa.weights`, what `hook_dwa_weights` sees); nothing is stored on
@@ -27,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from attnres_lens.attnres import EMBEDDING
+from attnres_lens.protocol import depth_values, direct_inputs
 
 if TYPE_CHECKING:  # named for types only: this module sits beside the model, so the model's modules may import it
     from transformer_lens.hook_points import HookPoint
@@ -65,7 +71,7 @@ def _capture(
 
 
 def mixing_coefficients(
-    model: DepthMixingModel, tokens: torch.Tensor | None = None, per_group: bool = False
+    model: DepthMixingModel, tokens: torch.Tensor | None = None, per_group: bool = False, route: str | None = None
 ) -> torch.Tensor:
     """`[batch, pos, J+1, J+1]` (fp32; fp64 for a float64 model): the coefficient of e (column 0) and of each f_i
     (column 1+i) in the input of each consumer (row c; row J is the final norm's input). Zero above the diagonal
@@ -76,16 +82,26 @@ def mixing_coefficients(
     coefficients: `per_group=True` gives them, `[batch, pos, H, J+1, J+1]`; by default their mean (the groups are
     equal, so it is the coefficient averaged over channels).
 
-    Any other depth-mixing model: from its depth weights, where M is defined (see the module docstring);
-    `per_group` adds an axis of one.
+    Any other depth-mixing model: its own `mixing_coefficients(tokens)` where it has one, else from its depth
+    weights and value scales (see the module docstring); `route` picks the route of multi-route consumers (default:
+    each one's first); `per_group` adds an axis of one.
     """
     from attnres_lens.model import HookedTransformer  # the model's modules may import this one: not at the top
 
     if not isinstance(model, HookedTransformer):
         if tokens is None:
             raise ValueError("the mixing weights of a depth-mixing model depend on the input: pass tokens")
-        coefficients = _protocol_attnres(model, model.to_tokens(tokens))
+        own = getattr(model, "mixing_coefficients", None)
+        if own is not None and route is not None:
+            raise ValueError(
+                f"{type(model).__name__} computes M itself (its mixing_coefficients method), with no route; "
+                f"drop route={route!r}"
+            )
+        tokens = model.to_tokens(tokens)
+        coefficients = own(tokens) if own is not None else _protocol_attnres(model, tokens, route)
         return coefficients.unsqueeze(-3) if per_group else coefficients
+    if route is not None and route != "mix":
+        raise ValueError(f"the toolkit model's M has one row per consumer; route must be None, got {route!r}")
     cfg = model.cfg
     n = cfg.n_sublayers + 1
     residual = cfg.residual
@@ -122,47 +138,97 @@ def _attnres(model: HookedTransformer, tokens: torch.Tensor, n: int, per_group: 
     return coefficients if per_group else coefficients.mean(-3)
 
 
-def _protocol_attnres(model: DepthMixingModel, tokens: torch.Tensor) -> torch.Tensor:
-    """M of a protocol model from its consumers' depth weights (fp32, or fp64 where the weights are): as `_attnres`
-    with one group, once `check_mixing_defined` allows it."""
+def _protocol_attnres(model: DepthMixingModel, tokens: torch.Tensor, route: str | None = None) -> torch.Tensor:
+    """M of a protocol model from its consumers' depth weights and value scales (fp32, or fp64 where the weights
+    are), once `check_mixing_defined` allows it: `M[c, i] = Σ_{s ∋ i} α_s r_s`, per token."""
     n_sublayers = model.n_sublayers
-    check_mixing_defined(model)
+    check_mixing_defined(model, route)
     names = {consumer: model.depth_hook(consumer, "weights") for consumer in model.consumers()}
+    scaled = getattr(model, "depth_values", None) is not None  # raw sources: r_s = 1, nothing more to read
+    members = [*model.embedding_hooks, *(model.sublayer_output_hook(j) for j in range(n_sublayers))]
     saved: dict[str, torch.Tensor] = {}
 
     def save(tensor: torch.Tensor, hook: HookPoint) -> None:
         saved[hook.name] = tensor.detach()
 
-    model.run_with_hooks(tokens, fwd_hooks=[(name, save) for name in names.values()])
+    wanted = set(names.values()) | (set(members) if scaled else set())
+    model.run_with_hooks(tokens, fwd_hooks=[(name, save) for name in wanted])
     first = saved[names[n_sublayers]]
     dtype = torch.promote_types(first.dtype, torch.float32)
+    if scaled:
+        embedding = sum(saved[name].to(torch.float64) for name in model.embedding_hooks)
+        outputs = [saved[model.sublayer_output_hook(j)].to(torch.float64) for j in range(n_sublayers)]
     coefficients = torch.zeros(*tokens.shape, n_sublayers + 1, n_sublayers + 1, dtype=dtype, device=first.device)
     for consumer, name in names.items():
         weights = saved[name].to(dtype)
-        for source, members in enumerate(model.sources(consumer)):
-            for member in members:
+        routes = model.routes(consumer)
+        if len(routes) > 1:
+            weights = weights[..., routes.index(route) if route in routes else 0, :]
+        if scaled:
+            weights = weights * _value_scales(model, consumer, embedding, outputs).to(dtype)
+        for source, source_members in enumerate(model.sources(consumer)):
+            for member in source_members:
                 coefficients[..., consumer, basis_index(member)] += weights[..., source]
+    for sublayer, direct in direct_inputs(model).items():
+        for member in direct:
+            coefficients[..., sublayer, basis_index(member)] += 1.0
     return coefficients
 
 
-def check_mixing_defined(model: DepthMixingModel) -> None:
-    """Refuse a protocol model whose inputs are not each one depth mix of its sources: M needs every sublayer and
-    the final readout to be a consumer with one route (docs/analysis.md §5)."""
+def _value_scales(
+    model: DepthMixingModel, consumer: int, embedding: torch.Tensor, outputs: list[torch.Tensor]
+) -> torch.Tensor:
+    """`[batch, pos, n_sources]`: the scalar r_s with `v_s = r_s b_s` per token, read off the model's value transform
+    as `⟨v_s, b_s⟩ / ‖b_s‖²` (exact for a per-token rescaling such as an RMS norm), in float64."""
+    sources = [
+        sum(embedding if member == EMBEDDING else outputs[member] for member in source_members)
+        for source_members in model.sources(consumer)
+    ]
+    values = depth_values(model, consumer, sources)
+    return torch.stack(
+        [(v * b).sum(-1) / (b * b).sum(-1).clamp_min(1e-300) for v, b in zip(values, sources, strict=True)], -1
+    )
+
+
+def check_mixing_defined(model: DepthMixingModel, route: str | None = None) -> None:
+    """Refuse a protocol model whose sublayer inputs are not each a depth mix of its sources or a plain sum
+    (`direct_inputs`), or a `route` no consumer has (docs/analysis.md §5). A model with its own
+    `mixing_coefficients` defines M itself."""
+    if getattr(model, "mixing_coefficients", None) is not None:
+        return
     expected = list(range(model.n_sublayers + 1))
     consumers = model.consumers()
-    if consumers != expected:
-        missing = sorted(set(expected) - set(consumers))
+    covered = set(consumers) | set(direct_inputs(model))
+    missing = [c for c in expected if c not in covered]
+    if missing:
         raise ValueError(
             f"the depth-mixing matrix M needs every sublayer and the final readout to read a depth mix; this model's "
-            f"consumers {[model.sublayer_name(c) for c in missing]} do not"
+            f"{[model.sublayer_name(c) for c in missing]} do not (nor a plain sum it names in direct_inputs)"
         )
-    several = [c for c in consumers if len(model.routes(c)) > 1]
-    if several:
+    unheld = [c for c in consumers if not routes_are_inputs(model, c)]
+    if unheld:
         raise ValueError(
-            "the depth-mixing matrix M is defined where each consumer reads one mix of its sources; "
-            f"{[model.sublayer_name(c) for c in several]} run several routes ({model.routes(several[0])}) over "
-            "one source set, which feed separate inputs: read their depth weights per route (depth_weights)"
+            "the depth-mixing matrix M is defined where each route of a consumer is one whole input; "
+            f"{[model.sublayer_name(c) for c in unheld]} run several routes ({model.routes(unheld[0])}) over "
+            "one source set that no one input holds: read their depth weights per route (depth_weights)"
         )
+    if route is not None:
+        every = sorted({r for c in consumers for r in model.routes(c)})
+        if route not in every:
+            raise ValueError(f"route must be one of this model's routes {every} (or None), got {route!r}")
+
+
+def routes_are_inputs(model: DepthMixingModel, consumer: int) -> bool:
+    """Whether each route of `consumer` mixes one whole input (`route_input_hook` names it: Inkling's q, k, v),
+    not a slice of one (the toolkit's channel groups 'h0', …, which that member refuses)."""
+    routes = model.routes(consumer)
+    if len(routes) == 1:
+        return True
+    try:
+        model.route_input_hook(consumer, routes[0])
+    except ValueError:
+        return False
+    return True
 
 
 def _denseformer(model: HookedTransformer) -> torch.Tensor:

@@ -143,11 +143,13 @@ class DepthActivationCache(ActivationCache):
     """
 
     def _require_running_sum(self, helper: str) -> None:
-        residual = self.model.cfg.residual
+        # a model from elsewhere (the transformers bridge) has no cfg.residual: its inputs are depth mixes
+        residual = getattr(getattr(self.model, "cfg", None), "residual", None)
         if residual != "standard":
+            what = f"residual is {residual!r}" if residual else f"kind is {type(self.model).__name__}"
             raise ValueError(
-                f"ActivationCache.{helper} assumes a running-sum residual stream, but this model's residual is "
-                f"{residual!r}: its sublayer inputs are depth mixes of earlier outputs, not sums. Use "
+                f"ActivationCache.{helper} assumes a running-sum residual stream, but this model's {what}"
+                ": its sublayer inputs are depth mixes of earlier outputs, not sums. Use "
                 "attnres_lens.analysis (depth_weights, depth_mixing_matrix) to decompose them."
             )
 
@@ -402,6 +404,19 @@ class HookedTransformer(HookedRootModule):
         """Name of the hook holding h_j, the input of sublayer j (before its own pre-norm)."""
         layer, kind = self._layer_kind(sublayer)
         return get_act_name("resid_pre" if kind == "attn" else "resid_mid", layer)
+
+    def route_input_hook(self, consumer: int, route: str) -> str:
+        """What `consumer`'s depth attention hands its sublayer: `sublayer_input_hook` (the readout's input for J)
+        on the one route 'mix'. With `attnres_heads` > 1 each route mixes only its channel group, so no hook holds
+        one route's whole mix."""
+        routes = self.routes(consumer)
+        if route != SINGLE_ROUTE:
+            raise ValueError(
+                f"route must be one of {routes}, got {route!r}"
+                if route not in routes
+                else f"route {route!r} mixes only its channel group of the input; read sublayer_input_hook instead"
+            )
+        return self.readout_input_hook if consumer == self.cfg.n_sublayers else self.sublayer_input_hook(consumer)
 
     def _layer_kind(self, sublayer: int) -> tuple[int, str]:
         if not 0 <= sublayer < self.cfg.n_sublayers:

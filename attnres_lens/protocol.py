@@ -68,6 +68,12 @@ class DepthMixingModel(Protocol):
         """Hook name of f_j, what sublayer j adds to the sources."""
         ...
 
+    def route_input_hook(self, consumer: int, route: str) -> str:
+        """Hook name of what `consumer`'s depth mix hands its layer on `route` (one of `routes(consumer)`),
+        `[batch, pos, d_model]`: `Σ_s α_s v_s` with `v_s` as `depth_values` gives them. For a one-route consumer
+        without message gates it is `sublayer_input_hook(consumer)`."""
+        ...
+
     def consumers(self) -> list[int]:
         """Every consumer (a sublayer index, or J) in forward order, J last."""
         ...
@@ -100,6 +106,58 @@ class DepthMixingModel(Protocol):
     def __call__(self, tokens: Any) -> torch.Tensor:
         """The forward pass: logits [batch, pos, d_vocab]."""
         ...
+
+
+# ------------------------------------------------------------------------------------- optional members
+# A model may add these (docs/architecture.md §7, "Optional members"); analyses read them through the functions
+# below, which give the paper's defaults where a model has none.
+
+
+def depth_values(model: DepthMixingModel, consumer: int | str, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The value vectors `consumer`'s mix sums, from its sources (as `sources(consumer)` builds them, any dtype):
+    the model's `depth_values(consumer, sources)` where it has one (Inkling: each source RMS-normalised, v_s = r_s
+    b_s), else the sources themselves (the paper and FLA mix raw sources)."""
+    own = getattr(model, "depth_values", None)
+    return list(sources) if own is None else own(consumer, sources)
+
+
+def direct_inputs(model: DepthMixingModel) -> dict[int, list[int]]:
+    """Sublayers that are no consumer because they read a plain sum of members (Inkling's layer 0 reads the
+    embedding: `{0: [EMBEDDING]}`): the model's `direct_inputs()` where it has one, else none. Their row of M holds
+    weight 1 on each member."""
+    own = getattr(model, "direct_inputs", None)
+    return {} if own is None else own()
+
+
+def message_consumers(model: DepthMixingModel) -> list[str]:
+    """Depth consumers that feed gates rather than a sublayer input (Inkling-2-Mini's 'L{l}.msg@{v}'), named by
+    strings that `sources`, `source_labels`, `routes` and `depth_hook` accept: the model's `message_consumers()`
+    where it has one, else none."""
+    own = getattr(model, "message_consumers", None)
+    return [] if own is None else own()
+
+
+def depth_consumers(model: DepthMixingModel) -> list[int | str]:
+    """Every consumer whose depth weights an analysis can read and knock out: `consumers()`, then the messages."""
+    return [*model.consumers(), *message_consumers(model)]
+
+
+def consumer_index(model: DepthMixingModel, consumer: int | str) -> int:
+    """The integer a table's `consumer` column holds: the sublayer index (J for the readout), or J + 1 + k for the
+    k-th message consumer, so the column stays one integer type (parquet) and its keys unique."""
+    if isinstance(consumer, str):
+        return model.n_sublayers + 1 + message_consumers(model).index(consumer)
+    return consumer
+
+
+def consumer_label(model: DepthMixingModel, consumer: int | str) -> str:
+    """'L3.attn', 'final', or a message consumer's own name."""
+    return consumer if isinstance(consumer, str) else model.sublayer_name(consumer)
+
+
+def consumer_kind(model: DepthMixingModel, consumer: int | str) -> str:
+    """'attn', 'mlp', 'final', or 'msg' for a message consumer."""
+    return "msg" if isinstance(consumer, str) else model.sublayer_kind(consumer)
 
 
 def check_depth_point(point: str) -> None:

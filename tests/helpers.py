@@ -179,6 +179,9 @@ class ProtocolOnly:
     def sublayer_output_hook(self, sublayer: int) -> str:
         return self._wrapped.sublayer_output_hook(sublayer)
 
+    def route_input_hook(self, consumer: int, route: str) -> str:
+        return self._wrapped.route_input_hook(consumer, route)
+
     def consumers(self) -> list[int]:
         return self._wrapped.consumers()
 

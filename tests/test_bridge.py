@@ -293,3 +293,249 @@ def test_refusals(inkling_folders, tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.24.0")  # the module the bridge imports
     with pytest.raises(RuntimeError, match="transformers 5.24.0 is installed: pip install transformers==5.25.0"):
         from_transformers(inkling_folders["plain"])
+
+
+# ---------------------------------------------------------------------------- the analyses on the bridge
+def _captured(bridge, names: list[str] = ()) -> tuple[dict, dict]:
+    """One forward: the transformers modules' inputs per consumer (float64 recomputations start there) and the
+    activations at `names`."""
+    captured, handles = _captured_consumer_inputs(bridge)
+    _, cache = bridge.run_with_cache(TOKENS)
+    for handle in handles:
+        handle.remove()
+    return captured, cache
+
+
+def _recomputed_mix(bridge, consumer, received: list[torch.Tensor], dropped: int | None = None):
+    """float64 from the inputs transformers' module received: α `[b, p, R, S]` (source `dropped` knocked out),
+    the normalised values `[b, p, S, D]` the mix sums, each source's RMS scale r `[b, p, S]`, and the mixes
+    `[b, p, R, D]`."""
+    sources = torch.stack(received, dim=-2).double()
+    scale = torch.rsqrt(sources.pow(2).mean(-1) + 1e-6)
+    values = sources * scale[..., None]
+    query = _query(bridge, consumer).double().reshape(-1, sources.shape[-1])
+    logits = (values @ query.t()).transpose(-1, -2) / sources.shape[-1] ** 0.5
+    if dropped is not None:
+        logits[..., dropped] = float("-inf")
+    alpha = torch.softmax(logits, dim=-1)
+    return alpha, values, scale, alpha @ values
+
+
+@pytest.mark.parametrize("kind", ["plain", "loop"])
+def test_mixing_matrix_weighs_raw_outputs_by_alpha_times_rms_scale_and_rebuilds_every_input(inkling_folders, kind):
+    from attnres_lens.mixing import basis_index, mixing_coefficients
+
+    bridge = from_transformers(inkling_folders[kind])
+    captured, cache = _captured(bridge)
+    J = bridge.n_sublayers
+    basis = torch.stack([cache["hook_embed"]] + [cache[bridge.sublayer_output_hook(j)] for j in range(J)], -2)
+    for route in (None, "k", "v"):
+        M = mixing_coefficients(bridge, TOKENS, route=route).double()
+        assert M.shape == (*TOKENS.shape, J + 1, J + 1)
+        # layer 0's attention reads the embedding itself: weight 1 on e, nothing else
+        assert torch.equal(M[..., 0, :], torch.eye(J + 1, dtype=M.dtype)[0].expand_as(M[..., 0, :]))
+        for consumer in bridge.consumers():
+            routes = bridge.routes(consumer)
+            r = routes.index(route) if route in routes else 0
+            alpha, _, scale, mixes = _recomputed_mix(
+                bridge, consumer, [*captured[consumer][0].unbind(-2), captured[consumer][1]]
+            )
+            expected = torch.zeros_like(M[..., consumer, :])
+            for s, members in enumerate(bridge.sources(consumer)):
+                for member in members:
+                    expected[..., basis_index(member)] += alpha[..., r, s] * scale[..., s]
+            torch.testing.assert_close(M[..., consumer, :], expected, rtol=1e-4, atol=1e-6)
+            # M rebuilds the mix the layer receives on that route from the raw outputs
+            rebuilt = (M[..., consumer, :, None] * basis.double()).sum(-2)
+            _close(rebuilt, cache[bridge.route_input_hook(consumer, routes[r])], 1e-5)
+            _close(rebuilt, mixes[..., r, :], 1e-5)
+    with pytest.raises(ValueError, match=r"route must be one of this model's routes \['k', 'mix', 'q', 'v'\]"):
+        mixing_coefficients(bridge, TOKENS, route="h0")
+
+
+@pytest.mark.parametrize("kind", ["plain", "loop"])
+def test_input_decomposition_per_route_against_a_float64_recomputation(inkling_folders, kind):
+    from attnres_lens.analysis import depth_input_decomposition
+
+    bridge = from_transformers(inkling_folders[kind])
+    captured, _ = _captured(bridge)
+    table = depth_input_decomposition(bridge, TOKENS, per_token=True)
+    assert set(table["consumer"]) == set(bridge.consumers())
+    for consumer in bridge.consumers():
+        alpha, values, _, mixes = _recomputed_mix(
+            bridge, consumer, [*captured[consumer][0].unbind(-2), captured[consumer][1]]
+        )
+        for r, route in enumerate(bridge.routes(consumer)):
+            rows = table[(table["consumer"] == consumer) & (table["route"] == route)]
+            assert len(rows) == TOKENS.numel() * values.shape[-2], (consumer, route)
+            terms = alpha[..., r, :, None] * values  # [b, p, S, D]
+            h = mixes[..., r, :]
+            share = (terms * h[..., None, :]).sum(-1) / (h * h).sum(-1, keepdim=True)
+            for column, expected in (("alpha", alpha[..., r, :]), ("term_norm", terms.norm(dim=-1)), ("share", share)):
+                got = torch.tensor(rows.sort_values(["sequence", "position", "source"])[column].to_numpy())
+                torch.testing.assert_close(got, expected.reshape(-1), rtol=1e-4, atol=1e-6)
+            sums = rows.groupby(["sequence", "position"])["share"].sum()
+            assert ((sums - 1).abs() < 1e-4).all()
+
+
+def test_edge_sensitivity_is_the_derivative_of_each_knockout_along_its_change(inkling_folders):
+    """The first-order estimate of knocking source s out of consumer c is Σ_routes Σ_tokens ∂loss/∂h_r · (h'_r − h_r),
+    with the mixes h, h' recomputed in float64 from transformers' module inputs (normalised values) and the
+    gradient taken at the mixes' own hooks."""
+    from attnres_lens.analysis import edge_sensitivity
+
+    bridge = from_transformers(inkling_folders["plain"])
+    captured, _ = _captured(bridge)
+    table = edge_sensitivity(bridge, TOKENS).set_index(["consumer", "source"])
+    for consumer in (8, 7, bridge.n_sublayers):  # L4.attn (q, k, v), L3.mlp, final
+        routes = bridge.routes(consumer)
+        names = [bridge.route_input_hook(consumer, route) for route in routes]
+        shifts = {name: torch.zeros(*TOKENS.shape, 32, requires_grad=True) for name in names}
+        logits = bridge.run_with_hooks(TOKENS, fwd_hooks=[(n, lambda x, hook: x + shifts[hook.name]) for n in names])
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).double(), TOKENS[:, 1:].flatten())
+        grads = torch.autograd.grad(loss, [shifts[name] for name in names])
+        received = [*captured[consumer][0].unbind(-2), captured[consumer][1]]
+        clean = _recomputed_mix(bridge, consumer, received)[3]
+        for source in range(len(received)):
+            knocked = _recomputed_mix(bridge, consumer, received, dropped=source)[3]
+            expected = sum((g.double() * (knocked - clean)[..., r, :]).sum() for r, g in enumerate(grads))
+            assert table.loc[(consumer, source), "total"] == pytest.approx(expected.item(), rel=2e-3, abs=1e-7)
+
+
+def test_gated_inputs_of_later_visits_are_the_message_gates_outputs(inkling_folders):
+    bridge = from_transformers(inkling_folders["loop"])
+    reference = _reference(inkling_folders["loop"])
+    seen: defaultdict[str, list[torch.Tensor]] = defaultdict(list)
+    for layer in range(2, 6):
+        for route in ("q", "k", "v", "mlp"):
+            gate = getattr(reference.model.layers[layer], f"{route}_message_gate")
+            gate.register_forward_hook(lambda _m, _a, out, key=f"{layer}.{route}": seen[key].append(out.detach()))
+    reference(input_ids=TOKENS, use_cache=False)
+    _, cache = bridge.run_with_cache(TOKENS)
+    for step in bridge.visits:
+        if step.visit is None or step.visit == 1:
+            continue
+        attn, mlp = 2 * step.index, 2 * step.index + 1
+        _close(cache[bridge.sublayer_input_hook(attn)], seen[f"{step.layer}.q"][step.visit - 2], 1e-5)
+        _close(cache[bridge.sublayer_input_hook(mlp)], seen[f"{step.layer}.mlp"][step.visit - 2], 1e-5)
+        for route in ("k", "v"):
+            _close(
+                cache[f"blocks.{step.layer}.visit{step.visit}.hook_gated_{route}"],
+                seen[f"{step.layer}.{route}"][step.visit - 2],
+                1e-5,
+            )
+        # the mix the depth analyses decompose is still there, before the gate
+        assert bridge.route_input_hook(attn, bridge.routes(attn)[0]).endswith("hook_resid_pre")
+        assert not torch.allclose(cache[bridge.route_input_hook(mlp, "mix")], cache[bridge.sublayer_input_hook(mlp)])
+
+
+def test_run_with_cache_returns_an_activation_cache_that_refuses_running_sum_helpers(inkling_folders):
+    from transformer_lens import ActivationCache
+
+    bridge = from_transformers(inkling_folders["plain"])
+    _, cache = bridge.run_with_cache(TOKENS)
+    assert isinstance(cache, ActivationCache) and cache["blocks.1.hook_resid_pre"].shape == (*TOKENS.shape, 32)
+    with pytest.raises(
+        ValueError, match="assumes a running-sum residual stream, but this model's kind is InklingBridge"
+    ):
+        cache.accumulated_resid()
+
+
+def _loss(logits: torch.Tensor) -> float:
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).double(), TOKENS[:, 1:].flatten()).item()
+
+
+def _zero_calls(calls: set[int] | None):
+    """A forward hook zeroing a module's output on its `calls` (1-based; every call when None)."""
+    seen = [0]
+
+    def hook(_module, _args, output):
+        seen[0] += 1
+        return torch.zeros_like(output) if calls is None or seen[0] in calls else output
+
+    return hook
+
+
+def test_every_protocol_analysis_runs_on_the_mini_with_messages_and_visits_against_direct_knockouts(inkling_folders):
+    """Depth maps and summary show the message consumers; causal routing, edge knockouts and the routing audit
+    measure a knockout equal to the one written on transformers' module; pruning removes one visit of a looped
+    layer, or all of them, as zeroing those calls of transformers' post-MLP convolution does."""
+    from attnres_lens.analysis import (
+        depth_summary,
+        depth_weights,
+        depth_weights_per_token,
+        edge_knockouts,
+        routing_audit,
+        source_logit_lens,
+    )
+    from attnres_lens.analysis.depth import mixing_diagnostics, mixing_matrix_from_weights
+    from attnres_lens.analysis.interventions import removal_hooks
+    from attnres_lens.analysis.pruning import angular_distance_matrix, pruning_sensitivity
+    from attnres_lens.analysis.routing import causal_routing
+    from attnres_lens.tasks.base import Batch, next_token_targets
+
+    bridge = from_transformers(inkling_folders["loop"])
+    targets = next_token_targets(TOKENS)
+    batch = Batch(TOKENS, targets, targets != -100)
+    clean = _loss(_reference(inkling_folders["loop"])(input_ids=TOKENS, use_cache=False).logits)
+    _, cache = bridge.run_with_cache(TOKENS)
+
+    weights, summary = depth_weights(bridge, TOKENS), depth_summary(bridge, TOKENS)
+    messages = bridge.message_consumers()
+    assert list(summary[summary["kind"] == "msg"]["consumer_label"].unique()) == messages
+    J = bridge.n_sublayers  # tables number message k as consumer J + 1 + k: one integer column (parquet)
+    assert list(summary[summary["kind"] == "msg"]["consumer"].unique()) == [J + 1 + k for k in range(len(messages))]
+    assert weights["consumer"].dtype.kind == summary["consumer"].dtype.kind == "i"
+    shown = cache[bridge.depth_hook("L2.msg@3", "weights")].double().mean(dim=(0, 1))  # [route, source]
+    rows = weights[weights["consumer_label"] == "L2.msg@3"]
+    assert list(rows["route"].unique()) == ["q", "k", "v", "mlp"]
+    torch.testing.assert_close(torch.tensor(rows["weight"].to_numpy()).view(4, -1), shown, rtol=1e-5, atol=1e-7)
+    assert set(depth_weights_per_token(bridge, TOKENS[:1])["consumer_label"]) >= set(messages)
+
+    # the message knockout, directly: transformers' message module without that block state on that call
+    reference = _reference(inkling_folders["loop"])
+    module = reference.model.message_input
+    module.forward = _drop_source(0, module.forward, call=2, layer_idx=0)
+    direct = _loss(reference(input_ids=TOKENS, use_cache=False).logits) - clean
+    routing = causal_routing(bridge, batch).set_index(["consumer_label", "source"])
+    assert routing.loc[("L2.msg@3", 0), "delta_loss"] == pytest.approx(direct, rel=1e-4, abs=1e-6)
+    assert routing.loc[("L2.msg@3", 0), "kind"] == "msg" and abs(direct) > 1e-5
+    knockouts = edge_knockouts(bridge, batch, screen_fraction=1, n_boot=10).set_index(["consumer_label", "source"])
+    assert knockouts.loc[("L2.msg@3", 0), "delta_loss"] == pytest.approx(direct, rel=1e-4, abs=1e-6)
+
+    # a full-attention looped consumer (L3.attn@2, three routes) in the routing audit
+    consumer = next(c for c in bridge.consumers() if bridge.sublayer_name(c) == "L3.attn@2")
+    reference = _reference(inkling_folders["loop"])
+    module = reference.model.layers[3].attention_input
+    module.forward = _drop_source(0, module.forward, call=2)
+    direct = _loss(reference(input_ids=TOKENS, use_cache=False).logits) - clean
+    audit = routing_audit(bridge, batch, n_boot=10)
+    pairs = audit["pairs"][(audit["pairs"]["consumer"] == consumer) & (audit["pairs"]["source"] == 0)]
+    assert list(pairs["route"]) == ["q", "k", "v"]
+    assert pairs["delta_loss"].to_numpy() == pytest.approx([direct] * 3, rel=1e-4, abs=1e-6)
+    alpha = cache[bridge.depth_hook(consumer, "weights")].double().mean(dim=(0, 1))[:, 0]
+    assert pairs["alpha_mass"].to_numpy() == pytest.approx(alpha.numpy(), rel=1e-5)
+
+    # removal of one visit, and of every visit, of L3's MLP against zeroing those calls on transformers' module
+    visits = [j for j in range(bridge.n_sublayers) if bridge.sublayer_name(j).startswith("L3.mlp@")]
+    one_visit = _reference_with_zeroed_calls(inkling_folders["loop"], {2})
+    _close(bridge.run_with_hooks(TOKENS, fwd_hooks=removal_hooks(bridge, [visits[1]])), one_visit, 1e-5)
+    every_visit = _reference_with_zeroed_calls(inkling_folders["loop"], None)
+    _close(bridge.run_with_hooks(TOKENS, fwd_hooks=removal_hooks(bridge, visits)), every_visit, 1e-5)
+    sensitivity = pruning_sensitivity(bridge, batch).set_index("label")
+    assert sensitivity.loc["L3.mlp@2", "dloss_remove"] == pytest.approx(_loss(one_visit) - clean, rel=1e-4, abs=1e-6)
+    assert sensitivity["routing_mass"].notna().all()  # M is defined on Inkling: layer 0 reads e with weight 1
+
+    # the rest runs and is shaped as on the toolkit's model
+    assert len(angular_distance_matrix(bridge, TOKENS)) == bridge.n_sublayers * (bridge.n_sublayers + 1) // 2
+    assert len(mixing_diagnostics(bridge, TOKENS)) == bridge.n_sublayers + 1
+    assert set(source_logit_lens(bridge, TOKENS, k=2)["vector"]) == {"source", "input"}
+    with pytest.raises(ValueError, match="use depth_mixing_matrix\\(model, tokens\\)"):
+        mixing_matrix_from_weights(bridge, weights)
+
+
+def _reference_with_zeroed_calls(folder: str, calls: set[int] | None) -> torch.Tensor:
+    """transformers' logits with layer 3's post-MLP convolution zeroed on `calls` (every call when None)."""
+    reference = _reference(folder)
+    reference.model.layers[3].post_mlp_convolution.register_forward_hook(_zero_calls(calls))
+    return reference(input_ids=TOKENS, use_cache=False).logits

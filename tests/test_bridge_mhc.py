@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attnres_lens import from_transformers  # noqa: E402
+from attnres_lens.analysis.depth import depth_mixing_matrix  # noqa: E402
 from attnres_lens.analysis.engine import evaluate  # noqa: E402
 from attnres_lens.analysis.interventions import removal_hooks, source_mask_hooks  # noqa: E402
 from attnres_lens.analysis.pruning import pruning_sensitivity  # noqa: E402
@@ -193,6 +194,9 @@ def test_mixing_coefficients_rebuild_every_sublayer_input(folder):
     assert coefficients[..., -1, 1:-1].std(dim=(0, 1)).min() > 1e-3
     rows = mixing_rows(bridge, coefficients.mean(dim=(0, 1)))  # the layout attnres_lens.mixing's tables read
     assert len(rows) == sum(c + 1 for c in range(n)) and rows[-1]["consumer_label"] == "final"
+    # the M analyses read the model's own method (docs/architecture.md §7, optional members)
+    table = depth_mixing_matrix(bridge, TOKENS)
+    assert table["weight"].to_numpy() == pytest.approx([row["weight"] for row in rows], rel=1e-12)
 
 
 def _direct_removal(reference, removed: set[int]) -> list:

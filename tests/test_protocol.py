@@ -33,6 +33,7 @@ from attnres_lens.analysis import (
 from attnres_lens.analysis.depth import depth_mixing_per_token, mixing_diagnostics, mixing_matrix_from_weights
 from attnres_lens.attnres import EMBEDDING
 from attnres_lens.evaluation import score_logits
+from attnres_lens.mixing import mixing_coefficients
 from attnres_lens.protocol import DEPTH_POINTS, DepthMixingModel
 
 from .helpers import ProtocolOnly, copy_batch, randomize_depth_parameters, small_config
@@ -257,3 +258,41 @@ def test_what_the_protocol_does_not_name_is_refused_with_the_reason():
     corrupted = batch.tokens.flip(0)
     with pytest.raises(ValueError, match="use the knockout mode"):
         edge_sensitivity(proxy, batch, corrupted=corrupted)
+
+
+def test_route_input_hooks_of_the_toolkit_model_are_its_inputs_and_channel_groups_have_none():
+    model = float64_attnres(2)
+    J = model.cfg.n_sublayers
+    assert [model.route_input_hook(c, "mix") for c in range(J)] == [model.sublayer_input_hook(c) for c in range(J)]
+    assert model.route_input_hook(J, "mix") == model.readout_input_hook
+    with pytest.raises(ValueError, match=r"route must be one of \['mix'\], got 'q'"):
+        model.route_input_hook(0, "q")
+    heads = HookedTransformer(small_config("attnres", 1, attnres_heads=2))
+    with pytest.raises(ValueError, match="route 'h0' mixes only its channel group"):
+        heads.route_input_hook(0, "h0")
+
+
+class OwnMixing(ProtocolOnly):
+    """A protocol model that computes M itself (as the DeepSeek V4 bridge does): a fixed random lower triangle."""
+
+    __slots__ = ()
+
+    def mixing_coefficients(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = self.n_sublayers + 1
+        generator = torch.Generator().manual_seed(3)
+        return torch.rand(*tokens.shape, n, n, generator=generator, dtype=torch.float64).tril()
+
+
+def test_a_models_own_mixing_coefficients_are_what_the_m_analyses_read():
+    plain = OwnMixing(HookedTransformer(small_config("standard")))  # no consumers: M from weights would be refused
+    tokens = copy_batch(2).tokens
+    own = plain.mixing_coefficients(tokens)
+    frame = depth_mixing_matrix(plain, tokens)
+    J = plain.n_sublayers
+    expected = own.mean(dim=(0, 1))
+    assert frame.set_index(["consumer", "sublayer"])["weight"].to_dict() == pytest.approx(
+        {(c, i): expected[c, i + 1].item() for c in range(J + 1) for i in [EMBEDDING, *range(c)]}
+    )
+    assert len(mixing_diagnostics(plain, tokens)) == J + 1
+    with pytest.raises(ValueError, match="computes M itself .* drop route='k'"):
+        mixing_coefficients(plain, tokens, route="k")

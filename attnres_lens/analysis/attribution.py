@@ -41,9 +41,9 @@ from attnres_lens.analysis.pruning import spearman
 from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.attnres import EMBEDDING
 from attnres_lens.evaluation import per_sequence_losses
-from attnres_lens.mixing import basis_index, mixing_coefficients
+from attnres_lens.mixing import basis_index, mixing_coefficients, routes_are_inputs
 from attnres_lens.model import HookedTransformer
-from attnres_lens.protocol import DepthMixingModel, model_device
+from attnres_lens.protocol import SINGLE_ROUTE, DepthMixingModel, depth_values, model_device
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch, check_scored_batch, check_target_ids, next_token_targets
 
 BatchLike = Batch | torch.Tensor
@@ -60,6 +60,8 @@ class DepthTerms:
     embedding: torch.Tensor  # e (token plus learned position embedding), [batch, pos, d_model]
     outputs: list[torch.Tensor]  # f_j
     inputs: list[torch.Tensor]  # h_c for c = 0 … J (J: the final readout's input)
+    mixes: dict[tuple[int, str], torch.Tensor]  # per consumer and route whose route is one whole input: what the
+    # depth mix hands the layer (`route_input_hook`; h_c itself unless a message gate follows)
     weights: dict[int, torch.Tensor]  # α per consumer, [batch, pos, n_sources] ([batch, pos, route, n_sources] with
     # several routes; for DenseFormer and mHC the depth-mixing coefficient of each output, docs/analysis.md §5)
     depth_logits: dict[int, torch.Tensor]  # z per consumer (depth-mixing consumers only)
@@ -89,9 +91,11 @@ class DepthTerms:
 
 
 def _check_single_head_mix(model: DepthMixingModel, what: str) -> None:
+    """Refuse consumers whose routes mix slices of one input (the toolkit's channel groups); routes that are whole
+    inputs (Inkling's q, k, v) are each decomposed on their own."""
     for consumer in model.consumers():
         routes = model.routes(consumer)
-        if len(routes) != 1:
+        if not routes_are_inputs(model, consumer):
             heads = f"heads={model.cfg.attnres_heads}" if isinstance(model, HookedTransformer) else f"routes {routes}"
             raise ValueError(
                 f"{what} needs one weight per source; this model's depth attention has {heads} "
@@ -125,11 +129,16 @@ def depth_terms(model: DepthMixingModel, tokens: torch.Tensor, gradient_of: Call
     for consumer in consumers:
         names[("alpha", consumer)] = model.depth_hook(consumer, "weights")
         names[("z", consumer)] = model.depth_hook(consumer, "logits")
+        if routes_are_inputs(model, consumer):
+            names.update({("mix", consumer, r): model.route_input_hook(consumer, r) for r in model.routes(consumer)})
     saved: dict[Any, torch.Tensor] = {}
-    by_name = {name: key for key, name in names.items()}
+    by_name: dict[str, list[Any]] = {}  # one hook may serve several keys (a mix that is its sublayer's input)
+    for key, name in names.items():
+        by_name.setdefault(name, []).append(key)
 
     def save(tensor: torch.Tensor, hook) -> None:
-        saved[by_name[hook.name]] = tensor
+        for key in by_name[hook.name]:
+            saved[key] = tensor
 
     def leaf(tensor: torch.Tensor, hook) -> torch.Tensor:
         # a fresh leaf, so gradients exist even if the parameters are frozen; same values
@@ -150,6 +159,7 @@ def depth_terms(model: DepthMixingModel, tokens: torch.Tensor, gradient_of: Call
         embedding=embedding,
         outputs=[saved[("out", j)] for j in range(n_sublayers)],
         inputs=[saved[("in", j)] for j in range(n_sublayers + 1)],
+        mixes={key[1:]: tensor for key, tensor in saved.items() if key[0] == "mix"},
         weights={c: saved[("alpha", c)] for c in consumers},
         depth_logits={c: saved[("z", c)] for c in consumers},
         scale=saved.get("scale"),
@@ -179,6 +189,7 @@ def _detached(terms: DepthTerms) -> DepthTerms:
     terms.embedding = detach(terms.embedding)
     terms.outputs = [detach(t) for t in terms.outputs]
     terms.inputs = [detach(t) for t in terms.inputs]
+    terms.mixes = {key: detach(t) for key, t in terms.mixes.items()}
     terms.weights = {c: detach(t) for c, t in terms.weights.items()}
     terms.depth_logits = {c: detach(t) for c, t in terms.depth_logits.items()}
     terms.scale = None if terms.scale is None else detach(terms.scale)
@@ -329,13 +340,15 @@ def logit_attribution_summary(attribution: pd.DataFrame) -> pd.DataFrame:
 
 @torch.no_grad()
 def depth_input_decomposition(model: DepthMixingModel, tokens: torch.Tensor, per_token: bool = False) -> pd.DataFrame:
-    """Every consumer's input split into its per-source terms `α_s v_s`.
+    """Every consumer's input split into its per-source terms `α_s v_s` (v_s the vector the mix sums:
+    the source itself, or with a value transform, `depth_values`, Inkling's RMS-normalised `r_s b_s`).
 
-    Token-averaged (default), one row per (consumer, source): consumer, consumer_label, kind, source,
-    source_label, members, alpha, term_norm (‖α_s v_s‖), share (`⟨α_s v_s, h_c⟩ / ‖h_c‖²`; a consumer's shares
-    sum to 1 at every token, since `Σ_s α_s v_s = h_c`). With `per_token`, the same per (sequence, position).
-    Every sublayer and the final readout for the toolkit's model (a plain sum has α = 1); a protocol model's
-    consumers otherwise.
+    Token-averaged (default), one row per (consumer, route, source): consumer, consumer_label, kind, route ('mix'
+    for one softmax; 'q', 'k', 'v' where a consumer feeds several inputs), source, source_label, members, alpha,
+    term_norm (‖α_s v_s‖), share (`⟨α_s v_s, h⟩ / ‖h‖²` with h the route's mix output, `route_input_hook`; a
+    route's shares sum to 1 at every token, since `Σ_s α_s v_s = h`). With `per_token`, the same per (sequence,
+    position). Every sublayer and the final readout for the toolkit's model (a plain sum has α = 1); a protocol
+    model's consumers otherwise (a message gate that follows a mix is not part of it).
     """
     _check_single_head_mix(model, "depth_input_decomposition")
     terms = depth_terms(model, tokens)
@@ -343,23 +356,27 @@ def depth_input_decomposition(model: DepthMixingModel, tokens: torch.Tensor, per
     batch, pos = terms.tokens.shape
     every = isinstance(model, HookedTransformer)
     for consumer in range(model.n_sublayers + 1) if every else _require_consumers(model, "the input decomposition"):
-        h = terms.inputs[consumer].double()
-        norm2 = (h * h).sum(-1).clamp_min(1e-300)
+        routes = model.routes(consumer) if consumer in terms.weights else [SINGLE_ROUTE]
         alpha = terms.alpha(model, consumer).double()
-        for info, vector, a in zip(
-            _source_info(model, consumer), terms.source_vectors(model, consumer), alpha.unbind(-1)
-        ):
-            term = a[..., None] * vector.double()
-            values = {"alpha": a, "term_norm": term.norm(dim=-1), "share": (term * h).sum(-1) / norm2}
-            if per_token:
-                frame = pd.DataFrame({key: value.reshape(-1).cpu().numpy() for key, value in values.items()})
-                frame.insert(0, "position", np.tile(np.arange(pos), batch))
-                frame.insert(0, "sequence", np.repeat(np.arange(batch), pos))
-            else:
-                frame = pd.DataFrame({key: [value.mean().item()] for key, value in values.items()})
-            for key, value in reversed(list({**_consumer_info(model, consumer), **info}.items())):
-                frame.insert(0, key, value)
-            frames.append(frame)
+        by_route = alpha if len(routes) > 1 else alpha.unsqueeze(-2)
+        sources = [vector.double() for vector in terms.source_vectors(model, consumer)]
+        values = depth_values(model, consumer, sources) if consumer in terms.weights else sources
+        for r, route in enumerate(routes):
+            h = terms.mixes.get((consumer, route), terms.inputs[consumer]).double()
+            norm2 = (h * h).sum(-1).clamp_min(1e-300)
+            for info, vector, a in zip(_source_info(model, consumer), values, by_route[..., r, :].unbind(-1)):
+                term = a[..., None] * vector
+                values_of = {"alpha": a, "term_norm": term.norm(dim=-1), "share": (term * h).sum(-1) / norm2}
+                if per_token:
+                    frame = pd.DataFrame({key: value.reshape(-1).cpu().numpy() for key, value in values_of.items()})
+                    frame.insert(0, "position", np.tile(np.arange(pos), batch))
+                    frame.insert(0, "sequence", np.repeat(np.arange(batch), pos))
+                else:
+                    frame = pd.DataFrame({key: [value.mean().item()] for key, value in values_of.items()})
+                labels = {**_consumer_info(model, consumer), "route": route, **info}
+                for key, value in reversed(list(labels.items())):
+                    frame.insert(0, key, value)
+                frames.append(frame)
     return pd.concat(frames, ignore_index=True)
 
 
@@ -646,17 +663,19 @@ def edge_agreement(
 def routing_audit(
     model: DepthMixingModel, batch: Batch, n_boot: int = 1000, seed: int = 0, progress: bool = False
 ) -> dict[str, pd.DataFrame]:
-    """α mass against causal effect, per consumer of an AttnRes model, with bootstrap confidence intervals over
-    sequences (95%, percentile), and two content-independent null schedules.
+    """α mass against causal effect, per consumer (and route) of an AttnRes model, with bootstrap confidence
+    intervals over sequences (95%, percentile), and two content-independent null schedules.
 
-    Exact effects: each source knocked out of each consumer alone (as `causal_routing`), per sequence. Null
-    schedules, each replacing one consumer's α at every token (`hook_weights`): `mean` — its token-averaged α (the
-    same mass, no dependence on the content); `recency` — one profile over "how many sources back" pooled over
-    all consumers (the token-averaged α at each recency, averaged over consumers, renormalised per consumer).
+    Exact effects: each source knocked out of each consumer alone, every route of it (as `causal_routing`), per
+    sequence. Null schedules, each replacing one consumer's α at every token (`hook_weights`), every route with its
+    own: `mean` — its token-averaged α (the same mass, no dependence on the content); `recency` — one profile over
+    "how many sources back" pooled over all consumers and routes (the token-averaged α at each recency, averaged,
+    renormalised per consumer).
 
-    Returns `pairs` (consumer × source: alpha_mass, delta_loss with _low / _high) and `consumers` (per consumer:
-    n_sources; spearman of mass vs Δloss over its sources with _low / _high (NaN for two sources); top_mass_label,
-    top_effect_label; null_mean_dloss and null_recency_dloss with _low / _high).
+    Returns `pairs` (consumer × route × source: alpha_mass (the route's), delta_loss with _low / _high) and
+    `consumers` (per consumer and route: n_sources; spearman of the route's mass vs Δloss over its sources with
+    _low / _high (NaN for two sources); top_mass_label, top_effect_label; null_mean_dloss and null_recency_dloss
+    with _low / _high, the consumer's, the same on each of its routes). `route` is 'mix' for one softmax.
     """
     _require_consumers(model, "the routing audit")
     _check_single_head_mix(model, "routing_audit")
@@ -668,9 +687,10 @@ def routing_audit(
         raise ValueError("a bootstrap over sequences needs at least 2 sequences")
     terms = depth_terms(model, batch.tokens)
     consumers = [c for c in sorted(terms.weights) if terms.weights[c].shape[-1] > 1]
+    by_route = {c: _with_route_axis(model, c, terms.weights[c]).double() for c in consumers}  # [b, p, route, src]
     counts = (batch.targets != IGNORE_INDEX).sum(-1).double().cpu()  # per sequence
-    mass = {c: terms.weights[c].double().mean(1).cpu() for c in consumers}  # [seq, n_sources]
-    schedules = _null_schedules(model, terms, consumers)
+    mass = {c: by_route[c].mean(1).cpu() for c in consumers}  # [seq, route, n_sources]
+    schedules = _null_schedules(by_route, consumers, terms.embedding.dtype)
 
     interventions: list[list[Hook]] = [[]]
     keys: list[tuple] = [("clean",)]
@@ -702,42 +722,51 @@ def routing_audit(
     for c in consumers:
         n_sources = terms.weights[c].shape[-1]
         labels = model.source_labels(c)
-        point_mass = mass[c].mean(0)  # equal positions per sequence: the token mean
-        boot_mass = (weight @ mass[c]) / weight.sum(-1, keepdim=True)
         effects = [effect(("knockout", c, s)) for s in range(n_sources)]
         boot_effects = torch.stack([boots for _, boots in effects], -1)  # [n_boot, n_sources]
-        for s in range(n_sources):
-            pair_rows.append(
-                {
-                    **_consumer_info(model, c),
-                    "source": s,
-                    "source_label": labels[s],
-                    "alpha_mass": point_mass[s].item(),
-                    **_interval("alpha_mass", boot_mass[:, s]),
-                    "delta_loss": effects[s][0],
-                    **_interval("delta_loss", boot_effects[:, s]),
-                }
-            )
         point_effects = [value for value, _ in effects]
-        row = {
-            **_consumer_info(model, c),
-            "n_sources": n_sources,
-            "spearman": spearman(point_mass.tolist(), point_effects) if n_sources > 2 else float("nan"),
-        }
-        if n_sources > 2:
-            boots = spearman_rows(boot_mass, boot_effects)
-            row.update(_interval("spearman", boots[~boots.isnan()]))
-        else:
-            row.update(spearman_low=float("nan"), spearman_high=float("nan"))
-        row.update(
-            top_mass_label=labels[int(point_mass.argmax())], top_effect_label=labels[int(np.argmax(point_effects))]
-        )
-        for name in schedules[c]:
-            value, boots = effect((name, c))
-            row[f"null_{name}_dloss"] = value
-            row.update(_interval(f"null_{name}_dloss", boots))
-        consumer_rows.append(row)
+        nulls = {name: effect((name, c)) for name in schedules[c]}
+        routes = model.routes(c)
+        for r, route in enumerate(routes):
+            route_mass = mass[c][:, r]  # [seq, n_sources]
+            point_mass = route_mass.mean(0)  # equal positions per sequence: the token mean
+            boot_mass = (weight @ route_mass) / weight.sum(-1, keepdim=True)
+            info = {**_consumer_info(model, c), "route": route}
+            for s in range(n_sources):
+                pair_rows.append(
+                    {
+                        **info,
+                        "source": s,
+                        "source_label": labels[s],
+                        "alpha_mass": point_mass[s].item(),
+                        **_interval("alpha_mass", boot_mass[:, s]),
+                        "delta_loss": effects[s][0],
+                        **_interval("delta_loss", boot_effects[:, s]),
+                    }
+                )
+            row = {
+                **info,
+                "n_sources": n_sources,
+                "spearman": spearman(point_mass.tolist(), point_effects) if n_sources > 2 else float("nan"),
+            }
+            if n_sources > 2:
+                boots = spearman_rows(boot_mass, boot_effects)
+                row.update(_interval("spearman", boots[~boots.isnan()]))
+            else:
+                row.update(spearman_low=float("nan"), spearman_high=float("nan"))
+            row.update(
+                top_mass_label=labels[int(point_mass.argmax())], top_effect_label=labels[int(np.argmax(point_effects))]
+            )
+            for name, (value, boots) in nulls.items():
+                row[f"null_{name}_dloss"] = value
+                row.update(_interval(f"null_{name}_dloss", boots))
+            consumer_rows.append(row)
     return {"pairs": pd.DataFrame(pair_rows), "consumers": pd.DataFrame(consumer_rows)}
+
+
+def _with_route_axis(model: DepthMixingModel, consumer: int, weights: torch.Tensor) -> torch.Tensor:
+    """`[batch, pos, route, n_sources]`: a one-route consumer's weights gain an axis of one."""
+    return weights if len(model.routes(consumer)) > 1 else weights.unsqueeze(-2)
 
 
 def spearman_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -763,23 +792,24 @@ def _interval(name: str, samples: torch.Tensor) -> dict[str, float]:
 
 
 def _null_schedules(
-    model: DepthMixingModel, terms: DepthTerms, consumers: Sequence[int]
+    by_route: dict[int, torch.Tensor], consumers: Sequence[int], dtype: torch.dtype
 ) -> dict[int, dict[str, torch.Tensor]]:
-    """Per consumer, the `mean` and `recency` schedules (see `routing_audit`), each [n_sources]."""
-    means = {c: terms.weights[c].double().mean(dim=(0, 1)) for c in consumers}
+    """Per consumer, the `mean` and `recency` schedules (see `routing_audit`), each [n_sources], or [route,
+    n_sources] where the consumer's weights have a route axis (`by_route[c]` always has one)."""
+    means = {c: by_route[c].mean(dim=(0, 1)) for c in consumers}  # [route, n_sources]
     by_recency: dict[int, list[float]] = {}
     for c in consumers:
-        for back, weight in enumerate(reversed(means[c].tolist())):  # 0 = the most recent source
-            by_recency.setdefault(back, []).append(weight)
+        for route_means in means[c]:
+            for back, weight in enumerate(reversed(route_means.tolist())):  # 0 = the most recent source
+                by_recency.setdefault(back, []).append(weight)
     profile = {back: float(np.mean(weights)) for back, weights in by_recency.items()}
     schedules = {}
     for c in consumers:
-        n = len(means[c])
+        n_routes, n = means[c].shape
         recency = torch.tensor([profile[n - 1 - s] for s in range(n)], dtype=torch.float64)
-        schedules[c] = {
-            "mean": means[c].to(terms.embedding.dtype),
-            "recency": (recency / recency.sum()).to(terms.embedding.dtype),
-        }
+        recency = (recency / recency.sum()).expand(n_routes, n)
+        shape = means[c].shape if n_routes > 1 else means[c].shape[1:]  # as the consumer's hook_weights
+        schedules[c] = {"mean": means[c].reshape(shape).to(dtype), "recency": recency.reshape(shape).to(dtype)}
     return schedules
 
 

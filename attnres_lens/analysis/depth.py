@@ -17,14 +17,22 @@ from attnres_lens.analysis.session import clean_result
 from attnres_lens.attnres import EMBEDDING
 from attnres_lens.mixing import check_mixing_defined, mixing_coefficients, mixing_rows, stream_dominance
 from attnres_lens.model import HookedTransformer
-from attnres_lens.protocol import DepthMixingModel
+from attnres_lens.protocol import (
+    DepthMixingModel,
+    consumer_index,
+    consumer_kind,
+    consumer_label,
+    depth_consumers,
+    direct_inputs,
+)
 
 
 @torch.no_grad()
-def depth_weights_by_route(model: DepthMixingModel, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+def depth_weights_by_route(model: DepthMixingModel, tokens: torch.Tensor) -> dict[int | str, torch.Tensor]:
     """α of every consumer per route, `{consumer: [batch, pos, route, n_sources]}` (one route: an axis of one), read
-    at `model.depth_hook(consumer, "weights")` in one pass."""
-    consumers = model.consumers()
+    at `model.depth_hook(consumer, "weights")` in one pass; message consumers (`protocol.message_consumers`, named
+    by strings) after the sublayer consumers."""
+    consumers = depth_consumers(model)
     if not consumers:
         residual = f"a residual={model.cfg.residual!r} model" if isinstance(model, HookedTransformer) else "this model"
         raise ValueError(f"{residual} has no depth attention; its mixing weights are in depth_mixing_matrix")
@@ -36,32 +44,33 @@ def depth_weights_by_route(model: DepthMixingModel, tokens: torch.Tensor) -> dic
     }
 
 
-def depth_weights_by_consumer(model: DepthMixingModel, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+def depth_weights_by_consumer(model: DepthMixingModel, tokens: torch.Tensor) -> dict[int | str, torch.Tensor]:
     """α of every consumer, `{consumer: [batch, pos, n_sources]}`, averaged over its routes: with the toolkit's
     `attnres_heads > 1` each channel group has its own α and the vector's effective weight is their mean."""
     return {consumer: weights.mean(-2) for consumer, weights in depth_weights_by_route(model, tokens).items()}
 
 
-def edge_info(model: DepthMixingModel, consumer: int, source: int) -> dict:
-    """The columns naming a depth edge in every edge table: consumer, consumer_label, kind, source, source_label,
-    members (the sublayer indices summed in the source, −1 = the embedding)."""
+def edge_info(model: DepthMixingModel, consumer: int | str, source: int) -> dict:
+    """The columns naming a depth edge in every edge table: consumer (`protocol.consumer_index`: J + 1 + k for the
+    k-th message consumer), consumer_label, kind, source, source_label, members (the sublayer indices summed in the
+    source, −1 = the embedding)."""
     return dict(
-        consumer=consumer,
-        consumer_label=model.sublayer_name(consumer),
-        kind=model.sublayer_kind(consumer),
+        consumer=consumer_index(model, consumer),
+        consumer_label=consumer_label(model, consumer),
+        kind=consumer_kind(model, consumer),
         source=source,
         source_label=model.source_labels(consumer)[source],
         members=",".join(map(str, model.sources(consumer)[source])),
     )
 
 
-def _source_rows(model: DepthMixingModel, consumer: int) -> list[dict]:
-    label = model.sublayer_name(consumer)
+def _source_rows(model: DepthMixingModel, consumer: int | str) -> list[dict]:
+    label = consumer_label(model, consumer)
     return [
         dict(
-            consumer=consumer,
+            consumer=consumer_index(model, consumer),
             consumer_label=label,
-            kind=model.sublayer_kind(consumer),
+            kind=consumer_kind(model, consumer),
             route=route,
             source=source,
             source_label=source_label,
@@ -73,7 +82,8 @@ def _source_rows(model: DepthMixingModel, consumer: int) -> list[dict]:
 
 def depth_weights(model: DepthMixingModel, tokens: torch.Tensor) -> pd.DataFrame:
     """Token-averaged α per consumer × route × source: consumer, consumer_label, kind, route ('mix' for a
-    consumer with one softmax; 'h0', … or 'q', 'k', 'v' for several), source, source_label, weight."""
+    consumer with one softmax; 'h0', … or 'q', 'k', 'v' for several), source, source_label, weight. A message
+    consumer ('L2.msg@2', kind 'msg', routes q, k, v, mlp) has consumer J + 1 + k (`protocol.consumer_index`)."""
     rows = []
     for consumer, weights in depth_weights_by_route(model, tokens).items():
         for row, weight in zip(_source_rows(model, consumer), weights.mean(dim=(0, 1)).flatten().tolist()):
@@ -107,8 +117,10 @@ def depth_weights_per_token(model: DepthMixingModel, tokens: torch.Tensor) -> pd
         "source_label",
         "weight",
     ]
+    # frames come in consumer order, each in (sequence, position, route, source) order: a stable sort by token
+    # keeps that within a token (routes in the model's order, q, k, v)
     return pd.concat(frames, ignore_index=True)[columns].sort_values(
-        ["sequence", "position", "consumer", "route", "source"], ignore_index=True
+        ["sequence", "position"], ignore_index=True, kind="stable"
     )
 
 
@@ -128,9 +140,9 @@ def depth_summary(model: DepthMixingModel, tokens: torch.Tensor) -> pd.DataFrame
             sink = int(mean_shares.argmax())
             rows.append(
                 dict(
-                    consumer=consumer,
-                    consumer_label=model.sublayer_name(consumer),
-                    kind=model.sublayer_kind(consumer),
+                    consumer=consumer_index(model, consumer),
+                    consumer_label=consumer_label(model, consumer),
+                    kind=consumer_kind(model, consumer),
                     route=route,
                     n_sources=n_sources,
                     entropy=entropy,
@@ -206,9 +218,20 @@ def mixing_matrix_from_weights(model: DepthMixingModel, weights: pd.DataFrame) -
     """`depth_mixing_matrix` from token-averaged source weights (columns consumer, source, weight), such as
     `depth_weights` or a recorded snapshot (`records/depth_weights.parquet` at one step): M is linear in them.
     Rows per route (a `route` column) are averaged over routes: the toolkit's channel groups are equal, so that is
-    the coefficient averaged over channels; a protocol model must have one route per consumer (`mixing`)."""
+    the coefficient averaged over channels; a protocol model must mix raw sources with one route per consumer
+    (token-averaged α cannot give the token-averaged α_s r_s of normalised values, `mixing`)."""
+    direct = {}
     if not isinstance(model, HookedTransformer):
         check_mixing_defined(model)
+        several = [c for c in model.consumers() if len(model.routes(c)) > 1]
+        if several or any(hasattr(model, name) for name in ("depth_values", "mixing_coefficients")):
+            raise ValueError(
+                "M from token-averaged weights needs one route per consumer mixing raw sources; "
+                f"{type(model).__name__} "
+                + (f"runs several routes at {[model.sublayer_name(c) for c in several]}" if several else "does not")
+                + ": use depth_mixing_matrix(model, tokens), which reads M per token"
+            )
+        direct = direct_inputs(model)
     if "route" in weights.columns:
         weights = weights.groupby(["consumer", "source"], as_index=False)["weight"].mean()
     by_consumer = {
@@ -216,12 +239,17 @@ def mixing_matrix_from_weights(model: DepthMixingModel, weights: pd.DataFrame) -
     }
     rows = []
     for consumer in range(model.n_sublayers + 1):
+        if consumer in direct:  # a plain sum: weight 1 on each member
+            by_consumer[consumer] = {0: 1.0}
+            sources = [direct[consumer]]
+        else:
+            sources = model.sources(consumer)
         if consumer not in by_consumer:
             raise ValueError(
                 f"the source weights have no rows for consumer {consumer} ({model.sublayer_name(consumer)})"
             )
         effective = {i: 0.0 for i in [EMBEDDING, *range(consumer)]}
-        for source, members in enumerate(model.sources(consumer)):
+        for source, members in enumerate(sources):
             for member in members:
                 effective[member] += by_consumer[consumer][source]
         for sublayer, weight in effective.items():

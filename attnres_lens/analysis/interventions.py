@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from attnres_lens.model import HookedTransformer
-from attnres_lens.protocol import DepthMixingModel
+from attnres_lens.protocol import DepthMixingModel, depth_consumers
 
 Hook = tuple[str, Callable]
 
@@ -81,17 +81,19 @@ def removal_hooks(model: DepthMixingModel, removed: Iterable[int]) -> list[Hook]
     if bad:
         raise ValueError(f"sublayers {bad} are out of range 0..{n_sublayers - 1}")
     hooks: list[Hook] = [(model.sublayer_output_hook(j), _zero) for j in sorted(removed)]
-    for consumer in model.consumers():
+    for consumer in depth_consumers(model):
         emptied = [s for s, members in enumerate(model.sources(consumer)) if set(members) <= removed]
-        if emptied:
+        # a message consumer may lose every source (the whole previous pass removed): its sources are then all
+        # zero, and so its messages, with nothing left to renormalise over
+        if emptied and len(emptied) < len(model.sources(consumer)):
             hooks.append((model.depth_hook(consumer, "logit_bias"), mask_sources_hook(emptied)))
     return hooks
 
 
-def source_mask_hooks(model: DepthMixingModel, consumer: int, sources: Sequence[int]) -> list[Hook]:
-    """Hooks that knock `sources` out of one consumer's depth softmax, every route of it (depth-mixing consumers
-    only)."""
-    if consumer not in model.consumers():
+def source_mask_hooks(model: DepthMixingModel, consumer: int | str, sources: Sequence[int]) -> list[Hook]:
+    """Hooks that knock `sources` out of one consumer's depth softmax, every route of it (depth-mixing consumers,
+    message consumers included)."""
+    if consumer not in depth_consumers(model):
         what = f"residual={model.cfg.residual!r}" if isinstance(model, HookedTransformer) else "not a consumer"
         raise ValueError(f"consumer {consumer} has no depth attention ({what})")
     n_sources = len(model.sources(consumer))

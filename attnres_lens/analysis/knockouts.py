@@ -48,9 +48,10 @@ def edge_knockouts(
     """Δloss of knocking each source out of each consumer (consumers with ≥ 2 sources), measured exactly in two
     stages (module docstring); `screen_fraction=1` measures every edge on every sequence.
 
-    One row per edge, ranked by Δloss (rank 1 = the edge whose removal hurts most): consumer, consumer_label,
-    kind, source, source_label, members, alpha_mass, delta_loss with delta_loss_low / delta_loss_high, sequences
-    (how many it was measured on), measured ('all' or 'screen'), rank. `attrs["cost"]` is the knockout passes run
+    Message consumers (`protocol.message_consumers`: Inkling-2-Mini's 'L2.msg@2', kind 'msg') are knocked out
+    like the others, as consumer J + 1 + k (`protocol.consumer_index`). One row per edge, ranked by Δloss (rank 1 = the edge whose removal hurts most): consumer,
+    consumer_label, kind, source, source_label, members, alpha_mass, delta_loss with delta_loss_low /
+    delta_loss_high, sequences (how many it was measured on), measured ('all' or 'screen'), rank. `attrs["cost"]` is the knockout passes run
     relative to every edge on every sequence; `attrs["screen"]` the screen's sequence indices.
     """
     if isinstance(screen_fraction, bool) or not isinstance(screen_fraction, (int, float)):
@@ -74,7 +75,7 @@ def edge_knockouts(
     order = torch.randperm(n_seq, generator=torch.Generator().manual_seed(seed))
     screen, rest = order[:n_screen].sort().values, order[n_screen:].sort().values
     weights = depth_weights_by_consumer(model, batch.tokens)
-    edges = [(c, s) for c, w in sorted(weights.items()) if w.shape[-1] > 1 for s in range(w.shape[-1])]
+    edges = [(c, s) for c, w in weights.items() if w.shape[-1] > 1 for s in range(w.shape[-1])]  # consumer order
     if not edges:
         raise ValueError("no consumer of this model reads two or more sources: there is no edge to knock out")
     counts = (batch.targets != IGNORE_INDEX).sum(-1).double().cpu()

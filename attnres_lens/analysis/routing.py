@@ -24,7 +24,8 @@ def causal_routing(model: DepthMixingModel, batch: Batch, progress: bool = False
     """One row per (consumer, source) of consumers with ≥ 2 sources: consumer, consumer_label, kind, source,
     source_label, members (sublayer indices summed in the source, −1 = embedding), alpha_mass, delta_loss,
     delta_accuracy. A knockout takes the source out of every route of the consumer; alpha_mass is then the mass
-    averaged over its routes."""
+    averaged over its routes. Message consumers (Inkling-2-Mini's 'L2.msg@2', kind 'msg') come after the
+    sublayer consumers, as consumer J + 1 + k (`protocol.consumer_index`)."""
     batch = check_scored_batch(batch.to(model_device(model)), model.d_vocab)
     weights = depth_weights_by_consumer(model, batch.tokens)
     base = evaluate(model, batch)
