@@ -36,6 +36,7 @@ from attnres_lens.protocol import SINGLE_ROUTE, check_depth_point
 
 TRANSFORMERS_VERSION = "5.25.0"  # the version whose Inkling model code the bridge mirrors (pyproject.toml pins it)
 SUPPORTED_MODELS = ("Inkling2ForCausalLM", "Inkling2LoopForCausalLM")
+EVERY_SUPPORTED_MODEL = ", ".join((*SUPPORTED_MODELS, "DeepseekV4ForCausalLM"))  # the last one opens in bridge_mhc
 FULL_ATTENTION_ROUTES = ("q", "k", "v")  # the three inputs of a full-attention layer, one query each
 MESSAGE_ROUTES = ("q", "k", "v", "mlp")  # the loop's four messages per looped layer
 _HOOKED_ATTENTION = "attnres_lens_hooked_eager"  # our name in transformers' AttentionInterface
@@ -65,7 +66,7 @@ def from_transformers(model_or_dir: nn.Module | str | Path, **load_kwargs: Any) 
         model = model_or_dir
     if type(model).__name__ not in SUPPORTED_MODELS:
         raise TypeError(
-            f"from_transformers supports {', '.join(SUPPORTED_MODELS)}; got {type(model).__name__} (text models "
+            f"from_transformers supports {EVERY_SUPPORTED_MODEL}; got {type(model).__name__} (text models "
             "only: the vision-language Inkling2ForConditionalGeneration and its Loop variant are out of scope)"
         )
     return InklingBridge(model)
@@ -94,7 +95,7 @@ def _load(folder: Path, load_kwargs: dict[str, Any], transformers: Any) -> nn.Mo
     if not supported:
         raise TypeError(
             f"{str(folder)!r} holds a {', '.join(architectures) or 'model of unnamed architecture'}; "
-            f"from_transformers supports {', '.join(SUPPORTED_MODELS)}"
+            f"from_transformers supports {EVERY_SUPPORTED_MODEL}"
         )
     return getattr(transformers, supported[0]).from_pretrained(folder, **load_kwargs)
 

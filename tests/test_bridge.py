@@ -271,7 +271,9 @@ def test_protocol_names_and_hook_points(inkling_folders):
 
 
 def test_refusals(inkling_folders, tmp_path, monkeypatch):
-    with pytest.raises(TypeError, match="supports Inkling2ForCausalLM, Inkling2LoopForCausalLM; got Linear"):
+    with pytest.raises(
+        TypeError, match="supports Inkling2ForCausalLM, Inkling2LoopForCausalLM, DeepseekV4ForCausalLM; got Linear"
+    ):
         from_transformers(torch.nn.Linear(2, 2))
     other = tmp_path / "llama"
     other.mkdir()
