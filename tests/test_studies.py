@@ -31,7 +31,8 @@ def test_the_read_off_inverts_the_standard_line():
 def test_the_interval_is_a_t_interval_on_the_logarithms():
     summary = compute_multiplier.summarise([1.2, 1.3])
     logs = [math.log(1.2), math.log(1.3)]
-    half = 12.706 * abs(logs[0] - logs[1]) / math.sqrt(2) / math.sqrt(2)  # sd of two values = |a − b| / √2
+    t = math.tan(math.pi * 0.475)  # the 97.5% quantile of t with 1 degree of freedom (the Cauchy distribution)
+    half = t * abs(logs[0] - logs[1]) / math.sqrt(2) / math.sqrt(2)  # sd of two values = |a − b| / √2
     assert summary["mean"] == pytest.approx(math.sqrt(1.2 * 1.3))
     assert summary["low"] == pytest.approx(math.exp(sum(logs) / 2 - half))
     assert summary["high"] == pytest.approx(math.exp(sum(logs) / 2 + half)) and summary["seeds"] == 2

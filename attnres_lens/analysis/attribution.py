@@ -355,12 +355,13 @@ def depth_input_decomposition(model: DepthMixingModel, tokens: torch.Tensor, per
     frames = []
     batch, pos = terms.tokens.shape
     every = isinstance(model, HookedTransformer)
+    mixes = set(model.consumers())  # DenseFormer's and mHC's weights come from M: no depth softmax, one route
     for consumer in range(model.n_sublayers + 1) if every else _require_consumers(model, "the input decomposition"):
-        routes = model.routes(consumer) if consumer in terms.weights else [SINGLE_ROUTE]
+        routes = model.routes(consumer) if consumer in mixes else [SINGLE_ROUTE]
         alpha = terms.alpha(model, consumer).double()
         by_route = alpha if len(routes) > 1 else alpha.unsqueeze(-2)
         sources = [vector.double() for vector in terms.source_vectors(model, consumer)]
-        values = depth_values(model, consumer, sources) if consumer in terms.weights else sources
+        values = depth_values(model, consumer, sources) if consumer in mixes else sources
         for r, route in enumerate(routes):
             h = terms.mixes.get((consumer, route), terms.inputs[consumer]).double()
             norm2 = (h * h).sum(-1).clamp_min(1e-300)
