@@ -172,10 +172,7 @@ def _bridged_scores(
         batch = repeated_batch(n_samples, default_half_len(model), vocab_size or model.d_vocab, seed)
     batch = batch.to(model_device(model))
     half_len = _check_repeated(batch.tokens)
-    names = {
-        (step.layer, step.visit or 0): model.layer_hooks(step.layer, step.visit).attn.hook_pattern.name
-        for step in model.visits
-    }
+    names = pattern_hooks(model)
     clean = capture(model, batch.tokens, names.values())
     base_loss = evaluate(model, batch).answer_loss
     rows = []
@@ -202,6 +199,15 @@ def _bridged_scores(
                 )
             )
     return pd.DataFrame(rows)
+
+
+def pattern_hooks(model: DepthMixingModel) -> dict[tuple[int, int], str]:
+    """A bridged Inkling model's attention-pattern hook names by (layer, visit), in forward order (visit 1, 2, … on
+    a looped layer, 0 on a layer that runs once; docs/interop.md §7)."""
+    return {
+        (step.layer, step.visit or 0): model.layer_hooks(step.layer, step.visit).attn.hook_pattern.name
+        for step in model.visits
+    }
 
 
 def head_row_labels(scores: pd.DataFrame) -> pd.Series:
