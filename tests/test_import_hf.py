@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -16,7 +17,9 @@ transformers = pytest.importorskip("transformers")
 
 from attnres_lens import from_transformers  # noqa: E402
 from attnres_lens.analysis.engine import evaluate  # noqa: E402
+from attnres_lens.analysis.induction import task_probe  # noqa: E402
 from attnres_lens.analysis.interventions import removal_hooks  # noqa: E402
+from attnres_lens.analysis.kv_shift import conv_tap_decomposition  # noqa: E402
 from attnres_lens.analysis.visits import sublayers_named, visit_groups, visit_knockouts, visit_removals  # noqa: E402
 from attnres_lens.rundir import RunDirError, load_run  # noqa: E402
 from attnres_lens.tasks import make_task  # noqa: E402
@@ -112,13 +115,23 @@ def test_analyze_prune_attribute_run_and_say_what_they_skip(hf_runs, kind, tmp_p
         assert code == 0, err
         assert "Traceback" not in out + err
     analysis = json.loads((run / "analysis" / "analysis_summary.json").read_text())
-    skipped = {row["table"]: row["reason"] for row in analysis["skipped"]}
-    assert "toolkit's own model" in skipped["induction_heads"]
+    skipped = {row["table"]: row["reason"] for row in analysis.get("skipped", [])}
+    assert "induction_heads" not in skipped and analysis["top_induction_heads"]
     assert "top_depth_sources" in analysis and (run / "analysis" / "depth_weights.csv").is_file()
     attribution = json.loads((run / "analysis" / "attribution_summary.json").read_text())
-    assert {"depth_dla", "kv_shift"} <= {row["table"] for row in attribution["skipped"]}
+    assert "depth_dla" in {row["table"] for row in attribution["skipped"]}
+    assert "kv_shift" not in {row["table"] for row in attribution["skipped"]}
     assert attribution["top_edges"]  # exact knockouts ran
-    assert "not computed: kv_shift: " in out  # the attribute command's own lines say what it skipped
+    assert "not computed: depth_dla: " in out  # the attribute command's own lines say what it skipped
+    # the K/V tap table is conv_tap_decomposition of the transformers model on the run's repeated-tokens probe
+    loaded = load_run(run)
+    probe = task_probe(loaded.model, loaded.config.build_task(), 8)
+    expected = conv_tap_decomposition(loaded.model.hf_model, probe)
+    written = pd.read_parquet(run / "analysis" / "kv_shift.parquet")
+    assert list(written.columns) == list(expected.columns) and set(expected["width"]) == {4}
+    pd.testing.assert_frame_equal(written, expected, check_dtype=False, rtol=1e-6)
+    induction = pd.read_parquet(run / "analysis" / "induction_heads.parquet")
+    assert len(induction) == len(expected)  # one row per (layer, visit, head) in both tables
     if kind == "loop":  # the prompt went through the folder's tokenizer
         assert attribution["prompt"] == "0 1 2 3 0 4"
         prune = json.loads((run / "analysis" / "prune_summary.json").read_text())
