@@ -271,7 +271,9 @@ def layer_head_heatmap(
         matrix.index = [f"L{layer}" for layer in matrix.index]
     matrix.columns = [f"H{head}" for head in matrix.columns]
     if signed:
-        bound = float(np.nanmax(np.abs(matrix.to_numpy()))) or 1.0
+        values = np.abs(matrix.to_numpy(dtype=float))
+        # an all-NaN score (a column a bridged model leaves out) draws empty cells on the default scale
+        bound = (float(np.nanmax(values)) if np.isfinite(values).any() else 0.0) or 1.0
         return heatmap(
             matrix, title, colorbar, -bound, bound, SIGNED, zmid=0.0, x_title="head", y_title="layer", hover=value
         )
