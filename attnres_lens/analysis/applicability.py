@@ -3,7 +3,8 @@
 `analyze`, `prune` and `attribute` compute every table on the toolkit's `HookedTransformer`. On another
 depth-mixing model (the transformers bridge) a table the model cannot support is left out and listed in the
 summary's `skipped` with the reason, never a traceback: the toolkit-only analyses by a fixed reason, the others by
-their own refusal.
+their own refusal. The induction-head scores and the K/V (shift or convolution) tap table run on the toolkit's
+model and on a bridged Inkling-2 / Inkling-2-Mini (`bridged_inkling`), and are skipped on any other.
 """
 
 from __future__ import annotations
