@@ -16,6 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attnres_lens import from_transformers  # noqa: E402
+from attnres_lens.analysis.attribution_report import bridge_visits  # noqa: E402
 from attnres_lens.analysis.engine import evaluate  # noqa: E402
 from attnres_lens.analysis.induction import task_probe  # noqa: E402
 from attnres_lens.analysis.interventions import removal_hooks  # noqa: E402
@@ -131,7 +132,10 @@ def test_analyze_prune_attribute_run_and_say_what_they_skip(hf_runs, kind, tmp_p
     assert list(written.columns) == list(expected.columns) and set(expected["width"]) == {4}
     pd.testing.assert_frame_equal(written, expected, check_dtype=False, rtol=1e-6)
     induction = pd.read_parquet(run / "analysis" / "induction_heads.parquet")
-    assert len(induction) == len(expected)  # one row per (layer, visit, head) in both tables
+    # one row per (layer, visit, head) in both tables, the tap table's visits (from 0) renumbered as the bridge's
+    visits = {(step.layer, step.visit or 0) for step in loaded.model.visits}
+    assert set(zip(induction["layer"], induction["visit"])) == visits
+    assert set(zip(expected["layer"], bridge_visits(expected))) == visits and len(induction) == len(expected)
     if kind == "loop":  # the prompt went through the folder's tokenizer
         assert attribution["prompt"] == "0 1 2 3 0 4"
         prune = json.loads((run / "analysis" / "prune_summary.json").read_text())

@@ -4,7 +4,8 @@ report and the dashboard's Attribution page share; `attnres-lens attribute` runs
 
 Data: the run's held-out set (`task.eval_batch(samples)`, scored on its answer positions where it has them),
 one prompt for the per-position views (`--prompt`, default the first held-out sequence), the repeated-tokens
-probe for the KV-shift decomposition (a bridged Inkling model's K/V convolution taps), and the run's recorded snapshots for the timeline.
+probe for the KV-shift decomposition (a bridged Inkling model's K/V convolution taps), and the run's recorded
+snapshots for the timeline.
 """
 
 from __future__ import annotations
@@ -221,7 +222,8 @@ def attribution_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any])
         best = kv.loc[kv["prefix_score"].idxmax()]
         summary["top_induction_head"] = dict(
             layer=int(best["layer"]),
-            **({"visit": int(best["visit"])} if "visit" in kv else {}),
+            # a bridged Inkling model: the visit as in the bridge's hook names and analyze's induction table
+            **({"visit": int(bridge_visits(kv)[best.name])} if "visit" in kv else {}),
             head=int(best["head"]),
             prefix_score=float(best["prefix_score"]),
             shifted_key_induction_score=float(best["shifted_key_induction_score"]),
@@ -503,15 +505,22 @@ def audit_figure(consumers: pd.DataFrame) -> go.Figure:
     return _layout(figure, "Routing audit (95% bootstrap intervals over sequences)", 440, barmode="group")
 
 
+def bridge_visits(taps: pd.DataFrame) -> pd.Series:
+    """A tap table's visits (`conv_tap_decomposition` counts every layer's runs from 0) in the bridge's numbering
+    (docs/interop.md §7): 1, 2, … on a looped layer (one that ran more than once), 0 on a layer that runs once."""
+    looped = taps.groupby("layer")["visit"].transform("nunique") > 1
+    return (taps["visit"] + 1).where(looped, 0)
+
+
 def kv_shift_bars(kv: pd.DataFrame) -> go.Figure:
     """The KV-shift table's current- and shifted-key advantages per head, or a tap table's (a bridged Inkling
     model's `conv_tap_decomposition`) advantage of every lag, with the prefix score."""
     import plotly.graph_objects as go
 
     labels = "L" + kv["layer"].astype(str)
-    if "visit" in kv:  # a looped layer's passes, named as the bridge's sublayers ('L3@1'; the table counts from 0)
-        looped = kv.groupby("layer")["visit"].transform("nunique") > 1
-        labels = labels.where(~looped, labels + "@" + (kv["visit"] + 1).astype(str))
+    if "visit" in kv:  # a looped layer's visits, named as the bridge's sublayers ('L3@1')
+        visits = bridge_visits(kv)
+        labels = labels.where(visits == 0, labels + "@" + visits.astype(str))
     labels = labels + "H" + kv["head"].astype(str)
     if "current_key_advantage" in kv:
         bars = [
