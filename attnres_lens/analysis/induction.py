@@ -93,7 +93,7 @@ def _check_repeated(tokens: torch.Tensor) -> int:
 
 @torch.no_grad()
 def induction_head_scores(
-    model: HookedTransformer,
+    model: HookedTransformer | DepthMixingModel,
     batch: Batch | None = None,
     n_samples: int = 32,
     vocab_size: int | None = None,
