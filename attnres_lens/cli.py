@@ -355,17 +355,21 @@ def _skipped_lines(summary: dict) -> list[str]:
     return [f"not computed: {row['table']}: {row['reason']}" for row in summary.get("skipped", [])]
 
 
+def _head_name(row: dict) -> str:
+    """'L2H1', or 'L3@2H1' for a head on a looped layer's visit (a bridged Mini; visit 0: the layer runs once)."""
+    return f"L{row['layer']}" + (f"@{row['visit']}" if row.get("visit") else "") + f"H{row['head']}"
+
+
 def _analyze_lines(summary: dict) -> str:
     lines = []
     if "top_induction_heads" in summary:
         heads = ", ".join(
-            f"L{row['layer']}H{row['head']} {_number(row['prefix_score'], '.3f')}"
-            for row in summary["top_induction_heads"]
+            f"{_head_name(row)} {_number(row['prefix_score'], '.3f')}" for row in summary["top_induction_heads"]
         )
         best = summary["top_induction_head"]
         lines += [
             f"top induction heads (prefix-matching score): {heads}",
-            f"best head L{best['layer']}H{best['head']}: prefix score {_number(best['prefix_score'], '.3f')}, "
+            f"best head {_head_name(best)}: prefix score {_number(best['prefix_score'], '.3f')}, "
             f"TransformerLens induction score {_number(best['tl_induction_score'], '.3f')}",
         ]
     lines += [

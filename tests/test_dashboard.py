@@ -748,7 +748,17 @@ def test_every_page_opens_a_run_referring_to_a_transformers_folder(hf_runs):
         assert_clean(app)  # M refuses Inkling (layer 0 reads the embedding directly): a message, with the reason
         assert chart_specs(app) or any("Not computed" in message.value for message in app.info), kind
         app.switch_page("views/induction.py").run()
-        assert any("toolkit's own model" in message.value for message in app.info), kind
+        app.selectbox(key="induction-run").set_value(run).run()
+        app.selectbox(key="induction-metric").set_value("prefix_score").run()
+        app.slider(key="induction-samples").set_value(4).run()
+        assert_clean(app)
+        titles = [spec["layout"]["title"]["text"] for spec in chart_specs(app)]
+        assert any(title.startswith("prefix-matching score") for title in titles), kind  # scored per visit
+        assert any("attention on [BOS, r, r]" in title for title in titles), kind  # a head's pattern
+        heatmap = next(spec for spec in chart_specs(app) if spec["layout"]["title"]["text"].startswith("prefix"))
+        assert any("@" in row for row in heatmap["data"][0]["y"]) == (kind == "loop")  # the Mini's visits apart
+        app.selectbox(key="induction-metric").set_value("copying_score").run()
+        assert any("copying_score" in message.value for message in app.info), kind  # NaN on the bridge, and why
         app.switch_page("views/pruning.py").run()
         app.selectbox(key="pruning-run").set_value(run).run()
         app.number_input(key="pruning-samples").set_value(8).run()
@@ -765,3 +775,4 @@ def test_every_page_opens_a_run_referring_to_a_transformers_folder(hf_runs):
         titles = [spec["layout"]["title"]["text"] for spec in chart_specs(app)]
         assert any(title.startswith("Edge knockouts: exact") for title in titles), kind
         assert any("depth_dla" in message.value for message in app.info), kind
+        assert any(title.startswith("K/V convolution taps") for title in titles), kind

@@ -9,14 +9,18 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from attnres_lens import from_transformers  # noqa: E402
+from attnres_lens.analysis.attribution_report import bridge_visits  # noqa: E402
 from attnres_lens.analysis.engine import evaluate  # noqa: E402
+from attnres_lens.analysis.induction import task_probe  # noqa: E402
 from attnres_lens.analysis.interventions import removal_hooks  # noqa: E402
+from attnres_lens.analysis.kv_shift import conv_tap_decomposition  # noqa: E402
 from attnres_lens.analysis.visits import sublayers_named, visit_groups, visit_knockouts, visit_removals  # noqa: E402
 from attnres_lens.rundir import RunDirError, load_run  # noqa: E402
 from attnres_lens.tasks import make_task  # noqa: E402
@@ -112,13 +116,26 @@ def test_analyze_prune_attribute_run_and_say_what_they_skip(hf_runs, kind, tmp_p
         assert code == 0, err
         assert "Traceback" not in out + err
     analysis = json.loads((run / "analysis" / "analysis_summary.json").read_text())
-    skipped = {row["table"]: row["reason"] for row in analysis["skipped"]}
-    assert "toolkit's own model" in skipped["induction_heads"]
+    skipped = {row["table"]: row["reason"] for row in analysis.get("skipped", [])}
+    assert "induction_heads" not in skipped and analysis["top_induction_heads"]
     assert "top_depth_sources" in analysis and (run / "analysis" / "depth_weights.csv").is_file()
     attribution = json.loads((run / "analysis" / "attribution_summary.json").read_text())
-    assert {"depth_dla", "kv_shift"} <= {row["table"] for row in attribution["skipped"]}
+    assert "depth_dla" in {row["table"] for row in attribution["skipped"]}
+    assert "kv_shift" not in {row["table"] for row in attribution["skipped"]}
     assert attribution["top_edges"]  # exact knockouts ran
-    assert "not computed: kv_shift: " in out  # the attribute command's own lines say what it skipped
+    assert "not computed: depth_dla: " in out  # the attribute command's own lines say what it skipped
+    # the K/V tap table is conv_tap_decomposition of the transformers model on the run's repeated-tokens probe
+    loaded = load_run(run)
+    probe = task_probe(loaded.model, loaded.config.build_task(), 8)
+    expected = conv_tap_decomposition(loaded.model.hf_model, probe)
+    written = pd.read_parquet(run / "analysis" / "kv_shift.parquet")
+    assert list(written.columns) == list(expected.columns) and set(expected["width"]) == {4}
+    pd.testing.assert_frame_equal(written, expected, check_dtype=False, rtol=1e-6)
+    induction = pd.read_parquet(run / "analysis" / "induction_heads.parquet")
+    # one row per (layer, visit, head) in both tables, the tap table's visits (from 0) renumbered as the bridge's
+    visits = {(step.layer, step.visit or 0) for step in loaded.model.visits}
+    assert set(zip(induction["layer"], induction["visit"])) == visits
+    assert set(zip(expected["layer"], bridge_visits(expected))) == visits and len(induction) == len(expected)
     if kind == "loop":  # the prompt went through the folder's tokenizer
         assert attribution["prompt"] == "0 1 2 3 0 4"
         prune = json.loads((run / "analysis" / "prune_summary.json").read_text())
@@ -159,3 +176,55 @@ def test_visits_are_named_one_by_one_and_all_together(inkling_folders):
     direct = evaluate(model, batch, hooks).loss - base
     assert knockouts.loc[("L3.attn@*", "emb"), "dloss_together"] == pytest.approx(direct, rel=1e-5, abs=1e-6)
     assert knockouts.loc[("L3.attn@*", "emb"), "dloss_together"] != 0
+
+
+def _answer_loss(logits: torch.Tensor, batch) -> float:
+    """Mean next-token cross-entropy over the batch's answer positions, written here from the definition."""
+    answers = batch.answer_mask & (batch.targets != -100)
+    return torch.nn.functional.cross_entropy(logits[answers].double(), batch.targets[answers]).item()
+
+
+@pytest.mark.parametrize("kind", ["plain", "loop"])
+def test_induction_scores_on_a_bridged_model_are_transformers_attentions(inkling_folders, kind):
+    """The prefix and previous-token scores per (layer, visit, head) against transformers' own attentions
+    (`output_attentions` on an untouched instance, in forward order), and one head's zero ablation against the same
+    head's slice of the attention output zeroed before transformers' output projection."""
+    from attnres_lens.analysis.induction import BRIDGE_NAN_REASONS, induction_head_scores, repeated_batch
+
+    bridge = from_transformers(inkling_folders[kind]).eval()
+    batch = repeated_batch(3, 4, 60, seed=1)  # L = 4: the tiny models' sliding window
+    scores = induction_head_scores(bridge, batch)
+    architecture = json.loads((Path(inkling_folders[kind]) / "config.json").read_text())["architectures"][0]
+    reference = getattr(transformers, architecture).from_pretrained(inkling_folders[kind]).eval()
+    with torch.no_grad():
+        attentions = reference(input_ids=batch.tokens, use_cache=False, output_attentions=True).attentions
+    assert len(attentions) == len(bridge.visits) == scores[["layer", "visit"]].drop_duplicates().shape[0]
+    queries = torch.arange(5, 9)  # second-copy queries of [BOS, r1..r4, r1..r4]; their target is 3 tokens back
+    for step, pattern in zip(bridge.visits, attentions, strict=True):
+        rows = scores[(scores["layer"] == step.layer) & (scores["visit"] == (step.visit or 0))].set_index("head")
+        prefix = pattern[:, :, queries, queries - 3].double().mean(dim=(0, 2))
+        previous = torch.stack([pattern[:, :, q, q - 1] for q in range(1, 9)], -1).double().mean(dim=(0, 2))
+        np.testing.assert_allclose(rows["prefix_score"], prefix.numpy(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(rows["previous_token_score"], previous.numpy(), rtol=1e-5, atol=1e-7)
+    assert scores[list(BRIDGE_NAN_REASONS)].isna().all().all()
+    assert scores["ablation_zero_score"].notna().all() and (scores["ablation_zero_score"] != 0).any()
+
+    step = max(bridge.visits, key=lambda s: s.visit or 0) if kind == "loop" else bridge.visits[2]  # a last visit
+    layer, head = step.layer, 1
+    d_head = reference.model.layers[layer].self_attn.head_dim
+    calls = {"n": 0}
+
+    def zero_head(module, args):
+        calls["n"] += 1
+        if calls["n"] != (step.visit or 1):
+            return None
+        z = args[0].clone()
+        z[..., head * d_head : (head + 1) * d_head] = 0
+        return (z, *args[1:])
+
+    with torch.no_grad():
+        clean = _answer_loss(reference(input_ids=batch.tokens, use_cache=False).logits, batch)
+        reference.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(zero_head)
+        ablated = _answer_loss(reference(input_ids=batch.tokens, use_cache=False).logits, batch)
+    row = scores.set_index(["layer", "visit", "head"]).loc[(layer, step.visit or 0, head)]
+    assert ablated != clean and row["ablation_zero_score"] == pytest.approx(ablated - clean, rel=1e-4, abs=1e-6)

@@ -14,6 +14,8 @@ import plotly.graph_objects as go
 from plotly.colors import sample_colorscale
 from plotly.subplots import make_subplots
 
+from attnres_lens.analysis.induction import head_row_labels
+
 SEQUENTIAL = "Viridis"
 SIGNED = "RdBu_r"
 KIND_TITLES = {"attn": "pre-attention", "mlp": "pre-MLP", "final": "final readout"}
@@ -261,11 +263,17 @@ def depth_step_heatmap(
 def layer_head_heatmap(
     scores: pd.DataFrame, value: str, title: str, colorbar: str, zmin: float | None, zmax: float | None, signed: bool
 ) -> go.Figure:
-    matrix = scores.pivot_table(index="layer", columns="head", values=value).sort_index()
-    matrix.index = [f"L{layer}" for layer in matrix.index]
+    if "visit" in scores:  # a bridged Inkling model: one row per layer, or per visit of a looped layer ('L3@2')
+        labels = head_row_labels(scores)
+        matrix = scores.assign(row=labels).pivot(index="row", columns="head", values=value).loc[labels.unique()]
+    else:
+        matrix = scores.pivot_table(index="layer", columns="head", values=value).sort_index()
+        matrix.index = [f"L{layer}" for layer in matrix.index]
     matrix.columns = [f"H{head}" for head in matrix.columns]
     if signed:
-        bound = float(np.nanmax(np.abs(matrix.to_numpy()))) or 1.0
+        values = np.abs(matrix.to_numpy(dtype=float))
+        # an all-NaN score (a column a bridged model leaves out) draws empty cells on the default scale
+        bound = (float(np.nanmax(values)) if np.isfinite(values).any() else 0.0) or 1.0
         return heatmap(
             matrix, title, colorbar, -bound, bound, SIGNED, zmid=0.0, x_title="head", y_title="layer", hover=value
         )

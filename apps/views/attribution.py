@@ -19,7 +19,7 @@ from lens_ui.data import ModelHandle, RunTables, no_records_message, task_batch
 from lens_ui.text import plain
 from lens_ui.widgets import COMPUTED_KEEP, computed_on_demand, loadable_runs, pick_model, pick_run, show_figure
 
-from attnres_lens.analysis.applicability import is_toolkit_model
+from attnres_lens.analysis.applicability import bridged_inkling, is_toolkit_model
 from attnres_lens.analysis.attribution_report import (
     EDGE_COLUMNS,
     agreement_scatter,
@@ -53,8 +53,9 @@ def compute(
     run: RunTables, handle: ModelHandle, samples: int, prompt: torch.Tensor, progress: Callable[[float, str], Any]
 ) -> tuple[dict[str, pd.DataFrame], dict[str, str]]:
     """The tables `attnres-lens attribute` computes, and those the model does not support with the reason."""
-    # the probe `attnres-lens attribute` scores (the KV-shift decomposition's; the toolkit's own models only)
-    probe = task_probe(handle.model, run.build_task(), samples) if is_toolkit_model(handle.model) else None
+    # the probe `attnres-lens attribute` scores (the KV-shift decomposition's, or a bridged Inkling model's K/V taps)
+    scored = is_toolkit_model(handle.model) or bridged_inkling(handle.model) is not None
+    probe = task_probe(handle.model, run.build_task(), samples) if scored else None
     skipped: dict[str, str] = {}
     with handle.lock:
         tables = attribution_tables(
@@ -197,8 +198,8 @@ with audit_tab:
 with kv_tab:
     if "kv_shift" in skipped:
         not_computed("kv_shift")
-    elif run.model_config.attention != "kv_shift":  # its table would only say α1 = β1 = 1, α2 = β2 = 0 per head
+    elif run.model_config.attention == "standard":  # its table would only say α1 = β1 = 1, α2 = β2 = 0 per head
         st.info(f"Run {plain(run.name)} uses standard attention: it has no KV shift to decompose.")
-    else:
+    else:  # KV shift, or a bridged Inkling model's short K/V convolutions (columns per tap, docs/analysis.md §11)
         show_figure(kv_shift_bars(tables["kv_shift"]), key="attribution-kv")
         st.dataframe(tables["kv_shift"], hide_index=True)

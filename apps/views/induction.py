@@ -12,8 +12,12 @@ from lens_ui.text import figure_text, plain
 from lens_ui.widgets import loadable_runs, pick_model, pick_run, repeated_tokens_input, show_figure
 from transformer_lens.utilities import get_act_name
 
-from attnres_lens.analysis.applicability import INDUCTION_TOOLKIT_ONLY, KV_SHIFT_TOOLKIT_ONLY, is_toolkit_model
-from attnres_lens.analysis.induction import induction_head_scores, task_probe
+from attnres_lens.analysis.applicability import (
+    INDUCTION_TOOLKIT_ONLY,
+    bridged_inkling,
+    is_toolkit_model,
+)
+from attnres_lens.analysis.induction import BRIDGE_NAN_REASONS, induction_head_scores, pattern_hooks, task_probe
 from attnres_lens.tasks.base import Task
 
 # column: (menu name, colour-bar title with its scale, zmin, zmax, signed)
@@ -107,12 +111,14 @@ if metric == RECORDED:
 else:
     handle = pick_model(run, key="induction-checkpoint")
     n_samples = st.slider("Repeated sequences", 4, 64, 16, step=4, key="induction-samples")
-    if handle is not None and not is_toolkit_model(handle.model):
+    if handle is not None and not is_toolkit_model(handle.model) and bridged_inkling(handle.model) is None:
         st.info(f"Not computed for run {plain(run.name)}: {plain(INDUCTION_TOOLKIT_ONLY)}.")
     elif handle is not None:
         with st.spinner("Scoring every head (patterns, TL detector, copying, ablations)…"):
             task = run.build_task()
             scores = live_scores(handle, handle.key, n_samples, task)
+        if metric in BRIDGE_NAN_REASONS and not is_toolkit_model(handle.model):
+            st.info(f"Not computed for run {plain(run.name)} ({metric}): {plain(BRIDGE_NAN_REASONS[metric])}.")
         name, colorbar, zmin, zmax, signed = METRICS[metric]
         show_figure(
             layer_head_heatmap(
@@ -132,8 +138,31 @@ else:
 st.divider()
 st.header("Attention pattern of one head")
 handle = pick_model(run, key="induction-pattern-checkpoint")
-if handle is not None and not is_toolkit_model(handle.model):
+if handle is not None and not is_toolkit_model(handle.model) and bridged_inkling(handle.model) is None:
     st.info(f"Not shown for run {plain(run.name)}: {plain(INDUCTION_TOOLKIT_ONLY)}.")
+elif handle is not None and not is_toolkit_model(handle.model):  # a bridged Inkling model: a layer's visits apart
+    hooks = pattern_hooks(handle.model)
+    left, right = st.columns(2)
+    layer, visit = left.selectbox(
+        "Layer",
+        list(hooks),
+        format_func=lambda key: f"L{key[0]}" + (f"@{key[1]}" if key[1] else ""),
+        key="induction-layer-visit",
+    )
+    head = right.selectbox("Head", range(handle.model.hf_model.config.num_attention_heads), key="induction-head")
+    tokens = repeated_tokens_input(run, "induction-pattern", run.model_config.n_ctx)
+    hook = hooks[layer, visit]
+    with handle.lock, torch.no_grad():
+        _, cache = handle.model.run_with_cache(tokens, names_filter=lambda name: name == hook)
+    show_figure(
+        pattern_heatmap(
+            cache[hook][0, head].float().cpu().numpy(),
+            tokens[0].tolist(),
+            f"L{layer}{f'@{visit}' if visit else ''}H{head} attention on [BOS, r, r]"
+            f"<br><sup>{run_title} · {figure_text(handle.checkpoint)}</sup>",
+        ),
+        key=f"induction-pattern-{run.name}",
+    )
 elif handle is not None:
     model = handle.model
     recorded = run.record("induction_scores")
@@ -166,7 +195,10 @@ elif handle is not None:
 st.divider()
 st.header("KV-shift coefficients over training")
 if run.refers_to_folder:
-    st.info(f"Not shown for run {plain(run.name)}: {plain(KV_SHIFT_TOOLKIT_ONLY)}.")
+    st.info(
+        f"Run {plain(run.name)} refers to a transformers model folder: it has no training records. Its short K/V "
+        "convolutions are split by tap on the Attribution page's KV shift tab."
+    )
 elif run.model_config.attention != "kv_shift":
     st.info(f"Run {plain(run.name)} uses standard attention: it has no KV-shift coefficients.")
 else:

@@ -3,7 +3,8 @@
 `analyze`, `prune` and `attribute` compute every table on the toolkit's `HookedTransformer`. On another
 depth-mixing model (the transformers bridge) a table the model cannot support is left out and listed in the
 summary's `skipped` with the reason, never a traceback: the toolkit-only analyses by a fixed reason, the others by
-their own refusal.
+their own refusal. The induction-head scores and the K/V (shift or convolution) tap table run on the toolkit's
+model and on a bridged Inkling-2 / Inkling-2-Mini (`bridged_inkling`), and are skipped on any other.
 """
 
 from __future__ import annotations
@@ -14,18 +15,18 @@ from typing import Any
 from attnres_lens.model import HookedTransformer
 from attnres_lens.protocol import DepthMixingModel
 
-# Reasons for the analyses written for the toolkit's own model only.
+# Reasons for the analyses written for the toolkit's own model (and, where said, a bridged Inkling model) only.
 INDUCTION_TOOLKIT_ONLY = (
-    "the induction-head probe runs on the toolkit's own model (it reads its layer and head counts and per-head "
-    "attention hooks); this model is not one"
+    "the induction-head probe runs on the toolkit's own model and on a bridged Inkling-2 / Inkling-2-Mini (it "
+    "reads per-head attention patterns); this model is neither"
 )
 DLA_TOOLKIT_ONLY = (
     "direct logit attribution through depth freezes the toolkit model's final LayerNorm scale and splits its "
     "unembedding; it is defined for the toolkit's own model only"
 )
 KV_SHIFT_TOOLKIT_ONLY = (
-    "the KV-shift decomposition reads the toolkit's KV-shift attention; a transformers model's short K/V "
-    "convolutions are analysed by analysis/inkling_taps.py instead"
+    "the KV-shift decomposition reads the toolkit's KV-shift attention or the short K/V convolutions of a bridged "
+    "Inkling-2 / Inkling-2-Mini (analysis/inkling_taps.py); this model has neither"
 )
 CORRUPTED_TOOLKIT_ONLY = (
     "patching from a corrupted input is derived for the paper's default depth attention of the toolkit's own model"
@@ -34,6 +35,16 @@ CORRUPTED_TOOLKIT_ONLY = (
 
 def is_toolkit_model(model: Any) -> bool:
     return isinstance(model, HookedTransformer)
+
+
+def bridged_inkling(model: Any) -> Any | None:
+    """The transformers Inkling-2 / Inkling-2-Mini that a bridge (`attnres_lens.from_transformers`) wraps, or None
+    for any other model: the induction-head scores and the K/V tap decomposition run on these (docs/interop.md
+    §7)."""
+    from attnres_lens.analysis.inkling_taps import SUPPORTED_MODELS
+
+    wrapped = getattr(model, "hf_model", None)
+    return wrapped if type(wrapped).__name__ in SUPPORTED_MODELS else None
 
 
 def where_applicable(

@@ -4,7 +4,8 @@ report and the dashboard's Attribution page share; `attnres-lens attribute` runs
 
 Data: the run's held-out set (`task.eval_batch(samples)`, scored on its answer positions where it has them),
 one prompt for the per-position views (`--prompt`, default the first held-out sequence), the repeated-tokens
-probe for the KV-shift decomposition, and the run's recorded snapshots for the timeline.
+probe for the KV-shift decomposition (a bridged Inkling model's K/V convolution taps), and the run's recorded
+snapshots for the timeline.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from attnres_lens.analysis.applicability import (
     CORRUPTED_TOOLKIT_ONLY,
     DLA_TOOLKIT_ONLY,
     KV_SHIFT_TOOLKIT_ONLY,
+    bridged_inkling,
     is_toolkit_model,
     where_applicable,
 )
@@ -37,7 +39,7 @@ from attnres_lens.analysis.attribution import (
 )
 from attnres_lens.analysis.induction import default_half_len, repeated_batch
 from attnres_lens.analysis.knockouts import SCREEN_FRACTION, edge_knockouts
-from attnres_lens.analysis.kv_shift import kv_shift_decomposition
+from attnres_lens.analysis.kv_shift import conv_tap_decomposition, kv_shift_decomposition
 from attnres_lens.analysis.report import STYLE, skipped_html
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 from attnres_lens.analysis.visits import visit_groups, visit_knockouts
@@ -158,17 +160,19 @@ def attribution_tables(
                 lambda t: applicable(t, "routing_audit", lambda: routing_audit(model, batch, n_boot)),
             ),
         ]
-    if toolkit:
+    inkling = bridged_inkling(model)
+    if toolkit or inkling is not None:
+        if probe is None:
+            probe = repeated_batch(
+                batch.tokens.shape[0], default_half_len(model), model.cfg.d_vocab if toolkit else model.d_vocab
+            )
         stages.append(
             (
-                "KV-shift decomposition",
+                "KV-shift decomposition" if toolkit else "K/V convolution taps",
                 lambda t: t.update(
-                    kv_shift=kv_shift_decomposition(
-                        model,
-                        probe
-                        if probe is not None
-                        else repeated_batch(batch.tokens.shape[0], default_half_len(model), model.cfg.d_vocab),
-                    )
+                    # a bridged Inkling model: its short K/V convolutions split by tap, read from the transformers
+                    # model the bridge wraps (docs/analysis.md §11)
+                    kv_shift=kv_shift_decomposition(model, probe) if toolkit else conv_tap_decomposition(inkling, probe)
                 ),
             )
         )
@@ -218,6 +222,8 @@ def attribution_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any])
         best = kv.loc[kv["prefix_score"].idxmax()]
         summary["top_induction_head"] = dict(
             layer=int(best["layer"]),
+            # a bridged Inkling model: the visit as in the bridge's hook names and analyze's induction table
+            **({"visit": int(bridge_visits(kv)[best.name])} if "visit" in kv else {}),
             head=int(best["head"]),
             prefix_score=float(best["prefix_score"]),
             shifted_key_induction_score=float(best["shifted_key_induction_score"]),
@@ -499,16 +505,41 @@ def audit_figure(consumers: pd.DataFrame) -> go.Figure:
     return _layout(figure, "Routing audit (95% bootstrap intervals over sequences)", 440, barmode="group")
 
 
+def bridge_visits(taps: pd.DataFrame) -> pd.Series:
+    """A tap table's visits (`conv_tap_decomposition` counts every layer's runs from 0) in the bridge's numbering
+    (docs/interop.md §7): 1, 2, … on a looped layer (one that ran more than once), 0 on a layer that runs once."""
+    looped = taps.groupby("layer")["visit"].transform("nunique") > 1
+    return (taps["visit"] + 1).where(looped, 0)
+
+
 def kv_shift_bars(kv: pd.DataFrame) -> go.Figure:
+    """The KV-shift table's current- and shifted-key advantages per head, or a tap table's (a bridged Inkling
+    model's `conv_tap_decomposition`) advantage of every lag, with the prefix score."""
     import plotly.graph_objects as go
 
-    labels = "L" + kv["layer"].astype(str) + "H" + kv["head"].astype(str)
-    figure = go.Figure(
-        [
+    labels = "L" + kv["layer"].astype(str)
+    if "visit" in kv:  # a looped layer's visits, named as the bridge's sublayers ('L3@1')
+        visits = bridge_visits(kv)
+        labels = labels.where(visits == 0, labels + "@" + visits.astype(str))
+    labels = labels + "H" + kv["head"].astype(str)
+    if "current_key_advantage" in kv:
+        bars = [
             go.Bar(x=labels, y=kv["current_key_advantage"], name="current key (α1·q·K_k)"),
             go.Bar(x=labels, y=kv["shifted_key_advantage"], name="shifted key (α2·q·K_{k−1})"),
         ]
-    )
+        title = "KV-shift decomposition on repeated tokens: which key finds the induction target"
+    else:
+        lags = sorted(
+            int(column.removeprefix("key_advantage_lag")) for column in kv if column.startswith("key_advantage_lag")
+        )
+        bars = [
+            go.Bar(
+                x=labels, y=kv[f"key_advantage_lag{lag}"], name="current token (lag 0)" if lag == 0 else f"lag {lag}"
+            )
+            for lag in lags
+        ]
+        title = "K/V convolution taps on repeated tokens: which tap's key finds the induction target"
+    figure = go.Figure(bars)
     figure.add_trace(
         go.Scatter(
             x=labels,
@@ -524,9 +555,7 @@ def kv_shift_bars(kv: pd.DataFrame) -> go.Figure:
         yaxis2=dict(title="prefix score", overlaying="y", side="right", range=[0, 1]),
     )
     figure.update_xaxes(title="head", type="category")
-    return _layout(
-        figure, "KV-shift decomposition on repeated tokens: which key finds the induction target", barmode="group"
-    )
+    return _layout(figure, title, barmode="group")
 
 
 TIMELINE_PANELS = (
@@ -755,14 +784,21 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
             )
         )
     if "kv_shift" in tables:
+        taps = "current_key_advantage" not in tables["kv_shift"]  # a bridged Inkling model's convolution taps
         sections.append(
             (
-                "KV-shift decomposition",
-                "Scores split into current-key and shifted-key parts on repeated tokens. Shifted-key induction score "
+                "K/V convolution taps" if taps else "KV-shift decomposition",
+                (
+                    "Scores and outputs split by tap of the short K/V convolutions (lag 0 the current token) on repeated "
+                    "tokens; rows per layer, visit (from 0 per pass) and head. "
+                    if taps
+                    else "Scores split into current-key and shifted-key parts on repeated tokens. "
+                )
+                + "Shifted-key induction score "
                 "≈ 1: a one-layer KV-shift induction head; ≈ 0: the target is found through the current key (the "
                 "two-layer previous-token + induction circuit).",
                 [kv_shift_bars(tables["kv_shift"])],
-                _table(tables["kv_shift"], KV_COLUMNS),
+                _table(tables["kv_shift"], None if taps else KV_COLUMNS),
             )
         )
     if "timeline" in tables and len(tables["timeline"]):

@@ -21,6 +21,12 @@ Because a KV-shift head's values mix two tokens, patterns alone mislead, so two 
   positive when the head copies the token it should predict).
 * `ablation_zero_score`, `ablation_mean_score` — increase of the loss on the repeated half (the answer
   positions) when the head's output `z_h` is zeroed, or replaced by its mean over batch and positions.
+
+On a bridged Inkling-2 / Inkling-2-Mini (`attnres_lens.from_transformers`) the rows are per (layer, visit, head),
+`visit` as in the bridge's hook names (1, 2, … on the Mini's looped layers, 0 on a layer that runs once), read from
+`blocks.{l}[.visit{v}].attn.hook_pattern` (transformers' eager softmax, the sink's column dropped). The prefix and
+previous-token scores and `ablation_zero_score` (the head's pattern row zeroed, which zeroes its `z_h` exactly) are
+computed; the other columns are NaN, for the reasons in `BRIDGE_NAN_REASONS` (docs/analysis.md §2).
 """
 
 from __future__ import annotations
@@ -30,15 +36,25 @@ import torch
 from transformer_lens.head_detector import detect_head
 from transformer_lens.utilities import get_act_name
 
+from attnres_lens.analysis.applicability import bridged_inkling
 from attnres_lens.analysis.engine import capture, evaluate, evaluate_many
 from attnres_lens.analysis.interventions import replace_hook
 from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.mixing import basis_index, mixing_coefficients
 from attnres_lens.model import HookedTransformer, next_token_loss
-from attnres_lens.protocol import DepthMixingModel
+from attnres_lens.protocol import DepthMixingModel, model_device
 from attnres_lens.recorder import prefix_matching_score
 from attnres_lens.tasks import make_task
 from attnres_lens.tasks.base import BOS, IGNORE_INDEX, Batch, Task
+
+# Columns of `induction_head_scores` left NaN on a bridged Inkling model, and why (docs/analysis.md §2).
+BRIDGE_NAN_REASONS = {
+    "tl_induction_score": "TransformerLens' detect_head runs a HookedTransformer on prompt strings; the bridge is not one",
+    "copying_score": "the direct path of a head's output to the logits is defined for the toolkit's own readout "
+    "(one W_O per head, a final depth mix of raw values); Inkling's readout mixes normalised sources",
+    "ablation_mean_score": "the bridge exposes no per-head output z_h to replace by its mean (a pattern hook can only "
+    "zero it)",
+}
 
 
 def repeated_batch(n_samples: int, half_len: int, vocab_size: int, seed: int = 0) -> Batch:
@@ -46,14 +62,20 @@ def repeated_batch(n_samples: int, half_len: int, vocab_size: int, seed: int = 0
     return make_task("repeated", vocab_size=vocab_size, seq_len=2 * half_len + 1, seed=seed).eval_batch(n_samples)
 
 
-def task_probe(model: HookedTransformer, task: Task, n_samples: int) -> Batch:
+def task_probe(model: HookedTransformer | DepthMixingModel, task: Task, n_samples: int) -> Batch:
     """The repeated-tokens probe of a run's analyses: `n_samples` sequences at the model's longest probe length, in
     the task's vocabulary and from its seed, so `analyze`, `attribute` and the dashboard score the same tokens."""
     return repeated_batch(n_samples, default_half_len(model), task.vocab_size, seed=task.seed)
 
 
-def default_half_len(model: HookedTransformer) -> int:
-    """Longest L with `2L + 1 < n_ctx`: `detect_head` needs a sequence strictly shorter than the context."""
+def default_half_len(model: HookedTransformer | DepthMixingModel) -> int:
+    """Longest L with `2L + 1 < n_ctx`: `detect_head` needs a sequence strictly shorter than the context. On a
+    bridged Inkling model: `inkling_taps.probe_half_len` (no longer than a sliding window)."""
+    inkling = bridged_inkling(model)
+    if inkling is not None:
+        from attnres_lens.analysis.inkling_taps import probe_half_len  # it imports this module
+
+        return probe_half_len(inkling)
     half_len = (model.cfg.n_ctx - 2) // 2
     if half_len < 2:
         raise ValueError(f"n_ctx={model.cfg.n_ctx} is too short for a repeated-tokens probe (needs n_ctx >= 6)")
@@ -71,7 +93,7 @@ def _check_repeated(tokens: torch.Tensor) -> int:
 
 @torch.no_grad()
 def induction_head_scores(
-    model: HookedTransformer,
+    model: HookedTransformer | DepthMixingModel,
     batch: Batch | None = None,
     n_samples: int = 32,
     vocab_size: int | None = None,
@@ -82,8 +104,10 @@ def induction_head_scores(
     ablation_zero_score, ablation_mean_score (definitions in the module docstring).
 
     `batch` is a repeated-tokens batch (default: `repeated_batch(n_samples, default_half_len(model),
-    vocab_size or d_vocab, seed)`).
+    vocab_size or d_vocab, seed)`). On a bridged Inkling model, one row per (layer, visit, head) (module docstring).
     """
+    if not isinstance(model, HookedTransformer):
+        return _bridged_scores(model, batch, n_samples, vocab_size, seed)
     cfg = model.cfg
     if batch is None:
         batch = repeated_batch(n_samples, default_half_len(model), vocab_size or cfg.d_vocab, seed)
@@ -133,6 +157,67 @@ def induction_head_scores(
             )
         )
     return pd.DataFrame(rows)
+
+
+def _bridged_scores(
+    model: DepthMixingModel, batch: Batch | None, n_samples: int, vocab_size: int | None, seed: int
+) -> pd.DataFrame:
+    """`induction_head_scores` on a bridged Inkling model: the pattern scores and the zero ablation per visit."""
+    if bridged_inkling(model) is None:
+        raise ValueError(
+            f"induction-head scores run on the toolkit's HookedTransformer or a bridged Inkling-2 / Inkling-2-Mini, "
+            f"got {type(model).__name__}"
+        )
+    if batch is None:
+        batch = repeated_batch(n_samples, default_half_len(model), vocab_size or model.d_vocab, seed)
+    batch = batch.to(model_device(model))
+    half_len = _check_repeated(batch.tokens)
+    names = pattern_hooks(model)
+    clean = capture(model, batch.tokens, names.values())
+    base_loss = evaluate(model, batch).answer_loss
+    rows = []
+    for (layer, visit), name in names.items():
+        pattern = clean[name]
+        for head in range(pattern.shape[1]):
+
+            def zero_head(pattern: torch.Tensor, hook, head: int = head) -> torch.Tensor:
+                pattern = pattern.clone()
+                pattern[:, head] = 0
+                return pattern
+
+            rows.append(
+                dict(
+                    layer=layer,
+                    visit=visit,
+                    head=head,
+                    prefix_score=prefix_matching_score(pattern, half_len)[head].item(),
+                    tl_induction_score=float("nan"),
+                    previous_token_score=pattern[:, head].diagonal(offset=-1, dim1=-2, dim2=-1).float().mean().item(),
+                    copying_score=float("nan"),
+                    ablation_zero_score=evaluate(model, batch, [(name, zero_head)]).answer_loss - base_loss,
+                    ablation_mean_score=float("nan"),
+                )
+            )
+    return pd.DataFrame(rows)
+
+
+def pattern_hooks(model: DepthMixingModel) -> dict[tuple[int, int], str]:
+    """A bridged Inkling model's attention-pattern hook names by (layer, visit), in forward order (visit 1, 2, … on
+    a looped layer, 0 on a layer that runs once; docs/interop.md §7)."""
+    return {
+        (step.layer, step.visit or 0): model.layer_hooks(step.layer, step.visit).attn.hook_pattern.name
+        for step in model.visits
+    }
+
+
+def head_row_labels(scores: pd.DataFrame) -> pd.Series:
+    """'L{layer}' per row of an induction or tap table, 'L{layer}@{visit}' for a looped layer's visit (a bridged
+    Mini), so a layer × head view keeps every visit apart."""
+    visits = scores["visit"] if "visit" in scores else pd.Series(0, index=scores.index)
+    return pd.Series(
+        [f"L{layer}" if not visit else f"L{layer}@{visit}" for layer, visit in zip(scores["layer"], visits)],
+        index=scores.index,
+    )
 
 
 def _copying_scores(model: HookedTransformer, batch: Batch, clean: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -64,6 +64,12 @@ def check_model(model: Any) -> None:
 def default_probe(model: Any, n_samples: int = 32, seed: int = 0) -> Batch:
     """Repeated tokens in the model's vocabulary, `DEFAULT_HALF_LEN` long or shorter where a sliding window would
     hide an induction target (L − 1 tokens back)."""
+    return repeated_batch(n_samples, probe_half_len(model), model.config.vocab_size, seed)
+
+
+def probe_half_len(model: Any) -> int:
+    """The repeated-tokens probe's half length L on an Inkling model: `DEFAULT_HALF_LEN`, or shorter where a
+    sliding window would hide an induction target (L − 1 tokens back)."""
     check_model(model)
     config = model.config
     sliding = [
@@ -74,7 +80,7 @@ def default_probe(model: Any, n_samples: int = 32, seed: int = 0) -> Batch:
     half_len = min([DEFAULT_HALF_LEN, *sliding])
     if half_len < 2:
         raise ValueError(f"sliding_window_size={min(sliding)} is too short for a repeated-tokens probe (needs >= 2)")
-    return repeated_batch(n_samples, half_len, config.vocab_size, seed)
+    return half_len
 
 
 def _lagged(context: torch.Tensor, lag: int) -> torch.Tensor:

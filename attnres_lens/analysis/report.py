@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from attnres_lens.analysis.induction import head_row_labels
 from attnres_lens.analysis_options import plural
 
 MODE_NAMES = {"remove": "remove", "mean": "mean-ablate", "resample": "resample-ablate"}
@@ -204,7 +205,13 @@ def _analysis_figures(tables: dict[str, pd.DataFrame]) -> list[tuple[str, Any, s
     loss.update_layout(xaxis_title="position t (predicting token t+1)", yaxis_title="mean loss (nats)", height=380)
     figures = []
     if "induction_heads" in tables:  # skipped on models other than the toolkit's own (the summary says why)
-        heads = tables["induction_heads"].pivot(index="layer", columns="head", values="prefix_score")
+        scores = tables["induction_heads"]
+        if "visit" in scores:  # a bridged Inkling model: one row per layer or visit of a looped layer ('L3@2')
+            labels = head_row_labels(scores)
+            heads = scores.assign(row=labels).pivot(index="row", columns="head", values="prefix_score")
+            heads = heads.loc[labels.unique()]
+        else:
+            heads = scores.pivot(index="layer", columns="head", values="prefix_score")
         figures.append(
             (
                 "Induction heads: prefix-matching score",

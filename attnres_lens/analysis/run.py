@@ -18,7 +18,12 @@ import pandas as pd
 import torch
 from torch import nn
 
-from attnres_lens.analysis.applicability import INDUCTION_TOOLKIT_ONLY, is_toolkit_model, where_applicable
+from attnres_lens.analysis.applicability import (
+    INDUCTION_TOOLKIT_ONLY,
+    bridged_inkling,
+    is_toolkit_model,
+    where_applicable,
+)
 from attnres_lens.analysis.attribution_report import (
     attribution_report_html,
     attribution_summary,
@@ -206,7 +211,7 @@ def analyze_run(
     model = run.model
     skipped: dict[str, str] = {}
     tables: dict[str, pd.DataFrame] = {}
-    if is_toolkit_model(model):
+    if is_toolkit_model(model) or bridged_inkling(model) is not None:
         probe = task_probe(model, task, samples)
         tables["induction_heads"] = induction_head_scores(model, probe, progress=progress)
     else:
@@ -240,6 +245,7 @@ def analysis_summary(
         top_heads = [
             {
                 "layer": int(row.layer),
+                **({"visit": int(row.visit)} if "visit" in heads else {}),  # a bridged Inkling model's pass
                 "head": int(row.head),
                 "prefix_score": float(row.prefix_score),
                 "tl_induction_score": float(row.tl_induction_score),
@@ -413,7 +419,7 @@ def attribute_run(
     if tokenizer is not None:  # a transformers folder's own tokenizer reads the prompt as text
         prompt = torch.tensor([tokenize(tokenizer, prompt, model.d_vocab, "--prompt")])
     prompt_tokens = parse_prompt(model, prompt, batch)
-    probe = task_probe(model, task, samples) if is_toolkit_model(model) else None
+    probe = task_probe(model, task, samples) if is_toolkit_model(model) or bridged_inkling(model) is not None else None
     skipped: dict[str, str] = {}
     tables = attribution_tables(
         model, batch, prompt_tokens, run.records, run.metrics, probe, n_boot, progress, skipped=skipped
