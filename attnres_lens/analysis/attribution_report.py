@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 
 from attnres_lens.analysis.applicability import (
     CORRUPTED_TOOLKIT_ONLY,
-    DLA_TOOLKIT_ONLY,
     KV_SHIFT_TOOLKIT_ONLY,
     bridged_inkling,
     is_toolkit_model,
@@ -95,15 +94,13 @@ def attribution_tables(
             tables[name] = result
 
     def logit_attribution(t: dict[str, pd.DataFrame]) -> None:
-        if toolkit:
-            t.update(
-                depth_dla=depth_logit_attribution(model, prompt),
-                depth_dla_summary=logit_attribution_summary(
-                    depth_logit_attribution(model, batch.tokens, answer_targets(batch))
-                ),
-            )
-        else:
-            skipped.update(depth_dla=DLA_TOOLKIT_ONLY, depth_dla_summary=DLA_TOOLKIT_ONLY)
+        # a model without `frozen_readout` (DeepSeek V4's bridge) refuses by name and is skipped with that reason
+        applicable(t, "depth_dla", lambda: depth_logit_attribution(model, prompt))
+        applicable(
+            t,
+            "depth_dla_summary",
+            lambda: logit_attribution_summary(depth_logit_attribution(model, batch.tokens, answer_targets(batch))),
+        )
         applicable(t, "depth_inputs", lambda: depth_input_decomposition(model, batch.tokens))
 
     stages: list[tuple[str, Callable[[dict], None]]] = [
