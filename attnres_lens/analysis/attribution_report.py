@@ -709,8 +709,8 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
             (
                 "Direct logit attribution through depth",
                 "Exact: with the final norm's scale frozen at its clean value, the per-source terms of a position sum "
-                "to its logit minus the unembedding bias. The table averages the correct-token logit over held-out "
-                "answer positions.",
+                "to its logit minus the unembedding bias (on Inkling models the logit before the soft-cap, which "
+                "is not linear). The table averages the correct-token logit over held-out answer positions.",
                 [dla_heatmap(tables["depth_dla"]), dla_summary_bars(tables["depth_dla_summary"])],
                 _table(tables["depth_dla_summary"]),
             )
