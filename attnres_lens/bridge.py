@@ -32,7 +32,7 @@ from attnres_lens.attnres import EMBEDDING
 from attnres_lens.hook_checks import any_hooked, is_hooked
 from attnres_lens.kernels import depth_attention
 from attnres_lens.kernels.reference import depth_logits, mix_sources
-from attnres_lens.protocol import SINGLE_ROUTE, check_depth_point
+from attnres_lens.protocol import SINGLE_ROUTE, FrozenReadout, check_depth_point
 
 TRANSFORMERS_VERSION = "5.25.0"  # the version whose Inkling model code the bridge mirrors (pyproject.toml pins it)
 SUPPORTED_MODELS = ("Inkling2ForCausalLM", "Inkling2LoopForCausalLM")
@@ -495,6 +495,24 @@ class InklingBridge(HookedRootModule):
         text_model = self.hf_model.model
         normed = text_model.norm(x).to(text_model.embed_tokens.weight.dtype)
         return self.hf_model.logit_softcap(self.hf_model.lm_head(normed).float())
+
+    def frozen_readout(self, readout_input: torch.Tensor) -> FrozenReadout:
+        """The readout up to the unembedding as a linear map, the final norm's (`Inkling2RMSNorm`) scale frozen at
+        `readout_input`: `lm_head(g ⊙ x / σ)`, σ = sqrt(mean(x²) + ε) in float32 as transformers computes it.
+        The logit soft-cap comes after `lm_head` and is not linear: `logits` are the pre-cap logits (what
+        `lm_head` returns), and a direct logit attribution splits those exactly (docs/analysis.md §11)."""
+        text_model = self.hf_model.model
+        norm, lm_head = text_model.norm, self.hf_model.lm_head
+        x = readout_input.float()
+        scale = (x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon).sqrt()
+        normed = norm(readout_input).to(text_model.embed_tokens.weight.dtype)
+        return FrozenReadout(
+            gain=norm.weight,
+            scale=scale,
+            unembedding=lm_head.weight.T,
+            bias=lm_head.bias,
+            logits=lm_head(normed).float(),
+        )
 
     def to_tokens(self, tokens: Any) -> torch.Tensor:
         """`[batch, pos]` int64 ids on the model's device from a tensor, a (nested) list of ids or a string of

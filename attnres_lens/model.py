@@ -24,7 +24,7 @@ from attnres_lens.denseformer import DenseStream, DepthWeightedAverage
 from attnres_lens.hook_checks import module_hooked
 from attnres_lens.kernels import model_runs_two_phase
 from attnres_lens.mhc import MHCConnection, MHCHead, MHCStream
-from attnres_lens.protocol import SINGLE_ROUTE, check_depth_point
+from attnres_lens.protocol import SINGLE_ROUTE, FrozenReadout, check_depth_point
 from attnres_lens.resources import check_model_fits
 from attnres_lens.streams import ResidualStream, SumStream
 
@@ -469,6 +469,19 @@ class HookedTransformer(HookedRootModule):
     def readout(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the unembedding applied to `[..., d_model]` (the final readout's input onwards)."""
         return self.unembed(self.ln_final(x))
+
+    def frozen_readout(self, readout_input: torch.Tensor) -> FrozenReadout:
+        """The readout as a linear map with `ln_final`'s scale frozen at `readout_input` (docs/analysis.md §11):
+        the scale and the logits as the norm's explicit (hooked) path computes them."""
+        norm = self.ln_final
+        scale = (readout_input.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
+        return FrozenReadout(
+            gain=norm.w,
+            scale=scale,
+            unembedding=self.unembed.W_U,
+            bias=self.unembed.b_U,
+            logits=self.unembed(readout_input / scale * norm.w),
+        )
 
     def consumers(self) -> list[int]:
         """The sublayers (and J) whose input is a depth-attention mix, in forward order: every one under AttnRes,

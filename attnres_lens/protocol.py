@@ -15,6 +15,7 @@ the sublayer indices summed into it, `[EMBEDDING]` (−1) for the embedding.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -119,6 +120,38 @@ def depth_values(model: DepthMixingModel, consumer: int | str, sources: list[tor
     b_s), else the sources themselves (the paper and FLA mix raw sources)."""
     own = getattr(model, "depth_values", None)
     return list(sources) if own is None else own(consumer, sources)
+
+
+@dataclass
+class FrozenReadout:
+    """The final readout with the final norm's scale frozen at one pass, a linear map of its input x:
+    `logits = (gain ⊙ x / scale) @ unembedding + bias` (docs/analysis.md §11). `logits` are the model's own
+    logits of that pass before anything non-linear after the unembedding (Inkling's soft-cap), which the map
+    reproduces to float rounding."""
+
+    gain: torch.Tensor  # the final norm's gain g, [d_model]
+    scale: torch.Tensor  # its per-token scale σ = sqrt(mean(x²) + ε) at the pass, [..., 1]
+    unembedding: torch.Tensor  # W_U, [d_model, d_vocab]
+    bias: torch.Tensor | None  # b_U, [d_vocab], or None
+    logits: torch.Tensor  # the pre-cap logits of the pass, [..., d_vocab]
+
+
+def check_frozen_readout(model: DepthMixingModel) -> None:
+    """Refuse, naming the model, one without `frozen_readout`: its readout is not known to be a norm then an
+    unembedding, so the direct logit attribution has no linear map to split."""
+    if getattr(model, "frozen_readout", None) is None:
+        raise ValueError(
+            "depth_logit_attribution freezes the final norm's scale, which needs the model's final norm gain and "
+            f"scale and its unembedding (the optional member frozen_readout); {type(model).__name__} does not "
+            "expose them: use source_logit_lens"
+        )
+
+
+def frozen_readout(model: DepthMixingModel, readout_input: torch.Tensor) -> FrozenReadout:
+    """The model's `frozen_readout(readout_input)`: its final readout as a linear map with the final norm's scale
+    frozen at `readout_input` (what `readout_input_hook` shows); refused as `check_frozen_readout` says."""
+    check_frozen_readout(model)
+    return model.frozen_readout(readout_input)
 
 
 def direct_inputs(model: DepthMixingModel) -> dict[int, list[int]]:

@@ -541,3 +541,43 @@ def _reference_with_zeroed_calls(folder: str, calls: set[int] | None) -> torch.T
     reference = _reference(folder)
     reference.model.layers[3].post_mlp_convolution.register_forward_hook(_zero_calls(calls))
     return reference(input_ids=TOKENS, use_cache=False).logits
+
+
+@pytest.mark.parametrize("kind", ["plain", "loop"])
+def test_depth_logit_attribution_splits_the_pre_cap_logit_against_a_float64_recomputation(inkling_folders, kind):
+    from attnres_lens.analysis import depth_logit_attribution
+
+    bridge = from_transformers(inkling_folders[kind])
+    bridge.hf_model.logit_softcap.softcap = (
+        0.05  # a cap that bends these small logits (about ±0.1), so pre- and post-cap differ
+    )
+    text_model, J = bridge.hf_model.model, bridge.n_sublayers
+    captured, handles = _captured_consumer_inputs(bridge)
+    seen: dict[str, torch.Tensor] = {}
+    handles += [
+        text_model.norm.register_forward_pre_hook(lambda _m, args: seen.update(norm_input=args[0].detach())),
+        bridge.hf_model.lm_head.register_forward_hook(lambda _m, _a, out: seen.update(pre_cap=out.detach())),
+    ]
+    table = depth_logit_attribution(bridge, TOKENS)
+    for handle in handles:
+        handle.remove()
+    table = table.sort_values(["sequence", "position", "source"])
+    n_sources = len(bridge.sources(J))
+    targets = TOKENS[:, 1:]
+    pre_cap = seen["pre_cap"].double()[:, :-1].gather(-1, targets[..., None]).squeeze(-1)  # [b, p-1]
+    per_position = table.groupby(["sequence", "position"], sort=True)
+    total = per_position["contribution"].sum() + per_position["bias"].first()
+    torch.testing.assert_close(torch.tensor(total.to_numpy()), pre_cap.reshape(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(per_position["logit"].first().to_numpy()), pre_cap.reshape(-1))
+    capped = bridge(TOKENS).double()[:, :-1].gather(-1, targets[..., None]).squeeze(-1)
+    assert (capped - pre_cap).abs().max() > 0.01  # the column is the pre-cap logit, not the model's output
+    # each source: α_s (g ⊙ v_s / σ) · W_U[:, t] in float64 from what transformers' modules received
+    alpha, values, _, _ = _recomputed_mix(bridge, J, [*captured[J][0].unbind(-2), captured[J][1]])
+    x = seen["norm_input"].double()
+    sigma = (x.pow(2).mean(-1, keepdim=True) + text_model.norm.variance_epsilon).sqrt()
+    frozen = values * text_model.norm.weight.double() / sigma[..., None, :]  # [b, p, S, D]
+    direction = bridge.hf_model.lm_head.weight.double()[targets]  # [b, p-1, D]
+    expected = alpha[:, :-1, 0] * (frozen[:, :-1] * direction[..., None, :]).sum(-1)  # [b, p-1, S]
+    got = torch.tensor(table["contribution"].to_numpy()).reshape(*targets.shape, n_sources)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert (table["bias"] == 0).all()  # lm_head has no bias

@@ -285,6 +285,10 @@ def test_refusals_name_the_bad_input(folder, bridge, tmp_path):
         bridge(torch.tensor([[1, 64]]))
     with pytest.raises(ValueError, match="already wrapped"):
         from_transformers(bridge.hf_model)
+    from attnres_lens.analysis import depth_logit_attribution
+
+    with pytest.raises(ValueError, match="frozen_readout.*DeepseekV4Bridge does not expose them"):
+        depth_logit_attribution(bridge, torch.tensor([[1, 2, 3]]))
     loaded = _reference(folder)
     with pytest.raises(ValueError, match=r"load_kwargs \['dtype'\] apply only when opening a folder"):
         from_transformers(loaded, dtype=torch.float64)

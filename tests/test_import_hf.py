@@ -120,10 +120,13 @@ def test_analyze_prune_attribute_run_and_say_what_they_skip(hf_runs, kind, tmp_p
     assert "induction_heads" not in skipped and analysis["top_induction_heads"]
     assert "top_depth_sources" in analysis and (run / "analysis" / "depth_weights.csv").is_file()
     attribution = json.loads((run / "analysis" / "attribution_summary.json").read_text())
-    assert "depth_dla" in {row["table"] for row in attribution["skipped"]}
+    assert not {"depth_dla", "depth_dla_summary"} & {row["table"] for row in attribution["skipped"]}
+    dla = pd.read_parquet(run / "analysis" / "depth_dla.parquet")  # the pre-cap logit, split exactly
+    totals = dla.groupby(["sequence", "position"]).agg(sum=("contribution", "sum"), logit=("logit", "first"))
+    assert ((totals["sum"] - totals["logit"]).abs() < 1e-4).all()
     assert "kv_shift" not in {row["table"] for row in attribution["skipped"]}
     assert attribution["top_edges"]  # exact knockouts ran
-    assert "not computed: depth_dla: " in out  # the attribute command's own lines say what it skipped
+    assert "not computed: depth_dla: " not in out
     # the K/V tap table is conv_tap_decomposition of the transformers model on the run's repeated-tokens probe
     loaded = load_run(run)
     probe = task_probe(loaded.model, loaded.config.build_task(), 8)

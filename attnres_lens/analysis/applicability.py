@@ -4,7 +4,9 @@
 depth-mixing model (the transformers bridge) a table the model cannot support is left out and listed in the
 summary's `skipped` with the reason, never a traceback: the toolkit-only analyses by a fixed reason, the others by
 their own refusal. The induction-head scores and the K/V (shift or convolution) tap table run on the toolkit's
-model and on a bridged Inkling-2 / Inkling-2-Mini (`bridged_inkling`), and are skipped on any other.
+model and on a bridged Inkling-2 / Inkling-2-Mini (`bridged_inkling`), and are skipped on any other. The direct
+logit attribution runs on any model with the protocol's optional `frozen_readout` (the toolkit's, a bridged Inkling)
+and is skipped with its own refusal on others (DeepSeek V4).
 """
 
 from __future__ import annotations
@@ -19,10 +21,6 @@ from attnres_lens.protocol import DepthMixingModel
 INDUCTION_TOOLKIT_ONLY = (
     "the induction-head probe runs on the toolkit's own model and on a bridged Inkling-2 / Inkling-2-Mini (it "
     "reads per-head attention patterns); this model is neither"
-)
-DLA_TOOLKIT_ONLY = (
-    "direct logit attribution through depth freezes the toolkit model's final LayerNorm scale and splits its "
-    "unembedding; it is defined for the toolkit's own model only"
 )
 KV_SHIFT_TOOLKIT_ONLY = (
     "the KV-shift decomposition reads the toolkit's KV-shift attention or the short K/V convolutions of a bridged "

@@ -6,12 +6,13 @@ weights `α_s` (all 1 for the standard residual, whose sources are `e` and each 
 Everything is read through hook points from one clean pass: the embedding, every sublayer output `f_j` (sources
 are sums of them, rebuilt from `model.sources(c)`), every input, α and the depth logits, and the final norm's
 scale; the final readout's input at `readout_input_hook`. All reads are the depth-mixing model protocol's
-(docs/architecture.md §7) but the final norm's scale, read for the toolkit model's direct logit attribution.
+(docs/architecture.md §7); the direct logit attribution also needs its optional `frozen_readout`.
 
 * `depth_logit_attribution` — direct logit attribution through depth. With the final norm's scale σ frozen at
   its clean value (as TransformerLens does), `logit_t = Σ_s α_s (g ⊙ v_s / σ) · W_U[:, t] + b_U[t]` exactly, one
-  term per source of the final readout (standard: `e` and each `f_j`, TL's per-component form), or the same for a
-  logit difference `t − t'`.
+  term per source of the final readout (standard: `e` and each `f_j`, TL's per-component form; Inkling: v_s the
+  normalised sources, `depth_values`), or the same for a logit difference `t − t'`. On Inkling the logit is the
+  pre-soft-cap one.
 * `depth_input_decomposition` — the same split of every sublayer input: `α_s v_s` per source, its norm and its
   projection share `⟨α_s v_s, h_c⟩ / ‖h_c‖²` (the shares of a consumer sum to 1).
 * `source_logit_lens` — every source and every sublayer input decoded through the final norm (recomputed on the
@@ -43,7 +44,14 @@ from attnres_lens.attnres import EMBEDDING
 from attnres_lens.evaluation import per_sequence_losses
 from attnres_lens.mixing import basis_index, mixing_coefficients, routes_are_inputs
 from attnres_lens.model import HookedTransformer
-from attnres_lens.protocol import SINGLE_ROUTE, DepthMixingModel, depth_values, model_device
+from attnres_lens.protocol import (
+    SINGLE_ROUTE,
+    DepthMixingModel,
+    check_frozen_readout,
+    depth_values,
+    frozen_readout,
+    model_device,
+)
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch, check_scored_batch, check_target_ids, next_token_targets
 
 BatchLike = Batch | torch.Tensor
@@ -54,7 +62,7 @@ MIXED_RESIDUALS = ("denseformer", "mhc")
 # ---------------------------------------------------------------------------- one clean pass, through hooks
 @dataclass
 class DepthTerms:
-    """What one clean pass shows about depth: inputs, outputs, weights, and the final norm's scale."""
+    """What one clean pass shows about depth: inputs, outputs, weights and logits."""
 
     tokens: torch.Tensor
     embedding: torch.Tensor  # e (token plus learned position embedding), [batch, pos, d_model]
@@ -65,7 +73,6 @@ class DepthTerms:
     weights: dict[int, torch.Tensor]  # α per consumer, [batch, pos, n_sources] ([batch, pos, route, n_sources] with
     # several routes; for DenseFormer and mHC the depth-mixing coefficient of each output, docs/analysis.md §5)
     depth_logits: dict[int, torch.Tensor]  # z per consumer (depth-mixing consumers only)
-    scale: torch.Tensor | None  # the toolkit model's final norm scale σ, [batch, pos, 1] (None for other models)
     logits: torch.Tensor
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -121,8 +128,6 @@ def depth_terms(model: DepthMixingModel, tokens: torch.Tensor, gradient_of: Call
     consumers = model.consumers()
     embedding_hooks = model.embedding_hooks
     names: dict[Any, str] = {("embed", i): name for i, name in enumerate(embedding_hooks)}
-    if isinstance(model, HookedTransformer):  # the final norm's scale, for the toolkit model's direct attribution
-        names["scale"] = "ln_final.hook_scale"
     names.update({("out", j): model.sublayer_output_hook(j) for j in range(n_sublayers)})
     names.update({("in", j): model.sublayer_input_hook(j) for j in range(n_sublayers)})
     names[("in", n_sublayers)] = model.readout_input_hook
@@ -162,7 +167,6 @@ def depth_terms(model: DepthMixingModel, tokens: torch.Tensor, gradient_of: Call
         mixes={key[1:]: tensor for key, tensor in saved.items() if key[0] == "mix"},
         weights={c: saved[("alpha", c)] for c in consumers},
         depth_logits={c: saved[("z", c)] for c in consumers},
-        scale=saved.get("scale"),
         logits=logits,
     )
     if gradient_of is not None:
@@ -192,7 +196,6 @@ def _detached(terms: DepthTerms) -> DepthTerms:
     terms.mixes = {key: detach(t) for key, t in terms.mixes.items()}
     terms.weights = {c: detach(t) for c, t in terms.weights.items()}
     terms.depth_logits = {c: detach(t) for c, t in terms.depth_logits.items()}
-    terms.scale = None if terms.scale is None else detach(terms.scale)
     terms.logits = detach(terms.logits)
     return terms
 
@@ -226,7 +229,7 @@ def _consumer_info(model: DepthMixingModel, consumer: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- direct logit attribution
 @torch.no_grad()
 def depth_logit_attribution(
-    model: HookedTransformer,
+    model: DepthMixingModel,
     tokens: torch.Tensor,
     targets: torch.Tensor | None = None,
     incorrect: torch.Tensor | None = None,
@@ -239,16 +242,15 @@ def depth_logit_attribution(
     Positions whose target is −100 are skipped. One row per (sequence, position, source of the final readout):
     sequence, position, token, target, incorrect, source, source_label, members (sublayer indices summed in the
     source, −1 = embedding), alpha, contribution; and per position, repeated on its rows: logit (the clean value
-    attributed) and bias (the unembedding bias term). `Σ_source contribution + bias = logit` exactly.
+    attributed) and bias (the unembedding bias term). `Σ_source contribution + bias = logit` exactly, with
+    contribution `α_s (g ⊙ v_s / σ) · W_U[:, t]` and v_s the vector the final mix sums (`depth_values`: the source
+    itself, or Inkling's RMS-normalised source).
 
-    The toolkit's `HookedTransformer` only: freezing the final norm's scale needs its gain, scale and unembedding,
-    which the depth-mixing model protocol does not name (docs/architecture.md §7).
+    Needs the model's optional `frozen_readout` (docs/architecture.md §7): the toolkit's `HookedTransformer` and
+    the bridged Inkling-2 / Inkling-2-Mini have it. On Inkling the logit soft-cap follows the unembedding and is
+    not linear: `logit` is the pre-cap logit (what `lm_head` returns), attributed exactly.
     """
-    if not isinstance(model, HookedTransformer):
-        raise ValueError(
-            "depth_logit_attribution freezes the final norm's scale, which needs the toolkit model's final norm and "
-            f"unembedding; {type(model).__name__} exposes only the depth-mixing model protocol: use source_logit_lens"
-        )
+    check_frozen_readout(model)
     _check_single_head_mix(model, "depth_logit_attribution")
     tokens = model.to_tokens(tokens)
     targets = _target_ids(model, tokens, targets, "targets")
@@ -256,24 +258,26 @@ def depth_logit_attribution(
         incorrect = _target_ids(model, tokens, incorrect, "incorrect")
         incorrect = torch.where(targets == IGNORE_INDEX, IGNORE_INDEX, incorrect)
     terms = depth_terms(model, tokens)
+    final = model.n_sublayers
+    frozen = frozen_readout(model, terms.inputs[final])
     keep = targets != IGNORE_INDEX
     if incorrect is not None:
         keep &= incorrect != IGNORE_INDEX
     sequence, position = keep.nonzero(as_tuple=True)
     target = targets[keep]
-    W_U = model.unembed.W_U.double()
+    W_U = frozen.unembedding.double()
     direction = W_U[:, target].T  # [n, d_model]
-    bias = _bias(model, target)
+    bias = _bias(frozen.bias, target)
     if incorrect is not None:
         wrong = incorrect[keep]
         direction = direction - W_U[:, wrong].T
-        bias = bias - _bias(model, wrong)
+        bias = bias - _bias(frozen.bias, wrong)
     # the final norm with its scale frozen: v ↦ g ⊙ v / σ, linear in v
-    gain, scale = model.ln_final.w.double(), terms.scale[keep].double()
-    final = model.cfg.n_sublayers
+    gain, scale = frozen.gain.double(), frozen.scale[keep].double()
     alpha = terms.alpha(model, final)[keep].double()  # [n, n_sources]
+    values = depth_values(model, final, terms.source_vectors(model, final))
     rows = []
-    for source, (info, vector) in enumerate(zip(_source_info(model, final), terms.source_vectors(model, final))):
+    for source, (info, vector) in enumerate(zip(_source_info(model, final), values)):
         contribution = alpha[:, source] * ((vector[keep].double() / scale * gain) * direction).sum(-1)
         rows.append(
             pd.DataFrame(
@@ -285,7 +289,7 @@ def depth_logit_attribution(
                 }
             )
         )
-    clean = terms.logits[keep].double()
+    clean = frozen.logits[keep].double()
     logit = clean.gather(-1, target[:, None]).squeeze(-1)
     if incorrect is not None:
         logit = logit - clean.gather(-1, incorrect[keep][:, None]).squeeze(-1)
@@ -319,8 +323,7 @@ def depth_logit_attribution(
     return frame.sort_values(["sequence", "position", "source"], ignore_index=True)[columns]
 
 
-def _bias(model: HookedTransformer, ids: torch.Tensor) -> torch.Tensor:
-    b_U = getattr(model.unembed, "b_U", None)
+def _bias(b_U: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
     return torch.zeros(len(ids), dtype=torch.float64, device=ids.device) if b_U is None else b_U.double()[ids]
 
 

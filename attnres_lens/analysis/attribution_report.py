@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 
 from attnres_lens.analysis.applicability import (
     CORRUPTED_TOOLKIT_ONLY,
-    DLA_TOOLKIT_ONLY,
     KV_SHIFT_TOOLKIT_ONLY,
     bridged_inkling,
     is_toolkit_model,
@@ -95,15 +94,13 @@ def attribution_tables(
             tables[name] = result
 
     def logit_attribution(t: dict[str, pd.DataFrame]) -> None:
-        if toolkit:
-            t.update(
-                depth_dla=depth_logit_attribution(model, prompt),
-                depth_dla_summary=logit_attribution_summary(
-                    depth_logit_attribution(model, batch.tokens, answer_targets(batch))
-                ),
-            )
-        else:
-            skipped.update(depth_dla=DLA_TOOLKIT_ONLY, depth_dla_summary=DLA_TOOLKIT_ONLY)
+        # a model without `frozen_readout` (DeepSeek V4's bridge) refuses by name and is skipped with that reason
+        applicable(t, "depth_dla", lambda: depth_logit_attribution(model, prompt))
+        applicable(
+            t,
+            "depth_dla_summary",
+            lambda: logit_attribution_summary(depth_logit_attribution(model, batch.tokens, answer_targets(batch))),
+        )
         applicable(t, "depth_inputs", lambda: depth_input_decomposition(model, batch.tokens))
 
     stages: list[tuple[str, Callable[[dict], None]]] = [
@@ -712,8 +709,8 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
             (
                 "Direct logit attribution through depth",
                 "Exact: with the final norm's scale frozen at its clean value, the per-source terms of a position sum "
-                "to its logit minus the unembedding bias. The table averages the correct-token logit over held-out "
-                "answer positions.",
+                "to its logit minus the unembedding bias (on Inkling models the logit before the soft-cap, which "
+                "is not linear). The table averages the correct-token logit over held-out answer positions.",
                 [dla_heatmap(tables["depth_dla"]), dla_summary_bars(tables["depth_dla_summary"])],
                 _table(tables["depth_dla_summary"]),
             )
