@@ -370,26 +370,52 @@ def two_threads():
     torch.set_num_threads(previous)
 
 
+# `fork_routing` is for a command-line process that runs no threads of its own when it forks (`ForkedJob`):
+# the child copies only the forking thread, and a lock another thread held at that moment stays held in the
+# child for good (seen: MKL's buffer allocator, after earlier tests' worker threads ran matrix products). So the
+# comparison runs in a fresh interpreter, as `attnres-lens prune` does, forking before any worker thread starts.
+FORKED_ROUTING_CHECK = """
+import pandas as pd, torch
+import attnres_lens.analysis.run as run_module
+from attnres_lens.analysis import routing
+from attnres_lens.analysis.run import prune_tables
+from attnres_lens.model import HookedTransformer
+from tests.helpers import copy_batch, randomize_depth_parameters, small_config
+
+torch.set_num_threads(2)
+model = HookedTransformer(small_config("attnres", 2)).eval()
+randomize_depth_parameters(model)
+batch = copy_batch(6)
+calls, inner = [], routing.causal_routing
+run_module.causal_routing = lambda *args, **kwargs: calls.append(1) or inner(*args, **kwargs)
+forked = prune_tables(model, batch, fork_routing=True)
+assert calls == [] and torch.get_num_threads() == 2, (calls, torch.get_num_threads())
+run_module.causal_routing = inner
+plain = prune_tables(model, batch)
+assert forked.keys() == plain.keys()
+for name in plain:
+    pd.testing.assert_frame_equal(forked[name], plain[name])
+print("same tables")
+"""
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork_routing forks (Linux)")
 @pytest.mark.slow
-def test_the_routing_table_computed_in_a_forked_process_is_the_same(two_threads, monkeypatch):
-    """`fork_routing` computes causal routing in a forked child with half the threads while this process computes
+def test_the_routing_table_computed_in_a_forked_process_is_the_same():
+    """`fork_routing` computes causal routing in a forked child with half the threads while the process computes
     the other tables with the rest: every table equals the one-process run's, the thread count is restored, and
-    the child did the routing (this process ran no knockout of a single source)."""
-    from attnres_lens.analysis import routing
+    the child did the routing (the process ran no knockout of a single source)."""
+    import subprocess
+    from pathlib import Path
 
-    model = HookedTransformer(small_config("attnres", 2)).eval()
-    randomize_depth_parameters(model)
-    batch = copy_batch(6)
-    plain = prune_tables(model, batch)
-    calls = []
-    inner = routing.causal_routing
-    monkeypatch.setattr(run_module, "causal_routing", lambda *args, **kwargs: calls.append(1) or inner(*args, **kwargs))
-    forked = prune_tables(model, batch, fork_routing=True)
-    assert calls == [] and torch.get_num_threads() == 2  # the call happened in the child, whose list this is not
-    assert forked.keys() == plain.keys()
-    for name in plain:
-        pd.testing.assert_frame_equal(forked[name], plain[name])
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_ROUTING_CHECK],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "same tables", done.stderr
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork_routing forks (Linux)")
