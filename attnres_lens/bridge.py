@@ -279,26 +279,76 @@ _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose forward
 _PATTERN_HOOKS = "_attnres_lens_attention_hooks"  # the attribute of an attention module naming its hook points
 
 
-class InklingBridge(HookedRootModule):
+class TransformersBridge(HookedRootModule):
+    """What every bridge to a transformers causal LM shares (docs/interop.md §7): it holds the model (registered,
+    so one model is never wrapped twice: a bridge replaces forwards on that instance), checks token ids against the
+    unembedding, and names the readout's and the embedding's hooks (neither Inkling nor DeepSeek V4 has learned
+    positions, so e is `hook_embed` alone)."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        if hf_model in _WRAPPED:
+            raise ValueError(
+                f"this {type(hf_model).__name__} is already wrapped by a bridge (its forwards are that bridge's): "
+                "use that bridge, or open the folder again for a second one"
+            )
+        _WRAPPED.add(hf_model)
+        self.hf_model = hf_model
+        self.config = hf_model.config
+
+    @property
+    def d_vocab(self) -> int:
+        return self.hf_model.lm_head.out_features
+
+    @property
+    def readout_input_hook(self) -> str:
+        return "ln_final.hook_in"
+
+    @property
+    def embedding_hooks(self) -> list[str]:
+        return ["hook_embed"]
+
+    def to_tokens(self, tokens: Any) -> torch.Tensor:
+        """`[batch, pos]` int64 ids on the model's device from a tensor, a (nested) list of ids or a string of
+        space-separated ids, checked against d_vocab (the unembedding's rows; the embedding's padding rows are never
+        a valid input)."""
+        if isinstance(tokens, str):
+            try:
+                tokens = [int(piece) for piece in tokens.split()]
+            except ValueError as err:
+                raise ValueError(
+                    f"a string of tokens must hold space-separated integer ids, got {tokens[:60]!r}: tokenize text "
+                    "with the model's tokenizer first"
+                ) from err
+        if not isinstance(tokens, torch.Tensor):
+            tokens = torch.tensor(tokens)
+        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
+            raise ValueError(f"tokens must be integer ids, got a tensor of dtype {tokens.dtype}")
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if tokens.ndim != 2 or 0 in tokens.shape:
+            raise ValueError(f"tokens must have shape [batch, pos] with batch, pos >= 1, got {tuple(tokens.shape)}")
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= self.d_vocab:
+            raise ValueError(
+                f"token id {low if low < 0 else high} is out of range for d_vocab={self.d_vocab} "
+                f"(valid ids 0..{self.d_vocab - 1})"
+            )
+        return tokens.to(device=self.hf_model.lm_head.weight.device, dtype=torch.long)
+
+
+class InklingBridge(TransformersBridge):
     """An Inkling-2 / Inkling-2-Mini text model with the toolkit's hook names and the depth-mixing model protocol
     (docs/architecture.md §7, docs/interop.md §7). Build it with `attnres_lens.from_transformers`."""
 
     def __init__(self, hf_model: nn.Module):
-        super().__init__()
         config = hf_model.config
         if config._attn_implementation not in (None, "eager"):
             raise ValueError(
                 f"the bridge reads Inkling's eager attention; this model uses {config._attn_implementation!r}: "
                 "load it with attn_implementation='eager'"
             )
-        if hf_model in _WRAPPED:
-            raise ValueError(
-                f"this {type(hf_model).__name__} is already wrapped by a bridge (its consumers' forwards are that "
-                "bridge's): use that bridge, or open the folder again for a second one"
-            )
-        _WRAPPED.add(hf_model)
-        self.hf_model = hf_model
-        self.config = config
+        super().__init__(hf_model)
         self.block_size_layers: int = config.n_layers_per_attn_res_block
         self.visits = _schedule(config)
         n_layers = config.num_hidden_layers
@@ -477,19 +527,6 @@ class InklingBridge(HookedRootModule):
         out, cache_dict = super().run_with_cache(*model_args, remove_batch_dim=remove_batch_dim, **kwargs)
         return out, DepthActivationCache(cache_dict, self, has_batch_dim=not remove_batch_dim)
 
-    @property
-    def d_vocab(self) -> int:
-        return self.hf_model.lm_head.out_features
-
-    @property
-    def readout_input_hook(self) -> str:
-        return "ln_final.hook_in"
-
-    @property
-    def embedding_hooks(self) -> list[str]:
-        """The embedding e = b_0 is one hook's: Inkling has no learned positions."""
-        return ["hook_embed"]
-
     def readout(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm, unembedding and logit soft-cap, as transformers applies them, to `[..., d_model]`."""
         text_model = self.hf_model.model
@@ -513,34 +550,6 @@ class InklingBridge(HookedRootModule):
             bias=lm_head.bias,
             logits=lm_head(normed).float(),
         )
-
-    def to_tokens(self, tokens: Any) -> torch.Tensor:
-        """`[batch, pos]` int64 ids on the model's device from a tensor, a (nested) list of ids or a string of
-        space-separated ids, checked against d_vocab (the unembedding's rows; the embedding's padding rows are never
-        a valid input)."""
-        if isinstance(tokens, str):
-            try:
-                tokens = [int(piece) for piece in tokens.split()]
-            except ValueError as err:
-                raise ValueError(
-                    f"a string of tokens must hold space-separated integer ids, got {tokens[:60]!r}: tokenize text "
-                    "with the model's tokenizer first"
-                ) from err
-        if not isinstance(tokens, torch.Tensor):
-            tokens = torch.tensor(tokens)
-        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
-            raise ValueError(f"tokens must be integer ids, got a tensor of dtype {tokens.dtype}")
-        if tokens.ndim == 1:
-            tokens = tokens[None]
-        if tokens.ndim != 2 or 0 in tokens.shape:
-            raise ValueError(f"tokens must have shape [batch, pos] with batch, pos >= 1, got {tuple(tokens.shape)}")
-        low, high = int(tokens.min()), int(tokens.max())
-        if low < 0 or high >= self.d_vocab:
-            raise ValueError(
-                f"token id {low if low < 0 else high} is out of range for d_vocab={self.d_vocab} "
-                f"(valid ids 0..{self.d_vocab - 1})"
-            )
-        return tokens.to(device=self.hf_model.lm_head.weight.device, dtype=torch.long)
 
     # ------------------------------------------------------------------ depth structure (the protocol)
     @property

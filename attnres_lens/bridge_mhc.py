@@ -26,10 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
-from transformer_lens.HookedRootModule import HookedRootModule
 
 from attnres_lens.attnres import EMBEDDING
-from attnres_lens.bridge import _WRAPPED, InklingBridge, _checked_transformers
+from attnres_lens.bridge import TransformersBridge, _checked_transformers
 from attnres_lens.mhc import sinkhorn
 from attnres_lens.mixing import basis_index
 
@@ -115,20 +114,12 @@ class FinalNormHooks(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------- the bridge
-class DeepseekV4Bridge(HookedRootModule):
+class DeepseekV4Bridge(TransformersBridge):
     """A DeepSeek V4 causal LM with the toolkit's mHC hook names and the depth-mixing model protocol
     (docs/architecture.md §7, docs/interop.md §7). Build it with `attnres_lens.from_transformers`."""
 
     def __init__(self, hf_model: nn.Module):
-        super().__init__()
-        if hf_model in _WRAPPED:
-            raise ValueError(
-                f"this {type(hf_model).__name__} is already wrapped by a bridge (its layers' forwards are that "
-                "bridge's): use that bridge, or open the folder again for a second one"
-            )
-        _WRAPPED.add(hf_model)
-        self.hf_model = hf_model
-        self.config = hf_model.config
+        super().__init__(hf_model)
         text_model = hf_model.model
         self.n_streams: int = self.config.hc_mult
         self.blocks = nn.ModuleList(MHCLayerHooks() for _ in text_model.layers)
@@ -164,22 +155,6 @@ class DeepseekV4Bridge(HookedRootModule):
 
         loss = next_token_loss(logits, tokens, per_token=loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
-
-    # the checks are the Inkling bridge's: ids in 0..d_vocab−1, on the device of lm_head
-    to_tokens = InklingBridge.to_tokens
-
-    @property
-    def d_vocab(self) -> int:
-        return self.hf_model.lm_head.out_features
-
-    @property
-    def readout_input_hook(self) -> str:
-        return "ln_final.hook_in"
-
-    @property
-    def embedding_hooks(self) -> list[str]:
-        """e is the token embedding alone (DeepSeek V4 has rotary positions)."""
-        return ["hook_embed"]
 
     def readout(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and `lm_head`, as transformers applies them after `hc_head`, to `[..., d_model]`."""

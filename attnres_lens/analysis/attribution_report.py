@@ -38,7 +38,7 @@ from attnres_lens.analysis.attribution import (
 )
 from attnres_lens.analysis.induction import default_half_len, repeated_batch
 from attnres_lens.analysis.knockouts import SCREEN_FRACTION, edge_knockouts
-from attnres_lens.analysis.kv_shift import conv_tap_decomposition, kv_shift_decomposition
+from attnres_lens.analysis.kv_shift import KV_SHIFT_COLUMNS, conv_tap_decomposition, kv_shift_decomposition
 from attnres_lens.analysis.report import STYLE, skipped_html
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 from attnres_lens.analysis.visits import visit_groups, visit_knockouts
@@ -684,19 +684,6 @@ AUDIT_COLUMNS = [
     "null_recency_dloss_low",
     "null_recency_dloss_high",
 ]
-KV_COLUMNS = [
-    "layer",
-    "head",
-    "alpha1",
-    "alpha2",
-    "beta1",
-    "beta2",
-    "prefix_score",
-    "current_key_advantage",
-    "shifted_key_advantage",
-    "shifted_key_induction_score",
-    "shifted_value_share",
-]
 REPORT_STYLE = STYLE + ".wide { overflow-x: auto; max-width: 100%; }\n"
 
 
@@ -795,7 +782,7 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
                 "≈ 1: a one-layer KV-shift induction head; ≈ 0: the target is found through the current key (the "
                 "two-layer previous-token + induction circuit).",
                 [kv_shift_bars(tables["kv_shift"])],
-                _table(tables["kv_shift"], None if taps else KV_COLUMNS),
+                _table(tables["kv_shift"], None if taps else KV_SHIFT_COLUMNS),
             )
         )
     if "timeline" in tables and len(tables["timeline"]):

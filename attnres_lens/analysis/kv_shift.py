@@ -80,6 +80,22 @@ class AttentionTaps:
             raise ValueError(f"{n_heads} query heads cannot share {n_kv} key/value heads evenly")
 
 
+# The KV-shift table's columns, in order: the width-2 view of the tap decomposition (its reports show the same)
+KV_SHIFT_COLUMNS = [
+    "layer",
+    "head",
+    "alpha1",
+    "alpha2",
+    "beta1",
+    "beta2",
+    "prefix_score",
+    "current_key_advantage",
+    "shifted_key_advantage",
+    "shifted_key_induction_score",
+    "shifted_value_share",
+]
+
+
 def tap_parts(taps: AttentionTaps) -> dict[str, torch.Tensor]:
     """Per-tap parts of a layer's attention: `score_taps` [lag, batch, head, q, k], whose sum over lags plus
     `score_bias` [batch, head, q, k] (zeros where there is none) is the pre-softmax score before the mask;
@@ -275,18 +291,4 @@ def kv_shift_decomposition(
     table = table.rename(
         columns={"key_advantage_lag0": "current_key_advantage", "key_advantage_lag1": "shifted_key_advantage"}
     )
-    return table[
-        [
-            "layer",
-            "head",
-            "alpha1",
-            "alpha2",
-            "beta1",
-            "beta2",
-            "prefix_score",
-            "current_key_advantage",
-            "shifted_key_advantage",
-            "shifted_key_induction_score",
-            "shifted_value_share",
-        ]
-    ]
+    return table[KV_SHIFT_COLUMNS]
