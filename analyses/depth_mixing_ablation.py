@@ -207,12 +207,13 @@ def study_overrides(steps: int, settings: Sequence[str] = ()) -> tuple[str, ...]
 def study_jobs(
     variants: Sequence[str], seeds: Sequence[int], steps: int, runs_dir: Path, settings: Sequence[str] = ()
 ) -> list[Job]:
-    """One job per variant and seed, every one on the fixed task."""
+    """One job per variant and seed, every one on the fixed task, seed by seed: a study stopped part way (it is
+    resumable) has whole paired seeds rather than a few variants with every seed."""
     overrides = study_overrides(steps, settings)
     return [
         Job(name, seed, runs_dir / f"{name}-s{seed}", overrides, task_seed=TASK_SEED)
-        for name in variants
         for seed in seeds
+        for name in variants
     ]
 
 

@@ -75,6 +75,18 @@ def test_the_default_jobs_keep_seeding_the_task_with_the_run_seed():
     ]
 
 
+def test_the_jobs_run_seed_by_seed_on_the_one_task(tmp_path):
+    """A study stopped part way has whole paired seeds: every variant of seed 0 before any of seed 1."""
+    jobs = study.study_jobs(["depth-standard", "depth-full"], [0, 1], 10, tmp_path)
+    assert [(job.preset, job.seed) for job in jobs] == [
+        ("depth-standard", 0),
+        ("depth-full", 0),
+        ("depth-standard", 1),
+        ("depth-full", 1),
+    ]
+    assert {job.task_seed for job in jobs} == {study.TASK_SEED}
+
+
 def test_the_study_parametrises_the_input_query_fairly_and_the_multi_head_row_as_block():
     variants = {name: get_preset(name).model for name in DEPTH_MIXING_VARIANTS}
     query = variants["depth-full-input-query"]
