@@ -1,8 +1,9 @@
 """Train the dashboard's demo runs into `data/demo_runs/` (only those missing), with progress bars.
 
-The set covers standard / Full / Block AttnRes on the depth task and 1- and 2-layer vanilla / KV-shift attention on
-the induction task: the project's presets, at 6 layers for the depth runs, trained long enough that their heatmaps
-show structure (about 20 minutes for all seven on a 2-core CPU).
+The set covers standard / Full / Block AttnRes on the depth task, 1- and 2-layer vanilla / KV-shift attention on
+the induction task and Block AttnRes on real text (byte-level Shakespeare): the project's presets, at 6 layers for
+the depth runs, trained long enough that their heatmaps show structure (about 45 minutes for all eight on a 2-core
+CPU).
 Optimiser state files are deleted to keep the folder small, so demo runs cannot be resumed; train a preset
 with `attnres-lens train` for a run you want to continue.
 
@@ -44,6 +45,13 @@ DEPTH_OVERRIDES = [
     "train.threads=1",
 ]
 
+# Real text: the preset's own budget (the real-text study's runs, docs/tasks.md §6), with finer records.
+SHAKESPEARE_OVERRIDES = [
+    "train.record_every=100",
+    "train.keep_checkpoints=1",
+    "train.threads=1",
+]
+
 DEMO_RUNS: dict[str, tuple[str, list[str]]] = {
     "induction-1l-vanilla": ("induction-1l-vanilla", INDUCTION_OVERRIDES),
     "induction-1l-kvshift": ("induction-1l-kvshift", INDUCTION_OVERRIDES),
@@ -52,6 +60,7 @@ DEMO_RUNS: dict[str, tuple[str, list[str]]] = {
     "depth-standard-6l": ("depth-standard", DEPTH_OVERRIDES),
     "depth-full-6l": ("depth-full", DEPTH_OVERRIDES),
     "depth-block-6l": ("depth-block", DEPTH_OVERRIDES),
+    "shakespeare-block-6l": ("shakespeare-block", SHAKESPEARE_OVERRIDES),
 }
 
 
