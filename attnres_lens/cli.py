@@ -106,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     attribute.add_argument(
         "--prompt",
         metavar="TEXT",
-        help="the prompt of the per-position views: text through the model folder's tokenizer for a run made by "
-        "import-hf from a folder with one, else space-separated token ids (default: the first held-out sequence)",
+        help="the prompt of the per-position views: text for a run on real text (the shakespeare task, as bytes) "
+        "or made by import-hf from a folder with a tokenizer (through it), else space-separated token ids "
+        "(default: the first held-out sequence)",
     )
     attribute.add_argument("--out", metavar="DIR", help="output folder (default: RUN/analysis)")
     for command in (analyze, prune, attribute):

@@ -794,15 +794,6 @@ class Run:
     def model_config(self) -> ModelConfig | TransformersModel:
         return self.config.model
 
-    def tokenizer(self) -> Any:
-        """The model folder's own tokenizer for a run referring to a transformers folder that has one, else None
-        (text then goes in as token ids)."""
-        if isinstance(self.config.model, ModelConfig):
-            return None
-        from attnres_lens import hf_runs
-
-        return hf_runs.open_tokenizer(self.config.model, self.path)
-
 
 def run_is_complete(path: PathLike) -> bool:
     return RunDir(path).is_complete()

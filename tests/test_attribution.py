@@ -601,7 +601,7 @@ def test_attribute_command_refuses_bad_input_in_one_line(smoke_run, tmp_path, ca
         (["attribute", str(smoke_run), "--prompt", "1 2 999"], "token id 999 is out of range"),
         (["attribute", str(smoke_run), "--prompt", "5"], "--prompt needs at least 2 tokens"),
         (["attribute", str(smoke_run), "--checkpoint", "999"], "has no checkpoint '999'; it has: latest"),
-        (["attribute", str(smoke_run), "--prompt", " "], "--prompt is empty; give space-separated token ids"),
+        (["attribute", str(smoke_run), "--prompt", " "], "--prompt is empty; give one"),
         (["attribute", str(smoke_run), "--prompt", " ".join(["1"] * 500)], "--prompt: sequence length 500 exceeds"),
     ]
     (tmp_path / "a-file").write_text("")

@@ -263,6 +263,29 @@ def test_pruning_curve_axis_holds_every_point_with_a_margin(metric):
 
 
 @pytest.mark.slow
+def test_text_is_typed_where_the_run_reads_text():
+    """The real-text demo run takes typed text (BOS, then byte b as id b + 1); a synthetic-task run takes ids only."""
+    app = open_page("views/depth_attention.py")
+    app.multiselect(key="depth-runs").set_value([str(DEMO_RUNS / "depth-block-6l")]).run()
+    assert "text I type" not in app.radio(key="depth-token-input-source").options
+    app.multiselect(key="depth-runs").set_value([str(DEMO_RUNS / "shakespeare-block-6l")]).run()
+    app.radio(key="depth-token-input-source").set_value("text I type").run()
+    app.text_input(key="depth-token-input-text").input("Good morrow").run()
+    assert_clean(app)
+    per_token = next(spec for spec in chart_specs(app) if "per token" in spec["layout"]["title"]["text"])
+    ids = [0, *(byte + 1 for byte in b"Good morrow")]
+    assert list(per_token["data"][0]["y"]) == [f"{position}: {token}" for position, token in enumerate(ids)]
+
+    app = open_page("views/attribution.py")
+    app.selectbox(key="attribution-run").set_value(str(DEMO_RUNS / "shakespeare-block-6l")).run()
+    app.radio(key="attribution-prompt-source").set_value("text I type").run()
+    app.text_input(key="attribution-prompt-text").input("O").run()  # BOS and one byte: one position to attribute
+    assert_clean(app)
+    app.text_input(key="attribution-prompt-text").input("").run()
+    assert any("the input is empty" in element.value for element in app.error)
+
+
+@pytest.mark.slow
 def test_depth_mixing_page_scrubs_through_training():
     app = open_page("views/depth_mixing.py")
     app.multiselect(key="mixing-runs").set_value([str(DEMO_RUNS / "depth-full-6l")]).run()

@@ -6,6 +6,7 @@ the file's bytes, not against the task's own reading of them.
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 
 import pytest
@@ -84,6 +85,17 @@ def test_training_windows_are_deterministic_by_seed(task):
     assert TASKS["shakespeare"] is ShakespeareTask
 
 
+def test_text_encodes_as_the_windows_hold_the_plays(task):
+    """A held-out window's tokens are BOS and the encoding of the text the window shows; synthetic tasks refuse."""
+    window = task.eval_batch(3).tokens[1]
+    assert task.reads_text and task.encode_text(decoded(window).decode("ascii")) == window.tolist()
+    assert task.encode_text("é") == [BOS, 0xC3 + 1, 0xA9 + 1]  # UTF-8 bytes: every byte has an id
+    copy_task = make_task("copy")
+    assert not copy_task.reads_text
+    with pytest.raises(ValueError, match="copy: the task's sequences are not text; give a prompt as token ids"):
+        copy_task.encode_text("hello")
+
+
 def test_bad_parameters_and_a_missing_package_are_refused_with_the_fix(monkeypatch):
     with pytest.raises(ValueError, match=r"vocab_size must be 257 .*got 64; set task.vocab_size=257"):
         make_task("shakespeare", vocab_size=64)
@@ -132,6 +144,11 @@ def test_the_preset_trains_end_to_end_into_a_run_that_loads(tmp_path):
     held_out = run.config.build_task().eval_batch(4)
     with torch.no_grad():
         assert run.model(held_out.tokens).shape == (4, 33, 257)
+    # a typed prompt is text on real text: BOS, then each byte b as b + 1
+    out = tmp_path / "attribution"
+    assert main(["attribute", str(tmp_path / "run"), "--samples", "2", "--prompt", "To be", "--out", str(out)]) == 0
+    prompt = json.loads((out / "attribution_summary.json").read_text())["prompt"]
+    assert prompt == " ".join(map(str, [0, *(byte + 1 for byte in b"To be")]))
 
 
 def test_switching_to_shakespeare_by_override_needs_the_byte_vocabulary():

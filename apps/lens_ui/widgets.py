@@ -183,6 +183,9 @@ def computed_on_demand(
 
 
 # ---------------------------------------------------------------------------- inputs
+TEXT_EXAMPLE = "To be, or not to be"  # the typed-text box's starting value
+
+
 def repeated_tokens_input(run: RunTables, key: str, max_len: int) -> torch.Tensor:
     """[1, 2L+1] repeated random tokens [BOS, r, r] from the run's task vocabulary; L and seed from widgets."""
     from attnres_lens.analysis.induction import repeated_batch
@@ -195,20 +198,31 @@ def repeated_tokens_input(run: RunTables, key: str, max_len: int) -> torch.Tenso
     return repeated_batch(1, int(half_len), vocab, int(seed)).tokens
 
 
-def token_input(run: RunTables, handle: ModelHandle, key: str) -> torch.Tensor | None:
-    """Repeated random tokens, or ids the user types (validated by the model; errors shown on the page)."""
-    source = st.radio("Input", ["repeated random tokens", "token ids I type"], horizontal=True, key=f"{key}-source")
-    if source == "repeated random tokens":
-        return repeated_tokens_input(run, key, run.model_config.n_ctx)
-    text = st.text_input(
-        f"Token ids, space-separated (0…{handle.model.d_vocab - 1}, at most {run.model_config.n_ctx})",
-        "0 5 9 13 5 9",
-        key=f"{key}-ids",
-    )
+def token_input(
+    run: RunTables, handle: ModelHandle, key: str, label: str, default: str, default_tokens: Callable[[], torch.Tensor]
+) -> torch.Tensor | None:
+    """[1, pos] tokens: the page's `default` input, text the user types (where the run reads text:
+    `prompt_encoder`) or ids the user types; typed input is checked as `--prompt` is, errors shown on the page."""
+    from attnres_lens.analysis.attribution_report import encode_prompt, prompt_encoder, prompt_reads_text
+
+    typed_text = ["text I type"] if prompt_reads_text(run.config) else []
+    source = st.radio(label, [default, *typed_text, "token ids I type"], horizontal=True, key=f"{key}-source")
+    if source == default:
+        return default_tokens()
+    if source == "text I type":
+        typed = st.text_input(f"Text (at most {run.model_config.n_ctx} tokens)", TEXT_EXAMPLE, key=f"{key}-text")
+        encode = prompt_encoder(run.config, run.path)
+    else:
+        typed = st.text_input(
+            f"Token ids, space-separated (0…{handle.model.d_vocab - 1}, at most {run.model_config.n_ctx})",
+            "0 5 9 13 5 9",
+            key=f"{key}-ids",
+        )
+        encode = None
     try:
-        return handle.model.to_tokens(text).cpu()
+        return encode_prompt(handle.model, typed, encode, what="the input").cpu()
     except ValueError as err:
-        st.error(f"Invalid token ids: {plain(err)}")
+        st.error(plain(err))
         return None
 
 

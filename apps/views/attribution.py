@@ -17,7 +17,15 @@ import streamlit as st
 import torch
 from lens_ui.data import ModelHandle, RunTables, no_records_message, task_batch
 from lens_ui.text import plain
-from lens_ui.widgets import COMPUTED_KEEP, computed_on_demand, loadable_runs, pick_model, pick_run, show_figure
+from lens_ui.widgets import (
+    COMPUTED_KEEP,
+    computed_on_demand,
+    loadable_runs,
+    pick_model,
+    pick_run,
+    show_figure,
+    token_input,
+)
 
 from attnres_lens.analysis.applicability import bridged_inkling, is_toolkit_model
 from attnres_lens.analysis.attribution_report import (
@@ -70,28 +78,16 @@ def not_computed(name: str) -> None:
 
 
 def prompt_input(run: RunTables, handle: ModelHandle, samples: int) -> torch.Tensor | None:
-    """[1, pos] tokens for the per-position views: a held-out sequence, or ids the user types."""
-    source = st.radio(
-        "Prompt for the per-position views",
-        ["a held-out sequence", "token ids I type"],
-        horizontal=True,
-        key="attribution-prompt-source",
-    )
-    if source == "a held-out sequence":
+    """[1, pos] tokens for the per-position views: a held-out sequence, or text or ids the user types."""
+
+    def held_out_sequence() -> torch.Tensor:
         index = int(st.number_input("Held-out sequence", 0, samples - 1, 0, key="attribution-sequence"))
         return task_batch(run, samples).tokens[index : index + 1]
-    text = st.text_input(
-        f"Token ids, space-separated (0…{handle.model.d_vocab - 1}, 2 to {run.model_config.n_ctx})",
-        "0 5 9 13 5 9",
-        key="attribution-ids",
-    )
-    try:
-        tokens = handle.model.to_tokens(text).cpu()
-    except ValueError as err:
-        st.error(f"Invalid token ids: {plain(err)}")
-        return None
-    if tokens.shape[1] < 2:
-        st.error("Invalid token ids: give at least 2 (each position is attributed against the next token).")
+
+    label = "Prompt for the per-position views"
+    tokens = token_input(run, handle, "attribution-prompt", label, "a held-out sequence", held_out_sequence)
+    if tokens is not None and tokens.shape[1] < 2:
+        st.error("The prompt needs at least 2 tokens (each position is attributed against the next token).")
         return None
     return tokens
 

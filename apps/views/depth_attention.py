@@ -8,7 +8,7 @@ import streamlit as st
 from lens_ui.data import ModelHandle, RunTables, describe_error, load_model, no_records_message, task_batch
 from lens_ui.figures import KIND_TITLES, depth_heatmap, per_token_heatmap
 from lens_ui.text import figure_text, plain
-from lens_ui.widgets import loadable_runs, pick_model, pick_runs, show_figure, token_input
+from lens_ui.widgets import loadable_runs, pick_model, pick_runs, repeated_tokens_input, show_figure, token_input
 
 from attnres_lens.analysis.depth import depth_weights, depth_weights_per_token
 
@@ -108,7 +108,14 @@ run = (
 handle = pick_model(run, key="depth-token-checkpoint")
 if handle is None:
     st.stop()
-tokens = token_input(run, handle, key="depth-token-input")
+tokens = token_input(
+    run,
+    handle,
+    "depth-token-input",
+    "Input",
+    "repeated random tokens",
+    lambda: repeated_tokens_input(run, "depth-token-input", run.model_config.n_ctx),
+)
 if tokens is None:
     st.stop()
 model = handle.model

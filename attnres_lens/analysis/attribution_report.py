@@ -43,12 +43,17 @@ from attnres_lens.analysis.report import STYLE, skipped_html
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 from attnres_lens.analysis.visits import visit_groups, visit_knockouts
 from attnres_lens.analysis_options import plural
+from attnres_lens.hf_runs import TransformersModel, open_tokenizer, tokenize
 from attnres_lens.model import HookedTransformer
 from attnres_lens.protocol import DepthMixingModel, model_device
+from attnres_lens.tasks import TASKS
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
+
+    from attnres_lens.config import RunConfig
+    from attnres_lens.rundir import PathLike
 
 SIGNED, SEQUENTIAL = "RdBu_r", "Viridis"
 EDGE_COLUMNS = {"total": "total Δloss", "value_path": "value path", "routing_path": "routing path"}
@@ -232,20 +237,60 @@ def attribution_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any])
     return summary
 
 
-def parse_prompt(model: HookedTransformer, prompt: str | torch.Tensor | None, batch: Batch) -> torch.Tensor:
-    """[1, pos] prompt tokens: space-separated ids (validated by the model), default the first held-out sequence."""
+def prompt_reads_text(config: RunConfig) -> bool:
+    """Whether a typed prompt is text for this run (see `prompt_encoder`), decided without loading anything."""
+    if isinstance(config.model, TransformersModel):
+        return config.model.has_tokenizer
+    return TASKS[config.task.name].reads_text
+
+
+def prompt_encoder(config: RunConfig, run_path: PathLike) -> Callable[[str], list[int]] | None:
+    """How a typed prompt becomes the run's ids: the transformers folder's own tokenizer (a run made by import-hf
+    from a folder that has one), the task's encoding for a task over real text (Shakespeare's bytes), else None: the
+    prompt is space-separated token ids."""
+    if not prompt_reads_text(config):
+        return None
+    model = config.model
+    if isinstance(model, TransformersModel):
+        tokenizer = open_tokenizer(model, run_path)
+        return lambda text: tokenize(tokenizer, text, model.d_vocab, "the prompt")
+    return config.build_task().encode_text
+
+
+def encode_prompt(
+    model: HookedTransformer | DepthMixingModel,
+    prompt: str | torch.Tensor,
+    encode: Callable[[str], list[int]] | None = None,
+    what: str = "--prompt",
+) -> torch.Tensor:
+    """[1, pos] tokens of a typed prompt: text through `encode` (`prompt_encoder`) when given, else space-separated
+    ids; validated by the model. `what` names the input in errors."""
+    if isinstance(prompt, str) and not prompt.strip():
+        example = '"Good morrow, cousin."' if encode is not None else '"3 17 5 3 17" (space-separated token ids)'
+        raise ValueError(f"{what} is empty; give one, e.g. {example}")
+    try:
+        tokens = model.to_tokens(encode(prompt) if encode is not None and isinstance(prompt, str) else prompt)
+    except ValueError as err:  # the model or the tokenizer names the problem; this names the input
+        raise ValueError(f"{what}: {err}") from None
+    if tokens.shape[0] != 1:
+        raise ValueError(f"{what} must be one sequence of token ids, got {tokens.shape[0]}")
+    return tokens
+
+
+def parse_prompt(
+    model: HookedTransformer | DepthMixingModel,
+    prompt: str | torch.Tensor | None,
+    batch: Batch,
+    encode: Callable[[str], list[int]] | None = None,
+    what: str = "--prompt",
+) -> torch.Tensor:
+    """The per-position views' [1, pos] prompt: the first held-out sequence by default, else `encode_prompt` of
+    `prompt` with at least 2 tokens (each position is attributed against the next token)."""
     if prompt is None:
         return batch.tokens[:1]
-    if isinstance(prompt, str) and not prompt.split():
-        raise ValueError('--prompt is empty; give space-separated token ids, e.g. --prompt "3 17 5 3 17"')
-    try:
-        tokens = model.to_tokens(prompt)
-    except ValueError as err:  # the model names the problem; this names the option
-        raise ValueError(f"--prompt: {err}") from None
-    if tokens.shape[0] != 1:
-        raise ValueError(f"--prompt must be one sequence of token ids, got {tokens.shape[0]}")
+    tokens = encode_prompt(model, prompt, encode, what)
     if tokens.shape[1] < 2:
-        raise ValueError("--prompt needs at least 2 tokens (each position is attributed against the next token)")
+        raise ValueError(f"{what} needs at least 2 tokens (each position is attributed against the next token)")
     return tokens
 
 

@@ -29,6 +29,7 @@ from attnres_lens.analysis.attribution_report import (
     attribution_summary,
     attribution_tables,
     parse_prompt,
+    prompt_encoder,
 )
 from attnres_lens.analysis.depth import (
     depth_mixing_matrix,
@@ -63,7 +64,6 @@ from attnres_lens.analysis_options import (
     check_metric,
     check_samples,
 )
-from attnres_lens.hf_runs import tokenize
 from attnres_lens.protocol import DepthMixingModel, model_device
 from attnres_lens.resources import check_samples_fit
 from attnres_lens.rundir import (
@@ -410,15 +410,13 @@ def attribute_run(
 ) -> AnalysisResult:
     """Attribution through depth of a run (docs/analysis.md §11): tables, `attribution_summary.json` and
     `attribution_report.html` under `out` (default RUN/analysis/). `prompt`: the per-position views' prompt, text
-    through the model folder's tokenizer for a run referring to a transformers folder that has one, else
-    space-separated token ids (default the first held-out sequence); `n_boot`: the routing audit's bootstrap
+    where the run reads text (`attribution_report.prompt_encoder`), else space-separated token ids (default the
+    first held-out sequence); `n_boot`: the routing audit's bootstrap
     resamples. Tables the model does not support are listed in the summary's `skipped` with the reason."""
     run, task, batch = _prepare(path, "attribute", checkpoint, samples, out)
     model = run.model
-    tokenizer = run.tokenizer() if prompt is not None else None
-    if tokenizer is not None:  # a transformers folder's own tokenizer reads the prompt as text
-        prompt = torch.tensor([tokenize(tokenizer, prompt, model.d_vocab, "--prompt")])
-    prompt_tokens = parse_prompt(model, prompt, batch)
+    encode = prompt_encoder(run.config, run.path) if prompt is not None else None
+    prompt_tokens = parse_prompt(model, prompt, batch, encode)
     probe = task_probe(model, task, samples) if is_toolkit_model(model) or bridged_inkling(model) is not None else None
     skipped: dict[str, str] = {}
     tables = attribution_tables(

@@ -140,6 +140,7 @@ class Task:
 
     name: ClassVar[str]
     for_training: ClassVar[bool] = True  # False for scoring probes that a positional head can solve
+    reads_text: ClassVar[bool] = False  # True for a task over real text: `encode_text` gives a text's ids
     vocab_size: int = 64
     seq_len: int = 65
     seed: int = 0
@@ -152,6 +153,10 @@ class Task:
 
     def _validate(self) -> None:
         """Check the task's own parameters; raise ValueError saying what to change."""
+
+    def encode_text(self, text: str) -> list[int]:
+        """`text` as this task's ids, BOS first, for a task over real text (`reads_text`)."""
+        raise ValueError(f"{self.name}: the task's sequences are not text; give a prompt as token ids")
 
     def _generate(self, batch_size: int, generator: torch.Generator) -> Batch:
         raise NotImplementedError

@@ -133,6 +133,7 @@ class ShakespeareTask(Task):
     """
 
     name = "shakespeare"
+    reads_text = True
     vocab_size: int = BYTE_VOCAB_SIZE
     seq_len: int = 128
 
@@ -151,6 +152,10 @@ class ShakespeareTask(Task):
             )
         self._train = _Plays(TRAINING_PLAYS, window)
         self._held_out = _Plays(HELD_OUT_PLAYS, window)
+
+    def encode_text(self, text: str) -> list[int]:
+        """BOS, then the UTF-8 bytes of `text` (byte b is id b + 1), as the task's windows hold the plays."""
+        return [BOS, *(byte + 1 for byte in text.encode("utf-8"))]
 
     def _windows(self, plays: _Plays, numbers: np.ndarray) -> Batch:
         tokens, play, start = plays.batch(numbers)
