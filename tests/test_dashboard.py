@@ -273,8 +273,8 @@ def test_text_is_typed_where_the_run_reads_text():
     app.text_input(key="depth-token-input-text").input("Good morrow").run()
     assert_clean(app)
     per_token = next(spec for spec in chart_specs(app) if "per token" in spec["layout"]["title"]["text"])
-    ids = [0, *(byte + 1 for byte in b"Good morrow")]
-    assert list(per_token["data"][0]["y"]) == [f"{position}: {token}" for position, token in enumerate(ids)]
+    labels = ["BOS", *"Good", "␣", *"morrow"]  # the tokens by their bytes (BOS, then byte b as id b + 1)
+    assert list(per_token["data"][0]["y"]) == [f"{position}: {label}" for position, label in enumerate(labels)]
 
     app = open_page("views/attribution.py")
     app.selectbox(key="attribution-run").set_value(str(DEMO_RUNS / "shakespeare-block-6l")).run()

@@ -21,6 +21,7 @@ from attnres_lens.analysis.engine import evaluate  # noqa: E402
 from attnres_lens.analysis.induction import task_probe  # noqa: E402
 from attnres_lens.analysis.interventions import removal_hooks  # noqa: E402
 from attnres_lens.analysis.kv_shift import conv_tap_decomposition  # noqa: E402
+from attnres_lens.analysis.prompts import prompt_encoder, token_labeller  # noqa: E402
 from attnres_lens.analysis.visits import sublayers_named, visit_groups, visit_knockouts, visit_removals  # noqa: E402
 from attnres_lens.rundir import RunDirError, load_run  # noqa: E402
 from attnres_lens.tasks import make_task  # noqa: E402
@@ -139,8 +140,10 @@ def test_analyze_prune_attribute_run_and_say_what_they_skip(hf_runs, kind, tmp_p
     visits = {(step.layer, step.visit or 0) for step in loaded.model.visits}
     assert set(zip(induction["layer"], induction["visit"])) == visits
     assert set(zip(expected["layer"], bridge_visits(expected))) == visits and len(induction) == len(expected)
-    if kind == "loop":  # the prompt went through the folder's tokenizer
+    if kind == "loop":  # the prompt went through the folder's tokenizer, and the report names its tokens
         assert attribution["prompt"] == "0 1 2 3 0 4"
+        report = (run / "analysis" / "attribution_report.html").read_text()
+        assert all(json.dumps(label) in report for label in ("0: the→cat", "4: the→mat")), "tokens not by their text"
         prune = json.loads((run / "analysis" / "prune_summary.json").read_text())
         assert {row["sublayers"] for row in prune["visits_removed_together"]} >= {"L3.attn@*", "L3.mlp@*"}
 
@@ -231,3 +234,12 @@ def test_induction_scores_on_a_bridged_model_are_transformers_attentions(inkling
         ablated = _answer_loss(reference(input_ids=batch.tokens, use_cache=False).logits, batch)
     row = scores.set_index(["layer", "visit", "head"]).loc[(layer, step.visit or 0, head)]
     assert ablated != clean and row["ablation_zero_score"] == pytest.approx(ablated - clean, rel=1e-4, abs=1e-6)
+
+
+def test_prompts_and_labels_go_through_the_folders_tokenizer_where_it_has_one(hf_runs, smoke_run):
+    loop, plain = (load_run(hf_runs[kind], load_model=False) for kind in ("loop", "plain"))
+    encode, label = prompt_encoder(loop.config, loop.path), token_labeller(loop.config, loop.path)
+    assert encode("the cat sat") == [0, 1, 2] and [label(token) for token in (0, 1, 2)] == ["the", "cat", "sat"]
+    assert label(40) == "#40"  # the model has ids its tokenizer has no token for
+    for run in (plain, load_run(smoke_run, load_model=False)):  # no tokenizer; a synthetic task: ids only
+        assert prompt_encoder(run.config, run.path) is None and token_labeller(run.config, run.path) is None

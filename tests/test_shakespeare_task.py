@@ -94,6 +94,16 @@ def test_text_encodes_as_the_windows_hold_the_plays(task):
     assert not copy_task.reads_text
     with pytest.raises(ValueError, match="copy: the task's sequences are not text; give a prompt as token ids"):
         copy_task.encode_text("hello")
+    with pytest.raises(ValueError, match="copy: the task's sequences are not text; its tokens are labelled by id"):
+        copy_task.token_text(3)
+
+
+def test_tokens_read_as_their_bytes_in_labels(task):
+    ids = task.encode_text("a \n'\\é")
+    assert [task.token_text(token) for token in ids] == ["BOS", "a", "␣", "\\n", "'", "\\\\", "\\xc3", "\\xa9"]
+    for bad in (-1, 257, 2.0):
+        with pytest.raises(ValueError, match="shakespeare: token"):
+            task.token_text(bad)
 
 
 def test_bad_parameters_and_a_missing_package_are_refused_with_the_fix(monkeypatch):
@@ -149,6 +159,9 @@ def test_the_preset_trains_end_to_end_into_a_run_that_loads(tmp_path):
     assert main(["attribute", str(tmp_path / "run"), "--samples", "2", "--prompt", "To be", "--out", str(out)]) == 0
     prompt = json.loads((out / "attribution_summary.json").read_text())["prompt"]
     assert prompt == " ".join(map(str, [0, *(byte + 1 for byte in b"To be")]))
+    report = (out / "attribution_report.html").read_text()
+    for label in ("0: BOS→T", "2: o→␣", "4: b→e"):  # the DLA's positions name the bytes (plotly's JSON escapes)
+        assert json.dumps(label) in report, label
 
 
 def test_switching_to_shakespeare_by_override_needs_the_byte_vocabulary():

@@ -203,7 +203,7 @@ def token_input(
 ) -> torch.Tensor | None:
     """[1, pos] tokens: the page's `default` input, text the user types (where the run reads text:
     `prompt_encoder`) or ids the user types; typed input is checked as `--prompt` is, errors shown on the page."""
-    from attnres_lens.analysis.attribution_report import encode_prompt, prompt_encoder, prompt_reads_text
+    from attnres_lens.analysis.prompts import encode_prompt, prompt_encoder, prompt_reads_text
 
     typed_text = ["text I type"] if prompt_reads_text(run.config) else []
     source = st.radio(label, [default, *typed_text, "token ids I type"], horizontal=True, key=f"{key}-source")

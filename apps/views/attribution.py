@@ -42,6 +42,7 @@ from attnres_lens.analysis.attribution_report import (
     timeline_figure,
 )
 from attnres_lens.analysis.induction import task_probe
+from attnres_lens.analysis.prompts import token_labeller
 from attnres_lens.analysis.run import ATTRIBUTE_SAMPLES
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 
@@ -134,6 +135,7 @@ tables, skipped = computed_on_demand(
     f"checkpoint, sample count and prompt while it is among the {COMPUTED_KEEP} results shown last.",
 )
 
+token_label = token_labeller(run.config, run.path)  # tokens by their text where the run reads text
 dla_tab, lens_tab, edge_tab, audit_tab, kv_tab = st.tabs(
     ["Depth DLA", "Logit lens", "Depth edges", "Routing audit", "KV shift"]
 )
@@ -141,13 +143,13 @@ with dla_tab:
     if "depth_dla" not in tables:
         not_computed("depth_dla")
     else:
-        show_figure(dla_heatmap(tables["depth_dla"]), key="attribution-dla")
+        show_figure(dla_heatmap(tables["depth_dla"], token_label=token_label), key="attribution-dla")
         show_figure(dla_summary_bars(tables["depth_dla_summary"]), key="attribution-dla-summary")
         st.dataframe(tables["depth_dla_summary"], hide_index=True)
     if "depth_inputs" in skipped:
         not_computed("depth_inputs")
 with lens_tab:
-    show_figure(lens_heatmap(tables["logit_lens"]), key="attribution-lens")
+    show_figure(lens_heatmap(tables["logit_lens"], token_label=token_label), key="attribution-lens")
     show_figure(lens_summary_figure(tables["logit_lens_summary"]), key="attribution-lens-summary")
 with edge_tab:
     if "edge_sensitivity" not in tables:

@@ -39,21 +39,17 @@ from attnres_lens.analysis.attribution import (
 from attnres_lens.analysis.induction import default_half_len, repeated_batch
 from attnres_lens.analysis.knockouts import SCREEN_FRACTION, edge_knockouts
 from attnres_lens.analysis.kv_shift import KV_SHIFT_COLUMNS, conv_tap_decomposition, kv_shift_decomposition
+from attnres_lens.analysis.prompts import token_name
 from attnres_lens.analysis.report import STYLE, skipped_html
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 from attnres_lens.analysis.visits import visit_groups, visit_knockouts
 from attnres_lens.analysis_options import plural
-from attnres_lens.hf_runs import TransformersModel, open_tokenizer, tokenize
 from attnres_lens.model import HookedTransformer
 from attnres_lens.protocol import DepthMixingModel, model_device
-from attnres_lens.tasks import TASKS
 from attnres_lens.tasks.base import IGNORE_INDEX, Batch
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
-
-    from attnres_lens.config import RunConfig
-    from attnres_lens.rundir import PathLike
 
 SIGNED, SEQUENTIAL = "RdBu_r", "Viridis"
 EDGE_COLUMNS = {"total": "total Δloss", "value_path": "value path", "routing_path": "routing path"}
@@ -237,63 +233,6 @@ def attribution_summary(tables: dict[str, pd.DataFrame], header: dict[str, Any])
     return summary
 
 
-def prompt_reads_text(config: RunConfig) -> bool:
-    """Whether a typed prompt is text for this run (see `prompt_encoder`), decided without loading anything."""
-    if isinstance(config.model, TransformersModel):
-        return config.model.has_tokenizer
-    return TASKS[config.task.name].reads_text
-
-
-def prompt_encoder(config: RunConfig, run_path: PathLike) -> Callable[[str], list[int]] | None:
-    """How a typed prompt becomes the run's ids: the transformers folder's own tokenizer (a run made by import-hf
-    from a folder that has one), the task's encoding for a task over real text (Shakespeare's bytes), else None: the
-    prompt is space-separated token ids."""
-    if not prompt_reads_text(config):
-        return None
-    model = config.model
-    if isinstance(model, TransformersModel):
-        tokenizer = open_tokenizer(model, run_path)
-        return lambda text: tokenize(tokenizer, text, model.d_vocab, "the prompt")
-    return config.build_task().encode_text
-
-
-def encode_prompt(
-    model: HookedTransformer | DepthMixingModel,
-    prompt: str | torch.Tensor,
-    encode: Callable[[str], list[int]] | None = None,
-    what: str = "--prompt",
-) -> torch.Tensor:
-    """[1, pos] tokens of a typed prompt: text through `encode` (`prompt_encoder`) when given, else space-separated
-    ids; validated by the model. `what` names the input in errors."""
-    if isinstance(prompt, str) and not prompt.strip():
-        example = '"Good morrow, cousin."' if encode is not None else '"3 17 5 3 17" (space-separated token ids)'
-        raise ValueError(f"{what} is empty; give one, e.g. {example}")
-    try:
-        tokens = model.to_tokens(encode(prompt) if encode is not None and isinstance(prompt, str) else prompt)
-    except ValueError as err:  # the model or the tokenizer names the problem; this names the input
-        raise ValueError(f"{what}: {err}") from None
-    if tokens.shape[0] != 1:
-        raise ValueError(f"{what} must be one sequence of token ids, got {tokens.shape[0]}")
-    return tokens
-
-
-def parse_prompt(
-    model: HookedTransformer | DepthMixingModel,
-    prompt: str | torch.Tensor | None,
-    batch: Batch,
-    encode: Callable[[str], list[int]] | None = None,
-    what: str = "--prompt",
-) -> torch.Tensor:
-    """The per-position views' [1, pos] prompt: the first held-out sequence by default, else `encode_prompt` of
-    `prompt` with at least 2 tokens (each position is attributed against the next token)."""
-    if prompt is None:
-        return batch.tokens[:1]
-    tokens = encode_prompt(model, prompt, encode, what)
-    if tokens.shape[1] < 2:
-        raise ValueError(f"{what} needs at least 2 tokens (each position is attributed against the next token)")
-    return tokens
-
-
 # ---------------------------------------------------------------------------- figures (pure functions of tables)
 def _layout(figure: go.Figure, title: str, height: int = 420, **layout: Any) -> go.Figure:
     # an explicit template: importing streamlit changes Plotly's default one
@@ -302,8 +241,9 @@ def _layout(figure: go.Figure, title: str, height: int = 420, **layout: Any) -> 
     return figure
 
 
-def dla_heatmap(dla: pd.DataFrame, sequence: int = 0) -> go.Figure:
-    """Per-position direct logit attribution of one sequence: source × position, signed."""
+def dla_heatmap(dla: pd.DataFrame, sequence: int = 0, token_label: Callable[[int], str] | None = None) -> go.Figure:
+    """Per-position direct logit attribution of one sequence: source × position, signed; tokens named by
+    `token_label` where the run reads text (`prompts.token_labeller`), else by id."""
     import plotly.graph_objects as go
 
     frame = dla[dla["sequence"] == sequence]
@@ -315,7 +255,10 @@ def dla_heatmap(dla: pd.DataFrame, sequence: int = 0) -> go.Figure:
     figure = go.Figure(
         go.Heatmap(
             z=grid.to_numpy(),
-            x=[f"{p}: {t}→{n}" for p, t, n in zip(grid.columns, tokens, targets)],
+            x=[
+                f"{p}: {token_name(t, token_label)}→{token_name(n, token_label)}"
+                for p, t, n in zip(grid.columns, tokens, targets)
+            ],
             y=grid.index.tolist(),
             colorscale=SIGNED,
             zmid=0,
@@ -351,11 +294,15 @@ def dla_summary_bars(summary: pd.DataFrame) -> go.Figure:
     return _layout(figure, "Which sources the prediction reads (held-out answer positions)")
 
 
-def lens_heatmap(lens: pd.DataFrame, sequence: int = 0) -> go.Figure:
-    """Correct-token rank of every decoded vector (depth order) at each position of one sequence."""
+def lens_heatmap(lens: pd.DataFrame, sequence: int = 0, token_label: Callable[[int], str] | None = None) -> go.Figure:
+    """Correct-token rank of every decoded vector (depth order) at each position of one sequence; the hover's top
+    tokens named by `token_label` where the run reads text, else by id."""
     import plotly.graph_objects as go
 
     frame = lens[lens["sequence"] == sequence]
+    if token_label is not None:
+        named = [" ".join(token_name(int(t), token_label) for t in top.split()) for top in frame["top_tokens"]]
+        frame = frame.assign(top_tokens=named)
     order = frame.drop_duplicates(["vector", "label"])["label"].tolist()
     grid = frame.pivot_table(index="label", columns="position", values="target_rank", aggfunc="first").reindex(order)
     tops = frame.pivot_table(index="label", columns="position", values="top_tokens", aggfunc="first").reindex(order)
@@ -732,8 +679,14 @@ AUDIT_COLUMNS = [
 REPORT_STYLE = STYLE + ".wide { overflow-x: auto; max-width: 100%; }\n"
 
 
-def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, Any], title: str | None = None) -> str:
-    """The report as one HTML string, a section per analysis; plotly.js embedded once, so it opens offline."""
+def attribution_report_html(
+    tables: dict[str, pd.DataFrame],
+    summary: dict[str, Any],
+    title: str | None = None,
+    token_label: Callable[[int], str] | None = None,
+) -> str:
+    """The report as one HTML string, a section per analysis; plotly.js embedded once, so it opens offline. Tokens
+    are named by `token_label` where the run reads text (`prompts.token_labeller`), else by id."""
     title = title or f"Attribution through depth: {summary.get('run', '')}"
     sections: list[tuple[str, str, list[Any], str]] = []  # heading, note, figures, table HTML
     if "depth_dla" in tables:  # tables a model does not support are listed under "Not computed" (the summary)
@@ -743,7 +696,10 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
                 "Exact: with the final norm's scale frozen at its clean value, the per-source terms of a position sum "
                 "to its logit minus the unembedding bias (on Inkling models the logit before the soft-cap, which "
                 "is not linear). The table averages the correct-token logit over held-out answer positions.",
-                [dla_heatmap(tables["depth_dla"]), dla_summary_bars(tables["depth_dla_summary"])],
+                [
+                    dla_heatmap(tables["depth_dla"], token_label=token_label),
+                    dla_summary_bars(tables["depth_dla_summary"]),
+                ],
                 _table(tables["depth_dla_summary"]),
             )
         )
@@ -752,7 +708,10 @@ def attribution_report_html(tables: dict[str, pd.DataFrame], summary: dict[str, 
             "Logit lens over depth",
             "Every source and every sublayer input decoded through the final norm (recomputed on the vector) and the "
             "unembedding.",
-            [lens_heatmap(tables["logit_lens"]), lens_summary_figure(tables["logit_lens_summary"])],
+            [
+                lens_heatmap(tables["logit_lens"], token_label=token_label),
+                lens_summary_figure(tables["logit_lens_summary"]),
+            ],
             "",
         ),
     ]

@@ -28,8 +28,6 @@ from attnres_lens.analysis.attribution_report import (
     attribution_report_html,
     attribution_summary,
     attribution_tables,
-    parse_prompt,
-    prompt_encoder,
 )
 from attnres_lens.analysis.depth import (
     depth_mixing_matrix,
@@ -44,6 +42,7 @@ from attnres_lens.analysis.induction import (
     per_position_loss,
     task_probe,
 )
+from attnres_lens.analysis.prompts import parse_prompt, prompt_encoder, token_labeller
 from attnres_lens.analysis.pruning import (
     angular_distance_matrix,
     cumulative_pruning,
@@ -410,8 +409,8 @@ def attribute_run(
 ) -> AnalysisResult:
     """Attribution through depth of a run (docs/analysis.md §11): tables, `attribution_summary.json` and
     `attribution_report.html` under `out` (default RUN/analysis/). `prompt`: the per-position views' prompt, text
-    where the run reads text (`attribution_report.prompt_encoder`), else space-separated token ids (default the
-    first held-out sequence); `n_boot`: the routing audit's bootstrap
+    where the run reads text (`prompts.prompt_encoder`; its figures then name tokens by their text), else
+    space-separated token ids (default the first held-out sequence); `n_boot`: the routing audit's bootstrap
     resamples. Tables the model does not support are listed in the summary's `skipped` with the reason."""
     run, task, batch = _prepare(path, "attribute", checkpoint, samples, out)
     model = run.model
@@ -426,4 +425,5 @@ def attribute_run(
     summary = attribution_summary(tables, header)
     if skipped:
         summary["skipped"] = [{"table": name, "reason": reason} for name, reason in skipped.items()]
-    return _write(tables, summary, attribution_report_html(tables, summary), output_dir(run, out), "attribution")
+    html = attribution_report_html(tables, summary, token_label=token_labeller(run.config, run.path))
+    return _write(tables, summary, html, output_dir(run, out), "attribution")

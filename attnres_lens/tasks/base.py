@@ -158,6 +158,10 @@ class Task:
         """`text` as this task's ids, BOS first, for a task over real text (`reads_text`)."""
         raise ValueError(f"{self.name}: the task's sequences are not text; give a prompt as token ids")
 
+    def token_text(self, token: int) -> str:
+        """How id `token` reads in a figure's labels, for a task over real text (`reads_text`)."""
+        raise ValueError(f"{self.name}: the task's sequences are not text; its tokens are labelled by id")
+
     def _generate(self, batch_size: int, generator: torch.Generator) -> Batch:
         raise NotImplementedError
 

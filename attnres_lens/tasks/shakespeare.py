@@ -157,6 +157,15 @@ class ShakespeareTask(Task):
         """BOS, then the UTF-8 bytes of `text` (byte b is id b + 1), as the task's windows hold the plays."""
         return [BOS, *(byte + 1 for byte in text.encode("utf-8"))]
 
+    def token_text(self, token: int) -> str:
+        """'BOS', '␣' for a space, else the byte as Python writes it in a bytes literal ('a', '\\n', '\\xe2')."""
+        check_int(self.name, "token", token, 0)
+        if token >= BYTE_VOCAB_SIZE:
+            raise ValueError(f"{self.name}: token {token} is out of range (ids 0..{BYTE_VOCAB_SIZE - 1})")
+        if token == BOS:
+            return "BOS"
+        return "␣" if token - 1 == ord(" ") else repr(bytes([token - 1]))[2:-1]
+
     def _windows(self, plays: _Plays, numbers: np.ndarray) -> Batch:
         tokens, play, start = plays.batch(numbers)
         return self._batch(tokens, torch.ones_like(tokens, dtype=torch.bool), play=play, start=start)
