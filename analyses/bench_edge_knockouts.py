@@ -1,7 +1,8 @@
 """How faithfully, and at what cost, cheaper measures rank depth edges as exact knockouts do (issue 40 item 4).
 
-On the shipped demo runs `depth-full-6l` and `depth-block-6l` (trained Full and Block AttnRes models), over the
-first `samples` held-out sequences of each run's task:
+On the shipped demo runs `depth-full-6l` and `depth-block-6l` (trained Full and Block AttnRes models on the
+synthetic mixed task) and `shakespeare-block-6l` (Block AttnRes on real text), over the first `samples` held-out
+sequences of each run's task:
 
 * `exact`: every source knocked out of every consumer on every sequence (`edge_knockouts(screen_fraction=1)`,
   which equals `causal_routing`);
@@ -26,7 +27,7 @@ from attnres_lens.analysis import edge_knockouts, edge_sensitivity
 from attnres_lens.analysis.knockouts import REMEASURE, SCREEN_FRACTION, ranking_agreement
 from attnres_lens.rundir import load_run
 
-RUNS = ("depth-full-6l", "depth-block-6l")
+RUNS = ("depth-full-6l", "depth-block-6l", "shakespeare-block-6l")
 KEYS = ["consumer", "source"]
 
 
@@ -80,6 +81,6 @@ def measure(run_name: str, samples: int) -> list[dict]:
 
 
 def run(repeats: int | None = None, tiny: bool = False) -> list[dict]:
-    """Agreement and cost on both demo runs (`repeats` is not used: each measure runs once)."""
+    """Agreement and cost on each of `RUNS` (`repeats` is not used: each measure runs once)."""
     samples = 8 if tiny else 64
     return [row for name in RUNS for row in measure(name, samples)]
