@@ -52,7 +52,7 @@ format: setup
 test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow and not triton" --durations=10
 
-# Demo runs ship in data/demo_runs; any missing one is trained first (about 45 minutes for all eight on a 2-core CPU, with progress bars).
+# Demo runs ship in data/demo_runs; any missing one is trained first (about 30 minutes for all eight on a 2-core CPU, with progress bars).
 demo: setup
 	$(PY) apps/make_demo_runs.py --out $(DEMO_RUNS)
 	$(VENV)/bin/attnres-lens dashboard --runs $(DEMO_RUNS) --port $(PORT)

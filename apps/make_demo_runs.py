@@ -2,7 +2,7 @@
 
 The set covers standard / Full / Block AttnRes on the depth task, 1- and 2-layer vanilla / KV-shift attention on
 the induction task and Block AttnRes on real text (byte-level Shakespeare): the project's presets, at 6 layers for
-the depth runs, trained long enough that their heatmaps show structure (about 45 minutes for all eight on a 2-core
+the depth runs, trained long enough that their heatmaps show structure (about 30 minutes for all eight on a 2-core
 CPU).
 Optimiser state files are deleted to keep the folder small, so demo runs cannot be resumed; train a preset
 with `attnres-lens train` for a run you want to continue.

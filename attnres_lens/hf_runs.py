@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import os
 from collections.abc import Mapping
@@ -234,13 +235,19 @@ def open_model(model: TransformersModel, run_path: PathLike) -> InklingBridge:
 
 
 def open_tokenizer(model: TransformersModel, run_path: PathLike) -> Any:
-    """The folder's own tokenizer (after `check_model_folder`), or None when the folder has none."""
+    """The folder's own tokenizer (after `check_model_folder`), or None when the folder has none. Loaded once per
+    folder and file hashes: the dashboard asks on every rerun."""
     if not model.has_tokenizer:
         return None
+    check_model_folder(model, run_path)
+    return _load_tokenizer(model.folder, tuple(sorted(model.files_sha256.items())))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(folder: str, files_sha256: tuple[tuple[str, str], ...]) -> Any:
     from transformers import AutoTokenizer
 
-    check_model_folder(model, run_path)
-    return AutoTokenizer.from_pretrained(model.folder, trust_remote_code=False)
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
 def tokenize(tokenizer: Any, text: str, d_vocab: int, what: str) -> list[int]:
@@ -249,7 +256,10 @@ def tokenize(tokenizer: Any, text: str, d_vocab: int, what: str) -> list[int]:
     if not ids:
         raise ValueError(f"{what} tokenizes to no tokens; give some text")
     if (largest := max(ids)) >= d_vocab:
-        raise ValueError(f"{what}: the tokenizer gave id {largest}, out of range for the model's d_vocab={d_vocab}")
+        raise ValueError(
+            f"{what}: the tokenizer gave id {largest}, out of range for the model's d_vocab={d_vocab} (the folder's "
+            "tokenizer does not fit its model: give token ids instead)"
+        )
     return ids
 
 

@@ -16,12 +16,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attnres_lens import from_transformers  # noqa: E402
+from attnres_lens import hf_runs as hf_runs_module  # noqa: E402
 from attnres_lens.analysis.attribution_report import bridge_visits  # noqa: E402
 from attnres_lens.analysis.engine import evaluate  # noqa: E402
 from attnres_lens.analysis.induction import task_probe  # noqa: E402
 from attnres_lens.analysis.interventions import removal_hooks  # noqa: E402
 from attnres_lens.analysis.kv_shift import conv_tap_decomposition  # noqa: E402
-from attnres_lens.analysis.prompts import prompt_encoder, token_labeller  # noqa: E402
+from attnres_lens.analysis.prompts import text_codec  # noqa: E402
 from attnres_lens.analysis.visits import sublayers_named, visit_groups, visit_knockouts, visit_removals  # noqa: E402
 from attnres_lens.rundir import RunDirError, load_run  # noqa: E402
 from attnres_lens.tasks import make_task  # noqa: E402
@@ -238,8 +239,15 @@ def test_induction_scores_on_a_bridged_model_are_transformers_attentions(inkling
 
 def test_prompts_and_labels_go_through_the_folders_tokenizer_where_it_has_one(hf_runs, smoke_run):
     loop, plain = (load_run(hf_runs[kind], load_model=False) for kind in ("loop", "plain"))
-    encode, label = prompt_encoder(loop.config, loop.path), token_labeller(loop.config, loop.path)
-    assert encode("the cat sat") == [0, 1, 2] and [label(token) for token in (0, 1, 2)] == ["the", "cat", "sat"]
-    assert label(40) == "#40"  # the model has ids its tokenizer has no token for
+    codec = text_codec(loop.config, loop.path)
+    assert codec.encode("the cat sat", "x") == [0, 1, 2] and [codec.name(token) for token in (0, 1, 2)] == [
+        "the",
+        "cat",
+        "sat",
+    ]
+    assert codec.name(40) == "#40"  # the model has ids its tokenizer has no token for
+    loads = hf_runs_module._load_tokenizer.cache_info().misses
+    text_codec(loop.config, loop.path)  # the dashboard asks on every rerun: the tokenizer is loaded once
+    assert hf_runs_module._load_tokenizer.cache_info().misses == loads
     for run in (plain, load_run(smoke_run, load_model=False)):  # no tokenizer; a synthetic task: ids only
-        assert prompt_encoder(run.config, run.path) is None and token_labeller(run.config, run.path) is None
+        assert text_codec(run.config, run.path) is None

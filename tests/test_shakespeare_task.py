@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from importlib import resources
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,10 +89,10 @@ def test_training_windows_are_deterministic_by_seed(task):
 def test_text_encodes_as_the_windows_hold_the_plays(task):
     """A held-out window's tokens are BOS and the encoding of the text the window shows; synthetic tasks refuse."""
     window = task.eval_batch(3).tokens[1]
-    assert task.reads_text and task.encode_text(decoded(window).decode("ascii")) == window.tolist()
+    assert task.encodes_text and task.encode_text(decoded(window).decode("ascii")) == window.tolist()
     assert task.encode_text("é") == [BOS, 0xC3 + 1, 0xA9 + 1]  # UTF-8 bytes: every byte has an id
     copy_task = make_task("copy")
-    assert not copy_task.reads_text
+    assert not copy_task.encodes_text
     with pytest.raises(ValueError, match="copy: the task's sequences are not text; give a prompt as token ids"):
         copy_task.encode_text("hello")
     with pytest.raises(ValueError, match="copy: the task's sequences are not text; its tokens are labelled by id"):
@@ -101,7 +102,8 @@ def test_text_encodes_as_the_windows_hold_the_plays(task):
 def test_tokens_read_as_their_bytes_in_labels(task):
     ids = task.encode_text("a \n'\\é")
     assert [task.token_text(token) for token in ids] == ["BOS", "a", "␣", "\\n", "'", "\\\\", "\\xc3", "\\xa9"]
-    for bad in (-1, 257, 2.0):
+    assert task.token_text(np.int64(98)) == "a"  # ids read back from a table are numpy ints
+    for bad in (-1, 257, 2.0, True):
         with pytest.raises(ValueError, match="shakespeare: token"):
             task.token_text(bad)
 
@@ -174,3 +176,23 @@ def test_switching_to_shakespeare_by_override_needs_the_byte_vocabulary():
     assert switched.build_task().config() == {"name": "shakespeare", "vocab_size": 257, "seq_len": 33, "seed": 0}
     with pytest.raises(ValueError, match="vocab_size must be 257"):  # the smoke task's vocab 24 stays unless set
         apply_overrides(smoke, ["task.name=shakespeare"])
+
+
+def test_typed_prompts_are_checked_with_the_input_named_and_labels_escaped():
+    """Text on a byte-level run: spaces are text, too many bytes say by how many, and figure labels are HTML-safe."""
+    from attnres_lens import HookedTransformer
+    from attnres_lens.analysis.prompts import TextCodec, encode_prompt, parse_prompt, position_label
+    from attnres_lens.config import ModelConfig
+
+    task = make_task("shakespeare", seq_len=9)
+    codec = TextCodec(lambda text, what: task.encode_text(text), task.token_text)
+    model = HookedTransformer(ModelConfig(d_model=16, n_heads=2, n_layers=1, n_ctx=8, d_vocab=257, d_mlp=32))
+    assert encode_prompt(model, " ", codec, "the input", n_ctx=8).tolist() == [[BOS, ord(" ") + 1]]
+    with pytest.raises(ValueError, match="the input is empty"):
+        encode_prompt(model, "", codec, "the input", n_ctx=8)
+    with pytest.raises(ValueError, match="the input is 9 tokens .* at most 8: shorten it by 1 tokens"):
+        encode_prompt(model, "Good mor", codec, "the input", n_ctx=8)
+    with pytest.raises(ValueError, match="the prompt needs at least 2 tokens"):
+        parse_prompt(model, "5", None, None, "the prompt")
+    angle = TextCodec(codec.encode, lambda token: "<s>")  # a tokenizer's BOS, which plotly would read as a tag
+    assert position_label(0, 1, 2, angle) == "0: &lt;s&gt;→&lt;s&gt;" and position_label(3, 98, codec=codec) == "3: a"

@@ -6,7 +6,7 @@ zero for signed scores; every colour bar is titled with the quantity and its sca
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
@@ -15,7 +15,7 @@ from plotly.colors import sample_colorscale
 from plotly.subplots import make_subplots
 
 from attnres_lens.analysis.induction import head_row_labels
-from attnres_lens.analysis.prompts import token_name
+from attnres_lens.analysis.prompts import TextCodec, position_label
 
 SEQUENTIAL = "Viridis"
 SIGNED = "RdBu_r"
@@ -109,12 +109,10 @@ def depth_heatmap(weights: pd.DataFrame, kind: str, title: str, zmax: float, sub
     )
 
 
-def per_token_heatmap(
-    per_token: pd.DataFrame, consumer: int, title: str, token_label: Callable[[int], str] | None = None
-) -> go.Figure:
-    """α of one consumer at every position of sequence 0; tokens named by `token_label` where the run reads text."""
+def per_token_heatmap(per_token: pd.DataFrame, consumer: int, title: str, codec: TextCodec | None = None) -> go.Figure:
+    """α of one consumer at every position of sequence 0; tokens named by their text where the run encodes text."""
     rows = per_token[(per_token["consumer"] == consumer) & (per_token["sequence"] == 0)]
-    rows = rows.assign(row=[f"{p}: {token_name(t, token_label)}" for p, t in zip(rows["position"], rows["token"])])
+    rows = rows.assign(row=[position_label(p, t, codec=codec) for p, t in zip(rows["position"], rows["token"])])
     matrix = rows.pivot_table(index=["position", "row"], columns="source_label", values="weight")
     matrix = matrix.sort_index().droplevel("position").reindex(columns=source_order(rows))
     return heatmap(
@@ -306,7 +304,7 @@ def score_over_training(scores: pd.DataFrame, value: str, title: str, y_title: s
 
 
 def pattern_heatmap(pattern: np.ndarray, tokens: Sequence[int], title: str) -> go.Figure:
-    labels = [f"{position}: {token}" for position, token in enumerate(tokens)]
+    labels = [position_label(position, token) for position, token in enumerate(tokens)]
     matrix = pd.DataFrame(pattern, index=labels, columns=labels)
     fig = heatmap(
         matrix,

@@ -202,25 +202,27 @@ def token_input(
     run: RunTables, handle: ModelHandle, key: str, label: str, default: str, default_tokens: Callable[[], torch.Tensor]
 ) -> torch.Tensor | None:
     """[1, pos] tokens: the page's `default` input, text the user types (where the run reads text:
-    `prompt_encoder`) or ids the user types; typed input is checked as `--prompt` is, errors shown on the page."""
-    from attnres_lens.analysis.prompts import encode_prompt, prompt_encoder, prompt_reads_text
+    `prompts.text_codec`) or ids the user types; typed input is checked as `--prompt` is, errors shown on the page."""
+    from attnres_lens.analysis.prompts import encode_prompt, encodes_text, text_codec
 
-    typed_text = ["text I type"] if prompt_reads_text(run.config) else []
+    typed_text = ["text I type"] if encodes_text(run.config) else []
     source = st.radio(label, [default, *typed_text, "token ids I type"], horizontal=True, key=f"{key}-source")
     if source == default:
         return default_tokens()
+    n_ctx = run.model_config.n_ctx
     if source == "text I type":
-        typed = st.text_input(f"Text (at most {run.model_config.n_ctx} tokens)", TEXT_EXAMPLE, key=f"{key}-text")
-        encode = prompt_encoder(run.config, run.path)
+        label = f"Text (at most {n_ctx} tokens through the run's text encoding, BOS included)"
+        typed = st.text_input(label, TEXT_EXAMPLE, key=f"{key}-text")
+        codec = text_codec(run.config, run.path)
     else:
         typed = st.text_input(
-            f"Token ids, space-separated (0…{handle.model.d_vocab - 1}, at most {run.model_config.n_ctx})",
+            f"Token ids, space-separated (0…{handle.model.d_vocab - 1}, at most {n_ctx})",
             "0 5 9 13 5 9",
             key=f"{key}-ids",
         )
-        encode = None
+        codec = None
     try:
-        return encode_prompt(handle.model, typed, encode, what="the input").cpu()
+        return encode_prompt(handle.model, typed, codec, what="the input", n_ctx=n_ctx).cpu()
     except ValueError as err:
         st.error(plain(err))
         return None

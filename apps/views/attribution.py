@@ -42,7 +42,7 @@ from attnres_lens.analysis.attribution_report import (
     timeline_figure,
 )
 from attnres_lens.analysis.induction import task_probe
-from attnres_lens.analysis.prompts import token_labeller
+from attnres_lens.analysis.prompts import check_attributable, text_codec
 from attnres_lens.analysis.run import ATTRIBUTE_SAMPLES
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 
@@ -87,8 +87,11 @@ def prompt_input(run: RunTables, handle: ModelHandle, samples: int) -> torch.Ten
 
     label = "Prompt for the per-position views"
     tokens = token_input(run, handle, "attribution-prompt", label, "a held-out sequence", held_out_sequence)
-    if tokens is not None and tokens.shape[1] < 2:
-        st.error("The prompt needs at least 2 tokens (each position is attributed against the next token).")
+    try:
+        if tokens is not None:
+            check_attributable(tokens, "the prompt")
+    except ValueError as err:
+        st.error(plain(err))
         return None
     return tokens
 
@@ -135,7 +138,7 @@ tables, skipped = computed_on_demand(
     f"checkpoint, sample count and prompt while it is among the {COMPUTED_KEEP} results shown last.",
 )
 
-token_label = token_labeller(run.config, run.path)  # tokens by their text where the run reads text
+codec = text_codec(run.config, run.path)  # tokens by their text where the run encodes text
 dla_tab, lens_tab, edge_tab, audit_tab, kv_tab = st.tabs(
     ["Depth DLA", "Logit lens", "Depth edges", "Routing audit", "KV shift"]
 )
@@ -143,13 +146,13 @@ with dla_tab:
     if "depth_dla" not in tables:
         not_computed("depth_dla")
     else:
-        show_figure(dla_heatmap(tables["depth_dla"], token_label=token_label), key="attribution-dla")
+        show_figure(dla_heatmap(tables["depth_dla"], codec=codec), key="attribution-dla")
         show_figure(dla_summary_bars(tables["depth_dla_summary"]), key="attribution-dla-summary")
         st.dataframe(tables["depth_dla_summary"], hide_index=True)
     if "depth_inputs" in skipped:
         not_computed("depth_inputs")
 with lens_tab:
-    show_figure(lens_heatmap(tables["logit_lens"], token_label=token_label), key="attribution-lens")
+    show_figure(lens_heatmap(tables["logit_lens"], codec=codec), key="attribution-lens")
     show_figure(lens_summary_figure(tables["logit_lens_summary"]), key="attribution-lens-summary")
 with edge_tab:
     if "edge_sensitivity" not in tables:

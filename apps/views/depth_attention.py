@@ -11,7 +11,7 @@ from lens_ui.text import figure_text, plain
 from lens_ui.widgets import loadable_runs, pick_model, pick_runs, repeated_tokens_input, show_figure, token_input
 
 from attnres_lens.analysis.depth import depth_weights, depth_weights_per_token
-from attnres_lens.analysis.prompts import token_labeller
+from attnres_lens.analysis.prompts import text_codec
 
 st.title("Depth attention")
 st.caption(
@@ -133,7 +133,7 @@ show_figure(
         consumer,
         f"α of {model.sublayer_name(consumer)} per token<br><sup>"
         f"{figure_text(run.name)} · {figure_text(handle.checkpoint)}</sup>",
-        token_labeller(run.config, run.path),
+        text_codec(run.config, run.path),
     ),
     key=f"depth-per-token-{run.name}",
 )

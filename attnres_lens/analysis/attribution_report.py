@@ -39,7 +39,7 @@ from attnres_lens.analysis.attribution import (
 from attnres_lens.analysis.induction import default_half_len, repeated_batch
 from attnres_lens.analysis.knockouts import SCREEN_FRACTION, edge_knockouts
 from attnres_lens.analysis.kv_shift import KV_SHIFT_COLUMNS, conv_tap_decomposition, kv_shift_decomposition
-from attnres_lens.analysis.prompts import token_name
+from attnres_lens.analysis.prompts import TextCodec, position_label, token_name
 from attnres_lens.analysis.report import STYLE, skipped_html
 from attnres_lens.analysis.timeline import fastest_changes, training_timeline
 from attnres_lens.analysis.visits import visit_groups, visit_knockouts
@@ -241,9 +241,9 @@ def _layout(figure: go.Figure, title: str, height: int = 420, **layout: Any) -> 
     return figure
 
 
-def dla_heatmap(dla: pd.DataFrame, sequence: int = 0, token_label: Callable[[int], str] | None = None) -> go.Figure:
+def dla_heatmap(dla: pd.DataFrame, sequence: int = 0, codec: TextCodec | None = None) -> go.Figure:
     """Per-position direct logit attribution of one sequence: source × position, signed; tokens named by
-    `token_label` where the run reads text (`prompts.token_labeller`), else by id."""
+    their text where the run encodes text (`codec`, `prompts.text_codec`), else by id."""
     import plotly.graph_objects as go
 
     frame = dla[dla["sequence"] == sequence]
@@ -255,10 +255,7 @@ def dla_heatmap(dla: pd.DataFrame, sequence: int = 0, token_label: Callable[[int
     figure = go.Figure(
         go.Heatmap(
             z=grid.to_numpy(),
-            x=[
-                f"{p}: {token_name(t, token_label)}→{token_name(n, token_label)}"
-                for p, t, n in zip(grid.columns, tokens, targets)
-            ],
+            x=[position_label(p, t, n, codec) for p, t, n in zip(grid.columns, tokens, targets)],
             y=grid.index.tolist(),
             colorscale=SIGNED,
             zmid=0,
@@ -294,22 +291,23 @@ def dla_summary_bars(summary: pd.DataFrame) -> go.Figure:
     return _layout(figure, "Which sources the prediction reads (held-out answer positions)")
 
 
-def lens_heatmap(lens: pd.DataFrame, sequence: int = 0, token_label: Callable[[int], str] | None = None) -> go.Figure:
+def lens_heatmap(lens: pd.DataFrame, sequence: int = 0, codec: TextCodec | None = None) -> go.Figure:
     """Correct-token rank of every decoded vector (depth order) at each position of one sequence; the hover's top
     tokens named by `token_label` where the run reads text, else by id."""
     import plotly.graph_objects as go
 
     frame = lens[lens["sequence"] == sequence]
-    if token_label is not None:
-        named = [" ".join(token_name(int(t), token_label) for t in top.split()) for top in frame["top_tokens"]]
+    if codec is not None:
+        named = [" ".join(token_name(int(t), codec) for t in top.split()) for top in frame["top_tokens"]]
         frame = frame.assign(top_tokens=named)
     order = frame.drop_duplicates(["vector", "label"])["label"].tolist()
     grid = frame.pivot_table(index="label", columns="position", values="target_rank", aggfunc="first").reindex(order)
     tops = frame.pivot_table(index="label", columns="position", values="top_tokens", aggfunc="first").reindex(order)
+    at = frame.drop_duplicates("position").set_index("position").reindex(grid.columns)
     figure = go.Figure(
         go.Heatmap(
             z=grid.to_numpy(dtype=float),
-            x=[str(p) for p in grid.columns],
+            x=[position_label(p, t, n, codec) for p, t, n in zip(grid.columns, at["token"], at["target"])],
             y=order,
             customdata=tops.to_numpy(),
             colorscale=SEQUENTIAL,
@@ -319,7 +317,7 @@ def lens_heatmap(lens: pd.DataFrame, sequence: int = 0, token_label: Callable[[i
         )
     )
     figure.update_yaxes(autorange="reversed", type="category", title="decoded vector (sources, then inputs)")
-    figure.update_xaxes(title="position", type="category")
+    figure.update_xaxes(title="position: token→next token", type="category")
     return _layout(figure, "Logit lens over depth: rank of the next token (0 = top)", max(360, 60 + 20 * len(order)))
 
 
@@ -683,10 +681,10 @@ def attribution_report_html(
     tables: dict[str, pd.DataFrame],
     summary: dict[str, Any],
     title: str | None = None,
-    token_label: Callable[[int], str] | None = None,
+    codec: TextCodec | None = None,
 ) -> str:
     """The report as one HTML string, a section per analysis; plotly.js embedded once, so it opens offline. Tokens
-    are named by `token_label` where the run reads text (`prompts.token_labeller`), else by id."""
+    are named by their text where the run encodes text (`codec`, `prompts.text_codec`), else by id."""
     title = title or f"Attribution through depth: {summary.get('run', '')}"
     sections: list[tuple[str, str, list[Any], str]] = []  # heading, note, figures, table HTML
     if "depth_dla" in tables:  # tables a model does not support are listed under "Not computed" (the summary)
@@ -697,7 +695,7 @@ def attribution_report_html(
                 "to its logit minus the unembedding bias (on Inkling models the logit before the soft-cap, which "
                 "is not linear). The table averages the correct-token logit over held-out answer positions.",
                 [
-                    dla_heatmap(tables["depth_dla"], token_label=token_label),
+                    dla_heatmap(tables["depth_dla"], codec=codec),
                     dla_summary_bars(tables["depth_dla_summary"]),
                 ],
                 _table(tables["depth_dla_summary"]),
@@ -709,7 +707,7 @@ def attribution_report_html(
             "Every source and every sublayer input decoded through the final norm (recomputed on the vector) and the "
             "unembedding.",
             [
-                lens_heatmap(tables["logit_lens"], token_label=token_label),
+                lens_heatmap(tables["logit_lens"], codec=codec),
                 lens_summary_figure(tables["logit_lens_summary"]),
             ],
             "",

@@ -1,11 +1,14 @@
-"""Typed prompts and token labels of a run (docs/analysis.md §11): text through the run's own encoding where the
-run reads text (a task over real text, or an `import-hf` folder's tokenizer), else space-separated token ids. The
-attribution command, the Attribution page and the Depth attention page's per-token input all read prompts here.
+"""Typed prompts and token names of a run (docs/analysis.md §11): text through the run's own encoding where the run
+encodes text (a task that does, such as Shakespeare's bytes, or an `import-hf` folder's tokenizer), else
+space-separated token ids. The attribution command, the Attribution page and the Depth attention page's per-token
+input all read prompts here, and the per-position figures name tokens here.
 """
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,80 +24,97 @@ if TYPE_CHECKING:
     from attnres_lens.tasks.base import Batch
 
 
-def prompt_reads_text(config: RunConfig) -> bool:
-    """Whether a typed prompt is text for this run (see `prompt_encoder`), decided without loading anything."""
+@dataclass(frozen=True)
+class TextCodec:
+    """How a run that encodes text turns typed text into its ids and names its ids."""
+
+    encode: Callable[[str, str], list[int]]  # (text, what names it in errors) -> ids
+    name: Callable[[int], str]  # id -> its text, as the figures show it
+
+
+def encodes_text(config: RunConfig) -> bool:
+    """Whether a typed prompt is text for this run (see `text_codec`), decided without loading anything."""
     if isinstance(config.model, TransformersModel):
         return config.model.has_tokenizer
-    return TASKS[config.task.name].reads_text
+    return TASKS[config.task.name].encodes_text
 
 
-def prompt_encoder(config: RunConfig, run_path: PathLike) -> Callable[[str], list[int]] | None:
-    """How a typed prompt becomes the run's ids: the transformers folder's own tokenizer (a run made by import-hf
-    from a folder that has one), the task's encoding for a task over real text (Shakespeare's bytes), else None: the
-    prompt is space-separated token ids."""
-    if not prompt_reads_text(config):
+def text_codec(config: RunConfig, run_path: PathLike) -> TextCodec | None:
+    """The run's text encoding: an `import-hf` folder's own tokenizer (an id it has no token for reads '#id'), the
+    task's for a task that encodes text (`Task.encode_text` / `token_text`), else None: prompts are token ids."""
+    if not encodes_text(config):
         return None
     model = config.model
     if isinstance(model, TransformersModel):
         tokenizer = open_tokenizer(model, run_path)
-        return lambda text: tokenize(tokenizer, text, model.d_vocab, "the prompt")
-    return config.build_task().encode_text
+
+        def tokenizer_token(token: int) -> str:  # a model may have more ids than its tokenizer has tokens
+            text = tokenizer.convert_ids_to_tokens(token)
+            return f"#{token}" if text is None else text
+
+        return TextCodec(lambda text, what: tokenize(tokenizer, text, model.d_vocab, what), tokenizer_token)
+    task = config.build_task()
+    return TextCodec(lambda text, what: task.encode_text(text), task.token_text)
+
+
+def token_name(token: int, codec: TextCodec | None = None) -> str:
+    """A token as the figures label it: its text where the run encodes text, else its id. Escaped, as plotly reads
+    its labels as HTML (a tokenizer's '<s>' would strike the label through)."""
+    return str(int(token)) if codec is None else html.escape(codec.name(int(token)))
+
+
+def position_label(position: int, token: int, next_token: int | None = None, codec: TextCodec | None = None) -> str:
+    """A position as the per-position figures label it: 'p: token', or 'p: token→next token'."""
+    label = f"{int(position)}: {token_name(token, codec)}"
+    return label if next_token is None else f"{label}→{token_name(next_token, codec)}"
 
 
 def encode_prompt(
     model: HookedTransformer | DepthMixingModel,
     prompt: str | torch.Tensor,
-    encode: Callable[[str], list[int]] | None = None,
+    codec: TextCodec | None = None,
     what: str = "--prompt",
+    n_ctx: int | None = None,
 ) -> torch.Tensor:
-    """[1, pos] tokens of a typed prompt: text through `encode` (`prompt_encoder`) when given, else space-separated
-    ids; validated by the model. `what` names the input in errors."""
-    if isinstance(prompt, str) and not prompt.strip():
-        example = '"Good morrow, cousin."' if encode is not None else '"3 17 5 3 17" (space-separated token ids)'
+    """[1, pos] tokens of a typed prompt: text through `codec` (`text_codec`) when given, else space-separated ids;
+    at most `n_ctx` of them when given; validated by the model. `what` names the input in errors."""
+    text = codec is not None and isinstance(prompt, str)
+    if isinstance(prompt, str) and not (prompt if text else prompt.strip()):
+        example = '"Good morrow, cousin."' if text else '"3 17 5 3 17" (space-separated token ids)'
         raise ValueError(f"{what} is empty; give one, e.g. {example}")
+    ids = codec.encode(prompt, what) if text else prompt
+    if text and n_ctx is not None and len(ids) > n_ctx:
+        raise ValueError(
+            f"{what} is {len(ids)} tokens (through the run's text encoding), the model takes at most {n_ctx}: "
+            f"shorten it by {len(ids) - n_ctx} tokens"
+        )
     try:
-        tokens = model.to_tokens(encode(prompt) if encode is not None and isinstance(prompt, str) else prompt)
-    except ValueError as err:  # the model or the tokenizer names the problem; this names the input
+        tokens = model.to_tokens(ids)
+    except ValueError as err:  # the model names the problem; this names the input
         raise ValueError(f"{what}: {err}") from None
     if tokens.shape[0] != 1:
         raise ValueError(f"{what} must be one sequence of token ids, got {tokens.shape[0]}")
     return tokens
 
 
-def token_labeller(config: RunConfig, run_path: PathLike) -> Callable[[int], str] | None:
-    """How a token id reads in the figures' labels where the run reads text: the tokenizer's token, or the task's
-    `token_text` (Shakespeare: the byte as a character); None elsewhere (labels are ids). An id the tokenizer has no
-    token for reads '#id'."""
-    if not prompt_reads_text(config):
-        return None
-    if isinstance(config.model, TransformersModel):
-        tokenizer = open_tokenizer(config.model, run_path)
-
-        def tokenizer_token(token: int) -> str:  # a model may have more ids than its tokenizer has tokens
-            text = tokenizer.convert_ids_to_tokens(token)
-            return f"#{token}" if text is None else text
-
-        return tokenizer_token
-    return config.build_task().token_text
-
-
-def token_name(token: int, token_label: Callable[[int], str] | None = None) -> str:
-    """A token as the figures label it: its text through `token_label` (`token_labeller`), else its id."""
-    return str(int(token)) if token_label is None else token_label(int(token))
+def check_attributable(tokens: torch.Tensor, what: str = "--prompt") -> None:
+    """The per-position attribution views need 2 tokens or more: each position is attributed against the next."""
+    if tokens.shape[1] < 2:
+        raise ValueError(f"{what} needs at least 2 tokens (each position is attributed against the next token)")
 
 
 def parse_prompt(
     model: HookedTransformer | DepthMixingModel,
     prompt: str | torch.Tensor | None,
     batch: Batch,
-    encode: Callable[[str], list[int]] | None = None,
+    codec: TextCodec | None = None,
     what: str = "--prompt",
+    n_ctx: int | None = None,
 ) -> torch.Tensor:
     """The per-position views' [1, pos] prompt: the first held-out sequence by default, else `encode_prompt` of
-    `prompt` with at least 2 tokens (each position is attributed against the next token)."""
+    `prompt`, checked by `check_attributable`."""
     if prompt is None:
         return batch.tokens[:1]
-    tokens = encode_prompt(model, prompt, encode, what)
-    if tokens.shape[1] < 2:
-        raise ValueError(f"{what} needs at least 2 tokens (each position is attributed against the next token)")
+    tokens = encode_prompt(model, prompt, codec, what, n_ctx)
+    check_attributable(tokens, what)
     return tokens

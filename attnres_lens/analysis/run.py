@@ -42,7 +42,7 @@ from attnres_lens.analysis.induction import (
     per_position_loss,
     task_probe,
 )
-from attnres_lens.analysis.prompts import parse_prompt, prompt_encoder, token_labeller
+from attnres_lens.analysis.prompts import parse_prompt, text_codec
 from attnres_lens.analysis.pruning import (
     angular_distance_matrix,
     cumulative_pruning,
@@ -409,13 +409,13 @@ def attribute_run(
 ) -> AnalysisResult:
     """Attribution through depth of a run (docs/analysis.md §11): tables, `attribution_summary.json` and
     `attribution_report.html` under `out` (default RUN/analysis/). `prompt`: the per-position views' prompt, text
-    where the run reads text (`prompts.prompt_encoder`; its figures then name tokens by their text), else
+    where the run reads text (`prompts.text_codec`; its figures then name tokens by their text), else
     space-separated token ids (default the first held-out sequence); `n_boot`: the routing audit's bootstrap
     resamples. Tables the model does not support are listed in the summary's `skipped` with the reason."""
     run, task, batch = _prepare(path, "attribute", checkpoint, samples, out)
     model = run.model
-    encode = prompt_encoder(run.config, run.path) if prompt is not None else None
-    prompt_tokens = parse_prompt(model, prompt, batch, encode)
+    codec = text_codec(run.config, run.path)
+    prompt_tokens = parse_prompt(model, prompt, batch, codec, n_ctx=run.model_config.n_ctx)
     probe = task_probe(model, task, samples) if is_toolkit_model(model) or bridged_inkling(model) is not None else None
     skipped: dict[str, str] = {}
     tables = attribution_tables(
@@ -425,5 +425,5 @@ def attribute_run(
     summary = attribution_summary(tables, header)
     if skipped:
         summary["skipped"] = [{"table": name, "reason": reason} for name, reason in skipped.items()]
-    html = attribution_report_html(tables, summary, token_label=token_labeller(run.config, run.path))
+    html = attribution_report_html(tables, summary, codec=codec)
     return _write(tables, summary, html, output_dir(run, out), "attribution")

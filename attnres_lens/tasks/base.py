@@ -140,7 +140,7 @@ class Task:
 
     name: ClassVar[str]
     for_training: ClassVar[bool] = True  # False for scoring probes that a positional head can solve
-    reads_text: ClassVar[bool] = False  # True for a task over real text: `encode_text` gives a text's ids
+    encodes_text: ClassVar[bool] = False  # True where typed text has ids by the task's own rule (`encode_text`)
     vocab_size: int = 64
     seq_len: int = 65
     seed: int = 0
@@ -155,11 +155,11 @@ class Task:
         """Check the task's own parameters; raise ValueError saying what to change."""
 
     def encode_text(self, text: str) -> list[int]:
-        """`text` as this task's ids, BOS first, for a task over real text (`reads_text`)."""
+        """`text` as this task's ids, BOS first, for a task that encodes text (`encodes_text`)."""
         raise ValueError(f"{self.name}: the task's sequences are not text; give a prompt as token ids")
 
     def token_text(self, token: int) -> str:
-        """How id `token` reads in a figure's labels, for a task over real text (`reads_text`)."""
+        """How id `token` reads in a figure's labels, for a task that encodes text (`encodes_text`)."""
         raise ValueError(f"{self.name}: the task's sequences are not text; its tokens are labelled by id")
 
     def _generate(self, batch_size: int, generator: torch.Generator) -> Batch:

@@ -16,6 +16,7 @@ exactly as stored (all ASCII, LF line ends).
 from __future__ import annotations
 
 import importlib.util
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,7 +134,7 @@ class ShakespeareTask(Task):
     """
 
     name = "shakespeare"
-    reads_text = True
+    encodes_text = True
     vocab_size: int = BYTE_VOCAB_SIZE
     seq_len: int = 128
 
@@ -159,8 +160,10 @@ class ShakespeareTask(Task):
 
     def token_text(self, token: int) -> str:
         """'BOS', '␣' for a space, else the byte as Python writes it in a bytes literal ('a', '\\n', '\\xe2')."""
-        check_int(self.name, "token", token, 0)
-        if token >= BYTE_VOCAB_SIZE:
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):  # numpy's ints are ids too
+            raise ValueError(f"{self.name}: token must be an integer id, got {token!r}")
+        token = int(token)
+        if not 0 <= token < BYTE_VOCAB_SIZE:
             raise ValueError(f"{self.name}: token {token} is out of range (ids 0..{BYTE_VOCAB_SIZE - 1})")
         if token == BOS:
             return "BOS"
