@@ -263,7 +263,7 @@ def test_pruning_curve_axis_holds_every_point_with_a_margin(metric):
 
 
 @pytest.mark.slow
-def test_text_is_typed_where_the_run_reads_text():
+def test_text_is_typed_where_the_run_encodes_text():
     """The real-text demo run takes typed text (BOS, then byte b as id b + 1); a synthetic-task run takes ids only."""
     app = open_page("views/depth_attention.py")
     app.multiselect(key="depth-runs").set_value([str(DEMO_RUNS / "depth-block-6l")]).run()

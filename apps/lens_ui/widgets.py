@@ -201,7 +201,7 @@ def repeated_tokens_input(run: RunTables, key: str, max_len: int) -> torch.Tenso
 def token_input(
     run: RunTables, handle: ModelHandle, key: str, label: str, default: str, default_tokens: Callable[[], torch.Tensor]
 ) -> torch.Tensor | None:
-    """[1, pos] tokens: the page's `default` input, text the user types (where the run reads text:
+    """[1, pos] tokens: the page's `default` input, text the user types (where the run encodes text:
     `prompts.text_codec`) or ids the user types; typed input is checked as `--prompt` is, errors shown on the page."""
     from attnres_lens.analysis.prompts import encode_prompt, encodes_text, text_codec
 

@@ -293,7 +293,7 @@ def dla_summary_bars(summary: pd.DataFrame) -> go.Figure:
 
 def lens_heatmap(lens: pd.DataFrame, sequence: int = 0, codec: TextCodec | None = None) -> go.Figure:
     """Correct-token rank of every decoded vector (depth order) at each position of one sequence; the hover's top
-    tokens named by `token_label` where the run reads text, else by id."""
+    tokens named by their text where the run encodes text (`codec`), else by id."""
     import plotly.graph_objects as go
 
     frame = lens[lens["sequence"] == sequence]

@@ -409,7 +409,7 @@ def attribute_run(
 ) -> AnalysisResult:
     """Attribution through depth of a run (docs/analysis.md §11): tables, `attribution_summary.json` and
     `attribution_report.html` under `out` (default RUN/analysis/). `prompt`: the per-position views' prompt, text
-    where the run reads text (`prompts.text_codec`; its figures then name tokens by their text), else
+    where the run encodes text (`prompts.text_codec`; its figures then name tokens by their text), else
     space-separated token ids (default the first held-out sequence); `n_boot`: the routing audit's bootstrap
     resamples. Tables the model does not support are listed in the summary's `skipped` with the reason."""
     run, task, batch = _prepare(path, "attribute", checkpoint, samples, out)
