@@ -113,9 +113,14 @@ def _check_single_head_mix(model: DepthMixingModel, what: str) -> None:
 def _require_consumers(model: DepthMixingModel, what: str) -> list[int]:
     """The model's depth-mixing consumers; none is a clear error naming the residual."""
     consumers = model.consumers()
-    if not consumers:
-        residual = model.cfg.residual if isinstance(model, HookedTransformer) else "without depth mixes"
-        raise ValueError(f"{what} needs depth attention; this model's residual is {residual!r}")
+    if not consumers and isinstance(model, HookedTransformer):
+        raise ValueError(f"{what} needs depth attention; this model's residual is {model.cfg.residual!r}")
+    if not consumers:  # DeepSeek V4's bridge: hyper-connections, whose mixing is M (docs/interop.md §7)
+        mixing = " (its mixing is M: mixing_coefficients, the depth_mixing table)"
+        raise ValueError(
+            f"{what} needs depth attention; {type(model).__name__} has no depth softmax"
+            + (mixing if getattr(model, "mixing_coefficients", None) is not None else "")
+        )
     return consumers
 
 
