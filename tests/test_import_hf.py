@@ -26,8 +26,10 @@ from attnres_lens.analysis.interventions import removal_hooks  # noqa: E402
 from attnres_lens.analysis.kv_shift import conv_tap_decomposition  # noqa: E402
 from attnres_lens.analysis.prompts import text_codec  # noqa: E402
 from attnres_lens.analysis.visits import sublayers_named, visit_groups, visit_knockouts, visit_removals  # noqa: E402
+from attnres_lens.bridge import SUPPORTED_MODELS as INKLING_MODELS  # noqa: E402
+from attnres_lens.bridge_mhc import SUPPORTED_MODEL as DEEPSEEK_V4_MODEL  # noqa: E402
 from attnres_lens.bridge_mhc import DeepseekV4Bridge  # noqa: E402
-from attnres_lens.hf_runs import EVAL_SEQUENCES, TransformersModel  # noqa: E402
+from attnres_lens.hf_runs import EVAL_SEQUENCES, RESIDUALS, TransformersModel  # noqa: E402
 from attnres_lens.rundir import RunDirError, load_run  # noqa: E402
 from attnres_lens.tasks import make_task  # noqa: E402
 from tests.helpers import HF_RUN_TEXT, TINY_TOKENIZER_WORDS, run_cli  # noqa: E402
@@ -294,6 +296,8 @@ def test_a_deepseek_v4_folder_imports_as_an_mhc_run(deepseek_v4_folder, deepseek
     assert code == 2 and "DeepseekV4Model" in err and "DeepseekV4ForCausalLM" in err
     with pytest.raises(ValueError, match=r"model\.architecture must be one of .*got 'LlamaForCausalLM'"):
         TransformersModel.from_dict({**run.model_config.to_dict(), "architecture": "LlamaForCausalLM"})
+    # import-hf opens exactly what the bridges open (the table is spelled in hf_runs so a config reads without them)
+    assert set(RESIDUALS) == {*INKLING_MODELS, DEEPSEEK_V4_MODEL}
 
 
 def test_analyze_prune_attribute_on_a_deepseek_v4_run(deepseek_v4_folder, deepseek_v4_run, tmp_path, capsys):
