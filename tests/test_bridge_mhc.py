@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attnres_lens import from_transformers  # noqa: E402
+from attnres_lens.analysis.attribution import edge_sensitivity  # noqa: E402
 from attnres_lens.analysis.depth import depth_mixing_matrix  # noqa: E402
 from attnres_lens.analysis.engine import evaluate  # noqa: E402
 from attnres_lens.analysis.interventions import removal_hooks, source_mask_hooks  # noqa: E402
@@ -234,6 +235,9 @@ def test_refusals_name_the_bad_input(folder, bridge, tmp_path):
         bridge.route_input_hook(3, "mix")
     with pytest.raises(ValueError, match="not a consumer"):
         source_mask_hooks(bridge, 2, [0])
+    batch = Batch(TOKENS, next_token_targets(TOKENS), torch.ones_like(TOKENS, dtype=torch.bool))
+    with pytest.raises(ValueError, match="edge attribution needs depth attention; DeepseekV4Bridge has no depth "):
+        edge_sensitivity(bridge, batch)
     with pytest.raises(ValueError, match=r"sublayer must be in 0\.\.7, got 8"):
         bridge.sublayer_output_hook(8)
     with pytest.raises(ValueError, match="out of range for d_vocab=64"):

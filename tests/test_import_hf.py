@@ -342,10 +342,17 @@ def test_analyze_prune_attribute_on_a_deepseek_v4_run(deepseek_v4_folder, deepse
 
     attribution = json.loads((written / "attribution_summary.json").read_text())
     skipped = {row["table"]: row["reason"] for row in attribution["skipped"]}
-    assert set(skipped) == {"kv_shift", "depth_dla", "depth_dla_summary", "depth_inputs"}
+    assert set(skipped) == {"kv_shift", "depth_dla", "depth_dla_summary"}
     assert "frozen_readout" in skipped["depth_dla"] and "DeepseekV4Bridge" in skipped["depth_dla"]
-    assert "no depth softmax" in skipped["depth_inputs"] and "mixing_coefficients" in skipped["depth_inputs"]
     assert all(f"not computed: {name}: " in outputs["attribute"] for name in skipped)
+    # every input split by M into its terms M[c, s] v_s, which rebuild the hooked input: the shares sum to 1
+    inputs = pd.read_parquet(written / "depth_inputs.parquet")
+    coefficients = bridge.mixing_coefficients(batch.tokens).mean(dim=(0, 1)).double()
+    assert sorted(set(inputs["consumer"])) == list(range(bridge.n_sublayers + 1))
+    np.testing.assert_allclose(inputs.groupby("consumer")["share"].sum(), 1.0, rtol=1e-5)
+    members = inputs["members"].astype(int)  # one output per source: "-1" is e, M's column 0
+    expected_alpha = [coefficients[c, s + 1].item() for c, s in zip(inputs["consumer"], members)]
+    np.testing.assert_allclose(inputs["alpha"], expected_alpha, rtol=1e-6)
     assert "top_edges" not in attribution and not (written / "edge_knockouts.parquet").exists()
     # the lens of the final norm's input is the model's prediction: its top-1 rate is transformers' accuracy
     with torch.no_grad():
