@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     import_hf = commands.add_parser(
         "import-hf",
-        help="a run directory referring to a transformers Inkling-2 / Inkling-2-Mini folder (no copy of the weights)",
+        help="a run directory referring to a transformers Inkling-2 / Inkling-2-Mini / DeepSeek V4 folder (no copy of the weights)",
     )
     import_hf.add_argument("path", metavar="DIR", help="the folder save_pretrained wrote (config.json + safetensors)")
     import_hf.add_argument("--out", metavar="RUN", required=True, help="run directory to create")

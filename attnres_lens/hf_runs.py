@@ -7,7 +7,9 @@ a moved folder or a changed file is a `RunDirError` naming the folder, the file 
 
 The run's `RunConfig.model` is a `TransformersModel` (not a toolkit `ModelConfig`): the few facts the analyses and the
 dashboard ask of a run's model (vocabulary, context, residual and attention kind, a description), read from the
-folder's config.json at import.
+folder's config.json at import. The residual kind follows from the architecture (`RESIDUALS`): Inkling-2 and
+Inkling-2-Mini mix depth by Block AttnRes ("attnres"), DeepSeek V4 by mHC hyper-connections ("mhc"), so the
+dashboard and the analyses treat such a run as the toolkit's runs of that kind.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 from attnres_lens.rundir import PathLike, RunDir, RunDirError, read_json_file, read_text_file
 
 if TYPE_CHECKING:
-    from attnres_lens.bridge import InklingBridge
+    from attnres_lens.bridge import TransformersBridge
 
 SOURCE = "transformers"  # config.json's model.source for a referenced transformers model
 # The files a tokenizer may be saved as; those present are hashed with the model's (docs/run_directory.md §2).
@@ -46,6 +48,15 @@ REFERENCED_CHECKPOINT = "model_folder"  # `Run.checkpoint` of a referenced run: 
 DEFAULT_SEQ_LEN = 256  # the held-out windows' length unless --set task.seq_len (real contexts are ~10^6 tokens)
 DTYPES = ("float32", "float64", "bfloat16")
 EVAL_SEQUENCES = 16  # held-out sequences the import's sanity loss is measured on
+# The architectures import-hf opens (`bridge.SUPPORTED_MODELS` and `bridge_mhc.SUPPORTED_MODEL`, spelled here so
+# that reading a run's config imports no model code) and the residual kind each one's depth mixing is
+# (docs/interop.md §7): what `TransformersModel.residual` reports to the dashboard and the analyses.
+RESIDUALS = {
+    "Inkling2ForCausalLM": "attnres",
+    "Inkling2LoopForCausalLM": "attnres",
+    "DeepseekV4ForCausalLM": "mhc",
+}
+RESIDUAL_LABELS = {"attnres": "Block AttnRes (transformers)", "mhc": "mHC hyper-connections (transformers)"}
 
 
 class ImportHfError(ValueError):
@@ -71,13 +82,17 @@ class TransformersModel:
     dtype: str = "float32"
     source: ClassVar[str] = SOURCE
     # what the dashboard and the analyses' headers ask of every run's model (docs/run_directory.md §2)
-    residual: ClassVar[str] = "attnres"  # Block AttnRes: every sublayer input is a depth mix
     attention: ClassVar[str] = "transformers"  # transformers' own token attention (no toolkit KV shift)
 
     def __post_init__(self) -> None:
         for name in ("folder", "architecture", "model_type", "transformers_version"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"model.{name} must be a non-empty string, got {getattr(self, name)!r}")
+        if self.architecture not in RESIDUALS:
+            raise ValueError(
+                f"model.architecture must be one of {list(RESIDUALS)} (the models import-hf opens), got "
+                f"{self.architecture!r}"
+            )
         if not Path(self.folder).is_absolute():
             raise ValueError(f"model.folder must be an absolute path, got {self.folder!r}")
         for name in ("d_vocab", "n_ctx", "n_layers"):
@@ -94,6 +109,11 @@ class TransformersModel:
             raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
 
     @property
+    def residual(self) -> str:
+        """The residual kind of the architecture (`RESIDUALS`): "attnres" (Inkling) or "mhc" (DeepSeek V4)."""
+        return RESIDUALS[self.architecture]
+
+    @property
     def variant(self) -> str:
         return self.model_type
 
@@ -103,7 +123,7 @@ class TransformersModel:
 
     @property
     def residual_label(self) -> str:
-        return "Block AttnRes (transformers)"
+        return RESIDUAL_LABELS[self.residual]
 
     @property
     def attention_label(self) -> str:
@@ -154,9 +174,9 @@ def file_sha256(path: Path) -> str:
 
 # ---------------------------------------------------------------------------- the folder
 def read_model_folder(path: PathLike) -> tuple[dict[str, Any], list[str]]:
-    """(config.json, the names of the files a load opens) of a transformers Inkling folder, refused by name when it
-    is no folder, names code of its own (`auto_map`), holds pickled weights only or another architecture."""
-    from attnres_lens.bridge import SUPPORTED_MODELS
+    """(config.json, the names of the files a load opens) of a transformers Inkling-2, Inkling-2-Mini or DeepSeek V4
+    folder, refused by name when it is no folder, names code of its own (`auto_map`), holds pickled weights only or
+    another architecture."""
     from attnres_lens.interop import FlaInteropError, fla_weight_files
 
     folder = Path(path)
@@ -177,10 +197,10 @@ def read_model_folder(path: PathLike) -> tuple[dict[str, Any], list[str]]:
                 "from a model folder: only models whose code ships with transformers can be opened"
             )
     architectures = config.get("architectures") or []
-    if not any(name in SUPPORTED_MODELS for name in architectures):
+    if not any(name in RESIDUALS for name in architectures):
         raise ImportHfError(
             f"{config_path} describes {', '.join(map(str, architectures)) or 'a model of unnamed architecture'}; "
-            f"import-hf opens {', '.join(SUPPORTED_MODELS)}"
+            f"import-hf opens {', '.join(RESIDUALS)}"
         )
     try:
         weights = fla_weight_files(folder)  # safetensors by name (the index's shards); pickles refused
@@ -224,8 +244,9 @@ def check_model_folder(model: TransformersModel, run_path: PathLike) -> None:
         raise RunDirError(f"the model folder {folder} of run {run_path} is not the one imported ({what}); {fix}")
 
 
-def open_model(model: TransformersModel, run_path: PathLike) -> InklingBridge:
-    """The referenced model as a bridge (eval mode), after `check_model_folder`."""
+def open_model(model: TransformersModel, run_path: PathLike) -> TransformersBridge:
+    """The referenced model as a bridge (eval mode), after `check_model_folder`: an `InklingBridge` for Inkling-2 /
+    Inkling-2-Mini, a `DeepseekV4Bridge` for DeepSeek V4 (`from_transformers` picks it by the folder's model type)."""
     import torch
 
     from attnres_lens.bridge import from_transformers
@@ -283,7 +304,7 @@ def model_section(folder: Path, config: dict[str, Any], files: list[str], dtype:
 
     return TransformersModel(
         folder=str(folder.resolve()),
-        architecture=next(name for name in config["architectures"] if name),
+        architecture=next(name for name in config["architectures"] if name in RESIDUALS),
         model_type=str(config.get("model_type") or ""),
         transformers_version=transformers.__version__,
         d_vocab=_d_vocab(config),

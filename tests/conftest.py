@@ -105,3 +105,28 @@ def hf_runs(inkling_folders, tmp_path_factory) -> dict[str, Path]:
     for kind, extra in options.items():
         assert main(["import-hf", inkling_folders[kind], "--out", str(root / kind), *extra]) == 0
     return {kind: root / kind for kind in options}
+
+
+@pytest.fixture(scope="session")
+def deepseek_v4_folder(tmp_path_factory) -> str:
+    """A tiny DeepSeek V4 (mHC) saved to a folder once per session (tests/helpers.py's `save_tiny_deepseek_v4`).
+    Tests only read it."""
+    pytest.importorskip("transformers")
+    from tests.helpers import save_tiny_deepseek_v4
+
+    return save_tiny_deepseek_v4(tmp_path_factory.mktemp("deepseek_v4") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def deepseek_v4_run(deepseek_v4_folder, tmp_path_factory) -> Path:
+    """A run made by `import-hf` from the DeepSeek V4 folder, once per session, alone in its folder (a dashboard can
+    serve it), evaluated on 16-token windows of a token file. Tests that write into it copy it first."""
+    import numpy as np
+
+    from attnres_lens.cli import main
+
+    data, root = tmp_path_factory.mktemp("deepseek_v4_inputs"), tmp_path_factory.mktemp("deepseek_v4_runs")
+    np.save(data / "ids.npy", np.random.default_rng(0).integers(0, 64, 1000).astype(np.uint32))
+    argv = ["import-hf", deepseek_v4_folder, "--out", str(root / "mhc"), "--tokens", str(data / "ids.npy")]
+    assert main([*argv, "--set", "task.seq_len=16"]) == 0
+    return root / "mhc"

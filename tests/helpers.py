@@ -296,3 +296,62 @@ def save_tiny_tokenizer(folder) -> None:
 
 
 HF_RUN_TEXT = " ".join(["the cat sat on the mat and then the dog ran far and slept"] * 30)
+
+
+# ---------------------------------------------------------------------------- a tiny transformers DeepSeek V4
+# A tiny random DeepSeek V4 (mHC), saved with save_pretrained and opened from the folder (docs/interop.md §7).
+DEEPSEEK_V4_STREAMS, DEEPSEEK_V4_EXPERTS, DEEPSEEK_V4_LAYERS = 3, 4, 4
+DEEPSEEK_V4_CONFIG = dict(
+    vocab_size=64,
+    hidden_size=32,
+    moe_intermediate_size=16,
+    num_hidden_layers=DEEPSEEK_V4_LAYERS,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    q_lora_rank=16,
+    o_groups=2,
+    o_lora_rank=8,
+    n_routed_experts=DEEPSEEK_V4_EXPERTS,
+    num_experts_per_tok=2,
+    hc_mult=DEEPSEEK_V4_STREAMS,
+    hc_sinkhorn_iters=5,
+    sliding_window=4,
+    index_n_heads=2,
+    index_head_dim=8,
+    index_topk=2,
+    # every attention kind, with compression rates small enough to compress 8 tokens
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ],
+    compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    eos_token_id=None,
+    bos_token_id=None,
+    use_cache=False,
+)
+
+
+def save_tiny_deepseek_v4(folder) -> str:
+    """A tiny random `DeepseekV4ForCausalLM` (`DEEPSEEK_V4_CONFIG`: every attention kind, a hash-routed MoE layer)
+    saved to `folder`; its hyper-connection weights are drawn away from transformers' init, which reads the streams
+    almost evenly, and the hash-routed layer's table is filled (zeros until a checkpoint fills it)."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**DEEPSEEK_V4_CONFIG))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("_hc.fn", "hc_head.hc_fn")):
+                parameter.normal_(0.0, 0.5)
+            elif name.endswith(("_hc.base", "hc_head.hc_base")):
+                parameter.normal_(0.0, 1.0)
+            elif name.endswith(("_hc.scale", "hc_head.hc_scale")):
+                parameter.uniform_(0.5, 2.0)
+        gate = model.model.layers[0].mlp.gate
+        gate.tid2eid.copy_(torch.randint(0, DEEPSEEK_V4_EXPERTS, gate.tid2eid.shape))
+    model.save_pretrained(folder)
+    return str(folder)

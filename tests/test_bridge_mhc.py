@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attnres_lens import from_transformers  # noqa: E402
+from attnres_lens.analysis.attribution import edge_sensitivity  # noqa: E402
 from attnres_lens.analysis.depth import depth_mixing_matrix  # noqa: E402
 from attnres_lens.analysis.engine import evaluate  # noqa: E402
 from attnres_lens.analysis.interventions import removal_hooks, source_mask_hooks  # noqa: E402
@@ -22,62 +23,17 @@ from attnres_lens.evaluation import score_logits  # noqa: E402
 from attnres_lens.mixing import mixing_rows  # noqa: E402
 from attnres_lens.protocol import DepthMixingModel  # noqa: E402
 from attnres_lens.tasks.base import Batch, next_token_targets  # noqa: E402
+from tests.helpers import DEEPSEEK_V4_CONFIG as CONFIG  # noqa: E402
+from tests.helpers import DEEPSEEK_V4_LAYERS as N_LAYERS  # noqa: E402
+from tests.helpers import DEEPSEEK_V4_STREAMS as N_STREAMS  # noqa: E402
+from tests.helpers import save_tiny_deepseek_v4  # noqa: E402
 
-N_STREAMS, N_EXPERTS, N_LAYERS = 3, 4, 4
-CONFIG = dict(
-    vocab_size=64,
-    hidden_size=32,
-    moe_intermediate_size=16,
-    num_hidden_layers=N_LAYERS,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    q_lora_rank=16,
-    o_groups=2,
-    o_lora_rank=8,
-    n_routed_experts=N_EXPERTS,
-    num_experts_per_tok=2,
-    hc_mult=N_STREAMS,
-    hc_sinkhorn_iters=5,
-    sliding_window=4,
-    index_n_heads=2,
-    index_head_dim=8,
-    index_topk=2,
-    # every attention kind, with compression rates small enough to compress 8 tokens
-    layer_types=[
-        "sliding_attention",
-        "compressed_sparse_attention",
-        "heavily_compressed_attention",
-        "compressed_sparse_attention",
-    ],
-    compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
-    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-    eos_token_id=None,
-    bos_token_id=None,
-    use_cache=False,
-)
 TOKENS = torch.tensor([[3, 17, 42, 5, 59, 0, 21, 8], [11, 11, 30, 2, 7, 48, 19, 33]])
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-    torch.manual_seed(0)
-    model = DeepseekV4ForCausalLM(DeepseekV4Config(**CONFIG))
-    with torch.no_grad():  # transformers' init (zero biases, unit scales, small fn) reads the streams almost evenly
-        for name, parameter in model.named_parameters():
-            if name.endswith(("_hc.fn", "hc_head.hc_fn")):
-                parameter.normal_(0.0, 0.5)
-            elif name.endswith(("_hc.base", "hc_head.hc_base")):
-                parameter.normal_(0.0, 1.0)
-            elif name.endswith(("_hc.scale", "hc_head.hc_scale")):
-                parameter.uniform_(0.5, 2.0)
-        gate = model.model.layers[0].mlp.gate  # the hash-routed layer's table is zeros until a checkpoint fills it
-        gate.tid2eid.copy_(torch.randint(0, N_EXPERTS, gate.tid2eid.shape))
-    path = tmp_path_factory.mktemp("deepseek_v4") / "tiny"
-    model.save_pretrained(path)
-    return str(path)
+    return save_tiny_deepseek_v4(tmp_path_factory.mktemp("deepseek_v4") / "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -279,6 +235,9 @@ def test_refusals_name_the_bad_input(folder, bridge, tmp_path):
         bridge.route_input_hook(3, "mix")
     with pytest.raises(ValueError, match="not a consumer"):
         source_mask_hooks(bridge, 2, [0])
+    batch = Batch(TOKENS, next_token_targets(TOKENS), torch.ones_like(TOKENS, dtype=torch.bool))
+    with pytest.raises(ValueError, match="edge attribution needs depth attention; DeepseekV4Bridge has no depth "):
+        edge_sensitivity(bridge, batch)
     with pytest.raises(ValueError, match=r"sublayer must be in 0\.\.7, got 8"):
         bridge.sublayer_output_hook(8)
     with pytest.raises(ValueError, match="out of range for d_vocab=64"):

@@ -799,3 +799,54 @@ def test_every_page_opens_a_run_referring_to_a_transformers_folder(hf_runs):
         assert any(title.startswith("Edge knockouts: exact") for title in titles), kind
         assert any(title.startswith("Direct logit attribution") for title in titles), kind
         assert any(title.startswith("K/V convolution taps") for title in titles), kind
+
+
+def test_every_page_opens_a_deepseek_v4_run(deepseek_v4_run):  # a few seconds: in the fast lane
+    """A run made by import-hf from a DeepSeek V4 folder (mHC): every page renders it, the Depth-mixing page draws
+    its M as the bridge computes it, and the pages and tabs that need depth attention, induction heads or K/V taps
+    say why they show nothing."""
+    import torch
+
+    from attnres_lens.analysis.applicability import INDUCTION_TOOLKIT_ONLY
+    from attnres_lens.rundir import load_run
+
+    run = str(deepseek_v4_run)
+    app = open_page("views/runs.py", deepseek_v4_run.parent)
+    app.multiselect(key="runs-pick").set_value([run]).run()
+    for page in PAGES[1:]:
+        app.switch_page(page).run()
+        assert_clean(app)
+    app.switch_page("views/depth_attention.py").run()
+    assert any("depth attention exists only with `residual=attnres`" in message.value for message in app.info)
+    app.switch_page("views/depth_mixing.py").run()
+    app.radio(key="mixing-source").set_value("a checkpoint's model").run()
+    app.slider(key="mixing-n").set_value(4).run()
+    assert_clean(app)
+    (spec,) = chart_specs(app)
+    loaded = load_run(run)
+    with torch.no_grad():
+        expected = loaded.model.mixing_coefficients(loaded.config.build_task().eval_batch(4).tokens).mean(dim=(0, 1))
+    expected = np.where(np.tril(np.ones(expected.shape, dtype=bool)), expected.double().numpy(), np.nan)
+    z = spec["data"][0]["z"]  # plotly's typed-array form: base64 bytes of a float64 array
+    shown = np.frombuffer(base64.b64decode(z["bdata"]), dtype=z["dtype"]).reshape(expected.shape)
+    np.testing.assert_allclose(shown, expected, rtol=1e-6)
+    app.switch_page("views/induction.py").run()
+    messages = " ".join(message.value for message in app.info)
+    assert INDUCTION_TOOLKIT_ONLY.split(" (")[0] in messages and "neither a KV shift nor short K/V" in messages
+    app.switch_page("views/pruning.py").run()
+    app.number_input(key="pruning-samples").set_value(2).run()
+    app.button(key="pruning-compute").click().run()
+    assert_clean(app)
+    report = app.get("iframe")[0].proto.srcdoc
+    assert "<h2>Sublayers removable within" in report
+    app.switch_page("views/attribution.py").run()
+    app.number_input(key="attribution-samples").set_value(2).run()
+    app.button(key="attribution-compute").click().run()
+    assert_clean(app)
+    titles = [spec["layout"]["title"]["text"] for spec in chart_specs(app)]
+    assert any(title.startswith("Logit lens over depth") for title in titles)
+    messages = " ".join(message.value for message in app.info)
+    for table in ("depth_dla", "kv_shift"):
+        assert f"({table})" in messages, table
+    assert "(depth_inputs)" not in messages  # split by M, as on the toolkit's mHC runs
+    assert "no edges to attribute." in messages  # and no claim of a depth DLA the run did not compute

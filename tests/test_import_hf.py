@@ -1,5 +1,6 @@
-"""`attnres-lens import-hf` (docs/interop.md §7): run directories that refer to a transformers Inkling folder, their
-checks when the folder moves or changes, and analyze / prune / attribute on them (tiny models from tests/helpers.py)."""
+"""`attnres-lens import-hf` (docs/interop.md §7): run directories that refer to a transformers Inkling or DeepSeek V4
+folder, their checks when the folder moves or changes, and analyze / prune / attribute on them (tiny models from
+tests/helpers.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from attnres_lens import from_transformers  # noqa: E402
 from attnres_lens import hf_runs as hf_runs_module  # noqa: E402
+from attnres_lens.analysis.applicability import INDUCTION_TOOLKIT_ONLY  # noqa: E402
 from attnres_lens.analysis.attribution_report import bridge_visits  # noqa: E402
 from attnres_lens.analysis.engine import evaluate  # noqa: E402
 from attnres_lens.analysis.induction import task_probe  # noqa: E402
@@ -24,6 +26,10 @@ from attnres_lens.analysis.interventions import removal_hooks  # noqa: E402
 from attnres_lens.analysis.kv_shift import conv_tap_decomposition  # noqa: E402
 from attnres_lens.analysis.prompts import text_codec  # noqa: E402
 from attnres_lens.analysis.visits import sublayers_named, visit_groups, visit_knockouts, visit_removals  # noqa: E402
+from attnres_lens.bridge import SUPPORTED_MODELS as INKLING_MODELS  # noqa: E402
+from attnres_lens.bridge_mhc import SUPPORTED_MODEL as DEEPSEEK_V4_MODEL  # noqa: E402
+from attnres_lens.bridge_mhc import DeepseekV4Bridge  # noqa: E402
+from attnres_lens.hf_runs import EVAL_SEQUENCES, RESIDUALS, TransformersModel  # noqa: E402
 from attnres_lens.rundir import RunDirError, load_run  # noqa: E402
 from attnres_lens.tasks import make_task  # noqa: E402
 from tests.helpers import HF_RUN_TEXT, TINY_TOKENIZER_WORDS, run_cli  # noqa: E402
@@ -251,3 +257,106 @@ def test_prompts_and_labels_go_through_the_folders_tokenizer_where_it_has_one(hf
     assert hf_runs_module._load_tokenizer.cache_info().misses == loads
     for run in (plain, load_run(smoke_run, load_model=False)):  # no tokenizer; a synthetic task: ids only
         assert text_codec(run.config, run.path) is None
+
+
+# ---------------------------------------------------------------------------- DeepSeek V4 (mHC)
+def _deepseek_v4(folder: str):
+    """A second, untouched instance of the saved DeepSeek V4: transformers' own forward."""
+    return transformers.DeepseekV4ForCausalLM.from_pretrained(folder).eval()
+
+
+def test_a_deepseek_v4_folder_imports_as_an_mhc_run(deepseek_v4_folder, deepseek_v4_run, tmp_path, capsys):
+    folder = Path(deepseek_v4_folder)
+    saved = json.loads((folder / "config.json").read_text())
+    assert json.loads((deepseek_v4_run / "config.json").read_text())["model"] == {  # the Inkling runs' fields
+        "source": "transformers",
+        "folder": str(folder.resolve()),
+        "architecture": "DeepseekV4ForCausalLM",
+        "model_type": "deepseek_v4",
+        "transformers_version": transformers.__version__,
+        "d_vocab": saved["vocab_size"],
+        "n_ctx": saved["max_position_embeddings"],
+        "n_layers": saved["num_hidden_layers"],
+        "files_sha256": {name: _sha256(folder / name) for name in ("config.json", "model.safetensors")},
+        "dtype": "float32",
+    }
+    run = load_run(deepseek_v4_run)
+    assert isinstance(run.model, DeepseekV4Bridge) and run.model_config.residual == "mhc"
+    assert run.model_config.residual_label.startswith("mHC")
+    # the loss measured at import is transformers' own loss on the task's held-out sequences
+    tokens = run.config.build_task().eval_batch(EVAL_SEQUENCES).tokens
+    with torch.no_grad():
+        expected = _deepseek_v4(deepseek_v4_folder)(input_ids=tokens, labels=tokens, use_cache=False).loss
+    assert run.config.provenance["eval_loss"] == pytest.approx(expected.item(), rel=1e-5)
+
+    base = tmp_path / "base"  # the bare DeepseekV4Model has no lm_head: refused by its architecture, naming both
+    shutil.copytree(folder, base)
+    (base / "config.json").write_text(json.dumps({**saved, "architectures": ["DeepseekV4Model"]}))
+    code, _, err = run_cli(["import-hf", str(base), "--out", str(tmp_path / "run")], capsys)
+    assert code == 2 and "DeepseekV4Model" in err and "DeepseekV4ForCausalLM" in err
+    with pytest.raises(ValueError, match=r"model\.architecture must be one of .*got 'LlamaForCausalLM'"):
+        TransformersModel.from_dict({**run.model_config.to_dict(), "architecture": "LlamaForCausalLM"})
+    # import-hf opens exactly what the bridges open (the table is spelled in hf_runs so a config reads without them)
+    assert set(RESIDUALS) == {*INKLING_MODELS, DEEPSEEK_V4_MODEL}
+
+
+def test_analyze_prune_attribute_on_a_deepseek_v4_run(deepseek_v4_folder, deepseek_v4_run, tmp_path, capsys):
+    """What applies to an mHC model is computed and checked against transformers and the bridge's M; the rest is
+    listed as not computed, with the reason."""
+    run = tmp_path / "mhc"
+    shutil.copytree(deepseek_v4_run, run)
+    outputs = {}
+    for command, samples in (("analyze", 4), ("prune", 2), ("attribute", 2)):
+        code, out, err = run_cli([command, str(run), "--samples", str(samples), "--no-progress"], capsys)
+        assert code == 0, err
+        assert "Traceback" not in out + err
+        outputs[command] = out
+    written = run / "analysis"
+    loaded = load_run(run)
+    bridge, task = loaded.model, loaded.config.build_task()
+    reference = _deepseek_v4(deepseek_v4_folder)
+
+    analysis = json.loads((written / "analysis_summary.json").read_text())
+    assert analysis["residual"] == "mhc"
+    assert {row["table"]: row["reason"] for row in analysis["skipped"]} == {"induction_heads": INDUCTION_TOOLKIT_ONLY}
+    assert "not computed: induction_heads" in outputs["analyze"]
+    assert not (written / "depth_weights.parquet").exists()  # no depth softmax: no α to write
+    mixing = pd.read_parquet(written / "depth_mixing.parquet")  # M, token-averaged over the analysed sequences
+    coefficients = bridge.mixing_coefficients(task.eval_batch(4).tokens).mean(dim=(0, 1)).double()
+    expected_m = [coefficients[c, s + 1].item() for c, s in zip(mixing["consumer"], mixing["sublayer"])]
+    assert len(mixing) == sum(c + 1 for c in range(bridge.n_sublayers + 1))  # every (consumer, earlier output)
+    np.testing.assert_allclose(mixing["weight"], expected_m, rtol=1e-6)
+    assert len(pd.read_parquet(written / "mixing_diagnostics.parquet")) == bridge.n_sublayers + 1
+
+    batch = task.eval_batch(2)
+    sensitivity = pd.read_parquet(written / "pruning_sensitivity.parquet").set_index("label")
+    with torch.no_grad():
+        clean = reference(input_ids=batch.tokens, labels=batch.tokens, use_cache=False).loss.item()
+        handle = reference.model.layers[1].mlp.register_forward_hook(lambda _m, _a, out: torch.zeros_like(out))
+        removed = reference(input_ids=batch.tokens, labels=batch.tokens, use_cache=False).loss.item()
+        handle.remove()
+    assert sensitivity["base_loss"].iloc[0] == pytest.approx(clean, rel=1e-5)
+    assert sensitivity.loc["L1.mlp", "dloss_remove"] == pytest.approx(removed - clean, rel=1e-4, abs=1e-6)
+    prune = json.loads((written / "prune_summary.json").read_text())
+    assert "routing_correlations" not in prune and not (written / "routing.parquet").exists()  # nothing to route
+
+    attribution = json.loads((written / "attribution_summary.json").read_text())
+    skipped = {row["table"]: row["reason"] for row in attribution["skipped"]}
+    assert set(skipped) == {"kv_shift", "depth_dla", "depth_dla_summary"}
+    assert "frozen_readout" in skipped["depth_dla"] and "DeepseekV4Bridge" in skipped["depth_dla"]
+    assert all(f"not computed: {name}: " in outputs["attribute"] for name in skipped)
+    # every input split by M into its terms M[c, s] v_s, which rebuild the hooked input: the shares sum to 1
+    inputs = pd.read_parquet(written / "depth_inputs.parquet")
+    coefficients = bridge.mixing_coefficients(batch.tokens).mean(dim=(0, 1)).double()
+    assert sorted(set(inputs["consumer"])) == list(range(bridge.n_sublayers + 1))
+    np.testing.assert_allclose(inputs.groupby("consumer")["share"].sum(), 1.0, rtol=1e-5)
+    members = inputs["members"].astype(int)  # one output per source: "-1" is e, M's column 0
+    expected_alpha = [coefficients[c, s + 1].item() for c, s in zip(inputs["consumer"], members)]
+    np.testing.assert_allclose(inputs["alpha"], expected_alpha, rtol=1e-6)
+    assert "top_edges" not in attribution and not (written / "edge_knockouts.parquet").exists()
+    # the lens of the final norm's input is the model's prediction: its top-1 rate is transformers' accuracy
+    with torch.no_grad():
+        predicted = reference(input_ids=batch.tokens, use_cache=False).logits.argmax(-1)
+    answers = batch.answer_mask & (batch.targets != -100)
+    accuracy = (predicted[answers] == batch.targets[answers]).double().mean().item()
+    assert attribution["lens_final_top1"] == pytest.approx(accuracy)

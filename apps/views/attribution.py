@@ -156,9 +156,10 @@ with lens_tab:
     show_figure(lens_summary_figure(tables["logit_lens_summary"]), key="attribution-lens-summary")
 with edge_tab:
     if "edge_sensitivity" not in tables:
+        dla = " (its depth DLA treats e and every f_j as sources)" if "depth_dla" in tables else ""
         st.info(
             f"Run {plain(run.name)} has a {plain(run.model_config.residual)} residual: no depth attention, so "
-            "no edges to attribute (its depth DLA treats e and every f_j as sources)."
+            f"no edges to attribute{dla}."
         )
     else:
         knockouts = tables["edge_knockouts"]

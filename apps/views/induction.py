@@ -18,6 +18,7 @@ from attnres_lens.analysis.applicability import (
     is_toolkit_model,
 )
 from attnres_lens.analysis.induction import BRIDGE_NAN_REASONS, induction_head_scores, pattern_hooks, task_probe
+from attnres_lens.bridge import SUPPORTED_MODELS as INKLING_MODELS
 from attnres_lens.tasks.base import Task
 
 # column: (menu name, colour-bar title with its scale, zmin, zmax, signed)
@@ -194,10 +195,15 @@ elif handle is not None:
 
 st.divider()
 st.header("KV-shift coefficients over training")
-if run.refers_to_folder:
+if run.refers_to_folder and run.model_config.architecture in INKLING_MODELS:
     st.info(
         f"Run {plain(run.name)} refers to a transformers model folder: it has no training records. Its short K/V "
         "convolutions are split by tap on the Attribution page's KV shift tab."
+    )
+elif run.refers_to_folder:
+    st.info(
+        f"Run {plain(run.name)} refers to a transformers model folder ({plain(run.model_config.architecture)}): it "
+        "has no training records, and neither a KV shift nor short K/V convolutions to decompose."
     )
 elif run.model_config.attention != "kv_shift":
     st.info(f"Run {plain(run.name)} uses standard attention: it has no KV-shift coefficients.")

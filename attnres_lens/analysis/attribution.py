@@ -110,12 +110,25 @@ def _check_single_head_mix(model: DepthMixingModel, what: str) -> None:
             )
 
 
+def _mixed_by_coefficients(model: DepthMixingModel) -> bool:
+    """Whether `model`'s sublayer inputs are sums weighted by M with no depth softmax: the toolkit's DenseFormer and
+    mHC, or a protocol model without consumers that computes M itself (DeepSeek V4's bridge, docs/interop.md §7)."""
+    if isinstance(model, HookedTransformer):
+        return model.cfg.residual in MIXED_RESIDUALS
+    return not model.consumers() and getattr(model, "mixing_coefficients", None) is not None
+
+
 def _require_consumers(model: DepthMixingModel, what: str) -> list[int]:
     """The model's depth-mixing consumers; none is a clear error naming the residual."""
     consumers = model.consumers()
-    if not consumers:
-        residual = model.cfg.residual if isinstance(model, HookedTransformer) else "without depth mixes"
-        raise ValueError(f"{what} needs depth attention; this model's residual is {residual!r}")
+    if not consumers and isinstance(model, HookedTransformer):
+        raise ValueError(f"{what} needs depth attention; this model's residual is {model.cfg.residual!r}")
+    if not consumers:  # DeepSeek V4's bridge: hyper-connections, whose mixing is M (docs/interop.md §7)
+        mixing = " (its mixing is M: mixing_coefficients, the depth_mixing table)"
+        raise ValueError(
+            f"{what} needs depth attention; {type(model).__name__} has no depth softmax"
+            + (mixing if getattr(model, "mixing_coefficients", None) is not None else "")
+        )
     return consumers
 
 
@@ -178,7 +191,7 @@ def depth_terms(model: DepthMixingModel, tokens: torch.Tensor, gradient_of: Call
             for (key, tensor), grad in zip(targets, grads)
         }
     terms = _detached(terms)
-    if isinstance(model, HookedTransformer) and model.cfg.residual in MIXED_RESIDUALS:
+    if _mixed_by_coefficients(model):
         # h_c = Σ_i M[c, i] f_i + M[c, e] e exactly, token by token
         coefficients = mixing_coefficients(model, tokens).to(terms.embedding)
         terms.weights = {
@@ -350,14 +363,15 @@ def depth_input_decomposition(model: DepthMixingModel, tokens: torch.Tensor, per
     for one softmax; 'q', 'k', 'v' where a consumer feeds several inputs), source, source_label, members, alpha,
     term_norm (‖α_s v_s‖), share (`⟨α_s v_s, h⟩ / ‖h‖²` with h the route's mix output, `route_input_hook`; a
     route's shares sum to 1 at every token, since `Σ_s α_s v_s = h`). With `per_token`, the same per (sequence,
-    position). Every sublayer and the final readout for the toolkit's model (a plain sum has α = 1); a protocol
-    model's consumers otherwise (a message gate that follows a mix is not part of it).
+    position). Every sublayer and the final readout for the toolkit's model (a plain sum has α = 1) and for a
+    protocol model mixed by M alone (DeepSeek V4: α is M); a protocol model's consumers otherwise (a message gate
+    that follows a mix is not part of it).
     """
     _check_single_head_mix(model, "depth_input_decomposition")
     terms = depth_terms(model, tokens)
     frames = []
     batch, pos = terms.tokens.shape
-    every = isinstance(model, HookedTransformer)
+    every = isinstance(model, HookedTransformer) or _mixed_by_coefficients(model)
     mixes = set(model.consumers())  # DenseFormer's and mHC's weights come from M: no depth softmax, one route
     for consumer in range(model.n_sublayers + 1) if every else _require_consumers(model, "the input decomposition"):
         routes = model.routes(consumer) if consumer in mixes else [SINGLE_ROUTE]
