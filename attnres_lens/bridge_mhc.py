@@ -5,7 +5,9 @@ DeepSeek V4 keeps `hc_mult` = n residual streams per token (manifold-constrained
 §13): before each sublayer a `DeepseekV4HyperConnection` computes from the streams read weights `pre`, write weights
 `post` and a doubly stochastic stream mix `comb`; the sublayer reads `h = Σ_k pre_k X_k` and the streams become
 `combᵀ X + post ⊗ f`. There is no depth softmax, so the depth-mixing protocol's `consumers()` is empty and the
-mixing is M (docs/analysis.md §5), which `DeepseekV4Bridge.mixing_coefficients` computes from the hooked weights.
+mixing is M (docs/analysis.md §5), which `DeepseekV4Bridge.mixing_coefficients` computes from the hooked weights;
+`frozen_readout` gives the direct logit attribution the final norm and `lm_head`, `hc_head`'s read weights frozen in
+M's row J.
 
 The bridge holds the model and copies no weights. On this instance only it replaces the forward of every decoder
 layer, hyper-connection and the final head (`hc_head`) by the same arithmetic with hook points, so an edit of the

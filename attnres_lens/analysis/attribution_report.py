@@ -95,7 +95,7 @@ def attribution_tables(
             tables[name] = result
 
     def logit_attribution(t: dict[str, pd.DataFrame]) -> None:
-        # a model without `frozen_readout` (DeepSeek V4's bridge) refuses by name and is skipped with that reason
+        # a model without `frozen_readout` refuses by name and is skipped with that reason
         applicable(t, "depth_dla", lambda: depth_logit_attribution(model, prompt))
         applicable(
             t,
