@@ -5,7 +5,9 @@ DeepSeek V4 keeps `hc_mult` = n residual streams per token (manifold-constrained
 §13): before each sublayer a `DeepseekV4HyperConnection` computes from the streams read weights `pre`, write weights
 `post` and a doubly stochastic stream mix `comb`; the sublayer reads `h = Σ_k pre_k X_k` and the streams become
 `combᵀ X + post ⊗ f`. There is no depth softmax, so the depth-mixing protocol's `consumers()` is empty and the
-mixing is M (docs/analysis.md §5), which `DeepseekV4Bridge.mixing_coefficients` computes from the hooked weights.
+mixing is M (docs/analysis.md §5), which `DeepseekV4Bridge.mixing_coefficients` computes from the hooked weights;
+`frozen_readout` gives the direct logit attribution the final norm and `lm_head`, `hc_head`'s read weights frozen in
+M's row J.
 
 The bridge holds the model and copies no weights. On this instance only it replaces the forward of every decoder
 layer, hyper-connection and the final head (`hc_head`) by the same arithmetic with hook points, so an edit of the
@@ -31,6 +33,7 @@ from attnres_lens.attnres import EMBEDDING
 from attnres_lens.bridge import TransformersBridge, _checked_transformers
 from attnres_lens.mhc import sinkhorn
 from attnres_lens.mixing import basis_index
+from attnres_lens.protocol import FrozenReadout
 
 MODEL_TYPE = "deepseek_v4"
 SUPPORTED_MODEL = "DeepseekV4ForCausalLM"
@@ -159,6 +162,25 @@ class DeepseekV4Bridge(TransformersBridge):
     def readout(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and `lm_head`, as transformers applies them after `hc_head`, to `[..., d_model]`."""
         return self.hf_model.lm_head(self.hf_model.model.norm(x))
+
+    def frozen_readout(self, readout_input: torch.Tensor) -> FrozenReadout:
+        """The readout after `hc_head` as a linear map, the final norm's (`DeepseekV4RMSNorm`) scale frozen at
+        `readout_input` (h_J, `ln_final.hook_in`): `lm_head(g ⊙ x / σ)`, σ = sqrt(mean(x²) + ε) in float32 as
+        transformers computes it. DeepSeek V4 has no soft-cap or logit scaling after `lm_head`, so `logits` are the
+        model's own logits, in its dtype.
+
+        `hc_head` collapses the streams into h_J with read weights computed from the streams themselves; the direct
+        logit attribution freezes them at the pass as it freezes σ: they are M's row J (`mixing_coefficients`), so
+        `h_J = M[J, e] e + Σ_i M[J, i] f_i` and each source's term is linear in it (docs/analysis.md §11)."""
+        norm, lm_head = self.hf_model.model.norm, self.hf_model.lm_head
+        scale = (readout_input.float().pow(2).mean(-1, keepdim=True) + norm.variance_epsilon).sqrt()
+        return FrozenReadout(
+            gain=norm.weight,
+            scale=scale,
+            unembedding=lm_head.weight.T,
+            bias=lm_head.bias,
+            logits=self.readout(readout_input),
+        )
 
     # ------------------------------------------------------------------ depth structure (the protocol)
     @property

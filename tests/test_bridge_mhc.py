@@ -1,7 +1,7 @@
 """The DeepSeek V4 (mHC) bridge (docs/interop.md §7) against transformers' own DeepSeek V4 code: a tiny random model
 saved to a folder, its logits, its hyper-connection weights and streams recomputed in float64 from the parameters,
-M checked by rebuilding every sublayer input from the outputs, and removals against the same removal written on the
-transformers modules."""
+M checked by rebuilding every sublayer input from the outputs, removals against the same removal written on the
+transformers modules, and the direct logit attribution against transformers' logits and a float64 recomputation."""
 
 from __future__ import annotations
 
@@ -102,6 +102,13 @@ def _connection_float64(streams: torch.Tensor, fn, base, scale, module) -> tuple
     return pre, post, comb
 
 
+def _head_float64(streams: torch.Tensor, head) -> torch.Tensor:
+    """`hc_head`'s read weights written out in float64 from its parameters."""
+    flat = streams.double().flatten(2)
+    normed = flat / (flat.square().mean(-1, keepdim=True) + head.input_norm.variance_epsilon).sqrt()
+    return torch.sigmoid(normed @ head.hc_fn.double().T * head.hc_scale.double() + head.hc_base.double()) + head.eps
+
+
 def test_hooks_equal_a_float64_recomputation_from_the_parameters(bridge):
     """Every read/write/mix weight, sublayer input and stream state the hooks show, recomputed from the streams the
     layer received and the hyper-connections' parameters."""
@@ -121,10 +128,7 @@ def test_hooks_equal_a_float64_recomputation_from_the_parameters(bridge):
             written = post.unsqueeze(-1) * cache[prefix + output_hook].double().unsqueeze(-2)
             _close(cache[prefix + streams_hook], written + comb.transpose(-1, -2) @ streams, 1e-5)
             streams = cache[prefix + streams_hook].double()
-    head = bridge.hf_model.model.hc_head
-    flat = streams.flatten(2)
-    normed = flat / (flat.square().mean(-1, keepdim=True) + head.input_norm.variance_epsilon).sqrt()
-    read = torch.sigmoid(normed @ head.hc_fn.double().T * head.hc_scale.double() + head.hc_base.double()) + head.eps
+    read = _head_float64(streams, bridge.hf_model.model.hc_head)
     _close(cache["final_hc.hook_read_weights"], read, 1e-5)
     _close(cache["ln_final.hook_in"], (read.unsqueeze(-1) * streams).sum(-2), 1e-5)
     # the weights differ between tokens and streams: the test reads something
@@ -244,10 +248,6 @@ def test_refusals_name_the_bad_input(folder, bridge, tmp_path):
         bridge(torch.tensor([[1, 64]]))
     with pytest.raises(ValueError, match="already wrapped"):
         from_transformers(bridge.hf_model)
-    from attnres_lens.analysis import depth_logit_attribution
-
-    with pytest.raises(ValueError, match="frozen_readout.*DeepseekV4Bridge does not expose them"):
-        depth_logit_attribution(bridge, torch.tensor([[1, 2, 3]]))
     loaded = _reference(folder)
     with pytest.raises(ValueError, match=r"load_kwargs \['dtype'\] apply only when opening a folder"):
         from_transformers(loaded, dtype=torch.float64)
@@ -275,3 +275,78 @@ def test_docs_worked_example_runs_as_printed(tmp_path, capsys):
         assert numbers[row] == pytest.approx(numbers[5 + row], abs=0.011) and len(numbers[row]) > 3
     difference, change = map(float, lines[4].split())
     assert difference <= 1e-5 and change == pytest.approx(float(expected[4].split()[1]), rel=1e-3)
+
+
+def test_depth_logit_attribution_splits_transformers_logits_against_a_float64_recomputation(folder, bridge):
+    """DeepSeek V4's logit is `lm_head(norm(h_J))` (no cap): the terms `M[J, s] (g ⊙ v_s / σ) · W_U[:, t]`, with
+    `hc_head`'s read weights frozen in M's row J as σ is, add up to transformers' own logit; each term equals its
+    float64 recomputation from what transformers' modules received and their parameters."""
+    from attnres_lens.analysis import depth_logit_attribution
+
+    text_model, J, d_model = bridge.hf_model.model, bridge.n_sublayers, CONFIG["hidden_size"]
+    seen: dict[str, torch.Tensor] = {}
+    streams_in: list[torch.Tensor] = []  # what every hyper-connection (and finally hc_head) read, in forward order
+    outputs: list[torch.Tensor] = []  # f_j as transformers' attention and MoE returned them
+
+    def keep_output(_module, _args, out) -> None:
+        outputs.append((out[0] if isinstance(out, tuple) else out).detach())
+
+    def keep_streams(_module, args) -> None:
+        streams_in.append(args[0].detach())
+
+    handles = [text_model.embed_tokens.register_forward_hook(lambda _m, _a, out: seen.update(e=out.detach()))]
+    for layer in text_model.layers:
+        handles += [
+            layer.attn_hc.register_forward_pre_hook(keep_streams),
+            layer.ffn_hc.register_forward_pre_hook(keep_streams),
+        ]
+        handles += [layer.self_attn.register_forward_hook(keep_output), layer.mlp.register_forward_hook(keep_output)]
+    handles.append(text_model.hc_head.register_forward_pre_hook(keep_streams))
+    handles.append(text_model.norm.register_forward_pre_hook(lambda _m, args: seen.update(h=args[0].detach())))
+    table = depth_logit_attribution(bridge, TOKENS)
+    for handle in handles:
+        handle.remove()
+    # the attribution reads one clean pass and M another: both show the same streams; keep the first
+    assert len(streams_in) == 2 * (J + 1) and torch.equal(streams_in[J], streams_in[-1])
+    streams_in, outputs = streams_in[: J + 1], outputs[:J]
+
+    # M's row J in float64: every stream starts as e; sublayer j moves the coefficients as C ← combᵀ C + post ⊗ [f_j]
+    coefficients = torch.zeros(*TOKENS.shape, N_STREAMS, J + 1, dtype=torch.float64)
+    coefficients[..., 0] = 1.0
+    for j in range(J):
+        hc = (text_model.layers[j // 2].attn_hc, text_model.layers[j // 2].ffn_hc)[j % 2]
+        _, post, comb = _connection_float64(streams_in[j], hc.fn, hc.base, hc.scale, hc)
+        coefficients = comb.transpose(-1, -2) @ coefficients
+        coefficients[..., 1 + j] += post
+    alpha = (_head_float64(streams_in[J], text_model.hc_head).unsqueeze(-1) * coefficients).sum(-2)  # [b, p, J+1]
+    values = torch.stack([seen["e"], *outputs], dim=-2).double()  # [b, p, J+1, d]: v_s, the sources themselves
+    x = seen["h"].double()
+    sigma = (x.pow(2).mean(-1, keepdim=True) + text_model.norm.variance_epsilon).sqrt()
+    targets = TOKENS[:, 1:]
+    direction = bridge.hf_model.lm_head.weight.double()[targets] * text_model.norm.weight.double()  # g ⊙ W_U[:, t]
+    terms = values[:, :-1] / sigma[:, :-1, None] * direction[..., None, :]  # [b, p-1, J+1, d]
+    expected = alpha[:, :-1] * terms.sum(-1)
+    table = table.sort_values(["sequence", "position", "source"])
+    got = torch.tensor(table["contribution"].to_numpy()).reshape(expected.shape)
+    _close(got, expected, 1e-5)
+    _close(torch.tensor(table["alpha"].to_numpy()).reshape(expected.shape), alpha[:, :-1], 1e-5)
+    assert (table["bias"] == 0).all()  # lm_head has no bias
+    carrying = (expected.abs() > 1e-3).sum(-1).double()
+    assert carrying.mean() > 3  # several sources carry a logit: the split says something
+
+    # the sum against transformers' logit from an untouched instance (which the `logit` column equals bit for bit).
+    # Both are computed in float32 from the same e, f_j and hyper-connection weights (M from the hooked ones) and σ
+    # from the same h_J, so in exact arithmetic they are equal. Every mixing weight is non-negative (pre, post, comb,
+    # hence M), so each side's rounding is at most γ_k · A (γ_k = k u / (1 − k u), u = 2⁻²⁴), with
+    # A = Σ_s Σ_d |M[J, s] v_s g W_U[:, t] / σ| and k the float32 operations on a term's path: J stream updates of
+    # n + 2 (the n-term stream mix, the write, the add), the n-term head collapse, the norm's scale and two products,
+    # and lm_head's d-term dot product (M's own recursion has fewer; the float64 sum of the terms adds nothing).
+    reference = _reference(folder)(input_ids=TOKENS, use_cache=False).logits.double()
+    logit = reference[:, :-1].gather(-1, targets[..., None]).squeeze(-1)
+    per_position = table.groupby(["sequence", "position"], sort=True)
+    total = torch.tensor((per_position["contribution"].sum() + per_position["bias"].first()).to_numpy())
+    k = J * (N_STREAMS + 2) + N_STREAMS + 3 + d_model
+    gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
+    bound = 2 * gamma * (alpha[:, :-1, :, None] * terms).abs().sum(dim=(-1, -2))
+    assert ((total - logit.reshape(-1)).abs() <= bound.reshape(-1)).all(), (total - logit.reshape(-1)).abs().max()
+    assert torch.equal(torch.tensor(per_position["logit"].first().to_numpy()), logit.reshape(-1))

@@ -803,8 +803,8 @@ def test_every_page_opens_a_run_referring_to_a_transformers_folder(hf_runs):
 
 def test_every_page_opens_a_deepseek_v4_run(deepseek_v4_run):  # a few seconds: in the fast lane
     """A run made by import-hf from a DeepSeek V4 folder (mHC): every page renders it, the Depth-mixing page draws
-    its M as the bridge computes it, and the pages and tabs that need depth attention, induction heads or K/V taps
-    say why they show nothing."""
+    its M as the bridge computes it, the Attribution page its depth DLA, and the pages and tabs that need depth
+    attention, induction heads or K/V taps say why they show nothing."""
     import torch
 
     from attnres_lens.analysis.applicability import INDUCTION_TOOLKIT_ONLY
@@ -845,8 +845,9 @@ def test_every_page_opens_a_deepseek_v4_run(deepseek_v4_run):  # a few seconds: 
     assert_clean(app)
     titles = [spec["layout"]["title"]["text"] for spec in chart_specs(app)]
     assert any(title.startswith("Logit lens over depth") for title in titles)
+    assert any(title.startswith("Direct logit attribution") for title in titles)  # the bridge's frozen_readout
     messages = " ".join(message.value for message in app.info)
-    for table in ("depth_dla", "kv_shift"):
-        assert f"({table})" in messages, table
-    assert "(depth_inputs)" not in messages  # split by M, as on the toolkit's mHC runs
-    assert "no edges to attribute." in messages  # and no claim of a depth DLA the run did not compute
+    assert "(kv_shift)" in messages
+    for table in ("depth_dla", "depth_inputs"):  # computed: split by M, as on the toolkit's mHC runs
+        assert f"({table})" not in messages, table
+    assert "no edges to attribute (its depth DLA treats e and every f_j as sources)." in messages

@@ -342,9 +342,22 @@ def test_analyze_prune_attribute_on_a_deepseek_v4_run(deepseek_v4_folder, deepse
 
     attribution = json.loads((written / "attribution_summary.json").read_text())
     skipped = {row["table"]: row["reason"] for row in attribution["skipped"]}
-    assert set(skipped) == {"kv_shift", "depth_dla", "depth_dla_summary"}
-    assert "frozen_readout" in skipped["depth_dla"] and "DeepseekV4Bridge" in skipped["depth_dla"]
+    assert set(skipped) == {"kv_shift"}
     assert all(f"not computed: {name}: " in outputs["attribute"] for name in skipped)
+    # depth DLA on the prompt: its logit column is transformers' logit of each next token, which the terms add up to
+    prompt = torch.tensor([[int(token) for token in attribution["prompt"].split()]])
+    with torch.no_grad():
+        prompt_logits = reference(input_ids=prompt, use_cache=False).logits[0].double()
+    dla = pd.read_parquet(written / "depth_dla.parquet")
+    per_position = dla.groupby("position").agg(
+        total=("contribution", "sum"), bias=("bias", "first"), logit=("logit", "first"), target=("target", "first")
+    )
+    assert per_position["target"].tolist() == prompt[0, per_position.index + 1].tolist()  # the next token
+    expected_logit = prompt_logits[per_position.index, per_position["target"]].numpy()
+    np.testing.assert_allclose(per_position["logit"], expected_logit, rtol=1e-6)
+    np.testing.assert_allclose(per_position["total"] + per_position["bias"], expected_logit, rtol=0, atol=1e-6)
+    summary = pd.read_parquet(written / "depth_dla_summary.parquet")  # one row per source of the final readout
+    assert summary["source_label"].tolist() == bridge.source_labels(bridge.n_sublayers)
     # every input split by M into its terms M[c, s] v_s, which rebuild the hooked input: the shares sum to 1
     inputs = pd.read_parquet(written / "depth_inputs.parquet")
     coefficients = bridge.mixing_coefficients(batch.tokens).mean(dim=(0, 1)).double()

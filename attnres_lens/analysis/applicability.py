@@ -5,8 +5,8 @@ depth-mixing model (the transformers bridge) a table the model cannot support is
 summary's `skipped` with the reason, never a traceback: the toolkit-only analyses by a fixed reason, the others by
 their own refusal. The induction-head scores and the K/V (shift or convolution) tap table run on the toolkit's
 model and on a bridged Inkling-2 / Inkling-2-Mini (`bridged_inkling`), and are skipped on any other. The direct
-logit attribution runs on any model with the protocol's optional `frozen_readout` (the toolkit's, a bridged Inkling)
-and is skipped with its own refusal on others (DeepSeek V4).
+logit attribution runs on any model with the protocol's optional `frozen_readout` (the toolkit's, the Inkling and
+DeepSeek V4 bridges) and is skipped with its own refusal on others.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ scale; the final readout's input at `readout_input_hook`. All reads are the dept
 * `depth_logit_attribution` — direct logit attribution through depth. With the final norm's scale σ frozen at
   its clean value (as TransformerLens does), `logit_t = Σ_s α_s (g ⊙ v_s / σ) · W_U[:, t] + b_U[t]` exactly, one
   term per source of the final readout (standard: `e` and each `f_j`, TL's per-component form; Inkling: v_s the
-  normalised sources, `depth_values`), or the same for a logit difference `t − t'`. On Inkling the logit is the
-  pre-soft-cap one.
+  normalised sources, `depth_values`; mHC and DeepSeek V4: α is M's row J), or the same for a logit difference
+  `t − t'`. On Inkling the logit is the pre-soft-cap one.
 * `depth_input_decomposition` — the same split of every sublayer input: `α_s v_s` per source, its norm and its
   projection share `⟨α_s v_s, h_c⟩ / ‖h_c‖²` (the shares of a consumer sum to 1).
 * `source_logit_lens` — every source and every sublayer input decoded through the final norm (recomputed on the
@@ -259,9 +259,10 @@ def depth_logit_attribution(
     contribution `α_s (g ⊙ v_s / σ) · W_U[:, t]` and v_s the vector the final mix sums (`depth_values`: the source
     itself, or Inkling's RMS-normalised source).
 
-    Needs the model's optional `frozen_readout` (docs/architecture.md §7): the toolkit's `HookedTransformer` and
-    the bridged Inkling-2 / Inkling-2-Mini have it. On Inkling the logit soft-cap follows the unembedding and is
-    not linear: `logit` is the pre-cap logit (what `lm_head` returns), attributed exactly.
+    Needs the model's optional `frozen_readout` (docs/architecture.md §7): the toolkit's `HookedTransformer`, the
+    bridged Inkling-2 / Inkling-2-Mini and DeepSeek V4 have it. On Inkling the logit soft-cap follows the
+    unembedding and is not linear: `logit` is the pre-cap logit (what `lm_head` returns), attributed exactly. On
+    DeepSeek V4 α is M's row J, the `hc_head` read weights frozen at the clean pass as σ is (docs/interop.md §7).
     """
     check_frozen_readout(model)
     _check_single_head_mix(model, "depth_logit_attribution")

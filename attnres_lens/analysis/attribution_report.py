@@ -95,7 +95,7 @@ def attribution_tables(
             tables[name] = result
 
     def logit_attribution(t: dict[str, pd.DataFrame]) -> None:
-        # a model without `frozen_readout` (DeepSeek V4's bridge) refuses by name and is skipped with that reason
+        # a model without `frozen_readout` refuses by name and is skipped with that reason
         applicable(t, "depth_dla", lambda: depth_logit_attribution(model, prompt))
         applicable(
             t,
@@ -693,7 +693,9 @@ def attribution_report_html(
                 "Direct logit attribution through depth",
                 "Exact: with the final norm's scale frozen at its clean value, the per-source terms of a position sum "
                 "to its logit minus the unembedding bias (on Inkling models the logit before the soft-cap, which "
-                "is not linear). The table averages the correct-token logit over held-out answer positions.",
+                "is not linear; on mHC models, DeepSeek V4's included, the weights M that mix the streams into the "
+                "final norm's input are frozen at the clean pass too). The table averages the correct-token logit "
+                "over held-out answer positions.",
                 [
                     dla_heatmap(tables["depth_dla"], codec=codec),
                     dla_summary_bars(tables["depth_dla_summary"]),
