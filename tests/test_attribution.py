@@ -704,3 +704,20 @@ def test_every_analysis_of_a_batch_checks_it_as_depth_logit_attribution_does(ana
     if analysis != "causal_routing":  # the two that take raw tokens check them alike
         with pytest.raises(ValueError, match="one-token sequences"):
             run(model, batch.tokens[:, :1])
+
+
+def test_attribute_says_why_edges_and_the_kv_shift_table_are_not_computed(tmp_path, capsys):
+    """A standard-residual, standard-attention model: no depth softmax (no edges) and no KV shift, each listed with
+    its reason in the summary, the report and the printed lines, not silently left out."""
+    run = tmp_path / "standard"
+    overrides = ["model.residual=standard", "model.attention=standard", "train.steps=2", "train.eval_every=2"]
+    train(apply_overrides(get_preset("smoke"), overrides), run, progress=False)
+    code, out, err = run_cli(["attribute", str(run), "--samples", "2", "--no-progress"], capsys)
+    assert code == 0, err
+    summary = json.loads((run / "analysis" / "attribution_summary.json").read_text())
+    skipped = {row["table"]: row["reason"] for row in summary["skipped"]}
+    assert set(skipped) == {"edge_knockouts", "edge_sensitivity", "routing_audit", "kv_shift"}
+    assert "residual ('standard') has none" in skipped["edge_knockouts"] and "no KV shift" in skipped["kv_shift"]
+    assert all(f"not computed: {name}: " in out for name in skipped)
+    report = (run / "analysis" / "attribution_report.html").read_text()
+    assert all(name in report for name in skipped)

@@ -342,7 +342,8 @@ def test_analyze_prune_attribute_on_a_deepseek_v4_run(deepseek_v4_folder, deepse
 
     attribution = json.loads((written / "attribution_summary.json").read_text())
     skipped = {row["table"]: row["reason"] for row in attribution["skipped"]}
-    assert set(skipped) == {"kv_shift"}
+    assert set(skipped) == {"kv_shift", "edge_knockouts", "edge_sensitivity", "routing_audit"}
+    assert "DeepseekV4Bridge has none" in skipped["edge_knockouts"]  # no depth softmax: no edges, and why
     assert all(f"not computed: {name}: " in outputs["attribute"] for name in skipped)
     # depth DLA on the prompt: its logit column is transformers' logit of each next token, which the terms add up to
     prompt = torch.tensor([[int(token) for token in attribution["prompt"].split()]])

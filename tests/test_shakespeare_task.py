@@ -159,9 +159,11 @@ def test_the_preset_trains_end_to_end_into_a_run_that_loads(tmp_path):
     # a typed prompt is text on real text: BOS, then each byte b as b + 1
     out = tmp_path / "attribution"
     assert main(["attribute", str(tmp_path / "run"), "--samples", "2", "--prompt", "To be", "--out", str(out)]) == 0
-    prompt = json.loads((out / "attribution_summary.json").read_text())["prompt"]
-    assert prompt == " ".join(map(str, [0, *(byte + 1 for byte in b"To be")]))
+    summary = json.loads((out / "attribution_summary.json").read_text())
+    assert summary["prompt"] == " ".join(map(str, [0, *(byte + 1 for byte in b"To be")]))
+    assert summary["prompt_text"] == "To be"
     report = (out / "attribution_report.html").read_text()
+    assert "(the text &#x27;To be&#x27;)" in report
     for label in ("0: BOS→T", "2: o→␣", "4: b→e"):  # the DLA's positions name the bytes (plotly's JSON escapes)
         assert json.dumps(label) in report, label
 

@@ -198,10 +198,8 @@ with audit_tab:
         show_figure(audit_figure(tables["routing_audit_consumers"]), key="attribution-audit")
         st.dataframe(tables["routing_audit_consumers"], hide_index=True)
 with kv_tab:
-    if "kv_shift" in skipped:
+    if "kv_shift" in skipped:  # with the reason: no K/V taps, or standard attention (nothing to decompose)
         not_computed("kv_shift")
-    elif run.model_config.attention == "standard":  # its table would only say α1 = β1 = 1, α2 = β2 = 0 per head
-        st.info(f"Run {plain(run.name)} uses standard attention: it has no KV shift to decompose.")
     else:  # KV shift, or a bridged Inkling model's short K/V convolutions (columns per tap, docs/analysis.md §11)
         show_figure(kv_shift_bars(tables["kv_shift"]), key="attribution-kv")
         st.dataframe(tables["kv_shift"], hide_index=True)

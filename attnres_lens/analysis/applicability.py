@@ -31,6 +31,22 @@ CORRUPTED_TOOLKIT_ONLY = (
 )
 
 
+EDGE_TABLES = ("edge_knockouts", "edge_sensitivity", "routing_audit")  # what depth attention's softmax allows
+NO_KV_SHIFT = (
+    "the model uses standard attention: it has no KV shift to decompose (the table would only say α1 = β1 = 1, "
+    "α2 = β2 = 0 for every head)"
+)
+
+
+def no_depth_attention(model: Any) -> str:
+    """Why the edge tables (`EDGE_TABLES`) are not computed on a model without a depth softmax."""
+    which = f"this model's residual ({model.cfg.residual!r})" if is_toolkit_model(model) else type(model).__name__
+    return (
+        f"edges are sources taken out of a depth softmax, and {which} has none (its depth mixing is M: analyze's "
+        "depth_mixing table; the depth DLA splits the readout by source)"
+    )
+
+
 def is_toolkit_model(model: Any) -> bool:
     return isinstance(model, HookedTransformer)
 

@@ -20,9 +20,12 @@ from tqdm.auto import tqdm
 
 from attnres_lens.analysis.applicability import (
     CORRUPTED_TOOLKIT_ONLY,
+    EDGE_TABLES,
     KV_SHIFT_TOOLKIT_ONLY,
+    NO_KV_SHIFT,
     bridged_inkling,
     is_toolkit_model,
+    no_depth_attention,
     where_applicable,
 )
 from attnres_lens.analysis.attribution import (
@@ -120,6 +123,8 @@ def attribution_tables(
     patchable = toolkit and all(getattr(module, "fusable", True) for module in model.depth_attention_modules().values())
     if attnres and not toolkit:
         skipped["edge_sensitivity_corrupted"] = CORRUPTED_TOOLKIT_ONLY
+    if not attnres:
+        skipped.update(dict.fromkeys(EDGE_TABLES, no_depth_attention(model)))
     if attnres:
         # the screen needs 2 sequences for its bootstrap: a quarter of the batch, or 2 of a batch under 8
         screen = max(SCREEN_FRACTION, min(1.0, 2 / batch.tokens.shape[0]))
@@ -159,7 +164,9 @@ def attribution_tables(
             ),
         ]
     inkling = bridged_inkling(model)
-    if toolkit or inkling is not None:
+    if toolkit and model.cfg.attention == "standard":
+        skipped["kv_shift"] = NO_KV_SHIFT
+    elif toolkit or inkling is not None:
         if probe is None:
             probe = repeated_batch(
                 batch.tokens.shape[0], default_half_len(model), model.cfg.d_vocab if toolkit else model.d_vocab
@@ -808,7 +815,9 @@ def attribution_report_html(
         f"<h1>{html.escape(title)}</h1>",
         f"<p>Model {html.escape(str(summary.get('variant')))}, checkpoint "
         f"{html.escape(str(summary.get('checkpoint')))}, {summary.get('samples')} held-out sequences. Prompt "
-        f"for the per-position views: <code>{html.escape(str(summary.get('prompt', '')))}</code>.</p>",
+        f"for the per-position views: <code>{html.escape(str(summary.get('prompt', '')))}</code>"
+        + (f" (the text {html.escape(repr(summary['prompt_text']))})" if "prompt_text" in summary else "")
+        + ".</p>",
         *skipped_html(summary),
     ]
     first = True

@@ -422,6 +422,8 @@ def attribute_run(
         model, batch, prompt_tokens, run.records, run.metrics, probe, n_boot, progress, skipped=skipped
     )
     header = {**_run_header(run, samples), "prompt": " ".join(map(str, prompt_tokens[0].tolist()))}
+    if codec is not None and isinstance(prompt, str):  # typed text: kept beside the ids it encoded to
+        header["prompt_text"] = prompt
     summary = attribution_summary(tables, header)
     if skipped:
         summary["skipped"] = [{"table": name, "reason": reason} for name, reason in skipped.items()]
