@@ -7,6 +7,9 @@ dashboard's pages, so the same run gives the same numbers everywhere. This modul
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 # Held-out sequences each analysis evaluates by default.
 ANALYZE_SAMPLES = 16
 PRUNE_SAMPLES = 16
@@ -27,6 +30,12 @@ def check_samples(samples: int, minimum: int) -> None:
 def check_metric(metric: str) -> None:
     if metric not in PRUNE_METRICS:
         raise ValueError(f"metric must be one of {list(PRUNE_METRICS)}, got {metric!r}")
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """ " (did you mean 'n_layers'?)" for the choices closest to a mistyped `name`, else ''."""
+    close = difflib.get_close_matches(name, list(choices), n=2, cutoff=0.75)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 
 def plural(count: int, noun: str, plural_form: str = "") -> str:

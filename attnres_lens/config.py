@@ -28,6 +28,7 @@ import torch
 from transformer_lens.config import TransformerLensConfig
 
 import attnres_lens
+from attnres_lens.analysis_options import did_you_mean
 from attnres_lens.kernels.backends import BACKENDS
 
 if TYPE_CHECKING:
@@ -711,7 +712,8 @@ def apply_overrides(config: RunConfig, assignments: list[str]) -> RunConfig:
         # Task parameters are checked by the task itself (a preset lists only the ones it changes).
         if section != "task" and field not in sections[section]:
             raise ValueError(
-                f"unknown {section} field {field!r}{_renamed_hint([field])}; known: {sorted(sections[section])}"
+                f"unknown {section} field {field!r}{_renamed_hint([field]) or did_you_mean(field, sections[section])}; "
+                f"known: {sorted(sections[section])}"
             )
         try:
             value = json.loads(raw)

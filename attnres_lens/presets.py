@@ -228,11 +228,14 @@ RENAMED_PRESETS = {"depth-hyper": "depth-mhc"}
 
 
 def check_preset(name: str) -> None:
+    from attnres_lens.analysis_options import did_you_mean
+
     if name in RENAMED_PRESETS:
         raise ValueError(f"preset {name!r} was renamed {RENAMED_PRESETS[name]!r}; use --preset {RENAMED_PRESETS[name]}")
     if name not in PRESETS:
         raise ValueError(
-            f"unknown preset {name!r}; choose one of {sorted(PRESETS)} (list them with `attnres-lens presets`)"
+            f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; choose one of {sorted(PRESETS)} (list them with "
+            "`attnres-lens presets`)"
         )
 
 

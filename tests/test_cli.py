@@ -77,7 +77,7 @@ BAD_COMMANDS = [
     (["prune", "{run}", "--metric", "perplexity"], "metric must be one of ['loss', 'accuracy']"),
     (["prune", "{run}", "--samples", "1"], "samples must be an integer >= 2"),
     (["attribute", "{run}", "--samples", "0"], "samples must be an integer >= 2"),
-    (["train", "--preset", "smok", "--out", "{missing}"], "unknown preset 'smok'"),
+    (["train", "--preset", "smok", "--out", "{missing}"], "unknown preset 'smok' (did you mean 'smoke'?)"),
     (["train", "--resume", "{missing}"], "does not exist"),
     (["export-fla", "{missing}", "--out", "{missing}-fla"], "does not exist"),
 ]

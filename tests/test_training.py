@@ -228,7 +228,7 @@ def test_cli_presets_and_bad_input(capsys, tmp_path):
         (["--preset", "nope", "--out", str(tmp_path / "a")], "unknown preset 'nope'"),
         (
             ["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "model.n_layerz=2"],
-            "unknown model field 'n_layerz'",
+            "unknown model field 'n_layerz' (did you mean 'n_layers'?)",
         ),
         (
             ["--preset", "smoke", "--out", str(tmp_path / "a"), "--set", "model.residual=sideways"],
