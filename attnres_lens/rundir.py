@@ -491,7 +491,13 @@ class RunDir:
                 f"{self.CONFIG} (one `attnres-lens train --out DIR` wrote)"
             )
         if not self.config_path.is_file():
-            raise RunDirError(f"{self.path} is not a run directory: {self.CONFIG} is missing")
+            runs = sorted(child.name for child in self.path.iterdir() if (child / self.CONFIG).is_file())
+            inside = (
+                f"; it holds run directories ({', '.join(runs[:5])}{', …' if len(runs) > 5 else ''}): give one"
+                if runs
+                else ""
+            )
+            raise RunDirError(f"{self.path} is not a run directory: {self.CONFIG} is missing{inside}")
         config = read_json_file(self.config_path)
         for section in ("model", "task", "train"):
             if not isinstance(config, dict) or not isinstance(config.get(section), dict):

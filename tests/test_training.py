@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -176,8 +177,11 @@ def test_corrupt_and_missing_run_directories_give_clear_errors(smoke_run, tmp_pa
     with pytest.raises(RunDirError, match="does not exist"):
         load_run(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(RunDirError, match="config.json is missing"):
+    with pytest.raises(RunDirError, match="config.json is missing$"):
         load_run(tmp_path / "empty")
+    shutil.copytree(smoke_run, tmp_path / "runs" / "smoke")  # a folder of runs, given for a run: name them
+    with pytest.raises(RunDirError, match=r"config.json is missing; it holds run directories \(smoke\): give one"):
+        load_run(tmp_path / "runs")
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text("{not json")
@@ -186,8 +190,6 @@ def test_corrupt_and_missing_run_directories_give_clear_errors(smoke_run, tmp_pa
     (bad / "config.json").write_text(json.dumps({"model": {"residual": "sideways"}, "task": {}, "train": {}}))
     with pytest.raises(RunDirError, match="invalid model section: residual must be one of"):
         load_run(bad)
-
-    import shutil
 
     copy = tmp_path / "copy"
     shutil.copytree(smoke_run, copy)
