@@ -491,7 +491,10 @@ class RunDir:
                 f"{self.CONFIG} (one `attnres-lens train --out DIR` wrote)"
             )
         if not self.config_path.is_file():
-            runs = sorted(child.name for child in self.path.iterdir() if (child / self.CONFIG).is_file())
+            try:  # a folder of runs given for one run: name them (an unreadable entry is simply not named)
+                runs = sorted(child.name for child in self.path.iterdir() if (child / self.CONFIG).is_file())
+            except OSError:
+                runs = []
             inside = (
                 f"; it holds run directories ({', '.join(runs[:5])}{', …' if len(runs) > 5 else ''}): give one"
                 if runs
