@@ -782,14 +782,13 @@ def test_every_page_opens_a_run_referring_to_a_transformers_folder(hf_runs):
         assert any("@" in row for row in heatmap["data"][0]["y"]) == (kind == "loop")  # the Mini's visits apart
         app.selectbox(key="induction-metric").set_value("copying_score").run()
         assert any("copying_score" in message.value for message in app.info), kind  # NaN on the bridge, and why
-        app.switch_page("views/pruning.py").run()
-        app.selectbox(key="pruning-run").set_value(run).run()
-        app.number_input(key="pruning-samples").set_value(8).run()
-        app.button(key="pruning-compute").click().run()
-        assert_clean(app)
-        report = app.get("iframe")[0].proto.srcdoc
-        assert "<h2>Sublayers removable within" in report
-        assert ("Looped layers: every visit removed together" in report) == (kind == "loop")
+        if kind == "plain":  # the page only shows prune_tables' report: the Mini's visits are checked on the CLI's
+            app.switch_page("views/pruning.py").run()
+            app.selectbox(key="pruning-run").set_value(run).run()
+            app.number_input(key="pruning-samples").set_value(8).run()
+            app.button(key="pruning-compute").click().run()
+            assert_clean(app)
+            assert "<h2>Sublayers removable within" in app.get("iframe")[0].proto.srcdoc
         app.switch_page("views/attribution.py").run()
         app.selectbox(key="attribution-run").set_value(run).run()
         app.number_input(key="attribution-samples").set_value(4).run()

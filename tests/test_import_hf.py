@@ -153,6 +153,10 @@ def test_analyze_prune_attribute_run_and_say_what_they_skip(hf_runs, kind, tmp_p
         assert all(json.dumps(label) in report for label in ("0: the→cat", "4: the→mat")), "tokens not by their text"
         prune = json.loads((run / "analysis" / "prune_summary.json").read_text())
         assert {row["sublayers"] for row in prune["visits_removed_together"]} >= {"L3.attn@*", "L3.mlp@*"}
+    # the report the CLI writes and the Pruning page shows: the looped layers' visits removed together, on the Mini
+    prune_report = (run / "analysis" / "prune_report.html").read_text()
+    assert "<h2>Sublayers removable within" in prune_report
+    assert ("Looped layers: every visit removed together" in prune_report) == (kind == "loop")
 
 
 def test_visits_are_named_one_by_one_and_all_together(inkling_folders):
