@@ -32,7 +32,7 @@ from attnres_lens.attnres import EMBEDDING
 from attnres_lens.hook_checks import any_hooked, is_hooked
 from attnres_lens.kernels import depth_attention
 from attnres_lens.kernels.reference import depth_logits, mix_sources
-from attnres_lens.protocol import SINGLE_ROUTE, FrozenReadout, check_depth_point
+from attnres_lens.protocol import SINGLE_ROUTE, FrozenReadout, check_depth_point, token_id_batch
 
 TRANSFORMERS_VERSION = "5.25.0"  # the version whose Inkling model code the bridge mirrors (pyproject.toml pins it)
 SUPPORTED_MODELS = ("Inkling2ForCausalLM", "Inkling2LoopForCausalLM")
@@ -312,22 +312,7 @@ class TransformersBridge(HookedRootModule):
         """`[batch, pos]` int64 ids on the model's device from a tensor, a (nested) list of ids or a string of
         space-separated ids, checked against d_vocab (the unembedding's rows; the embedding's padding rows are never
         a valid input)."""
-        if isinstance(tokens, str):
-            try:
-                tokens = [int(piece) for piece in tokens.split()]
-            except ValueError as err:
-                raise ValueError(
-                    f"a string of tokens must hold space-separated integer ids, got {tokens[:60]!r}: tokenize text "
-                    "with the model's tokenizer first"
-                ) from err
-        if not isinstance(tokens, torch.Tensor):
-            tokens = torch.tensor(tokens)
-        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
-            raise ValueError(f"tokens must be integer ids, got a tensor of dtype {tokens.dtype}")
-        if tokens.ndim == 1:
-            tokens = tokens[None]
-        if tokens.ndim != 2 or 0 in tokens.shape:
-            raise ValueError(f"tokens must have shape [batch, pos] with batch, pos >= 1, got {tuple(tokens.shape)}")
+        tokens = token_id_batch(tokens, ": tokenize text with the model's tokenizer first")
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= self.d_vocab:
             raise ValueError(

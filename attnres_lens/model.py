@@ -24,7 +24,7 @@ from attnres_lens.denseformer import DenseStream, DepthWeightedAverage
 from attnres_lens.hook_checks import module_hooked
 from attnres_lens.kernels import model_runs_two_phase
 from attnres_lens.mhc import MHCConnection, MHCHead, MHCStream
-from attnres_lens.protocol import SINGLE_ROUTE, FrozenReadout, check_depth_point
+from attnres_lens.protocol import SINGLE_ROUTE, FrozenReadout, check_depth_point, token_id_batch
 from attnres_lens.resources import check_model_fits
 from attnres_lens.streams import ResidualStream, SumStream
 
@@ -318,23 +318,7 @@ class HookedTransformer(HookedRootModule):
                     f"strings of tokens must all have the same length to form a batch, got {[len(r) for r in rows]}"
                 )
             tokens = rows
-        if isinstance(tokens, str):
-            try:
-                tokens = [int(piece) for piece in tokens.split()]
-            except ValueError as err:
-                raise ValueError(
-                    f"a string of tokens must hold space-separated integer ids, got {tokens[:60]!r}"
-                ) from err
-        if not isinstance(tokens, torch.Tensor):
-            tokens = torch.tensor(tokens)
-        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
-            raise ValueError(f"tokens must be integer ids, got a tensor of dtype {tokens.dtype}")
-        if tokens.ndim == 1:
-            tokens = tokens[None]
-        if tokens.ndim != 2 or tokens.shape[-1] == 0 or tokens.shape[0] == 0:
-            raise ValueError(
-                f"tokens must have shape [batch, pos] with batch >= 1 and pos >= 1, got {tuple(tokens.shape)}"
-            )
+        tokens = token_id_batch(tokens)
         if tokens.shape[-1] > self.cfg.n_ctx:
             raise ValueError(
                 f"sequence length {tokens.shape[-1]} exceeds n_ctx={self.cfg.n_ctx}; truncate the input or "

@@ -199,6 +199,28 @@ def check_depth_point(point: str) -> None:
         raise ValueError(f"depth hook point must be one of {list(DEPTH_POINTS)}, got {point!r}")
 
 
+def token_id_batch(tokens: Any, string_hint: str = "") -> torch.Tensor:
+    """`[batch, pos]` integer ids, not yet range-checked, from a tensor, a (nested) list of ids or a string of
+    space-separated ids: the parsing and shape checks every protocol model's `to_tokens` shares (`string_hint` ends
+    the error for a string that is not ids)."""
+    if isinstance(tokens, str):
+        try:
+            tokens = [int(piece) for piece in tokens.split()]
+        except ValueError as err:
+            raise ValueError(
+                f"a string of tokens must hold space-separated integer ids, got {tokens[:60]!r}{string_hint}"
+            ) from err
+    if not isinstance(tokens, torch.Tensor):
+        tokens = torch.tensor(tokens)
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
+        raise ValueError(f"tokens must be integer ids, got a tensor of dtype {tokens.dtype}")
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2 or 0 in tokens.shape:
+        raise ValueError(f"tokens must have shape [batch, pos] with batch >= 1 and pos >= 1, got {tuple(tokens.shape)}")
+    return tokens
+
+
 def model_device(model: DepthMixingModel) -> torch.device:
     """The device the model computes on: where `to_tokens` puts tokens (the protocol names no other member)."""
     return model.to_tokens(torch.zeros(1, 1, dtype=torch.long)).device
