@@ -8,6 +8,10 @@ round times one forward of each (no gradient, then with a backward pass), interl
 over rounds of bridged / transformers in the same round (`common.within_rounds`). A third variant hooks every
 consumer's depth weights (the readable path a hook sees), to show what watching the routing costs.
 
+A second measure times what every exact analysis on a bridged model runs: `evaluate_many` over the removal of each
+sublayer alone, its interventions stacked along the batch (the default) over one forward pass each
+(`max_sequences` = the batch), interleaved in rounds; the largest difference between the two losses rides along.
+
     python -m analyses.benchmarks bench_bridge
 """
 
@@ -110,6 +114,49 @@ def measure(shape: dict, rounds: int) -> list[dict]:
     return rows
 
 
+def measure_stacking(shape: dict, rounds: int) -> list[dict]:
+    from attnres_lens import from_transformers
+    from attnres_lens.analysis import evaluate_many, removal_hooks
+    from attnres_lens.tasks.base import Batch, next_token_targets
+
+    bridge = from_transformers(inkling_model(shape))
+    tokens = torch.randint(0, 500, (shape["batch"], shape["seq"]), generator=torch.Generator().manual_seed(0))
+    targets = next_token_targets(tokens)
+    batch = Batch(tokens, targets, targets != -100)
+    removals = [removal_hooks(bridge, [j]) for j in range(bridge.n_sublayers)]
+    runs = {"one pass each": dict(max_sequences=len(tokens)), "stacked": {}}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    losses: dict[str, list[float]] = {}
+    for round_index in range(rounds + 1):  # one warm-up round
+        for name, options in runs.items():
+            start = time.perf_counter()
+            losses[name] = [result.loss for result in evaluate_many(bridge, batch, removals, **options)]
+            if round_index:
+                times[name].append(time.perf_counter() - start)
+    shape_label = (
+        f"Inkling-2, {shape['layers']} layers, hidden {shape['hidden_size']}, {shape['experts']} experts, "
+        f"batch {shape['batch']} × {shape['seq']}, {len(removals)} removals"
+    )
+    common = dict(shape=shape_label, threads=torch.get_num_threads())
+    largest = max(abs(a - b) for a, b in zip(losses["stacked"], losses["one pass each"], strict=True))
+    return [
+        dict(
+            metric="evaluate_many time", variant="one pass each", value=min(times["one pass each"]), unit="s", **common
+        ),
+        dict(
+            metric="evaluate_many / one pass each",
+            variant="stacked",
+            value=within_rounds(times["stacked"], times["one pass each"]),
+            unit="× one pass each",
+            target=1.0,
+            **common,
+        ),
+        dict(metric="max |Δloss| stacked vs one pass each", variant="stacked", value=largest, unit="nats", **common),
+    ]
+
+
 def run(repeats: int | None = None, tiny: bool = False) -> list[dict]:
-    """The bridged forward over transformers' own, unhooked and with every depth weight hooked."""
-    return measure(TINY if tiny else SMALL, repeats or (2 if tiny else 15))
+    """The bridged forward over transformers' own, unhooked and with every depth weight hooked; interventions
+    stacked along the batch over one forward pass each."""
+    shape, rounds = (TINY, repeats or 2) if tiny else (SMALL, repeats or 15)
+    return measure(shape, rounds) + measure_stacking(shape, max(2, rounds // 3))

@@ -7,12 +7,15 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import math
 import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
+
+from .helpers import reordering_bound
 
 ANALYSES = Path(__file__).resolve().parent.parent / "analyses"
 
@@ -168,11 +171,25 @@ def test_edge_knockout_rows_score_each_measure_against_the_exact_knockouts(tmp_p
 @pytest.mark.slow
 def test_bridge_rows_compare_the_bridged_forward_with_transformers(tmp_path):
     rows = run_tiny("bench_bridge", tmp_path / "results.jsonl")
-    assert sorted({row["shape"].rsplit(", ", 1)[1] for row in rows}) == ["forward + backward", "no grad"]
-    for row in rows:
+    forward = [row for row in rows if "removals" not in row["shape"]]
+    assert sorted({row["shape"].rsplit(", ", 1)[1] for row in forward}) == ["forward + backward", "no grad"]
+    for row in forward:
         assert row["value"] > 0
         if row["variant"] == "bridge":
             assert row["unit"] == "× transformers" and row["target"] == 1.0 and "met" in row
+    # the stacked interventions against one pass each: 4 layers, 8 removals, the same losses to float rounding
+    stacking = {row["metric"]: row for row in rows if "removals" in row["shape"]}
+    assert set(stacking) == {
+        "evaluate_many time",
+        "evaluate_many / one pass each",
+        "max |Δloss| stacked vs one pass each",
+    }
+    assert all(row["shape"].endswith("8 removals") for row in stacking.values())
+    assert stacking["evaluate_many time"]["value"] > 0 and stacking["evaluate_many / one pass each"]["value"] > 0
+    # float32 reordering of the tiny shape's longest chain (32 tokens, 512 logits, 8 sublayers of 32 + 16 + 4 · 32
+    # sums) at the scale of a random model's loss, within twice the uniform loss log 512
+    chain = 32 + 512 + 8 * (32 + 16 + 4 * 32)
+    assert stacking["max |Δloss| stacked vs one pass each"]["value"] <= reordering_bound(chain, 2 * math.log(512))
 
 
 def test_the_runner_lists_refuses_and_appends(tmp_path, capsys):

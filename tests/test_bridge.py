@@ -581,3 +581,49 @@ def test_depth_logit_attribution_splits_the_pre_cap_logit_against_a_float64_reco
     got = torch.tensor(table["contribution"].to_numpy()).reshape(*targets.shape, n_sources)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert (table["bias"] == 0).all()  # lm_head has no bias
+
+
+def test_interventions_stacked_along_the_batch_equal_one_forward_pass_each(inkling_folders):
+    """`evaluate_many` on a model the staged engine does not know stacks the interventions along the batch, each
+    one's hooks on its own copy: every intervention's logits equal its own `run_with_hooks` pass up to the float32
+    reordering of a larger batch (the bound of tests/helpers.py over the Mini's longest chain of sums); a hook
+    that returns None observes its copy alone; a limit on the sequences a pass splits the stack."""
+    from attnres_lens.analysis import evaluate_many, removal_hooks
+    from attnres_lens.tasks.base import Batch, next_token_targets
+
+    from .helpers import reordering_bound
+
+    bridge = from_transformers(inkling_folders["loop"]).eval()
+    targets = next_token_targets(TOKENS)
+    batch = Batch(TOKENS, targets, targets != -100)
+    seen: list[int] = []
+
+    def observe(tensor: torch.Tensor, hook) -> None:
+        seen.append(tensor.shape[0])
+
+    consumer = bridge.consumers()[3]
+    interventions = [
+        [],
+        removal_hooks(bridge, [1]),
+        source_mask_hooks(bridge, consumer, [0]),
+        [(bridge.sublayer_output_hook(2), observe)] + removal_hooks(bridge, [0, 5]),
+        removal_hooks(bridge, [4]),
+        # reads its own copy, which differs from the others' there
+        removal_hooks(bridge, [1]) + [(bridge.sublayer_output_hook(3), lambda output, hook: 3 * output)],
+    ]
+    one_each = [bridge.run_with_hooks(TOKENS, fwd_hooks=list(hooks)) for hooks in interventions]
+    config = bridge.hf_model.config
+    widest = max(config.hidden_size, config.moe_intermediate_size, getattr(config, "intermediate_size", 0))
+    chain = (
+        TOKENS.numel() + config.vocab_size + bridge.n_sublayers * (widest + TOKENS.shape[1] + 4 * config.hidden_size)
+    )
+    for max_sequences in (None, 2 * len(TOKENS)):  # all six in one pass; two copies a pass
+        seen.clear()
+        stacked = evaluate_many(
+            bridge, batch, interventions, score=lambda logits, _: logits, max_sequences=max_sequences
+        )
+        assert seen == [len(TOKENS)]
+        for got, expected in zip(stacked, one_each, strict=True):
+            bound = reordering_bound(chain, expected.abs().max().item())
+            torch.testing.assert_close(got, expected, rtol=0, atol=bound)
+    assert (one_each[1] - one_each[0]).abs().max() > 1e-3  # the interventions change the logits

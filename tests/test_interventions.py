@@ -10,6 +10,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
+from transformer_lens import HookedRootModule
+from transformer_lens.hook_points import HookPoint
 
 import attnres_lens.model as model_module
 from attnres_lens import HookedTransformer, attnres, depth_execution
@@ -31,6 +33,7 @@ from attnres_lens.analysis.run import prune_tables
 from attnres_lens.analysis.session import model_replica
 from attnres_lens.analysis.workers import analysis_workers
 from attnres_lens.evaluation import score_logits
+from attnres_lens.tasks.base import Batch
 
 from .helpers import (
     VARIANTS,
@@ -529,3 +532,32 @@ def test_bad_hook_names_are_refused_with_the_name():
         evaluate_many(model, copy_batch(2), [[("blocks.0.hook_nothing", lambda t, hook: t)]])
     with pytest.raises(ValueError, match="max_sequences must be a positive integer"):
         evaluate_many(model, copy_batch(2), [[]], max_sequences=0)
+
+
+class _UnbatchedScale(HookedRootModule):
+    """A model outside the toolkit whose one hook point holds a scalar, not a batch's rows."""
+
+    d_vocab = 5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook_scale = HookPoint()  # [] one scale for every sequence
+        self.setup()
+
+    def to_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot(tokens, self.d_vocab).float() * self.hook_scale(torch.ones(()))
+
+
+def test_stacking_refuses_a_hook_point_without_the_batch_axis_by_name():
+    """Interventions on a model the staged engine does not know run stacked along the batch; a hook point whose
+    tensor does not lead with every copy's rows cannot be split per copy and is named, not mis-split."""
+    tokens = torch.tensor([[0, 1, 2], [3, 4, 0]])
+    batch = Batch(tokens, tokens, torch.ones_like(tokens, dtype=torch.bool))
+    double = [("hook_scale", lambda scale, hook: 2 * scale)]
+    model = _UnbatchedScale()
+    assert len(evaluate_many(model, batch, [double])) == 1  # one intervention: a pass of its own, no stack
+    with pytest.raises(ValueError, match=r"hook point 'hook_scale' gave shape \(\).*lead with the batch axis"):
+        evaluate_many(model, batch, [double, []])

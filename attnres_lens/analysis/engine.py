@@ -4,7 +4,8 @@ interventions sharing every computation they share (docs/analysis.md §11).
 The engine cuts the forward pass into stages (`StagedForward`: the embedding, each sublayer, the final readout)
 and walks the tree of interventions: those whose hooks agree up to a stage share it; where they part, each branch
 gets its own copy of the state, and branches that never part again run stacked along the batch; a depth-mixing
-model other than the toolkit's (docs/architecture.md §7) runs one hooked forward per intervention. What an
+model other than the toolkit's (docs/architecture.md §7) runs whole hooked forward passes, the interventions
+stacked along the batch. What an
 intervention is (its hooks, the removal rule) lives in `interventions`; the worker threads in `workers`; what a
 session shares in `session`.
 """
@@ -105,17 +106,19 @@ def evaluate_many(
     they must not depend on each other's side effects (`analysis_workers` gives the analyses' default).
 
     The stages are the toolkit's `HookedTransformer`'s; any other depth-mixing model (docs/architecture.md §7) runs
-    one hooked forward pass per intervention (`max_sequences`, `cache`, `workers` and `remember` then change
-    nothing), the same numbers."""
+    whole hooked forward passes with the interventions stacked along the batch, up to `max_sequences` sequences a
+    pass (default: as many copies of the batch as keep its logits within `STACK_ELEMENTS`), each intervention's
+    hooks seeing only its own copy (`cache`, `workers` and `remember` then change nothing), the same numbers up
+    to float rounding of the larger batches."""
     if not interventions:
         return []
+    for name, value in (("max_sequences", max_sequences), ("workers", workers)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not isinstance(model, HookedTransformer):
-        return _plain_evaluations(model, batch, interventions, score, progress, desc)
+        return _plain_evaluations(model, batch, interventions, score, progress, desc, max_sequences)
     if max_sequences is None:
         max_sequences = _default_stack(model, batch)
-    for name, value in (("max_sequences", max_sequences), ("workers", workers)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if workers > 1 and (problem := parallel_problem(model)) is not None:
         raise ValueError(
             f"workers={workers} needs worker threads, but {problem}; use workers=1 (analysis_workers(model) chooses)"
@@ -131,18 +134,32 @@ def _plain_evaluations(
     score: Callable[[torch.Tensor, Batch], Any],
     progress: bool,
     desc: str,
+    max_sequences: int | None,
 ) -> list[Any]:
-    """`evaluate_many` for a model the staged engine does not know (docs/architecture.md §7): one hooked forward
-    pass per intervention, through `run_with_hooks` alone; the same numbers as the shared evaluation, which equals
-    one full pass per intervention."""
+    """`evaluate_many` for a model the staged engine does not know (docs/architecture.md §7): whole hooked forward
+    passes through `run_with_hooks` alone, the interventions stacked along the batch (the protocol's forward keeps
+    a batch's rows independent), each intervention's hooks on its own copy; the same numbers as one pass per
+    intervention up to float rounding of the larger batches."""
     tokens = model.to_tokens(batch.tokens)
     for hooks in interventions:
         for name, _ in hooks:
             if not isinstance(name, str) or name not in model.hook_dict:
                 raise ValueError(f"no hook point named {name!r} in this model (hook names must be strings)")
-    results = []
-    for hooks in tqdm(interventions, desc=desc, disable=not progress, leave=False):
-        results.append(score(model.run_with_hooks(tokens, fwd_hooks=list(hooks)), batch))
+    n_batch = tokens.shape[0]
+    if max_sequences is None:  # the logits are the widest per-token tensor of a language model's forward
+        max_sequences = n_batch * max(1, STACK_ELEMENTS // (tokens.numel() * model.d_vocab))
+    per_pass = max(1, max_sequences // n_batch)
+    results: list[Any] = []
+    with tqdm(total=len(interventions), desc=desc, disable=not progress, leave=False) as bar:
+        for first in range(0, len(interventions), per_pass):
+            stack = interventions[first : first + per_pass]
+            if len(stack) == 1:
+                logits = model.run_with_hooks(tokens, fwd_hooks=list(stack[0]))
+            else:
+                fwd_hooks = _stacked_hooks(stack, n_batch, check_rows=True)
+                logits = model.run_with_hooks(tokens.repeat(len(stack), 1), fwd_hooks=fwd_hooks)
+            results.extend(score(copy_logits, batch) for copy_logits in logits.split(n_batch))
+            bar.update(len(stack))
     return results
 
 
@@ -505,11 +522,7 @@ class _SharedEvaluation:
         if len(hooks_per_copy) == 1:
             fwd_hooks = list(hooks_per_copy[0])
         else:
-            by_name: dict[str, list[tuple[int, Callable]]] = defaultdict(list)
-            for slot, hooks in enumerate(hooks_per_copy):
-                for name, function in hooks:
-                    by_name[name].append((slot, function))
-            fwd_hooks = [(name, _on_copies(self.n_batch, functions)) for name, functions in by_name.items()]
+            fwd_hooks = _stacked_hooks(hooks_per_copy, self.n_batch)
         skipped = self._skipped(stage, hooks_per_copy)
         if not fwd_hooks:
             return forward.run(state, stage)
@@ -587,11 +600,34 @@ def slice_state(
     return sliced
 
 
-def _on_copies(n_batch: int, functions: list[tuple[int, Callable]]) -> Callable:
+def _stacked_hooks(hooks_per_copy: Sequence[Sequence[Hook]], n_batch: int, check_rows: bool = False) -> list[Hook]:
+    """One hook per hook point for a stack of copies of a batch of `n_batch` sequences (copy-major along the batch):
+    each copy's hooks see only its own rows. With `check_rows`, an activation that does not hold every copy's
+    rows is refused by the hook point's name (a staged stack's sublayer may hold only the copies it computes)."""
+    by_name: dict[str, list[tuple[int, Callable]]] = defaultdict(list)
+    for slot, hooks in enumerate(hooks_per_copy):
+        for name, function in hooks:
+            by_name[name].append((slot, function))
+    n_copies = len(hooks_per_copy) if check_rows else None
+    return [(name, _on_copies(n_batch, functions, n_copies)) for name, functions in by_name.items()]
+
+
+def _on_copies(n_batch: int, functions: list[tuple[int, Callable]], n_copies: int | None) -> Callable:
+    """One hook applying each `(slot, function)` to its copy's rows only; a function returning None leaves its
+    copy as it was, as a TransformerLens hook does."""
+
     def apply(tensor: torch.Tensor, hook) -> torch.Tensor:  # TL passes the hook point as `hook=`
+        if n_copies is not None and (tensor.dim() == 0 or tensor.shape[0] != n_batch * n_copies):
+            raise ValueError(
+                f"hook point {hook.name!r} gave shape {tuple(tensor.shape)}, not {n_copies} stacked copies of "
+                f"{n_batch} sequences on its first axis: interventions are stacked along the batch, so every "
+                "hook point's tensor must lead with the batch axis (docs/architecture.md §7)"
+            )
         copies = list(tensor.split(n_batch))
         for slot, function in functions:
-            copies[slot] = function(copies[slot], hook=hook)
+            result = function(copies[slot], hook=hook)
+            if result is not None:
+                copies[slot] = result
         return torch.cat(copies)
 
     return apply
