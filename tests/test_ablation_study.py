@@ -10,14 +10,17 @@ import json
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
 from analyses import depth_mixing_ablation as study
 from analyses.common import Job
-from attnres_lens import HookedTransformer
+from attnres_lens import HookedTransformer, load_run
 from attnres_lens.config import RunConfig, TrainConfig
+from attnres_lens.evaluation import token_losses
 from attnres_lens.presets import DEPTH_MIXING_VARIANTS, INPUT_QUERY, get_preset
+from attnres_lens.tasks.base import IGNORE_INDEX
 from attnres_lens.training import Trainer
 from tests.helpers import block_sources, small_config
 
@@ -240,6 +243,15 @@ def test_the_minimal_detectable_difference_by_hand():
     assert study.minimal_detectable_difference(0.1, 8, 0.05) == pytest.approx(0.1153, abs=2e-4)
 
 
+def test_position_class_losses_split_the_loss_by_hand():
+    """3 of 10 targets are copies: loss 2.0 overall and 1.0 on copies leave (20 − 3) / 7 = 17/7 on the rest."""
+    evals = pd.DataFrame({"eval_loss": [2.0], "eval_answer_loss": [1.0]})
+    split = study.position_class_losses(evals, (10, 3)).iloc[0]
+    assert (split["copy"], split["3-gram"]) == pytest.approx((1.0, 17 / 7))
+    with pytest.raises(ValueError, match="0 copy positions of 10 targets"):
+        study.position_class_losses(evals, (10, 0))
+
+
 # ---------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_the_study_runs_end_to_end_on_tiny_models(tmp_path):
@@ -254,9 +266,23 @@ def test_the_study_runs_end_to_end_on_tiny_models(tmp_path):
     assert len(tests) == 2 * n_variants - 3  # each against standard, each against Full, Full − standard once
     rows = [json.loads(line) for line in (tmp_path / "r").read_text().splitlines()]
     assert {row["bench"] for row in rows} == {"depth_mixing_ablation"}
-    assert len(rows) == 2 * n_variants + 3 * len(tests) + n_variants
+    # three scores per run (all, copy and 3-gram positions); three numbers per comparison of each family
+    assert len(rows) == 3 * 2 * n_variants + 3 * 3 * len(tests) + n_variants
     report = (tmp_path / "depth_mixing_ablation.md").read_text()
-    assert report.index("## Design") < report.index("## Results")
+    assert report.index("## Design") < report.index("## Results") < report.index("## Copy positions")
+    assert "| depth-mhc | " in report.split("## Copy positions")[1]
+
+    # the 3-gram loss derived from the logged losses is the final model's own mean over the non-copy targets
+    run = load_run(tmp_path / "runs" / "depth-full-s1")
+    batch = run.config.build_task().eval_batch(run.config.train.eval_size)
+    with torch.no_grad():
+        losses = token_losses(run.model(batch.tokens), batch.targets).double()
+    rest = (batch.targets != IGNORE_INDEX) & ~batch.answer_mask
+    final = run.metrics.dropna(subset=["eval_loss"]).drop_duplicates("step", keep="last").iloc[[-1]]
+    derived = study.position_class_losses(final, study.position_counts(run.config)).iloc[0]
+    # float32 token losses summed in float64 (docs/analysis.md §1): the logged losses round once each
+    assert derived["3-gram"] == pytest.approx(losses[rest].mean().item(), rel=1e-5)
+    assert derived["copy"] == pytest.approx(losses[batch.answer_mask].mean().item(), rel=1e-5)
     assert "Not the study's budget" in report and "| depth-full-input-query |" in report
     with pytest.raises(ValueError, match="other train settings"):  # a reused run from another design is refused
         study.main([*args, "--set", "train.lr=0.001"])
