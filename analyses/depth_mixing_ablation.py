@@ -19,12 +19,13 @@ Design, stated before any result:
   comparison's Holm level (`holm_intervals`: an interval excludes 0 exactly when Holm rejects).
 * **Resolution**: the minimal detectable difference (80% power at the first Holm level, from the paired SD) says
   which gaps the study can resolve; the paper's gaps are compared with it.
-* **Position classes** (a secondary analysis, added when seeds 0 and 1 of 8 were in): the mixed task's loss is the
-  target-weighted mean of its copy positions' loss (the task's answer positions: in-context retrieval, an
-  induction circuit's job) and the rest's (the 3-gram background: language modelling, the part nearest the
-  paper's loss). Each class is scored as the run is (its mean over the last fifth; the 3-gram loss derived exactly
-  from the logged losses, `position_class_losses`) and compared the same way, Holm over both classes' comparisons
-  as a second family; the primary comparisons above stand as designed.
+* **Position classes** (a secondary analysis, added when seeds 0 and 1 of 8 were in): the held-out targets split
+  by what predicts them (`position_classes`): the copy answers (the task's answer positions: in-context
+  retrieval, an induction circuit's job), the 3-gram background (targets whose token and 3-gram context no copy
+  touched: language modelling, the part nearest the paper's loss) and the copy edges (the rest). Each run's final
+  checkpoint is scored on each class from its own per-token losses; the copy answers and the background are
+  compared as the score is, Holm over both classes' comparisons as a second family; the primary comparisons above
+  stand as designed.
 
     python -m analyses.depth_mixing_ablation [--seeds 0 … 7] [--steps N] [--workers 2]
 
@@ -55,6 +56,7 @@ from analyses.results import RESULTS
 
 if TYPE_CHECKING:
     from attnres_lens.config import RunConfig
+    from attnres_lens.tasks.base import Batch
 
 # The paper's Table 4 (16-layer model, validation loss; lower is better) for the variants that have a row there.
 PAPER_LOSS = {
@@ -250,35 +252,53 @@ def check_design(jobs: Sequence[Job]) -> None:
                 )
 
 
-# the position classes' score columns: the task's answer positions (inside copies) and the rest
-POSITION_CLASSES = {"copy": "copy_score", "3-gram": "ngram_score"}
+# the held-out targets by what predicts them (`position_classes`): column name → label; the first two are compared
+POSITION_CLASSES = {"copy_answers": "copy answers", "background": "3-gram background", "copy_edges": "copy edges"}
+COMPARED_CLASSES = ("copy_answers", "background")
 
 
-def position_counts(config: RunConfig) -> tuple[int, int]:
-    """(targets, copy positions) of the held-out set every run of `config`'s task is evaluated on (the trainer's
-    `task.eval_batch(eval_size)`), counted as the evaluation metric counts them (docs/analysis.md §1)."""
+def position_classes(batch: Batch) -> dict[str, torch.Tensor]:
+    """[B, T] masks of the mixed task's targets (docs/tasks.md §2) by what predicts them, keyed as
+    `POSITION_CLASSES`: the copy answers (the task's answer positions), the 3-gram background (targets at t with no
+    copy in t − 1 … t + 1 … : the token t + 1 and its 3-gram context t − 1, t are the sampled text, so t lies
+    outside [dst − 1, dst + len] of every copy) and the copy edges (every other target: the first copied token, copy
+    positions whose continuation is ambiguous, and the two tokens after a copy, sampled from a context the copy
+    overwrote)."""
     from attnres_lens.tasks.base import IGNORE_INDEX
 
-    batch = config.build_task().eval_batch(config.train.eval_size)
+    if not {"dst_start", "seg_len"} <= set(batch.layout):
+        raise ValueError(f"position classes need the mixed task's copy layout; the batch has {sorted(batch.layout)}")
     has_target = batch.targets != IGNORE_INDEX
-    return int(has_target.sum()), int((batch.answer_mask & has_target).sum())
+    positions = torch.arange(batch.tokens.shape[1])
+    touched = torch.zeros_like(has_target)
+    for k in range(batch.layout["dst_start"].shape[1]):
+        dst, length = batch.layout["dst_start"][:, k : k + 1], batch.layout["seg_len"][:, k : k + 1]
+        touched |= (positions >= dst - 1) & (positions <= dst + length)
+    answers = batch.answer_mask & has_target
+    return {
+        "copy_answers": answers,
+        "background": has_target & ~touched,
+        "copy_edges": has_target & touched & ~answers,
+    }
 
 
-def position_class_losses(evals: pd.DataFrame, counts: tuple[int, int]) -> pd.DataFrame:
-    """Each evaluation's loss on the copy positions (`eval_answer_loss`) and on the rest, the 3-gram background:
-    `eval_loss` is the mean over all N targets and `eval_answer_loss` over the N_a copy positions, so the rest's
-    mean is (L · N − L_a · N_a) / (N − N_a)."""
-    targets, answers = counts
-    if not 0 < answers < targets:
-        raise ValueError(f"the held-out set has {answers} copy positions of {targets} targets; both classes need some")
-    rest = (evals["eval_loss"] * targets - evals["eval_answer_loss"] * answers) / (targets - answers)
-    return pd.DataFrame({"copy": evals["eval_answer_loss"], "3-gram": rest}, index=evals.index)
+@torch.no_grad()
+def final_class_losses(out: Path, steps: int) -> dict[str, float]:
+    """The run's final checkpoint's mean loss on each position class of the held-out set the trainer evaluates on
+    (`task.eval_batch(eval_size)`), from its own per-token losses (float32, summed in float64 as the metric)."""
+    from attnres_lens import load_run
+    from attnres_lens.evaluation import token_losses
+
+    run = load_run(out, checkpoint=steps)
+    batch = run.config.build_task().eval_batch(run.config.train.eval_size)
+    losses = token_losses(run.model.eval()(batch.tokens), batch.targets).double()
+    return {column: losses[mask].mean().item() for column, mask in position_classes(batch).items()}
 
 
-def run_score(out: Path, steps: int, counts: tuple[int, int]) -> dict[str, float]:
-    """The run's score (the mean held-out loss over the evaluations at steps ≥ (1 − LAST_FRACTION) · steps), each
-    position class's over the same evaluations, and how far the loss fell from the first of them to the last (a
-    run near convergence barely falls)."""
+def run_score(out: Path, steps: int) -> dict[str, float]:
+    """The run's score (the mean held-out loss over the evaluations at steps ≥ (1 − LAST_FRACTION) · steps), how far
+    the loss fell from the first of them to the last (a run near convergence barely falls), and its final
+    checkpoint's loss on each position class."""
     from attnres_lens import load_run
 
     evals = load_run(out, load_model=False).metrics.dropna(subset=["eval_loss"])
@@ -286,11 +306,10 @@ def run_score(out: Path, steps: int, counts: tuple[int, int]) -> dict[str, float
     last = evals[evals["step"] >= (1 - LAST_FRACTION) * steps]
     if len(last) < 2:
         raise ValueError(f"{out} has {len(last)} evaluation(s) in the last fifth of its {steps} steps; it needs 2+")
-    classes = position_class_losses(last, counts).mean()
     return dict(
         score=float(last["eval_loss"].mean()),
-        **{column: float(classes[name]) for name, column in POSITION_CLASSES.items()},
         last_fifth_drop=float(last["eval_loss"].iloc[0] - last["eval_loss"].iloc[-1]),
+        **final_class_losses(out, steps),
     )
 
 
@@ -383,46 +402,51 @@ def mixing_figures(runs: dict, variants: list[str], report_dir: Path) -> tuple[P
 
 
 # ---------------------------------------------------------------------------- the report
-def class_report(per_run: pd.DataFrame, by_class: pd.DataFrame, counts: tuple[int, int], n_seeds: int) -> str:
-    """The secondary analysis: each variant's score and paired differences on the copy positions and on the
-    3-gram positions, Holm over both classes' comparisons."""
+def class_report(per_run: pd.DataFrame, by_class: pd.DataFrame, classes: Mapping[str, torch.Tensor]) -> str:
+    """The secondary analysis: each variant's final loss on each position class, and its paired differences on the
+    copy answers and on the 3-gram background, Holm over both classes' comparisons."""
     tests = by_class.set_index("comparison")
-    m = len(by_class)
-    header = ["variant"] + [f"{name} score" for name in POSITION_CLASSES]
-    header += [f"Δ {name} vs {base}" for base in ("standard", "Full") for name in POSITION_CLASSES]
+    m, n_seeds = len(by_class), per_run["seed"].nunique()
+    compared = [POSITION_CLASSES[column] for column in COMPARED_CLASSES]
+    header = ["variant"] + [f"{label}" for label in POSITION_CLASSES.values()]
+    header += [f"Δ {label} vs {base}" for base in ("standard", "Full") for label in compared]
     lines = []
     for variant in dict.fromkeys(per_run["variant"]):
         rows = per_run[per_run["variant"] == variant]
-        cells = [variant] + [f"{rows[c].mean():.4f} ± {rows[c].std():.4f}" for c in POSITION_CLASSES.values()]
+        cells = [variant] + [f"{rows[column].mean():.4f} ± {rows[column].std():.4f}" for column in POSITION_CLASSES]
         for base in (STANDARD, FULL):
-            for name in POSITION_CLASSES:
-                key = f"{name}: {variant} − {base}"
+            for label in compared:
+                key = f"{label}: {variant} − {base}"
                 cells.append(interval(tests.loc[key]) if key in tests.index else "—")
         lines.append("| " + " | ".join(cells) + " |")
     resolution = []
-    for name in POSITION_CLASSES:
-        own = by_class[by_class["comparison"].str.startswith(f"{name}: ")]
+    for label in compared:
+        own = by_class[by_class["comparison"].str.startswith(f"{label}: ")]
         sd = float(own["sd"].median())
-        resolved = own[own["rejected"]]["comparison"].str.removeprefix(f"{name}: ")
+        resolved = own[own["rejected"]]["comparison"].str.removeprefix(f"{label}: ")
         resolution.append(
-            f"* **{name} positions**: median paired SD {sd:.4f}; minimal detectable difference (80% power) "
+            f"* **{label}**: median paired SD {sd:.4f}; minimal detectable difference (80% power) "
             f"{minimal_detectable_difference(sd, n_seeds, ALPHA / m):.4f} nats at the first Holm level (α/{m}) and "
             f"{minimal_detectable_difference(sd, n_seeds, ALPHA):.4f} at the last. Resolved after Holm: "
             f"{len(resolved)} of {len(own)}: {', '.join(resolved) or 'none'}."
         )
-    targets, answers = counts
+    counts = {column: int(mask.sum()) for column, mask in classes.items()}
+    total = sum(counts.values())
+    shares = ", ".join(
+        f"{POSITION_CLASSES[column]} {counts[column]} ({counts[column] / total:.1%})" for column in counts
+    )
     return f"""
-## Copy positions and 3-gram positions (secondary analysis)
+## Copy answers and 3-gram background (secondary analysis)
 
-The score is the target-weighted mean of two classes of positions of the held-out set: the copy positions (the
-task's answer positions, {answers} of {targets} targets, {answers / targets:.1%}: continuing an earlier segment,
-an induction circuit's job) and the rest (the 3-gram background, {targets - answers} targets: language modelling,
-the part nearest the paper's loss). This split was added when seeds 0 and 1 of 8 were in, before the rest: in
-those two seeds the seed-to-seed spread of the score sat in the copy positions. Each class is scored as the run
-is (the mean over the last fifth; the 3-gram loss derived exactly from the logged losses, (L · N − L_copy ·
-N_copy) / (N − N_copy)) and compared the same way, paired by seed, with Holm over the {m} comparisons of both
-classes (a second family: the primary comparisons above stand as designed). Scores: mean ± SD over seeds; Δ as
-above.
+The score mixes targets that different parts of a model predict. The held-out set's {total} targets split into the
+copy answers (the task's answer positions: continuing an earlier segment, an induction circuit's job), the 3-gram
+background (targets whose token and 3-gram context no copy touched: language modelling, the part nearest the
+paper's loss) and the copy edges (the first copied token, copy positions whose continuation is ambiguous, and the
+two tokens after a copy, sampled from a context the copy overwrote): {shares}. This split was added when seeds 0
+and 1 of 8 were in, before the rest. Each run's final checkpoint is scored on each class from its
+own per-token losses; the copy answers and the background are compared as the score is, paired by seed, with Holm
+over the {m} comparisons of both (a second family: the primary comparisons above stand as designed). Losses: mean ±
+SD over seeds; Δ as above.
 
 | {" | ".join(header)} |
 |{"---|" * len(header)}
@@ -593,6 +617,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def difference_rows(tests: pd.DataFrame, shape: str) -> list[dict]:
+    """Results rows of a table of paired comparisons: mean and Holm interval of each; a position class's
+    comparison ('<class>: <variant> − <base>') names its class in the metric."""
+    rows = []
+    for r in tests.itertuples():
+        label, _, comparison = r.comparison.rpartition(": ")
+        family = f" ({label})" if label else ""
+        for name, value in (("mean", r.mean), ("Holm 95% low", r.low), ("Holm 95% high", r.high)):
+            rows.append(
+                dict(metric=f"paired difference{family}: {name}", shape=shape, variant=comparison, value=float(value))
+            )
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     """Train (or reuse) every run, score and compare them, write the report and the results rows; returns the
     comparisons table."""
@@ -605,17 +643,14 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     seconds = run_jobs(jobs, args.workers)
     check_design(jobs)
 
-    counts = position_counts(expected_config(jobs[0]))  # one task and held-out set for every run (check_design)
-    per_run = pd.DataFrame(
-        [dict(variant=job.preset, seed=job.seed, **run_score(job.out, args.steps, counts)) for job in jobs]
-    )
+    per_run = pd.DataFrame([dict(variant=job.preset, seed=job.seed, **run_score(job.out, args.steps)) for job in jobs])
     args.report_dir.mkdir(parents=True, exist_ok=True)
     per_run.to_csv(args.report_dir / "depth_mixing_ablation.csv", index=False)
     tests = holm_intervals(comparisons(per_run, variants))
     by_class = holm_intervals(
         {
-            f"{name}: {key}": differences
-            for name, column in POSITION_CLASSES.items()
+            f"{POSITION_CLASSES[column]}: {key}": differences
+            for column in COMPARED_CLASSES
             for key, differences in comparisons(per_run, variants, column).items()
         }
     )
@@ -627,26 +662,21 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     minutes = (sum(training_minutes(job.out) for job in jobs), seconds / 60)
     config = runs[STANDARD].config
     text = report(per_run, tests, ratios, args.seeds, args.steps, config, command, minutes, figures, args.timing_rounds)
-    text += class_report(per_run, by_class, counts, len(args.seeds))
+    text += class_report(per_run, by_class, position_classes(config.build_task().eval_batch(config.train.eval_size)))
     emit_report(text, args.report_dir / "depth_mixing_ablation.md")
 
     from analyses.benchmarks import record
 
     shape = f"{config.model.n_layers} layers, {args.steps} steps, {config.train.eval_size} held-out sequences"
     scores = {"score (eval loss, last fifth)": "score"} | {
-        f"score ({name} positions, last fifth)": column for name, column in POSITION_CLASSES.items()
+        f"final loss ({label})": column for column, label in POSITION_CLASSES.items()
     }
     rows = [
         dict(metric=metric, shape=shape, variant=f"{r.variant} seed {r.seed}", value=float(getattr(r, column)))
         for r in per_run.itertuples()
         for metric, column in scores.items()
     ]
-    rows += [
-        dict(metric=f"paired difference: {label}", shape=shape, variant=r.comparison, value=float(getattr(r, column)))
-        for table in (tests, by_class)  # a class's comparisons are named '<class>: <variant> − <base>'
-        for r in table.itertuples()
-        for label, column in (("mean", "mean"), ("Holm 95% low", "low"), ("Holm 95% high", "high"))
-    ]
+    rows += difference_rows(tests, shape) + difference_rows(by_class, shape)
     rows += [
         dict(metric="step time × standard", shape=shape, variant=name, value=ratio, unit="ratio")
         for name, ratio in ratios.items()

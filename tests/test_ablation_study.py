@@ -18,9 +18,8 @@ from analyses import depth_mixing_ablation as study
 from analyses.common import Job
 from attnres_lens import HookedTransformer, load_run
 from attnres_lens.config import RunConfig, TrainConfig
-from attnres_lens.evaluation import token_losses
 from attnres_lens.presets import DEPTH_MIXING_VARIANTS, INPUT_QUERY, get_preset
-from attnres_lens.tasks.base import IGNORE_INDEX
+from attnres_lens.tasks.base import IGNORE_INDEX, Batch
 from attnres_lens.training import Trainer
 from tests.helpers import block_sources, small_config
 
@@ -243,13 +242,36 @@ def test_the_minimal_detectable_difference_by_hand():
     assert study.minimal_detectable_difference(0.1, 8, 0.05) == pytest.approx(0.1153, abs=2e-4)
 
 
-def test_position_class_losses_split_the_loss_by_hand():
-    """3 of 10 targets are copies: loss 2.0 overall and 1.0 on copies leave (20 − 3) / 7 = 17/7 on the rest."""
-    evals = pd.DataFrame({"eval_loss": [2.0], "eval_answer_loss": [1.0]})
-    split = study.position_class_losses(evals, (10, 3)).iloc[0]
-    assert (split["copy"], split["3-gram"]) == pytest.approx((1.0, 17 / 7))
-    with pytest.raises(ValueError, match="0 copy positions of 10 targets"):
-        study.position_class_losses(evals, (10, 0))
+def test_position_classes_by_hand():
+    """One copy at dst = 4 of length 4 in 12 positions, answers at 5 and 6: targets 3 … 8 (tokens 4 … 9 and their
+    contexts) are touched by the copy; of them 5 and 6 are answers, the rest edges; 0 … 2, 9 and 10 are background;
+    11 has no target."""
+    tokens = torch.arange(12)[None]
+    targets = torch.cat([tokens[:, 1:], torch.full((1, 1), IGNORE_INDEX)], 1)
+    answers = torch.zeros(1, 12, dtype=torch.bool)
+    answers[0, [5, 6]] = True
+    layout = dict(dst_start=torch.tensor([[4]]), seg_len=torch.tensor([[4]]))
+    classes = study.position_classes(Batch(tokens, targets, answers, layout))
+    where = {name: mask[0].nonzero().flatten().tolist() for name, mask in classes.items()}
+    assert where == {"copy_answers": [5, 6], "background": [0, 1, 2, 9, 10], "copy_edges": [3, 4, 7, 8]}
+    with pytest.raises(ValueError, match="need the mixed task's copy layout; the batch has \\[\\]"):
+        study.position_classes(Batch(tokens, targets, answers))
+
+
+def test_the_background_is_the_sampled_text_on_the_study_task():
+    """On the study's task the classes partition the targets, and every background target and its 3-gram context
+    are the text the 3-gram model sampled before the copies were written in (drawn again from the same generator)."""
+    task = get_preset(study.STANDARD).build_task()
+    batch = task.sample(64, torch.Generator().manual_seed(5))
+    sampled = task._sample_tokens(64, torch.Generator().manual_seed(5))  # the same draws, before the copies
+    classes = study.position_classes(batch)
+    stacked = torch.stack(list(classes.values()))
+    assert torch.equal(stacked.sum(0), (batch.targets != IGNORE_INDEX).long())  # a partition of the targets
+    rows, positions = classes["background"].nonzero(as_tuple=True)
+    for offset in (-1, 0, 1):  # the context t − 1, t and the target token t + 1
+        at = (positions + offset).clamp(min=0)
+        assert torch.equal(batch.tokens[rows, at], sampled[rows, at])
+    assert not torch.equal(batch.tokens, sampled) and classes["copy_edges"].any()
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -266,23 +288,25 @@ def test_the_study_runs_end_to_end_on_tiny_models(tmp_path):
     assert len(tests) == 2 * n_variants - 3  # each against standard, each against Full, Full − standard once
     rows = [json.loads(line) for line in (tmp_path / "r").read_text().splitlines()]
     assert {row["bench"] for row in rows} == {"depth_mixing_ablation"}
-    # three scores per run (all, copy and 3-gram positions); three numbers per comparison of each family
-    assert len(rows) == 3 * 2 * n_variants + 3 * 3 * len(tests) + n_variants
+    # four numbers per run (the score, three classes' final losses); three per comparison (two classes compared)
+    assert len(rows) == 4 * 2 * n_variants + 3 * 3 * len(tests) + n_variants
+    metrics = {row["metric"] for row in rows}
+    assert {"paired difference (copy answers): mean", "paired difference (3-gram background): Holm 95% low"} <= metrics
     report = (tmp_path / "depth_mixing_ablation.md").read_text()
-    assert report.index("## Design") < report.index("## Results") < report.index("## Copy positions")
-    assert "| depth-mhc | " in report.split("## Copy positions")[1]
+    assert report.index("## Design") < report.index("## Results") < report.index("## Copy answers")
+    assert "| depth-mhc | " in report.split("## Copy answers")[1]
 
-    # the 3-gram loss derived from the logged losses is the final model's own mean over the non-copy targets
-    run = load_run(tmp_path / "runs" / "depth-full-s1")
-    batch = run.config.build_task().eval_batch(run.config.train.eval_size)
-    with torch.no_grad():
-        losses = token_losses(run.model(batch.tokens), batch.targets).double()
-    rest = (batch.targets != IGNORE_INDEX) & ~batch.answer_mask
-    final = run.metrics.dropna(subset=["eval_loss"]).drop_duplicates("step", keep="last").iloc[[-1]]
-    derived = study.position_class_losses(final, study.position_counts(run.config)).iloc[0]
-    # float32 token losses summed in float64 (docs/analysis.md §1): the logged losses round once each
-    assert derived["3-gram"] == pytest.approx(losses[rest].mean().item(), rel=1e-5)
-    assert derived["copy"] == pytest.approx(losses[batch.answer_mask].mean().item(), rel=1e-5)
+    # the classes' final losses, weighted by their counts, are the loss the trainer logged at its last evaluation
+    run = load_run(tmp_path / "runs" / "depth-full-s1", load_model=False)
+    counts = study.position_classes(run.config.build_task().eval_batch(run.config.train.eval_size))
+    per_run = pd.read_csv(tmp_path / "depth_mixing_ablation.csv").set_index(["variant", "seed"])
+    final = per_run.loc[("depth-full", 1)]
+    weighted = sum(final[column] * int(mask.sum()) for column, mask in counts.items()) / sum(
+        int(mask.sum()) for mask in counts.values()
+    )
+    logged = run.metrics.dropna(subset=["eval_loss"]).sort_values("step")["eval_loss"].iloc[-1]
+    # float32 token losses summed in float64 both ways (docs/analysis.md §1): they differ by float32 rounding only
+    assert weighted == pytest.approx(logged, rel=1e-5)
     assert "Not the study's budget" in report and "| depth-full-input-query |" in report
     with pytest.raises(ValueError, match="other train settings"):  # a reused run from another design is refused
         study.main([*args, "--set", "train.lr=0.001"])
