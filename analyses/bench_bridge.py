@@ -10,7 +10,7 @@ consumer's depth weights (the readable path a hook sees), to show what watching 
 
 A second measure times what every exact analysis on a bridged model runs: `evaluate_many` over the removal of each
 sublayer alone, its interventions stacked along the batch (the default) over one forward pass each
-(`max_sequences` = the batch), interleaved in rounds; the largest difference between the two losses rides along.
+(`max_sequences` = the batch), interleaved in rounds that alternate which goes first; the largest difference between the two losses rides along.
 
     python -m analyses.benchmarks bench_bridge
 """
@@ -128,7 +128,8 @@ def measure_stacking(shape: dict, rounds: int) -> list[dict]:
     times: dict[str, list[float]] = {name: [] for name in runs}
     losses: dict[str, list[float]] = {}
     for round_index in range(rounds + 1):  # one warm-up round
-        for name, options in runs.items():
+        order = list(runs.items()) if round_index % 2 else list(runs.items())[::-1]  # neither always goes first
+        for name, options in order:
             start = time.perf_counter()
             losses[name] = [result.loss for result in evaluate_many(bridge, batch, removals, **options)]
             if round_index:

@@ -583,17 +583,21 @@ def test_depth_logit_attribution_splits_the_pre_cap_logit_against_a_float64_reco
     assert (table["bias"] == 0).all()  # lm_head has no bias
 
 
-def test_interventions_stacked_along_the_batch_equal_one_forward_pass_each(inkling_folders):
+@pytest.mark.parametrize("kind", ["loop", "deepseek_v4"])
+def test_interventions_stacked_along_the_batch_equal_one_forward_pass_each(kind, request):
     """`evaluate_many` on a model the staged engine does not know stacks the interventions along the batch, each
     one's hooks on its own copy: every intervention's logits equal its own `run_with_hooks` pass up to the float32
-    reordering of a larger batch (the bound of tests/helpers.py over the Mini's longest chain of sums); a hook
-    that returns None observes its copy alone; a limit on the sequences a pass splits the stack."""
+    reordering of a larger batch (the bound of tests/helpers.py over the model's longest chain of sums); a hook
+    that returns None observes its copy alone; a limit on the sequences a pass splits the stack. On the
+    Inkling-2-Mini (message consumers, looped visits, MoE) and on DeepSeek V4 (mHC streams, hash routing by token)."""
     from attnres_lens.analysis import evaluate_many, removal_hooks
     from attnres_lens.tasks.base import Batch, next_token_targets
 
     from .helpers import reordering_bound
 
-    bridge = from_transformers(inkling_folders["loop"]).eval()
+    folders = {"loop": lambda: request.getfixturevalue("inkling_folders")["loop"]}
+    folders["deepseek_v4"] = lambda: request.getfixturevalue("deepseek_v4_folder")
+    bridge = from_transformers(folders[kind]()).eval()
     targets = next_token_targets(TOKENS)
     batch = Batch(TOKENS, targets, targets != -100)
     seen: list[int] = []
@@ -601,23 +605,22 @@ def test_interventions_stacked_along_the_batch_equal_one_forward_pass_each(inkli
     def observe(tensor: torch.Tensor, hook) -> None:
         seen.append(tensor.shape[0])
 
-    consumer = bridge.consumers()[3]
     interventions = [
         [],
         removal_hooks(bridge, [1]),
-        source_mask_hooks(bridge, consumer, [0]),
         [(bridge.sublayer_output_hook(2), observe)] + removal_hooks(bridge, [0, 5]),
         removal_hooks(bridge, [4]),
         # reads its own copy, which differs from the others' there
         removal_hooks(bridge, [1]) + [(bridge.sublayer_output_hook(3), lambda output, hook: 3 * output)],
     ]
+    if bridge.consumers():  # DeepSeek V4 mixes through mHC streams: no depth softmax to mask
+        interventions.append(source_mask_hooks(bridge, bridge.consumers()[3], [0]))
     one_each = [bridge.run_with_hooks(TOKENS, fwd_hooks=list(hooks)) for hooks in interventions]
     config = bridge.hf_model.config
     widest = max(config.hidden_size, config.moe_intermediate_size, getattr(config, "intermediate_size", 0))
-    chain = (
-        TOKENS.numel() + config.vocab_size + bridge.n_sublayers * (widest + TOKENS.shape[1] + 4 * config.hidden_size)
-    )
-    for max_sequences in (None, 2 * len(TOKENS)):  # all six in one pass; two copies a pass
+    per_sublayer = widest + TOKENS.shape[1] + 4 * config.hidden_size + getattr(config, "hc_mult", 1)  # mHC streams
+    chain = TOKENS.numel() + config.vocab_size + bridge.n_sublayers * per_sublayer
+    for max_sequences in (None, 2 * len(TOKENS)):  # all in one pass; two copies a pass
         seen.clear()
         stacked = evaluate_many(
             bridge, batch, interventions, score=lambda logits, _: logits, max_sequences=max_sequences

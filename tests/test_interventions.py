@@ -532,6 +532,8 @@ def test_bad_hook_names_are_refused_with_the_name():
         evaluate_many(model, copy_batch(2), [[("blocks.0.hook_nothing", lambda t, hook: t)]])
     with pytest.raises(ValueError, match="max_sequences must be a positive integer"):
         evaluate_many(model, copy_batch(2), [[]], max_sequences=0)
+    with pytest.raises(ValueError, match="workers must be a positive integer, got None"):
+        evaluate_many(model, copy_batch(2), [[]], workers=None)
 
 
 class _UnbatchedScale(HookedRootModule):

@@ -112,8 +112,9 @@ def evaluate_many(
     to float rounding of the larger batches."""
     if not interventions:
         return []
-    for name, value in (("max_sequences", max_sequences), ("workers", workers)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    checked = {"workers": workers} | ({} if max_sequences is None else {"max_sequences": max_sequences})
+    for name, value in checked.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not isinstance(model, HookedTransformer):
         return _plain_evaluations(model, batch, interventions, score, progress, desc, max_sequences)

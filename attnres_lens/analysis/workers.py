@@ -29,7 +29,7 @@ def analysis_workers(model: object) -> int:
     `MAX_ANALYSIS_WORKERS` (independent stacked passes scale across cores, measured 1.6-2.0x on two, where
     splitting each op over two threads gave 1.1-1.4x; docs/analysis.md §11); one on a GPU (its kernels already
     fill it) and under autocast (`parallel_problem`); one for a model the staged engine does not run (any but the
-    toolkit's `HookedTransformer`: one plain forward per intervention)."""
+    toolkit's `HookedTransformer`: whole hooked passes, its interventions stacked along the batch)."""
     from attnres_lens.model import HookedTransformer  # the model imports nothing of analysis: no cycle, but heavy
 
     if not isinstance(model, HookedTransformer):
