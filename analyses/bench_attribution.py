@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,21 +82,10 @@ def stacked_full_passes(
     workers=1,
     remember=None,
 ):
-    """The previous `evaluate_many`: copies of the batch in full passes of up to 64 sequences."""
-    n_batch = batch.tokens.shape[0]
-    per_pass = max(1, max_sequences // n_batch)
-    results = []
+    """The previous `evaluate_many`: copies of the batch in full passes of up to 64 sequences (what the engine still
+    runs for a model whose stages it does not know)."""
     with torch.no_grad():
-        for start in range(0, len(interventions_), per_pass):
-            group = interventions_[start : start + per_pass]
-            by_name: dict[str, list] = defaultdict(list)
-            for slot, hooks in enumerate(group):
-                for name, hook in hooks:
-                    by_name[name].append((slot, hook))
-            fwd_hooks = [(name, library_engine._on_copies(n_batch, hooks)) for name, hooks in by_name.items()]
-            logits = model.run_with_hooks(batch.tokens.repeat(len(group), 1), fwd_hooks=fwd_hooks)
-            results += [score(part, batch) for part in logits.split(n_batch)]
-    return results
+        return library_engine._plain_evaluations(model, batch, interventions_, score, False, desc, max_sequences)
 
 
 @contextmanager
