@@ -326,7 +326,7 @@ def import_hf_run(
     """Write a run directory referring to the transformers folder `path` (docs/interop.md §7): config.json with the
     `TransformersModel` section, the task and a provenance, no checkpoint. The task is `task` (config.json's form,
     e.g. the tokens task on a `--tokens` file), or with `text` the file's text through the folder's tokenizer, saved
-    as RUN/tokens.npy and read by the tokens task, or by default the copy task at the model's vocabulary. Returns the
+    as RUN/tokens.npy and read by the tokens task, all of it held out, or by default the copy task at the model's vocabulary. Returns the
     run's path and the model's loss on `EVAL_SEQUENCES` held-out sequences (measured before config.json is written:
     a task that does not fit the model leaves no run)."""
     import attnres_lens
@@ -351,7 +351,8 @@ def import_hf_run(
                 )
             ids = tokenize(tokenizer, read_text_file(text, ImportHfError), model.d_vocab, f"--text {text}")
             run_dir.write_tokens(np.asarray(ids, dtype=np.uint32))
-            params = {"seq_len": min(model.n_ctx, DEFAULT_SEQ_LEN), **(params or {}), "name": "tokens"}
+            # the text is for evaluation only (an imported model never trains): all of it is held out
+            params = {"seq_len": min(model.n_ctx, DEFAULT_SEQ_LEN), "holdout": 1.0, **(params or {}), "name": "tokens"}
             params.update(path=str(run_dir.tokens_path.resolve()), vocab_size=model.d_vocab)
         elif params is None:
             params = default_task(Sizes(model.d_vocab, min(model.n_ctx, DEFAULT_SEQ_LEN)), "copy")

@@ -61,6 +61,9 @@ def test_text_goes_through_the_folders_tokenizer(inkling_folders, hf_runs):
     assert np.load(run.config.task.params["path"]).tolist() == expected
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(run.model_config.files_sha256)
     assert run.config.task.name == "tokens" and run.config.task.params["seq_len"] == 24
+    # the text is evaluation data only: its windows span all of it, the first from its first token
+    windows = run.config.build_task().eval_batch(16).tokens
+    assert windows[0].tolist() == expected[:24] and windows[-1].tolist() == expected[-24:]
 
 
 def test_a_changed_or_moved_folder_is_refused_naming_it(inkling_folders, tmp_path, capsys):

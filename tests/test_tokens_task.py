@@ -57,7 +57,8 @@ def test_npy_files_carry_their_dtype_and_match_raw_files(text):
         (lambda d: dict(path=str(d / "ids.npy"), vocab_size=40), "holds id 49, out of range for vocab_size=40"),
         (lambda d: dict(path=str(d / "ids.npy"), seq_len=600), "too short for seq_len=600"),
         (lambda d: dict(path=str(d / "missing.bin"), dtype="uint16"), "does not exist"),
-        (lambda d: dict(path=str(d / "ids.npy"), holdout=1.0), "holdout must be a fraction"),
+        (lambda d: dict(path=str(d / "ids.npy"), holdout=1.5), "holdout must be a fraction above 0 and at most 1"),
+        (lambda d: dict(path=str(d / "ids.npy"), holdout=1, seq_len=6000), "fewer than one window of seq_len=6000"),
         (lambda d: dict(), "give the token file"),
     ],
 )
@@ -67,6 +68,15 @@ def test_bad_files_get_clear_errors(text, make, message):
     params = {"vocab_size": 50, "seq_len": 33, **make(text)}
     with pytest.raises(ValueError, match=message):
         TokensTask(**params)
+
+
+def test_holding_out_the_whole_file_evaluates_on_all_of_it_and_refuses_training_windows(text):
+    task = TokensTask(path=str(text / "ids.npy"), vocab_size=50, seq_len=33, holdout=1)
+    ids = np.load(text / "ids.npy")
+    windows = task.eval_batch(4).tokens
+    assert windows[0].tolist() == ids[:33].tolist() and windows[-1].tolist() == ids[-33:].tolist()
+    with pytest.raises(ValueError, match="holdout=1 holds out the whole of .*no training windows.*holdout below 1"):
+        task.sample(2, task.train_generator())
 
 
 def test_a_model_trains_on_a_token_file(tmp_path):

@@ -2,7 +2,8 @@
 
 The one task that is not synthetic. The file is memory-mapped, never read whole: a raw array of uint16 or uint32 ids
 (`dtype` says which: a raw file does not record it) or a `.npy` file (its header records the dtype). Its last
-`holdout` fraction is the held-out split; training windows start anywhere in the rest.
+`holdout` fraction is the held-out split; training windows start anywhere in the rest. `holdout` = 1 holds out the
+whole file, for a model that is only evaluated (an imported one): such a task refuses to draw training windows.
 
 * Sequences are `seq_len` consecutive ids exactly as the file holds them. Unlike the synthetic tasks no BOS is
   inserted and id 0 is not reserved: the ids are the tokenizer's (if its documents start with a BOS, the file has it).
@@ -85,8 +86,9 @@ class TokensTask(Task):
     """Windows of `seq_len` ids from the token file `path`; the last `holdout` fraction is held out.
 
     Parameters: `path` (relative paths are relative to the working directory), `dtype` ("uint16" / "uint32"; needed
-    for raw files, read from the header of `.npy` files), `holdout` (default 0.1), plus `vocab_size` (every id must be
-    below it: the model's vocabulary), `seq_len` and `seed` (training windows only).
+    for raw files, read from the header of `.npy` files), `holdout` (default 0.1; 1: the whole file, evaluation
+    only), plus `vocab_size` (every id must be below it: the model's vocabulary), `seq_len` and `seed` (training
+    windows only).
     """
 
     name = "tokens"
@@ -97,12 +99,19 @@ class TokensTask(Task):
     def _validate(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError("tokens: give the token file as task.path")
-        if isinstance(self.holdout, bool) or not isinstance(self.holdout, (int, float)) or not 0 < self.holdout < 1:
-            raise ValueError(f"tokens: holdout must be a fraction strictly between 0 and 1, got {self.holdout!r}")
+        if isinstance(self.holdout, bool) or not isinstance(self.holdout, (int, float)) or not 0 < self.holdout <= 1:
+            raise ValueError(
+                f"tokens: holdout must be a fraction above 0 and at most 1 (1: evaluation only), got {self.holdout!r}"
+            )
         ids = open_token_file(self.path, self.dtype)
         n_eval = math.ceil(len(ids) * self.holdout)
         self._split = len(ids) - n_eval
-        if min(self._split, n_eval) < self.seq_len:
+        if self.holdout == 1 and n_eval < self.seq_len:
+            raise ValueError(
+                f"tokens: {self.path} holds {len(ids)} ids, fewer than one window of seq_len={self.seq_len}; use a "
+                "longer file or a smaller seq_len"
+            )
+        if self.holdout < 1 and min(self._split, n_eval) < self.seq_len:
             raise ValueError(
                 f"tokens: {self.path} holds {len(ids)} ids, too short for seq_len={self.seq_len}: its training part "
                 f"has {self._split} and its held-out part ({self.holdout:g} of the file) {n_eval}, and each needs at "
@@ -123,6 +132,11 @@ class TokensTask(Task):
         return self._batch(tokens, torch.ones_like(tokens, dtype=torch.bool))  # every position with a target
 
     def _generate(self, batch_size: int, generator: torch.Generator) -> Batch:
+        if self._split == 0:
+            raise ValueError(
+                f"tokens: holdout=1 holds out the whole of {self.path}, so there are no training windows; train with "
+                "a holdout below 1 (task.holdout=0.1)"
+            )
         starts = torch.randint(0, self._split - self.seq_len + 1, (batch_size,), generator=generator)
         return self._windows(starts.numpy())
 
