@@ -534,6 +534,17 @@ def test_bad_hook_names_are_refused_with_the_name():
         evaluate_many(model, copy_batch(2), [[]], max_sequences=0)
     with pytest.raises(ValueError, match="workers must be a positive integer, got None"):
         evaluate_many(model, copy_batch(2), [[]], workers=None)
+    with pytest.raises(TypeError, match=r"batch must be a Batch .* got Tensor.*Batch\.from_tokens\(tokens\)"):
+        causal_routing(model, copy_batch(2).tokens)
+
+
+def test_a_batch_from_tokens_scores_every_next_token():
+    tokens = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]])
+    batch = Batch.from_tokens(tokens)
+    assert batch.targets.tolist() == [[1, 4, 1, -100], [9, 2, 6, -100]]
+    assert batch.answer_mask.tolist() == [[True, True, True, False]] * 2
+    with pytest.raises(ValueError, match=r"integer ids of shape \[batch, pos\], got torch.float32 \(4,\)"):
+        Batch.from_tokens(torch.ones(4))
 
 
 class _UnbatchedScale(HookedRootModule):

@@ -217,9 +217,7 @@ def _as_batch(model: DepthMixingModel, batch: BatchLike) -> Batch:
     """A Batch as given, or tokens with next-token targets at every position but the last (all of them answers)."""
     if isinstance(batch, Batch):
         return check_scored_batch(batch.to(model_device(model)), model.d_vocab)
-    tokens = model.to_tokens(batch)
-    targets = next_token_targets(tokens)
-    return check_scored_batch(Batch(tokens, targets, targets != IGNORE_INDEX), model.d_vocab)  # one-token rows
+    return check_scored_batch(Batch.from_tokens(model.to_tokens(batch)), model.d_vocab)  # refuses one-token rows
 
 
 def _target_ids(model: DepthMixingModel, tokens: torch.Tensor, targets: torch.Tensor | None, what: str) -> torch.Tensor:

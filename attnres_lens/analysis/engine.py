@@ -33,7 +33,7 @@ from attnres_lens.hook_checks import module_hooked
 from attnres_lens.model import HookedTransformer
 from attnres_lens.protocol import DepthMixingModel
 from attnres_lens.streams import ResidualStream, SumStream
-from attnres_lens.tasks.base import Batch
+from attnres_lens.tasks.base import Batch, check_batch
 
 
 @torch.no_grad()
@@ -110,6 +110,7 @@ def evaluate_many(
     pass (default: as many copies of the batch as keep its logits within `STACK_ELEMENTS`), each intervention's
     hooks seeing only its own copy (`cache`, `workers` and `remember` then change nothing), the same numbers up
     to float rounding of the larger batches."""
+    check_batch(batch)
     if not interventions:
         return []
     checked = {"workers": workers} | ({} if max_sequences is None else {"max_sequences": max_sequences})

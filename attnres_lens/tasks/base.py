@@ -48,6 +48,18 @@ class Batch:
     answer_mask: torch.Tensor
     layout: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    @classmethod
+    def from_tokens(cls, tokens: torch.Tensor) -> Batch:
+        """Tokens of your own [B, T] scored as next-token prediction: every position but the last has a target, and
+        every target counts as an answer (as on real text)."""
+        tokens = torch.as_tensor(tokens)
+        if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise ValueError(
+                f"tokens must be integer ids of shape [batch, pos], got {tokens.dtype} {tuple(tokens.shape)}"
+            )
+        targets = next_token_targets(tokens.long())
+        return cls(tokens.long(), targets, targets != IGNORE_INDEX)
+
     def to(self, device: torch.device | str) -> Batch:
         return Batch(
             self.tokens.to(device),
@@ -78,10 +90,20 @@ def check_target_ids(targets: Any, shape: torch.Size, d_vocab: int, what: str = 
     return targets.long()
 
 
+def check_batch(batch: Any) -> None:
+    """A `Batch`, or a TypeError naming what was given and how to make one from tokens."""
+    if not isinstance(batch, Batch):
+        raise TypeError(
+            f"batch must be a Batch (tokens, next-token targets, answer positions), got {type(batch).__name__}; "
+            "for tokens of your own, Batch.from_tokens(tokens) (attnres_lens.tasks.base) scores every next token"
+        )
+
+
 def check_scored_batch(batch: Batch, d_vocab: int) -> Batch:
     """`batch` checked for an analysis that scores it: targets as `check_target_ids`, an answer mask of booleans
     of the tokens' shape, and at least one position with a target (an all-IGNORE batch, e.g. of one-token
     sequences, would give a table of NaN effects). Returns it with int64 targets."""
+    check_batch(batch)
     targets = check_target_ids(batch.targets, batch.tokens.shape, d_vocab, "batch.targets")
     mask = torch.as_tensor(batch.answer_mask)
     if mask.dtype != torch.bool or mask.shape != batch.tokens.shape:
