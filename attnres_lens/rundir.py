@@ -488,7 +488,7 @@ class RunDir:
             what = "is a file, not a folder" if self.path.exists() else "does not exist"
             raise RunDirError(
                 f"run directory {self.path} {what}; give a folder that holds a run's "
-                f"{self.CONFIG} (one `attnres-lens train --out DIR` wrote)"
+                f"{self.CONFIG} (one `attnres-lens train`, `import-hf` or `import-fla` wrote)"
             )
         if not self.config_path.is_file():
             try:  # a folder of runs given for one run: name them (an unreadable entry is simply not named)
@@ -502,14 +502,23 @@ class RunDir:
             )
             raise RunDirError(f"{self.path} is not a run directory: {self.CONFIG} is missing{inside}")
         config = read_json_file(self.config_path)
+        if isinstance(config, dict) and ("architectures" in config or "model_type" in config):
+            raise RunDirError(
+                f"{self.path} is a model folder (its {self.CONFIG} names model_type {config.get('model_type')!r}), not "
+                "a run directory: `attnres-lens import-hf FOLDER --out RUN` (transformers Inkling-2, Inkling-2-Mini, "
+                "DeepSeek V4) or `attnres-lens import-fla FOLDER --out RUN` (flash-linear-attention) makes it a run"
+            )
         for section in ("model", "task", "train"):
             if not isinstance(config, dict) or not isinstance(config.get(section), dict):
                 raise RunDirError(f"{self.config_path} has no '{section}' section; it was not written by attnres_lens")
         return config
 
     def read_config(self) -> RunConfig:
-        """config.json as a typed `RunConfig` (its task is checked to build)."""
+        """config.json as a typed `RunConfig` (its task is checked to build); a tokens task on the run's own
+        tokens.npy reads it wherever the run is now."""
         raw = self.read_config_dict()
+        if raw["task"].get("name") == "tokens" and raw["task"].get("path") == self.TOKENS:
+            raw["task"] = {**raw["task"], "path": str(self.tokens_path.resolve())}
         section = "model"  # checked in this order, so the message names the first bad section
         try:
             stored_model(raw["model"])
@@ -669,7 +678,13 @@ class RunDir:
 
     # ------------------------------------------------------------------ writes
     def write_config(self, config: RunConfig) -> None:
-        atomic_write_json(self.config_path, config.to_dict())
+        """config.json; a tokens task on the run's own tokens.npy names it relative to the run (`TOKENS`), so the
+        run can move (`read_config` resolves it)."""
+        data = config.to_dict()
+        task = data["task"]
+        if task.get("name") == "tokens" and task.get("path") == str(self.tokens_path.resolve()):
+            task["path"] = self.TOKENS
+        atomic_write_json(self.config_path, data)
 
     def write_tokens(self, ids: Any) -> None:
         """tokens.npy: a 1-D uint32 array of token ids (import-hf's tokenized --text), written atomically."""

@@ -109,6 +109,23 @@ def test_import_refuses_remote_code_pickles_no_tokenizer_and_used_folders(inklin
     assert code == 2 and "not empty" in err and (tmp_path / "used" / "notes.txt").read_text() == "mine"
 
 
+def test_a_run_with_its_own_tokens_moves_and_a_model_folder_is_not_taken_for_a_run(inkling_folders, hf_runs, tmp_path):
+    """config.json names the run's own tokens.npy relative to the run, so a moved run reads its text where it is now;
+    a transformers model folder given where a run goes is named as one, with the commands that make it a run."""
+    assert json.loads((hf_runs["loop"] / "config.json").read_text())["task"]["path"] == "tokens.npy"
+    moved = tmp_path / "moved"
+    shutil.copytree(hf_runs["loop"], moved)
+    run = load_run(moved, load_model=False)
+    assert run.config.task.params["path"] == str((moved / "tokens.npy").resolve())
+    assert torch.equal(
+        run.config.build_task().eval_batch(4).tokens, load_run(hf_runs["loop"]).config.build_task().eval_batch(4).tokens
+    )
+    with pytest.raises(RunDirError, match=r"is a model folder .*'inkling2.*import-hf FOLDER --out RUN"):
+        load_run(inkling_folders["plain"])
+    with pytest.raises(RunDirError, match=r"does not exist; .*`import-hf` or `import-fla`"):
+        load_run(tmp_path / "nope")
+
+
 def test_a_run_offers_only_what_a_referred_folder_has(hf_runs, tmp_path, capsys):
     with pytest.raises(RunDirError, match="one set of weights.*latest"):
         load_run(hf_runs["plain"], checkpoint="best_of_three")
