@@ -90,7 +90,13 @@ def _load(folder: Path, load_kwargs: dict[str, Any], transformers: Any) -> nn.Mo
             f"{str(folder)!r} is not a transformers model folder (no config.json there); pass the folder "
             "save_pretrained wrote, or a loaded model"
         )
-    architectures = json.loads(config_file.read_text()).get("architectures") or []
+    config = json.loads(config_file.read_text())
+    if isinstance(config, dict) and {"model", "task", "train"} <= set(config):
+        raise TypeError(
+            f"{str(folder)!r} is an attnres_lens run directory, not a transformers model folder; open it with "
+            "attnres_lens.load_run (its .model is the bridged model of a run import-hf made)"
+        )
+    architectures = config.get("architectures") or []
     supported = [name for name in architectures if name in SUPPORTED_MODELS]
     if not supported:
         raise TypeError(

@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every `attnres-lens` command and its options; built without importing torch, so `--help` is instant."""
     parser = argparse.ArgumentParser(prog="attnres-lens", description="Train and inspect AttnRes / KV-shift models.")
     commands = parser.add_subparsers(dest="command", required=True)
+    parser.subcommand_parsers = commands.choices  # each command's parser, for its own usage line in errors
 
     commands.add_parser("presets", help="list the training presets")
 
@@ -217,7 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status (bad input is a one-line error, not a traceback)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would answer with the top-level usage: the command's own says what it takes
+        parser.subcommand_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "dashboard":  # the dashboard process does its own imports
         return _dashboard(args)
     # Arguments are checked here, before the commands import torch and transformer_lens (seconds): a typo is

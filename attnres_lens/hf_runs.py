@@ -349,6 +349,8 @@ def import_hf_run(
                 raise ImportHfError(
                     f"{folder} has no tokenizer ({', '.join(TOKENIZER_FILES[:2])} …): give token ids with --tokens"
                 )
+            if not Path(text).is_file():
+                raise ImportHfError(f"--text {text} is not a file; give the text to evaluate the model on")
             ids = tokenize(tokenizer, read_text_file(text, ImportHfError), model.d_vocab, f"--text {text}")
             run_dir.write_tokens(np.asarray(ids, dtype=np.uint32))
             # the text is for evaluation only (an imported model never trains): all of it is held out

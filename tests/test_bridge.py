@@ -282,6 +282,11 @@ def test_refusals(inkling_folders, tmp_path, monkeypatch):
         from_transformers(other)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         from_transformers(tmp_path / "missing")
+    run = tmp_path / "a_run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": {}, "task": {}, "train": {}}))
+    with pytest.raises(TypeError, match="is an attnres_lens run directory.*attnres_lens.load_run"):
+        from_transformers(run)
     with pytest.raises(ValueError, match="apply only when opening a folder"):
         from_transformers(_reference(inkling_folders["plain"]), dtype=torch.bfloat16)
     model = _reference(inkling_folders["plain"])

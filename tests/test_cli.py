@@ -36,6 +36,16 @@ def test_commands_and_run_functions_share_one_sample_default_each(capsys):
         assert f"(default: {default}" in " ".join(capsys.readouterr().out.split()), command
 
 
+def test_an_unknown_option_is_answered_with_the_commands_own_usage(capsys):
+    from attnres_lens.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["analyze", "RUN", "--bogus"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "usage: attnres-lens analyze" in err
+    assert "attnres-lens analyze: error: unrecognized arguments: --bogus" in err
+
+
 def test_run_functions_share_their_leading_signature():
     import inspect
 

@@ -102,6 +102,11 @@ def test_import_refuses_remote_code_pickles_no_tokenizer_and_used_folders(inklin
         capsys,
     )
     assert code == 2 and "no tokenizer" in err and not (tmp_path / "r3").exists()
+    code, _, err = run_cli(
+        ["import-hf", inkling_folders["loop"], "--out", str(tmp_path / "r4"), "--text", str(tmp_path / "nope.txt")],
+        capsys,
+    )
+    assert code == 2 and "--text" in err and "nope.txt is not a file" in err and not (tmp_path / "r4").exists()
 
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "notes.txt").write_text("mine")
