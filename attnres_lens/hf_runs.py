@@ -361,7 +361,7 @@ def import_hf_run(
         try:
             task_config = TaskConfig.from_dict(params)
         except ValueError as err:
-            raise ImportHfError(f"the evaluation task does not fit this model: {err}") from err
+            raise ImportHfError(f"the evaluation task: {err}") from err
         built = task_config.build()
         if built.vocab_size > model.d_vocab or built.seq_len > model.n_ctx:
             raise ImportHfError(

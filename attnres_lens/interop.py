@@ -650,7 +650,7 @@ def import_fla_run(
     try:
         task_config = TaskConfig.from_dict(task if task is not None else default_task(cfg))
     except ValueError as err:
-        raise FlaInteropError(f"the evaluation task does not fit this model: {err}") from err
+        raise FlaInteropError(f"the evaluation task: {err}") from err
     run_config = RunConfig(cfg, task_config, imported_train_config(eval_sequences))
     built = run_config.build_task()
     if built.vocab_size > cfg.d_vocab or built.seq_len > cfg.n_ctx:

@@ -59,7 +59,8 @@ def open_token_file(path: str, dtype: str | None) -> np.ndarray:
     if dtype is None:
         raise ValueError(
             f"tokens: {path} is a raw file, which does not record its dtype; say which with "
-            f"task.dtype={TOKEN_DTYPES[0]} or {TOKEN_DTYPES[1]} (or save it as .npy)"
+            f"task.dtype={TOKEN_DTYPES[0]} or {TOKEN_DTYPES[1]} (import-fla and import-hf: --tokens-dtype), or save "
+            "it as .npy"
         )
     itemsize = np.dtype(dtype).itemsize
     size = file.stat().st_size
