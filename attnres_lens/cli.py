@@ -372,10 +372,15 @@ def _analyze_lines(summary: dict) -> str:
             f"{_head_name(row)} {_number(row['prefix_score'], '.3f')}" for row in summary["top_induction_heads"]
         )
         best = summary["top_induction_head"]
+        if best["tl_induction_score"] is None:  # only a bridged model leaves it out
+            from attnres_lens.analysis.induction import BRIDGE_NAN_REASONS
+
+            tl_score = f"TransformerLens induction score not computed ({BRIDGE_NAN_REASONS['tl_induction_score']})"
+        else:
+            tl_score = f"TransformerLens induction score {best['tl_induction_score']:.3f}"
         lines += [
             f"top induction heads (prefix-matching score): {heads}",
-            f"best head {_head_name(best)}: prefix score {_number(best['prefix_score'], '.3f')}, "
-            f"TransformerLens induction score {_number(best['tl_induction_score'], '.3f')}",
+            f"best head {_head_name(best)}: prefix score {_number(best['prefix_score'], '.3f')}, {tl_score}",
         ]
     lines += [
         f"in-context learning score {_number(summary['icl_score'], '+.4f')} ({summary['icl_score_definition']})",
