@@ -617,8 +617,8 @@ class RunDir:
         """metrics.jsonl as a DataFrame (see `_metric_lines` for what is refused)."""
         return pd.DataFrame([row for _, row in self._metric_lines()])
 
-    def read_records(self) -> dict[str, pd.DataFrame]:
-        records = {}
+    def read_records(self) -> Records:
+        records = Records(self.path, imported=self.read_config_dict().get("provenance") is not None)
         for table, columns in RECORD_COLUMNS.items():
             table_path = self.record_path(table)
             if table_path.is_file():
@@ -803,6 +803,25 @@ class RunDir:
 
 
 # ---------------------------------------------------------------------------- reading a run
+class Records(dict):
+    """The run's training records by table name (`RECORD_COLUMNS`); a table the run lacks is a KeyError saying which
+    it has and why (an imported run was trained elsewhere: it has none)."""
+
+    def __init__(self, path: Path, imported: bool) -> None:
+        super().__init__()
+        self.path, self.imported = path, imported
+
+    def __missing__(self, table: str) -> pd.DataFrame:
+        if table not in RECORD_COLUMNS:
+            raise KeyError(f"no record table is named {table!r}; the tables are {list(RECORD_COLUMNS)}")
+        why = (
+            "it was imported (trained elsewhere), so it has no training records"
+            if self.imported
+            else (f"it has {list(self) or 'none yet'}")
+        )
+        raise KeyError(f"run {self.path.name} has no {table!r} records: {why}")
+
+
 @dataclass
 class Run:
     """Everything `load_run` reads from a run directory."""
@@ -812,7 +831,7 @@ class Run:
     model: HookedTransformer | InklingBridge | None  # a bridge for a run referring to a transformers folder
     checkpoint: str | None
     metrics: pd.DataFrame
-    records: dict[str, pd.DataFrame] = field(default_factory=dict)
+    records: dict[str, pd.DataFrame] = field(default_factory=dict)  # a `Records` when read from a run
 
     @property
     def model_config(self) -> ModelConfig | TransformersModel:

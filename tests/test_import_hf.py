@@ -136,6 +136,11 @@ def test_a_run_offers_only_what_a_referred_folder_has(hf_runs, tmp_path, capsys)
         load_run(hf_runs["plain"], checkpoint="best_of_three")
     code, _, err = run_cli(["export-fla", str(hf_runs["plain"]), "--out", str(tmp_path / "fla")], capsys)
     assert code == 2 and "refers to a transformers model folder" in err and not (tmp_path / "fla").exists()
+    records = load_run(hf_runs["plain"], load_model=False).records
+    with pytest.raises(KeyError, match="run plain has no 'magnitudes' records: it was imported .* no training records"):
+        records["magnitudes"]
+    with pytest.raises(KeyError, match="no record table is named 'magnitude'; the tables are \\['depth_weights'"):
+        records["magnitude"]
 
 
 @pytest.mark.parametrize("kind", ["plain", "loop"])
