@@ -145,11 +145,5 @@ class TokensTask(Task):
         """n windows spread evenly over the held-out split (overlapping only when n windows do not fit side by side)."""
         check_int(self.name, "n", n, 1)
         last = len(self._ids) - self.seq_len  # the last window that fits
-        if n > (distinct := last - self._split + 1):  # more would repeat windows: intervals over sequences too narrow
-            raise ValueError(
-                f"tokens: the held-out part of {self.path} ({len(self._ids) - self._split} ids) holds {distinct} "
-                f"distinct windows of seq_len={self.seq_len}, fewer than the {n} sequences asked for; ask for at most "
-                f"{distinct} (--samples), or give more text or a smaller seq_len"
-            )
         starts = np.linspace(self._split, last, n).round().astype(np.int64) if n > 1 else np.array([self._split])
         return self._windows(starts)
