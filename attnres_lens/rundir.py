@@ -514,10 +514,10 @@ class RunDir:
         return config
 
     def read_config(self) -> RunConfig:
-        """config.json as a typed `RunConfig` (its task is checked to build); a tokens task on the run's own
-        tokens.npy reads it wherever the run is now."""
+        """config.json as a typed `RunConfig` (its task is checked to build); an import-hf run's tokens task on its
+        own tokens.npy reads it wherever the run is now (any other relative task path is the working directory's)."""
         raw = self.read_config_dict()
-        if raw["task"].get("name") == "tokens" and raw["task"].get("path") == self.TOKENS:
+        if _reads_own_tokens(raw) and raw["task"].get("path") == self.TOKENS:
             raw["task"] = {**raw["task"], "path": str(self.tokens_path.resolve())}
         section = "model"  # checked in this order, so the message names the first bad section
         try:
@@ -678,11 +678,12 @@ class RunDir:
 
     # ------------------------------------------------------------------ writes
     def write_config(self, config: RunConfig) -> None:
-        """config.json; a tokens task on the run's own tokens.npy names it relative to the run (`TOKENS`), so the
-        run can move (`read_config` resolves it)."""
+        """config.json; the tokens task of a run referring to a transformers folder, on the run's own tokens.npy
+        (import-hf's `--text`), names it relative to the run (`TOKENS`), so the run can move (`read_config` resolves
+        it)."""
         data = config.to_dict()
         task = data["task"]
-        if task.get("name") == "tokens" and task.get("path") == str(self.tokens_path.resolve()):
+        if _reads_own_tokens(data) and task.get("path") == str(self.tokens_path.resolve()):
             task["path"] = self.TOKENS
         atomic_write_json(self.config_path, data)
 
@@ -800,6 +801,12 @@ class RunDir:
         """Delete the optimiser/RNG state files (weights stay loadable; the run can no longer be resumed)."""
         for name in self.read_index().kept:
             self.state_path(name).unlink(missing_ok=True)
+
+
+def _reads_own_tokens(config: dict[str, Any]) -> bool:
+    """Whether config.json's task may be the run's own tokens.npy: a tokens task of a run referring to a
+    transformers folder (only import-hf writes the file)."""
+    return config["task"].get("name") == "tokens" and config["model"].get("source") == "transformers"
 
 
 # ---------------------------------------------------------------------------- reading a run

@@ -114,17 +114,34 @@ def test_import_refuses_remote_code_pickles_no_tokenizer_and_used_folders(inklin
     assert code == 2 and "not empty" in err and (tmp_path / "used" / "notes.txt").read_text() == "mine"
 
 
-def test_a_run_with_its_own_tokens_moves_and_a_model_folder_is_not_taken_for_a_run(inkling_folders, hf_runs, tmp_path):
-    """config.json names the run's own tokens.npy relative to the run, so a moved run reads its text where it is now;
-    a transformers model folder given where a run goes is named as one, with the commands that make it a run."""
-    assert json.loads((hf_runs["loop"] / "config.json").read_text())["task"]["path"] == "tokens.npy"
-    moved = tmp_path / "moved"
-    shutil.copytree(hf_runs["loop"], moved)
+def test_a_run_with_its_own_tokens_moves_and_a_model_folder_is_not_taken_for_a_run(
+    inkling_folders, smoke_run, tmp_path, capsys, monkeypatch
+):
+    """An import-hf run's config.json names its own tokens.npy relative to the run, so the run reads its text
+    wherever it is moved; a trained run's relative token path stays the working directory's; a transformers model
+    folder given where a run goes is named as one, with the commands that make it a run."""
+    (tmp_path / "text.txt").write_text(HF_RUN_TEXT)
+    first = tmp_path / "first"
+    command = ["import-hf", inkling_folders["loop"], "--out", str(first), "--text", str(tmp_path / "text.txt")]
+    assert run_cli([*command, "--set", "task.seq_len=24"], capsys)[0] == 0
+    assert json.loads((first / "config.json").read_text())["task"]["path"] == "tokens.npy"
+    expected = load_run(first, load_model=False).config.build_task().eval_batch(4).tokens
+    moved = first.rename(tmp_path / "moved")
     run = load_run(moved, load_model=False)
     assert run.config.task.params["path"] == str((moved / "tokens.npy").resolve())
-    assert torch.equal(
-        run.config.build_task().eval_batch(4).tokens, load_run(hf_runs["loop"]).config.build_task().eval_batch(4).tokens
-    )
+    assert torch.equal(run.config.build_task().eval_batch(4).tokens, expected)
+
+    trained = tmp_path / "trained"  # a toolkit run trained on ./tokens.npy of its working directory
+    shutil.copytree(smoke_run, trained)
+    config = json.loads((trained / "config.json").read_text())
+    task = config["task"]
+    config["task"] = {"name": "tokens", "path": "tokens.npy", "vocab_size": task["vocab_size"], "seq_len": 9}
+    (trained / "config.json").write_text(json.dumps(config))
+    (tmp_path / "cwd").mkdir()
+    np.save(tmp_path / "cwd" / "tokens.npy", np.arange(200, dtype=np.uint32) % task["vocab_size"])
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert load_run(trained, load_model=False).config.task.params["path"] == "tokens.npy"
+
     with pytest.raises(RunDirError, match=r"is a model folder .*'inkling2.*import-hf FOLDER --out RUN"):
         load_run(inkling_folders["plain"])
     with pytest.raises(RunDirError, match=r"does not exist; .*`import-hf` or `import-fla`"):
