@@ -219,9 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status (bad input is a one-line error, not a traceback)."""
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # argparse would answer with the top-level usage: the command's own says what it takes
-        parser.subcommand_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    words = list(sys.argv[1:] if argv is None else argv)
+    args, unknown = parser.parse_known_args(words)
+    if unknown:  # after the command, its own usage says what it takes; before it, the top-level usage
+        after_command = words.index(args.command) < min(words.index(word) for word in unknown)
+        (parser.subcommand_parsers[args.command] if after_command else parser).error(
+            f"unrecognized arguments: {' '.join(unknown)}"
+        )
     if args.command == "dashboard":  # the dashboard process does its own imports
         return _dashboard(args)
     # Arguments are checked here, before the commands import torch and transformer_lens (seconds): a typo is
@@ -372,12 +376,11 @@ def _analyze_lines(summary: dict) -> str:
             f"{_head_name(row)} {_number(row['prefix_score'], '.3f')}" for row in summary["top_induction_heads"]
         )
         best = summary["top_induction_head"]
-        if best["tl_induction_score"] is None:  # only a bridged model leaves it out
-            from attnres_lens.analysis.induction import BRIDGE_NAN_REASONS
-
-            tl_score = f"TransformerLens induction score not computed ({BRIDGE_NAN_REASONS['tl_induction_score']})"
+        reason = summary.get("induction_columns_not_computed", {}).get("tl_induction_score")
+        if reason:
+            tl_score = f"TransformerLens induction score not computed ({reason})"
         else:
-            tl_score = f"TransformerLens induction score {best['tl_induction_score']:.3f}"
+            tl_score = f"TransformerLens induction score {_number(best['tl_induction_score'], '.3f')}"
         lines += [
             f"top induction heads (prefix-matching score): {heads}",
             f"best head {_head_name(best)}: prefix score {_number(best['prefix_score'], '.3f')}, {tl_score}",

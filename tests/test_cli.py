@@ -44,6 +44,9 @@ def test_an_unknown_option_is_answered_with_the_commands_own_usage(capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "usage: attnres-lens analyze" in err
     assert "attnres-lens analyze: error: unrecognized arguments: --bogus" in err
+    with pytest.raises(SystemExit):
+        main(["--bogus", "presets"])
+    assert "attnres-lens: error: unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 def test_run_functions_share_their_leading_signature():

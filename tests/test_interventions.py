@@ -20,7 +20,9 @@ from attnres_lens.analysis import (
     angular_distance_matrix,
     causal_routing,
     cumulative_pruning,
+    evaluate,
     evaluate_many,
+    induction_head_scores,
     pruning_sensitivity,
     removal_hooks,
     session,
@@ -534,8 +536,9 @@ def test_bad_hook_names_are_refused_with_the_name():
         evaluate_many(model, copy_batch(2), [[]], max_sequences=0)
     with pytest.raises(ValueError, match="workers must be a positive integer, got None"):
         evaluate_many(model, copy_batch(2), [[]], workers=None)
-    with pytest.raises(TypeError, match=r"batch must be a Batch .* got Tensor.*Batch\.from_tokens\(tokens\)"):
-        causal_routing(model, copy_batch(2).tokens)
+    for analysis in (causal_routing, evaluate, pruning_sensitivity, induction_head_scores):
+        with pytest.raises(TypeError, match=r"batch must be a Batch .* got Tensor.*Batch\.from_tokens\(tokens\)"):
+            analysis(model, copy_batch(2).tokens)
 
 
 def test_a_batch_from_tokens_scores_every_next_token():
@@ -545,6 +548,8 @@ def test_a_batch_from_tokens_scores_every_next_token():
     assert batch.answer_mask.tolist() == [[True, True, True, False]] * 2
     with pytest.raises(ValueError, match=r"integer ids of shape \[batch, pos\], got torch.float32 \(4,\)"):
         Batch.from_tokens(torch.ones(4))
+    with pytest.raises(ValueError, match="integer ids"):
+        Batch.from_tokens(torch.ones(1, 4, dtype=torch.complex64))
 
 
 class _UnbatchedScale(HookedRootModule):

@@ -55,6 +55,7 @@ def capture(
 
 def evaluate(model: DepthMixingModel, batch: Batch, fwd_hooks: Sequence[Hook] = ()) -> Evaluation:
     """The batch's loss, answer loss and accuracy with the hooks `fwd_hooks` applied."""
+    check_batch(batch)
     if not fwd_hooks:
         return clean_result(
             "evaluate",

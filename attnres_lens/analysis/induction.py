@@ -45,7 +45,7 @@ from attnres_lens.model import HookedTransformer, next_token_loss
 from attnres_lens.protocol import DepthMixingModel, model_device
 from attnres_lens.recorder import prefix_matching_score
 from attnres_lens.tasks import make_task
-from attnres_lens.tasks.base import BOS, IGNORE_INDEX, Batch, Task
+from attnres_lens.tasks.base import BOS, IGNORE_INDEX, Batch, Task, check_batch
 
 # Columns of `induction_head_scores` left NaN on a bridged Inkling model, and why (docs/analysis.md §2).
 BRIDGE_NAN_REASONS = {
@@ -106,6 +106,8 @@ def induction_head_scores(
     `batch` is a repeated-tokens batch (default: `repeated_batch(n_samples, default_half_len(model),
     vocab_size or d_vocab, seed)`). On a bridged Inkling model, one row per (layer, visit, head) (module docstring).
     """
+    if batch is not None:
+        check_batch(batch)
     if not isinstance(model, HookedTransformer):
         return _bridged_scores(model, batch, n_samples, vocab_size, seed)
     cfg = model.cfg

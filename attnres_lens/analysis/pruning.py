@@ -46,7 +46,7 @@ from attnres_lens.evaluation import Evaluation
 from attnres_lens.mixing import check_mixing_defined
 from attnres_lens.model import HookedTransformer
 from attnres_lens.protocol import DepthMixingModel, model_device
-from attnres_lens.tasks.base import Batch
+from attnres_lens.tasks.base import Batch, check_batch
 
 CHEAP_METRICS = ("block_influence", "angular_distance_next", "relative_output_norm", "routing_mass")
 
@@ -149,6 +149,7 @@ def _has_routing_mass(model: DepthMixingModel) -> bool:
 def ablation_sensitivity(model: DepthMixingModel, batch: Batch, progress: bool = False) -> pd.DataFrame:
     """One row per sublayer: sublayer, label, kind, base_loss, base_accuracy, and for mode in (remove, mean,
     resample) dloss_{mode} and dacc_{mode}."""
+    check_batch(batch)
     batch = batch.to(model_device(model))
     base = evaluate(model, batch)
     _, outputs = residual_states(model, batch.tokens)
@@ -183,6 +184,7 @@ def ablation_sensitivity(model: DepthMixingModel, batch: Batch, progress: bool =
 
 def pruning_sensitivity(model: DepthMixingModel, batch: Batch, progress: bool = False) -> pd.DataFrame:
     """`ablation_sensitivity` joined with `cheap_metrics` on the same batch: one row per sublayer."""
+    check_batch(batch)
     measured = ablation_sensitivity(model, batch, progress)
     return measured.merge(cheap_metrics(model, batch.tokens.to(model_device(model))), on="sublayer")
 

@@ -37,6 +37,7 @@ from attnres_lens.analysis.depth import (
     mixing_diagnostics,
 )
 from attnres_lens.analysis.induction import (
+    BRIDGE_NAN_REASONS,
     in_context_learning_score,
     induction_head_scores,
     per_position_loss,
@@ -225,6 +226,8 @@ def analyze_run(
         tables["depth_summary"] = depth_summary(model, batch.tokens)
         tables["depth_weights_tokens"] = depth_weights_per_token(model, batch.tokens[:1])
     summary = analysis_summary(tables, _run_header(run, samples), skipped)
+    if "induction_heads" in tables and not is_toolkit_model(model):  # the columns a bridged model leaves NaN, and why
+        summary["induction_columns_not_computed"] = dict(BRIDGE_NAN_REASONS)
     return _write(tables, summary, analysis_report_html(tables, summary), output_dir(run, out), "analysis")
 
 

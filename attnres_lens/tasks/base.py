@@ -53,7 +53,7 @@ class Batch:
         """Tokens of your own [B, T] scored as next-token prediction: every position but the last has a target, and
         every target counts as an answer (as on real text)."""
         tokens = torch.as_tensor(tokens)
-        if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise ValueError(
                 f"tokens must be integer ids of shape [batch, pos], got {tokens.dtype} {tuple(tokens.shape)}"
             )

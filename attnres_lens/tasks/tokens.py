@@ -86,7 +86,8 @@ def _largest_id(path: str, ids: np.ndarray) -> int:
 class TokensTask(Task):
     """Windows of `seq_len` ids from the token file `path`; the last `holdout` fraction is held out.
 
-    Parameters: `path` (relative paths are relative to the working directory), `dtype` ("uint16" / "uint32"; needed
+    Parameters: `path` (relative paths are relative to the working directory; an import-hf run's config.json names
+    its own tokens.npy, resolved by `RunDir.read_config`), `dtype` ("uint16" / "uint32"; needed
     for raw files, read from the header of `.npy` files), `holdout` (default 0.1; 1: the whole file, evaluation
     only), plus `vocab_size` (every id must be below it: the model's vocabulary), `seq_len` and `seed` (training
     windows only).
