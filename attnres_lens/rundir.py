@@ -618,7 +618,7 @@ class RunDir:
         return pd.DataFrame([row for _, row in self._metric_lines()])
 
     def read_records(self) -> Records:
-        records = Records(self.path, imported=self.read_config_dict().get("provenance") is not None)
+        records = Records(self.path)
         for table, columns in RECORD_COLUMNS.items():
             table_path = self.record_path(table)
             if table_path.is_file():
@@ -814,17 +814,18 @@ class Records(dict):
     """The run's training records by table name (`RECORD_COLUMNS`); a table the run lacks is a KeyError saying which
     it has and why (an imported run was trained elsewhere: it has none)."""
 
-    def __init__(self, path: Path, imported: bool) -> None:
+    def __init__(self, path: Path) -> None:
         super().__init__()
-        self.path, self.imported = path, imported
+        self.path = path
 
     def __missing__(self, table: str) -> pd.DataFrame:
         if table not in RECORD_COLUMNS:
             raise KeyError(f"no record table is named {table!r}; the tables are {list(RECORD_COLUMNS)}")
+        imported = RunDir(self.path).read_config_dict().get("provenance") is not None  # read on this error path only
         why = (
             "it was imported (trained elsewhere), so it has no training records"
-            if self.imported
-            else (f"it has {list(self) or 'none yet'}")
+            if imported
+            else f"it has {list(self) or 'none yet'}"
         )
         raise KeyError(f"run {self.path.name} has no {table!r} records: {why}")
 
