@@ -17,8 +17,9 @@ Design, stated before any result:
 * **Comparisons**: every variant against the standard model and against Full AttnRes, paired by seed (the mean of
   the per-seed differences, a paired t test); Holm–Bonferroni over the whole family, with intervals at each
   comparison's Holm level (`holm_intervals`: an interval excludes 0 exactly when Holm rejects).
-* **Resolution**: the minimal detectable difference (80% power at the first Holm level, from the paired SD) says
-  which gaps the study can resolve; the paper's gaps are compared with it.
+* **Resolution**: the minimal detectable difference (80% power at the first Holm level, from the paired SD, by the
+  noncentral t) says which gaps the study can resolve; each of the paper's gaps is compared with its own
+  comparison's, and each resolved gap's sign with the paper's.
 * **Position classes** (a secondary analysis, added when seeds 0 and 1 of 8 were in): the held-out targets split
   by what predicts them (`position_classes`): the copy answers (the task's answer positions: in-context
   retrieval, an induction circuit's job), the 3-gram background (targets whose token and 3-gram context no copy
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import shlex
 import statistics
@@ -53,6 +55,7 @@ import torch
 
 from analyses.common import REPO, Job, emit_report, git_state, markdown_table, provenance, run_jobs, training_minutes
 from analyses.results import RESULTS
+from attnres_lens.rundir import run_is_complete
 
 if TYPE_CHECKING:
     from attnres_lens.config import RunConfig
@@ -85,9 +88,9 @@ BUDGET_NOTE = (
     "--set train.data_seed=0 --set train.steps=3000 --set train.eval_size=512`). Their held-out loss fell 0.18 and "
     "0.15 nats over steps 1800-2400, 0.068 and 0.056 over the last fifth and 0.022 and 0.019 over the last 300 "
     "steps; the Full − standard gap went from −0.220 at step 1500 to −0.168 at 2400 and −0.156 at 3000, moving "
-    "0.012 over the last fifth. So the losses are close to flat at the end of the schedule and the gaps the study "
-    "measures have settled to about 0.01, below the resolution this design expects (the resolution line below "
-    "gives the measured one); a longer budget would still lower every loss (not measured), and the earlier "
+    "0.012 over the last fifth (one seed). The runs are still descending at the end of the schedule: the scores "
+    "measure this budget, not converged losses, and the study's own drift of every gap over the last fifth is in "
+    "the per-comparison table. A longer budget would lower every loss further (not measured); the earlier "
     "600-step budget stopped mid-descent."
 )
 EVAL_SEQUENCES = 512
@@ -191,11 +194,46 @@ def holm_intervals(differences: Mapping[str, Sequence[float]], alpha: float = AL
     return table.astype({"rank": int, "divisor": int, "rejected": bool})
 
 
-def minimal_detectable_difference(sd: float, n: int, alpha: float, power: float = POWER) -> float:
-    """The smallest true paired gap a two-sided paired t test at level `alpha` detects with probability `power`
-    (n seeds, SD `sd` of the differences): (t_{1−α/2} + t_{power}) · sd / √n, both on n − 1 degrees of freedom."""
+def paired_t_power(effect: float, n: int, alpha: float) -> float:
+    """Probability that a two-sided paired t test at level `alpha` on `n` seeds rejects when the true mean difference
+    is `effect` SDs of the differences: P(|Z + λ| > c·√(V/df)) with λ = effect·√n, V ~ χ² on df = n − 1 and c the
+    test's critical value (the noncentral t), integrated over u = √V by Simpson's rule (the integrand is smooth:
+    u^(df−1)·e^(−u²/2) times normal tail probabilities)."""
     df = n - 1
-    return (t_quantile(1 - alpha, df) + t_quantile(2 * power - 1, df)) * sd / math.sqrt(n)
+    critical = t_quantile(1 - alpha, df)
+    u = torch.linspace(0.0, math.sqrt(df) + 12.0, 4001, dtype=torch.float64)  # χ_df has SD < 1: the tail is < 1e-30
+    log_density = (
+        math.log(2)
+        + torch.xlogy(torch.tensor(df - 1.0, dtype=torch.float64), u)
+        - u**2 / 2
+        - df / 2 * math.log(2)
+        - math.lgamma(df / 2)
+    )
+    shift = effect * math.sqrt(n)
+    reach = critical * u / math.sqrt(df)
+    integrand = torch.exp(log_density) * (torch.special.ndtr(shift - reach) + torch.special.ndtr(-shift - reach))
+    weights = torch.ones_like(u)
+    weights[1:-1:2], weights[2:-1:2] = 4.0, 2.0
+    return float((weights * integrand).sum() * (u[1] - u[0]) / 3)
+
+
+def minimal_detectable_difference(sd: float, n: int, alpha: float, power: float = POWER) -> float:
+    """The smallest true paired gap that a two-sided paired t test at level `alpha` detects with probability `power`
+    (n seeds, `sd` the SD of the differences, taken as known). The textbook shortcut (t_{1−α/2} + t_{power}) · sd / √n
+    understates it with few seeds (by about 10% at 5 seeds and α/21)."""
+    return detectable_effect(n, alpha, power) * sd
+
+
+@functools.cache
+def detectable_effect(n: int, alpha: float, power: float) -> float:
+    """The effect (in SDs of the differences) `paired_t_power` detects with probability `power`, by bisection."""
+    low, high = 0.0, 1.0
+    while paired_t_power(high, n, alpha) < power:
+        low, high = high, 2 * high
+    for _ in range(60):  # to ~1e-18 of the effect: far below the SD's own uncertainty
+        middle = (low + high) / 2
+        low, high = (middle, high) if paired_t_power(middle, n, alpha) < power else (low, middle)
+    return (low + high) / 2
 
 
 # ---------------------------------------------------------------------------- the runs
@@ -444,7 +482,9 @@ background (targets whose token and 3-gram context no copy touched: language mod
 paper's loss) and the copy edges (the first copied token, copy positions whose continuation is ambiguous, and the
 two tokens after a copy, sampled from a context the copy overwrote): {shares}. This split was added when seeds 0
 and 1 of 8 were in, before the rest. Each run's final checkpoint is scored on each class from its
-own per-token losses; the copy answers and the background are compared as the score is, paired by seed, with Holm
+own per-token losses (the final checkpoint, not the last-fifth mean the score averages: the classes' losses weighted
+by their counts give the last evaluation's loss, not the score); the copy answers and the background are compared
+as the score is, paired by seed, with Holm
 over the {m} comparisons of both (a second family: the primary comparisons above stand as designed). Losses: mean ±
 SD over seeds; Δ as above.
 
@@ -469,6 +509,73 @@ def interval(row: pd.Series) -> str:
     return f"{row['mean']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}]{mark}"
 
 
+def paper_gap(comparison: str) -> float:
+    """The paper's Table 4 difference for a comparison named 'variant − base'."""
+    variant, base = comparison.split(" − ")
+    return PAPER_LOSS[variant] - PAPER_LOSS[base]
+
+
+def comparison_table(tests: pd.DataFrame, drift: Mapping[str, Sequence[float]], n: int) -> pd.DataFrame:
+    """Per comparison: its test, its own minimal detectable difference at the first and last Holm levels, how far
+    the gap moved over the last fifth (mean over seeds: gap at the end − gap at the start of the last fifth), the
+    paper's gap and what the study says about it."""
+    m = len(tests)
+    rows = []
+    for r in tests.itertuples():
+        first = minimal_detectable_difference(r.sd, n, ALPHA / m)
+        gap = paper_gap(r.comparison)
+        if r.rejected:
+            verdict = "resolved, " + ("same sign as the paper" if r.mean * gap > 0 else "opposite sign to the paper")
+        else:
+            verdict = "not resolved; the paper's gap is " + ("within reach" if abs(gap) >= first else "below it")
+        rows.append(
+            {
+                "comparison": r.comparison,
+                "Δ": f"{r.mean:+.4f}",
+                "paired SD": f"{r.sd:.4f}",
+                "p (paired t)": f"{r.p:.2g}",
+                "p (Holm)": f"{r.p_holm:.2g}",
+                "Holm divisor": str(r.divisor),
+                f"MDD at α/{m}": f"{first:.4f}",
+                "MDD at α": f"{minimal_detectable_difference(r.sd, n, ALPHA):.4f}",
+                "gap drift, last fifth": f"{statistics.fmean(drift[r.comparison]):+.4f}",
+                "paper Δ": f"{gap:+.3f}",
+                "verdict": verdict,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def paper_verdict(table: pd.DataFrame, m: int) -> str:
+    """Which of the paper's gaps this study can speak to, from the per-comparison verdicts."""
+    reach = table[table["verdict"].str.endswith("within reach")]["comparison"].tolist()
+    below = table[table["verdict"].str.endswith("below it")]
+    resolved = table[table["verdict"].str.startswith("resolved")]
+    against = resolved[resolved["verdict"].str.endswith("opposite sign to the paper")]["comparison"].tolist()
+    gaps = below["paper Δ"].astype(float).abs()
+    below_text = (
+        f"For {len(below)} of {len(table)} comparisons the paper's gap ({gaps.min():.3f}–{gaps.max():.3f} nats) is "
+        f"below the comparison's own minimal detectable difference at α/{m} (MDD, from its paired SD): "
+        + ("**the paper's gaps are beyond this study's resolution**" if len(below) == len(table) else "beyond reach")
+        + "; agreement or disagreement with the paper there cannot be read off here."
+        if len(below)
+        else "Every comparison's paper gap is at or above its minimal detectable difference at the first Holm level."
+    )
+    parts = [below_text]
+    if reach:
+        parts.append(f"Not resolved although the paper's gap is within reach: {', '.join(reach)}.")
+    if len(resolved):
+        parts.append(
+            f"Of the {len(resolved)} resolved, {len(resolved) - len(against)} have the paper's sign"
+            + (f"; against it: {', '.join(against)}." if against else ".")
+        )
+    parts.append(
+        "Each MDD takes the comparison's SD as known, though it is estimated on n − 1 degrees of freedom, so the "
+        "line between reach and not is itself uncertain."
+    )
+    return " ".join(parts)
+
+
 def report(
     per_run: pd.DataFrame,
     tests: pd.DataFrame,
@@ -477,11 +584,13 @@ def report(
     steps: int,
     config,
     command: str,
-    minutes: tuple[float, float],
+    timing: tuple[float, float, int],
     figures: tuple[Path, Path],
     rounds: int,
+    commit: str,
 ) -> str:
-    """The Markdown report: the design first, then the scores, the paired comparisons and the figures."""
+    """The Markdown report: the design first, then the scores, the paired comparisons and the figures.
+    `timing`: minutes of run time summed over the runs, minutes of wall time in this invocation, runs it trained."""
     from attnres_lens.presets import DEPTH_MIXING_VARIANTS
 
     variants = list(dict.fromkeys(per_run["variant"]))
@@ -501,38 +610,30 @@ def report(
             f"{cells[0]} | {cells[1]} | {PAPER_LOSS[name]:.3f} | {ratios[name]:.2f}× |"
         )
     resolved = tests[tests["rejected"]]
-    paper_gaps = sorted(abs(PAPER_LOSS[name] - PAPER_LOSS[STANDARD]) for name in variants if name != STANDARD)
-    within = [gap for gap in paper_gaps if gap >= mdd_first]
-    if not within:
-        beyond = (
-            f"Every gap in the paper's table against its standard model ({paper_gaps[0]:.3f}–{paper_gaps[-1]:.3f} "
-            f"nats) is below {mdd_first:.3f}: **the paper's gaps are beyond this study's resolution**; agreement or "
-            "disagreement with its ordering at that scale cannot be read off here."
-        )
-    else:
-        beyond = (
-            f"{len(within)} of the paper's {len(paper_gaps)} gaps against its standard model reach {mdd_first:.3f}; "
-            f"the rest ({paper_gaps[0]:.3f} and up) are beyond this study's resolution."
-        )
-    sds = markdown_table(
-        tests[["comparison", "sd", "p", "p_holm", "divisor"]].rename(
-            columns={"sd": "paired SD", "p": "p (paired t)", "p_holm": "p (Holm)", "divisor": "Holm divisor"}
-        ),
-        digits=4,
+    # gap at the end − gap at the start of the last fifth = the base's drop − the variant's
+    drift = {key: [-d for d in values] for key, values in comparisons(per_run, variants, "last_fifth_drop").items()}
+    table = comparison_table(tests, drift, n)
+    drifts = [statistics.fmean(values) for values in drift.values()]
+    multi_head = (
+        " The paper's multi-head row is Block AttnRes (S = 4, H = 16), and so is ours."
+        if "depth-block-heads16" in variants
+        else ""
     )
+    minutes, wall, trained = timing
     return f"""# Depth-mixing rules side by side (AttnRes paper Table 4, at CPU scale), paired by seed
 
-Generated {provenance()}, by `{command}`.
-Training took {minutes[0]:.1f} min of run time summed over the {len(per_run)} runs, {minutes[1]:.1f} min of wall
-time in this invocation (0 when every run was reused).
+Generated {provenance()}, by `{command}`; its results rows are stamped with commit {commit[:12]} (this invocation's start).
+Training took {minutes:.1f} min of run time summed over the {len(per_run)} runs (from each run's files: a resumed run
+counts from its last resume), {wall:.1f} min of wall time in this invocation, which trained {trained} of them. Runs
+reused from earlier invocations are checked against this design's configs (`check_design`), not against the code
+that trained them.
 
 ## Design
 
 * **Variants**: {len(variants)} depth-mixing rules (`presets.DEPTH_MIXING_VARIANTS`{"" if len(variants) == len(DEPTH_MIXING_VARIANTS) else ", a subset"}), {config.model.n_layers} layers
   with MLPs ({config.model.n_sublayers} sublayers), d_model {config.model.d_model}, d_mlp {config.model.d_mlp},
   {config.model.n_heads} heads, RoPE; the mixed task (3-gram text with copied segments, vocab
-  {config.task.params["vocab_size"]}, length {config.task.params["seq_len"]}). The paper's multi-head row is Block
-  AttnRes (S = 4, H = 16), and so is ours.
+  {config.task.params["vocab_size"]}, length {config.task.params["seq_len"]}).{multi_head}
 * **Pairing**: one task for every run (`task.seed={TASK_SEED}`: one language, one held-out set). Seeds {list(seeds)}
   set the initialisation (`train.seed`) and the order of the training batches (`train.data_seed`) only; the
   variants of one seed start from identical shared weights (embedding, attention, MLP and unembedding; a variant's
@@ -546,21 +647,26 @@ time in this invocation (0 when every run was reused).
 * **Score**: the mean held-out loss over the evaluations at steps ≥ {(1 - LAST_FRACTION) * steps:.0f} (one every
   {config.train.eval_every} steps) on {config.train.eval_size} fixed held-out sequences.
 * **Comparisons**: {m} paired differences (each variant − standard, each variant − Full; Full − standard once),
-  paired t on {n - 1} degrees of freedom, Holm–Bonferroni over all {m} at α = {ALPHA}. Intervals: Holm-adjusted 95%
-  (each at its Holm step's level, so it excludes 0 exactly when Holm rejects; * marks those).
+  paired t on {n - 1} degrees of freedom, Holm–Bonferroni over all {m} at α = {ALPHA}. Each interval is at its
+  comparison's Holm level (α/{m} for the most significant, up to α), so it excludes 0 exactly when Holm rejects
+  (* marks those); they are not simultaneous 95% intervals.
 * **Resolution**: with the median paired SD {median_sd:.4f} over {n} seeds, the minimal detectable difference
-  (80% power) is {mdd_first:.4f} nats at the first Holm level (α/{m}) and {mdd_last:.4f} at the last (α).
-* **Step time**: the median over {rounds} interleaved rounds of each variant's forward + backward + AdamW step
-  relative to the standard model's in the same round, one thread, one process (a shared machine makes these
-  rough).
+  (80% power, noncentral t, the SD taken as known) is {mdd_first:.4f} nats at the first Holm level (α/{m}) and
+  {mdd_last:.4f} at the last (α); each comparison's own is in the per-comparison table.
+* **Step time**: the median over {rounds} interleaved round{"" if rounds == 1 else "s"} of each variant's forward +
+  backward + AdamW step relative to the standard model's in the same round, one thread, one process (a shared
+  machine makes these rough).
 * **What it cannot say**: anything at the paper's scale (16 layers, billions of tokens); gaps below the minimal
-  detectable difference.
+  detectable difference; converged losses (the runs still descend at the end of the budget, and the gaps drift
+  with them). The paired t assumes roughly normal per-seed differences; with {n} seeds no sign-flip or rank test
+  could stand in for it at the first Holm level (its smallest two-sided p is 2/2^{n} = {2 / 2**n:.3g}, against
+  α/{m} = {ALPHA / m:.3g}), so a split between seeds is for the eye: the per-seed scores are in the CSV.
 
 ## Results
 
 Score: mean ± SD over seeds. Last-fifth drop: how far the held-out loss fell from the first to the last evaluation
-of the last fifth (mean over seeds; near 0 = near convergence at this budget). Δ: mean paired difference (negative
-= lower loss than the base) [Holm-adjusted 95% interval]; * = separated from 0 after Holm.
+of the last fifth (mean over seeds; how far from flat the runs still were). Δ: mean paired difference (negative =
+lower loss than the base) [interval at the comparison's Holm level]; * = separated from 0 after Holm.
 
 | variant | rule | score | last-fifth drop | Δ vs standard | Δ vs Full | paper loss | step time × standard |
 |---|---|---|---|---|---|---|---|
@@ -568,11 +674,15 @@ of the last fifth (mean over seeds; near 0 = near convergence at this budget). �
 
 {len(resolved)} of {m} comparisons are resolved after Holm: {", ".join(resolved["comparison"]) or "none"}.
 
-{beyond}
+Over the last fifth of training the gaps moved by {min(drifts):+.4f} to {max(drifts):+.4f} nats (mean over seeds;
+"gap drift" below): the scores are those of a {steps}-step budget, not of converged models.
 
-Per comparison:
+{paper_verdict(table, m)}
 
-{sds}
+Per comparison (MDD: minimal detectable difference from the comparison's own paired SD; paper Δ: the same
+difference in the paper's Table 4):
+
+{markdown_table(table)}
 
 ![depth-mixing matrices]({figures[0].name})
 
@@ -618,13 +728,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def difference_rows(tests: pd.DataFrame, shape: str) -> list[dict]:
-    """Results rows of a table of paired comparisons: mean and Holm interval of each; a position class's
+    """Results rows of a table of paired comparisons: mean and Holm-level interval of each; a position class's
     comparison ('<class>: <variant> − <base>') names its class in the metric."""
     rows = []
     for r in tests.itertuples():
         label, _, comparison = r.comparison.rpartition(": ")
         family = f" ({label})" if label else ""
-        for name, value in (("mean", r.mean), ("Holm 95% low", r.low), ("Holm 95% high", r.high)):
+        for name, value in (("mean", r.mean), ("Holm-level low", r.low), ("Holm-level high", r.high)):
             rows.append(
                 dict(metric=f"paired difference{family}: {name}", shape=shape, variant=comparison, value=float(value))
             )
@@ -640,6 +750,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     variants = args.variants
     jobs = study_jobs(variants, args.seeds, args.steps, args.runs_dir, args.set)
     commit, dirty = git_state()  # the code that ran is the code at the start
+    trained = sum(not run_is_complete(job.out) for job in jobs)
     seconds = run_jobs(jobs, args.workers)
     check_design(jobs)
 
@@ -659,9 +770,11 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     runs = {name: load_run(args.runs_dir / f"{name}-s{first}") for name in variants}
     figures = mixing_figures(runs, variants, args.report_dir)
     command = "python -m analyses.depth_mixing_ablation " + shlex.join(argv if argv is not None else sys.argv[1:])
-    minutes = (sum(training_minutes(job.out) for job in jobs), seconds / 60)
+    timing = (sum(training_minutes(job.out) for job in jobs), seconds / 60, trained)
     config = runs[STANDARD].config
-    text = report(per_run, tests, ratios, args.seeds, args.steps, config, command, minutes, figures, args.timing_rounds)
+    text = report(
+        per_run, tests, ratios, args.seeds, args.steps, config, command, timing, figures, args.timing_rounds, commit
+    )
     text += class_report(per_run, by_class, position_classes(config.build_task().eval_batch(config.train.eval_size)))
     emit_report(text, args.report_dir / "depth_mixing_ablation.md")
 
