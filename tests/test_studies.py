@@ -23,9 +23,41 @@ def test_the_read_off_inverts_the_standard_line():
     loss_at_250 = 5 - 0.5 * math.log(250)
     multiplier, outside = compute_multiplier.read_off(standard, loss_at_250, 200.0)
     assert multiplier == pytest.approx(1.25) and not outside
-    assert compute_multiplier.read_off(standard, 5 - 0.5 * math.log(1600), 200.0)[1]  # beyond the budgets
+    beyond, outside = compute_multiplier.read_off(standard, 5 - 0.5 * math.log(1600), 200.0)
+    assert outside and beyond == pytest.approx(8.0)  # extrapolated along the end segment, itself on the line
     rising = standard.assign(loss=standard["loss"][::-1].to_numpy())
     assert math.isnan(compute_multiplier.read_off(rising, 2.0, 200.0)[0])
+    bumpy = standard.assign(loss=[3.0, 2.5, 2.6, 2.0])  # more compute, a higher loss once: no read-off
+    assert math.isnan(compute_multiplier.read_off(bumpy, 2.4, 200.0)[0])
+
+
+def test_the_read_off_is_local_so_a_standard_run_reads_one_on_a_curved_curve():
+    """Losses convex in log compute (3, 2, 1.6, 1.4 at 100 … 800): each standard run reads off exactly 1, where a
+    least-squares line through all four would call the run at 400 a 1.205× one. Between 200 and 400 the read-off
+    interpolates in log compute: a loss of 1.8, half-way, needs √(200 · 400)."""
+    standard = pd.DataFrame(dict(compute=[100.0, 200.0, 400.0, 800.0], loss=[3.0, 2.0, 1.6, 1.4]))
+    for compute, loss in zip(standard["compute"], standard["loss"], strict=True):
+        assert compute_multiplier.read_off(standard, loss, compute) == (pytest.approx(1.0), False)
+    multiplier, _ = compute_multiplier.read_off(standard, 1.8, 200.0)
+    assert multiplier == pytest.approx(math.sqrt(200 * 400) / 200)
+
+
+def test_the_control_pairs_each_variant_with_the_standard_model_at_its_budget():
+    runs = pd.DataFrame(
+        dict(
+            variant=["standard", "standard", "standard", "standard", "block", "block"],
+            seed=[0, 0, 1, 1, 0, 1],
+            steps=[300, 600, 300, 600, 600, 600],
+            loss=[2.5, 2.0, 2.6, 2.2, 1.9, 2.0],
+        )
+    )
+    control = compute_multiplier.same_budget_differences(runs, 600)["block"]
+    # differences −0.1 and −0.2: SD 0.1/√2, SE 0.05, t on 1 degree of freedom tan(0.475π) = 12.706
+    mean, half = -0.15, math.tan(math.pi * 0.475) * 0.05
+    assert (control["mean"], control["low"], control["high"]) == pytest.approx((mean, mean - half, mean + half))
+    assert control["seeds"] == 2 and compute_multiplier.same_budget_differences(runs, 450) == {}
+    assert compute_multiplier.separates(-0.3, -0.1, 0.0) == "below"
+    assert compute_multiplier.separates(1.1, 1.3, 1.25) == "includes"
 
 
 def test_the_interval_is_a_t_interval_on_the_logarithms():
@@ -95,7 +127,9 @@ def test_both_studies_run_end_to_end_on_tiny_models(tmp_path):
     assert {row["bench"] for row in rows} == {"real_text_depth", "compute_multiplier"}
     real_text = [row for row in rows if row["bench"] == "real_text_depth"]
     assert len(real_text) == 2 * (len(real_text_depth.CLAIMS) + 1)  # two presets, each claim and the final loss
-    multipliers = {row["variant"]: row["value"] for row in rows if row["metric"] == "compute multiplier (mean)"}
+    multipliers = {
+        row["variant"]: row["value"] for row in rows if row["metric"] == "compute multiplier (geometric mean)"
+    }
     assert set(multipliers) == {"full", "block"}
     assert "## Design" in (tmp_path / "rt.md").read_text() and "## Design" in (tmp_path / "cm.md").read_text()
     assert all(row["command"].startswith("python -m analyses.") for row in rows)
