@@ -127,9 +127,7 @@ def test_both_studies_run_end_to_end_on_tiny_models(tmp_path):
     assert {row["bench"] for row in rows} == {"real_text_depth", "compute_multiplier"}
     real_text = [row for row in rows if row["bench"] == "real_text_depth"]
     assert len(real_text) == 2 * (len(real_text_depth.CLAIMS) + 1)  # two presets, each claim and the final loss
-    multipliers = {
-        row["variant"]: row["value"] for row in rows if row["metric"] == "compute multiplier (geometric mean)"
-    }
+    multipliers = {row["variant"]: row["value"] for row in rows if row["metric"] == "compute multiplier (mean)"}
     assert set(multipliers) == {"full", "block"}
     assert "## Design" in (tmp_path / "rt.md").read_text() and "## Design" in (tmp_path / "cm.md").read_text()
     assert all(row["command"].startswith("python -m analyses.") for row in rows)
