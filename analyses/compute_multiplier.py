@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -132,19 +133,31 @@ def jobs_for(args: argparse.Namespace) -> list[Job]:
     return jobs
 
 
+def torchrun_command(job: Job, processes: int) -> list[str]:
+    """The command that trains `job` under `torchrun --nproc-per-node processes` with the settings a worker process
+    gives it (`common._run_job`: the job's seed settings, then its overrides; torch's threads left to each rank), or
+    resumes it from its latest checkpoint. A run that crashed before its first checkpoint is removed to start over,
+    as a worker does."""
+    from attnres_lens.rundir import RunDir
+
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(processes)]
+    cli = [*torchrun, "-m", "attnres_lens.cli", "train", "--no-progress"]
+    run_dir = RunDir(job.out)
+    if run_dir.holds_run() and run_dir.read_index().latest is not None:
+        return [*cli, "--resume", str(job.out)]
+    if run_dir.holds_run():
+        shutil.rmtree(job.out)
+    settings = [*job.seed_overrides(), *job.overrides]
+    return [*cli, "--preset", job.preset, "--out", str(job.out), *(a for s in settings for a in ("--set", s))]
+
+
 def run_under_torchrun(jobs: list[Job], processes: int) -> None:
-    """Each training in turn under `torchrun --nproc-per-node processes` (skipping complete runs)."""
+    """Each training in turn under torchrun with `processes` ranks (skipping complete runs, resuming partial ones)."""
     from attnres_lens.rundir import run_is_complete
 
-    torchrun = Path(sys.executable).parent / "torchrun"
     for job in jobs:
-        if run_is_complete(job.out):
-            continue
-        settings = [f"train.seed={job.seed}", *job.overrides]
-        command = [str(torchrun), "--nproc-per-node", str(processes), "-m", "attnres_lens.cli", "train"]
-        command += ["--preset", job.preset, "--out", str(job.out), "--no-progress"]
-        command += [arg for setting in settings for arg in ("--set", setting)]
-        subprocess.run(command, check=True)
+        if not run_is_complete(job.out):
+            subprocess.run(torchrun_command(job, processes), check=True)
 
 
 def measure(jobs: list[Job]) -> pd.DataFrame:

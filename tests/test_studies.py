@@ -10,8 +10,12 @@ import pandas as pd
 import pytest
 
 from analyses import compute_multiplier, real_text_depth
+from analyses.common import Job, _run_job
+from attnres_lens import load_run
 from attnres_lens.model import HookedTransformer
 from attnres_lens.presets import get_preset
+from attnres_lens.rundir import RunDir, run_is_complete
+from attnres_lens.training import Trainer
 
 TINY = ["model.d_model=16", "model.n_heads=2", "model.d_mlp=32", "train.eval_every=2", "train.log_every=2"]
 TINY += ["train.record_every=2", "train.checkpoint_every=2", "train.batch_size=2", "train.warmup_steps=1"]
@@ -131,3 +135,38 @@ def test_both_studies_run_end_to_end_on_tiny_models(tmp_path):
     assert set(multipliers) == {"full", "block"}
     assert "## Design" in (tmp_path / "rt.md").read_text() and "## Design" in (tmp_path / "cm.md").read_text()
     assert all(row["command"].startswith("python -m analyses.") for row in rows)
+
+
+@pytest.mark.slow
+def test_the_compute_study_trains_and_resumes_under_torchrun_as_a_worker_does(tmp_path, monkeypatch):
+    """`--torchrun 2` trains a fresh run and finishes a crashed one (from its checkpoint) to the config and the
+    held-out losses a worker process gives the same jobs: two ranks each take half the batch and average their
+    gradients, the same step up to float32 reordering (the data-parallel test in test_run_guarantees.py)."""
+    settings = (*compute_multiplier.FIXED_TASK, "train.steps=4", "train.eval_size=8", "train.record_size=4", *TINY)
+    fresh, crashed = (
+        Job(compute_multiplier.VARIANTS["block"], 1, tmp_path / name, settings) for name in ("fresh", "crashed")
+    )
+    original = Trainer._train_step
+
+    def crash_at_step_3(self, *args, **kwargs):
+        if self.step == 3:
+            raise KeyboardInterrupt("simulated crash")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "_train_step", crash_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        _run_job(crashed)
+    monkeypatch.setattr(Trainer, "_train_step", original)
+    assert RunDir(crashed.out).read_index().latest == "step_0000002" and not run_is_complete(crashed.out)
+
+    compute_multiplier.run_under_torchrun([fresh, crashed], 2)
+    for job in (fresh, crashed):
+        reference = Job(job.preset, job.seed, tmp_path / f"{job.out.name}-one-process", job.overrides)
+        _run_job(reference)
+        ranks, worker = (load_run(run.out, load_model=False) for run in (job, reference))
+        for section in ("model", "task"):
+            assert getattr(ranks.config, section) == getattr(worker.config, section)
+        assert ranks.config.train.seed == worker.config.train.seed == 1
+        ours, theirs = (run.metrics.dropna(subset=["eval_loss"]).drop_duplicates("step") for run in (ranks, worker))
+        assert ours["step"].tolist() == theirs["step"].tolist() == [0, 2, 4]
+        assert ours["eval_loss"].to_numpy() == pytest.approx(theirs["eval_loss"].to_numpy(), rel=1e-5)
