@@ -17,8 +17,11 @@ Design, stated before any result:
   3. *pre-attention vs pre-MLP*: MLP inputs are more local and sharper than attention inputs: the mean weight on
      the most recent source (MLP − attention) and the mean normalised entropy (attention − MLP), over the layers
      1 … 5 where both consumers exist.
-  A claim is said to **hold** when its statistic has the predicted sign on every seed of a model; with the default
-  two seeds a sign that flips between seeds is reported as **not resolved**, not as a result.
+  Each statistic has a threshold (0 for a difference, 0.5 for a share; the verdict table prints it) and the claim
+  predicts a value above it. The verdict says on which side each seed of a model falls: **predicted side on every
+  seed**, **other side on every seed**, or **seeds disagree** (not resolved). It describes these seeds, not a test:
+  with the default two seeds, a statistic whose sign were a coin toss per seed would land on the predicted side on
+  both one time in four.
 * **What it cannot say**: anything at scale (12 sublayers, 2000 steps of a d_model-128 model on ~5 MB of text);
   how large the effects are beyond these seeds (no interval across two seeds).
 
@@ -115,14 +118,15 @@ def statistics(table: pd.DataFrame, n_consumers: int) -> dict[str, float]:
 
 
 def verdict(values: list[float], threshold: float) -> str:
+    """On which side of `threshold` the seeds' values fall (the claim predicts above); NaNs are left out."""
     above = [value > threshold for value in values if not math.isnan(value)]
     if not above:
         return "undefined"
     if all(above):
-        return "holds"
+        return "predicted side on every seed"
     if not any(above):
-        return "does not hold"
-    return "not resolved (seeds disagree)"
+        return "other side on every seed"
+    return "seeds disagree (not resolved)"
 
 
 def measure(jobs: list[Job], samples: int) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
@@ -152,8 +156,10 @@ def report(values: pd.DataFrame, tables: dict[str, pd.DataFrame], jobs: list[Job
         "",
         "## Verdicts",
         "",
-        "| claim | model | " + " | ".join(f"seed {seed}" for seed in sorted(values["seed"].unique())) + " | verdict |",
-        "|---|---|" + "---|" * values["seed"].nunique() + "---|",
+        "| claim | predicted | model | "
+        + " | ".join(f"seed {seed}" for seed in sorted(values["seed"].unique()))
+        + " | verdict |",
+        "|---|---|---|" + "---|" * values["seed"].nunique() + "---|",
     ]
     for statistic in [*CLAIMS, "final eval loss (nats/byte)"]:
         for preset in PRESETS:
@@ -162,7 +168,8 @@ def report(values: pd.DataFrame, tables: dict[str, pd.DataFrame], jobs: list[Job
                 continue
             cells = " | ".join(f"{value:.3f}" for value in chosen["value"])
             ruling = verdict(list(chosen["value"]), CLAIMS[statistic]) if statistic in CLAIMS else "—"
-            lines.append(f"| {statistic} | {preset} | {cells} | {ruling} |")
+            predicted = f"> {CLAIMS[statistic]:g}" if statistic in CLAIMS else "—"
+            lines.append(f"| {statistic} | {predicted} | {preset} | {cells} | {ruling} |")
     lines += ["", "## Per consumer", ""]
     for name, table in tables.items():
         lines += [f"### {name}", "", markdown_table(table), ""]

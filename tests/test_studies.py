@@ -109,9 +109,9 @@ def test_real_text_statistics_on_a_hand_made_table():
     assert stats["embedding: α on e > uniform (share of deeper half)"] == 1.0
     assert stats["pre-MLP − pre-attention: α on the most recent"] == pytest.approx(0.5 - 0.2)  # layer 1 only
     assert stats["pre-attention − pre-MLP: normalised entropy"] == pytest.approx(0.8 - 0.6)
-    assert real_text_depth.verdict([0.1, 0.2], 0.0) == "holds"
-    assert real_text_depth.verdict([0.1, -0.2], 0.0) == "not resolved (seeds disagree)"
-    assert real_text_depth.verdict([-0.1], 0.0) == "does not hold"
+    assert real_text_depth.verdict([0.1, 0.2], 0.0) == "predicted side on every seed"
+    assert real_text_depth.verdict([0.1, -0.2], 0.0) == "seeds disagree (not resolved)"
+    assert real_text_depth.verdict([-0.1], 0.0) == "other side on every seed"
 
 
 @pytest.mark.slow
