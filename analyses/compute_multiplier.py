@@ -20,11 +20,13 @@ Design, stated before any result:
   not: the first version of this study fitted one, and its Block multiplier excluding 1 was that line's bias).
   Over seeds: the geometric mean of the multipliers and a 95% Student-t interval on their logarithms (paired by
   seed). A variant whose loss lies outside the standard losses' range is extrapolated from the end segment,
-  marked as such; a seed whose standard losses do not fall with compute gives no read-off.
+  marked as such; a seed whose standard losses do not fall with compute gives no read-off (NaN, left out of the
+  seeds counted).
 * **Control**: when `--attnres-budget` is one of `--budgets`, each variant's loss minus the standard model's at
-  the same budget, paired by seed, with a 95% t-interval: the same question without any read-off.
-* **What it can resolve**: with a few seeds at this scale, a multiplier whose interval excludes 1, and whether it
-  excludes the paper's 1.25× (the Result table says both). The interpolation is local to the budgets given, not a
+  the same budget, paired by seed, with a 95% t-interval: a check free of any read-off, at equal steps (an AttnRes
+  run spends a little more compute per step than the standard one; the Runs table gives each run's).
+* **What it can resolve**: with a few seeds at this scale, a multiplier whose interval excludes 1, and for Block
+  AttnRes whether it excludes the paper's 1.25× (the Result table says both). The interpolation is local to the budgets given, not a
   scaling law. The study is the tool for bigger machines: `--set train.device=cuda` runs it on a GPU,
   `--torchrun N` launches every training under torchrun with N processes, `--budgets` and `--set model.d_model=…`
   change the scale.
@@ -82,12 +84,12 @@ def training_flops(config) -> float:
 def read_off(standard: pd.DataFrame, loss: float, compute: float) -> tuple[float, bool]:
     """(multiplier C*/C, whether `loss` lies outside the standard losses' range) from one seed's standard runs
     (columns compute, loss; compute in any one unit): the standard loss interpolated linearly in log compute between
-    the two budgets whose losses bracket `loss` (outside them, extrapolated from the end segment). NaN when the
-    standard losses do not fall as compute grows (no read-off)."""
+    the two budgets whose losses bracket `loss` (outside them, extrapolated from the end segment). (NaN, False) when
+    the standard losses do not fall as compute grows: no read-off, so nothing extrapolated."""
     ordered = standard.sort_values("compute")
     log_compute, losses = np.log(ordered["compute"].to_numpy()), ordered["loss"].to_numpy()
     if not (np.diff(losses) < 0).all():
-        return float("nan"), True
+        return float("nan"), False
     # the segment [i, i + 1] with losses[i + 1] <= loss < losses[i] (the end one when outside)
     i = int(np.clip(np.searchsorted(-losses, -loss) - 1, 0, len(losses) - 2))
     slope = (log_compute[i + 1] - log_compute[i]) / (losses[i + 1] - losses[i])
@@ -136,8 +138,7 @@ def jobs_for(args: argparse.Namespace) -> list[Job]:
 def torchrun_command(job: Job, processes: int) -> list[str]:
     """The command that trains `job` under `torchrun --nproc-per-node processes` with the settings a worker process
     gives it (`common._run_job`: the job's seed settings, then its overrides; torch's threads left to each rank), or
-    resumes it from its latest checkpoint. A run that crashed before its first checkpoint is removed to start over,
-    as a worker does."""
+    resumes it from its latest checkpoint."""
     from attnres_lens.rundir import RunDir
 
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(processes)]
@@ -145,19 +146,22 @@ def torchrun_command(job: Job, processes: int) -> list[str]:
     run_dir = RunDir(job.out)
     if run_dir.holds_run() and run_dir.read_index().latest is not None:
         return [*cli, "--resume", str(job.out)]
-    if run_dir.holds_run():
-        shutil.rmtree(job.out)
     settings = [*job.seed_overrides(), *job.overrides]
     return [*cli, "--preset", job.preset, "--out", str(job.out), *(a for s in settings for a in ("--set", s))]
 
 
 def run_under_torchrun(jobs: list[Job], processes: int) -> None:
-    """Each training in turn under torchrun with `processes` ranks (skipping complete runs, resuming partial ones)."""
-    from attnres_lens.rundir import run_is_complete
+    """Each training in turn under torchrun with `processes` ranks (skipping complete runs, resuming partial ones; a
+    run that crashed before its first checkpoint is removed to start over, as a worker does)."""
+    from attnres_lens.rundir import RunDir, run_is_complete
 
     for job in jobs:
-        if not run_is_complete(job.out):
-            subprocess.run(torchrun_command(job, processes), check=True)
+        if run_is_complete(job.out):
+            continue
+        run_dir = RunDir(job.out)
+        if run_dir.holds_run() and run_dir.read_index().latest is None:
+            shutil.rmtree(job.out)
+        subprocess.run(torchrun_command(job, processes), check=True)
 
 
 def measure(jobs: list[Job]) -> pd.DataFrame:
@@ -190,7 +194,7 @@ def multipliers(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-PAPER_MULTIPLIER = 1.25  # the AttnRes paper's headline for Block AttnRes
+PAPER_MULTIPLIER = {"block": 1.25}  # the AttnRes paper's headline, for Block AttnRes
 
 
 def same_budget_differences(runs: pd.DataFrame, budget: int) -> dict[str, dict[str, float]]:
@@ -220,15 +224,16 @@ def report(runs: pd.DataFrame, per_seed: pd.DataFrame, summary: dict, control: d
         "## Result",
         "",
         "| variant | multiplier (geometric mean) | 95% interval | seeds | extrapolated seeds | against 1 | "
-        f"against the paper's {PAPER_MULTIPLIER}× |",
+        "against the paper's multiplier |",
         "|---|---|---|---|---|---|---|",
     ]
     for variant, values in summary.items():
         extrapolated = int(per_seed[per_seed["variant"] == variant]["extrapolated"].sum())
-        against = [separates(values["low"], values["high"], value) for value in (1.0, PAPER_MULTIPLIER)]
+        paper = PAPER_MULTIPLIER.get(variant)
+        against_paper = f"{separates(values['low'], values['high'], paper)} {paper}×" if paper else "— (none given)"
         lines.append(
             f"| {variant} | {values['mean']:.3f} | {values['low']:.3f} – {values['high']:.3f} | {values['seeds']} | "
-            f"{extrapolated} | {against[0]} | {against[1]} |"
+            f"{extrapolated} | {separates(values['low'], values['high'], 1.0)} | {against_paper} |"
         )
     lines += [
         "",
@@ -276,8 +281,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", type=Path, default=REPO / "analyses" / "reports" / "compute_multiplier.md")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    if len(args.budgets) < 2 or min(args.budgets) < 1:
-        parser.error(f"--budgets needs at least two positive step counts to interpolate between, got {args.budgets}")
+    if len(set(args.budgets)) < 2 or min(args.budgets) < 1:
+        parser.error(
+            f"--budgets needs at least two different positive step counts to interpolate between, got {args.budgets}"
+        )
     jobs = jobs_for(args)
     from attnres_lens.config import apply_overrides
     from attnres_lens.presets import get_preset

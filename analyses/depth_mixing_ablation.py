@@ -230,7 +230,7 @@ def detectable_effect(n: int, alpha: float, power: float) -> float:
     low, high = 0.0, 1.0
     while paired_t_power(high, n, alpha) < power:
         low, high = high, 2 * high
-    for _ in range(60):  # to ~1e-18 of the effect: far below the SD's own uncertainty
+    for _ in range(60):  # far below the integral's own accuracy
         middle = (low + high) / 2
         low, high = (middle, high) if paired_t_power(middle, n, alpha) < power else (low, middle)
     return (low + high) / 2
@@ -509,25 +509,38 @@ def interval(row: pd.Series) -> str:
     return f"{row['mean']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}]{mark}"
 
 
+# The paper's losses have three decimals, so a difference of two of them is known to about ±0.001: no sign there.
+PAPER_ROUNDING = 0.001
+
+
 def paper_gap(comparison: str) -> float:
     """The paper's Table 4 difference for a comparison named 'variant − base'."""
     variant, base = comparison.split(" − ")
     return PAPER_LOSS[variant] - PAPER_LOSS[base]
 
 
+def gap_drift(per_run: pd.DataFrame, variants: Sequence[str]) -> dict[str, list[float]]:
+    """Per comparison and seed, how far the gap moved over the last fifth: the gap at its end minus the gap at its
+    start, which is the base's last-fifth drop minus the variant's."""
+    drops = comparisons(per_run, variants, "last_fifth_drop")  # the variant's drop − the base's
+    return {key: [-difference for difference in values] for key, values in drops.items()}
+
+
 def comparison_table(tests: pd.DataFrame, drift: Mapping[str, Sequence[float]], n: int) -> pd.DataFrame:
     """Per comparison: its test, its own minimal detectable difference at the first and last Holm levels, how far
-    the gap moved over the last fifth (mean over seeds: gap at the end − gap at the start of the last fifth), the
-    paper's gap and what the study says about it."""
+    the gap moved over the last fifth (mean over seeds), the paper's gap, whether that gap reaches the first-level
+    MDD, and what the study resolved."""
     m = len(tests)
     rows = []
     for r in tests.itertuples():
         first = minimal_detectable_difference(r.sd, n, ALPHA / m)
         gap = paper_gap(r.comparison)
-        if r.rejected:
-            verdict = "resolved, " + ("same sign as the paper" if r.mean * gap > 0 else "opposite sign to the paper")
+        if not r.rejected:
+            verdict = "not resolved"
+        elif abs(gap) <= PAPER_ROUNDING:
+            verdict = "resolved; the paper's gap is ≈ 0"
         else:
-            verdict = "not resolved; the paper's gap is " + ("within reach" if abs(gap) >= first else "below it")
+            verdict = "resolved, " + ("same sign as the paper" if r.mean * gap > 0 else "opposite sign to the paper")
         rows.append(
             {
                 "comparison": r.comparison,
@@ -540,6 +553,7 @@ def comparison_table(tests: pd.DataFrame, drift: Mapping[str, Sequence[float]], 
                 "MDD at α": f"{minimal_detectable_difference(r.sd, n, ALPHA):.4f}",
                 "gap drift, last fifth": f"{statistics.fmean(drift[r.comparison]):+.4f}",
                 "paper Δ": f"{gap:+.3f}",
+                "paper Δ vs MDD": "within reach" if abs(gap) >= first else "below",
                 "verdict": verdict,
             }
         )
@@ -547,33 +561,50 @@ def comparison_table(tests: pd.DataFrame, drift: Mapping[str, Sequence[float]], 
 
 
 def paper_verdict(table: pd.DataFrame, m: int) -> str:
-    """Which of the paper's gaps this study can speak to, from the per-comparison verdicts."""
-    reach = table[table["verdict"].str.endswith("within reach")]["comparison"].tolist()
-    below = table[table["verdict"].str.endswith("below it")]
+    """Which of the paper's gaps this study could resolve, and how the resolved comparisons compare with the paper."""
+    below = table[table["paper Δ vs MDD"] == "below"]
+    missed = table[(table["paper Δ vs MDD"] == "within reach") & (table["verdict"] == "not resolved")]
     resolved = table[table["verdict"].str.startswith("resolved")]
-    against = resolved[resolved["verdict"].str.endswith("opposite sign to the paper")]["comparison"].tolist()
-    gaps = below["paper Δ"].astype(float).abs()
-    below_text = (
-        f"For {len(below)} of {len(table)} comparisons the paper's gap ({gaps.min():.3f}–{gaps.max():.3f} nats) is "
-        f"below the comparison's own minimal detectable difference at α/{m} (MDD, from its paired SD): "
-        + ("**the paper's gaps are beyond this study's resolution**" if len(below) == len(table) else "beyond reach")
-        + "; agreement or disagreement with the paper there cannot be read off here."
-        if len(below)
-        else "Every comparison's paper gap is at or above its minimal detectable difference at the first Holm level."
-    )
-    parts = [below_text]
-    if reach:
-        parts.append(f"Not resolved although the paper's gap is within reach: {', '.join(reach)}.")
-    if len(resolved):
+    parts = []
+    if len(below):
+        gaps = below["paper Δ"].astype(float).abs()
+        every = len(below) == len(table)
         parts.append(
-            f"Of the {len(resolved)} resolved, {len(resolved) - len(against)} have the paper's sign"
-            + (f"; against it: {', '.join(against)}." if against else ".")
+            f"For {len(below)} of {len(table)} comparisons the paper's gap ({gaps.min():.3f}–{gaps.max():.3f} nats) is "
+            f"below the comparison's own minimal detectable difference at α/{m} (MDD, from its paired SD): "
+            + ("**the paper's gaps are beyond this study's resolution**" if every else "beyond this study's resolution")
+            + ", so where this study resolves one of those gaps it measured a larger gap than the paper's, and where it "
+            "does not, agreement or disagreement with the paper cannot be read off here."
         )
+    else:
+        parts.append(f"Every paper gap reaches its comparison's minimal detectable difference at α/{m}.")
+    if len(missed):
+        parts.append(f"Not resolved although the paper's gap is within reach: {', '.join(missed['comparison'])}.")
+    for verdict, label in (
+        ("resolved, same sign as the paper", "with the paper's sign"),
+        ("resolved, opposite sign to the paper", "against the paper's sign"),
+        ("resolved; the paper's gap is ≈ 0", f"where the paper's gap is within its rounding (±{PAPER_ROUNDING})"),
+    ):
+        names = resolved[resolved["verdict"] == verdict]["comparison"].tolist()
+        if names:
+            parts.append(f"Resolved {label}: {', '.join(names)}.")
     parts.append(
         "Each MDD takes the comparison's SD as known, though it is estimated on n − 1 degrees of freedom, so the "
         "line between reach and not is itself uncertain."
     )
     return " ".join(parts)
+
+
+def normality_note(n: int, m: int) -> str:
+    """Why the check of the t test's normality is by eye, when no sign-flip test could replace it at n seeds."""
+    smallest = 2 / 2**n  # a sign-flip test's smallest two-sided p: every difference of one sign
+    if smallest <= ALPHA / m:
+        return ""
+    return (
+        f"; with {n} seeds no sign-flip or rank test could stand in for it at the first Holm level (its smallest "
+        f"two-sided p is 2/2^{n} = {smallest:.3g}, against α/{m} = {ALPHA / m:.3g}), so a split between seeds is for "
+        "the eye"
+    )
 
 
 def report(
@@ -610,8 +641,7 @@ def report(
             f"{cells[0]} | {cells[1]} | {PAPER_LOSS[name]:.3f} | {ratios[name]:.2f}× |"
         )
     resolved = tests[tests["rejected"]]
-    # gap at the end − gap at the start of the last fifth = the base's drop − the variant's
-    drift = {key: [-d for d in values] for key, values in comparisons(per_run, variants, "last_fifth_drop").items()}
+    drift = gap_drift(per_run, variants)
     table = comparison_table(tests, drift, n)
     drifts = [statistics.fmean(values) for values in drift.values()]
     multi_head = (
@@ -658,9 +688,8 @@ that trained them.
   machine makes these rough).
 * **What it cannot say**: anything at the paper's scale (16 layers, billions of tokens); gaps below the minimal
   detectable difference; converged losses (the runs still descend at the end of the budget, and the gaps drift
-  with them). The paired t assumes roughly normal per-seed differences; with {n} seeds no sign-flip or rank test
-  could stand in for it at the first Holm level (its smallest two-sided p is 2/2^{n} = {2 / 2**n:.3g}, against
-  α/{m} = {ALPHA / m:.3g}), so a split between seeds is for the eye: the per-seed scores are in the CSV.
+  with them). The paired t assumes roughly normal per-seed differences{normality_note(n, m)}: the per-seed scores
+  are in the CSV.
 
 ## Results
 

@@ -1,4 +1,4 @@
-"""Depth patterns on real text: which of the AttnRes paper's Figure 8 observations hold (issue 40 item 2).
+"""Depth patterns on real text: on which side of the AttnRes paper's Figure 8 claims the seeds fall (issue 40).
 
 Design, stated before any result:
 

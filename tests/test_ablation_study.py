@@ -264,11 +264,12 @@ def test_the_minimal_detectable_difference_exceeds_the_shortcut_and_meets_the_no
 
 
 def test_each_comparison_is_judged_against_the_papers_gap():
-    """Resolved gaps are checked for the paper's sign; unresolved ones say whether the paper's gap was within the
-    comparison's own minimal detectable difference."""
+    """Every comparison says whether the paper's gap reaches its own minimal detectable difference, resolved or not;
+    resolved ones are checked for the paper's sign, except where the paper's gap is within its rounding."""
     differences = {
         "depth-full − depth-standard": [-0.30, -0.31, -0.29, -0.30, -0.32],  # paper −0.029: same sign
         "depth-full-window8 − depth-full": [-0.05, -0.051, -0.049, -0.05, -0.052],  # paper +0.027: opposite
+        "depth-denseformer − depth-standard": [0.20, 0.21, 0.19, 0.20, 0.22],  # paper +0.001: no sign there
         "depth-mhc − depth-standard": [0.1, -0.1, 0.05, -0.05, 0.0],  # paper −0.019, far below an SD of 0.08
         "depth-full-input-query − depth-standard": [0.001, -0.001, 0.0005, -0.0005, 0.0],  # paper −0.035: in reach
     }
@@ -278,14 +279,47 @@ def test_each_comparison_is_judged_against_the_papers_gap():
     assert table["verdict"].to_dict() == {
         "depth-full − depth-standard": "resolved, same sign as the paper",
         "depth-full-window8 − depth-full": "resolved, opposite sign to the paper",
-        "depth-mhc − depth-standard": "not resolved; the paper's gap is below it",
-        "depth-full-input-query − depth-standard": "not resolved; the paper's gap is within reach",
+        "depth-denseformer − depth-standard": "resolved; the paper's gap is ≈ 0",
+        "depth-mhc − depth-standard": "not resolved",
+        "depth-full-input-query − depth-standard": "not resolved",
+    }
+    # SDs 0.011 and 0.0011 for the first two: MDDs at α/5 far above their paper gaps (0.029, 0.027) and below
+    reach = table["paper Δ vs MDD"].to_dict()
+    assert reach == {
+        "depth-full − depth-standard": "below",
+        "depth-full-window8 − depth-full": "within reach",
+        "depth-denseformer − depth-standard": "below",
+        "depth-mhc − depth-standard": "below",
+        "depth-full-input-query − depth-standard": "within reach",
     }
     assert table.loc["depth-full − depth-standard", "paper Δ"] == "-0.029"
-    text = study.paper_verdict(table.reset_index(), 4)
-    assert "For 1 of 4 comparisons the paper's gap (0.019–0.019 nats)" in text
+    assert table.loc["depth-mhc − depth-standard", "gap drift, last fifth"] == "+0.0100"
+    text = study.paper_verdict(table.reset_index(), 5)
+    assert "For 3 of 5 comparisons the paper's gap (0.001–0.029 nats)" in text  # resolved ones counted too
     assert "within reach: depth-full-input-query − depth-standard." in text
-    assert "Of the 2 resolved, 1 have the paper's sign; against it: depth-full-window8 − depth-full." in text
+    assert "Resolved with the paper's sign: depth-full − depth-standard." in text
+    assert "Resolved against the paper's sign: depth-full-window8 − depth-full." in text
+    assert "within its rounding (±0.001): depth-denseformer − depth-standard." in text
+
+
+def test_the_gap_drift_is_the_bases_drop_minus_the_variants():
+    """Over the last fifth Full fell 0.05 and the standard model 0.02 (seed 0), 0.04 and 0.04 (seed 1): the Full −
+    standard gap moved by −0.03 and 0 (it widened in Full's favour on seed 0)."""
+    per_run = pd.DataFrame(
+        dict(
+            variant=["depth-standard", "depth-full", "depth-standard", "depth-full"],
+            seed=[0, 0, 1, 1],
+            last_fifth_drop=[0.02, 0.05, 0.04, 0.04],
+        )
+    )
+    drift = study.gap_drift(per_run, ["depth-standard", "depth-full"])
+    assert drift == {"depth-full − depth-standard": [pytest.approx(-0.03), pytest.approx(0.0)]}
+
+
+def test_the_normality_note_only_where_no_sign_flip_test_could_reach_the_first_holm_level():
+    assert "2/2^8 = 0.00781" in study.normality_note(8, 21)  # against α/21 = 0.00238
+    assert study.normality_note(10, 21) == ""  # 2/1024 = 0.00195 < 0.00238
+    assert study.normality_note(8, 5) == ""  # α/5 = 0.01
 
 
 def test_position_classes_by_hand():

@@ -32,7 +32,15 @@ def test_the_read_off_inverts_the_standard_line():
     rising = standard.assign(loss=standard["loss"][::-1].to_numpy())
     assert math.isnan(compute_multiplier.read_off(rising, 2.0, 200.0)[0])
     bumpy = standard.assign(loss=[3.0, 2.5, 2.6, 2.0])  # more compute, a higher loss once: no read-off
-    assert math.isnan(compute_multiplier.read_off(bumpy, 2.4, 200.0)[0])
+    value, extrapolated = compute_multiplier.read_off(bumpy, 2.4, 200.0)
+    assert math.isnan(value) and not extrapolated
+
+
+def test_the_compute_study_refuses_budgets_it_cannot_interpolate_between(capsys):
+    for budgets in (["300"], ["300", "300"], ["0", "300"]):
+        with pytest.raises(SystemExit):
+            compute_multiplier.main(["--budgets", *budgets])
+        assert f"got {[int(b) for b in budgets]}" in capsys.readouterr().err
 
 
 def test_the_read_off_is_local_so_a_standard_run_reads_one_on_a_curved_curve():
