@@ -153,10 +153,11 @@ def machine_info() -> str:
     )
 
 
-def provenance() -> str:
+def provenance(state: tuple[str, bool] | None = None) -> str:
     """When, at which commit and on what a report was made, for the reports that stay Markdown (benchmark rows
-    carry the same facts as fields, `analyses.benchmarks`)."""
-    commit, dirty = git_state()
+    carry the same facts as fields, `analyses.benchmarks`). `state`: the (commit, dirty) `git_state` gave when the
+    work started (default: now; a study that writes its own outputs before its report would count them as changes)."""
+    commit, dirty = state or git_state()
     return (
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC} at commit {commit[:7]}"
         f"{' with uncommitted changes' if dirty else ''} on {machine_info()}"

@@ -618,7 +618,7 @@ def report(
     timing: tuple[float, float, int],
     figures: tuple[Path, Path],
     rounds: int,
-    commit: str,
+    state: tuple[str, bool],
 ) -> str:
     """The Markdown report: the design first, then the scores, the paired comparisons and the figures.
     `timing`: minutes of run time summed over the runs, minutes of wall time in this invocation, runs it trained."""
@@ -652,7 +652,7 @@ def report(
     minutes, wall, trained = timing
     return f"""# Depth-mixing rules side by side (AttnRes paper Table 4, at CPU scale), paired by seed
 
-Generated {provenance()}, by `{command}`; its results rows are stamped with commit {commit[:12]} (this invocation's start).
+Generated {provenance(state)} (the code as this invocation started, which stamps its results rows), by `{command}`.
 Training took {minutes:.1f} min of run time summed over the {len(per_run)} runs (from each run's files: a resumed run
 counts from its last resume), {wall:.1f} min of wall time in this invocation, which trained {trained} of them. Runs
 reused from earlier invocations are checked against this design's configs (`check_design`), not against the code
@@ -802,7 +802,17 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     timing = (sum(training_minutes(job.out) for job in jobs), seconds / 60, trained)
     config = runs[STANDARD].config
     text = report(
-        per_run, tests, ratios, args.seeds, args.steps, config, command, timing, figures, args.timing_rounds, commit
+        per_run,
+        tests,
+        ratios,
+        args.seeds,
+        args.steps,
+        config,
+        command,
+        timing,
+        figures,
+        args.timing_rounds,
+        (commit, dirty),
     )
     text += class_report(per_run, by_class, position_classes(config.build_task().eval_batch(config.train.eval_size)))
     emit_report(text, args.report_dir / "depth_mixing_ablation.md")
