@@ -424,9 +424,11 @@ def mixing_figures(runs: dict, variants: list[str], report_dir: Path) -> tuple[P
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for name, frame in diagnostics.items():
+    colours = plt.get_cmap("tab20").colors  # twelve variants: the default cycle of ten would repeat two colours
+    for index, (name, frame) in enumerate(diagnostics.items()):
+        style = dict(color=colours[(2 * index) % 20 + index // 10], marker=".", label=name.removeprefix("depth-"))
         for ax, column in zip(axes, ["effective_sources", "max_weight", "embedding_mass"]):
-            ax.plot(frame["consumer"], frame[column], label=name.removeprefix("depth-"), marker=".")
+            ax.plot(frame["consumer"], frame[column], **style)
     for ax, title in zip(
         axes, ["effective number of outputs read (exp entropy)", "largest share (collapse)", "embedding's share"]
     ):
