@@ -7,7 +7,7 @@ sequences of each run's task:
 * `exact`: every source knocked out of every consumer on every sequence (`edge_knockouts(screen_fraction=1)`,
   which equals `causal_routing`);
 * `two-stage`: `edge_knockouts` as `attribute` runs it (a quarter of the sequences screened, the 20 largest
-  re-measured on all);
+  re-measured on all), at `attribute`'s default sample count and at 64 sequences;
 * `first-order sensitivity`: `edge_sensitivity`, one forward and backward pass.
 
 Each is scored against `exact` with `ranking_agreement` (Spearman, Pearson, top-10 recall), and timed in the same
@@ -25,6 +25,7 @@ import torch
 from analyses.common import REPO
 from attnres_lens.analysis import edge_knockouts, edge_sensitivity
 from attnres_lens.analysis.knockouts import REMEASURE, SCREEN_FRACTION, ranking_agreement
+from attnres_lens.analysis_options import ATTRIBUTE_SAMPLES
 from attnres_lens.rundir import load_run
 
 RUNS = ("depth-full-6l", "depth-block-6l", "shakespeare-block-6l")
@@ -81,6 +82,7 @@ def measure(run_name: str, samples: int) -> list[dict]:
 
 
 def run(repeats: int | None = None, tiny: bool = False) -> list[dict]:
-    """Agreement and cost on each of `RUNS` (`repeats` is not used: each measure runs once)."""
-    samples = 8 if tiny else 64
-    return [row for name in RUNS for row in measure(name, samples)]
+    """Agreement and cost on each of `RUNS`, at `attribute`'s default sample count and at 64 sequences (`repeats` is
+    not used: each measure runs once)."""
+    counts = (8,) if tiny else (ATTRIBUTE_SAMPLES, 64)
+    return [row for samples in counts for name in RUNS for row in measure(name, samples)]
