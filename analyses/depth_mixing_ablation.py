@@ -575,8 +575,8 @@ def paper_verdict(table: pd.DataFrame, m: int) -> str:
             f"For {len(below)} of {len(table)} comparisons the paper's gap ({gaps.min():.3f}–{gaps.max():.3f} nats) is "
             f"below the comparison's own minimal detectable difference at α/{m} (MDD, from its paired SD): "
             + ("**the paper's gaps are beyond this study's resolution**" if every else "beyond this study's resolution")
-            + ", so where this study resolves one of those gaps it measured a larger gap than the paper's, and where it "
-            "does not, agreement or disagreement with the paper cannot be read off here."
+            + "; where this study does not resolve one of those comparisons, agreement or disagreement with the paper "
+            "cannot be read off here."
         )
     else:
         parts.append(f"Every paper gap reaches its comparison's minimal detectable difference at α/{m}.")
@@ -590,11 +590,32 @@ def paper_verdict(table: pd.DataFrame, m: int) -> str:
         names = resolved[resolved["verdict"] == verdict]["comparison"].tolist()
         if names:
             parts.append(f"Resolved {label}: {', '.join(names)}.")
+    if len(resolved):
+        larger = (resolved["Δ"].astype(float).abs() > resolved["paper Δ"].astype(float).abs()).sum()
+        parts.append(
+            "Every resolved gap is larger than the paper's for the same comparison."
+            if larger == len(resolved)
+            else f"{larger} of the {len(resolved)} resolved gaps are larger than the paper's for the same comparison."
+        )
     parts.append(
         "Each MDD takes the comparison's SD as known, though it is estimated on n − 1 degrees of freedom, so the "
         "line between reach and not is itself uncertain."
     )
     return " ".join(parts)
+
+
+def narrowing(tests: pd.DataFrame, drift: Mapping[str, Sequence[float]]) -> str:
+    """Which way the resolved gaps drifted over the last fifth: towards 0 (narrowing) or away from it."""
+    resolved = tests[tests["rejected"]]
+    if resolved.empty:
+        return ""
+    narrowed = [r.comparison for r in resolved.itertuples() if r.mean * statistics.fmean(drift[r.comparison]) < 0]
+    widened = [name for name in resolved["comparison"] if name not in narrowed]
+    return (
+        f"{len(narrowed)} of the {len(resolved)} resolved gaps narrowed over it (drifted towards 0)"
+        + (f"; the others widened or held: {', '.join(widened)}" if widened else "")
+        + ", so a longer budget may leave them smaller (not measured)."
+    )
 
 
 def normality_note(n: int, m: int) -> str:
@@ -680,8 +701,9 @@ that trained them.
   {config.train.eval_every} steps) on {config.train.eval_size} fixed held-out sequences.
 * **Comparisons**: {m} paired differences (each variant − standard, each variant − Full; Full − standard once),
   paired t on {n - 1} degrees of freedom, Holm–Bonferroni over all {m} at α = {ALPHA}. Each interval is at its
-  comparison's Holm level (α/{m} for the most significant, up to α), so it excludes 0 exactly when Holm rejects
-  (* marks those); they are not simultaneous 95% intervals.
+  comparison's Holm level (α/{m} for the most significant, then α/{m - 1}, …; the comparisons Holm does not reject at
+  the level where it stopped), so it excludes 0 exactly when Holm rejects (* marks those); they are not simultaneous
+  95% intervals.
 * **Resolution**: with the median paired SD {median_sd:.4f} over {n} seeds, the minimal detectable difference
   (80% power, noncentral t, the SD taken as known) is {mdd_first:.4f} nats at the first Holm level (α/{m}) and
   {mdd_last:.4f} at the last (α); each comparison's own is in the per-comparison table.
@@ -706,7 +728,7 @@ lower loss than the base) [interval at the comparison's Holm level]; * = separat
 {len(resolved)} of {m} comparisons are resolved after Holm: {", ".join(resolved["comparison"]) or "none"}.
 
 Over the last fifth of training the gaps moved by {min(drifts):+.4f} to {max(drifts):+.4f} nats (mean over seeds;
-"gap drift" below): the scores are those of a {steps}-step budget, not of converged models.
+"gap drift" below). {narrowing(tests, drift)} The scores are those of a {steps}-step budget, not of converged models.
 
 {paper_verdict(table, m)}
 

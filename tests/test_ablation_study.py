@@ -300,6 +300,28 @@ def test_each_comparison_is_judged_against_the_papers_gap():
     assert "Resolved with the paper's sign: depth-full − depth-standard." in text
     assert "Resolved against the paper's sign: depth-full-window8 − depth-full." in text
     assert "within its rounding (±0.001): depth-denseformer − depth-standard." in text
+    assert "Every resolved gap is larger than the paper's for the same comparison." in text
+
+
+def test_the_drift_of_the_resolved_gaps_is_told_by_its_direction():
+    """A gap of −0.3 drifting +0.02 narrows; one of +0.2 drifting +0.01 widens; unresolved gaps are not counted."""
+    tests = study.holm_intervals(
+        {
+            "depth-full − depth-standard": [-0.30, -0.31, -0.29, -0.30, -0.32],
+            "depth-denseformer − depth-standard": [0.20, 0.21, 0.19, 0.20, 0.22],
+            "depth-mhc − depth-standard": [0.1, -0.1, 0.05, -0.05, 0.0],
+        }
+    )
+    drift = {
+        "depth-full − depth-standard": [0.02] * 5,
+        "depth-denseformer − depth-standard": [0.01] * 5,
+        "depth-mhc − depth-standard": [-0.05] * 5,
+    }
+    text = study.narrowing(tests, drift)
+    assert text.startswith(
+        "1 of the 2 resolved gaps narrowed over it (drifted towards 0); the others widened or held: "
+    )
+    assert text.split("held: ")[1].startswith("depth-denseformer − depth-standard,")
 
 
 def test_the_gap_drift_is_the_bases_drop_minus_the_variants():
