@@ -13,7 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from attnres_lens.rundir import RunDir, run_is_complete
+from attnres_lens.rundir import RunDir, load_run, run_is_complete
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -231,6 +231,21 @@ def markdown_table(frame: pd.DataFrame, digits: int = 3) -> str:
 
 
 DESIGN_MARK = "Design, stated before any result:"
+
+
+def warm_up_warning(runs: Iterable[Path]) -> str:
+    """A report's warning when any of its runs ended within its learning-rate warm-up (a smoke run's few steps): their
+    losses are still near the start, so whatever the report compares is noise. Empty otherwise."""
+    short = [(run, load_run(run, load_model=False).config.train) for run in runs]
+    short = [(run, train) for run, train in short if train.steps <= train.warmup_steps]
+    if not short:
+        return ""
+    run, train = short[0]
+    return (
+        f"**A smoke run, not a result**: {len(short)} run(s) ended within the learning-rate warm-up (e.g. {run.name}: "
+        f"{train.steps} steps, warm-up {train.warmup_steps}), so their losses are still near their start and every "
+        "comparison below is noise."
+    )
 
 
 def study_head(title: str, docstring: str, command: str) -> list[str]:

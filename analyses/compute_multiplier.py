@@ -49,7 +49,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analyses.common import REPO, Job, emit_report, git_state, markdown_table, run_jobs, study_head, training_minutes
+from analyses.common import (
+    REPO,
+    Job,
+    emit_report,
+    git_state,
+    markdown_table,
+    run_jobs,
+    study_head,
+    training_minutes,
+    warm_up_warning,
+)
 from analyses.depth_mixing_ablation import mean_ci, t95
 from analyses.results import RESULTS
 
@@ -216,9 +226,18 @@ def separates(low: float, high: float, value: float) -> str:
     return "above" if low > value else "below" if high < value else "includes"
 
 
-def report(runs: pd.DataFrame, per_seed: pd.DataFrame, summary: dict, control: dict, command: str, model: str) -> str:
+def report(
+    runs: pd.DataFrame,
+    per_seed: pd.DataFrame,
+    summary: dict,
+    control: dict,
+    command: str,
+    model: str,
+    warning: str = "",
+) -> str:
     lines = study_head("Compute multiplier on real text", __doc__ or "", command)
     lines += ["", f"Model trained: {model} (the design's model, with the command's `--set` overrides applied)."]
+    lines += ["", warning] if warning else []
     lines += [
         "",
         "## Result",
@@ -231,14 +250,19 @@ def report(runs: pd.DataFrame, per_seed: pd.DataFrame, summary: dict, control: d
         extrapolated = int(per_seed[per_seed["variant"] == variant]["extrapolated"].sum())
         paper = PAPER_MULTIPLIER.get(variant)
         against_paper = f"{separates(values['low'], values['high'], paper)} {paper}×" if paper else "— (none given)"
+        if values["seeds"] < 2:
+            against_paper = "no interval (fewer than 2 seeds)"
         lines.append(
             f"| {variant} | {values['mean']:.3f} | {values['low']:.3f} – {values['high']:.3f} | {values['seeds']} | "
-            f"{extrapolated} | {separates(values['low'], values['high'], 1.0)} | {against_paper} |"
+            f"{extrapolated} | {separates(values['low'], values['high'], 1.0) if values['seeds'] >= 2 else 'no interval'}"
+            f" | {against_paper} |"
         )
     lines += [
         "",
-        "'includes': the interval holds the value, so the study does not separate the multiplier from it (with fewer "
-        "than 2 seeds there is no interval).",
+        "A multiplier above 1: the standard model needs more compute than the variant to reach the variant's loss "
+        "(the variant is the more compute-efficient); below 1, less. 'above' / 'below': the whole interval lies above "
+        "or below the value; 'includes': it holds the value, so the study does not separate the multiplier from it; "
+        "with fewer than 2 seeds there is no interval.",
     ]
     if control:
         lines += [
@@ -251,7 +275,7 @@ def report(runs: pd.DataFrame, per_seed: pd.DataFrame, summary: dict, control: d
         for variant, values in control.items():
             lines.append(
                 f"| {variant} | {values['mean']:+.4f} | {values['low']:+.4f} – {values['high']:+.4f} | "
-                f"{values['seeds']} | {separates(values['low'], values['high'], 0.0)} |"
+                f"{values['seeds']} | {separates(values['low'], values['high'], 0.0) if values['seeds'] >= 2 else 'no interval'} |"
             )
     lines += [
         "",
@@ -277,9 +301,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--workers", type=int, default=2, help="training processes (one torch thread each)")
     parser.add_argument("--torchrun", type=int, metavar="N", help="train each run under torchrun with N processes")
-    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "compute_multiplier")
-    parser.add_argument("--report", type=Path, default=REPO / "analyses" / "reports" / "compute_multiplier.md")
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--runs-dir",
+        type=Path,
+        default=REPO / "runs" / "compute_multiplier",
+        help="where the runs are trained (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        default=REPO / "analyses" / "reports" / "compute_multiplier.md",
+        help="the report written (default: %(default)s, committed)",
+    )
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help="the results file the rows are appended to (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     if len(set(args.budgets)) < 2 or min(args.budgets) < 1:
         parser.error(
@@ -308,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = apply_overrides(get_preset(jobs[0].preset), list(jobs[0].overrides)).model
     model = f"{cfg.n_layers} layers, d_model {cfg.d_model}, d_mlp {cfg.d_mlp}, n_ctx {cfg.n_ctx}"
     control = same_budget_differences(runs, args.attnres_budget)
-    emit_report(report(runs, per_seed, summary, control, command, model), args.report)
+    warning = warm_up_warning(job.out for job in jobs)
+    emit_report(report(runs, per_seed, summary, control, command, model, warning), args.report)
     from analyses.benchmarks import record
 
     shape = (

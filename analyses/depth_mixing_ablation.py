@@ -53,7 +53,17 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import torch
 
-from analyses.common import REPO, Job, emit_report, git_state, markdown_table, provenance, run_jobs, training_minutes
+from analyses.common import (
+    REPO,
+    Job,
+    emit_report,
+    git_state,
+    markdown_table,
+    provenance,
+    run_jobs,
+    training_minutes,
+    warm_up_warning,
+)
 from analyses.results import RESULTS
 from attnres_lens.rundir import run_is_complete
 
@@ -502,7 +512,9 @@ def budget_note(steps: int) -> str:
     """How the default budget was chosen, and whether this invocation kept it."""
     if steps == DEFAULT_STEPS:
         return BUDGET_NOTE
-    return f"**Not the study's budget** (`--steps {steps}`; the default {DEFAULT_STEPS} was chosen so: {BUDGET_NOTE})"
+    return (
+        f"**Not the study's budget** (`--steps {steps}`). How the default of {DEFAULT_STEPS} was chosen: {BUDGET_NOTE}"
+    )
 
 
 def interval(row: pd.Series) -> str:
@@ -611,11 +623,12 @@ def narrowing(tests: pd.DataFrame, drift: Mapping[str, Sequence[float]]) -> str:
         return ""
     narrowed = [r.comparison for r in resolved.itertuples() if r.mean * statistics.fmean(drift[r.comparison]) < 0]
     widened = [name for name in resolved["comparison"] if name not in narrowed]
-    return (
-        f"{len(narrowed)} of the {len(resolved)} resolved gaps narrowed over it (drifted towards 0)"
-        + (f"; the others widened or held: {', '.join(widened)}" if widened else "")
-        + ", so a longer budget may leave them smaller (not measured)."
-    )
+    text = f"{len(narrowed)} of the {len(resolved)} resolved gaps narrowed over it (drifted towards 0)"
+    if narrowed:
+        text += ": a longer budget may leave those smaller (not measured)"
+    if widened:
+        text += f". Widened or held: {', '.join(widened)}"
+    return text + "."
 
 
 def normality_note(n: int, m: int) -> str:
@@ -642,6 +655,7 @@ def report(
     figures: tuple[Path, Path],
     rounds: int,
     state: tuple[str, bool],
+    warning: str = "",
 ) -> str:
     """The Markdown report: the design first, then the scores, the paired comparisons and the figures.
     `timing`: minutes of run time summed over the runs, minutes of wall time in this invocation, runs it trained."""
@@ -674,7 +688,7 @@ def report(
     )
     minutes, wall, trained = timing
     return f"""# Depth-mixing rules side by side (AttnRes paper Table 4, at CPU scale), paired by seed
-
+{chr(10) + warning + chr(10) if warning else ""}
 Generated {provenance(state)} (the code as this invocation started, which stamps its results rows), by `{command}`.
 Training took {minutes:.1f} min of run time summed over the {len(per_run)} runs (from each run's files: a resumed run
 counts from its last resume), {wall:.1f} min of wall time in this invocation, which trained {trained} of them. Runs
@@ -761,9 +775,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run"
     )
-    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "depth_mixing_ablation_paired")
-    parser.add_argument("--report-dir", type=Path, default=REPO / "analyses" / "reports")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="the results file the rows are appended to")
+    parser.add_argument(
+        "--runs-dir",
+        type=Path,
+        default=REPO / "runs" / "depth_mixing_ablation_paired",
+        help="where the runs are trained (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--report-dir",
+        type=Path,
+        default=REPO / "analyses" / "reports",
+        help="where the report, CSV and figures are written (default: %(default)s, committed)",
+    )
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help="the results file the rows are appended to (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     from attnres_lens.presets import DEPTH_MIXING_VARIANTS
 
@@ -837,6 +863,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         figures,
         args.timing_rounds,
         (commit, dirty),
+        warm_up_warning(job.out for job in jobs),
     )
     text += class_report(per_run, by_class, position_classes(config.build_task().eval_batch(config.train.eval_size)))
     emit_report(text, args.report_dir / "depth_mixing_ablation.md")

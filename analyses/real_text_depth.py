@@ -51,6 +51,7 @@ from analyses.common import (
     run_jobs,
     study_head,
     training_minutes,
+    warm_up_warning,
 )
 from analyses.results import RESULTS
 
@@ -149,7 +150,16 @@ def measure(jobs: list[Job], samples: int) -> tuple[pd.DataFrame, dict[str, pd.D
 
 def report(values: pd.DataFrame, tables: dict[str, pd.DataFrame], jobs: list[Job], samples: int, command: str) -> str:
     lines = study_head("Depth patterns on real text (AttnRes paper, Figure 8)", __doc__ or "", command)
+    from attnres_lens.rundir import load_run
+
+    config = load_run(jobs[0].out, load_model=False).config
+    cfg = config.model
     lines += [
+        "",
+        f"Model trained: {cfg.n_layers} layers ({cfg.n_sublayers} sublayers), d_model {cfg.d_model}, d_mlp "
+        f"{cfg.d_mlp}, n_ctx {cfg.n_ctx}, {config.train.steps} steps (the design's model, with the command's "
+        "`--set` overrides applied).",
+        *(["", warning] if (warning := warm_up_warning(job.out for job in jobs)) else []),
         "",
         f"Runs: {', '.join(f'{job.preset} seed {job.seed} ({training_minutes(job.out):.1f} min)' for job in jobs)}; "
         f"α averaged over {samples} held-out windows.",
@@ -166,7 +176,7 @@ def report(values: pd.DataFrame, tables: dict[str, pd.DataFrame], jobs: list[Job
             chosen = values[(values["preset"] == preset) & (values["statistic"] == statistic)].sort_values("seed")
             if chosen.empty:
                 continue
-            cells = " | ".join(f"{value:.3f}" for value in chosen["value"])
+            cells = " | ".join(f"{value:.3g}" for value in chosen["value"])
             ruling = verdict(list(chosen["value"]), CLAIMS[statistic]) if statistic in CLAIMS else "—"
             predicted = f"> {CLAIMS[statistic]:g}" if statistic in CLAIMS else "—"
             lines.append(f"| {statistic} | {predicted} | {preset} | {cells} | {ruling} |")
@@ -185,9 +195,21 @@ def main(argv: list[str] | None = None) -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run"
     )
     parser.add_argument("--workers", type=int, default=2, help="training processes (one torch thread each)")
-    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "real_text_depth")
-    parser.add_argument("--report", type=Path, default=REPO / "analyses" / "reports" / "real_text_depth.md")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="the results file the rows are appended to")
+    parser.add_argument(
+        "--runs-dir",
+        type=Path,
+        default=REPO / "runs" / "real_text_depth",
+        help="where the runs are trained (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        default=REPO / "analyses" / "reports" / "real_text_depth.md",
+        help="the report written (default: %(default)s, committed)",
+    )
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help="the results file the rows are appended to (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     overrides = (*FIXED_TASK, *((f"train.steps={args.steps}",) if args.steps else ()), *args.set)
     jobs = [Job(p, seed, args.runs_dir / f"{p}-s{seed}", overrides) for p in PRESETS for seed in args.seeds]

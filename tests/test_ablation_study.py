@@ -318,10 +318,15 @@ def test_the_drift_of_the_resolved_gaps_is_told_by_its_direction():
         "depth-mhc − depth-standard": [-0.05] * 5,
     }
     text = study.narrowing(tests, drift)
-    assert text.startswith(
-        "1 of the 2 resolved gaps narrowed over it (drifted towards 0); the others widened or held: "
+    assert text == (
+        "1 of the 2 resolved gaps narrowed over it (drifted towards 0): a longer budget may leave those smaller (not "
+        "measured). Widened or held: depth-denseformer − depth-standard."
     )
-    assert text.split("held: ")[1].startswith("depth-denseformer − depth-standard,")
+    away = {**drift, "depth-full − depth-standard": [-0.02] * 5}  # both resolved gaps now widen
+    assert study.narrowing(tests, away) == (
+        "0 of the 2 resolved gaps narrowed over it (drifted towards 0). Widened or held: depth-full − depth-standard, "
+        "depth-denseformer − depth-standard."
+    )
 
 
 def test_the_gap_drift_is_the_bases_drop_minus_the_variants():

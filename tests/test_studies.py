@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from analyses import compute_multiplier, real_text_depth
-from analyses.common import Job, _run_job
+from analyses.common import Job, _run_job, warm_up_warning
 from attnres_lens import load_run
 from attnres_lens.model import HookedTransformer
 from attnres_lens.presets import get_preset
@@ -178,3 +178,17 @@ def test_the_compute_study_trains_and_resumes_under_torchrun_as_a_worker_does(tm
         ours, theirs = (run.metrics.dropna(subset=["eval_loss"]).drop_duplicates("step") for run in (ranks, worker))
         assert ours["step"].tolist() == theirs["step"].tolist() == [0, 2, 4]
         assert ours["eval_loss"].to_numpy() == pytest.approx(theirs["eval_loss"].to_numpy(), rel=1e-5)
+
+
+def test_a_report_on_runs_that_ended_within_their_warm_up_says_it_is_a_smoke_run(tmp_path):
+    settings = (*compute_multiplier.FIXED_TASK, "train.eval_size=8", "train.record_size=4", *TINY)
+    short, long = (
+        Job(compute_multiplier.VARIANTS["standard"], 0, tmp_path / name, (*settings, *extra))
+        for name, extra in (("short", ("train.steps=2", "train.warmup_steps=5")), ("long", ("train.steps=2",)))
+    )
+    for job in (short, long):
+        _run_job(job)
+    assert warm_up_warning([long.out]) == ""  # TINY's warm-up is one step
+    warning = warm_up_warning([long.out, short.out])
+    assert warning.startswith("**A smoke run, not a result**: 1 run(s) ended within the learning-rate warm-up")
+    assert "(e.g. short: 2 steps, warm-up 5)" in warning
