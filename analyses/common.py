@@ -233,6 +233,31 @@ def markdown_table(frame: pd.DataFrame, digits: int = 3) -> str:
 DESIGN_MARK = "Design, stated before any result:"
 
 
+def add_study_options(parser: argparse.ArgumentParser, runs: str, report: str | None = None) -> None:
+    """The options every study takes: `--set` overrides for every run, `--workers`, `--runs-dir` (default
+    runs/`runs`), `--results`, and `--report` (default analyses/reports/`report`) unless `report` is None (a study
+    that writes a folder of outputs names its own option)."""
+    from analyses.results import RESULTS
+
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run"
+    )
+    parser.add_argument("--workers", type=int, default=2, help="training processes (one torch thread each)")
+    parser.add_argument(
+        "--runs-dir", type=Path, default=REPO / "runs" / runs, help="where the runs are trained (default: %(default)s)"
+    )
+    if report is not None:
+        parser.add_argument(
+            "--report",
+            type=Path,
+            default=REPO / "analyses" / "reports" / report,
+            help="the report written (default: %(default)s, committed)",
+        )
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help="the results file the rows are appended to (default: %(default)s)"
+    )
+
+
 def warm_up_warning(runs: Iterable[Path]) -> str:
     """A report's warning when any of its runs ended within its learning-rate warm-up (a smoke run's few steps): their
     losses are still near the start, so whatever the report compares is noise. Empty otherwise."""

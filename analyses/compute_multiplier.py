@@ -50,8 +50,8 @@ import numpy as np
 import pandas as pd
 
 from analyses.common import (
-    REPO,
     Job,
+    add_study_options,
     emit_report,
     git_state,
     markdown_table,
@@ -61,7 +61,6 @@ from analyses.common import (
     warm_up_warning,
 )
 from analyses.depth_mixing_ablation import mean_ci, t95
-from analyses.results import RESULTS
 
 VARIANTS = {"standard": "shakespeare-standard", "full": "shakespeare-full", "block": "shakespeare-block"}
 FIXED_TASK = ("task.seed=0",)
@@ -296,26 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[250, 500, 1000, 2000], help="standard runs' steps")
     parser.add_argument("--attnres-budget", type=int, default=1000, help="Full and Block AttnRes runs' steps")
     parser.add_argument("--eval-sequences", type=int, default=512, help="fixed held-out windows scored")
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run"
-    )
-    parser.add_argument("--workers", type=int, default=2, help="training processes (one torch thread each)")
     parser.add_argument("--torchrun", type=int, metavar="N", help="train each run under torchrun with N processes")
-    parser.add_argument(
-        "--runs-dir",
-        type=Path,
-        default=REPO / "runs" / "compute_multiplier",
-        help="where the runs are trained (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--report",
-        type=Path,
-        default=REPO / "analyses" / "reports" / "compute_multiplier.md",
-        help="the report written (default: %(default)s, committed)",
-    )
-    parser.add_argument(
-        "--results", type=Path, default=RESULTS, help="the results file the rows are appended to (default: %(default)s)"
-    )
+    add_study_options(parser, "compute_multiplier", "compute_multiplier.md")
     args = parser.parse_args(argv)
     if len(set(args.budgets)) < 2 or min(args.budgets) < 1:
         parser.error(

@@ -56,6 +56,7 @@ import torch
 from analyses.common import (
     REPO,
     Job,
+    add_study_options,
     emit_report,
     git_state,
     markdown_table,
@@ -64,7 +65,6 @@ from analyses.common import (
     training_minutes,
     warm_up_warning,
 )
-from analyses.results import RESULTS
 from attnres_lens.rundir import run_is_complete
 
 if TYPE_CHECKING:
@@ -770,25 +770,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help=f"steps of every run (default {DEFAULT_STEPS})"
     )
-    parser.add_argument("--workers", type=int, default=2, help="training processes (one torch thread each)")
     parser.add_argument("--timing-rounds", type=int, default=12, help="interleaved rounds of the step-time ratio")
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run"
-    )
-    parser.add_argument(
-        "--runs-dir",
-        type=Path,
-        default=REPO / "runs" / "depth_mixing_ablation_paired",
-        help="where the runs are trained (default: %(default)s)",
-    )
+    add_study_options(parser, "depth_mixing_ablation_paired")
     parser.add_argument(
         "--report-dir",
         type=Path,
         default=REPO / "analyses" / "reports",
         help="where the report, CSV and figures are written (default: %(default)s, committed)",
-    )
-    parser.add_argument(
-        "--results", type=Path, default=RESULTS, help="the results file the rows are appended to (default: %(default)s)"
     )
     args = parser.parse_args(argv)
     from attnres_lens.presets import DEPTH_MIXING_VARIANTS

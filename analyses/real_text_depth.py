@@ -37,14 +37,13 @@ import argparse
 import math
 import shlex
 import sys
-from pathlib import Path
 
 import pandas as pd
 import torch
 
 from analyses.common import (
-    REPO,
     Job,
+    add_study_options,
     emit_report,
     git_state,
     markdown_table,
@@ -53,7 +52,6 @@ from analyses.common import (
     training_minutes,
     warm_up_warning,
 )
-from analyses.results import RESULTS
 
 PRESETS = ("shakespeare-full", "shakespeare-block")
 FIXED_TASK = ("task.seed=0",)  # one task and one batch order for every seed: a seed varies the initialisation only
@@ -191,25 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, help="override the presets' step budget (a smoke run)")
     parser.add_argument("--samples", type=int, default=64, help="held-out windows α is averaged over")
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run"
-    )
-    parser.add_argument("--workers", type=int, default=2, help="training processes (one torch thread each)")
-    parser.add_argument(
-        "--runs-dir",
-        type=Path,
-        default=REPO / "runs" / "real_text_depth",
-        help="where the runs are trained (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--report",
-        type=Path,
-        default=REPO / "analyses" / "reports" / "real_text_depth.md",
-        help="the report written (default: %(default)s, committed)",
-    )
-    parser.add_argument(
-        "--results", type=Path, default=RESULTS, help="the results file the rows are appended to (default: %(default)s)"
-    )
+    add_study_options(parser, "real_text_depth", "real_text_depth.md")
     args = parser.parse_args(argv)
     overrides = (*FIXED_TASK, *((f"train.steps={args.steps}",) if args.steps else ()), *args.set)
     jobs = [Job(p, seed, args.runs_dir / f"{p}-s{seed}", overrides) for p in PRESETS for seed in args.seeds]
