@@ -52,6 +52,7 @@ from analyses.common import (
     training_minutes,
     warm_up_warning,
 )
+from attnres_lens.rundir import load_run
 
 PRESETS = ("shakespeare-full", "shakespeare-block")
 FIXED_TASK = ("task.seed=0",)  # one task and one batch order for every seed: a seed varies the initialisation only
@@ -129,8 +130,6 @@ def verdict(values: list[float], threshold: float) -> str:
 
 
 def measure(jobs: list[Job], samples: int) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
-    from attnres_lens.rundir import load_run
-
     rows, tables = [], {}
     for job in jobs:
         run = load_run(job.out)
@@ -148,16 +147,15 @@ def measure(jobs: list[Job], samples: int) -> tuple[pd.DataFrame, dict[str, pd.D
 
 def report(values: pd.DataFrame, tables: dict[str, pd.DataFrame], jobs: list[Job], samples: int, command: str) -> str:
     lines = study_head("Depth patterns on real text (AttnRes paper, Figure 8)", __doc__ or "", command)
-    from attnres_lens.rundir import load_run
-
     config = load_run(jobs[0].out, load_model=False).config
     cfg = config.model
+    warning = warm_up_warning(job.out for job in jobs)
     lines += [
         "",
         f"Model trained: {cfg.n_layers} layers ({cfg.n_sublayers} sublayers), d_model {cfg.d_model}, d_mlp "
         f"{cfg.d_mlp}, n_ctx {cfg.n_ctx}, {config.train.steps} steps (the design's model, with the command's "
         "`--set` overrides applied).",
-        *(["", warning] if (warning := warm_up_warning(job.out for job in jobs)) else []),
+        *(["", warning] if warning else []),
         "",
         f"Runs: {', '.join(f'{job.preset} seed {job.seed} ({training_minutes(job.out):.1f} min)' for job in jobs)}; "
         f"α averaged over {samples} held-out windows.",
